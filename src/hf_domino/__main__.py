@@ -1,0 +1,5 @@
+import sys
+
+from hf_domino.cli import main
+
+sys.exit(main())

