@@ -4,7 +4,8 @@ Importing this package registers `DominoConfig`/`DominoForSpeculation` with the 
 `generate(assistant_model=drafter)` hook (see `hf_domino.generation_domino`).
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+import transformers
+from transformers import AutoConfig, AutoModel
 
 from .configuration_domino import DominoConfig, default_target_layer_ids
 from .generation_domino import DominoCandidateGenerator, DominoGenerationStats, check_drafter_for_target
@@ -12,8 +13,9 @@ from .modeling_domino import DominoForSpeculation, TargetModules
 
 AutoConfig.register(DominoConfig.model_type, DominoConfig, exist_ok=True)
 AutoModel.register(DominoConfig, DominoForSpeculation, exist_ok=True)
-# pipeline("text-generation", assistant_model="path/to/drafter") loads the assistant through the task's Auto class.
-AutoModelForCausalLM.register(DominoConfig, DominoForSpeculation, exist_ok=True)
+# pipeline(..., assistant_model="path/to/drafter") resolves the assistant's class by looking the config's
+# `architectures` names up in the transformers namespace; expose ours there so a path string works too.
+transformers.DominoForSpeculation = DominoForSpeculation
 
 __version__ = "0.1.0"
 

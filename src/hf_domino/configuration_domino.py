@@ -28,11 +28,15 @@ FOREIGN_KEYS = ("architectures", "auto_map")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DFlash's layer choice: the middle layer for one draft layer, else evenly spaced from 1 to L - 3."""
+    """DFlash's layer choice: the middle layer for one draft layer, else evenly spaced from 1 to L - 3.
+
+    Targets shallower than 4 layers (tests, toys) get the ids clamped into range.
+    """
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
-    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    spaced = [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    return [min(max(i, 0), num_target_layers - 1) for i in spaced]
 
 
 def normalize_published_config(config_dict: dict[str, Any]) -> dict[str, Any]:
@@ -200,3 +204,6 @@ def _default_mask_token_id(text_config: PretrainedConfig) -> int:
 
 
 __all__ = ["DominoConfig", "default_target_layer_ids", "normalize_published_config"]
+
+# save_pretrained then writes this file next to the checkpoint and `auto_map` into config.json.
+DominoConfig.register_for_auto_class()

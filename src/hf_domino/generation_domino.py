@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 class DominoGenerationStats:
     """What one `generate()` call did with a drafter; read it from `drafter.last_generation_stats` afterwards.
 
-    `acceptance_lengths[i]` is the number of tokens the i-th drafting iteration added (accepted drafts plus the
-    target's own token), i.e. tokens per target forward. `timings` (seconds per iteration, only when
+    `acceptance_lengths[i]` is the number of tokens the i-th target forward after the prefill added (accepted drafts
+    plus the target's own token); `drafted[i]` how many drafts it verified. `timings` (seconds per iteration, only when
     `drafter.record_timings` is set) splits each cycle into `backbone`, `lm_head` (base logits of the draft block),
     `head` (the sequential rollout: Domino head and token picking) and `verify` (target forward and acceptance, timed
     from the end of drafting to the loop's next call).
@@ -154,6 +154,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         self.cache = DynamicCache()
         self.context_length = 0  # verified tokens whose features are in `self.cache`
         self.drafted_last = 0
+        self.prefill_done = False
         self.stats = DominoGenerationStats(timings={} if drafter.record_timings else None)
         drafter.last_generation_stats = self.stats
         self._clock = time.perf_counter()
@@ -188,9 +189,12 @@ class DominoCandidateGenerator(CandidateGenerator):
         return torch.cat([input_ids, draft_ids.to(input_ids.device)], dim=-1), draft_logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
-        if self.drafted_last > 0:
+        # Every target forward after the prefill counts, including the few with no drafts (next to max_length or a
+        # stop): the mean is then exactly generated tokens per decoding forward.
+        if self.prefill_done:
             self.stats.acceptance_lengths.append(int(num_matches) + 1)
             self.stats.drafted.append(self.drafted_last)
+        self.prefill_done = True
 
     # ------------------------------------------------------------------------------------------------------ steps
     def _new_context_features(

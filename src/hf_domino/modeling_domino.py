@@ -426,6 +426,8 @@ def _raise_on_loading_problems(info: dict, path) -> None:
         )
 
 
+# save_pretrained then writes this file (and the two it imports) next to the weights, with `auto_map` in config.json.
+DominoForSpeculation.register_for_auto_class("AutoModel")
 install_assisted_generation_hook()
 
 __all__ = ["DominoForSpeculation", "DominoPreTrainedModel", "TargetModules", "greedy_picker"]

@@ -1,0 +1,130 @@
+"""Tiny real models built from configs (no hub access), shared by the tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import hf_domino  # noqa: F401  (registers the Auto classes and the generate() hook)
+from hf_domino import DominoConfig, DominoForSpeculation
+
+# Tiny models gain nothing from intra-op threads, and the suite must not fight other jobs for the 2 cores.
+torch.set_num_threads(1)
+
+SPECIAL_TOKENS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
+MASK_TOKEN_ID = 3
+
+
+def tiny_target(
+    arch: str = "qwen3", vocab_size: int = 64, hidden_size: int = 32, num_layers: int = 4, seed: int = 0, **overrides
+):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        tie_word_embeddings=False,
+        **SPECIAL_TOKENS,
+    )
+    common.update(overrides)
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        raise ValueError(arch)
+    return model.eval()
+
+
+def tiny_drafter(
+    target,
+    *,
+    head: bool = True,
+    shift_label: bool | None = None,
+    block_size: int = 6,
+    num_layers: int = 2,
+    seed: int = 1,
+    **overrides,
+) -> DominoForSpeculation:
+    torch.manual_seed(seed)
+    config = DominoConfig.from_target(
+        target.config,
+        num_hidden_layers=num_layers,
+        block_size=block_size,
+        mask_token_id=overrides.pop("mask_token_id", MASK_TOKEN_ID),
+        with_domino_head=head,
+        shift_label=shift_label,
+        emb_dim=overrides.pop("emb_dim", 8),
+        gru_hidden_dim=overrides.pop("gru_hidden_dim", 16),
+        **overrides,
+    )
+    drafter = DominoForSpeculation(config).eval()
+    # post_init gives small weights; scale them up so the drafter's choices actually vary with its inputs.
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.5)
+    return drafter.to(target.dtype)
+
+
+# --------------------------------------------------------------------------------------------- controlled regimes
+def successor_target(arch: str = "qwen3", vocab_size: int = 32, step: int = 1):
+    """A real Qwen3/Llama model whose greedy next token is `(prev + step) % vocab`.
+
+    Attention and MLP outputs are zeroed so every hidden state is the (one-hot) embedding of the current token; the
+    LM head maps token t's direction to t + step.
+    """
+    target = tiny_target(arch, vocab_size=vocab_size, hidden_size=vocab_size, num_layers=2)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        target.model.embed_tokens.weight.copy_(10 * torch.eye(vocab_size))
+        target.model.norm.weight.fill_(1.0)
+        lm_head = torch.zeros(vocab_size, vocab_size)
+        for t in range(vocab_size):
+            lm_head[(t + step) % vocab_size, t] = 1.0
+        target.lm_head.weight.copy_(lm_head)
+    return target
+
+
+def forcing_drafter(target, next_token: list[int], *, block_size: int = 6, shift_label: bool = True):
+    """A Domino drafter whose drafts are `next_token[prev]` (prev = the block's previous realised token).
+
+    The backbone output is zeroed (final norm weight 0), so base logits vanish and the Domino head alone decides:
+    the GRU state becomes the one-hot of the last token read and `embed_proj` maps it to `next_token[token]`.
+    """
+    vocab_size = target.config.vocab_size
+    drafter = tiny_drafter(
+        target,
+        head=True,
+        shift_label=shift_label,
+        block_size=block_size,
+        emb_dim=vocab_size,
+        gru_hidden_dim=vocab_size,
+        pure_draft_prefix_len=0,
+    )
+    eye = torch.eye(vocab_size)
+    with torch.no_grad():
+        drafter.norm.weight.zero_()
+        w_ih = torch.zeros(3 * vocab_size, vocab_size)
+        w_ih[vocab_size : 2 * vocab_size] = -10.0  # update gate z ~ 0: the state is the new candidate n
+        w_ih[2 * vocab_size :] = eye  # n = tanh(10 * one_hot(token))
+        drafter.prefix_gru.weight_ih_l0.copy_(w_ih)
+        drafter.prefix_gru.weight_hh_l0.zero_()
+        drafter.embed_proj[0].weight.copy_(torch.cat([torch.zeros(vocab_size, vocab_size), 10 * eye], dim=1))
+        w2 = torch.zeros(vocab_size, vocab_size)
+        for t, nxt in enumerate(next_token):
+            w2[nxt, t] = 10.0
+        drafter.embed_proj[2].weight.copy_(w2)
+    return drafter
+
+
+@pytest.fixture(params=["qwen3", "llama"])
+def arch(request) -> str:
+    return request.param

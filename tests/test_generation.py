@@ -1,0 +1,442 @@
+"""generate() / pipeline() with a Domino drafter inside transformers' assisted-decoding loop: lossless and exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import MASK_TOKEN_ID, forcing_drafter, successor_target, tiny_drafter, tiny_target
+from reference_domino import draft_greedy
+from transformers import GenerationMixin, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from hf_domino import generation_domino
+
+VOCAB = 32
+
+
+def successor(step: int = 1) -> list[int]:
+    return [(t + step) % VOCAB for t in range(VOCAB)]
+
+
+def greedy(target, input_ids, **kwargs):
+    return target.generate(input_ids, do_sample=False, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------ greedy: token-identical
+@pytest.mark.parametrize(
+    "next_token, regime",
+    [
+        (successor(1), "full"),  # every draft accepted, plus the bonus token
+        ([(t + 1) % VOCAB if t % 5 else 0 for t in range(VOCAB)], "partial"),
+        (successor(2), "none"),
+    ],
+)
+@pytest.mark.parametrize("shift_label", [True, False])
+def test_greedy_identical_in_each_acceptance_regime(arch, next_token, regime, shift_label):
+    target = successor_target(arch, VOCAB)
+    drafter = forcing_drafter(target, next_token, block_size=6, shift_label=shift_label)
+    prompt = torch.tensor([[4, 9, 11]])
+    expected = greedy(target, prompt, max_new_tokens=23)
+    assert torch.equal(greedy(target, prompt, max_new_tokens=23, assistant_model=drafter), expected)
+    lengths = drafter.last_generation_stats.acceptance_lengths
+    drafts = drafter.config.num_drafts
+    if regime == "full":
+        assert max(lengths) == drafts + 1
+    elif regime == "none":
+        assert set(lengths) == {1}
+    else:
+        assert 1 < max(lengths) <= drafts
+    assert 1 + sum(lengths) == expected.shape[1] - prompt.shape[1]  # prefill token + one entry per forward
+
+
+def test_greedy_identical_random_models(arch):
+    target = tiny_target(arch)
+    for head in (True, False):
+        drafter = tiny_drafter(target, head=head)
+        for seed in range(3):
+            prompt = torch.randint(4, 64, (1, 5 + seed), generator=torch.Generator().manual_seed(seed))
+            assert torch.equal(
+                greedy(target, prompt, max_new_tokens=17, assistant_model=drafter),
+                greedy(target, prompt, max_new_tokens=17),
+            )
+
+
+def test_eos_inside_block_stops_like_target():
+    target = successor_target("qwen3", VOCAB)  # ... 29, 30, 31, 0, 1 (= EOS)
+    drafter = forcing_drafter(target, successor(1), block_size=8)
+    prompt = torch.tensor([[20, 27]])
+    expected = greedy(target, prompt, max_new_tokens=30)
+    assert expected[0, -1].item() == 1 and expected.shape[1] < 2 + 30
+    assert torch.equal(greedy(target, prompt, max_new_tokens=30, assistant_model=drafter), expected)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 7, 13])
+def test_max_new_tokens_below_and_off_block_multiples(max_new_tokens):
+    target = successor_target("llama", VOCAB)
+    drafter = forcing_drafter(target, successor(1), block_size=8)
+    prompt = torch.tensor([[4]])  # a one-token prompt
+    output = greedy(target, prompt, max_new_tokens=max_new_tokens, assistant_model=drafter)
+    assert torch.equal(output, greedy(target, prompt, max_new_tokens=max_new_tokens))
+    assert all(d <= max_new_tokens for d in drafter.last_generation_stats.drafted)
+
+
+def test_attention_mask_with_left_padding():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    prompt = torch.tensor([[0, 0, 7, 8, 9, 10]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    kwargs = dict(attention_mask=mask, max_new_tokens=12)
+    assert torch.equal(greedy(target, prompt, assistant_model=drafter, **kwargs), greedy(target, prompt, **kwargs))
+
+
+class CollectingStreamer(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.chunks.append("end")
+
+
+def test_streamer_receives_the_same_tokens():
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, successor(1))
+    prompt = torch.tensor([[4, 5]])
+    streamed, alone = CollectingStreamer(), CollectingStreamer()
+    output = greedy(target, prompt, max_new_tokens=15, assistant_model=drafter, streamer=streamed)
+    greedy(target, prompt, max_new_tokens=15, streamer=alone)
+    flat = lambda chunks: [t for c in chunks[1:-1] for t in c]  # noqa: E731  (skip the prompt and "end")
+    assert flat(streamed.chunks) == flat(alone.chunks) == output[0, 2:].tolist()
+    assert streamed.chunks[-1] == "end" and len(streamed.chunks) < len(alone.chunks)  # whole blocks per put
+
+
+def test_return_dict_with_scores_and_hidden_states():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    prompt = torch.tensor([[5, 6, 7]])
+    kwargs = dict(max_new_tokens=9, return_dict_in_generate=True, output_scores=True, output_hidden_states=True)
+    assisted = greedy(target, prompt, assistant_model=drafter, **kwargs)
+    alone = greedy(target, prompt, **kwargs)
+    assert torch.equal(assisted.sequences, alone.sequences)
+    assert len(assisted.scores) == len(alone.scores) == 9
+    for a, b in zip(assisted.scores, alone.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert len(assisted.hidden_states) == len(alone.hidden_states)
+
+
+def test_repetition_penalty_and_processors():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    prompt = torch.tensor([[5, 6, 7, 5, 6]])
+    kwargs = dict(max_new_tokens=15, repetition_penalty=1.5, no_repeat_ngram_size=3)
+    assert torch.equal(greedy(target, prompt, assistant_model=drafter, **kwargs), greedy(target, prompt, **kwargs))
+
+
+class StopAfterToken(StoppingCriteria):
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def test_custom_stopping_criteria_fire_inside_a_block():
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, successor(1), block_size=8)
+    prompt = torch.tensor([[4, 5]])
+    criteria = StoppingCriteriaList([StopAfterToken(9)])  # mid-block for a fully accepted block
+    expected = greedy(target, prompt, max_new_tokens=20, stopping_criteria=criteria)
+    assert expected[0, -1].item() == 9
+    assert torch.equal(
+        greedy(target, prompt, max_new_tokens=20, stopping_criteria=criteria, assistant_model=drafter), expected
+    )
+
+
+def letter_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    letters = [chr(ord("a") + i) for i in range(VOCAB - 4)]
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<mask>": 3} | {c: i + 4 for i, c in enumerate(letters)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one letter, one token
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+
+
+def test_stop_strings_inside_a_block():
+    tokenizer = letter_tokenizer()
+    target = successor_target("llama", VOCAB)  # emits consecutive letters
+    drafter = forcing_drafter(target, successor(1), block_size=10)
+    prompt = torch.tensor([[4, 5]])  # "ab"
+    kwargs = dict(max_new_tokens=20, stop_strings=["hi"], tokenizer=tokenizer)
+    expected = greedy(target, prompt, **kwargs)
+    assert tokenizer.decode(expected[0, -2:]) == "hi"
+    assert torch.equal(greedy(target, prompt, assistant_model=drafter, **kwargs), expected)
+
+
+# ---------------------------------------------------------------------------- drafts = the method, step by step
+@pytest.mark.parametrize("shift_label, pure_prefix", [(True, 1), (False, 0), (True, 3)])
+def test_drafted_tokens_match_independent_reference(arch, shift_label, pure_prefix):
+    """Reads the drafts from the target's verification inputs and recomputes each block from raw tensors."""
+    target = tiny_target(arch).double()
+    drafter = tiny_drafter(target, shift_label=shift_label, pure_draft_prefix_len=pure_prefix, block_size=5).double()
+    verify_inputs = []
+    handle = target.register_forward_pre_hook(
+        lambda module, args, kwargs: verify_inputs.append(kwargs["input_ids"].clone()), with_kwargs=True
+    )
+    prompt = torch.tensor([[5, 17, 9, 33]])
+    try:
+        output = greedy(target, prompt, max_new_tokens=20, assistant_model=drafter)
+    finally:
+        handle.remove()
+
+    tensors = {k: v for k, v in drafter.state_dict().items()}
+    config = drafter.config
+    cfg = dict(
+        layers=config.num_hidden_layers,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=config.rope_parameters["rope_theta"],
+        block_size=config.block_size,
+        shift_label=shift_label,
+        mask_token_id=MASK_TOKEN_ID,
+        pure_draft_prefix_len=pure_prefix,
+    )
+    embed, lm_head = target.model.embed_tokens.weight, target.lm_head.weight
+    sequence = output[0]
+    position = prompt.shape[1]  # length of the sequence before each verification's first token
+    checked = 0
+    for step_input in verify_inputs[1:]:
+        anchor_pos = position  # step_input = [anchor, drafts...]
+        with torch.no_grad():
+            hidden = target(sequence[None, :anchor_pos], output_hidden_states=True).hidden_states
+        features = torch.cat([hidden[i + 1][0] for i in config.target_layer_ids], dim=-1)
+        drafts = step_input[0, 1:].tolist()
+        expected = draft_greedy(tensors, cfg, embed, lm_head, features, int(sequence[anchor_pos]), len(drafts))
+        assert drafts == expected
+        checked += 1
+        accepted = drafter.last_generation_stats.acceptance_lengths[checked - 1]
+        position += accepted
+    assert checked == len(drafter.last_generation_stats.acceptance_lengths) > 2
+
+
+def test_head_switch_changes_drafts_not_output():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    prompt = torch.tensor([[5, 6, 7]])
+    with drafter.domino_head(False):
+        off = greedy(target, prompt, max_new_tokens=15, assistant_model=drafter)
+        assert not drafter.head_active
+    assert drafter.head_active
+    on = greedy(target, prompt, max_new_tokens=15, assistant_model=drafter)
+    assert torch.equal(on, off)
+    no_head = tiny_drafter(target, head=False)
+    with pytest.raises(ValueError, match="no Domino head"):
+        with no_head.domino_head(True):
+            pass
+
+
+def test_timings_are_recorded_on_request():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    drafter.record_timings = True
+    greedy(target, torch.tensor([[5, 6, 7]]), max_new_tokens=12, assistant_model=drafter)
+    stats = drafter.last_generation_stats
+    assert set(stats.timings) == {"backbone", "lm_head", "head", "verify"}
+    assert len(stats.timings["backbone"]) == len(stats.acceptance_lengths)
+    assert stats.mean_acceptance_length >= 1
+
+
+# -------------------------------------------------------------------------------------------- sampling: lossless
+def exact_sequence_distribution(target, prompt, num_new: int, logits_processor) -> dict[tuple, float]:
+    """P(continuation) under target-only sampling with the same processors, by enumeration."""
+    vocab = target.config.vocab_size
+    probs = {(): 1.0}
+    for _ in range(num_new):
+        prefixes = list(probs)
+        batch = torch.tensor([prompt + list(p) for p in prefixes])
+        with torch.no_grad():
+            logits = target(batch).logits[:, -1].float()
+        logits = logits_processor(batch, logits)
+        step = torch.softmax(logits, dim=-1)
+        probs = {p + (t,): probs[p] * step[i, t].item() for i, p in enumerate(prefixes) for t in range(vocab)}
+    return probs
+
+
+def chi_square_p_value(counts: dict[tuple, int], probs: dict[tuple, float], draws: int) -> float:
+    from scipy.stats import chi2
+
+    # Pool cells whose expected count is below 5 so the chi-square approximation holds.
+    observed, expected, pooled_o, pooled_e = [], [], 0, 0.0
+    for cell, p in probs.items():
+        if p * draws < 5:
+            pooled_o += counts.get(cell, 0)
+            pooled_e += p * draws
+        else:
+            observed.append(counts.get(cell, 0))
+            expected.append(p * draws)
+    if pooled_e > 0:
+        observed.append(pooled_o)
+        expected.append(pooled_e)
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    return float(chi2.sf(statistic, df=len(observed) - 1))
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=3)])
+def test_sampling_preserves_target_distribution(sampling):
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
+
+    vocab, num_new, draws = 5, 4, 2500
+    target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=3)
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    processors = LogitsProcessorList()
+    if sampling["temperature"] != 1.0:
+        processors.append(TemperatureLogitsWarper(sampling["temperature"]))
+    if "top_k" in sampling:
+        processors.append(TopKLogitsWarper(sampling["top_k"]))
+    prompt = [2, 4, 1]
+    probs = exact_sequence_distribution(target, prompt, num_new, processors)
+
+    torch.manual_seed(1234)
+    counts: dict[tuple, int] = {}
+    drafted = accepted = 0
+    for _ in range(draws):
+        out = target.generate(
+            torch.tensor([prompt]),
+            do_sample=True,
+            max_new_tokens=num_new,
+            assistant_model=drafter,
+            pad_token_id=0,
+            **sampling,
+        )
+        key = tuple(out[0, len(prompt) :].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        stats = drafter.last_generation_stats
+        drafted += sum(stats.drafted)
+        accepted += sum(stats.acceptance_lengths) - len(stats.acceptance_lengths)
+    assert 0 < accepted < drafted  # rejection sampling really ran, with both outcomes
+    assert chi_square_p_value(counts, probs, draws) > 1e-3
+    # The test can fail: the same draws are far from a wrong distribution (the untempered target).
+    if sampling["temperature"] != 1.0:
+        wrong = exact_sequence_distribution(target, prompt, num_new, LogitsProcessorList())
+        assert chi_square_p_value(counts, wrong, draws) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------------------ pipeline
+def test_pipeline_with_drafter_object_and_path(tmp_path):
+    from transformers import pipeline
+
+    tokenizer = letter_tokenizer()
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, successor(1))
+    generator = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter)
+    expected = pipeline("text-generation", model=target, tokenizer=tokenizer)("ab", max_new_tokens=8, do_sample=False)
+    assert generator("ab", max_new_tokens=8, do_sample=False) == expected
+    assert drafter.last_generation_stats.mean_acceptance_length > 2
+
+    drafter.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    by_path = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=str(tmp_path))
+    assert by_path("ab", max_new_tokens=8, do_sample=False) == expected
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+def test_errors_before_any_generation_work(monkeypatch):
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    forwards = []
+    monkeypatch.setattr(type(target), "__call__", lambda *a, **k: forwards.append(1), raising=False)
+    prompt = torch.tensor([[5, 6, 7]])
+    cases = [
+        (dict(input_ids=prompt.repeat(2, 1)), "batch size 1"),
+        (dict(input_ids=prompt, num_return_sequences=2, do_sample=True), "num_return_sequences"),
+        (dict(input_ids=prompt, cache_implementation="static"), "dynamic cache"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            target.generate(max_new_tokens=5, assistant_model=drafter, **kwargs)
+    assert forwards == []
+
+    other_vocab = tiny_target("qwen3", vocab_size=80)
+    with pytest.raises(ValueError, match="vocab_size"):
+        target.generate(prompt, assistant_model=tiny_drafter(other_vocab), max_new_tokens=3)
+    wider = tiny_target("qwen3", hidden_size=48)
+    with pytest.raises(ValueError, match="hidden_size"):
+        target.generate(prompt, assistant_model=tiny_drafter(wider), max_new_tokens=3)
+    deep = tiny_drafter(tiny_target("qwen3", num_layers=12), target_layer_ids=[2, 10])
+    with pytest.raises(ValueError, match="outside the target"):
+        target.generate(prompt, assistant_model=deep, max_new_tokens=3)
+    with pytest.raises(ValueError, match="speculation_type"):
+        target.generate(prompt, assistant_model=drafter, max_new_tokens=3, speculation_type="dflash")
+
+
+def test_target_without_hidden_states_is_refused():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    original_forward = type(target).forward
+
+    def forward_without_hidden_states(self, *args, **kwargs):
+        outputs = original_forward(self, *args, **kwargs)
+        outputs.hidden_states = None
+        return outputs
+
+    type(target).forward, restore = forward_without_hidden_states, original_forward
+    try:
+        with pytest.raises(ValueError, match="no hidden_states"):
+            target.generate(torch.tensor([[5, 6]]), assistant_model=drafter, max_new_tokens=5)
+    finally:
+        type(target).forward = restore
+
+
+def test_drafter_in_another_dtype_stays_lossless():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target).to(torch.bfloat16)
+    prompt = torch.tensor([[5, 6, 7]])
+    assert torch.equal(
+        greedy(target, prompt, max_new_tokens=12, assistant_model=drafter), greedy(target, prompt, max_new_tokens=12)
+    )
+
+
+# ----------------------------------------------------------------------------------------------- the hook itself
+def test_hook_is_idempotent_and_leaves_other_paths_alone(monkeypatch):
+    names = list(generation_domino._WRAPPERS)
+    before = {name: getattr(GenerationMixin, name) for name in names}
+    generation_domino.install_assisted_generation_hook()
+    assert {name: getattr(GenerationMixin, name) for name in names} == before
+    for name in names:
+        assert before[name].__domino_hook__ and before[name].__wrapped__ is not None
+
+    # Other generation paths call the untouched originals with the very same arguments.
+    target = tiny_target("qwen3")
+    assistant = tiny_target("qwen3", num_layers=1, seed=5)
+    prompt = torch.tensor([[5, 6, 7, 5, 6]])
+    calls = []
+    original = before["_get_candidate_generator"].__wrapped__
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs.get("assistant_model"))
+        return original(self, *args, **kwargs)
+
+    for kwargs in (dict(assistant_model=assistant), dict(prompt_lookup_num_tokens=3), {}):
+        with_hook = greedy(target, prompt, max_new_tokens=8, **kwargs)
+        monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", spy)
+        for name in ("_validate_generation_mode", "_assisted_decoding"):
+            monkeypatch.setattr(GenerationMixin, name, before[name].__wrapped__)
+        without_hook = greedy(target, prompt, max_new_tokens=8, **kwargs)
+        monkeypatch.undo()
+        assert torch.equal(with_hook, without_hook)
+    assert calls[0] is assistant and len(calls) == 2
+
+
+def test_hook_refuses_a_changed_transformers(monkeypatch):
+    def changed(self, generation_config, logits_processor):  # lost input_ids / model_kwargs / assistant_model
+        return None
+
+    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", changed)
+    with pytest.raises(ImportError, match="GenerationMixin._get_candidate_generator"):
+        generation_domino.install_assisted_generation_hook()
