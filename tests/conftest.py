@@ -66,7 +66,7 @@ def tiny_drafter(
     drafter = DominoForSpeculation(config).eval()
     # post_init gives small weights; scale them up so the drafter's choices actually vary with its inputs.
     with torch.no_grad():
-        for name, param in drafter.named_parameters():
+        for param in drafter.parameters():
             if param.dim() > 1:
                 param.normal_(0, 0.5)
     return drafter.to(target.dtype)

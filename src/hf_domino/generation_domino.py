@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import importlib
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -151,6 +152,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         self.model_kwargs_overrides = {
             "output_hidden_states": True if generation_config.output_hidden_states else layers
         }
+        self.fast_rollout = _select_fast_rollout(drafter, self.do_sample, logits_processor, target_modules)
         self.cache = DynamicCache()
         self.context_length = 0  # verified tokens whose features are in `self.cache`
         self.drafted_last = 0
@@ -233,6 +235,8 @@ class DominoCandidateGenerator(CandidateGenerator):
         self._tick("lm_head", True)
         if not drafter.head_active and self.logits_processor is None and not self.do_sample:
             return base_logits.argmax(dim=-1), base_logits  # nothing sequential left: vectorize
+        if self.fast_rollout is not None:
+            return self.fast_rollout(draft_hidden, base_logits, input_ids, self.target.embed_tokens.weight)
         return drafter.rollout(draft_hidden, base_logits, input_ids, self.target, self._pick)
 
     def _pick(self, logits: torch.Tensor, realised_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor]:
@@ -274,6 +278,29 @@ class DominoCandidateGenerator(CandidateGenerator):
         if record:
             self.stats.timings.setdefault(name, []).append(now - self._clock)
         self._clock = now
+
+
+def _select_fast_rollout(drafter, do_sample: bool, logits_processor, target_modules):
+    """The fused Triton/CUDA-graph head rollout of `hf_domino.triton_head` when it applies, else `None` (eager).
+
+    Imported by name rather than relatively: remote-code copies of this file must not depend on it, and without
+    `hf_domino` installed they simply use the eager rollout.
+    """
+    if drafter.rollout_mode == "eager" or not drafter.head_active:
+        return None
+    try:
+        triton_head = importlib.import_module("hf_domino.triton_head")
+    except ImportError:
+        return None
+    temperature, has_other_processors = triton_head.split_temperature(logits_processor)
+    return triton_head.select_rollout(
+        drafter,
+        do_sample=do_sample,
+        temperature=temperature,
+        has_other_processors=has_other_processors,
+        mode=drafter.rollout_mode,
+        target_embed_weight=target_modules.embed_tokens.weight,
+    )
 
 
 # -------------------------------------------------------------------------------------------------- generate() hook

@@ -214,6 +214,9 @@ class DominoForSpeculation(DominoPreTrainedModel):
         # Filled by every generate() call that uses this drafter; see `DominoGenerationStats`.
         self.last_generation_stats = None
         self.record_timings = False
+        # How generate() rolls the head out: "auto" (fused Triton + CUDA graph on CUDA when hf_domino.triton_head
+        # applies, else eager), "eager", "triton" or "triton+graph". See docs/fast_path.md.
+        self.rollout_mode = "auto"
         self.post_init()
 
     # ----------------------------------------------------------------------------------------------- run-time switches

@@ -1,0 +1,418 @@
+"""Tests of the fused Domino head (`hf_domino.triton_head`) against the eager PyTorch reference.
+
+Without a GPU the kernels run in Triton's CPU interpreter, which has to be switched on (`TRITON_INTERPRET=1`) before
+`triton` itself is imported: Triton's own helpers (`tl.argmax`, `tl.sigmoid`, ...) are `triton.jit` functions too, built
+for one mode when they are defined. In a normal run something may well have imported triton already, and the GPU tests
+need it compiled, so `test_interpreter_suite` re-runs this file in a child pytest with the variable set; there the
+`interp` tests run and the CUDA ones skip. To debug one of them directly:
+`TRITON_INTERPRET=1 pytest tests/test_triton_head.py -k <name>`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("triton")
+
+from hf_domino import DominoConfig, DominoForSpeculation, TargetModules  # noqa: E402
+from hf_domino import triton_head as compiled_head  # noqa: E402
+
+INTERPRETED = compiled_head.kernels_interpreted()
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or INTERPRETED, reason="needs a CUDA GPU and compiled (not interpreted) kernels"
+)
+
+HIDDEN, GRU, RANK, VOCAB = 32, 16, 8, 100  # VOCAB is deliberately not a multiple of any tile size
+
+
+@pytest.fixture
+def interp():
+    """`hf_domino.triton_head` with interpreted kernels: only in the child run of `test_interpreter_suite`."""
+    if not INTERPRETED:
+        pytest.skip("runs in test_interpreter_suite's child process (TRITON_INTERPRET=1)")
+    return compiled_head
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the child run")
+def test_interpreter_suite():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-W", "ignore"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    summary = result.stdout.strip().splitlines()[-1:] if result.stdout else []
+    assert result.returncode == 0, f"interpreter tests failed:\n{result.stdout[-6000:]}\n{result.stderr[-2000:]}"
+    assert "passed" in "".join(summary) and " error" not in "".join(summary), result.stdout[-2000:]
+
+
+def tiny_drafter(dtype: torch.dtype = torch.float32, pure_draft_prefix_len: int = 1, block_size: int = 5):
+    config = DominoConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=VOCAB,
+        num_target_layers=2,
+        target_layer_ids=[0],
+        mask_token_id=0,
+        projector_type="domino",
+        emb_dim=RANK,
+        gru_hidden_dim=GRU,
+        pure_draft_prefix_len=pure_draft_prefix_len,
+        block_size=block_size,
+        shift_label=True,
+    )
+    torch.manual_seed(0)
+    drafter = DominoForSpeculation(config).eval()
+    # Initialization-sized head weights barely move the logits; large ones make the correction decide tokens, which
+    # is what these tests must exercise.
+    with torch.no_grad():
+        for weight in [*drafter.prefix_gru.parameters(), *drafter.embed_proj.parameters()]:
+            weight.normal_(0.0, 0.5)
+    return drafter.to(dtype)
+
+
+def tiny_inputs(num_drafts: int, dtype: torch.dtype = torch.float32, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    embed = nn.Embedding(VOCAB, HIDDEN).to(dtype)
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(VOCAB, HIDDEN, generator=generator))
+    draft_hidden = torch.randn(1, num_drafts, HIDDEN, generator=generator).to(dtype)
+    base_logits = torch.randn(1, num_drafts, VOCAB, generator=generator)
+    anchor_ids = torch.tensor([[5, 17, 42]])
+    return embed, draft_hidden, base_logits, anchor_ids
+
+
+def top2_gap(logits: torch.Tensor) -> torch.Tensor:
+    top = logits.float().topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
+def forced_picker(tokens: torch.LongTensor, temperature: float | None):
+    """An eager picker replaying given tokens, to get the eager logits along the fused path's choices."""
+    position = iter(range(tokens.shape[1]))
+
+    def pick(logits: torch.Tensor, realised_ids: torch.LongTensor):
+        logits = logits.float() if temperature is None else logits.float() / temperature
+        return tokens[:, next(position)].reshape(1, 1), logits
+
+    return pick
+
+
+# ------------------------------------------------------------------------------------------------------ single kernels
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-6), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("zero_state", [True, False])
+def test_gru_cell_matches_nn_gru(interp, dtype, atol, zero_state):
+    torch.manual_seed(0)
+    gru = nn.GRU(HIDDEN, GRU, bias=False, batch_first=True).to(dtype)
+    embed = torch.randn(VOCAB, HIDDEN).to(dtype)
+    state = None if zero_state else torch.randn(GRU).to(dtype)
+    tokens = torch.tensor([3, 71])
+
+    fused = interp.gru_cell(embed, tokens, state, gru.weight_ih_l0.detach(), gru.weight_hh_l0.detach())
+    with torch.no_grad():
+        _, expected = gru(embed[71].reshape(1, 1, -1), None if state is None else state.reshape(1, 1, -1))
+    assert fused.dtype == dtype
+    torch.testing.assert_close(fused.float(), expected.reshape(-1).float(), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("block_v", [16, 64])  # 7 tiles with a ragged last one; 2 tiles
+def test_correction_and_argmax_match_eager(interp, dtype, atol, block_v):
+    torch.manual_seed(0)
+    embed_proj = nn.Sequential(
+        nn.Linear(HIDDEN + GRU, RANK, bias=False), nn.SiLU(), nn.Linear(RANK, VOCAB, bias=False)
+    )
+    embed_proj = embed_proj.to(dtype)
+    z, s = torch.randn(HIDDEN).to(dtype), torch.randn(GRU).to(dtype)
+    base = torch.randn(1, VOCAB) * 3
+    w1, w2 = embed_proj[0].weight.detach(), embed_proj[2].weight.detach()
+
+    projected = z.float() @ w1[:, :HIDDEN].float().t()
+    hidden = interp.correction_hidden(projected, s, w1, HIDDEN)
+    tokens, logits = interp.logits_pick(base, hidden[None], w2, block_v=block_v)
+    with torch.no_grad():
+        expected = base + embed_proj(torch.cat([z, s]))[None].float()
+
+    torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
+    if top2_gap(expected).item() > 2 * atol:
+        assert tokens.item() == expected.argmax(-1).item()
+
+
+def tied_logits() -> torch.Tensor:
+    base = torch.zeros(3, VOCAB)
+    base[0, [37, 81]] = 5.0  # tiles 2 and 5 of 16
+    base[1, [40, 41]] = 5.0  # inside one tile
+    base[2] = float("-inf")  # nothing finite: torch.argmax answers 0
+    return base
+
+
+def test_argmax_ties_go_to_the_lowest_index_across_tiles(interp):
+    # The interpreter's argmax always breaks ties to the left; `test_cuda_argmax_ties` checks the compiled kernels.
+    base = tied_logits()
+    tokens, logits = interp.logits_pick(base, block_v=16)
+    assert tokens.tolist() == base.argmax(-1).tolist() == [37, 40, 0]
+    assert torch.equal(logits, base)
+
+
+# ------------------------------------------------------------------------------------------------------ block rollout
+@pytest.mark.parametrize("pure_draft_prefix_len", [0, 1, 2])
+def test_fused_rollout_greedy_matches_eager(interp, pure_draft_prefix_len):
+    drafter = tiny_drafter(pure_draft_prefix_len=pure_draft_prefix_len)
+    embed, draft_hidden, base_logits, anchor_ids = tiny_inputs(drafter.config.num_drafts)
+    target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
+
+    draft_ids, logits = interp.fused_rollout(
+        drafter,
+        draft_hidden,
+        base_logits,
+        anchor_ids,
+        embed.weight,
+        pure_draft_prefix_len=pure_draft_prefix_len,
+        temperature=None,
+    )
+    with torch.no_grad():
+        expected_ids, expected_logits = drafter.rollout(draft_hidden, base_logits, anchor_ids, target)
+
+    assert draft_ids.shape == (1, drafter.config.num_drafts) and logits.dtype == torch.float32
+    assert torch.equal(draft_ids, expected_ids)
+    torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=0)
+    # The head must have mattered, or this test would not prove the correction is applied.
+    assert not torch.equal(draft_ids, base_logits.argmax(-1))
+
+
+def test_fused_rollout_without_head_is_base_argmax(interp):
+    drafter = tiny_drafter()
+    embed, draft_hidden, base_logits, anchor_ids = tiny_inputs(drafter.config.num_drafts)
+    with drafter.domino_head(False):
+        draft_ids, logits = interp.fused_rollout(
+            drafter, draft_hidden, base_logits, anchor_ids, embed.weight, pure_draft_prefix_len=1, temperature=None
+        )
+    assert torch.equal(draft_ids, base_logits.argmax(-1))
+    assert torch.equal(logits, base_logits)
+
+
+def test_fused_rollout_bf16_greedy_matches_eager_until_a_near_tie(interp):
+    drafter = tiny_drafter(torch.bfloat16)
+    embed, draft_hidden, base_logits, anchor_ids = tiny_inputs(drafter.config.num_drafts, torch.bfloat16)
+    target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
+    draft_ids, logits = interp.fused_rollout(
+        drafter, draft_hidden, base_logits, anchor_ids, embed.weight, pure_draft_prefix_len=1, temperature=None
+    )
+    # Replay the fused choices eagerly: every position is then compared on the same prefix.
+    with torch.no_grad():
+        _, expected = drafter.rollout(draft_hidden, base_logits, anchor_ids, target, forced_picker(draft_ids, None))
+    # bf16 rounding of the GRU state and of O(5) corrections, accumulated in a different order (and the interpreter
+    # rounds to bf16 by truncation).
+    atol, rtol = 0.1, 0.03
+    torch.testing.assert_close(logits, expected, atol=atol, rtol=rtol)
+    clear = top2_gap(expected) > 2 * (atol + rtol * expected.abs().amax(-1))
+    assert clear.any()
+    assert torch.equal(draft_ids[clear], expected.argmax(-1)[clear])
+
+
+def test_fused_rollout_sampling_returns_the_logits_it_drew_from(interp):
+    drafter = tiny_drafter()
+    embed, draft_hidden, base_logits, anchor_ids = tiny_inputs(drafter.config.num_drafts)
+    target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
+    temperature = 0.7
+    torch.manual_seed(123)
+    draft_ids, logits = interp.fused_rollout(
+        drafter, draft_hidden, base_logits, anchor_ids, embed.weight, pure_draft_prefix_len=1, temperature=temperature
+    )
+    with torch.no_grad():
+        _, expected = drafter.rollout(
+            draft_hidden, base_logits, anchor_ids, target, forced_picker(draft_ids, temperature)
+        )
+    # (base + correction) / temperature along the drafted path, as TemperatureLogitsWarper would produce it.
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+
+    torch.manual_seed(123)
+    again, _ = interp.fused_rollout(
+        drafter, draft_hidden, base_logits, anchor_ids, embed.weight, pure_draft_prefix_len=1, temperature=temperature
+    )
+    assert torch.equal(again, draft_ids), "torch.manual_seed must make sampled drafts reproducible"
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_sampled_tokens_follow_softmax_of_processed_logits(interp):
+    # 300 independent draws (one per row, each with its own Philox stream) from a 4-token vocabulary, through the
+    # correction. The seed is fixed, so the outcome is deterministic; the check is still a genuine goodness-of-fit
+    # test, and its power is checked against the distribution a missing temperature would give.
+    torch.manual_seed(0)
+    draws, vocab, rank, temperature = 300, 4, 8, 0.5
+    w2 = torch.randn(vocab, rank) * 0.3
+    hidden = torch.randn(1, rank).expand(draws, rank)  # the same position, repeated: stride-0 rows
+    base = torch.tensor([[1.0, 0.4, 0.0, -1.0]]).expand(draws, vocab)
+    tokens, logits = interp.logits_pick(base, hidden, w2, temperature=temperature, seed=2024)
+
+    unscaled = base[0] + w2 @ hidden[0]
+    torch.testing.assert_close(logits, (unscaled / temperature).expand(draws, vocab), atol=1e-6, rtol=0)
+    counts = torch.bincount(tokens, minlength=vocab).float()
+    critical = 16.27  # chi-square, 3 degrees of freedom, p = 0.001
+    assert chi_square(counts, torch.softmax(unscaled / temperature, -1)) < critical, counts
+    assert chi_square(counts, torch.softmax(unscaled, -1)) > critical, "the test cannot tell temperatures apart"
+
+
+# ---------------------------------------------------------------------------------------------------------- dispatch
+def test_select_rollout_modes(interp, monkeypatch):
+    monkeypatch.delenv(interp.MODE_ENV_VAR, raising=False)
+    drafter = tiny_drafter()
+    common = {"do_sample": False, "temperature": None, "has_other_processors": False}
+    assert interp.select_rollout(drafter, mode="eager", **common) is None
+    assert interp.select_rollout(drafter, **common) is None  # auto: eager off CUDA
+    assert isinstance(interp.select_rollout(drafter, mode="triton", **common), interp.TritonRollout)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        interp.select_rollout(drafter, mode="triton+graph", **common)
+    with pytest.raises(ValueError, match="logits processors"):
+        interp.select_rollout(drafter, mode="triton", **{**common, "has_other_processors": True})
+    with pytest.raises(ValueError, match="mode must be one of"):
+        interp.select_rollout(drafter, mode="fast", **common)
+
+    monkeypatch.setenv(interp.MODE_ENV_VAR, "triton")
+    assert isinstance(interp.select_rollout(drafter, **common), interp.TritonRollout)
+    assert interp.select_rollout(drafter, mode="eager", **common) is None  # an explicit mode beats the variable
+
+    rollout = interp.select_rollout(
+        drafter, mode="triton", do_sample=True, temperature=None, has_other_processors=False
+    )
+    assert rollout.temperature == 1.0
+
+
+@pytest.mark.skipif(compiled_head.kernels_interpreted(), reason="TRITON_INTERPRET=1 is set for the whole run")
+def test_forcing_triton_on_cpu_without_the_interpreter_raises():
+    drafter = tiny_drafter()
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        compiled_head.select_rollout(
+            drafter, do_sample=False, temperature=None, has_other_processors=False, mode="triton"
+        )
+
+
+def test_split_temperature():
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+    assert compiled_head.split_temperature(None) == (None, False)
+    assert compiled_head.split_temperature(LogitsProcessorList([TemperatureLogitsWarper(0.7)])) == (0.7, False)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(50)])
+    assert compiled_head.split_temperature(processors) == (0.7, True)
+
+
+# -------------------------------------------------------------------------------------------------------------- GPU
+def cuda_case(dtype: torch.dtype = torch.bfloat16):
+    drafter = tiny_drafter(dtype).cuda()
+    embed, draft_hidden, base_logits, anchor_ids = tiny_inputs(drafter.config.num_drafts, dtype)
+    return drafter, embed.cuda(), draft_hidden.cuda(), base_logits.cuda(), anchor_ids.cuda()
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_fused_rollout_matches_eager(dtype):
+    drafter, embed, draft_hidden, base_logits, anchor_ids = cuda_case(dtype)
+    target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
+    draft_ids, logits = compiled_head.fused_rollout(
+        drafter, draft_hidden, base_logits, anchor_ids, embed.weight, pure_draft_prefix_len=1, temperature=None
+    )
+    with torch.no_grad():
+        _, expected = drafter.rollout(draft_hidden, base_logits, anchor_ids, target, forced_picker(draft_ids, None))
+    atol, rtol = (1e-4, 0.0) if dtype == torch.float32 else (0.1, 0.03)
+    torch.testing.assert_close(logits, expected, atol=atol, rtol=rtol)
+    clear = top2_gap(expected) > 2 * (atol + rtol * expected.abs().amax(-1))
+    assert torch.equal(draft_ids[clear], expected.argmax(-1)[clear])
+
+
+@requires_cuda
+def test_cuda_argmax_ties():
+    base = tied_logits().cuda()
+    tokens, _ = compiled_head.logits_pick(base, block_v=16)
+    assert tokens.tolist() == base.argmax(-1).tolist() == [37, 40, 0]
+
+
+@requires_cuda
+def test_cuda_graph_runner_reuses_and_recaptures():
+    drafter, embed, draft_hidden, base_logits, anchor_ids = cuda_case(torch.float32)
+    runner = compiled_head.DominoHeadGraphRunner(drafter, temperature=None)
+
+    def fused(hidden=draft_hidden, base=base_logits):
+        return compiled_head.fused_rollout(
+            drafter, hidden, base, anchor_ids, embed.weight, pure_draft_prefix_len=1, temperature=None
+        )
+
+    first = runner(draft_hidden, base_logits, anchor_ids, embed.weight)
+    second = runner(draft_hidden, base_logits + 1.0, anchor_ids, embed.weight)
+    assert runner.num_captures == 1
+    assert torch.equal(first[0], fused()[0]) and torch.equal(second[0], fused(base=base_logits + 1.0)[0])
+    assert not torch.equal(first[1], second[1]), "the first result must not alias the static buffers"
+
+    short = runner(draft_hidden[:, :3], base_logits[:, :3], anchor_ids, embed.weight)  # a block near max_length
+    assert runner.num_captures == 1 and short[0].shape == (1, 3)
+    torch.testing.assert_close(short[1], fused(draft_hidden[:, :3], base_logits[:, :3])[1])
+
+    with torch.no_grad():  # in place: same addresses, the graph sees the new values without re-capture
+        drafter.embed_proj[2].weight.mul_(-1.0)
+    flipped = runner(draft_hidden, base_logits, anchor_ids, embed.weight)
+    assert runner.num_captures == 1 and torch.equal(flipped[0], fused()[0])
+
+    with drafter.domino_head(False):
+        assert torch.equal(runner(draft_hidden, base_logits, anchor_ids, embed.weight)[0], base_logits.argmax(-1))
+    assert runner.num_captures == 2
+    drafter.to(torch.bfloat16)  # new weight tensors: must re-capture, not read freed memory
+    runner(draft_hidden.bfloat16(), base_logits, anchor_ids, embed.weight)
+    assert runner.num_captures == 3
+
+
+@requires_cuda
+def test_cuda_graph_runner_sampling_draws_fresh_noise():
+    drafter, embed, draft_hidden, base_logits, anchor_ids = cuda_case(torch.float32)
+    runner = compiled_head.DominoHeadGraphRunner(drafter, temperature=1.0)
+    flat = torch.zeros_like(base_logits)  # near-uniform drafts: repeated draws must differ
+    draws = {tuple(runner(draft_hidden, flat, anchor_ids, embed.weight)[0].tolist()[0]) for _ in range(8)}
+    assert len(draws) > 1 and runner.num_captures == 1
+
+
+@requires_cuda
+def test_cuda_greedy_generate_is_identical_with_and_without_the_fast_path(monkeypatch):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    calls = []
+    for cls in (compiled_head.DominoHeadGraphRunner, compiled_head.TritonRollout):
+        original = cls.__call__
+
+        def spy(self, *args, _original=original, **kwargs):
+            calls.append(type(self).__name__)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "__call__", spy)
+
+    torch.manual_seed(0)
+    target_config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    target = Qwen3ForCausalLM(target_config).cuda().eval()
+    drafter = tiny_drafter().cuda()
+    prompt = torch.tensor([[5, 17, 42, 8, 9]], device="cuda")
+    outputs = {}
+    for mode in ("eager", "triton", "triton+graph"):
+        monkeypatch.setenv(compiled_head.MODE_ENV_VAR, mode)
+        outputs[mode] = target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False)
+    plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    assert calls, "the candidate generator did not dispatch to select_rollout()'s fast path"
+    assert torch.equal(outputs["eager"], plain)
+    assert torch.equal(outputs["triton"], plain) and torch.equal(outputs["triton+graph"], plain)
