@@ -386,14 +386,17 @@ class DominoForSpeculation(DominoPreTrainedModel):
             kwargs["use_safetensors"] = True
             _refuse_pickle_only_folder(pretrained_model_name_or_path)
         return_loading_info = kwargs.pop("output_loading_info", False)
-        try:
-            model, info = super().from_pretrained(
-                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
-            )
-        except RuntimeError as error:
-            if "size mismatch" in str(error):
-                raise ValueError(f"Checkpoint tensors do not have the shapes this config implies: {error}") from error
-            raise
+        # Let mis-shaped tensors through to the loading report so that our error can name them.
+        strict_shapes = not kwargs.pop("ignore_mismatched_sizes", False)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path,
+            *model_args,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
+            **kwargs,
+        )
+        if not strict_shapes:
+            info = {**info, "mismatched_keys": []}
         _raise_on_loading_problems(info, pretrained_model_name_or_path)
         return (model, info) if return_loading_info else model
 

@@ -1,0 +1,322 @@
+"""DominoForSpeculation: published Domino/DFlash checkpoint folders, our own save format, remote code, model card."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_drafter, tiny_target
+from reference_domino import backbone, gru_cell, head_correction
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModel, Qwen3Config
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging as hf_logging
+
+from hf_domino import DominoConfig, DominoForSpeculation, TargetModules, default_target_layer_ids
+from hf_domino.export import export_drafter
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS, GRU, RANK = 32, 4, 2, 8, 48, 64, 2, 16, 8
+
+
+def published_config(domino: bool, layer_keys_at_top: bool = False) -> dict:
+    """A config.json shaped like the published Domino / DFlash ones (transformers-4 keys included)."""
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "hidden_size": HIDDEN,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "intermediate_size": FFN,
+        "num_hidden_layers": LAYERS,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000,
+        "rope_scaling": None,
+        "max_position_embeddings": 40960,
+        "vocab_size": VOCAB,
+        "layer_types": ["full_attention"] * LAYERS,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "use_cache": True,
+        "block_size": 16,
+        "num_target_layers": 36,
+        "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1, 17, 33]},
+    }
+    if layer_keys_at_top:
+        config.update(config.pop("dflash_config"))
+    if domino:
+        config.setdefault("dflash_config", {}).update(
+            projector_type="domino", emb_dim=RANK, gru_hidden_dim=GRU, pure_draft_prefix_len=1, shift_label=True
+        )
+    return config
+
+
+def published_tensors(domino: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator) * 0.3
+
+    tensors = {
+        "fc.weight": rand(HIDDEN, 3 * HIDDEN),
+        "hidden_norm.weight": 1 + rand(HIDDEN),
+        "norm.weight": 1 + rand(HIDDEN),
+    }
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM),
+            p + "self_attn.q_norm.weight": 1 + rand(HEAD_DIM),
+            p + "self_attn.k_norm.weight": 1 + rand(HEAD_DIM),
+            p + "mlp.gate_proj.weight": rand(FFN, HIDDEN),
+            p + "mlp.up_proj.weight": rand(FFN, HIDDEN),
+            p + "mlp.down_proj.weight": rand(HIDDEN, FFN),
+            p + "input_layernorm.weight": 1 + rand(HIDDEN),
+            p + "post_attention_layernorm.weight": 1 + rand(HIDDEN),
+        }
+    if domino:
+        tensors |= {
+            "prefix_gru.weight_ih_l0": rand(3 * GRU, HIDDEN),
+            "prefix_gru.weight_hh_l0": rand(3 * GRU, GRU),
+            "embed_proj.0.weight": rand(RANK, HIDDEN + GRU),
+            "embed_proj.2.weight": rand(VOCAB, RANK),
+        }
+    return tensors
+
+
+def write_folder(path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    return path
+
+
+def load_quietly(path, **kwargs) -> tuple[DominoForSpeculation, str, list]:
+    hf_logging.set_verbosity_warning()
+    logger = hf_logging.get_logger("transformers")
+    with CaptureLogger(logger) as captured, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = DominoForSpeculation.from_pretrained(path, **kwargs)
+    return (
+        model,
+        captured.out,
+        [w for w in caught if "hf_domino" in str(w.filename) or "transformers" in str(w.filename)],
+    )
+
+
+def reference_cfg(config: DominoConfig) -> dict:
+    return dict(
+        layers=config.num_hidden_layers,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=config.rope_parameters["rope_theta"],
+    )
+
+
+# ------------------------------------------------------------------------------------------- published formats
+@pytest.mark.parametrize("domino, top_level", [(True, False), (False, False), (False, True)])
+def test_published_folder_loads_without_warnings_and_matches_the_method(tmp_path, domino, top_level):
+    tensors = published_tensors(domino)
+    folder = write_folder(tmp_path / "published", published_config(domino, top_level), tensors)
+    drafter, log, warned = load_quietly(folder)
+    assert log == "" and warned == []
+    config = drafter.config
+    assert config.target_layer_ids == [1, 17, 33] and config.mask_token_id == 5 and config.block_size == 16
+    assert config.rope_parameters["rope_theta"] == 1000000  # transformers-4 `rope_theta` mapped
+    assert config.has_domino_head is domino and config.num_drafts == (16 if domino else 15)
+    assert config.architectures is None or "DFlashDraftModel" not in config.architectures
+
+    # Backbone: the model's forward (context of 7 tokens, block of 16) against the functional reference.
+    generator = torch.Generator().manual_seed(1)
+    context = torch.randn(7, 3 * HIDDEN, generator=generator)
+    block = torch.randn(16, HIDDEN, generator=generator)
+    positions = torch.arange(7 + 16)[None]
+    with torch.no_grad():
+        ours = drafter(block[None], context[None], positions)[0]
+    torch.testing.assert_close(ours, backbone(tensors, reference_cfg(config), block, context, start=7))
+
+    if domino:  # head: GRU steps and the logit correction
+        tokens = torch.randn(3, HIDDEN, generator=generator)
+        state = torch.zeros(GRU)
+        for token in tokens:
+            state = gru_cell(token, state, tensors["prefix_gru.weight_ih_l0"], tensors["prefix_gru.weight_hh_l0"])
+        with torch.no_grad():
+            model_state = drafter.gru_step(tokens[None], None)
+            correction = drafter.logit_correction(ours[None, 4:5], model_state)[0, 0]
+        torch.testing.assert_close(model_state[0, 0], state)
+        torch.testing.assert_close(correction, head_correction(tensors, ours[4], state))
+
+
+def test_default_layer_choice_is_dflash_spacing():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # the published Qwen3-8B Domino choice
+    assert default_target_layer_ids(36, 1) == [18]
+    target = tiny_target("llama", num_layers=12)
+    config = DominoConfig.from_target(target.config, num_hidden_layers=3)
+    assert config.target_layer_ids == default_target_layer_ids(12, 3) == [1, 5, 9]
+    assert (config.vocab_size, config.hidden_size, config.eos_token_id, config.pad_token_id) == (64, 32, 1, 0)
+    assert config.has_domino_head and config.shift_label and config.mask_token_id == 0  # pad token as mask
+
+
+# ------------------------------------------------------------------------------------------ our own save format
+def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    drafter.save_pretrained(tmp_path / "d")
+    files = sorted(p.name for p in (tmp_path / "d").iterdir())
+    assert files == [
+        "config.json",
+        "configuration_domino.py",
+        "generation_domino.py",
+        "model.safetensors",
+        "modeling_domino.py",
+    ]
+    with safe_open(str(tmp_path / "d" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert names == set(drafter.state_dict()) and "prefix_gru.weight_ih_l0" in names and "embed_proj.2.weight" in names
+    assert not any("rotary" in n or "embed_tokens" in n or "lm_head" in n for n in names)
+
+    saved = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert saved["auto_map"] == {
+        "AutoConfig": "configuration_domino.DominoConfig",
+        "AutoModel": "modeling_domino.DominoForSpeculation",
+    }
+    # The reference implementation reads a Qwen3Config with `dflash_config`, `block_size` and `num_target_layers`.
+    as_qwen3 = Qwen3Config.from_dict(saved)
+    assert as_qwen3.dflash_config["projector_type"] == "domino" and as_qwen3.block_size == drafter.config.block_size
+    assert as_qwen3.dflash_config["target_layer_ids"] == drafter.config.target_layer_ids
+
+    reloaded, log, _ = load_quietly(tmp_path / "d")
+    assert log == ""
+    modules = TargetModules.from_target(target)
+    features = torch.randn(1, 5, drafter.config.context_size)
+    with torch.no_grad():
+        a = drafter.draft_block(modules, torch.tensor([[7, 8]]), features, torch.arange(5 + 6)[None])
+        b = reloaded.draft_block(modules, torch.tensor([[7, 8]]), features, torch.arange(5 + 6)[None])
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert isinstance(AutoModel.from_pretrained(tmp_path / "d"), DominoForSpeculation)  # registered, no remote code
+    assert isinstance(AutoConfig.from_pretrained(tmp_path / "d"), DominoConfig)
+
+
+def test_remote_code_works_without_hf_domino(tmp_path):
+    target = tiny_target("qwen3")
+    target.save_pretrained(tmp_path / "target")
+    drafter = tiny_drafter(target)
+    export_drafter(drafter, tmp_path / "drafter", base_model="tiny/target")
+    expected = target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=10, do_sample=False)
+    script = textwrap.dedent(
+        f"""
+        import sys
+        class BlockHfDomino:
+            def find_spec(self, name, path=None, target=None):
+                if name == "hf_domino" or name.startswith("hf_domino."):
+                    raise ImportError("hf_domino is blocked in this test")
+        sys.meta_path.insert(0, BlockHfDomino())
+        import torch
+        from transformers import AutoModel, AutoModelForCausalLM
+        drafter = AutoModel.from_pretrained({str(tmp_path / "drafter")!r}, trust_remote_code=True)
+        target = AutoModelForCausalLM.from_pretrained({str(tmp_path / "target")!r})
+        assert type(drafter).__name__ == "DominoForSpeculation" and "hf_domino" not in sys.modules
+        out = target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=10, do_sample=False, assistant_model=drafter)
+        print("TOKENS", out[0].tolist(), len(drafter.last_generation_stats.acceptance_lengths))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("TOKENS"))
+    assert line.split(" ", 1)[1].startswith(str(expected[0].tolist()))
+
+
+# ----------------------------------------------------------------------------------------------- bad checkpoints
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda t: t.pop("prefix_gru.weight_hh_l0"), "missing tensors: .*prefix_gru.weight_hh_l0"),
+        (lambda t: t.update({"extra_head.weight": torch.zeros(2, 2)}), "unexpected tensors: .*extra_head.weight"),
+        (lambda t: t.update({"embed_proj.2.weight": torch.zeros(VOCAB, RANK + 1)}), "embed_proj.2.weight"),
+        (lambda t: t.update({"fc.weight": torch.zeros(HIDDEN, 2 * HIDDEN)}), "fc.weight"),
+    ],
+)
+def test_bad_checkpoints_fail_with_the_tensor_named(tmp_path, mutate, message):
+    tensors = published_tensors(True)
+    mutate(tensors)
+    folder = write_folder(tmp_path / "bad", published_config(True), tensors)
+    with pytest.raises(ValueError, match=message):
+        DominoForSpeculation.from_pretrained(folder)
+
+
+def test_pickle_weights_need_opt_in(tmp_path):
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(published_config(True)))
+    torch.save(published_tensors(True), folder / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="allow_pickle=True"):
+        DominoForSpeculation.from_pretrained(folder)
+    with pytest.raises(ValueError, match="allow_pickle=True"):
+        DominoForSpeculation.from_pretrained(folder, use_safetensors=False)
+    drafter = DominoForSpeculation.from_pretrained(folder, allow_pickle=True)
+    assert torch.equal(drafter.fc.weight, published_tensors(True)["fc.weight"])
+
+
+def test_invalid_config_values_are_named():
+    with pytest.raises(Exception, match="projector_type"):
+        DominoConfig(num_target_layers=8, projector_type="medusa")
+    with pytest.raises(Exception, match="target_layer_ids"):
+        DominoConfig()
+    with pytest.raises(Exception, match="pure_draft_prefix_len"):
+        DominoConfig(num_target_layers=8, projector_type="domino", block_size=4, pure_draft_prefix_len=9)
+
+
+# ----------------------------------------------------------------------------------------------------- export
+def test_export_writes_a_hub_ready_folder_atomically(tmp_path):
+    from huggingface_hub import ModelCard
+
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    results = [{"prompts": "MT-Bench", "acceptance length": 3.1, "speedup": "1.6x"}]
+    out = export_drafter(
+        drafter,
+        tmp_path / "exp",
+        base_model="org/tiny-target",
+        results=results,
+        training_summary="Trained for 10 steps.",
+        dtype=torch.float16,
+    )
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model == "org/tiny-target" and card.data.library_name == "transformers"
+    assert card.data.pipeline_tag == "text-generation" and "speculative-decoding" in card.data.tags
+    assert card.data.license == "apache-2.0"
+    assert "assistant_model=drafter" in card.text and 'pipeline("text-generation"' in card.text
+    assert "| MT-Bench | 3.1 | 1.6x |" in card.text and "Trained for 10 steps." in card.text
+    assert drafter.dtype == torch.float32  # the live model is left as it was
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("fc.weight").dtype == torch.float16
+
+    with pytest.raises(FileExistsError):
+        export_drafter(drafter, out, base_model="org/tiny-target")
+    # A failure half-way leaves nothing behind.
+    broken = tiny_drafter(target)
+    broken.save_pretrained = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("disk full"))
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_drafter(broken, tmp_path / "never", base_model="org/tiny-target")
+    assert not (tmp_path / "never").exists() and [p.name for p in tmp_path.iterdir()] == ["exp"]
