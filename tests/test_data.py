@@ -139,9 +139,11 @@ def test_regenerate_resumes_and_repairs_a_cut_line(model, tokenizer, tmp_path):
 def test_read_done_indices(tmp_path):
     path = tmp_path / "regen.jsonl"
     assert data.read_done_indices(path) == set()
-    path.write_text('{"index": 5, "input_ids": [], "loss_mask": []}\n\n{"index": 2, "input_')
+    # A line still being written is not done, and reading leaves it alone (only resuming repairs the file).
+    content = '{"index": 5, "input_ids": [], "loss_mask": []}\n\n{"index": 2, "input_'
+    path.write_text(content)
     assert data.read_done_indices(path) == {5}
-    assert path.read_text() == '{"index": 5, "input_ids": [], "loss_mask": []}\n\n'
+    assert path.read_text() == content
     path.write_text('{"index": 5}\nnot json\n')
     with pytest.raises(ValueError, match=r"regen.jsonl:2 is not a regeneration record"):
         data.read_done_indices(path)
@@ -209,7 +211,9 @@ def test_load_humaneval():
 def test_load_sharegpt():
     prompts = assets.load_sharegpt(limit=50)
     assert len(prompts) == 50
-    assert all(p[-1]["role"] == "user" and 0 < len(p[-1]["content"]) <= assets.SHAREGPT_MAX_TURN_CHARS for p in prompts)
+    assert all(
+        p[-1]["role"] == "user" and 0 < len(p[-1]["content"]) <= assets.SHAREGPT_MAX_TURN_CHARS for p in prompts
+    )
     assert prompts[0][0]["content"].startswith("Summarize the main ideas of Jeff Walker's Product Launch Formula")
 
     everything = assets.load_sharegpt(max_turn_chars=None)

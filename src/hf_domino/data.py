@@ -7,7 +7,8 @@ target rather than taken from the dataset. Each output line is one example:
 
 where `index` is the prompt's position in its source and the response ends with the target's EOS when it emitted
 one. The file is appended to and flushed after every batch, and a restarted run skips the indices already written,
-so a long CPU run can be interrupted and resumed at will.
+so a long CPU run can be interrupted and resumed at will. Only one run may write a file at a time, but others can
+read it meanwhile: a last line without its newline is a write in progress and must be ignored.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def regenerate(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     output_path = Path(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
-    done = read_done_indices(output_path)
+    done = _resume(output_path)
 
     work, truncated, dropped = [], 0, 0
     for index, messages in zip(indices, prompts):
@@ -253,23 +254,35 @@ def regenerate(
 
 
 def read_done_indices(path: str | os.PathLike) -> set[int]:
-    """Indices of the examples already in a regeneration file, after removing a line cut short by a crash.
+    """Indices of the complete examples in a regeneration file, which may be still being written.
+
+    A last line without its newline (a write in progress, or one cut short by a crash) does not count.
 
     Raises:
         ValueError: if a complete line is not a valid record (the file is not one of ours, or is corrupt).
     """
-    path = Path(path)
+    return _scan_records(Path(path))[0]
+
+
+def _scan_records(path: Path) -> tuple[set[int], int]:
+    """The indices of the complete records of `path` and the size in bytes of the lines holding them."""
     if not path.exists():
-        return set()
+        return set(), 0
     done, complete_bytes = set(), 0
     with open(path, "rb") as file:
         for line_number, line in enumerate(file, start=1):
             if not line.endswith(b"\n"):
-                break  # the tail of an interrupted write
+                break
             complete_bytes += len(line)
             if line.strip():
                 done.add(_record_index(line, path, line_number))
-    if complete_bytes < path.stat().st_size:
+    return done, complete_bytes
+
+
+def _resume(path: Path) -> set[int]:
+    """Drop a line cut short by a crash so that appending starts on a fresh line; return the indices done."""
+    done, complete_bytes = _scan_records(path)
+    if path.exists() and complete_bytes < path.stat().st_size:
         _truncate_atomically(path, complete_bytes)
     return done
 
