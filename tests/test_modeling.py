@@ -320,3 +320,14 @@ def test_export_writes_a_hub_ready_folder_atomically(tmp_path):
     with pytest.raises(RuntimeError, match="disk full"):
         export_drafter(broken, tmp_path / "never", base_model="org/tiny-target")
     assert not (tmp_path / "never").exists() and [p.name for p in tmp_path.iterdir()] == ["exp"]
+
+
+@pytest.mark.parametrize("domino", [True, False])
+def test_published_folders_draft_through_generate(tmp_path, domino):
+    folder = write_folder(tmp_path / "published", published_config(domino), published_tensors(domino))
+    drafter = DominoForSpeculation.from_pretrained(folder)
+    target = tiny_target("qwen3", num_layers=36)  # the published configs read layers 1, 17 and 33
+    prompt = torch.tensor([[7, 8, 9]])
+    expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter), expected)
+    assert max(drafter.last_generation_stats.drafted) == drafter.config.num_drafts
