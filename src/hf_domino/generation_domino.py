@@ -332,8 +332,7 @@ def is_domino_drafter(model: Any) -> bool:
 
 
 def _bound_arguments(method, self, args, kwargs) -> dict[str, Any]:
-    bound = inspect.signature(method).bind(self, *args, **kwargs)
-    return bound.arguments | bound.arguments.get("model_kwargs", {})
+    return inspect.signature(method).bind(self, *args, **kwargs).arguments
 
 
 def _wrap_validate_generation_mode(original):

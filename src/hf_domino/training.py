@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -417,7 +418,15 @@ class FeatureCache:
         meta_path = directory / "meta.json"
         if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
             raise ValueError(f"{directory} holds features for {json.loads(meta_path.read_text())}, not {meta}.")
-        meta_path.write_text(json.dumps(meta))
+        with open(directory / ".lock", "w") as lock:
+            # Several runs may share one cache: one fills it at a time, the others then find it complete.
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            meta_path.write_text(json.dumps(meta))
+            cls._fill(directory, target, examples, layer_ids, meta, progress)
+        return cls(directory)
+
+    @classmethod
+    def _fill(cls, directory: Path, target, examples, layer_ids, meta, progress) -> None:
         cache = cls(directory)
         features_path = directory / "features.f16"
         # Rows written after the last indexed example belong to an interrupted write: drop them.
@@ -442,7 +451,6 @@ class FeatureCache:
                 if progress and (count % 50 == 0 or count == len(todo)):
                     elapsed = time.perf_counter() - start
                     print(f"features: {count}/{len(todo)} examples, {rows_done} rows, {elapsed:.0f}s", flush=True)
-        return cls(directory)
 
 
 @dataclass
