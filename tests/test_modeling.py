@@ -331,3 +331,29 @@ def test_published_folders_draft_through_generate(tmp_path, domino):
     expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
     assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter), expected)
     assert max(drafter.last_generation_stats.drafted) == drafter.config.num_drafts
+
+
+def test_export_command_line(tmp_path):
+    from hf_domino.cli import main
+
+    target = tiny_target("qwen3")
+    tiny_drafter(target).save_pretrained(tmp_path / "trained")
+    (tmp_path / "results.json").write_text(json.dumps([{"prompts": "HumanEval", "acceptance length": 2.5}]))
+    assert (
+        main(
+            [
+                "export",
+                str(tmp_path / "trained"),
+                str(tmp_path / "hub"),
+                "--base-model",
+                "org/t",
+                "--results",
+                str(tmp_path / "results.json"),
+                "--dtype",
+                "bfloat16",
+            ]
+        )
+        == 0
+    )
+    assert "| HumanEval | 2.5 |" in (tmp_path / "hub" / "README.md").read_text()
+    assert DominoForSpeculation.from_pretrained(tmp_path / "hub").dtype == torch.bfloat16
