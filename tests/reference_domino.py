@@ -9,6 +9,22 @@ from __future__ import annotations
 import torch
 
 
+def reference_config(config) -> dict:
+    """The plain numbers the functions below read, taken from a DominoConfig."""
+    return dict(
+        layers=config.num_hidden_layers,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=config.rope_parameters["rope_theta"],
+        block_size=config.block_size,
+        shift_label=config.shift_label,
+        mask_token_id=config.mask_token_id,
+        pure_draft_prefix_len=config.pure_draft_prefix_len,
+    )
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     variance = x.float().pow(2).mean(-1, keepdim=True)
     return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)

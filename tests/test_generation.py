@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import MASK_TOKEN_ID, forcing_drafter, successor_target, tiny_drafter, tiny_target
-from reference_domino import draft_greedy
+from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
+from reference_domino import draft_greedy, reference_config
 from transformers import GenerationMixin, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -193,20 +193,9 @@ def test_drafted_tokens_match_independent_reference(arch, shift_label, pure_pref
     finally:
         handle.remove()
 
-    tensors = {k: v for k, v in drafter.state_dict().items()}
+    tensors = dict(drafter.state_dict())
+    cfg = reference_config(drafter.config)
     config = drafter.config
-    cfg = dict(
-        layers=config.num_hidden_layers,
-        heads=config.num_attention_heads,
-        kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_parameters["rope_theta"],
-        block_size=config.block_size,
-        shift_label=shift_label,
-        mask_token_id=MASK_TOKEN_ID,
-        pure_draft_prefix_len=pure_prefix,
-    )
     embed, lm_head = target.model.embed_tokens.weight, target.lm_head.weight
     sequence = output[0]
     position = prompt.shape[1]  # length of the sequence before each verification's first token

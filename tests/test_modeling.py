@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_drafter, tiny_target
-from reference_domino import backbone, gru_cell, head_correction
+from reference_domino import backbone, gru_cell, head_correction, reference_config
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, Qwen3Config
@@ -117,17 +117,6 @@ def load_quietly(path, **kwargs) -> tuple[DominoForSpeculation, str, list]:
     )
 
 
-def reference_cfg(config: DominoConfig) -> dict:
-    return dict(
-        layers=config.num_hidden_layers,
-        heads=config.num_attention_heads,
-        kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_parameters["rope_theta"],
-    )
-
-
 # ------------------------------------------------------------------------------------------- published formats
 @pytest.mark.parametrize("domino, top_level", [(True, False), (False, False), (False, True)])
 def test_published_folder_loads_without_warnings_and_matches_the_method(tmp_path, domino, top_level):
@@ -148,7 +137,7 @@ def test_published_folder_loads_without_warnings_and_matches_the_method(tmp_path
     positions = torch.arange(7 + 16)[None]
     with torch.no_grad():
         ours = drafter(block[None], context[None], positions)[0]
-    torch.testing.assert_close(ours, backbone(tensors, reference_cfg(config), block, context, start=7))
+    torch.testing.assert_close(ours, backbone(tensors, reference_config(config), block, context, start=7))
 
     if domino:  # head: GRU steps and the logit correction
         tokens = torch.randn(3, HIDDEN, generator=generator)
