@@ -429,3 +429,19 @@ def test_hook_refuses_a_changed_transformers(monkeypatch):
     monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", changed)
     with pytest.raises(ImportError, match="GenerationMixin._get_candidate_generator"):
         generation_domino.install_assisted_generation_hook()
+
+
+def test_num_speculative_tokens_caps_the_verified_drafts():
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, successor(1), block_size=8)
+    drafter.num_speculative_tokens = 3
+    prompt = torch.tensor([[4, 5]])
+    assert torch.equal(
+        greedy(target, prompt, max_new_tokens=20, assistant_model=drafter), greedy(target, prompt, max_new_tokens=20)
+    )
+    assert (
+        max(drafter.last_generation_stats.drafted) == 3 and max(drafter.last_generation_stats.acceptance_lengths) == 4
+    )
+    drafter.num_speculative_tokens = 0
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        greedy(target, prompt, max_new_tokens=5, assistant_model=drafter)

@@ -139,6 +139,10 @@ class DominoCandidateGenerator(CandidateGenerator):
         self.target = target_modules
         self.config = drafter.config
         self.max_length = generation_config.max_length
+        cap = drafter.num_speculative_tokens
+        if cap is not None and (not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"drafter.num_speculative_tokens must be None or a positive int, got {cap!r}.")
+        self.max_drafts = min(cap or self.config.num_drafts, self.config.num_drafts)
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
         # EOS and max length are already cut inside a block by the loop; other criteria (stop strings, ...) are not.
@@ -176,7 +180,7 @@ class DominoCandidateGenerator(CandidateGenerator):
             self.drafted_last = 0
             return input_ids, None
         self._tick("verify", self.drafted_last > 0)
-        num_drafts = min(self.config.num_drafts, self.max_length - input_ids.shape[1] - 1)
+        num_drafts = min(self.max_drafts, self.max_length - input_ids.shape[1] - 1)
         if num_drafts <= 0:  # the next target token is the last one anyway
             self.drafted_last = 0
             return input_ids, None

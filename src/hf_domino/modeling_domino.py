@@ -217,6 +217,9 @@ class DominoForSpeculation(DominoPreTrainedModel):
         # How generate() rolls the head out: "auto" (fused Triton + CUDA graph on CUDA when hf_domino.triton_head
         # applies, else eager), "eager", "triton" or "triton+graph". See docs/fast_path.md.
         self.rollout_mode = "auto"
+        # Cap on the drafts verified per target forward (None: the whole block). The backbone still reads the full
+        # block it was trained on; a shorter verify pays off where a target forward costs more per token (CPUs).
+        self.num_speculative_tokens: int | None = None
         self.post_init()
 
     # ----------------------------------------------------------------------------------------------- run-time switches
