@@ -294,6 +294,38 @@ def _drafting_mode(drafter: DominoForSpeculation, head: bool, record_timings: bo
         drafter.record_timings = previous
 
 
+@torch.inference_mode()
+def measure_forward_ms(
+    target: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    lengths: Sequence[int],
+    drafter: DominoForSpeculation | None = None,
+    repeats: int = 5,
+) -> dict[int, float]:
+    """Median ms of one target forward over `length` new tokens after `input_ids` is cached, for each length.
+
+    This is the verify cost of a block of `length - 1` drafts (1 = plain decoding), with the drafter's hidden-state
+    selection when a drafter is given; it decides how many tokens per forward a drafter must reach to pay off.
+    """
+    input_ids = input_ids.to(target.device)
+    hidden_states = [i + 1 for i in drafter.config.target_layer_ids] if drafter is not None else False
+    cache = DynamicCache(config=target.config)
+    target(input_ids, past_key_values=cache, logits_to_keep=1)
+    costs = {}
+    for length in lengths:
+        block = input_ids[:, -1:].expand(1, length)  # token values do not change the cost
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            target(block, past_key_values=cache, output_hidden_states=hidden_states)
+            if target.device.type == "cuda":
+                torch.cuda.synchronize(target.device)
+            samples.append(1000 * (time.perf_counter() - start))
+            cache.crop(-length)
+        costs[length] = statistics.median(samples)
+    return costs
+
+
 # ----------------------------------------------------------------------------------------------------- benchmark
 @dataclass
 class BenchSettings:
@@ -312,6 +344,8 @@ class BenchResult:
     records: dict[str, list[Generation]] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     title: str = ""  # plot subtitle, e.g. "(mtbench, T=0)"
+    # Median ms of one target forward by the number of tokens it takes, with the first prompt cached.
+    forward_ms: dict[int, float] = field(default_factory=dict)
 
 
 def run_benchmark(
@@ -349,6 +383,8 @@ def run_benchmark(
 
     for method in methods:  # warm-up: allocator, kernels, lazy imports
         generate(method, prompts[0], settings.warmup_tokens, settings.seed)
+    block_lengths = sorted({1, 2, 4, 8, *([drafter.config.num_drafts + 1] if drafter is not None else [])})
+    result.forward_ms = measure_forward_ms(target, prompts[0], block_lengths, drafter)
     by_prompt: list[dict[str, Generation]] = []
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen", disable=not progress) as bar:
         for index, input_ids in enumerate(prompts):
@@ -443,6 +479,7 @@ def result_to_json(result: BenchResult) -> dict[str, Any]:
         "settings": asdict(result.settings),
         "methods": result.methods,
         "summary": summarize(result),
+        "target_forward_ms_by_tokens": result.forward_ms,
         "records": {method: [asdict(record) for record in records] for method, records in result.records.items()},
     }
 
@@ -488,6 +525,20 @@ def markdown_report(result: BenchResult) -> str:
             lines.append(
                 f"| {method} | {cells} | {_fmt(latency['cycle'], '{:.1f}')} "
                 f"| {_fmt(s['head_share_of_cycle'], '{:.1%}')} |"
+            )
+    if result.forward_ms:
+        one = result.forward_ms.get(1)
+        lines += [
+            "",
+            "Target forward cost by tokens per forward (prompt 0 cached; verify of k drafts = k + 1 tokens):",
+            "",
+            "| tokens | " + " | ".join(str(n) for n in result.forward_ms) + " |",
+            "|---|" + "---:|" * len(result.forward_ms),
+            "| ms | " + " | ".join(f"{ms:.1f}" for ms in result.forward_ms.values()) + " |",
+        ]
+        if one:
+            lines.append(
+                "| x one token | " + " | ".join(f"{ms / one:.2f}" for ms in result.forward_ms.values()) + " |"
             )
     overhead = summaries.get("domino", {}).get("loop_overhead_vs_manual")
     if overhead is not None:
@@ -572,6 +623,8 @@ def machine_metadata(threads: int) -> dict[str, Any]:
                 break
     return {
         "machine": f"{cpu}, {os.cpu_count()} cores",
+        # Other processes on the cores wreck multi-threaded CPU timings (thread barriers stall): keep the evidence.
+        "load_average_1min_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "device": "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch_threads": threads,
         "torch": torch.__version__,
@@ -623,6 +676,9 @@ def run(args: argparse.Namespace) -> int:
     from .data import load_target
 
     torch.set_num_threads(args.threads)
+    metadata = machine_metadata(args.threads)
+    if (metadata["load_average_1min_at_start"] or 0) > 0.5:
+        print(f"Warning: load average {metadata['load_average_1min_at_start']:.1f}: timings will not be reliable.")
     dtype = getattr(torch, args.dtype)
     methods = list(args.methods)
     if args.temperature > 0 and any(m in GREEDY_ONLY_METHODS for m in methods):
@@ -648,7 +704,7 @@ def run(args: argparse.Namespace) -> int:
     prompt_set = Path(args.prompts).stem if Path(args.prompts).suffix else args.prompts
     result.metadata = {
         "command": command_line(args),
-        **machine_metadata(torch.get_num_threads()),
+        **metadata,
         "target": args.target,
         "drafter": str(args.drafter or SHIPPED_DRAFTER),
         "dtype": args.dtype,

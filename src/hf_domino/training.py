@@ -380,7 +380,8 @@ class FeatureCache:
         self.index: dict[int, tuple[int, int]] = {}
         index_path = self.directory / "index.jsonl"
         if index_path.exists():
-            for line in index_path.read_text().splitlines():
+            # The last element is "" or a line cut short by an interrupted write: skip it either way.
+            for line in index_path.read_text().split("\n")[:-1]:
                 if line.strip():
                     entry = json.loads(line)
                     self.index[entry["example"]] = (entry["offset"], entry["length"])
@@ -416,17 +417,24 @@ class FeatureCache:
         hidden_size = target.config.get_text_config().hidden_size
         meta = {"layer_ids": list(layer_ids), "width": len(layer_ids) * hidden_size, "max_length": max_length}
         meta_path = directory / "meta.json"
-        if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
-            raise ValueError(f"{directory} holds features for {json.loads(meta_path.read_text())}, not {meta}.")
         with open(directory / ".lock", "w") as lock:
             # Several runs may share one cache: one fills it at a time, the others then find it complete.
             fcntl.flock(lock, fcntl.LOCK_EX)
-            meta_path.write_text(json.dumps(meta))
+            if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
+                raise ValueError(f"{directory} holds features for {json.loads(meta_path.read_text())}, not {meta}.")
+            if not meta_path.exists():
+                meta_path.write_text(json.dumps(meta))
             cls._fill(directory, target, examples, layer_ids, meta, progress)
         return cls(directory)
 
     @classmethod
     def _fill(cls, directory: Path, target, examples, layer_ids, meta, progress) -> None:
+        index_path = directory / "index.jsonl"
+        if index_path.exists():
+            complete = index_path.read_bytes().rfind(b"\n") + 1
+            if complete != index_path.stat().st_size:
+                with open(index_path, "r+b") as file:
+                    file.truncate(complete)
         cache = cls(directory)
         features_path = directory / "features.f16"
         # Rows written after the last indexed example belong to an interrupted write: drop them.
@@ -632,7 +640,10 @@ def train(
     target_modules = TargetModules.from_target(target)
     drafter.to(device).train()
     if config.gradient_checkpointing:
-        drafter.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(drafter, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            drafter.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            drafter.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(
         [p for p in drafter.parameters() if p.requires_grad],
         lr=config.learning_rate,
@@ -950,7 +961,7 @@ def run(args: argparse.Namespace) -> int:
         examples = examples[: args.max_examples]
     feature_cache = None
     if args.feature_cache:
-        # The cache is filled by the main process only; under `accelerate launch` fill it beforehand.
+        # Safe to call from every process (and from concurrent runs): a file lock lets one fill it at a time.
         feature_cache = FeatureCache.build(
             args.feature_cache, target_model, examples, drafter.config.target_layer_ids, args.max_length
         )
@@ -994,7 +1005,8 @@ def run(args: argparse.Namespace) -> int:
         if args.export_dir:
             from .export import export_drafter
 
-            export_drafter(drafter, args.export_dir, base_model="HuggingFaceTB/SmolLM2-135M-Instruct")
+            base_model = "HuggingFaceTB/SmolLM2-135M-Instruct" if args.target == "smollm2" else args.target
+            export_drafter(drafter, args.export_dir, base_model=base_model, overwrite=True)
     return 0
 
 

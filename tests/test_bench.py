@@ -1,0 +1,226 @@
+"""Tests for `hf-domino bench` and `hf-domino demo` with tiny random Llama/Qwen3 targets and a word-level tokenizer."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from hf_domino import DominoConfig, DominoForSpeculation, bench, cli, demo
+
+WORDS = "the a sea sky ship sail wind blue red green is was and of to in what why how write poem code hello world"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }} <eos> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+PROMPTS = [
+    [{"role": "user", "content": "write a poem of the sea and the wind"}],
+    [{"role": "user", "content": "what is the blue sky"}],
+]
+MAX_NEW_TOKENS = 24
+
+
+def make_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    specials = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+    vocab = {token: index for index, token in enumerate(specials + WORDS.split())}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_target(kind: str = "llama", vocab_size: int = 64) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 256,
+        # Wide logits: no near-ties that the different shapes of decode and verify forwards could flip.
+        "initializer_range": 0.5,
+        "bos_token_id": None,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+    }
+    if kind == "qwen3":
+        config = transformers.Qwen3Config(head_dim=16, **common)
+        return transformers.Qwen3ForCausalLM(config).eval()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
+
+
+def make_drafter(target: transformers.PreTrainedModel, block_size: int = 4) -> DominoForSpeculation:
+    torch.manual_seed(1)
+    config = DominoConfig.from_target(
+        target.config, num_hidden_layers=1, emb_dim=16, gru_hidden_dim=32, block_size=block_size
+    )
+    return DominoForSpeculation(config).eval()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny matmuls gain nothing from threads, and on a busy machine thread synchronization makes them 10x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    return make_target(vocab_size=len(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return make_drafter(target)
+
+
+def target_greedy(target, input_ids, max_new_tokens=MAX_NEW_TOKENS) -> torch.LongTensor:
+    return target.generate(input_ids, **bench.generation_kwargs(target, max_new_tokens, 0.0))
+
+
+def oracle_rollout(reference: torch.LongTensor, correct: int, vocab_size: int):
+    """A stand-in for `drafter.rollout` that drafts the target's own tokens `correct` times, then wrong ones.
+
+    Random drafters are almost never right; this one makes verification accept several drafts per block, so the
+    cache cropping and context bookkeeping of both decoding loops are exercised.
+    """
+
+    def rollout(draft_hidden, base_logits, anchor_ids, target, pick=None):
+        start, num_drafts = anchor_ids.shape[1], base_logits.shape[1]
+        padded = torch.cat([reference[0], reference.new_zeros(num_drafts)])
+        drafts = padded[start : start + num_drafts].clone()
+        drafts[correct:] = (drafts[correct:] + 1) % vocab_size
+        return drafts[None], base_logits
+
+    return rollout
+
+
+def test_acceptance_from_cache_lengths():
+    # prompt of 5; the prefill adds 1 token, then forwards add 3, 1 and 2 tokens: sequence 6 -> 9 -> 10 -> 12.
+    assert bench.acceptance_from_cache_lengths([0, 5, 8, 9], final_length=12) == [3, 1, 2]
+    assert bench.acceptance_from_cache_lengths([0], final_length=6) == []
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_manual_loop_matches_target_greedy(kind, monkeypatch):
+    target = make_target(kind)
+    drafter = make_drafter(target, block_size=5)
+    torch.manual_seed(2)
+    for length in (3, 11):
+        input_ids = torch.randint(2, 64, (1, length))
+        reference = target_greedy(target, input_ids)
+        assert torch.equal(bench.manual_generate(target, drafter, input_ids, MAX_NEW_TOKENS, [1]), reference)
+
+        # With drafts that are partly right, both loops accept the same blocks and still give the target's tokens.
+        monkeypatch.setattr(drafter, "rollout", oracle_rollout(reference, correct=2, vocab_size=64))
+        manual = bench.run_method("manual", target, drafter, input_ids, MAX_NEW_TOKENS)
+        domino = bench.run_method("domino", target, drafter, input_ids, MAX_NEW_TOKENS)
+        monkeypatch.undo()
+        new_tokens = reference[0, length:].tolist()
+        assert manual.new_tokens == domino.new_tokens == new_tokens
+        assert manual.acceptance_lengths == domino.acceptance_lengths
+        assert sum(manual.acceptance_lengths) + 1 == len(new_tokens)  # + the prefill's token
+        assert max(manual.acceptance_lengths) == 3
+        assert set(manual.timings) == set(domino.timings) == set(bench.TIMING_KEYS)
+
+
+def test_manual_loop_stops_at_eos_and_length(target, drafter):
+    input_ids = torch.randint(2, target.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(3))
+    reference = target_greedy(target, input_ids, max_new_tokens=40)
+    first_new = int(reference[0, 6])
+    # Declaring the first generated token an EOS must stop both right after it.
+    assert bench.manual_generate(target, drafter, input_ids, 40, [first_new]).tolist() == reference[:, :7].tolist()
+    assert bench.manual_generate(target, drafter, input_ids, 1, [1]).shape[1] == 7
+
+
+def test_bench_runs_all_methods(target, drafter, tokenizer, tmp_path):
+    prompts = [bench.encode_chat(tokenizer, messages) for messages in PROMPTS]
+    settings = bench.BenchSettings(max_new_tokens=16, warmup_tokens=4)
+    result = bench.run_benchmark(target, drafter, prompts, bench.METHODS, settings, progress=False)
+    summary = bench.summarize(result)
+    assert list(summary) == list(bench.METHODS)
+    for method, s in summary.items():
+        assert s["greedy_mismatches"] == 0, method
+        assert s["prompts"] == 2 and s["new_tokens"] > 0 and s["tokens_per_second"] > 0
+        assert s["mean_acceptance_length"] >= 1
+    assert summary["target"]["speedup_total"] == pytest.approx(1.0)
+    assert summary["target"]["acceptance_histogram"] == {"1": summary["target"]["new_tokens"] - 2}
+    for method in bench.DRAFTER_METHODS:
+        assert set(summary[method]["latency_ms"]) == {*bench.TIMING_KEYS, "cycle"}
+    assert "loop_overhead_vs_manual" in summary["domino"]
+
+    paths = bench.write_report(result, tmp_path / "out")
+    written = json.loads(paths["json"].read_text())
+    assert written["summary"]["domino"]["greedy_mismatches"] == 0
+    assert len(written["records"]["manual"]) == 2
+    assert "| domino |" in paths["markdown"].read_text()
+    for name in bench.PLOT_FILES:
+        assert paths[name].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_sampling(target, drafter):
+    prompts = [torch.randint(2, target.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4))]
+    settings = bench.BenchSettings(max_new_tokens=8, temperature=0.8, warmup_tokens=2)
+    result = bench.run_benchmark(target, drafter, prompts, ["target", "domino"], settings, progress=False)
+    summary = bench.summarize(result)
+    assert summary["domino"]["greedy_mismatches"] is None
+    assert summary["domino"]["new_tokens"] == 8
+    with pytest.raises(ValueError, match="greedy only"):
+        bench.run_method("manual", target, drafter, prompts[0], 4, temperature=0.8)
+
+
+def test_cli_bench_end_to_end(target, drafter, tokenizer, tmp_path, capsys):
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"messages": m}) + "\n" for m in PROMPTS * 2))
+    argv = ["bench", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")]
+    argv += ["--prompts", str(prompt_file), "--num-prompts", "2", "--max-new-tokens", "8", "--threads", "1"]
+    argv += ["--methods", "target,prompt_lookup,domino,manual", "--output-dir", str(tmp_path / "out"), "--no-progress"]
+    assert cli.main(argv) == 0
+    written = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert written["methods"] == ["target", "prompt_lookup", "domino", "manual"]
+    assert all(s["greedy_mismatches"] == 0 for s in written["summary"].values())
+    assert written["metadata"]["torch_threads"] == 1
+    assert written["metadata"]["command"].startswith("hf-domino bench --target")
+    assert "| manual |" in capsys.readouterr().out
+
+
+def test_demo_core(target, drafter, tokenizer):
+    stream = io.StringIO()
+
+    class Streamer(transformers.TextStreamer):
+        def on_finalized_text(self, text, stream_end=False):
+            stream.write(text)
+
+    streamer = Streamer(tokenizer, skip_prompt=True)
+    result = demo.run_demo(target, tokenizer, drafter, "hello world", max_new_tokens=12, streamer=streamer)
+    assert result.identical_to_target
+    assert result.new_tokens > 0 and result.seconds > 0 and result.target_seconds > 0
+    assert result.mean_acceptance_length >= 1
+    assert stream.getvalue().strip() == result.text.strip()
+    assert "tokens per target forward" in result.summary()
+
+
+def test_missing_drafter_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="No drafter checkpoint"):
+        bench.load_drafter(tmp_path / "missing")
+    with pytest.raises(SystemExit, match="hf-domino demo: No drafter checkpoint"):
+        cli.main(["demo", "--drafter", str(tmp_path / "missing")])

@@ -1,0 +1,343 @@
+"""Tests of the Domino training recipe (`hf_domino.training`) on a tiny Qwen3 target, on CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from hf_domino import DominoConfig, DominoForSpeculation, TargetModules
+from hf_domino.training import (
+    DominoTrainingModule,
+    Example,
+    FeatureCache,
+    TrainConfig,
+    block_attention_mask,
+    build_block_inputs,
+    collate,
+    curriculum_lambda,
+    draft_logits,
+    position_weights,
+    sample_anchors,
+    target_context_features,
+    train,
+)
+
+VOCAB = 64
+BLOCK = 4
+
+
+def tiny_target() -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        tie_word_embeddings=True,
+        initializer_range=0.3,  # logits through the frozen tied head need some scale to be learnable quickly
+    )
+    return Qwen3ForCausalLM(config).eval()
+
+
+def tiny_drafter(target: Qwen3ForCausalLM, seed: int = 0) -> DominoForSpeculation:
+    config = DominoConfig.from_target(
+        target.config, num_hidden_layers=1, block_size=BLOCK, emb_dim=8, gru_hidden_dim=16, target_layer_ids=[1, 2]
+    )
+    torch.manual_seed(seed)
+    return DominoForSpeculation(config)
+
+
+def toy_examples(count: int = 8, prompt_len: int = 5, response_len: int = 20) -> list[Example]:
+    """Responses count up from the last prompt token (mod the vocabulary): learnable in a few steps."""
+    generator = torch.Generator().manual_seed(0)
+    examples = []
+    for _ in range(count):
+        prompt = torch.randint(3, VOCAB, (prompt_len,), generator=generator).tolist()
+        response = [3 + (prompt[-1] + j) % (VOCAB - 3) for j in range(1, response_len + 1)]
+        examples.append(Example(prompt + response, [0] * prompt_len + [1] * response_len))
+    return examples
+
+
+@pytest.fixture(scope="module")
+def target() -> Qwen3ForCausalLM:
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def trained_run(target, tmp_path_factory):
+    """One short curriculum run shared by the tests that need a trained drafter."""
+    output_dir = tmp_path_factory.mktemp("run")
+    config = TrainConfig(total_steps=30, batch_size=2, num_anchors=4, learning_rate=1e-2, log_every=5, save_every=30)
+    drafter = train(tiny_drafter(target), target, toy_examples(), config, output_dir)
+    return drafter, output_dir
+
+
+def batch_and_features(target, examples):
+    batch = collate(examples, pad_token_id=0)
+    features = target_context_features(target, batch.input_ids, batch.attention_mask, [1, 2])
+    return batch, features
+
+
+# ------------------------------------------------------------------------------------------------- pure functions
+def test_curriculum_lambda_is_linear_from_one_to_zero():
+    assert curriculum_lambda(0, 11) == 1.0
+    assert curriculum_lambda(5, 11) == pytest.approx(0.5)
+    assert curriculum_lambda(10, 11) == 0.0
+    assert [curriculum_lambda(s, 11, enabled=False) for s in (0, 5, 10)] == [0.0, 0.0, 0.0]
+
+
+def test_position_weights():
+    weights = position_weights(16, 16)
+    expected = torch.tensor([math.exp(-k / 16) for k in range(16)])
+    torch.testing.assert_close(weights, expected)
+    assert weights[0] == 1.0
+
+
+def test_sample_anchors_stay_inside_responses():
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0], [0, 1, 1, 0, 0, 0, 0, 0]])
+    anchors, valid = sample_anchors(loss_mask, 3, torch.Generator().manual_seed(0))
+    assert anchors.shape == (2, 3)
+    assert sorted(anchors[0].tolist()) == [2, 3, 4]  # position 5 has no response token after it
+    assert valid[0].all()
+    assert valid[1].tolist() == [True, False, False] and anchors[1, 0] == 1
+
+
+def test_build_block_inputs_labels_and_gru_inputs():
+    input_ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1]])
+    anchors, valid = torch.tensor([[2, 5]]), torch.tensor([[True, True]])
+    blocks = build_block_inputs(input_ids, loss_mask, anchors, valid, block_size=4, num_drafts=4, mask_token_id=0)
+    assert blocks.block_ids.tolist() == [[[12, 0, 0, 0], [15, 0, 0, 0]]]
+    assert blocks.position_ids.tolist() == [[[2, 3, 4, 5], [5, 6, 7, 8]]]
+    assert blocks.labels[0, 0].tolist() == [13, 14, 15, 16]
+    assert blocks.label_mask.tolist() == [[[True] * 4, [True, False, False, False]]]  # past the end: masked
+    assert blocks.gru_ids[0, 0].tolist() == [12, 13, 14, 15]  # anchor, then the ground truth y_0 .. y_{D-2}
+
+
+def test_block_attention_mask_structure():
+    anchors = torch.tensor([[2, 4]])
+    context_mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    allowed = block_attention_mask(anchors, context_mask, block_size=2)[0, 0] == 0
+    assert allowed.shape == (4, 6 + 4)
+    assert allowed[0, :6].tolist() == [True, True, False, False, False, False]  # strictly before anchor 2
+    assert allowed[2, :6].tolist() == [True, True, True, True, False, False]
+    assert allowed[:, 6:].tolist() == [[True, True, False, False]] * 2 + [[False, False, True, True]] * 2
+
+
+# ------------------------------------------------------------------------------------------------- information flow
+def block_losses_and_grads(drafter, target, batch, features, anchors):
+    """Per-draft base/final logits of every block, plus the gradient of their sum, for one fixed set of blocks."""
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    config = drafter.config
+    blocks = build_block_inputs(
+        batch.input_ids,
+        batch.loss_mask,
+        anchors,
+        valid,
+        block_size=config.block_size,
+        num_drafts=config.num_drafts,
+        mask_token_id=config.mask_token_id,
+    )
+    drafter.zero_grad()
+    base, final = draft_logits(
+        drafter, TargetModules.from_target(target), features, batch.attention_mask, blocks, anchors
+    )
+    return base, final, blocks
+
+
+def test_block_never_sees_context_at_or_after_its_anchor(target):
+    drafter = tiny_drafter(target)
+    batch, features = batch_and_features(target, toy_examples(1))
+    anchors = torch.tensor([[9]])
+    base, final, _ = block_losses_and_grads(drafter, target, batch, features, anchors)
+    final.sum().backward()
+    grads = {name: p.grad.clone() for name, p in drafter.named_parameters()}
+
+    perturbed = features.clone()
+    perturbed[:, 9:] += 5.0 * torch.randn_like(perturbed[:, 9:])
+    base2, final2, _ = block_losses_and_grads(drafter, target, batch, perturbed, anchors)
+    final2.sum().backward()
+    torch.testing.assert_close(base2, base, rtol=0, atol=0)
+    torch.testing.assert_close(final2, final, rtol=0, atol=0)
+    for name, p in drafter.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=0, atol=0, msg=name)
+
+    earlier = features.clone()
+    earlier[:, 8] += 5.0
+    base3, _, _ = block_losses_and_grads(drafter, target, batch, earlier, anchors)
+    assert not torch.allclose(base3, base)
+
+
+def test_blocks_of_one_sequence_are_isolated(target):
+    drafter = tiny_drafter(target)
+    batch, features = batch_and_features(target, toy_examples(1))
+    anchors = torch.tensor([[6, 12]])
+    base, _, _ = block_losses_and_grads(drafter, target, batch, features, anchors)
+    perturbed = features.clone()
+    perturbed[:, 6:] += 5.0
+    base2, _, _ = block_losses_and_grads(drafter, target, batch, perturbed, anchors)
+    torch.testing.assert_close(base2[0], base[0], rtol=0, atol=0)  # block at 6 sees none of it
+    assert not torch.allclose(base2[1], base[1])  # block at 12 sees positions 6..11
+    # Block 1's anchor token is not visible to block 0 either.
+    changed = batch.input_ids.clone()
+    changed[0, 12] = 3 if changed[0, 12] != 3 else 4
+    batch.input_ids = changed
+    base3, _, _ = block_losses_and_grads(drafter, target, batch, features, anchors)
+    torch.testing.assert_close(base3[0], base[0], rtol=0, atol=0)
+
+
+def test_gru_reads_ground_truth_tokens(target):
+    drafter = tiny_drafter(target)
+    torch.nn.init.normal_(drafter.embed_proj[2].weight, std=0.5)  # make the correction visible
+    batch, features = batch_and_features(target, toy_examples(1))
+    anchors = torch.tensor([[7]])
+    base, final, blocks = block_losses_and_grads(drafter, target, batch, features, anchors)
+
+    # Same numbers as the inference rollout when it is forced to pick the ground-truth tokens.
+    labels = blocks.labels[0, 0]
+    forced = iter(labels.tolist())
+
+    def pick(logits, realised):
+        return torch.tensor([[next(forced)]]), logits
+
+    config = drafter.config
+    with torch.no_grad():
+        block_ids = blocks.block_ids.view(1, -1)
+        position_ids = torch.cat([torch.arange(7)[None], blocks.position_ids.view(1, -1)], dim=1)
+        modules = TargetModules.from_target(target)
+        hidden = drafter(modules.embed(block_ids, drafter.dtype, drafter.device), features[:, :7], position_ids)
+        draft_hidden = drafter.draft_hidden_states(hidden)
+        _, rollout_logits = drafter.rollout(
+            draft_hidden, modules.logits(draft_hidden), batch.input_ids[:, :8], modules, pick
+        )
+    torch.testing.assert_close(rollout_logits[0], final[0].detach(), rtol=1e-4, atol=1e-4)
+    assert config.pure_draft_prefix_len == 1
+    torch.testing.assert_close(final[0, 0], base[0, 0])  # the first draft is base-only
+
+    # Changing the ground truth y_1 (token at anchor + 2) changes the final logits of drafts 2.. only.
+    changed = batch.input_ids.clone()
+    changed[0, 9] = 3 if changed[0, 9] != 3 else 4
+    batch.input_ids = changed
+    base2, final2, _ = block_losses_and_grads(drafter, target, batch, features, anchors)
+    torch.testing.assert_close(base2, base, rtol=0, atol=0)
+    torch.testing.assert_close(final2[0, :2], final[0, :2], rtol=0, atol=0)
+    assert not torch.allclose(final2[0, 2], final[0, 2])
+    assert not torch.allclose(final2[0, 3], final[0, 3])
+
+
+# ---------------------------------------------------------------------------------------------------------- training
+def fixed_batch_losses(drafter, target):
+    batch, features = batch_and_features(target, toy_examples(8))
+    anchors, valid = sample_anchors(batch.loss_mask, 4, torch.Generator().manual_seed(123))
+    module = DominoTrainingModule(drafter, TargetModules.from_target(target))
+    with torch.no_grad():
+        out = module(batch.input_ids, batch.loss_mask, batch.attention_mask, features, anchors, valid, 0.5)
+    return out.base_loss.item(), out.final_loss.item()
+
+
+def test_training_reduces_both_losses(target, trained_run):
+    drafter, output_dir = trained_run
+    base_before, final_before = fixed_batch_losses(tiny_drafter(target), target)
+    base_after, final_after = fixed_batch_losses(drafter, target)
+    assert base_after < 0.8 * base_before
+    assert final_after < 0.8 * final_before
+    records = [json.loads(line) for line in (output_dir / "log.jsonl").read_text().splitlines()]
+    assert records[0]["lam"] == pytest.approx(1 - 4 / 29) and records[-1]["lam"] == 0.0
+    assert len(records[-1]["final_acc"]) == BLOCK and records[-1]["base_loss"] < records[0]["base_loss"]
+
+
+def test_resume_continues_bit_for_bit(target, tmp_path):
+    config = TrainConfig(total_steps=4, batch_size=2, num_anchors=3, learning_rate=1e-2, save_every=100)
+    straight = train(tiny_drafter(target), target, toy_examples(), config, tmp_path / "straight")
+
+    staged_config = TrainConfig(**{**config.__dict__, "stop_after_seconds": 0.0})  # stop after every step
+    for stage in range(4):
+        # Later stages start from another init: the checkpoint must overwrite it.
+        fresh = tiny_drafter(target, seed=stage)
+        staged = train(fresh, target, toy_examples(), staged_config, tmp_path / "staged")
+    assert sorted(p.name for p in (tmp_path / "staged").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    for (name, a), (_, b) in zip(straight.state_dict().items(), staged.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_feature_cache_matches_in_process_features(target, tmp_path):
+    examples = toy_examples(3)
+    cache = FeatureCache.build(tmp_path / "features", target, examples, [1, 2], max_length=64, progress=False)
+    batch, features = batch_and_features(target, examples[:1])
+    torch.testing.assert_close(cache.get(0), features[0], rtol=1e-3, atol=1e-3)  # stored as float16
+    assert FeatureCache.build(tmp_path / "features", target, examples, [1, 2], 64, progress=False).index == cache.index
+
+
+def test_trained_checkpoint_drafts_losslessly(target, trained_run):
+    _, output_dir = trained_run
+    drafter = DominoForSpeculation.from_pretrained(output_dir / "checkpoint-30").eval()
+    input_ids = torch.tensor([toy_examples(1)[0].input_ids[:8]])
+    expected = target.generate(input_ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    for head in (True, False):
+        with drafter.domino_head(head):
+            output = target.generate(
+                input_ids, assistant_model=drafter, max_new_tokens=20, do_sample=False, pad_token_id=0
+            )
+        assert output.tolist() == expected.tolist()
+        assert sum(drafter.last_generation_stats.acceptance_lengths) == 20 - 1  # the prefill made the first
+
+
+# ------------------------------------------------------------------------------------------------------ two ranks
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.num_processes == world_size
+    target = tiny_target()
+    config = TrainConfig(total_steps=2, batch_size=1, num_anchors=3, learning_rate=1e-2, save_every=100)
+    drafter = train(tiny_drafter(target), target, toy_examples(), config, output_dir, accelerator=accelerator)
+    torch.save(drafter.state_dict(), os.path.join(output_dir, f"rank{rank}.pt"))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def test_two_processes_agree_on_weights(tmp_path):
+    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    initial = tiny_drafter(tiny_target()).state_dict()
+    assert any(not torch.equal(rank0[name], initial[name]) for name in rank0)  # it trained
+    for name in rank0:
+        torch.testing.assert_close(rank0[name], rank1[name], rtol=0, atol=0, msg=name)
+
+
+def test_gradient_checkpointing_gives_the_same_step(target, tmp_path):
+    config = TrainConfig(total_steps=2, batch_size=2, num_anchors=3, learning_rate=1e-2, save_every=100)
+    plain = train(tiny_drafter(target), target, toy_examples(), config, tmp_path / "plain")
+    checkpointed_config = TrainConfig(**{**config.__dict__, "gradient_checkpointing": True})
+    checkpointed = train(tiny_drafter(target), target, toy_examples(), checkpointed_config, tmp_path / "ckpt")
+    for (name, a), (_, b) in zip(plain.state_dict().items(), checkpointed.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
