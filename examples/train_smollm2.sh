@@ -77,8 +77,8 @@ SUMMARY = (
     "Trained with `hf-domino train` (examples/train_smollm2.sh in hf-domino) on ShareGPT prompts answered by "
     "SmolLM2-135M-Instruct itself (320 conversations, 64k response tokens; MT-Bench and HumanEval held out): 650 "
     "AdamW steps of 1 sequence x 32 random blocks of 16, lr 6e-4 cosine (4% warmup), base-anchored curriculum "
-    "(lam 1 -> 0), position weights exp(-k/16), about one hour on 2 CPU threads. This is a tiny CPU budget (about "
-    "1/20000 of the paper's tokens): the drafter is a working, lossless demonstration, not a strong drafter."
+    "(lam 1 -> 0), position weights exp(-k/16), about one hour on 2 CPU threads. This is a tiny CPU budget (orders "
+    "of magnitude below the paper's): the drafter is a working, lossless demonstration, not a strong drafter."
 )
 run = Path("runs/smollm2")
 plot_loss_curves(
@@ -97,7 +97,7 @@ for name, label in (("curriculum", "curriculum (shipped)"), ("no_curriculum", "n
                 "training": label,
                 "prompts (held out)": {"mtbench": "MT-Bench turn 1", "humaneval": "HumanEval"}.get(prompts, prompts),
                 "Domino head": head.removeprefix("head_"),
-                "acceptance length (T=0)": f"{result['mean_acceptance_length']:.2f}",
+                "acceptance length (T=0, 20 prompts, 128 tokens)": f"{result['mean_acceptance_length']:.3f}",
             }
         )
 drafter = DominoForSpeculation.from_pretrained(run / "curriculum/final")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -298,6 +299,10 @@ def test_export_writes_a_hub_ready_folder_atomically(tmp_path):
     assert "assistant_model=drafter" in card.text and 'pipeline("text-generation"' in card.text
     assert "| MT-Bench | 3.1 | 1.6x |" in card.text and "Trained for 10 steps." in card.text
     assert drafter.dtype == torch.float32  # the live model is left as it was
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out.stat().st_mode & 0o777) == 0o777 & ~umask  # not the private staging permissions
+    assert ((out / "model.safetensors").stat().st_mode & 0o777) == 0o666 & ~umask
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.get_tensor("fc.weight").dtype == torch.float16
 
@@ -346,3 +351,13 @@ def test_export_command_line(tmp_path):
     )
     assert "| HumanEval | 2.5 |" in (tmp_path / "hub" / "README.md").read_text()
     assert DominoForSpeculation.from_pretrained(tmp_path / "hub").dtype == torch.bfloat16
+
+
+def test_shipped_checkpoint_remote_code_is_the_package_source():
+    """The remote code next to the shipped drafter must be today's modules (re-export after changing them)."""
+    import hf_domino
+
+    package = Path(hf_domino.__file__).parent
+    shipped = package / "checkpoints" / "smollm2-135m-instruct-domino"
+    for name in ("configuration_domino.py", "modeling_domino.py", "generation_domino.py"):
+        assert (shipped / name).read_text() == (package / name).read_text(), f"re-export: {name} is stale"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -179,10 +180,21 @@ def export_drafter(
             training_summary=training_summary,
         )
         card.save(staging_dir / "README.md")
+        _apply_umask_permissions(staging_dir)
         if output_dir.exists():
             shutil.rmtree(output_dir)
         staging_dir.rename(output_dir)
     return output_dir
+
+
+def _apply_umask_permissions(folder: Path) -> None:
+    # The staging folder comes from `tempfile` (private, 0700/0600): give the export the permissions a plain
+    # `mkdir`/`open` would have had.
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 # ------------------------------------------------------------------------------------------------------------- CLI

@@ -487,7 +487,9 @@ def collate(examples: Sequence[Example], pad_token_id: int, features: Sequence[t
     return Batch(input_ids, loss_mask, attention_mask, context_features)
 
 
-def example_indices(step: int, micro_step: int, rank: int, *, config: TrainConfig, world_size: int, num_examples: int):
+def example_indices(
+    step: int, micro_step: int, rank: int, *, config: TrainConfig, world_size: int, num_examples: int
+) -> list[int]:
     """Which examples a process reads at (optimizer step, micro step): a function of the seed and position only.
 
     Epoch e visits the examples in the order of a permutation seeded by `seed + e`; consecutive global positions go
@@ -930,6 +932,8 @@ def run(args: argparse.Namespace) -> int:
     """Run `hf-domino train` with parsed arguments."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    from accelerate import PartialState
+
     from .data import load_target
 
     target_model, tokenizer = load_target(args.target, gguf_file=args.gguf_file, device="cpu")
@@ -983,7 +987,7 @@ def run(args: argparse.Namespace) -> int:
         gradient_checkpointing=args.gradient_checkpointing,
         stop_after_seconds=args.stop_after_minutes * 60 if args.stop_after_minutes else None,
     )
-    print(
+    PartialState().print(
         f"Training {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M-parameter drafter on {len(examples)} "
         f"examples ({sum(sum(e.loss_mask) for e in examples)} response tokens) for {config.total_steps} steps.",
         flush=True,
@@ -1000,7 +1004,8 @@ def run(args: argparse.Namespace) -> int:
         pad_token_id=pad_token_id,
     )
     finished = latest_checkpoint(args.output_dir)
-    if finished is not None and finished.name == f"{CHECKPOINT_PREFIX}{config.total_steps}":
+    is_main = PartialState().is_main_process
+    if is_main and finished is not None and finished.name == f"{CHECKPOINT_PREFIX}{config.total_steps}":
         drafter.save_pretrained(args.output_dir / "final")
         if args.export_dir:
             from .export import export_drafter

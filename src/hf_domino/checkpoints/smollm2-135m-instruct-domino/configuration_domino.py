@@ -1,0 +1,209 @@
+"""Configuration of Domino (and plain DFlash) speculative-decoding drafters.
+
+This file is also written next to exported checkpoints as remote code, so it imports only transformers and torch.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from huggingface_hub.dataclasses import strict
+from transformers import PretrainedConfig
+from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+
+# Keys that the published checkpoints keep inside `dflash_config` (some put `mask_token_id` and
+# `target_layer_ids` at the top level instead); we hold them all as top-level config fields.
+DFLASH_CONFIG_KEYS = (
+    "mask_token_id",
+    "target_layer_ids",
+    "projector_type",
+    "emb_dim",
+    "gru_hidden_dim",
+    "pure_draft_prefix_len",
+    "shift_label",
+)
+# The published configs point at their authors' remote code; these keys must not leak into ours.
+FOREIGN_KEYS = ("architectures", "auto_map")
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's layer choice: the middle layer for one draft layer, else evenly spaced from 1 to L - 3.
+
+    Targets shallower than 4 layers (tests, toys) get the ids clamped into range.
+    """
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    spaced = [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    return [min(max(i, 0), num_target_layers - 1) for i in spaced]
+
+
+def normalize_published_config(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """Map a published DFlash/Domino `config.json` (model_type `qwen3` + `dflash_config`) to DominoConfig keys."""
+    config_dict = copy.deepcopy(config_dict)
+    dflash_config = config_dict.pop("dflash_config", None) or {}
+    for key in DFLASH_CONFIG_KEYS:
+        if key in dflash_config:
+            config_dict[key] = dflash_config[key]
+    if config_dict.get("model_type") != DominoConfig.model_type:
+        for key in FOREIGN_KEYS:
+            config_dict.pop(key, None)
+        config_dict["model_type"] = DominoConfig.model_type
+    return config_dict
+
+
+@strict
+class DominoConfig(Qwen3Config):
+    r"""
+    Configuration of a [`DominoForSpeculation`] drafter: a Qwen3-style DFlash backbone that drafts a block in one
+    non-causal forward from the target's hidden states, plus the optional Domino head (`projector_type="domino"`).
+
+    The Qwen3 fields (`hidden_size`, `num_hidden_layers` = draft layers, heads, rope, ...) describe the backbone.
+    `hidden_size` and `vocab_size` must equal the target's: the drafter reads the target's input embeddings and
+    applies the target's LM head.
+
+    Args:
+        block_size (`int`): tokens per drafted block, the anchor included.
+        num_target_layers (`int`): number of decoder layers of the target.
+        target_layer_ids (`list[int]`): target layers whose outputs (`hidden_states[i + 1]`) feed the drafter.
+            Defaults to DFlash's spacing rule.
+        mask_token_id (`int`): token id filling the block after the anchor.
+        projector_type (`str`, *optional*): `"domino"` adds the Domino head; `None` is a plain DFlash drafter.
+        emb_dim (`int`): rank of the head's logit correction.
+        gru_hidden_dim (`int`): hidden size of the head's GRU.
+        pure_draft_prefix_len (`int`): leading drafts taken from the base logits alone.
+        shift_label (`bool`): `True` (Domino) makes block position i predict token `start + i + 1` (block_size
+            drafts); `False` (DFlash) makes position i predict `start + i` (block_size - 1 drafts).
+    """
+
+    model_type = "domino"
+
+    block_size: int = 16
+    num_target_layers: int | None = None
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None
+    projector_type: str | None = None
+    emb_dim: int = 256
+    gru_hidden_dim: int = 1024
+    pure_draft_prefix_len: int = 1
+    shift_label: bool = False
+
+    def __post_init__(self, **kwargs):
+        if self.target_layer_ids is None and self.num_target_layers is not None:
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        super().validate_architecture()
+        if self.projector_type not in (None, "domino"):
+            raise ValueError(f"projector_type must be None (DFlash) or 'domino', got {self.projector_type!r}.")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be at least 2 (the anchor plus one draft), got {self.block_size}.")
+        if self.target_layer_ids is None:
+            raise ValueError("DominoConfig needs `target_layer_ids` or `num_target_layers` to choose them.")
+        if self.has_domino_head and not 0 <= self.pure_draft_prefix_len <= self.num_drafts:
+            raise ValueError(
+                f"pure_draft_prefix_len={self.pure_draft_prefix_len} must be between 0 and the number of drafts "
+                f"per block ({self.num_drafts})."
+            )
+
+    @property
+    def has_domino_head(self) -> bool:
+        return self.projector_type == "domino"
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens per block: every block position with `shift_label`, all but the anchor's without."""
+        return self.block_size if self.shift_label else self.block_size - 1
+
+    @property
+    def context_size(self) -> int:
+        """Width of the concatenated target features fed to `fc`."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict[str, Any], dict[str, Any]]:
+        # Published checkpoints say `model_type: qwen3`; normalizing here, before `from_pretrained` compares model
+        # types, is what keeps loading them free of the "model of type qwen3" warning.
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        return normalize_published_config(config_dict), kwargs
+
+    def to_dict(self) -> dict[str, Any]:
+        # Mirror the Domino fields into `dflash_config` so the reference implementation reads our exports unchanged.
+        output = super().to_dict()
+        output["dflash_config"] = {key: output[key] for key in DFLASH_CONFIG_KEYS if output.get(key) is not None}
+        return output
+
+    @classmethod
+    def from_target(
+        cls,
+        target_config: PretrainedConfig,
+        *,
+        num_hidden_layers: int = 1,
+        block_size: int = 16,
+        mask_token_id: int | None = None,
+        target_layer_ids: list[int] | None = None,
+        with_domino_head: bool = True,
+        emb_dim: int = 256,
+        gru_hidden_dim: int = 1024,
+        pure_draft_prefix_len: int = 1,
+        shift_label: bool | None = None,
+        **backbone_kwargs: Any,
+    ) -> DominoConfig:
+        """Builds a fresh drafter config for `target_config` (sizes, vocabulary and special tokens from the target).
+
+        Backbone shapes default to the target's (heads, head_dim, MLP width); override them with `backbone_kwargs`.
+        `shift_label` defaults to `True` with the Domino head (the published Domino convention), `False` without.
+        """
+        text_config = target_config.get_text_config()
+        num_target_layers = text_config.num_hidden_layers
+        if mask_token_id is None:
+            mask_token_id = _default_mask_token_id(text_config)
+        num_heads = text_config.num_attention_heads
+        backbone = {
+            "hidden_size": text_config.hidden_size,
+            "intermediate_size": text_config.intermediate_size,
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": getattr(text_config, "num_key_value_heads", None) or num_heads,
+            "head_dim": getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads,
+            "rms_norm_eps": getattr(text_config, "rms_norm_eps", 1e-6),
+            "max_position_embeddings": text_config.max_position_embeddings,
+            "rope_parameters": getattr(text_config, "rope_parameters", None),
+            "vocab_size": text_config.vocab_size,
+            "eos_token_id": text_config.eos_token_id,
+            "pad_token_id": text_config.pad_token_id,
+            "bos_token_id": text_config.bos_token_id,
+        }
+        backbone.update(backbone_kwargs)
+        return cls(
+            num_hidden_layers=num_hidden_layers,
+            block_size=block_size,
+            num_target_layers=num_target_layers,
+            target_layer_ids=target_layer_ids,
+            mask_token_id=mask_token_id,
+            projector_type="domino" if with_domino_head else None,
+            emb_dim=emb_dim,
+            gru_hidden_dim=gru_hidden_dim,
+            pure_draft_prefix_len=pure_draft_prefix_len,
+            shift_label=with_domino_head if shift_label is None else shift_label,
+            **backbone,
+        )
+
+
+def _default_mask_token_id(text_config: PretrainedConfig) -> int:
+    # Any id works as long as training and inference agree; the pad token is the usual choice, EOS the fallback.
+    for candidate in (text_config.pad_token_id, text_config.eos_token_id):
+        if isinstance(candidate, list):
+            candidate = candidate[0] if candidate else None
+        if candidate is not None:
+            return int(candidate)
+    raise ValueError("The target config has neither pad_token_id nor eos_token_id: pass `mask_token_id=` explicitly.")
+
+
+__all__ = ["DominoConfig", "default_target_layer_ids", "normalize_published_config"]
+
+# save_pretrained then writes this file next to the checkpoint and `auto_map` into config.json.
+DominoConfig.register_for_auto_class()

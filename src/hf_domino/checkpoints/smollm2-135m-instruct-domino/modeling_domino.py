@@ -1,0 +1,442 @@
+"""Domino drafter: a DFlash parallel backbone plus the Domino head (GRU over drafted tokens + low-rank logit fix).
+
+One block of drafting, for a target whose last produced token is the *anchor*:
+
+1. the backbone reads `[anchor, MASK, ..., MASK]` (embedded with the target's table) in one non-causal forward;
+   its keys/values also cover the target's hidden states of every verified token before the anchor;
+2. the target's LM head turns the backbone output into base logits for every draft position;
+3. the Domino head walks the drafts in order: a GRU reads the anchor and each drafted token, and
+   `embed_proj([z ; s])` adds a correction to the base logits of the next position.
+
+The drafter owns neither embeddings nor an LM head: both are the target's and are passed explicitly as
+`TargetModules`. This file is also written next to exported checkpoints as remote code (transformers + torch only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.models.qwen3.modeling_qwen3 import (
+    ALL_ATTENTION_FUNCTIONS,
+    Qwen3Attention,
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
+
+from .configuration_domino import DominoConfig
+from .generation_domino import DominoCandidateGenerator, install_assisted_generation_hook
+
+
+@dataclass(frozen=True)
+class TargetModules:
+    """The two target modules a drafter borrows: the input embedding table and the LM head."""
+
+    embed_tokens: nn.Module
+    lm_head: nn.Module
+
+    @classmethod
+    def from_target(cls, target: PreTrainedModel) -> TargetModules:
+        embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        if embed_tokens is None or lm_head is None:
+            raise ValueError(
+                f"{type(target).__name__} does not expose input and output embeddings "
+                "(get_input_embeddings()/get_output_embeddings()); a Domino drafter needs both from its target."
+            )
+        return cls(embed_tokens=embed_tokens, lm_head=lm_head)
+
+    def embed(self, input_ids: torch.LongTensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        table_device = self.embed_tokens.weight.device
+        return self.embed_tokens(input_ids.to(table_device)).to(device=device, dtype=dtype)
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.lm_head.weight
+        return self.lm_head(hidden_states.to(device=weight.device, dtype=weight.dtype))
+
+
+def _apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return states * cos + rotate_half(states) * sin
+
+
+class DominoAttention(Qwen3Attention):
+    """Qwen3 attention whose keys/values are `[context ; block]`, with the same projections for both, non-causal."""
+
+    def __init__(self, config: DominoConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.is_causal = False
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: DynamicCache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch_size, block_len = hidden_states.shape[:2]
+        kv_input = torch.cat([context, hidden_states], dim=1)
+        query = self.q_norm(self.q_proj(hidden_states).view(batch_size, block_len, -1, self.head_dim)).transpose(1, 2)
+        key = self.k_norm(self.k_proj(kv_input).view(batch_size, kv_input.shape[1], -1, self.head_dim)).transpose(1, 2)
+        value = self.v_proj(kv_input).view(batch_size, kv_input.shape[1], -1, self.head_dim).transpose(1, 2)
+
+        # cos/sin cover [new context ; block]; queries are the block, the last `block_len` positions.
+        cos, sin = position_embeddings
+        query = _apply_rotary(query, cos[:, -block_len:], sin[:, -block_len:])
+        key = _apply_rotary(key, cos, sin)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            is_causal=False,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(batch_size, block_len, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+class DominoDecoderLayer(GradientCheckpointingLayer):
+    """A Qwen3 decoder layer over the block; the (already normalized) context only enters as keys/values."""
+
+    def __init__(self, config: DominoConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DominoAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: DynamicCache | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            context,
+            position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+def build_domino_head(config: DominoConfig) -> tuple[nn.GRU, nn.Sequential]:
+    """The head's modules, named as in the published checkpoints (`prefix_gru`, `embed_proj.0`, `embed_proj.2`)."""
+    prefix_gru = nn.GRU(config.hidden_size, config.gru_hidden_dim, num_layers=1, bias=False, batch_first=True)
+    embed_proj = nn.Sequential(
+        nn.Linear(config.hidden_size + config.gru_hidden_dim, config.emb_dim, bias=False),
+        nn.SiLU(),
+        nn.Linear(config.emb_dim, config.vocab_size, bias=False),
+    )
+    return prefix_gru, embed_proj
+
+
+# Picks a token from one position's logits: (logits [1, vocab], tokens realised so far [1, n]) -> (token [1, 1],
+# the processed logits it was drawn from [1, vocab]).
+TokenPicker = Callable[[torch.Tensor, torch.LongTensor], tuple[torch.LongTensor, torch.Tensor]]
+
+
+def greedy_picker(logits: torch.Tensor, realised_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor]:
+    return logits.argmax(dim=-1, keepdim=True), logits
+
+
+class DominoPreTrainedModel(PreTrainedModel):
+    config_class = DominoConfig
+    config: DominoConfig
+    base_model_prefix = ""
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DominoDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, nn.GRU):
+            bound = module.hidden_size**-0.5
+            for weight in module.parameters():
+                nn.init.uniform_(weight, -bound, bound)
+
+
+class DominoForSpeculation(DominoPreTrainedModel):
+    """A Domino (or, without the head, DFlash) drafter for speculative decoding with a frozen target.
+
+    Pass it as `assistant_model=` to the target's `generate()` (or to a text-generation `pipeline`): the assisted
+    decoding loop then drafts one block per target forward with this model and verifies it losslessly.
+    """
+
+    # Recognised by the generate() hook by attribute, so that the package and remote-code copies of this class (two
+    # different Python classes) are both dispatched.
+    _is_domino_drafter = True
+
+    def __init__(self, config: DominoConfig):
+        super().__init__(config)
+        self.layers = nn.ModuleList([DominoDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.fc = nn.Linear(config.context_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.has_domino_head:
+            self.prefix_gru, self.embed_proj = build_domino_head(config)
+        # Run-time switch (not saved): drafting with the head off is DFlash mode on the same weights.
+        self.use_domino_head = config.has_domino_head
+        # Filled by every generate() call that uses this drafter; see `DominoGenerationStats`.
+        self.last_generation_stats = None
+        self.record_timings = False
+        # How generate() rolls the head out: "auto" (fused Triton + CUDA graph on CUDA when hf_domino.triton_head
+        # applies, else eager), "eager", "triton" or "triton+graph". See docs/fast_path.md.
+        self.rollout_mode = "auto"
+        # Cap on the drafts verified per target forward (None: the whole block). The backbone still reads the full
+        # block it was trained on; a shorter verify pays off where a target forward costs more per token (CPUs).
+        self.num_speculative_tokens: int | None = None
+        self.post_init()
+
+    # ----------------------------------------------------------------------------------------------- run-time switches
+    @property
+    def head_active(self) -> bool:
+        return self.config.has_domino_head and self.use_domino_head
+
+    @contextlib.contextmanager
+    def domino_head(self, enabled: bool) -> Iterator[DominoForSpeculation]:
+        """Temporarily switch the Domino head on or off (off = DFlash drafting with the same backbone)."""
+        if enabled and not self.config.has_domino_head:
+            raise ValueError("This drafter has no Domino head (projector_type is not 'domino'); it drafts as DFlash.")
+        previous, self.use_domino_head = self.use_domino_head, enabled
+        try:
+            yield self
+        finally:
+            self.use_domino_head = previous
+
+    # ----------------------------------------------------------------------------------------------------- backbone
+    def project_context(self, context_features: torch.Tensor) -> torch.Tensor:
+        """Concatenated target features `[b, n, len(layers) * hidden]` -> drafter-width context `[b, n, hidden]`."""
+        return self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        context_features: torch.Tensor,
+        position_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: DynamicCache | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """The parallel backbone: returns the normalized hidden states of the block, `[b, block_len, hidden]`.
+
+        Args:
+            block_embeds: target embeddings of the block tokens `[b, q, hidden]`.
+            context_features: target hidden states of the context tokens not yet in `past_key_values`,
+                concatenated over `target_layer_ids`, `[b, c, len(target_layer_ids) * hidden]`.
+            position_ids: positions of `[context ; block]`, `[b, c + q]`.
+            attention_mask: optional additive mask `[b, 1, q, cached + c + q]`; `None` lets every block position see
+                all the context and the whole block (inference).
+            past_key_values: the drafter's context cache. It only ever holds context: the block's own keys/values
+                are dropped after the forward, so the caller never crops.
+        """
+        hidden_states = block_embeds.to(self.fc.weight.dtype)
+        block_len = hidden_states.shape[1]
+        context = self.project_context(context_features)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                context,
+                position_embeddings,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                **kwargs,
+            )
+        if past_key_values is not None:
+            past_key_values.crop(-block_len)
+        return self.norm(hidden_states)
+
+    def draft_hidden_states(self, block_hidden: torch.Tensor) -> torch.Tensor:
+        """Backbone outputs of the draft positions, in draft order (`config.num_drafts` of them)."""
+        return block_hidden[:, -self.config.num_drafts :]
+
+    # -------------------------------------------------------------------------------------------------- Domino head
+    def gru_step(self, token_embeds: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
+        """Feeds realised tokens `[b, n, hidden]` to the GRU; returns the new state `[1, b, gru_hidden_dim]`."""
+        _, state = self.prefix_gru(token_embeds.to(self.prefix_gru.weight_ih_l0.dtype), state)
+        return state
+
+    def logit_correction(self, draft_hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """`embed_proj([z ; s])` for one draft position: `[b, 1, hidden]`, `[1, b, G]` -> `[b, 1, vocab]`."""
+        return self.embed_proj(torch.cat([draft_hidden, state.transpose(0, 1).to(draft_hidden.dtype)], dim=-1))
+
+    def rollout(
+        self,
+        draft_hidden: torch.Tensor,
+        base_logits: torch.Tensor,
+        anchor_ids: torch.LongTensor,
+        target: TargetModules,
+        pick: TokenPicker = greedy_picker,
+    ) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Chooses the drafts one by one (the reference, eager path).
+
+        Args:
+            draft_hidden: backbone outputs of the positions to draft, `[1, k, hidden]`.
+            base_logits: the target LM head on `draft_hidden`, `[1, k, vocab]`.
+            anchor_ids: the tokens realised before the first draft, `[1, n]`; the last one is the anchor. The
+                picker sees them as prefix (logits processors such as repetition penalty need the whole sequence).
+            target: the target's embeddings (for the GRU input).
+            pick: chooses a token from one position's logits; greedy argmax by default.
+
+        Returns:
+            `(draft_ids [1, k], logits [1, k, vocab])`: the chosen tokens and the exact logits each was drawn from.
+        """
+        num_drafts = base_logits.shape[1]
+        prefix_len = anchor_ids.shape[1]
+        realised = anchor_ids
+        chosen_logits = []
+        state = None
+        for i in range(num_drafts):
+            logits = base_logits[:, i]
+            if self.head_active and i >= self.config.pure_draft_prefix_len:
+                # The GRU reads the block's realised tokens: all of them (anchor first) on its first step, then
+                # the one draft chosen since.
+                unread = realised[:, prefix_len - 1 :] if state is None else realised[:, -1:]
+                gru_weight = self.prefix_gru.weight_ih_l0
+                state = self.gru_step(target.embed(unread, gru_weight.dtype, gru_weight.device), state)
+                correction = self.logit_correction(draft_hidden[:, i : i + 1], state)[:, 0]
+                logits = logits + correction.to(device=logits.device, dtype=logits.dtype)
+            token, logits = pick(logits, realised)
+            realised = torch.cat([realised, token], dim=-1)
+            chosen_logits.append(logits)
+        return realised[:, anchor_ids.shape[1] :], torch.stack(chosen_logits, dim=1)
+
+    # ------------------------------------------------------------------------------------------------- convenience
+    def draft_block(
+        self,
+        target: TargetModules,
+        anchor_ids: torch.LongTensor,
+        context_features: torch.Tensor,
+        position_ids: torch.LongTensor,
+        past_key_values: DynamicCache | None = None,
+        num_drafts: int | None = None,
+        pick: TokenPicker = greedy_picker,
+    ) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Drafts one block after `anchor_ids[:, -1]`: backbone, base logits, then the (optional) head rollout.
+
+        `position_ids` cover `[context ; block]`; `num_drafts` (default `config.num_drafts`) shortens the block near
+        a length limit (the backbone still reads the whole block it was trained on).
+        """
+        config = self.config
+        block_ids = torch.full(
+            (1, config.block_size), config.mask_token_id, dtype=torch.long, device=anchor_ids.device
+        )
+        block_ids[:, 0] = anchor_ids[:, -1]
+        block_hidden = self(
+            target.embed(block_ids, self.dtype, self.device),
+            context_features,
+            position_ids,
+            past_key_values=past_key_values,
+        )
+        num_drafts = config.num_drafts if num_drafts is None else min(num_drafts, config.num_drafts)
+        draft_hidden = self.draft_hidden_states(block_hidden)[:, :num_drafts]
+        base_logits = target.logits(draft_hidden)
+        return self.rollout(draft_hidden, base_logits, anchor_ids, target, pick)
+
+    # ------------------------------------------------------------------------------------------------ generate() glue
+    def build_candidate_generator(self, target: PreTrainedModel, **kwargs) -> DominoCandidateGenerator:
+        """Called by the generate() hook when this drafter is the `assistant_model`."""
+        return DominoCandidateGenerator(
+            drafter=self, target=target, target_modules=TargetModules.from_target(target), **kwargs
+        )
+
+    # --------------------------------------------------------------------------------------------- loading & saving
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, allow_pickle: bool = False, **kwargs):
+        """Loads a drafter in the published Domino/DFlash format or our own, strictly.
+
+        Every tensor must be present with its expected shape and no unexpected tensor may be left: anything else
+        raises a `ValueError` naming the tensors. Pickle (`.bin`) weights are refused unless `allow_pickle=True`.
+        """
+        if not allow_pickle and kwargs.get("use_safetensors") is False:
+            raise ValueError("use_safetensors=False loads pickle weights; pass allow_pickle=True to opt in.")
+        if not allow_pickle:
+            kwargs["use_safetensors"] = True
+            _refuse_pickle_only_folder(pretrained_model_name_or_path)
+        return_loading_info = kwargs.pop("output_loading_info", False)
+        # Let mis-shaped tensors through to the loading report so that our error can name them.
+        strict_shapes = not kwargs.pop("ignore_mismatched_sizes", False)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path,
+            *model_args,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
+            **kwargs,
+        )
+        if not strict_shapes:
+            info = {**info, "mismatched_keys": []}
+        _raise_on_loading_problems(info, pretrained_model_name_or_path)
+        return (model, info) if return_loading_info else model
+
+
+def _refuse_pickle_only_folder(path) -> None:
+    if not os.path.isdir(str(path)):
+        return
+    files = os.listdir(path)
+    has_safetensors = any(name.endswith(".safetensors") for name in files)
+    has_pickle = any(name.endswith((".bin", ".pt", ".pth", ".pkl")) for name in files)
+    if has_pickle and not has_safetensors:
+        raise ValueError(
+            f"{path} holds only pickle weights, which can run arbitrary code when loaded. Convert them to "
+            "safetensors, or pass allow_pickle=True if you trust the source."
+        )
+
+
+def _raise_on_loading_problems(info: dict, path) -> None:
+    problems = []
+    if info.get("missing_keys"):
+        problems.append(f"missing tensors: {sorted(info['missing_keys'])}")
+    if info.get("unexpected_keys"):
+        problems.append(f"unexpected tensors: {sorted(info['unexpected_keys'])}")
+    if info.get("mismatched_keys"):
+        shapes = [
+            f"{name} (checkpoint {tuple(old)}, expected {tuple(new)})" for name, old, new in info["mismatched_keys"]
+        ]
+        problems.append(f"mis-shaped tensors: {shapes}")
+    if problems:
+        raise ValueError(
+            f"The checkpoint at {path} does not match its config ({'; '.join(problems)}). Check that config.json "
+            "(projector_type, emb_dim, gru_hidden_dim, target_layer_ids, sizes) describes these weights."
+        )
+
+
+# save_pretrained then writes this file (and the two it imports) next to the weights, with `auto_map` in config.json.
+DominoForSpeculation.register_for_auto_class("AutoModel")
+install_assisted_generation_hook()
+
+__all__ = ["DominoForSpeculation", "DominoPreTrainedModel", "TargetModules", "greedy_picker"]
