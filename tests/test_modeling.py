@@ -297,7 +297,11 @@ def test_export_writes_a_hub_ready_folder_atomically(tmp_path):
     assert card.data.pipeline_tag == "text-generation" and "speculative-decoding" in card.data.tags
     assert card.data.license == "apache-2.0"
     assert "assistant_model=drafter" in card.text and 'pipeline("text-generation"' in card.text
-    assert "| MT-Bench | 3.1 | 1.6x |" in card.text and "Trained for 10 steps." in card.text
+    assert (
+        "| MT-Bench | 3.1 | 1.6x |" in card.text
+        and "| dtype | float16 |" in card.text
+        and "Trained for 10 steps." in card.text
+    )
     assert drafter.dtype == torch.float32  # the live model is left as it was
     umask = os.umask(0)
     os.umask(umask)

@@ -64,7 +64,7 @@ switched off (DFlash mode, same weights): `with drafter.domino_head(False): targ
 {results_section}{training_section}"""
 
 
-def drafter_shape(drafter: DominoForSpeculation) -> dict[str, Any]:
+def drafter_shape(drafter: DominoForSpeculation, dtype: torch.dtype | None = None) -> dict[str, Any]:
     config = drafter.config
     shape = {
         "draft layers": config.num_hidden_layers,
@@ -80,7 +80,7 @@ def drafter_shape(drafter: DominoForSpeculation) -> dict[str, Any]:
         shape["GRU hidden / correction rank"] = f"{config.gru_hidden_dim} / {config.emb_dim}"
         shape["pure draft prefix"] = config.pure_draft_prefix_len
     shape["parameters"] = f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M"
-    shape["dtype"] = str(drafter.dtype).removeprefix("torch.")
+    shape["dtype"] = str(dtype or drafter.dtype).removeprefix("torch.")
     return shape
 
 
@@ -99,6 +99,7 @@ def model_card(
     license: str = "apache-2.0",
     results: list[dict[str, Any]] | None = None,
     training_summary: str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> ModelCard:
     """The drafter's Hub model card: YAML metadata, usage for generate() and pipeline(), shape, results."""
     config = drafter.config
@@ -125,7 +126,7 @@ def model_card(
         kind="Domino" if config.has_domino_head else "DFlash",
         num_drafts=config.num_drafts,
         head_sentence=head_sentence,
-        shape_rows="\n".join(f"| {key} | {value} |" for key, value in drafter_shape(drafter).items()),
+        shape_rows="\n".join(f"| {key} | {value} |" for key, value in drafter_shape(drafter, dtype).items()),
         results_section=results_section,
         training_section=training_section,
     )
@@ -178,6 +179,7 @@ def export_drafter(
             license=license,
             results=results,
             training_summary=training_summary,
+            dtype=dtype,
         )
         card.save(staging_dir / "README.md")
         _apply_umask_permissions(staging_dir)
