@@ -337,6 +337,14 @@ class DominoForSpeculation(DominoPreTrainedModel):
         return realised[:, anchor_ids.shape[1] :], torch.stack(chosen_logits, dim=1)
 
     # ------------------------------------------------------------------------------------------------- convenience
+    def embed_block(self, target: TargetModules, anchor_ids: torch.LongTensor) -> torch.Tensor:
+        """Target embeddings of the block `[anchor, MASK, ..., MASK]` for the anchor `anchor_ids[:, -1]`."""
+        block_ids = torch.full(
+            (1, self.config.block_size), self.config.mask_token_id, dtype=torch.long, device=anchor_ids.device
+        )
+        block_ids[:, 0] = anchor_ids[:, -1]
+        return target.embed(block_ids, self.dtype, self.device)
+
     def draft_block(
         self,
         target: TargetModules,
@@ -353,12 +361,8 @@ class DominoForSpeculation(DominoPreTrainedModel):
         a length limit (the backbone still reads the whole block it was trained on).
         """
         config = self.config
-        block_ids = torch.full(
-            (1, config.block_size), config.mask_token_id, dtype=torch.long, device=anchor_ids.device
-        )
-        block_ids[:, 0] = anchor_ids[:, -1]
         block_hidden = self(
-            target.embed(block_ids, self.dtype, self.device),
+            self.embed_block(target, anchor_ids),
             context_features,
             position_ids,
             past_key_values=past_key_values,

@@ -228,9 +228,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         device = drafter.device
         start = self.context_length + context.shape[1]  # the anchor's position
         position_ids = torch.arange(self.context_length, start + config.block_size, device=device)[None]
-        block_ids = torch.full((1, config.block_size), config.mask_token_id, dtype=torch.long, device=device)
-        block_ids[:, 0] = input_ids[0, -1]
-        block_embeds = self.target.embed(block_ids, drafter.dtype, device)
+        block_embeds = drafter.embed_block(self.target, input_ids)
         block_hidden = drafter(block_embeds, context, position_ids, past_key_values=self.cache)
         self.context_length = start
         self._tick("backbone", True)
