@@ -140,6 +140,20 @@ def test_manual_loop_matches_target_greedy(kind, monkeypatch):
         assert set(manual.timings) == set(domino.timings) == set(bench.TIMING_KEYS)
 
 
+def test_both_loops_honour_num_speculative_tokens(monkeypatch):
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=5)
+    input_ids = torch.randint(2, 64, (1, 7), generator=torch.Generator().manual_seed(4))
+    reference = target_greedy(target, input_ids)
+    monkeypatch.setattr(drafter, "rollout", oracle_rollout(reference, correct=5, vocab_size=64))
+    drafter.num_speculative_tokens = 2  # every draft is right: each forward adds exactly 2 drafts + 1
+    manual = bench.run_method("manual", target, drafter, input_ids, MAX_NEW_TOKENS)
+    domino = bench.run_method("domino", target, drafter, input_ids, MAX_NEW_TOKENS)
+    assert manual.new_tokens == domino.new_tokens == reference[0, 7:].tolist()
+    assert manual.acceptance_lengths == domino.acceptance_lengths
+    assert max(manual.acceptance_lengths) == 3 and manual.acceptance_lengths.count(3) >= 3
+
+
 def test_manual_loop_stops_at_eos_and_length(target, drafter):
     input_ids = torch.randint(2, target.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(3))
     reference = target_greedy(target, input_ids, max_new_tokens=40)

@@ -172,12 +172,17 @@ def test_left_pad_and_cut_response():
     assert data.cut_response([7, 4, 1], {1, 7}) == [7]
 
 
-def test_cli_regenerates_a_slice_of_a_prompt_file(model, tokenizer, tmp_path):
-    target = tmp_path / "target"
+def save_target_and_prompts(model, tokenizer, folder: Path) -> tuple[Path, Path]:
+    """A Hugging Face model folder and a jsonl prompt file, what the CLI commands take."""
+    target, prompt_file = folder / "target", folder / "prompts.jsonl"
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
-    prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in PROMPTS))
+    return target, prompt_file
+
+
+def test_cli_regenerates_a_slice_of_a_prompt_file(model, tokenizer, tmp_path):
+    target, prompt_file = save_target_and_prompts(model, tokenizer, tmp_path)
     output = tmp_path / "regen.jsonl"
 
     argv = ["regenerate", "--target", str(target), "--prompts", str(prompt_file), "--output", str(output)]
@@ -297,3 +302,43 @@ def test_regenerate_with_smollm2(tmp_path, capfd):
     records = read_records(output)
     assert sorted(records) == [0, 1]
     assert all(sum(record["loss_mask"]) >= 1 for record in records.values())
+
+
+# ----------------------------------------------------------------------------------------- regenerate -> train, CLI
+def test_cli_regenerate_then_train_any_causal_lm(model, tokenizer, tmp_path):
+    """The two commands alone turn a Hugging Face causal LM folder into a working drafter, also from an fp16 export."""
+    from safetensors import safe_open
+
+    from hf_domino import DominoForSpeculation
+    from hf_domino.export import export_drafter
+
+    target, prompt_file = save_target_and_prompts(model, tokenizer, tmp_path)
+    regen = tmp_path / "regen.jsonl"
+    common = ["--target", str(target), "--threads", str(torch.get_num_threads())]
+    assert cli.main(["regenerate", *common, "--prompts", str(prompt_file), "--output", str(regen),
+                     "--max-new-tokens", "12", "--device", "cpu", "--no-progress"]) == 0  # fmt: skip
+
+    train = ["train", *common, "--data", str(regen), "--num-draft-layers", "1", "--block-size", "4",
+             "--emb-dim", "4", "--gru-hidden-dim", "8", "--num-anchors", "2", "--log-every", "1"]  # fmt: skip
+    assert cli.main([*train, "--init-from-target", "--total-steps", "2", "--output-dir", str(tmp_path / "a")]) == 0
+    first = DominoForSpeculation.from_pretrained(tmp_path / "a" / "final")
+
+    fp16_export = tmp_path / "fp16"
+    export_drafter(first, fp16_export, base_model="tiny-llama", dtype=torch.float16)
+    assert (
+        cli.main([*train, "--init-from", str(fp16_export), "--total-steps", "1", "--output-dir", str(tmp_path / "b")])
+        == 0
+    )
+    with safe_open(tmp_path / "b" / "final" / "model.safetensors", "pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.float32}  # fp32 master weights
+
+    drafter = DominoForSpeculation.from_pretrained(tmp_path / "b" / "final")
+    chat = tokenizer.apply_chat_template(PROMPTS[3], add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    input_ids = chat["input_ids"]
+    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert torch.equal(
+        model.generate(input_ids, assistant_model=drafter, **kwargs), model.generate(input_ids, **kwargs)
+    )
+
+    with pytest.raises(SystemExit, match="exclude each other"):
+        cli.main([*train, "--init-from-target", "--init-from", str(fp16_export), "--output-dir", str(tmp_path / "c")])

@@ -10,6 +10,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import tiny_target as conftest_tiny_target
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_domino import DominoConfig, DominoForSpeculation, TargetModules
@@ -23,6 +24,7 @@ from hf_domino.training import (
     collate,
     curriculum_lambda,
     draft_logits,
+    init_from_target_layers,
     position_weights,
     sample_anchors,
     target_context_features,
@@ -341,3 +343,49 @@ def test_gradient_checkpointing_gives_the_same_step(target, tmp_path):
     checkpointed = train(tiny_drafter(target), target, toy_examples(), checkpointed_config, tmp_path / "ckpt")
     for (name, a), (_, b) in zip(plain.state_dict().items(), checkpointed.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ------------------------------------------------------------------------------------------ target-layer warm start
+def test_init_from_target_layers_reproduces_the_targets_context_inputs(target):
+    drafter = tiny_drafter(target)  # 1 layer; context from target layers [1, 2] of 4
+    assert init_from_target_layers(drafter, target) == [3]
+    target_layer = target.model.layers[3]
+    for name, tensor in target_layer.state_dict().items():
+        torch.testing.assert_close(drafter.layers[0].state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(drafter.norm.weight, target.model.norm.weight)
+
+    # The context enters draft layer 0 exactly as the target's layer 3 reads it: its input, normalized by its norm.
+    batch, features = batch_and_features(target, toy_examples(count=2))
+    with torch.no_grad():
+        hidden_states = target(batch.input_ids, output_hidden_states=True).hidden_states
+        expected = target_layer.input_layernorm(hidden_states[3])
+        torch.testing.assert_close(drafter.project_context(features), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_init_from_target_layers_on_llama_keeps_fresh_qk_norms():
+    llama = conftest_tiny_target("llama", vocab_size=VOCAB, num_layers=3)
+    config = DominoConfig.from_target(llama.config, num_hidden_layers=2, block_size=BLOCK, target_layer_ids=[0])
+    drafter = DominoForSpeculation(config)
+    assert init_from_target_layers(drafter, llama) == [1, 2]
+    torch.testing.assert_close(
+        drafter.layers[1].self_attn.q_proj.weight, llama.model.layers[2].self_attn.q_proj.weight
+    )
+    torch.testing.assert_close(drafter.layers[0].mlp.down_proj.weight, llama.model.layers[1].mlp.down_proj.weight)
+    assert torch.equal(drafter.layers[0].self_attn.q_norm.weight, torch.ones(8))
+
+    too_deep = DominoForSpeculation(DominoConfig.from_target(llama.config, num_hidden_layers=4, target_layer_ids=[0]))
+    with pytest.raises(ValueError, match="drafter has 4 layers but the target only 3"):
+        init_from_target_layers(too_deep, llama)
+
+
+def test_plot_loss_curves_one_or_several_keys(trained_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    from hf_domino.training import plot_loss_curves
+
+    _, output_dir = trained_run
+    log = output_dir / "log.jsonl"
+    for key in ("base_loss", ("base_loss", "final_loss")):
+        png = plot_loss_curves({"run": log, "same run": log}, tmp_path / "plots" / "loss.png", key=key)
+        assert png.read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(KeyError):
+        plot_loss_curves({"run": log}, tmp_path / "bad.png", key="no_such_loss")

@@ -208,8 +208,9 @@ def manual_generate(
     context = _context_features(outputs.hidden_states, layer_ids)  # every prompt token
     context_length = 0  # tokens whose drafter keys/values are in `drafter_cache`
     stopwatch.tick()
+    block_drafts = min(drafter.num_speculative_tokens or config.num_drafts, config.num_drafts)
     while tokens.shape[1] < max_length and not bool(torch.isin(tokens[0, -1], eos)):
-        num_drafts = min(config.num_drafts, max_length - tokens.shape[1] - 1)
+        num_drafts = min(block_drafts, max_length - tokens.shape[1] - 1)
         draft_ids = tokens[:, :0]
         if num_drafts > 0:
             draft_ids = draft_greedy(
@@ -383,7 +384,8 @@ def run_benchmark(
 
     for method in methods:  # warm-up: allocator, kernels, lazy imports
         generate(method, prompts[0], settings.warmup_tokens, settings.seed)
-    block_lengths = sorted({1, 2, 4, 8, *([drafter.config.num_drafts + 1] if drafter is not None else [])})
+    drafts = [drafter.config.num_drafts, drafter.num_speculative_tokens or 1] if drafter is not None else []
+    block_lengths = sorted({1, 2, 4, 8, *(n + 1 for n in drafts)})
     result.forward_ms = measure_forward_ms(target, prompts[0], block_lengths, drafter)
     by_prompt: list[dict[str, Generation]] = []
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen", disable=not progress) as bar:
@@ -654,6 +656,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--methods", type=_methods, default=list(METHODS), help=f"comma-separated among {','.join(METHODS)}"
     )
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="drafts verified per target forward (drafter.num_speculative_tokens; default: the whole block)",
+    )
     parser.add_argument("--warmup-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -692,6 +700,7 @@ def run(args: argparse.Namespace) -> int:
     target, tokenizer = load_target(args.target, dtype=dtype)
     if drafter is not None:
         drafter.to(target.device)
+        drafter.num_speculative_tokens = args.num_speculative_tokens
     prompts = [encode_chat(tokenizer, messages) for messages in assets.load_prompts(args.prompts, args.num_prompts)]
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens,

@@ -179,6 +179,53 @@ def curriculum_lambda(step: int, total_steps: int, enabled: bool = True) -> floa
     return max(0.0, 1.0 - step / max(total_steps - 1, 1))
 
 
+# =================================================================================================== initialization
+def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    base = getattr(model, model.base_model_prefix, model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"{type(model).__name__} keeps no `layers` list in its base model; initialize the drafter randomly "
+            "(leave out --init-from-target)."
+        )
+    return layers
+
+
+@torch.no_grad()
+def init_from_target_layers(drafter: DominoForSpeculation, target: PreTrainedModel) -> list[int]:
+    """Start the draft layers as copies of the target's top layers; returns the target layers copied.
+
+    Draft layer i becomes target layer `L - n + i`, and the context projection starts as "read the deepest context
+    layer, normalized as the first copied layer would": with `target_layer_ids[-1] == L - n - 1`, draft layer 0 then
+    sees exactly the keys and values the target's layer `L - n` computes over the context. The block's queries start
+    from token embeddings instead of deep hidden states, so this is a warm start, not a working drafter; on a small
+    CPU budget it learns much faster than a random one (docs/training.md). Weights the target lacks (the q/k norms of
+    a Llama target) keep their fresh values.
+    """
+    config = drafter.config
+    target_layers = _decoder_layers(target)
+    first = len(target_layers) - config.num_hidden_layers
+    if first < 0:
+        raise ValueError(
+            f"The drafter has {config.num_hidden_layers} layers but the target only {len(target_layers)}; "
+            "use fewer --num-draft-layers or drop --init-from-target."
+        )
+    for draft_layer, target_layer in zip(drafter.layers, target_layers[first:]):
+        source = target_layer.state_dict()
+        own = draft_layer.state_dict()
+        shared = {name: tensor for name, tensor in source.items() if name in own and own[name].shape == tensor.shape}
+        draft_layer.load_state_dict(shared, strict=False)
+    hidden = config.hidden_size
+    deepest = config.target_layer_ids.index(max(config.target_layer_ids))
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, deepest * hidden : (deepest + 1) * hidden] = torch.eye(hidden)
+    drafter.hidden_norm.weight.copy_(target_layers[first].input_layernorm.weight)
+    target_norm = getattr(getattr(target, target.base_model_prefix, target), "norm", None)
+    if target_norm is not None:
+        drafter.norm.weight.copy_(target_norm.weight)
+    return list(range(first, len(target_layers)))
+
+
 # ======================================================================================================= the losses
 @dataclass
 class DominoLossOutput:
@@ -842,19 +889,27 @@ def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
     return [records[step] for step in sorted(records)]
 
 
-def plot_loss_curves(logs: dict[str, str | os.PathLike], output: str | os.PathLike, key: str = "base_loss") -> Path:
-    """Plots `key` (default the base loss) against the step for several runs' logs into a PNG (needs matplotlib)."""
+def plot_loss_curves(
+    logs: dict[str, str | os.PathLike], output: str | os.PathLike, key: str | Sequence[str] = "base_loss"
+) -> Path:
+    """Plots `key` (default the base loss; or several keys) against the step for runs' logs into a PNG.
+
+    Needs matplotlib.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4), dpi=120)
+    keys = [key] if isinstance(key, str) else list(key)
     for label, path in logs.items():
         records = read_log(path)
-        axis.plot([r["step"] for r in records], [r[key] for r in records], label=label)
+        for name in keys:
+            curve_label = label if len(keys) == 1 else f"{label}: {name.replace('_', ' ')}"
+            axis.plot([r["step"] for r in records], [r[name] for r in records], label=curve_label)
     axis.set_xlabel("optimizer step")
-    axis.set_ylabel(key.replace("_", " "))
+    axis.set_ylabel(keys[0].replace("_", " ") if len(keys) == 1 else "loss")
     axis.set_yscale("log")
     axis.grid(alpha=0.3)
     axis.legend()
@@ -898,6 +953,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--no-domino-head", action="store_true", help="Train a plain DFlash drafter.")
     model.add_argument("--no-shift-label", action="store_true", help="DFlash label convention (B - 1 drafts).")
     model.add_argument("--init-from", type=Path, help="Start from this drafter checkpoint instead of a fresh one.")
+    model.add_argument(
+        "--init-from-target",
+        action="store_true",
+        help="Start the draft layers as copies of the target's top layers (init_from_target_layers).",
+    )
 
     optim = parser.add_argument_group("optimization")
     optim.add_argument("--output-dir", type=Path, default=Path("runs/train"))
@@ -942,24 +1002,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.data:
         raise SystemExit("--data is required for training.")
 
-    if args.init_from:
-        drafter = DominoForSpeculation.from_pretrained(args.init_from)
-    else:
-        backbone = {"intermediate_size": args.intermediate_size} if args.intermediate_size else {}
-        drafter_config = DominoConfig.from_target(
-            target_model.config,
-            num_hidden_layers=args.num_draft_layers,
-            block_size=args.block_size,
-            target_layer_ids=args.target_layer_ids,
-            with_domino_head=not args.no_domino_head,
-            emb_dim=args.emb_dim,
-            gru_hidden_dim=args.gru_hidden_dim,
-            pure_draft_prefix_len=args.pure_draft_prefix_len,
-            shift_label=False if args.no_shift_label else None,
-            **backbone,
-        )
-        torch.manual_seed(args.seed)
-        drafter = DominoForSpeculation(drafter_config)
+    drafter = _drafter_from_args(args, target_model)
     examples = load_examples(args.data, args.max_length)
     if args.max_examples:
         examples = examples[: args.max_examples]
@@ -1015,6 +1058,36 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _drafter_from_args(args: argparse.Namespace, target_model: PreTrainedModel) -> DominoForSpeculation:
+    """The drafter to train: a checkpoint (`--init-from`), or a fresh one shaped by the architecture flags."""
+    if args.init_from and args.init_from_target:
+        raise SystemExit("--init-from and --init-from-target exclude each other: pick one starting point.")
+    if args.init_from:
+        # fp32 master weights whatever the checkpoint was saved in (exports are often fp16).
+        return DominoForSpeculation.from_pretrained(args.init_from, dtype=torch.float32)
+    backbone = {"intermediate_size": args.intermediate_size} if args.intermediate_size else {}
+    config = DominoConfig.from_target(
+        target_model.config,
+        num_hidden_layers=args.num_draft_layers,
+        block_size=args.block_size,
+        target_layer_ids=args.target_layer_ids,
+        with_domino_head=not args.no_domino_head,
+        emb_dim=args.emb_dim,
+        gru_hidden_dim=args.gru_hidden_dim,
+        pure_draft_prefix_len=args.pure_draft_prefix_len,
+        shift_label=False if args.no_shift_label else None,
+        **backbone,
+    )
+    torch.manual_seed(args.seed)
+    drafter = DominoForSpeculation(config)
+    if args.init_from_target:
+        from accelerate import PartialState
+
+        copied = init_from_target_layers(drafter, target_model)
+        PartialState().print(f"Draft layers start as copies of target layers {copied}.")
+    return drafter
+
+
 def _run_eval(args: argparse.Namespace, target_model, tokenizer) -> int:
     from . import assets
 
@@ -1057,6 +1130,7 @@ __all__ = [
     "domino_losses",
     "draft_logits",
     "evaluate_acceptance",
+    "init_from_target_layers",
     "load_examples",
     "plot_loss_curves",
     "position_weights",
