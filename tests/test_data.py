@@ -57,6 +57,10 @@ def model(tokenizer):
     return transformers.LlamaForCausalLM(config).eval()
 
 
+def read_records_list(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def read_records(path: Path) -> dict[int, dict]:
     records = [json.loads(line) for line in path.read_text().splitlines()]
     by_index = {record["index"]: record for record in records}
@@ -320,7 +324,9 @@ def test_cli_regenerate_then_train_any_causal_lm(model, tokenizer, tmp_path):
 
     train = ["train", *common, "--data", str(regen), "--num-draft-layers", "1", "--block-size", "4",
              "--emb-dim", "4", "--gru-hidden-dim", "8", "--num-anchors", "2", "--log-every", "1"]  # fmt: skip
-    assert cli.main([*train, "--init-from-target", "--total-steps", "2", "--output-dir", str(tmp_path / "a")]) == 0
+    first_run = ["--init-from-target", "--total-steps", "2", "--validation-examples", "1"]
+    assert cli.main([*train, *first_run, "--output-dir", str(tmp_path / "a")]) == 0
+    assert [r["step"] for r in read_records_list(tmp_path / "a" / "validation.jsonl")] == [2]
     first = DominoForSpeculation.from_pretrained(tmp_path / "a" / "final")
 
     fp16_export = tmp_path / "fp16"
@@ -340,5 +346,7 @@ def test_cli_regenerate_then_train_any_causal_lm(model, tokenizer, tmp_path):
         model.generate(input_ids, assistant_model=drafter, **kwargs), model.generate(input_ids, **kwargs)
     )
 
+    with pytest.raises(SystemExit, match="--validation-examples 5 must be between 1"):
+        cli.main([*train, "--validation-examples", "5", "--output-dir", str(tmp_path / "d")])  # 5 examples in all
     with pytest.raises(SystemExit, match="exclude each other"):
         cli.main([*train, "--init-from-target", "--init-from", str(fp16_export), "--output-dir", str(tmp_path / "c")])

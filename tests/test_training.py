@@ -26,6 +26,7 @@ from hf_domino.training import (
     draft_logits,
     init_from_target_layers,
     position_weights,
+    read_log,
     sample_anchors,
     target_context_features,
     train,
@@ -389,3 +390,35 @@ def test_plot_loss_curves_one_or_several_keys(trained_run, tmp_path):
         assert png.read_bytes().startswith(b"\x89PNG")
     with pytest.raises(KeyError):
         plot_loss_curves({"run": log}, tmp_path / "bad.png", key="no_such_loss")
+
+
+def test_validation_is_logged_and_leaves_training_untouched(target, tmp_path):
+    config = TrainConfig(total_steps=20, batch_size=2, num_anchors=4, learning_rate=1e-2, log_every=10, save_every=10)
+    examples = toy_examples(count=10)
+    train_set, held_out = examples[:8], examples[8:]
+    plain = train(tiny_drafter(target), target, train_set, config, tmp_path / "plain")
+    validated = train(tiny_drafter(target), target, train_set, config, tmp_path / "val", validation_examples=held_out)
+    for (name, a), (_, b) in zip(plain.state_dict().items(), validated.state_dict().items()):
+        assert torch.equal(a, b), name
+
+    records = read_log(tmp_path / "val" / "validation.jsonl")
+    assert [r["step"] for r in records] == [10, 20]
+    train_keys = set(read_log(tmp_path / "val" / "log.jsonl")[0])
+    assert set(records[0]) == train_keys - {"lr", "grad_norm"}
+    assert records[-1]["final_loss"] < records[0]["final_loss"]  # held-out toy sequences follow the same rule
+    assert not (tmp_path / "plain" / "validation.jsonl").exists()
+
+
+def test_teacher_forced_metrics_match_the_validation_log(target, trained_run, tmp_path):
+    from hf_domino.training import teacher_forced_metrics
+
+    config = TrainConfig(total_steps=10, batch_size=2, num_anchors=4, learning_rate=1e-2, save_every=10)
+    held_out = toy_examples(count=10)[8:]
+    drafter = train(tiny_drafter(target), target, toy_examples(), config, tmp_path, validation_examples=held_out)
+    logged = read_log(tmp_path / "validation.jsonl")[-1]
+    drafter.eval()
+    metrics = teacher_forced_metrics(drafter, target, held_out, config)
+    assert not drafter.training
+    for key in ("base_loss", "final_loss", "train_tau"):
+        assert metrics[key] == pytest.approx(logged[key], rel=1e-5), key
+    assert metrics["final_acc"] == logged["final_acc"]

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 LOG_FILE = "log.jsonl"
+VALIDATION_LOG_FILE = "validation.jsonl"
 STATE_FILE = "trainer_state.pt"
 STATE_JSON = "trainer_state.json"
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -669,12 +670,17 @@ def train(
     accelerator: Accelerator | None = None,
     resume: bool = True,
     pad_token_id: int = 0,
+    validation_examples: Sequence[Example] = (),
 ) -> DominoForSpeculation:
     """Trains `drafter` against the frozen `target` on regenerated `examples`; returns the (unwrapped) drafter.
 
     Checkpoints go to `output_dir/checkpoint-{step}`; with `resume`, training continues from the latest one, exactly
     as if it had never stopped. Logs go to `output_dir/log.jsonl` and the console. Returns after `total_steps`
     optimizer steps, or earlier (with a checkpoint) once `stop_after_seconds` have passed.
+
+    With `validation_examples` (held out from `examples`), every checkpoint also logs their losses, per-position
+    accuracies and teacher-forced acceptance to `output_dir/validation.jsonl` (same fields as `log.jsonl`), with
+    fixed anchors and in-process target features, without touching any training randomness.
     """
     from accelerate import Accelerator
 
@@ -760,6 +766,17 @@ def train(
                 print(_format_record(record), flush=True)
         out_of_time = _agree(accelerator, config.stop_after_seconds, time.perf_counter() - start_time)
         if step % config.save_every == 0 or step == config.total_steps or out_of_time:
+            if validation_examples:
+                held_out = _validation_window(
+                    accelerator, module, target, validation_examples, config, lam, pad_token_id
+                )
+                record = _log_record(accelerator, held_out, step, lam, scheduler.get_last_lr()[0], 0.0, start_time)
+                if accelerator.is_main_process:
+                    record = {key: value for key, value in record.items() if key not in ("lr", "grad_norm")}
+                    with open(output_dir / VALIDATION_LOG_FILE, "a") as file:
+                        file.write(json.dumps(record) + "\n")
+                    losses = f"base {record['base_loss']:.4f} | final {record['final_loss']:.4f}"
+                    print(f"validation step {step}: {losses} | tau~{record['train_tau']:.2f}", flush=True)
             accelerator.wait_for_everyone()
             # A collective under FSDP (gathers the shards); the unwrapped weights otherwise.
             full_state = accelerator.get_state_dict(module)
@@ -788,6 +805,63 @@ def _accumulate(window: dict[str, torch.Tensor], out: DominoLossOutput) -> None:
     }
     for key, value in values.items():
         window[key] = window[key] + value if key in window else value.clone()
+
+
+def teacher_forced_metrics(
+    drafter: DominoForSpeculation,
+    target: PreTrainedModel,
+    examples: Sequence[Example],
+    config: TrainConfig | None = None,
+    pad_token_id: int = 0,
+) -> dict[str, Any]:
+    """Losses (at lam = 0), per-position accuracies and teacher-forced tau of `drafter` on `examples`.
+
+    The numbers `--validation-examples` logs, for any drafter and any regenerated examples (e.g. held-out prompts):
+    anchors are fixed per example (`config.seed`, `config.num_anchors`), target features are computed in-process.
+    """
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=drafter.device.type == "cpu")
+    config = config or TrainConfig()
+    module = DominoTrainingModule(drafter, TargetModules.from_target(target)).train(drafter.training)
+    window = _validation_window(accelerator, module, target, examples, config, 0.0, pad_token_id)
+    record = _log_record(accelerator, window, 0, 0.0, 0.0, 0.0, time.perf_counter())
+    return {
+        key: value
+        for key, value in record.items()
+        if key in ("base_loss", "final_loss", "base_acc", "final_acc", "train_tau")
+    }
+
+
+def _validation_window(
+    accelerator: Accelerator,
+    module: nn.Module,
+    target: PreTrainedModel,
+    examples: Sequence[Example],
+    config: TrainConfig,
+    lam: float,
+    pad_token_id: int,
+) -> dict[str, torch.Tensor]:
+    """Loss sums over held-out examples, with anchors fixed per example; every process runs it (DDP forwards sync)."""
+    device = accelerator.device
+    layer_ids = accelerator.unwrap_model(module).drafter.config.target_layer_ids
+    window: dict[str, torch.Tensor] = {}
+    was_training = module.training
+    module.eval()
+    with torch.no_grad(), accelerator.autocast():
+        for index, example in enumerate(examples):
+            batch = collate([example], pad_token_id)
+            input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+            features = target_context_features(target, input_ids, attention_mask, layer_ids)
+            generator = torch.Generator().manual_seed(config.seed * 1_000_003 + index)
+            anchors, anchor_valid = sample_anchors(batch.loss_mask, config.num_anchors, generator)
+            loss_mask = batch.loss_mask.to(device)
+            out = module(
+                input_ids, loss_mask, attention_mask, features, anchors.to(device), anchor_valid.to(device), lam
+            )
+            _accumulate(window, out)
+    module.train(was_training)
+    return window
 
 
 def _agree(accelerator: Accelerator, budget: float | None, elapsed: float) -> bool:
@@ -931,6 +1005,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("data")
     data.add_argument("--data", nargs="+", type=Path, help="jsonl files written by `hf-domino regenerate`.")
     data.add_argument("--max-examples", type=int, default=None, help="Use only the first examples of --data.")
+    data.add_argument(
+        "--validation-examples",
+        type=int,
+        default=0,
+        help="Hold out the last N examples (after --max-examples): losses and tau~ at every checkpoint.",
+    )
     data.add_argument("--max-length", type=int, default=1024, help="Cut sequences to this many tokens.")
     data.add_argument(
         "--features-only", action="store_true", help="Fill --feature-cache and exit (before concurrent runs)."
@@ -1006,6 +1086,14 @@ def run(args: argparse.Namespace) -> int:
     examples = load_examples(args.data, args.max_length)
     if args.max_examples:
         examples = examples[: args.max_examples]
+    validation: list[Example] = []
+    if args.validation_examples:
+        if not 0 < args.validation_examples < len(examples):
+            raise SystemExit(
+                f"--validation-examples {args.validation_examples} must be between 1 and the number of examples "
+                f"minus one ({len(examples) - 1})."
+            )
+        examples, validation = examples[: -args.validation_examples], examples[-args.validation_examples :]
     feature_cache = None
     if args.feature_cache:
         # Safe to call from every process (and from concurrent runs): a file lock lets one fill it at a time.
@@ -1045,6 +1133,7 @@ def run(args: argparse.Namespace) -> int:
         feature_cache=feature_cache,
         resume=not args.no_resume,
         pad_token_id=pad_token_id,
+        validation_examples=validation,
     )
     finished = latest_checkpoint(args.output_dir)
     is_main = PartialState().is_main_process
@@ -1137,5 +1226,6 @@ __all__ = [
     "read_log",
     "sample_anchors",
     "target_context_features",
+    "teacher_forced_metrics",
     "train",
 ]

@@ -1,0 +1,46 @@
+"""Teacher-forced metrics of a drafter on held-out regenerated examples vs its own training examples.
+
+Separates memorization from prompt shift: both sets come from the same prompt source, answered by the same target.
+
+    hf-domino regenerate --target smollm2 --prompts sharegpt --skip 6000 --limit 24 --batch-size 24 \
+        --max-new-tokens 192 --max-prompt-tokens 256 --threads 2 --output runs/smollm2/heldout_sharegpt.jsonl
+    python examples/heldout_teacher_forced.py runs/smollm2/target_init/final runs/smollm2/heldout_sharegpt.jsonl \
+        runs/smollm2/regen_sharegpt.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from hf_domino import DominoForSpeculation
+from hf_domino.assets import load_smollm2
+from hf_domino.training import TrainConfig, load_examples, teacher_forced_metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("drafter")
+    parser.add_argument("data", nargs="+", help="regenerated jsonl files, one row of results each")
+    parser.add_argument("--num-examples", type=int, default=24, help="first examples of each file")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_smollm2()
+    drafter = DominoForSpeculation.from_pretrained(args.drafter, dtype=torch.float32).eval()
+    config = TrainConfig(num_anchors=32, max_length=512)
+    print("| examples | base loss | final loss | draft-0 acc | final acc, drafts 1-5 | teacher-forced tau |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for path in args.data:
+        examples = load_examples(path, config.max_length)[: args.num_examples]
+        m = teacher_forced_metrics(drafter, target, examples, config, tokenizer.pad_token_id or 0)
+        drafts = m["final_acc"][1:6]
+        print(
+            f"| {path} ({len(examples)}) | {m['base_loss']:.3f} | {m['final_loss']:.3f} | {m['base_acc'][0]:.3f} "
+            f"| {min(drafts):.3f}-{max(drafts):.3f} | {m['train_tau']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
