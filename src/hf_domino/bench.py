@@ -164,9 +164,7 @@ def draft_greedy(
     config, device = drafter.config, drafter.device
     anchor_position = context_length + context.shape[1]
     position_ids = torch.arange(context_length, anchor_position + config.block_size, device=device)[None]
-    block_ids = torch.full((1, config.block_size), config.mask_token_id, dtype=torch.long, device=device)
-    block_ids[:, 0] = tokens[0, -1]
-    block_embeds = modules.embed(block_ids, drafter.dtype, device)
+    block_embeds = drafter.embed_block(modules, tokens)
     block_hidden = drafter(block_embeds, context.to(device), position_ids, past_key_values=cache)
     stopwatch.tick("backbone")
     draft_hidden = drafter.draft_hidden_states(block_hidden)[:, :num_drafts]
@@ -208,7 +206,7 @@ def manual_generate(
     context = _context_features(outputs.hidden_states, layer_ids)  # every prompt token
     context_length = 0  # tokens whose drafter keys/values are in `drafter_cache`
     stopwatch.tick()
-    block_drafts = min(drafter.num_speculative_tokens or config.num_drafts, config.num_drafts)
+    block_drafts = drafter.drafts_per_block
     while tokens.shape[1] < max_length and not bool(torch.isin(tokens[0, -1], eos)):
         num_drafts = min(block_drafts, max_length - tokens.shape[1] - 1)
         draft_ids = tokens[:, :0]
@@ -384,7 +382,7 @@ def run_benchmark(
 
     for method in methods:  # warm-up: allocator, kernels, lazy imports
         generate(method, prompts[0], settings.warmup_tokens, settings.seed)
-    drafts = [drafter.config.num_drafts, drafter.num_speculative_tokens or 1] if drafter is not None else []
+    drafts = [drafter.config.num_drafts, drafter.drafts_per_block] if drafter is not None else []
     block_lengths = sorted({1, 2, 4, 8, *(n + 1 for n in drafts)})
     result.forward_ms = measure_forward_ms(target, prompts[0], block_lengths, drafter)
     by_prompt: list[dict[str, Generation]] = []

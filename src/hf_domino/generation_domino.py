@@ -139,10 +139,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         self.target = target_modules
         self.config = drafter.config
         self.max_length = generation_config.max_length
-        cap = drafter.num_speculative_tokens
-        if cap is not None and (not isinstance(cap, int) or cap < 1):
-            raise ValueError(f"drafter.num_speculative_tokens must be None or a positive int, got {cap!r}.")
-        self.max_drafts = min(cap or self.config.num_drafts, self.config.num_drafts)
+        self.max_drafts = drafter.drafts_per_block
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
         # EOS and max length are already cut inside a block by the loop; other criteria (stop strings, ...) are not.

@@ -337,6 +337,14 @@ class DominoForSpeculation(DominoPreTrainedModel):
         return realised[:, anchor_ids.shape[1] :], torch.stack(chosen_logits, dim=1)
 
     # ------------------------------------------------------------------------------------------------- convenience
+    @property
+    def drafts_per_block(self) -> int:
+        """Drafts verified per target forward: `num_speculative_tokens` capped at the block's `num_drafts`."""
+        cap = self.num_speculative_tokens
+        if cap is not None and (not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"drafter.num_speculative_tokens must be None or a positive int, got {cap!r}.")
+        return min(cap or self.config.num_drafts, self.config.num_drafts)
+
     def embed_block(self, target: TargetModules, anchor_ids: torch.LongTensor) -> torch.Tensor:
         """Target embeddings of the block `[anchor, MASK, ..., MASK]` for the anchor `anchor_ids[:, -1]`."""
         block_ids = torch.full(
