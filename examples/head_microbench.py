@@ -1,8 +1,10 @@
 """Micro-benchmark of one Domino head rollout (a 16-draft block) at Qwen3-8B shapes: eager vs fused vs fused + graph.
 
-Times only the sequential head (`DominoForSpeculation.rollout` and its fused replacements), from backbone outputs
-and base logits to the drafted tokens, with random bf16 weights: hidden 4096, GRU 1024, rank 256, vocab 151936.
-Prints a markdown table of the median latency per block.
+Times only the sequential head, i.e. one ladder `Rollout` from a `BlockDraft` (backbone outputs and base logits) to
+`Drafts`: the eager reference (`eager_rollout`) and the two fused rollouts `hf_domino.fused_head.select_rollout`
+returns for `domino_rollout="triton"` and `"triton+graph"`, with random bf16 weights: hidden 4096, GRU 1024, rank 256,
+vocab 151936. All three are called exactly as the candidate generator calls them. Prints a markdown table of the
+median latency per block.
 
     python examples/head_microbench.py                       # greedy
     python examples/head_microbench.py --temperature 1.0     # sampling (Gumbel-max in the fused kernels)
@@ -23,7 +25,7 @@ import torch
 from torch import nn
 
 from hf_domino import DominoConfig, DominoForSpeculation, TargetModules
-from hf_domino.generation_domino import DominoCandidateGenerator
+from hf_domino.drafting_domino import BlockDraft, Pick, eager_rollout, greedy_pick, processed_pick
 
 QWEN3_8B = {"hidden_size": 4096, "gru_hidden_dim": 1024, "emb_dim": 256, "vocab_size": 151936}
 
@@ -53,19 +55,20 @@ def build_head(args: argparse.Namespace, device: torch.device) -> tuple[DominoFo
     return drafter, embed
 
 
-def eager_picker(temperature: float | None):
-    """The generator's own picker with a temperature-only processor list: exactly what `_draft` runs eagerly.
-
-    Borrowing `_pick` (on a bare instance holding the two attributes it reads) times the real eager path rather than
-    a copy of it; if the generator changes shape, this is the one place to update.
-    """
+def logits_processor(temperature: float | None):
+    """The processor list generate() builds for greedy or plain temperature sampling (`None` when empty)."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
-    generator = object.__new__(DominoCandidateGenerator)
-    generator.do_sample = temperature is not None
-    processors = [] if temperature in (None, 1.0) else [TemperatureLogitsWarper(temperature)]
-    generator.logits_processor = LogitsProcessorList(processors) if processors else None
-    return generator._pick
+    if temperature in (None, 1.0):  # transformers adds no warper for temperature 1
+        return None
+    return LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+
+
+def eager_pick(temperature: float | None, vocab_size: int) -> Pick:
+    """The pick the candidate generator gives `eager_rollout` for this decoding mode (full vocabulary)."""
+    if temperature is None:
+        return greedy_pick
+    return processed_pick(logits_processor(temperature), True, None, vocab_size)
 
 
 def median_ms(fn, warmup: int, reps: int) -> float:
@@ -96,41 +99,40 @@ def main() -> None:
         sys.exit(0)
     import triton
 
-    from hf_domino import triton_head
+    from hf_domino.fused_head import select_rollout
 
     torch.manual_seed(0)
     device = torch.device("cuda")
     drafter, embed = build_head(args, device)
     target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
     draft_hidden = torch.randn(1, args.num_drafts, args.hidden_size, device=device, dtype=torch.bfloat16)
-    base_logits = torch.randn(1, args.num_drafts, args.vocab_size, device=device) * 4
+    block = BlockDraft(draft_hidden, torch.randn(1, args.num_drafts, args.vocab_size, device=device) * 4)
     anchor_ids = torch.tensor([[42]], device=device)
-    pick = eager_picker(args.temperature)
-    prefix_len = drafter.config.pure_draft_prefix_len
-    runner = triton_head.DominoHeadGraphRunner(drafter, temperature=args.temperature)
+    do_sample, processors = args.temperature is not None, logits_processor(args.temperature)
 
-    paths = {
-        "eager (`drafter.rollout`)": lambda: drafter.rollout(draft_hidden, base_logits, anchor_ids, target, pick),
-        "fused Triton": lambda: triton_head.fused_rollout(
-            drafter,
-            draft_hidden,
-            base_logits,
-            anchor_ids,
-            embed.weight,
-            pure_draft_prefix_len=prefix_len,
-            temperature=args.temperature,
+    eager_name = "eager (`eager_rollout`)"
+    rollouts = {
+        eager_name: eager_rollout(drafter, target, eager_pick(args.temperature, args.vocab_size)),
+        "fused Triton": select_rollout(
+            drafter, target, do_sample=do_sample, logits_processor=processors, mode="triton"
         ),
-        "fused Triton + CUDA graph": lambda: runner(draft_hidden, base_logits, anchor_ids, embed.weight),
+        "fused Triton + CUDA graph": select_rollout(
+            drafter, target, do_sample=do_sample, logits_processor=processors, mode="triton+graph"
+        ),
     }
     with torch.no_grad():
-        results = {name: median_ms(fn, args.warmup, args.reps) for name, fn in paths.items()}
-        if args.temperature is None:  # the three paths must agree before their timings mean anything
-            reference = paths["eager (`drafter.rollout`)"]()[0]
-            agreement = {name: float((fn()[0] == reference).float().mean()) for name, fn in paths.items()}
+        results = {
+            name: median_ms(lambda r=r: r(block, anchor_ids), args.warmup, args.reps) for name, r in rollouts.items()
+        }
+        if not do_sample:  # the three paths must agree before their timings mean anything
+            reference = rollouts[eager_name](block, anchor_ids).ids
+            agreement = {
+                name: float((r(block, anchor_ids).ids == reference).float().mean()) for name, r in rollouts.items()
+            }
         else:
-            agreement = dict.fromkeys(paths)  # sampled drafts are random: nothing to compare
+            agreement = dict.fromkeys(rollouts)  # sampled drafts are random: nothing to compare
 
-    eager = results["eager (`drafter.rollout`)"]
+    eager = results[eager_name]
     print(
         f"Device: {torch.cuda.get_device_name(device)}; torch {torch.__version__}; triton {triton.__version__}; "
         f"Python {platform.python_version()}"

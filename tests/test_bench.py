@@ -10,7 +10,9 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from hf_domino import DominoConfig, DominoForSpeculation, bench, cli, demo
+from hf_domino import DominoConfig, DominoForSpeculation, assets, cli, demo, generation_domino, measure, report
+from hf_domino.acceptance import acceptance_from_cache_lengths
+from hf_domino.drafting_domino import Drafts
 
 WORDS = "the a sea sky ship sail wind blue red green is was and of to in what why how write poem code hello world"
 CHAT_TEMPLATE = (
@@ -91,30 +93,39 @@ def drafter(target):
 
 
 def target_greedy(target, input_ids, max_new_tokens=MAX_NEW_TOKENS) -> torch.LongTensor:
-    return target.generate(input_ids, **bench.generation_kwargs(target, max_new_tokens, 0.0))
+    return target.generate(input_ids, **measure.generation_kwargs(target, max_new_tokens, 0.0))
 
 
 def oracle_rollout(reference: torch.LongTensor, correct: int, vocab_size: int):
-    """A stand-in for `drafter.rollout` that drafts the target's own tokens `correct` times, then wrong ones.
+    """A stand-in for `eager_rollout` that drafts the target's own tokens `correct` times, then wrong ones.
 
     Random drafters are almost never right; this one makes verification accept several drafts per block, so the
     cache cropping and context bookkeeping of both decoding loops are exercised.
     """
 
-    def rollout(draft_hidden, base_logits, anchor_ids, target, pick=None):
-        start, num_drafts = anchor_ids.shape[1], base_logits.shape[1]
-        padded = torch.cat([reference[0], reference.new_zeros(num_drafts)])
-        drafts = padded[start : start + num_drafts].clone()
-        drafts[correct:] = (drafts[correct:] + 1) % vocab_size
-        return drafts[None], base_logits
+    def make_rollout(drafter, target, pick=None, head=True):
+        def rollout(block, prefix_ids):
+            start, num_drafts = prefix_ids.shape[1], block.num_drafts
+            padded = torch.cat([reference[0], reference.new_zeros(num_drafts)])
+            drafts = padded[start : start + num_drafts].clone()
+            drafts[correct:] = (drafts[correct:] + 1) % vocab_size
+            return Drafts(drafts[None], block.base_logits, torch.ones(num_drafts))
 
-    return rollout
+        return rollout
+
+    return make_rollout
+
+
+def use_oracle(monkeypatch, reference, correct: int) -> None:
+    """Both loops build their rollout with `eager_rollout`: replace it in each."""
+    for module in (measure, generation_domino):
+        monkeypatch.setattr(module, "eager_rollout", oracle_rollout(reference, correct=correct, vocab_size=64))
 
 
 def test_acceptance_from_cache_lengths():
     # prompt of 5; the prefill adds 1 token, then forwards add 3, 1 and 2 tokens: sequence 6 -> 9 -> 10 -> 12.
-    assert bench.acceptance_from_cache_lengths([0, 5, 8, 9], final_length=12) == [3, 1, 2]
-    assert bench.acceptance_from_cache_lengths([0], final_length=6) == []
+    assert acceptance_from_cache_lengths([0, 5, 8, 9], final_length=12) == [3, 1, 2]
+    assert acceptance_from_cache_lengths([0], final_length=6) == []
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -125,19 +136,19 @@ def test_manual_loop_matches_target_greedy(kind, monkeypatch):
     for length in (3, 11):
         input_ids = torch.randint(2, 64, (1, length))
         reference = target_greedy(target, input_ids)
-        assert torch.equal(bench.manual_generate(target, drafter, input_ids, MAX_NEW_TOKENS, [1]), reference)
+        assert torch.equal(measure.manual_generate(target, drafter, input_ids, MAX_NEW_TOKENS, [1]), reference)
 
         # With drafts that are partly right, both loops accept the same blocks and still give the target's tokens.
-        monkeypatch.setattr(drafter, "rollout", oracle_rollout(reference, correct=2, vocab_size=64))
-        manual = bench.run_method("manual", target, drafter, input_ids, MAX_NEW_TOKENS)
-        domino = bench.run_method("domino", target, drafter, input_ids, MAX_NEW_TOKENS)
+        use_oracle(monkeypatch, reference, correct=2)
+        manual = measure.run_method("manual", target, drafter, input_ids, MAX_NEW_TOKENS)
+        domino = measure.run_method(f"domino_k{drafter.config.num_drafts}", target, drafter, input_ids, MAX_NEW_TOKENS)
         monkeypatch.undo()
         new_tokens = reference[0, length:].tolist()
         assert manual.new_tokens == domino.new_tokens == new_tokens
         assert manual.acceptance_lengths == domino.acceptance_lengths
         assert sum(manual.acceptance_lengths) + 1 == len(new_tokens)  # + the prefill's token
         assert max(manual.acceptance_lengths) == 3
-        assert set(manual.timings) == set(domino.timings) == set(bench.TIMING_KEYS)
+        assert set(manual.timings) == set(domino.timings) == set(measure.TIMING_KEYS)
 
 
 def test_both_loops_honour_num_speculative_tokens(monkeypatch):
@@ -145,13 +156,16 @@ def test_both_loops_honour_num_speculative_tokens(monkeypatch):
     drafter = make_drafter(target, block_size=5)
     input_ids = torch.randint(2, 64, (1, 7), generator=torch.Generator().manual_seed(4))
     reference = target_greedy(target, input_ids)
-    monkeypatch.setattr(drafter, "rollout", oracle_rollout(reference, correct=5, vocab_size=64))
-    drafter.num_speculative_tokens = 2  # every draft is right: each forward adds exactly 2 drafts + 1
-    manual = bench.run_method("manual", target, drafter, input_ids, MAX_NEW_TOKENS)
-    domino = bench.run_method("domino", target, drafter, input_ids, MAX_NEW_TOKENS)
+    use_oracle(monkeypatch, reference, correct=5)
+    # Every draft is right: each forward adds exactly 2 drafts + 1.
+    manual = measure.run_method("manual", target, drafter, input_ids, MAX_NEW_TOKENS, num_speculative_tokens=2)
+    domino = measure.run_method("domino_k2", target, drafter, input_ids, MAX_NEW_TOKENS)
     assert manual.new_tokens == domino.new_tokens == reference[0, 7:].tolist()
     assert manual.acceptance_lengths == domino.acceptance_lengths
     assert max(manual.acceptance_lengths) == 3 and manual.acceptance_lengths.count(3) >= 3
+    # The adaptive policy takes the same cap.
+    adaptive = measure.run_method("domino", target, drafter, input_ids, MAX_NEW_TOKENS, num_speculative_tokens=2)
+    assert adaptive.new_tokens == manual.new_tokens and max(adaptive.drafted) <= 2
 
 
 def test_manual_loop_stops_at_eos_and_length(target, drafter):
@@ -159,44 +173,47 @@ def test_manual_loop_stops_at_eos_and_length(target, drafter):
     reference = target_greedy(target, input_ids, max_new_tokens=40)
     first_new = int(reference[0, 6])
     # Declaring the first generated token an EOS must stop both right after it.
-    assert bench.manual_generate(target, drafter, input_ids, 40, [first_new]).tolist() == reference[:, :7].tolist()
-    assert bench.manual_generate(target, drafter, input_ids, 1, [1]).shape[1] == 7
+    assert measure.manual_generate(target, drafter, input_ids, 40, [first_new]).tolist() == reference[:, :7].tolist()
+    assert measure.manual_generate(target, drafter, input_ids, 1, [1]).shape[1] == 7
 
 
 def test_bench_runs_all_methods(target, drafter, tokenizer, tmp_path):
-    prompts = [bench.encode_chat(tokenizer, messages) for messages in PROMPTS]
-    settings = bench.BenchSettings(max_new_tokens=16, warmup_tokens=4)
-    result = bench.run_benchmark(target, drafter, prompts, bench.METHODS, settings, progress=False)
-    summary = bench.summarize(result)
-    assert list(summary) == list(bench.METHODS)
+    prompts = [assets.encode_chat(tokenizer, messages) for messages in PROMPTS]
+    settings = measure.BenchSettings(max_new_tokens=16, warmup_tokens=4)
+    methods = [*measure.METHODS, "domino_k3", "dflash_k3"]
+    result = measure.run_benchmark(target, drafter, prompts, methods, settings, progress=False)
+    summary = report.summarize(result)
+    assert list(summary) == methods
     for method, s in summary.items():
         assert s["greedy_mismatches"] == 0, method
         assert s["prompts"] == 2 and s["new_tokens"] > 0 and s["tokens_per_second"] > 0
         assert s["mean_acceptance_length"] >= 1
     assert summary["target"]["speedup_total"] == pytest.approx(1.0)
     assert summary["target"]["acceptance_histogram"] == {"1": summary["target"]["new_tokens"] - 2}
-    for method in bench.DRAFTER_METHODS:
-        assert set(summary[method]["latency_ms"]) == {*bench.TIMING_KEYS, "cycle"}
+    for method in ("manual", "domino_k3", "dflash_k3"):  # fixed draft lengths: every cycle drafts
+        assert set(summary[method]["latency_ms"]) == {*measure.TIMING_KEYS, "cycle"}
+    assert set(summary["domino_k3"]["drafts_histogram"]) <= {"0", "1", "2", "3"}
     assert "loop_overhead_vs_manual" in summary["domino"]
+    assert result.policy_verify_ms  # the adaptive policy measured the target's verify cost
 
-    paths = bench.write_report(result, tmp_path / "out")
+    paths = report.write_report(result, tmp_path / "out")
     written = json.loads(paths["json"].read_text())
     assert written["summary"]["domino"]["greedy_mismatches"] == 0
     assert len(written["records"]["manual"]) == 2
     assert "| domino |" in paths["markdown"].read_text()
-    for name in bench.PLOT_FILES:
+    for name in report.PLOT_FILES:
         assert paths[name].read_bytes()[:4] == b"\x89PNG"
 
 
 def test_bench_sampling(target, drafter):
     prompts = [torch.randint(2, target.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4))]
-    settings = bench.BenchSettings(max_new_tokens=8, temperature=0.8, warmup_tokens=2)
-    result = bench.run_benchmark(target, drafter, prompts, ["target", "domino"], settings, progress=False)
-    summary = bench.summarize(result)
+    settings = measure.BenchSettings(max_new_tokens=8, temperature=0.8, warmup_tokens=2)
+    result = measure.run_benchmark(target, drafter, prompts, ["target", "domino"], settings, progress=False)
+    summary = report.summarize(result)
     assert summary["domino"]["greedy_mismatches"] is None
     assert summary["domino"]["new_tokens"] == 8
     with pytest.raises(ValueError, match="greedy only"):
-        bench.run_method("manual", target, drafter, prompts[0], 4, temperature=0.8)
+        measure.run_method("manual", target, drafter, prompts[0], 4, temperature=0.8)
 
 
 def test_cli_bench_end_to_end(target, drafter, tokenizer, tmp_path, capsys):
@@ -235,6 +252,6 @@ def test_demo_core(target, drafter, tokenizer):
 
 def test_missing_drafter_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="No drafter checkpoint"):
-        bench.load_drafter(tmp_path / "missing")
+        assets.load_drafter(tmp_path / "missing")
     with pytest.raises(SystemExit, match="hf-domino demo: No drafter checkpoint"):
         cli.main(["demo", "--drafter", str(tmp_path / "missing")])

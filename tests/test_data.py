@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_domino import assets, cli, data
+from hf_domino import assets, cli
+from hf_domino.training import regenerate
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,7 +75,7 @@ def reference_example(model, tokenizer, messages) -> tuple[list[int], list[int]]
     with torch.inference_mode():
         output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
     response = output[0, len(prompt_ids) :].tolist()
-    return list(prompt_ids), data.cut_response(response, data._eos_token_ids(model, tokenizer))
+    return list(prompt_ids), regenerate.cut_response(response, assets.eos_token_ids(model, tokenizer))
 
 
 def check_record(record: dict, prompt_ids: list[int], response_ids: list[int]) -> None:
@@ -87,7 +88,7 @@ def check_record(record: dict, prompt_ids: list[int], response_ids: list[int]) -
 
 def test_regenerate_writes_the_target_greedy_answers(model, tokenizer, tmp_path):
     output = tmp_path / "out" / "regen.jsonl"
-    written = data.regenerate(
+    written = regenerate.regenerate(
         model, tokenizer, PROMPTS, output, batch_size=2, max_new_tokens=MAX_NEW_TOKENS, progress=False
     )
 
@@ -107,7 +108,9 @@ def test_regenerate_stops_responses_at_eos(model, tokenizer, tmp_path):
     assert expected[-1] == response[2] and len(expected) < MAX_NEW_TOKENS
 
     output = tmp_path / "regen.jsonl"
-    data.regenerate(eos_model, tokenizer, PROMPTS, output, batch_size=3, max_new_tokens=MAX_NEW_TOKENS, progress=False)
+    regenerate.regenerate(
+        eos_model, tokenizer, PROMPTS, output, batch_size=3, max_new_tokens=MAX_NEW_TOKENS, progress=False
+    )
     records = read_records(output)
     for index, messages in enumerate(PROMPTS):
         check_record(records[index], *reference_example(eos_model, tokenizer, messages))
@@ -115,65 +118,65 @@ def test_regenerate_stops_responses_at_eos(model, tokenizer, tmp_path):
 
 def test_regenerate_keeps_source_indices(model, tokenizer, tmp_path):
     output = tmp_path / "regen.jsonl"
-    data.regenerate(model, tokenizer, PROMPTS[:2], output, indices=[40, 7], max_new_tokens=2, progress=False)
+    regenerate.regenerate(model, tokenizer, PROMPTS[:2], output, indices=[40, 7], max_new_tokens=2, progress=False)
     assert sorted(read_records(output)) == [7, 40]
     with pytest.raises(ValueError, match="indices"):
-        data.regenerate(model, tokenizer, PROMPTS[:2], output, indices=[1], progress=False)
+        regenerate.regenerate(model, tokenizer, PROMPTS[:2], output, indices=[1], progress=False)
 
 
 def test_regenerate_resumes_and_repairs_a_cut_line(model, tokenizer, tmp_path):
     output = tmp_path / "regen.jsonl"
     kwargs = {"batch_size": 2, "max_new_tokens": MAX_NEW_TOKENS, "progress": False}
-    assert data.regenerate(model, tokenizer, PROMPTS[:3], output, **kwargs) == 3
+    assert regenerate.regenerate(model, tokenizer, PROMPTS[:3], output, **kwargs) == 3
     first_run = output.read_text()
     # A crash in the middle of a write leaves a line without its newline, even one that happens to be valid JSON.
     with open(output, "a") as file:
         file.write('{"index": 3, "input_ids": [1, 2], "loss_mask": [0, 1]}')
 
-    assert data.regenerate(model, tokenizer, PROMPTS, output, **kwargs) == 2
+    assert regenerate.regenerate(model, tokenizer, PROMPTS, output, **kwargs) == 2
 
     assert output.read_text().startswith(first_run)
     records = read_records(output)
     assert sorted(records) == list(range(len(PROMPTS)))
     check_record(records[3], *reference_example(model, tokenizer, PROMPTS[3]))
     assert not list(tmp_path.glob("*.tmp"))
-    assert data.regenerate(model, tokenizer, PROMPTS, output, **kwargs) == 0
+    assert regenerate.regenerate(model, tokenizer, PROMPTS, output, **kwargs) == 0
 
 
 def test_read_done_indices(tmp_path):
     path = tmp_path / "regen.jsonl"
-    assert data.read_done_indices(path) == set()
+    assert regenerate.read_done_indices(path) == set()
     # A line still being written is not done, and reading leaves it alone (only resuming repairs the file).
     content = '{"index": 5, "input_ids": [], "loss_mask": []}\n\n{"index": 2, "input_'
     path.write_text(content)
-    assert data.read_done_indices(path) == {5}
+    assert regenerate.read_done_indices(path) == {5}
     assert path.read_text() == content
     path.write_text('{"index": 5}\nnot json\n')
     with pytest.raises(ValueError, match=r"regen.jsonl:2 is not a regeneration record"):
-        data.read_done_indices(path)
+        regenerate.read_done_indices(path)
 
 
 @requires_qwen_tokenizer
 def test_encode_prompt_cuts_the_last_message_to_fit(tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "word " * 500}]
-    full = data.encode_prompt(tokenizer, messages)
+    full = regenerate.encode_prompt(tokenizer, messages)
     assert len(full) > 500
 
-    cut = data.encode_prompt(tokenizer, messages, max_prompt_tokens=64)
+    cut = regenerate.encode_prompt(tokenizer, messages, max_prompt_tokens=64)
     assert 60 <= len(cut) <= 64
     # The template around the message survives: same system header, same assistant header at the end.
     assert cut[:8] == full[:8] and cut[-5:] == full[-5:]
-    assert data.encode_prompt(tokenizer, messages, max_prompt_tokens=10_000) == full
-    assert data.encode_prompt(tokenizer, messages, max_prompt_tokens=5) is None
+    assert regenerate.encode_prompt(tokenizer, messages, max_prompt_tokens=10_000) == full
+    assert regenerate.encode_prompt(tokenizer, messages, max_prompt_tokens=5) is None
 
 
 def test_left_pad_and_cut_response():
-    input_ids, attention_mask = data.left_pad([[5, 6, 7], [8]], pad_token_id=0)
+    input_ids, attention_mask = regenerate.left_pad([[5, 6, 7], [8]], pad_token_id=0)
     assert input_ids.tolist() == [[5, 6, 7], [0, 0, 8]]
     assert attention_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
-    assert data.cut_response([4, 9, 2, 2, 2], {2}) == [4, 9, 2]
-    assert data.cut_response([4, 9, 3], {2}) == [4, 9, 3]
-    assert data.cut_response([7, 4, 1], {1, 7}) == [7]
+    assert regenerate.cut_response([4, 9, 2, 2, 2], {2}) == [4, 9, 2]
+    assert regenerate.cut_response([4, 9, 3], {2}) == [4, 9, 3]
+    assert regenerate.cut_response([7, 4, 1], {1, 7}) == [7]
 
 
 def save_target_and_prompts(model, tokenizer, folder: Path) -> tuple[Path, Path]:
@@ -302,7 +305,7 @@ def test_regenerate_with_smollm2(tmp_path, capfd):
     assert "de-quantizing" not in capfd.readouterr().err
     assert not model.training and model.config.vocab_size == 49152
     output = tmp_path / "regen.jsonl"
-    data.regenerate(model, tokenizer, assets.load_mtbench(limit=2), output, max_new_tokens=4, progress=False)
+    regenerate.regenerate(model, tokenizer, assets.load_mtbench(limit=2), output, max_new_tokens=4, progress=False)
     records = read_records(output)
     assert sorted(records) == [0, 1]
     assert all(sum(record["loss_mask"]) >= 1 for record in records.values())

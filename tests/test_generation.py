@@ -10,6 +10,7 @@ from transformers import GenerationMixin, LogitsProcessorList, StoppingCriteria,
 from transformers.generation.streamers import BaseStreamer
 
 from hf_domino import generation_domino
+from hf_domino.modeling_domino import DOMINO_HEAD_DEFAULT
 
 VOCAB = 32
 
@@ -19,6 +20,10 @@ def successor(step: int = 1) -> list[int]:
 
 
 def greedy(target, input_ids, **kwargs):
+    # These tests exercise whole blocks (EOS inside a block, stop strings, ...), so they fix the draft length; the
+    # adaptive policy, which may skip drafting on models this small, has its own tests in test_draft_policy.py.
+    if generation_domino.is_domino_drafter(kwargs.get("assistant_model")):
+        kwargs.setdefault("draft_policy", "fixed")
     return target.generate(input_ids, do_sample=False, **kwargs)
 
 
@@ -220,10 +225,11 @@ def test_head_switch_changes_drafts_not_output():
     prompt = torch.tensor([[5, 6, 7]])
     with drafter.domino_head(False):
         off = greedy(target, prompt, max_new_tokens=15, assistant_model=drafter)
-        assert not drafter.head_active
-    assert drafter.head_active
+        assert DOMINO_HEAD_DEFAULT.get() is False
+    assert DOMINO_HEAD_DEFAULT.get() is None  # the switch is scoped to the block, not stored on the model
     on = greedy(target, prompt, max_new_tokens=15, assistant_model=drafter)
     assert torch.equal(on, off)
+    assert torch.equal(greedy(target, prompt, max_new_tokens=15, assistant_model=drafter, domino_head=False), off)
     no_head = tiny_drafter(target, head=False)
     with pytest.raises(ValueError, match="no Domino head"):
         with no_head.domino_head(True):
@@ -233,8 +239,7 @@ def test_head_switch_changes_drafts_not_output():
 def test_timings_are_recorded_on_request():
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
-    drafter.record_timings = True
-    out = greedy(target, torch.tensor([[5, 6, 7]]), max_new_tokens=12, assistant_model=drafter)
+    out = greedy(target, torch.tensor([[5, 6, 7]]), max_new_tokens=12, assistant_model=drafter, domino_timings=True)
     stats = drafter.last_generation_stats
     assert set(stats.timings) == {"backbone", "lm_head", "head", "verify"}
     assert all(stats.drafted)  # every target forward verified drafts, so every cycle drafted
@@ -330,7 +335,8 @@ def test_pipeline_with_drafter_object_and_path(tmp_path):
     drafter = forcing_drafter(target, successor(1))
     generator = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter)
     expected = pipeline("text-generation", model=target, tokenizer=tokenizer)("ab", max_new_tokens=8, do_sample=False)
-    assert generator("ab", max_new_tokens=8, do_sample=False) == expected
+    # Domino options pass through the pipeline call to generate() like any generation argument.
+    assert generator("ab", max_new_tokens=8, do_sample=False, draft_policy="fixed") == expected
     assert drafter.last_generation_stats.mean_acceptance_length > 2
 
     drafter.save_pretrained(tmp_path)
@@ -419,8 +425,9 @@ def test_hook_is_idempotent_and_leaves_other_paths_alone(monkeypatch):
     for kwargs in (dict(assistant_model=assistant), dict(prompt_lookup_num_tokens=3), {}):
         with_hook = greedy(target, prompt, max_new_tokens=8, **kwargs)
         monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", spy)
-        for name in ("_validate_generation_mode", "_assisted_decoding"):
-            monkeypatch.setattr(GenerationMixin, name, before[name].__wrapped__)
+        for name in names:
+            if name != "_get_candidate_generator":
+                monkeypatch.setattr(GenerationMixin, name, before[name].__wrapped__)
         without_hook = greedy(target, prompt, max_new_tokens=8, **kwargs)
         monkeypatch.undo()
         assert torch.equal(with_hook, without_hook)
@@ -439,14 +446,14 @@ def test_hook_refuses_a_changed_transformers(monkeypatch):
 def test_num_speculative_tokens_caps_the_verified_drafts():
     target = successor_target("qwen3", VOCAB)
     drafter = forcing_drafter(target, successor(1), block_size=8)
-    drafter.num_speculative_tokens = 3
     prompt = torch.tensor([[4, 5]])
     assert torch.equal(
-        greedy(target, prompt, max_new_tokens=20, assistant_model=drafter), greedy(target, prompt, max_new_tokens=20)
+        greedy(target, prompt, max_new_tokens=20, assistant_model=drafter, num_speculative_tokens=3),
+        greedy(target, prompt, max_new_tokens=20),
     )
     assert (
         max(drafter.last_generation_stats.drafted) == 3 and max(drafter.last_generation_stats.acceptance_lengths) == 4
     )
-    drafter.num_speculative_tokens = 0
-    with pytest.raises(ValueError, match="num_speculative_tokens"):
-        greedy(target, prompt, max_new_tokens=5, assistant_model=drafter)
+    for bad in (-1, 9, 2.5, True):  # the block has 8 drafts (shift_label)
+        with pytest.raises(ValueError, match="num_speculative_tokens"):
+            greedy(target, prompt, max_new_tokens=5, assistant_model=drafter, num_speculative_tokens=bad)

@@ -21,6 +21,7 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as hf_logging
 
 from hf_domino import DominoConfig, DominoForSpeculation, TargetModules, default_target_layer_ids
+from hf_domino.drafting_domino import DrafterContext, draft_block, eager_rollout
 from hf_domino.export import export_drafter
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS, GRU, RANK = 32, 4, 2, 8, 48, 64, 2, 16, 8
@@ -171,9 +172,11 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
     assert files == [
         "config.json",
         "configuration_domino.py",
+        "drafting_domino.py",
         "generation_domino.py",
         "model.safetensors",
         "modeling_domino.py",
+        "policy_domino.py",
     ]
     with safe_open(str(tmp_path / "d" / "model.safetensors"), "pt") as f:
         names = set(f.keys())
@@ -194,12 +197,20 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
     assert log == ""
     modules = TargetModules.from_target(target)
     features = torch.randn(1, 5, drafter.config.context_size)
+    drafts = []
     with torch.no_grad():
-        a = drafter.draft_block(modules, torch.tensor([[7, 8]]), features, torch.arange(5 + 6)[None])
-        b = reloaded.draft_block(modules, torch.tensor([[7, 8]]), features, torch.arange(5 + 6)[None])
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    assert isinstance(AutoModel.from_pretrained(tmp_path / "d"), DominoForSpeculation)  # registered, no remote code
-    assert isinstance(AutoConfig.from_pretrained(tmp_path / "d"), DominoConfig)
+        for model in (drafter, reloaded):
+            block = draft_block(
+                model, modules, torch.tensor([[7, 8]]), DrafterContext(pending=features), model.config.num_drafts
+            )
+            drafts.append(eager_rollout(model, modules)(block, torch.tensor([[7, 8]])))
+    assert torch.equal(drafts[0].ids, drafts[1].ids) and torch.equal(drafts[0].logits, drafts[1].logits)
+    # The folder says `model_type: qwen3` (what serving stacks key on, see test_serving_formats.py): the Auto classes
+    # reach the drafter through its remote code, and read the config as a plain Qwen3 one without it.
+    auto_model = AutoModel.from_pretrained(tmp_path / "d", trust_remote_code=True)
+    assert type(auto_model).__name__ == "DominoForSpeculation" and auto_model.config.block_size == 6
+    assert type(AutoConfig.from_pretrained(tmp_path / "d", trust_remote_code=True)).__name__ == "DominoConfig"
+    assert isinstance(AutoConfig.from_pretrained(tmp_path / "d"), Qwen3Config)
 
 
 def test_remote_code_works_without_hf_domino(tmp_path):
@@ -327,7 +338,8 @@ def test_published_folders_draft_through_generate(tmp_path, domino):
     target = tiny_target("qwen3", num_layers=36)  # the published configs read layers 1, 17 and 33
     prompt = torch.tensor([[7, 8, 9]])
     expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
-    assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter), expected)
+    output = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, draft_policy="fixed")
+    assert torch.equal(output, expected)
     assert max(drafter.last_generation_stats.drafted) == drafter.config.num_drafts
 
 
@@ -363,5 +375,7 @@ def test_shipped_checkpoint_remote_code_is_the_package_source():
 
     package = Path(hf_domino.__file__).parent
     shipped = package / "checkpoints" / "smollm2-135m-instruct-domino"
-    for name in ("configuration_domino.py", "modeling_domino.py", "generation_domino.py"):
+    remote_code = sorted(path.name for path in package.glob("*_domino.py"))
+    assert sorted(path.name for path in shipped.glob("*.py")) == remote_code
+    for name in remote_code:
         assert (shipped / name).read_text() == (package / name).read_text(), f"re-export: {name} is stale"

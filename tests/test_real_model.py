@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from hf_domino import DominoForSpeculation
-from hf_domino.assets import load_mtbench, load_smollm2
-from hf_domino.bench import SHIPPED_DRAFTER
+from hf_domino.assets import SHIPPED_DRAFTER, load_mtbench, load_smollm2
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +36,14 @@ def test_shipped_drafter_is_lossless_and_accepts_on_smollm2(smollm2, shipped_dra
     target, tokenizer = smollm2
     input_ids = chat_ids(tokenizer, load_mtbench(limit=1)[0])
     expected = target.generate(input_ids, max_new_tokens=48, do_sample=False)
-    output = target.generate(input_ids, max_new_tokens=48, do_sample=False, assistant_model=shipped_drafter)
-    assert torch.equal(output, expected)
-    # The shipped drafter is weak (docs/training.md), but its drafts must get accepted at all.
-    assert shipped_drafter.last_generation_stats.mean_acceptance_length > 1.0
+    for policy in ("fixed", "adaptive"):
+        output = target.generate(
+            input_ids, max_new_tokens=48, do_sample=False, assistant_model=shipped_drafter, draft_policy=policy
+        )
+        assert torch.equal(output, expected)
+        if policy == "fixed":
+            # The shipped drafter is weak (docs/training.md), but its drafts must get accepted at all.
+            assert shipped_drafter.last_generation_stats.mean_acceptance_length > 1.0
 
 
 @pytest.mark.slow

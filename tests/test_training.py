@@ -14,6 +14,7 @@ from conftest import tiny_target as conftest_tiny_target
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_domino import DominoConfig, DominoForSpeculation, TargetModules
+from hf_domino.drafting_domino import BlockDraft, eager_rollout
 from hf_domino.training import (
     DominoTrainingModule,
     Example,
@@ -224,9 +225,8 @@ def test_gru_reads_ground_truth_tokens(target):
         modules = TargetModules.from_target(target)
         hidden = drafter(modules.embed(block_ids, drafter.dtype, drafter.device), features[:, :7], position_ids)
         draft_hidden = drafter.draft_hidden_states(hidden)
-        _, rollout_logits = drafter.rollout(
-            draft_hidden, modules.logits(draft_hidden), batch.input_ids[:, :8], modules, pick
-        )
+        block = BlockDraft(draft_hidden, modules.logits(draft_hidden))
+        rollout_logits = eager_rollout(drafter, modules, pick)(block, batch.input_ids[:, :8]).logits
     torch.testing.assert_close(rollout_logits[0], final[0].detach(), rtol=1e-4, atol=1e-4)
     assert config.pure_draft_prefix_len == 1
     torch.testing.assert_close(final[0, 0], base[0, 0])  # the first draft is base-only

@@ -8,9 +8,16 @@ import transformers
 from transformers import AutoConfig, AutoModel
 
 from .configuration_domino import DominoConfig, default_target_layer_ids
-from .generation_domino import DominoCandidateGenerator, DominoGenerationStats, check_drafter_for_target
+from .generation_domino import (
+    DominoCandidateGenerator,
+    DominoGenerationStats,
+    DominoOptions,
+    check_drafter_for_target,
+    install_assisted_generation_hook,
+)
 from .modeling_domino import DominoForSpeculation, TargetModules
 
+install_assisted_generation_hook()  # also done by every drafter's __init__; here so that the hook is in place early
 AutoConfig.register(DominoConfig.model_type, DominoConfig, exist_ok=True)
 AutoModel.register(DominoConfig, DominoForSpeculation, exist_ok=True)
 # pipeline(..., assistant_model="path/to/drafter") resolves the assistant's class by looking the config's
@@ -24,6 +31,7 @@ __all__ = [
     "DominoConfig",
     "DominoForSpeculation",
     "DominoGenerationStats",
+    "DominoOptions",
     "TargetModules",
     "check_drafter_for_target",
     "default_target_layer_ids",

@@ -25,9 +25,12 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from .modeling_domino import DominoForSpeculation
+
 Messages = list[dict[str, str]]
 
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHIPPED_DRAFTER = Path(__file__).parent / "checkpoints" / "smollm2-135m-instruct-domino"
 MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 HUMANEVAL_PROBLEMS = "data/HumanEval.jsonl.gz"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n"
@@ -145,6 +148,96 @@ def load_smollm2(dtype: torch.dtype | None = None) -> tuple[PreTrainedModel, Pre
             gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype or torch.float32
         )
     return model.eval(), tokenizer
+
+
+def load_target(
+    target: str = "smollm2",
+    *,
+    gguf_file: str | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The target model (eval mode) and its tokenizer; `"smollm2"` is the offline SmolLM2-135M-Instruct.
+
+    Any other value is a Hugging Face model id or folder (with `gguf_file` for a GGUF checkpoint inside it).
+    `device` defaults to cuda when available, else cpu.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = dtype or torch.float32
+    if target == "smollm2" and gguf_file is None:
+        model, tokenizer = load_smollm2(dtype=dtype)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(target, gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(target, gguf_file=gguf_file, dtype=dtype).eval()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return model.to(device), tokenizer
+
+
+def load_drafter(
+    path: str | os.PathLike | None = None,
+    dtype: torch.dtype | None = None,
+    random_weights: bool = False,
+    seed: int = 0,
+) -> DominoForSpeculation:
+    """Loads a drafter folder (default: the SmolLM2 drafter shipped in the package), with a clear error if absent.
+
+    `random_weights` builds the folder's architecture with fresh random weights instead (seeded): an untrained
+    drafter, the worst case a draft policy must survive.
+    """
+    import torch
+
+    from .configuration_domino import DominoConfig
+    from .modeling_domino import DominoForSpeculation
+
+    path = Path(path) if path is not None else SHIPPED_DRAFTER
+    if not (path / "config.json").is_file():
+        shipped = " (the drafter shipped with hf-domino)" if path == SHIPPED_DRAFTER else ""
+        raise FileNotFoundError(
+            f"No drafter checkpoint at {path}{shipped}: expected config.json and model.safetensors there. Train one "
+            "with `hf-domino train` or point --drafter at a drafter folder."
+        )
+    if random_weights:
+        torch.manual_seed(seed)
+        return DominoForSpeculation(DominoConfig.from_pretrained(path)).to(dtype or torch.float32).eval()
+    return DominoForSpeculation.from_pretrained(path, dtype=dtype or torch.float32).eval()
+
+
+def chat_token_ids(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> list[int]:
+    """Chat-templated prompt ids, generation prompt included."""
+    encoding = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    return list(encoding["input_ids"])
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> torch.LongTensor:
+    """`chat_token_ids` as a `[1, n]` tensor, ready for `generate()`."""
+    import torch
+
+    return torch.tensor([chat_token_ids(tokenizer, messages)], dtype=torch.long)
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> list[int]:
+    """The ids that end a response: the model's generation config's, else the tokenizer's EOS (may be empty)."""
+    eos = model.generation_config.eos_token_id
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else sorted(set(eos))
+
+
+def pad_token_id(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> int:
+    """A pad id for `generate()`: the tokenizer's or generation config's, else the first EOS, else 0.
+
+    Padding is masked out on the left and cut off after EOS on the right, so any id will do where none is set.
+    """
+    for candidate in (getattr(tokenizer, "pad_token_id", None), model.generation_config.pad_token_id):
+        if candidate is not None:
+            return candidate
+    return (eos_token_ids(model, tokenizer) or [0])[0]
 
 
 def _limited(prompts: Iterator[Messages], limit: int | None) -> list[Messages]:

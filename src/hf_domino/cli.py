@@ -8,10 +8,11 @@ import sys
 
 # Each module exposes `add_arguments(parser)` and `run(args) -> int | None`.
 COMMANDS = {
-    "regenerate": ("hf_domino.data", "regenerate training responses with the target"),
-    "train": ("hf_domino.training", "train a Domino drafter"),
+    "regenerate": ("hf_domino.training.regenerate", "regenerate training responses with the target"),
+    "train": ("hf_domino.training.command", "train a Domino drafter"),
     "bench": ("hf_domino.bench", "benchmark speculative decoding methods"),
     "demo": ("hf_domino.demo", "stream an answer from SmolLM2 with the shipped drafter"),
+    "draft-vocab": ("hf_domino.draft_vocab", "give a drafter a draft vocabulary of the most frequent tokens"),
     "export": ("hf_domino.export", "export a drafter folder for the Hub (weights, remote code, model card)"),
 }
 

@@ -26,6 +26,17 @@ DFLASH_CONFIG_KEYS = (
 # The published configs point at their authors' remote code; these keys must not leak into ours.
 FOREIGN_KEYS = ("architectures", "auto_map")
 
+# What the published layout says and serving stacks key on (see docs/model.md, "Who reads what"): with
+# `model_type: qwen3`, SGLang reads the file through AutoConfig without remote code and the reference implementation
+# through transformers 4's Qwen3Config without a model-type warning; SGLang picks its DFlash/Domino drafter from the
+# first `architectures` name it registers. `DominoForSpeculation` comes second so that
+# `pipeline(..., assistant_model="path")` finds our class in the transformers namespace.
+SERVING_MODEL_TYPE = "qwen3"
+SERVING_ARCHITECTURE = "DFlashDraftModel"
+OWN_ARCHITECTURE = "DominoForSpeculation"
+# `auto_map["AutoConfig"]` of a folder saved here; it tells our own layout from the published one on loading.
+OWN_AUTO_CONFIG = "configuration_domino.DominoConfig"
+
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """DFlash's layer choice: the middle layer for one draft layer, else evenly spaced from 1 to L - 3.
@@ -40,17 +51,69 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 
 def normalize_published_config(config_dict: dict[str, Any]) -> dict[str, Any]:
-    """Map a published DFlash/Domino `config.json` (model_type `qwen3` + `dflash_config`) to DominoConfig keys."""
+    """Map a DFlash/Domino `config.json` (published, or saved here: model_type `qwen3` + `dflash_config`) to
+    DominoConfig keys. Idempotent, so it is safe on a dict that is already normalized."""
     config_dict = copy.deepcopy(config_dict)
     dflash_config = config_dict.pop("dflash_config", None) or {}
     for key in DFLASH_CONFIG_KEYS:
         if key in dflash_config:
             config_dict[key] = dflash_config[key]
     if config_dict.get("model_type") != DominoConfig.model_type:
-        for key in FOREIGN_KEYS:
-            config_dict.pop(key, None)
+        if not _saved_by_hf_domino(config_dict):
+            for key in FOREIGN_KEYS:
+                config_dict.pop(key, None)
         config_dict["model_type"] = DominoConfig.model_type
+    _drop_legacy_mirrors(config_dict)
     return config_dict
+
+
+def legacy_rope_fields(rope_parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """The transformers-4 spelling of `rope_parameters`: `rope_theta`, plus `rope_scaling` (without the base) when
+    the RoPE type is not the default, plus a top-level `partial_rotary_factor` when one is set.
+
+    Transformers 4 reads only these (a missing `rope_theta` silently means base 10000); transformers 5 maps them back
+    to the same `rope_parameters`. Per-layer-type (nested) RoPE has no transformers-4 form and gets no mirror.
+    """
+    if not rope_parameters or "rope_theta" not in rope_parameters:
+        return {}
+    fields: dict[str, Any] = {"rope_theta": rope_parameters["rope_theta"]}
+    if rope_parameters.get("partial_rotary_factor") is not None:
+        fields["partial_rotary_factor"] = rope_parameters["partial_rotary_factor"]
+    if rope_parameters.get("rope_type", "default") != "default":
+        fields["rope_scaling"] = {
+            key: value for key, value in rope_parameters.items() if key not in ("rope_theta", "partial_rotary_factor")
+        }
+    return fields
+
+
+def _saved_by_hf_domino(config_dict: dict[str, Any]) -> bool:
+    # Remote code loaded from the Hub rewrites the reference as "owner/repo--configuration_domino.DominoConfig".
+    auto_config = (config_dict.get("auto_map") or {}).get("AutoConfig") or ""
+    return auto_config.split("--")[-1] == OWN_AUTO_CONFIG
+
+
+def _drop_legacy_mirrors(config_dict: dict[str, Any]) -> None:
+    """Drops the transformers-4 mirrors of `rope_parameters` after checking that they agree with it.
+
+    A folder written here carries both forms. Transformers 5 would give `rope_scaling` priority over
+    `rope_parameters` but `rope_parameters` priority over `rope_theta`, so a hand edit of only one form would load
+    differently in different places; refuse it instead of guessing.
+    """
+    rope_parameters = config_dict.get("rope_parameters")
+    if isinstance(rope_parameters, dict) and "rope_theta" in rope_parameters:
+        expected = legacy_rope_fields(rope_parameters)
+        for key in ("rope_theta", "rope_scaling", "partial_rotary_factor"):
+            if key not in config_dict:
+                continue
+            found = config_dict.pop(key)
+            if found is None and key == "rope_scaling" and "rope_scaling" not in expected:
+                continue  # `rope_scaling: null` is how transformers 4 spells the default RoPE
+            if found != expected.get(key):
+                raise ValueError(
+                    f"config.json has {key}={found!r}, which disagrees with rope_parameters={rope_parameters!r} "
+                    f"(expected {key}={expected.get(key)!r}). Both forms are written so that transformers 4 and 5 "
+                    "loaders read the same RoPE: correct whichever of the two was edited."
+                )
 
 
 @strict
@@ -126,15 +189,30 @@ class DominoConfig(Qwen3Config):
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict[str, Any], dict[str, Any]]:
-        # Published checkpoints say `model_type: qwen3`; normalizing here, before `from_pretrained` compares model
-        # types, is what keeps loading them free of the "model of type qwen3" warning.
+        # Published checkpoints (and ours) say `model_type: qwen3`; normalizing here, before `from_pretrained`
+        # compares model types, is what keeps loading them free of the "model of type qwen3" warning.
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
         return normalize_published_config(config_dict), kwargs
 
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> DominoConfig:
+        # `to_dict` writes the serving layout (model_type `qwen3`, transformers-4 mirrors); read it back as ours.
+        return super().from_dict(normalize_published_config(config_dict), **kwargs)
+
     def to_dict(self) -> dict[str, Any]:
-        # Mirror the Domino fields into `dflash_config` so the reference implementation reads our exports unchanged.
+        """The serving layout that every loader of the format reads the same (docs/model.md, "Who reads what").
+
+        Besides the transformers-5 fields: the Domino fields mirrored in `dflash_config` (the reference
+        implementation reads them there), `model_type: qwen3` and `DFlashDraftModel` first in `architectures` (what
+        SGLang and AutoConfig without remote code key on), and the transformers-4 `rope_theta`/`rope_scaling`
+        (without `rope_theta`, a transformers-4 loader silently uses RoPE base 10000).
+        """
         output = super().to_dict()
         output["dflash_config"] = {key: output[key] for key in DFLASH_CONFIG_KEYS if output.get(key) is not None}
+        output["model_type"] = SERVING_MODEL_TYPE
+        own = [name for name in output.get("architectures") or [OWN_ARCHITECTURE] if name != SERVING_ARCHITECTURE]
+        output["architectures"] = [SERVING_ARCHITECTURE, *own]
+        output.update(legacy_rope_fields(output.get("rope_parameters")))
         return output
 
     @classmethod
@@ -203,7 +281,7 @@ def _default_mask_token_id(text_config: PretrainedConfig) -> int:
     raise ValueError("The target config has neither pad_token_id nor eos_token_id: pass `mask_token_id=` explicitly.")
 
 
-__all__ = ["DominoConfig", "default_target_layer_ids", "normalize_published_config"]
+__all__ = ["DominoConfig", "default_target_layer_ids", "legacy_rope_fields", "normalize_published_config"]
 
 # save_pretrained then writes this file next to the checkpoint and `auto_map` into config.json.
 DominoConfig.register_for_auto_class()

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .bench import SHIPPED_DRAFTER, encode_chat, generation_kwargs, load_drafter
+from .assets import SHIPPED_DRAFTER, encode_chat, load_drafter, load_smollm2
+from .measure import generation_kwargs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -98,8 +99,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
     from transformers.utils import logging
-
-    from .assets import load_smollm2
 
     torch.set_num_threads(args.threads)
     logging.disable_progress_bar()  # weight-loading bars would clutter the chat

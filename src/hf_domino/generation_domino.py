@@ -1,22 +1,26 @@
 """Domino drafting inside transformers' own assisted-decoding loop.
 
 `target.generate(..., assistant_model=drafter)` with a `DominoForSpeculation` drafter must pick our candidate
-generator, but transformers 5.x has no public way to plug one in. `install_assisted_generation_hook()` wraps three
+generator, but transformers 5.x has no public way to plug one in. `install_assisted_generation_hook()` wraps four
 `GenerationMixin` methods; each wrapper hands over to the original unchanged unless the assistant is a Domino drafter:
 
-- `_validate_generation_mode`: checks drafter/target compatibility before any generation work;
-- `_assisted_decoding`: remembers the call's stopping criteria (the generator needs them, see `_truncate_at_stop`);
+- `_extract_generation_mode_kwargs`: takes this call's Domino options (`DominoOptions`) out of generate()'s kwargs;
+- `_validate_generation_mode`: validates them and the drafter/target pair, once, before any generation work;
+- `_assisted_decoding`: remembers the call's options and stopping criteria for the generator;
 - `_get_candidate_generator`: returns `drafter.build_candidate_generator(...)`.
 
-The hook is installed when the drafter's module is imported (from `hf_domino` or as remote code), is idempotent, and
-refuses to install on a transformers whose methods no longer have the parameters it relies on.
+`DominoCandidateGenerator` is a thin adapter between transformers' `CandidateGenerator` interface and the drafting
+ladder of `drafting_domino` (what to draft) and the policy of `policy_domino` (how many drafts to verify).
 
+The hook is installed when a drafter is built (see `DominoForSpeculation.__init__`) or `hf_domino` is imported; it
+is idempotent, and refuses to install on a transformers whose methods no longer have the parameters it relies on.
 This file is also written next to exported checkpoints as remote code, so it imports only transformers and torch.
 """
 
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -26,15 +30,27 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
-from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
+from .drafting_domino import (
+    BlockDraft,
+    DrafterContext,
+    Drafts,
+    eager_rollout,
+    greedy_pick,
+    processed_pick,
+    run_backbone,
+)
+from .modeling_domino import DOMINO_HEAD_DEFAULT, TargetModules, context_features
+from .policy_domino import AdaptivePolicy, FixedPolicy, drafter_record, measure_verify_cost, verify_cost_for
+
 if TYPE_CHECKING:
     from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 
-    from .modeling_domino import DominoForSpeculation, TargetModules
+    from .drafting_domino import Rollout
+    from .modeling_domino import DominoForSpeculation
 
 
 @dataclass
@@ -42,10 +58,10 @@ class DominoGenerationStats:
     """What one `generate()` call did with a drafter; read it from `drafter.last_generation_stats` afterwards.
 
     `acceptance_lengths[i]` is the number of tokens the i-th target forward after the prefill added (accepted drafts
-    plus the target's own token); `drafted[i]` how many drafts it verified. `timings` (seconds per iteration, only when
-    `drafter.record_timings` is set) splits each cycle into `backbone`, `lm_head` (base logits of the draft block),
-    `head` (the sequential rollout: Domino head and token picking) and `verify` (target forward and acceptance, timed
-    from the end of drafting to the loop's next call).
+    plus the target's own token); `drafted[i]` how many drafts it verified (0: a plain target step). `timings`
+    (seconds per drafting cycle, with `domino_timings=True`) splits each cycle into `backbone`, `lm_head` (base
+    logits of the drafted positions), `head` (the sequential rollout: Domino head and token picking) and `verify`
+    (target forward and acceptance, timed from the end of drafting to the loop's next call).
     """
 
     acceptance_lengths: list[int] = field(default_factory=list)
@@ -55,6 +71,94 @@ class DominoGenerationStats:
     @property
     def mean_acceptance_length(self) -> float:
         return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+
+# ------------------------------------------------------------------------------------------------------- options
+DRAFT_POLICIES = ("adaptive", "fixed")
+ROLLOUTS = ("auto", "eager", "triton", "triton+graph")
+
+
+@dataclass(frozen=True)
+class DominoOptions:
+    """The options of one `generate(..., assistant_model=drafter)` call, passed as generate() keyword arguments.
+
+    Our own names can also be set as attributes of a `GenerationConfig` (e.g. `GenerationConfig(draft_policy=
+    "fixed", num_speculative_tokens=4)` or `target.generation_config.draft_policy = "fixed"`); a keyword argument
+    wins. `assistant_confidence_threshold` keeps transformers' meaning (drafting stops at the first draft whose
+    probability is below it) and applies only when passed to generate() explicitly, since every generation config
+    carries transformers' default of 0.4 for ordinary assistants.
+
+    Attributes:
+        draft_policy: `"adaptive"` (default: drafts verified per block chosen from a measured cost model and the
+            drafts' confidence; 0 = a plain target step) or `"fixed"` (always `num_speculative_tokens`).
+        num_speculative_tokens: drafts per target forward: the cap for `"adaptive"`, the exact number for
+            `"fixed"` (0 = never draft). Default: the drafter's whole block.
+        assistant_confidence_threshold: see above; in (0, 1).
+        domino_head: the Domino head on (default, when the drafter has one) or off (DFlash drafting, same weights).
+        draft_vocab: compute drafts over the drafter's draft vocabulary, when it has one (default True).
+        domino_rollout: `"auto"` (the fused Triton/CUDA-graph head on CUDA when it applies), `"eager"`, `"triton"`,
+            `"triton+graph"` (forced: raise when they cannot run). See docs/fast_path.md.
+        domino_timings: record per-cycle timings in `drafter.last_generation_stats.timings`.
+    """
+
+    draft_policy: str = "adaptive"
+    num_speculative_tokens: int | None = None
+    assistant_confidence_threshold: float | None = None
+    domino_head: bool | None = None
+    draft_vocab: bool = True
+    domino_rollout: str = "auto"
+    domino_timings: bool = False
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def resolve(cls, call_options: dict[str, Any], generation_config: GenerationConfig | None) -> DominoOptions:
+        """Keyword arguments of the call, else our own attributes of the generation config, else the defaults."""
+        values = {}
+        for name in cls.names():
+            if name in call_options:
+                values[name] = call_options[name]
+            elif name != "assistant_confidence_threshold" and getattr(generation_config, name, None) is not None:
+                values[name] = getattr(generation_config, name)
+        if values.get("domino_head") is None and DOMINO_HEAD_DEFAULT.get() is not None:
+            values["domino_head"] = DOMINO_HEAD_DEFAULT.get()
+        return cls(**values)
+
+    def validate(self, drafter: DominoForSpeculation) -> None:
+        """Raises a `ValueError` naming the option, the bad value and what is allowed."""
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(f"draft_policy must be one of {DRAFT_POLICIES}, got {self.draft_policy!r}.")
+        cap = self.num_speculative_tokens
+        block = drafter.config.num_drafts
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= block):
+            raise ValueError(
+                f"num_speculative_tokens must be an int from 0 to the drafter's {block} drafts per block (or None for "
+                f"all of them), got {cap!r}."
+            )
+        threshold = self.assistant_confidence_threshold
+        if threshold is not None and (isinstance(threshold, bool) or not 0 < float(threshold) < 1):
+            raise ValueError(
+                f"assistant_confidence_threshold must be a probability in (0, 1), got {threshold!r}; drop it to "
+                "let the draft policy alone decide."
+            )
+        for name in ("domino_head", "draft_vocab", "domino_timings"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}.")
+        if self.domino_head and not drafter.config.has_domino_head:
+            raise ValueError("domino_head=True needs a drafter with a Domino head; this one drafts as DFlash.")
+        if self.domino_rollout not in ROLLOUTS:
+            raise ValueError(f"domino_rollout must be one of {ROLLOUTS}, got {self.domino_rollout!r}.")
+
+    def head_enabled(self, drafter: DominoForSpeculation) -> bool:
+        return drafter.config.has_domino_head and self.domino_head is not False
+
+    def drafts_per_block(self, drafter: DominoForSpeculation) -> int:
+        """The cap on drafts verified per target forward."""
+        cap = self.num_speculative_tokens
+        return drafter.config.num_drafts if cap is None else cap
 
 
 # ------------------------------------------------------------------------------------------------ compatibility checks
@@ -109,11 +213,12 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
 
 # ------------------------------------------------------------------------------------------------ candidate generator
 class DominoCandidateGenerator(CandidateGenerator):
-    """Drafts one block per iteration of transformers' assisted-decoding loop.
+    """Drafts for transformers' assisted-decoding loop: an adapter from its interface to the drafting ladder.
 
     The loop hands us the target's outputs of the previous verification (`requires_model_outputs`): their hidden
-    states at `target_layer_ids` for the tokens that were accepted become new drafter context. The drafter's cache
-    only ever holds verified context, so a rejection needs no rollback on our side.
+    states at `target_layer_ids` for the tokens that were accepted become drafter context. The drafter's cache only
+    ever holds verified context, so a rejection needs no rollback on our side. Each call then asks the draft policy
+    how many drafts to compute (0: a plain target step), drafts them, and lets the policy choose how many to offer.
     """
 
     requires_model_outputs = True
@@ -122,25 +227,30 @@ class DominoCandidateGenerator(CandidateGenerator):
         self,
         drafter: DominoForSpeculation,
         target: PreTrainedModel,
-        target_modules: TargetModules,
         generation_config: GenerationConfig,
         logits_processor: LogitsProcessorList | None = None,
         input_ids: torch.LongTensor | None = None,
         stopping_criteria: StoppingCriteriaList | None = None,
+        options: DominoOptions | None = None,
         **kwargs: Any,
     ):
-        check_drafter_for_target(drafter, target, generation_config)
+        if options is None:  # built directly rather than through generate(): validate here
+            check_drafter_for_target(drafter, target, generation_config)
+            options = DominoOptions.resolve({}, generation_config)
+            options.validate(drafter)
         if input_ids is not None and input_ids.shape[0] != 1:
             raise ValueError(
                 f"Domino drafting supports batch size 1 (got {input_ids.shape[0]} sequences): transformers' "
                 "assisted decoding verifies one sequence per target forward. Call generate() once per prompt."
             )
-        self.drafter = drafter
-        self.target = target_modules
-        self.config = drafter.config
+        self.drafter, self.target_model, self.options = drafter, target, options
+        self.target = TargetModules.from_target(target)
         self.max_length = generation_config.max_length
-        self.max_drafts = drafter.drafts_per_block
+        self.max_drafts = options.drafts_per_block(drafter)
+        self.vocab = drafter.draft_vocab if options.draft_vocab else None
         self.do_sample = bool(generation_config.do_sample)
+        # Greedy verification never reads the draft logits unless the ensemble option mixes them in.
+        self.return_logits = self.do_sample or generation_config.assistant_ensemble_weight is not None
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
         # EOS and max length are already cut inside a block by the loop; other criteria (stop strings, ...) are not.
         self.block_stopping_criteria = [
@@ -148,18 +258,17 @@ class DominoCandidateGenerator(CandidateGenerator):
             for criterion in (stopping_criteria or [])
             if not isinstance(criterion, (MaxLengthCriteria, EosTokenCriteria))
         ]
-        layers = [i + 1 for i in self.config.target_layer_ids]  # hidden_states[0] is the embedding output
+        layers = [i + 1 for i in drafter.config.target_layer_ids]  # hidden_states[0] is the embedding output
         # A user asking for all hidden states in the output needs them all from every forward.
         self.model_kwargs_overrides = {
             "output_hidden_states": True if generation_config.output_hidden_states else layers
         }
-        self.fast_rollout = _select_fast_rollout(drafter, self.do_sample, logits_processor, target_modules)
-        self.cache = DynamicCache()
-        self.context_length = 0  # verified tokens whose features are in `self.cache`
-        self.drafted_last = 0
-        self.prefill_done = False
-        self.stats = DominoGenerationStats(timings={} if drafter.record_timings else None)
+        self.rollout = self._select_rollout()
+        self.context = DrafterContext()
+        self.policy: AdaptivePolicy | FixedPolicy | None = None  # built at the first drafting step (it measures)
+        self.stats = DominoGenerationStats(timings={} if options.domino_timings else None)
         drafter.last_generation_stats = self.stats
+        self.cycle: dict[str, Any] = {"drafted": False, "verified": 0}
         self._clock = time.perf_counter()
 
     # ---------------------------------------------------------------------------------------------- loop interface
@@ -174,140 +283,171 @@ class DominoCandidateGenerator(CandidateGenerator):
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
         # The first target forward is a plain prefill: there is no context to draft from yet.
         if is_first_iteration:
-            self.drafted_last = 0
+            self.cycle = {"drafted": False, "verified": 0}
             return input_ids, None
-        self._tick("verify", self.drafted_last > 0)
-        num_drafts = min(self.max_drafts, self.max_length - input_ids.shape[1] - 1)
-        if num_drafts <= 0:  # the next target token is the last one anyway
-            self.drafted_last = 0
+        verify_seconds = self._lap("verify", self.cycle["drafted"])
+        model_kwargs = model_kwargs or {}
+        if self.policy is None:
+            self.policy = self._build_policy(input_ids, model_kwargs)
+        else:
+            self.policy.observe(verify_seconds=verify_seconds, accepted=int(n_last_matches), **self.cycle)
+        self.context.append(self._new_context_features(input_ids, model_kwargs, model_outputs, int(n_last_matches)))
+        self.cycle = {"drafted": False, "verified": 0}
+        room = self.max_length - input_ids.shape[1] - 1  # the target adds one token of its own
+        num_drafts = self.policy.budget(min(self.max_drafts, room))
+        if num_drafts <= 0:
+            self._lap()
             return input_ids, None
-        context = self._new_context_features(input_ids, model_kwargs or {}, model_outputs, int(n_last_matches))
         with torch.no_grad():
-            draft_ids, draft_logits = self._draft(input_ids, context, num_drafts)
-        draft_ids, draft_logits = self._truncate_at_stop(input_ids, draft_ids, draft_logits)
-        self.drafted_last = draft_ids.shape[1]
-        self._tick("head", True)
-        if self.drafted_last == 0:
+            drafts = self._draft(input_ids, num_drafts)
+        keep = self.policy.choose(drafts.confidence, self.cycle["backbone_seconds"] + self.cycle["rollout_seconds"])
+        drafts = self._truncate_at_stop(input_ids, drafts.keep(keep))
+        self.cycle["verified"] = len(drafts)
+        self._lap()
+        if len(drafts) == 0:
             return input_ids, None
-        return torch.cat([input_ids, draft_ids.to(input_ids.device)], dim=-1), draft_logits
+        candidates = torch.cat([input_ids, drafts.ids.to(input_ids.device)], dim=-1)
+        return candidates, drafts.logits if self.return_logits else None
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
-        # Every target forward after the prefill counts, including the few with no drafts (next to max_length or a
-        # stop): the mean is then exactly generated tokens per decoding forward.
-        if self.prefill_done:
+        # Every target forward after the prefill counts, plain steps included: the mean is then exactly generated
+        # tokens per decoding forward.
+        if self.policy is not None:
             self.stats.acceptance_lengths.append(int(num_matches) + 1)
-            self.stats.drafted.append(self.drafted_last)
-        self.prefill_done = True
+            self.stats.drafted.append(self.cycle["verified"])
 
     # ------------------------------------------------------------------------------------------------------ steps
+    def _draft(self, input_ids: torch.LongTensor, num_drafts: int) -> Drafts:
+        """One block down the ladder: backbone, base logits of `num_drafts` positions, rollout."""
+        hidden = run_backbone(self.drafter, self.target, input_ids, self.context, num_drafts)
+        backbone = self._lap("backbone", True)
+        block = BlockDraft.from_hidden(hidden, self.target, self.vocab)
+        lm_head = self._lap("lm_head", True)
+        drafts = self.rollout(block, input_ids)
+        head = self._lap("head", True)
+        self.cycle = {
+            "drafted": True,
+            "verified": 0,
+            "positions": num_drafts,
+            "backbone_seconds": backbone,
+            "rollout_seconds": lm_head + head,
+        }
+        return drafts
+
     def _new_context_features(
         self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any], model_outputs: Any, n_last_matches: int
     ) -> torch.Tensor:
-        """Target features of the tokens verified since the last block, padding dropped, on the drafter's device."""
+        """Target features of the tokens verified since the last call, padding dropped, on the drafter's device."""
         hidden_states = getattr(model_outputs, "hidden_states", None)
         if hidden_states is None:
             raise ValueError(
                 "The target returned no hidden_states although output_hidden_states was requested; a Domino drafter "
                 "needs a target whose forward supports output_hidden_states."
             )
-        # After the prefill every prompt token is new context; later, the accepted drafts plus the previous anchor.
-        num_new = input_ids.shape[1] - 1 if self.context_length == 0 else n_last_matches + 1
-        features = torch.cat([hidden_states[i + 1][:, :num_new] for i in self.config.target_layer_ids], dim=-1)
+        # After the prefill every prompt token but the anchor is new context; later, the accepted drafts plus the
+        # previous anchor.
+        first = self.context.num_tokens == 0
+        num_new = input_ids.shape[1] - 1 if first else n_last_matches + 1
+        features = context_features(hidden_states, self.drafter.config.target_layer_ids)[:, :num_new]
         attention_mask = model_kwargs.get("attention_mask")
-        if self.context_length == 0 and attention_mask is not None and not bool(attention_mask[0, :num_new].all()):
+        if first and attention_mask is not None and not bool(attention_mask[0, :num_new].all()):
             features = features[:, attention_mask[0, :num_new].bool().to(features.device)]
         return features.to(self.drafter.device)
 
-    def _draft(
-        self, input_ids: torch.LongTensor, context: torch.Tensor, num_drafts: int
-    ) -> tuple[torch.LongTensor, torch.Tensor]:
-        drafter, config = self.drafter, self.config
-        device = drafter.device
-        start = self.context_length + context.shape[1]  # the anchor's position
-        position_ids = torch.arange(self.context_length, start + config.block_size, device=device)[None]
-        block_embeds = drafter.embed_block(self.target, input_ids)
-        block_hidden = drafter(block_embeds, context, position_ids, past_key_values=self.cache)
-        self.context_length = start
-        self._tick("backbone", True)
-        draft_hidden = drafter.draft_hidden_states(block_hidden)[:, :num_drafts]
-        base_logits = self.target.logits(draft_hidden).float()
-        self._tick("lm_head", True)
-        if not drafter.head_active and self.logits_processor is None and not self.do_sample:
-            return base_logits.argmax(dim=-1), base_logits  # nothing sequential left: vectorize
-        if self.fast_rollout is not None:
-            return self.fast_rollout(draft_hidden, base_logits, input_ids, self.target.embed_tokens.weight)
-        return drafter.rollout(draft_hidden, base_logits, input_ids, self.target, self._pick)
-
-    def _pick(self, logits: torch.Tensor, realised_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor]:
-        """Chooses one draft from the same processed distribution the loop will use for the target."""
-        logits = logits.float()
-        if self.logits_processor is not None:
-            logits = self.logits_processor(realised_ids.to(logits.device), logits)
-        if self.do_sample:
-            token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
-        else:
-            token = logits.argmax(dim=-1, keepdim=True)
-        return token.to(realised_ids.device), logits
-
-    def _truncate_at_stop(
-        self, input_ids: torch.LongTensor, draft_ids: torch.LongTensor, draft_logits: torch.Tensor | None
-    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+    def _truncate_at_stop(self, input_ids: torch.LongTensor, drafts: Drafts) -> Drafts:
         """Keeps drafts only up to the one before a stopping criterion would fire.
 
         The loop checks stopping criteria once per iteration, after the whole accepted block. If prefix + drafts[:j]
         completes a stop string, we offer only drafts[:j - 1]: the target's own next token then decides whether the
         stop happens, exactly as without a drafter, and nothing is generated past it.
         """
-        if not self.block_stopping_criteria or draft_ids.shape[1] == 0:
-            return draft_ids, draft_logits
-        sequence = torch.cat([input_ids, draft_ids.to(input_ids.device)], dim=-1)
-        for j in range(1, draft_ids.shape[1] + 1):
+        if not self.block_stopping_criteria or len(drafts) == 0:
+            return drafts
+        sequence = torch.cat([input_ids, drafts.ids.to(input_ids.device)], dim=-1)
+        for j in range(1, len(drafts) + 1):
             prefix = sequence[:, : input_ids.shape[1] + j]
             if any(bool(criterion(prefix, None).any()) for criterion in self.block_stopping_criteria):
-                return draft_ids[:, : j - 1], draft_logits[:, : j - 1]
-        return draft_ids, draft_logits
+                return drafts.keep(j - 1)
+        return drafts
 
-    def _tick(self, name: str, record: bool) -> None:
-        """Adds the time since the previous tick to `timings[name]` (only when timings were asked for)."""
-        if self.stats.timings is None:
-            return
-        if self.drafter.device.type == "cuda":
+    # ------------------------------------------------------------------------------------------------------ set-up
+    @property
+    def _timing_is_free(self) -> bool:
+        """Host timings are exact without a synchronization everywhere but on CUDA."""
+        return self.drafter.device.type != "cuda"
+
+    def _lap(self, name: str | None = None, record: bool = False) -> float:
+        """Seconds since the previous lap; added to `timings[name]` when timings were asked for."""
+        if self.stats.timings is not None and not self._timing_is_free:
             torch.cuda.synchronize(self.drafter.device)
         now = time.perf_counter()
-        if record:
-            self.stats.timings.setdefault(name, []).append(now - self._clock)
-        self._clock = now
+        seconds, self._clock = now - self._clock, now
+        if record and self.stats.timings is not None:
+            self.stats.timings.setdefault(name, []).append(seconds)
+        return seconds
 
+    def _build_policy(self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any]) -> AdaptivePolicy | FixedPolicy:
+        options, drafter = self.options, self.drafter
+        if options.draft_policy == "fixed":
+            return FixedPolicy(self.max_drafts, options.assistant_confidence_threshold)
+        cache = model_kwargs.get("past_key_values")
+        forward_kwargs = {"output_hidden_states": self.model_kwargs_overrides["output_hidden_states"]}
+        cost = verify_cost_for(
+            self.target_model,
+            lambda: measure_verify_cost(self.target_model, cache, input_ids[:, -1:], forward_kwargs),
+        )
+        mode = ("sample" if self.do_sample else "greedy") + ("+head" if options.head_enabled(drafter) else "")
+        mode += "+vocab" if self.vocab is not None else ""
+        return AdaptivePolicy(
+            drafter_record(drafter, mode, drafter.config.num_drafts),
+            cost,
+            cap=self.max_drafts,
+            confidence_threshold=options.assistant_confidence_threshold,
+            learn_times=self._timing_is_free,
+        )
 
-def _select_fast_rollout(drafter, do_sample: bool, logits_processor, target_modules):
-    """The fused Triton/CUDA-graph head rollout of `hf_domino.triton_head` when it applies, else `None` (eager).
+    def _select_rollout(self) -> Rollout:
+        """The fused Triton/CUDA-graph head rollout of `hf_domino.fused_head` when it applies, else the eager one.
 
-    Imported by name rather than relatively: remote-code copies of this file must not depend on it, and without
-    `hf_domino` installed they simply use the eager rollout.
-    """
-    if drafter.rollout_mode == "eager" or not drafter.head_active:
-        return None
-    try:
-        triton_head = importlib.import_module("hf_domino.triton_head")
-    except ImportError:
-        return None
-    temperature, has_other_processors = triton_head.split_temperature(logits_processor)
-    return triton_head.select_rollout(
-        drafter,
-        do_sample=do_sample,
-        temperature=temperature,
-        has_other_processors=has_other_processors,
-        mode=drafter.rollout_mode,
-        target_embed_weight=target_modules.embed_tokens.weight,
-    )
+        Imported by name rather than relatively: remote-code copies of this file must not depend on it, and without
+        `hf_domino` installed they use the eager rollout.
+        """
+        drafter, options, head = self.drafter, self.options, self.options.head_enabled(self.drafter)
+        sequential = head or self.do_sample or self.logits_processor is not None
+        pick = greedy_pick
+        if self.do_sample or self.logits_processor is not None:
+            pick = processed_pick(self.logits_processor, self.do_sample, self.vocab, drafter.config.vocab_size)
+        eager = eager_rollout(drafter, self.target, pick, head=head)
+        if options.domino_rollout == "eager" or not sequential or not head or self.vocab is not None:
+            if options.domino_rollout in ("triton", "triton+graph") and (not head or self.vocab is not None):
+                raise ValueError(
+                    f"domino_rollout={options.domino_rollout!r} fuses the Domino head over the whole vocabulary: it "
+                    "needs the head on and draft_vocab=False."
+                )
+            return eager
+        try:
+            fused_head = importlib.import_module("hf_domino.fused_head")
+        except ImportError:
+            if options.domino_rollout != "auto":
+                raise
+            return eager
+        fused = fused_head.select_rollout(
+            drafter,
+            self.target,
+            do_sample=self.do_sample,
+            logits_processor=self.logits_processor,
+            mode=options.domino_rollout,
+        )
+        return eager if fused is None else fused
 
 
 # -------------------------------------------------------------------------------------------------- generate() hook
-_STOPPING_CRITERIA: contextvars.ContextVar[StoppingCriteriaList | None] = contextvars.ContextVar(
-    "domino_stopping_criteria", default=None
+_CALL: contextvars.ContextVar[tuple[DominoOptions, StoppingCriteriaList | None] | None] = contextvars.ContextVar(
+    "domino_call", default=None
 )
 # The parameters each wrapped method must still have for the hook to be correct.
 _REQUIRED_PARAMETERS = {
+    "_extract_generation_mode_kwargs": ("kwargs", "assistant_model"),
     "_validate_generation_mode": ("generation_mode", "generation_config", "generation_mode_kwargs"),
     "_assisted_decoding": (
         "input_ids",
@@ -324,6 +464,8 @@ _REQUIRED_PARAMETERS = {
         "assistant_model",
     ),
 }
+# Where the options travel from `_extract_generation_mode_kwargs` to `_assisted_decoding`.
+_OPTIONS_KEY = "domino_options"
 
 
 def is_domino_drafter(model: Any) -> bool:
@@ -334,13 +476,33 @@ def _bound_arguments(method, self, args, kwargs) -> dict[str, Any]:
     return inspect.signature(method).bind(self, *args, **kwargs).arguments
 
 
+def _wrap_extract_generation_mode_kwargs(original):
+    @functools.wraps(original)
+    def _extract_generation_mode_kwargs(self, *args, **kwargs):
+        arguments = _bound_arguments(original, self, args, kwargs)
+        mode_kwargs = original(self, *args, **kwargs)
+        if is_domino_drafter(arguments.get("assistant_model")):
+            # generate()'s own kwargs dict: what we pop here never reaches the model as an unknown model kwarg.
+            call_kwargs = arguments["kwargs"]
+            mode_kwargs[_OPTIONS_KEY] = {
+                name: call_kwargs.pop(name) for name in DominoOptions.names() if name in call_kwargs
+            }
+        return mode_kwargs
+
+    return _extract_generation_mode_kwargs
+
+
 def _wrap_validate_generation_mode(original):
     @functools.wraps(original)
     def _validate_generation_mode(self, *args, **kwargs):
         arguments = _bound_arguments(original, self, args, kwargs)
-        assistant = (arguments.get("generation_mode_kwargs") or {}).get("assistant_model")
+        mode_kwargs = arguments.get("generation_mode_kwargs") or {}
+        assistant = mode_kwargs.get("assistant_model")
         if is_domino_drafter(assistant):
             check_drafter_for_target(assistant, self, arguments["generation_config"])
+            options = DominoOptions.resolve(mode_kwargs.get(_OPTIONS_KEY, {}), arguments["generation_config"])
+            options.validate(assistant)
+            mode_kwargs[_OPTIONS_KEY] = options  # validated once; the generator takes it as is
         return original(self, *args, **kwargs)
 
     return _validate_generation_mode
@@ -349,14 +511,18 @@ def _wrap_validate_generation_mode(original):
 def _wrap_assisted_decoding(original):
     @functools.wraps(original)
     def _assisted_decoding(self, *args, **kwargs):
+        options = kwargs.pop(_OPTIONS_KEY, None)
         arguments = _bound_arguments(original, self, args, kwargs)
         if not is_domino_drafter(arguments.get("assistant_model")):
             return original(self, *args, **kwargs)
-        token = _STOPPING_CRITERIA.set(arguments.get("stopping_criteria"))
+        if not isinstance(options, DominoOptions):  # reached without generate()'s validation
+            options = DominoOptions.resolve(options or {}, arguments["generation_config"])
+            options.validate(arguments["assistant_model"])
+        token = _CALL.set((options, arguments.get("stopping_criteria")))
         try:
             return original(self, *args, **kwargs)
         finally:
-            _STOPPING_CRITERIA.reset(token)
+            _CALL.reset(token)
 
     return _assisted_decoding
 
@@ -368,18 +534,21 @@ def _wrap_get_candidate_generator(original):
         assistant = arguments.get("assistant_model")
         if not is_domino_drafter(assistant):
             return original(self, *args, **kwargs)
+        options, stopping_criteria = _CALL.get() or (None, None)
         return assistant.build_candidate_generator(
             target=self,
             generation_config=arguments["generation_config"],
             logits_processor=arguments["logits_processor"],
             input_ids=arguments["input_ids"],
-            stopping_criteria=_STOPPING_CRITERIA.get(),
+            stopping_criteria=stopping_criteria,
+            options=options,
         )
 
     return _get_candidate_generator
 
 
 _WRAPPERS = {
+    "_extract_generation_mode_kwargs": _wrap_extract_generation_mode_kwargs,
     "_validate_generation_mode": _wrap_validate_generation_mode,
     "_assisted_decoding": _wrap_assisted_decoding,
     "_get_candidate_generator": _wrap_get_candidate_generator,

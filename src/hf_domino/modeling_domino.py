@@ -15,11 +15,13 @@ The drafter owns neither embeddings nor an LM head: both are the target's and ar
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
@@ -33,9 +35,15 @@ from transformers.models.qwen3.modeling_qwen3 import (
     eager_attention_forward,
     rotate_half,
 )
+from transformers.utils import cached_file
 
 from .configuration_domino import DominoConfig
-from .generation_domino import DominoCandidateGenerator, install_assisted_generation_hook
+
+# A drafter's optional draft vocabulary lives in this file next to model.safetensors.
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+# `with drafter.domino_head(False):` sets the default of generate()'s `domino_head` option for the block (None: on
+# when the drafter has a head).
+DOMINO_HEAD_DEFAULT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("domino_head_default", default=None)
 
 
 @dataclass(frozen=True)
@@ -59,9 +67,43 @@ class TargetModules:
         table_device = self.embed_tokens.weight.device
         return self.embed_tokens(input_ids.to(table_device)).to(device=device, dtype=dtype)
 
-    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden_states: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's LM head on `hidden_states`, over the whole vocabulary or only the token ids in `vocab`."""
         weight = self.lm_head.weight
-        return self.lm_head(hidden_states.to(device=weight.device, dtype=weight.dtype))
+        hidden_states = hidden_states.to(device=weight.device, dtype=weight.dtype)
+        if vocab is None:
+            return self.lm_head(hidden_states)
+        bias = getattr(self.lm_head, "bias", None)
+        return nn.functional.linear(
+            hidden_states, vocab_rows(weight, vocab), None if bias is None else vocab_rows(bias, vocab)
+        )
+
+
+_VOCAB_ROWS: dict[tuple, torch.Tensor] = {}
+
+
+def vocab_rows(weight: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
+    """`weight[vocab]`, cached: the rows of an output projection for a draft vocabulary (FR-Spec).
+
+    Gathering them costs as much as a few draft blocks, so they are kept per (weight, its in-place version, vocab)
+    for the process; a handful of entries covers every drafter/target pair in use.
+    """
+    key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.device, vocab.data_ptr(), vocab.numel())
+    rows = _VOCAB_ROWS.get(key)
+    if rows is None:
+        if len(_VOCAB_ROWS) >= 8:
+            _VOCAB_ROWS.clear()
+        rows = _VOCAB_ROWS[key] = weight.detach()[vocab.to(weight.device)].contiguous()
+    return rows
+
+
+def context_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
+    """A drafter's context input: the target's hidden states after each layer in `layer_ids`, concatenated.
+
+    `hidden_states` is the tuple a transformers model returns with `output_hidden_states` (index 0 is the embedding
+    output, so layer i is `hidden_states[i + 1]`): `[b, n, hidden]` each -> `[b, n, len(layer_ids) * hidden]`.
+    """
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
 def _apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -160,15 +202,6 @@ def build_domino_head(config: DominoConfig) -> tuple[nn.GRU, nn.Sequential]:
     return prefix_gru, embed_proj
 
 
-# Picks a token from one position's logits: (logits [1, vocab], tokens realised so far [1, n]) -> (token [1, 1],
-# the processed logits it was drawn from [1, vocab]).
-TokenPicker = Callable[[torch.Tensor, torch.LongTensor], tuple[torch.LongTensor, torch.Tensor]]
-
-
-def greedy_picker(logits: torch.Tensor, realised_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor]:
-    return logits.argmax(dim=-1, keepdim=True), logits
-
-
 class DominoPreTrainedModel(PreTrainedModel):
     config_class = DominoConfig
     config: DominoConfig
@@ -209,34 +242,31 @@ class DominoForSpeculation(DominoPreTrainedModel):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if config.has_domino_head:
             self.prefix_gru, self.embed_proj = build_domino_head(config)
-        # Run-time switch (not saved): drafting with the head off is DFlash mode on the same weights.
-        self.use_domino_head = config.has_domino_head
-        # Filled by every generate() call that uses this drafter; see `DominoGenerationStats`.
+        # What the latest generate() call with this drafter did (a result, not an option); see DominoGenerationStats.
         self.last_generation_stats = None
-        self.record_timings = False
-        # How generate() rolls the head out: "auto" (fused Triton + CUDA graph on CUDA when hf_domino.triton_head
-        # applies, else eager), "eager", "triton" or "triton+graph". See docs/fast_path.md.
-        self.rollout_mode = "auto"
-        # Cap on the drafts verified per target forward (None: the whole block). The backbone still reads the full
-        # block it was trained on; a shorter verify pays off where a target forward costs more per token (CPUs).
-        self.num_speculative_tokens: int | None = None
+        # Token ids of the draft vocabulary (FR-Spec), or None for the whole vocabulary; saved in its own file.
+        self.register_buffer("draft_vocab", None, persistent=False)
         self.post_init()
+        # Every way of getting a drafter (this package, remote code, a subclass) builds it here, so this is the one
+        # place that installs the generate() hook; the import is local because the hook's module imports this one.
+        from .generation_domino import install_assisted_generation_hook
 
-    # ----------------------------------------------------------------------------------------------- run-time switches
-    @property
-    def head_active(self) -> bool:
-        return self.config.has_domino_head and self.use_domino_head
+        install_assisted_generation_hook()
 
     @contextlib.contextmanager
     def domino_head(self, enabled: bool) -> Iterator[DominoForSpeculation]:
-        """Temporarily switch the Domino head on or off (off = DFlash drafting with the same backbone)."""
+        """Default for `generate(..., domino_head=...)` inside this block (off = DFlash drafting, same weights).
+
+        The default lives in a context variable, not on the model: an explicit `domino_head=` still wins, and other
+        threads and calls outside the block are unaffected.
+        """
         if enabled and not self.config.has_domino_head:
             raise ValueError("This drafter has no Domino head (projector_type is not 'domino'); it drafts as DFlash.")
-        previous, self.use_domino_head = self.use_domino_head, enabled
+        token = DOMINO_HEAD_DEFAULT.set(enabled)
         try:
             yield self
         finally:
-            self.use_domino_head = previous
+            DOMINO_HEAD_DEFAULT.reset(token)
 
     # ----------------------------------------------------------------------------------------------------- backbone
     def project_context(self, context_features: torch.Tensor) -> torch.Tensor:
@@ -291,60 +321,20 @@ class DominoForSpeculation(DominoPreTrainedModel):
         _, state = self.prefix_gru(token_embeds.to(self.prefix_gru.weight_ih_l0.dtype), state)
         return state
 
-    def logit_correction(self, draft_hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """`embed_proj([z ; s])` for one draft position: `[b, 1, hidden]`, `[1, b, G]` -> `[b, 1, vocab]`."""
-        return self.embed_proj(torch.cat([draft_hidden, state.transpose(0, 1).to(draft_hidden.dtype)], dim=-1))
+    def logit_correction(
+        self, draft_hidden: torch.Tensor, state: torch.Tensor, vocab: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`embed_proj([z ; s])` for one draft position: `[b, 1, hidden]`, `[1, b, G]` -> `[b, 1, vocab]`.
 
-    def rollout(
-        self,
-        draft_hidden: torch.Tensor,
-        base_logits: torch.Tensor,
-        anchor_ids: torch.LongTensor,
-        target: TargetModules,
-        pick: TokenPicker = greedy_picker,
-    ) -> tuple[torch.LongTensor, torch.Tensor]:
-        """Chooses the drafts one by one (the reference, eager path).
-
-        Args:
-            draft_hidden: backbone outputs of the positions to draft, `[1, k, hidden]`.
-            base_logits: the target LM head on `draft_hidden`, `[1, k, vocab]`.
-            anchor_ids: the tokens realised before the first draft, `[1, n]`; the last one is the anchor. The
-                picker sees them as prefix (logits processors such as repetition penalty need the whole sequence).
-            target: the target's embeddings (for the GRU input).
-            pick: chooses a token from one position's logits; greedy argmax by default.
-
-        Returns:
-            `(draft_ids [1, k], logits [1, k, vocab])`: the chosen tokens and the exact logits each was drawn from.
+        With `vocab` (token ids of a draft vocabulary) only those logits are computed: `[b, 1, len(vocab)]`.
         """
-        num_drafts = base_logits.shape[1]
-        prefix_len = anchor_ids.shape[1]
-        realised = anchor_ids
-        chosen_logits = []
-        state = None
-        for i in range(num_drafts):
-            logits = base_logits[:, i]
-            if self.head_active and i >= self.config.pure_draft_prefix_len:
-                # The GRU reads the block's realised tokens: all of them (anchor first) on its first step, then
-                # the one draft chosen since.
-                unread = realised[:, prefix_len - 1 :] if state is None else realised[:, -1:]
-                gru_weight = self.prefix_gru.weight_ih_l0
-                state = self.gru_step(target.embed(unread, gru_weight.dtype, gru_weight.device), state)
-                correction = self.logit_correction(draft_hidden[:, i : i + 1], state)[:, 0]
-                logits = logits + correction.to(device=logits.device, dtype=logits.dtype)
-            token, logits = pick(logits, realised)
-            realised = torch.cat([realised, token], dim=-1)
-            chosen_logits.append(logits)
-        return realised[:, anchor_ids.shape[1] :], torch.stack(chosen_logits, dim=1)
+        features = torch.cat([draft_hidden, state.transpose(0, 1).to(draft_hidden.dtype)], dim=-1)
+        if vocab is None:
+            return self.embed_proj(features)
+        rank = self.embed_proj[1](self.embed_proj[0](features))
+        return nn.functional.linear(rank, vocab_rows(self.embed_proj[2].weight, vocab))
 
     # ------------------------------------------------------------------------------------------------- convenience
-    @property
-    def drafts_per_block(self) -> int:
-        """Drafts verified per target forward: `num_speculative_tokens` capped at the block's `num_drafts`."""
-        cap = self.num_speculative_tokens
-        if cap is not None and (not isinstance(cap, int) or cap < 1):
-            raise ValueError(f"drafter.num_speculative_tokens must be None or a positive int, got {cap!r}.")
-        return min(cap or self.config.num_drafts, self.config.num_drafts)
-
     def embed_block(self, target: TargetModules, anchor_ids: torch.LongTensor) -> torch.Tensor:
         """Target embeddings of the block `[anchor, MASK, ..., MASK]` for the anchor `anchor_ids[:, -1]`."""
         block_ids = torch.full(
@@ -353,39 +343,12 @@ class DominoForSpeculation(DominoPreTrainedModel):
         block_ids[:, 0] = anchor_ids[:, -1]
         return target.embed(block_ids, self.dtype, self.device)
 
-    def draft_block(
-        self,
-        target: TargetModules,
-        anchor_ids: torch.LongTensor,
-        context_features: torch.Tensor,
-        position_ids: torch.LongTensor,
-        past_key_values: DynamicCache | None = None,
-        num_drafts: int | None = None,
-        pick: TokenPicker = greedy_picker,
-    ) -> tuple[torch.LongTensor, torch.Tensor]:
-        """Drafts one block after `anchor_ids[:, -1]`: backbone, base logits, then the (optional) head rollout.
-
-        `position_ids` cover `[context ; block]`; `num_drafts` (default `config.num_drafts`) shortens the block near
-        a length limit (the backbone still reads the whole block it was trained on).
-        """
-        config = self.config
-        block_hidden = self(
-            self.embed_block(target, anchor_ids),
-            context_features,
-            position_ids,
-            past_key_values=past_key_values,
-        )
-        num_drafts = config.num_drafts if num_drafts is None else min(num_drafts, config.num_drafts)
-        draft_hidden = self.draft_hidden_states(block_hidden)[:, :num_drafts]
-        base_logits = target.logits(draft_hidden)
-        return self.rollout(draft_hidden, base_logits, anchor_ids, target, pick)
-
     # ------------------------------------------------------------------------------------------------ generate() glue
-    def build_candidate_generator(self, target: PreTrainedModel, **kwargs) -> DominoCandidateGenerator:
+    def build_candidate_generator(self, target: PreTrainedModel, **kwargs):
         """Called by the generate() hook when this drafter is the `assistant_model`."""
-        return DominoCandidateGenerator(
-            drafter=self, target=target, target_modules=TargetModules.from_target(target), **kwargs
-        )
+        from .generation_domino import DominoCandidateGenerator
+
+        return DominoCandidateGenerator(drafter=self, target=target, **kwargs)
 
     # --------------------------------------------------------------------------------------------- loading & saving
     @classmethod
@@ -413,7 +376,45 @@ class DominoForSpeculation(DominoPreTrainedModel):
         if not strict_shapes:
             info = {**info, "mismatched_keys": []}
         _raise_on_loading_problems(info, pretrained_model_name_or_path)
+        vocab_file = cached_file(
+            pretrained_model_name_or_path,
+            DRAFT_VOCAB_FILE,
+            _raise_exceptions_for_missing_entries=False,
+            **{key: kwargs[key] for key in ("cache_dir", "revision", "token", "local_files_only") if key in kwargs},
+        )
+        if vocab_file is not None:
+            model.set_draft_vocab(load_file(vocab_file)["draft_vocab"])
         return (model, info) if return_loading_info else model
+
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        """`PreTrainedModel.save_pretrained`, plus the draft vocabulary (if any) in its own file.
+
+        The vocabulary stays out of model.safetensors and config.json, so loaders of the published format, which
+        would reject an unknown tensor, read the folder as if it had none.
+        """
+        super().save_pretrained(save_directory, *args, **kwargs)
+        vocab_path = os.path.join(save_directory, DRAFT_VOCAB_FILE)
+        if self.draft_vocab is not None:
+            save_file({"draft_vocab": self.draft_vocab.cpu().contiguous()}, vocab_path)
+        elif os.path.exists(vocab_path):
+            os.remove(vocab_path)
+
+    def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Drafts over these token ids only (FR-Spec), or over the whole vocabulary with None.
+
+        The target still verifies every draft, so greedy output is unchanged; when sampling, the draft distribution is
+        zero outside the subset and speculative sampling stays exact. See `hf_domino.draft_vocab` to build one.
+        """
+        if token_ids is None:
+            self.draft_vocab = None
+            return
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        vocab_size = self.config.vocab_size
+        if token_ids.numel() == 0 or int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
+            raise ValueError(f"A draft vocabulary must be a non-empty set of token ids in [0, {vocab_size}).")
+        if torch.unique(token_ids).numel() != token_ids.numel():
+            raise ValueError("A draft vocabulary must not repeat a token id.")
+        self.draft_vocab = torch.sort(token_ids).values.to(self.device)
 
 
 def _refuse_pickle_only_folder(path) -> None:
@@ -447,8 +448,7 @@ def _raise_on_loading_problems(info: dict, path) -> None:
         )
 
 
-# save_pretrained then writes this file (and the two it imports) next to the weights, with `auto_map` in config.json.
+# save_pretrained then writes this file (and the files it imports) next to the weights, with `auto_map` in config.json.
 DominoForSpeculation.register_for_auto_class("AutoModel")
-install_assisted_generation_hook()
 
-__all__ = ["DominoForSpeculation", "DominoPreTrainedModel", "TargetModules", "greedy_picker"]
+__all__ = ["DominoForSpeculation", "DominoPreTrainedModel", "TargetModules", "context_features"]

@@ -17,14 +17,14 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import assets
-from .assets import Messages
+from .. import assets
+from ..assets import Messages
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -35,15 +35,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the `hf-domino regenerate` options."""
-    target = parser.add_argument_group("target")
-    target.add_argument(
+    target_group = parser.add_argument_group("target")
+    target_group.add_argument(
         "--target",
         default="smollm2",
         help="Hugging Face model id or folder, or `smollm2` for the offline SmolLM2-135M-Instruct (default).",
     )
-    target.add_argument("--gguf-file", help="GGUF file inside --target to load the target from.")
-    target.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    target.add_argument("--device", default=None, help="Default: cuda when available, else cpu.")
+    target_group.add_argument("--gguf-file", help="GGUF file inside --target to load the target from.")
+    target_group.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    target_group.add_argument("--device", default=None, help="Default: cuda when available, else cpu.")
 
     source = parser.add_argument_group("prompts")
     choice = source.add_mutually_exclusive_group()
@@ -81,9 +81,11 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     # Read the prompts before loading the target so that a bad prompt source fails fast.
     indices, prompts = load_cli_prompts(args)
-    model, tokenizer = load_target(args.target, gguf_file=args.gguf_file, dtype=DTYPES[args.dtype], device=args.device)
+    target_model, tokenizer = assets.load_target(
+        args.target, gguf_file=args.gguf_file, dtype=DTYPES[args.dtype], device=args.device
+    )
     regenerate(
-        model,
+        target_model,
         tokenizer,
         prompts,
         args.output,
@@ -97,25 +99,6 @@ def run(args: argparse.Namespace) -> int:
         progress=args.progress,
     )
     return 0
-
-
-def load_target(
-    target: str,
-    *,
-    gguf_file: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device | None = None,
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the target model (eval mode) and its tokenizer; `"smollm2"` is the offline SmolLM2-135M-Instruct."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if target == "smollm2" and gguf_file is None:
-        model, tokenizer = assets.load_smollm2(dtype=dtype)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(target, gguf_file=gguf_file)
-        model = AutoModelForCausalLM.from_pretrained(target, gguf_file=gguf_file, dtype=dtype).eval()
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device), tokenizer
 
 
 def load_cli_prompts(args: argparse.Namespace) -> tuple[list[int], list[Messages]]:
@@ -152,7 +135,7 @@ def load_dataset_prompts(
 
 
 def regenerate(
-    model: PreTrainedModel,
+    target_model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[Messages],
     output_path: str | os.PathLike,
@@ -172,7 +155,7 @@ def regenerate(
     (a line cut short by the interruption is removed first). Prompts are batched by length, longest first.
 
     Args:
-        model: the target, in eval mode.
+        target_model: the target, in eval mode.
         tokenizer: the target's tokenizer, with a chat template.
         prompts: chat conversations to answer, e.g. from `assets.load_prompts`.
         output_path: jsonl file to append to.
@@ -212,12 +195,15 @@ def regenerate(
     # Similar lengths share a batch to keep padding low; longest first so that memory problems show up at once.
     work.sort(key=lambda item: -len(item[1]))
 
-    eos_ids = _eos_token_ids(model, tokenizer)
+    eos_ids = assets.eos_token_ids(target_model, tokenizer)
+    if not eos_ids:
+        # Without one, every response would run to max_new_tokens and nothing would teach the drafter to stop.
+        raise ValueError("The target has no EOS token: set `model.generation_config.eos_token_id`.")
     generation_kwargs: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "do_sample": do_sample,
-        "eos_token_id": sorted(eos_ids),
-        "pad_token_id": _pad_token_id(model, tokenizer, eos_ids),
+        "eos_token_id": eos_ids,
+        "pad_token_id": assets.pad_token_id(target_model, tokenizer),
     }
     if do_sample:
         generation_kwargs["temperature"] = temperature
@@ -229,11 +215,9 @@ def regenerate(
     with open(output_path, "a", encoding="utf-8") as file:
         for start in range(0, len(work), batch_size):
             batch = work[start : start + batch_size]
-            responses = _generate_batch(model, [ids for _, ids in batch], eos_ids, generation_kwargs)
+            responses = _generate_batch(target_model, [ids for _, ids in batch], eos_ids, generation_kwargs)
             # One write per batch, then a flush: a crash can only cut the last line, which resuming removes.
-            file.write(
-                "".join(_format_record(index, ids, response) for (index, ids), response in zip(batch, responses))
-            )
+            file.write("".join(_record_line(index, ids, response) for (index, ids), response in zip(batch, responses)))
             file.flush()
             os.fsync(file.fileno())
             written += len(batch)
@@ -297,29 +281,24 @@ def _record_index(line: bytes, path: Path, line_number: int) -> int:
 def _truncate_atomically(path: Path, size: int) -> None:
     """Keep the first `size` bytes of `path`, never leaving a partially rewritten file behind."""
     temporary = path.with_name(path.name + ".tmp")
-    with open(path, "rb") as source, open(temporary, "wb") as target:
+    with open(path, "rb") as source, open(temporary, "wb") as destination:
         remaining = size
         while remaining:
             chunk = source.read(min(remaining, 1 << 24))
-            target.write(chunk)
+            destination.write(chunk)
             remaining -= len(chunk)
-        target.flush()
-        os.fsync(target.fileno())
+        destination.flush()
+        os.fsync(destination.fileno())
     os.replace(temporary, path)
 
 
-def _format_record(index: int, prompt_ids: list[int], response_ids: list[int]) -> str:
+def _record_line(index: int, prompt_ids: list[int], response_ids: list[int]) -> str:
     record = {
         "index": index,
         "input_ids": prompt_ids + response_ids,
         "loss_mask": [0] * len(prompt_ids) + [1] * len(response_ids),
     }
     return json.dumps(record, separators=(",", ":")) + "\n"
-
-
-def _chat_token_ids(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> list[int]:
-    encoding = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-    return list(encoding["input_ids"])
 
 
 def encode_prompt(
@@ -336,7 +315,7 @@ def encode_prompt(
 def _encode_prompt(
     tokenizer: PreTrainedTokenizerBase, messages: Messages, max_prompt_tokens: int | None
 ) -> tuple[list[int] | None, bool]:
-    ids = _chat_token_ids(tokenizer, messages)
+    ids = assets.chat_token_ids(tokenizer, messages)
     if max_prompt_tokens is None or len(ids) <= max_prompt_tokens:
         return ids, False
     content_ids = tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"]
@@ -344,29 +323,11 @@ def _encode_prompt(
     # Decoding then re-encoding a cut can merge tokens differently, hence the loop; it cuts at least one token a turn.
     while keep > 0:
         shortened = {**messages[-1], "content": tokenizer.decode(content_ids[:keep])}
-        ids = _chat_token_ids(tokenizer, [*messages[:-1], shortened])
+        ids = assets.chat_token_ids(tokenizer, [*messages[:-1], shortened])
         if len(ids) <= max_prompt_tokens:
             return ids, True
         keep -= len(ids) - max_prompt_tokens
     return None, True
-
-
-def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    """The token ids that end a response: the target's generation config's, else the tokenizer's EOS."""
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError("The target has no EOS token: set `model.generation_config.eos_token_id`.")
-    return {eos} if isinstance(eos, int) else set(eos)
-
-
-def _pad_token_id(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, eos_ids: Iterable[int]) -> int:
-    # Padding is masked out on the left and cut off after EOS on the right, so any id will do.
-    for candidate in (tokenizer.pad_token_id, model.generation_config.pad_token_id):
-        if candidate is not None:
-            return candidate
-    return min(eos_ids)
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,7 +342,7 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[tor
     return input_ids, attention_mask
 
 
-def cut_response(tokens: Sequence[int], eos_ids: set[int]) -> list[int]:
+def cut_response(tokens: Sequence[int], eos_ids: Collection[int]) -> list[int]:
     """The response up to and including its first EOS; what `generate` appends after it is padding."""
     for position, token in enumerate(tokens):
         if token in eos_ids:
@@ -391,10 +352,14 @@ def cut_response(tokens: Sequence[int], eos_ids: set[int]) -> list[int]:
 
 @torch.inference_mode()
 def _generate_batch(
-    model: PreTrainedModel, prompts: list[list[int]], eos_ids: set[int], generation_kwargs: dict[str, Any]
+    target_model: PreTrainedModel,
+    prompts: list[list[int]],
+    eos_ids: Collection[int],
+    generation_kwargs: dict[str, Any],
 ) -> list[list[int]]:
     input_ids, attention_mask = left_pad(prompts, generation_kwargs["pad_token_id"])
-    output = model.generate(
-        input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device), **generation_kwargs
+    device = target_model.device
+    output = target_model.generate(
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **generation_kwargs
     )
     return [cut_response(row, eos_ids) for row in output[:, input_ids.shape[1] :].tolist()]

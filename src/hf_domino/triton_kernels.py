@@ -1,35 +1,28 @@
-"""Fused Triton kernels (and a CUDA-graph runner) for the Domino head rollout.
+"""Fused Triton kernels for the Domino head rollout: one block, drafted entirely on the device.
 
-The eager rollout (`DominoForSpeculation.rollout`) is the reference. Per draft position it runs a GRU step, the
-low-rank correction `W2 silu(W1 [z ; s])`, adds the base logits and picks a token: a dozen small PyTorch ops per
-position, 16 positions per block, each waiting on the previous token. This module does the same work with four
-kernels per position, all on the device (the picked token never goes back to the host), so that a whole block can
-also be captured once as a CUDA graph and replayed:
-
-1. `_gru_cell_kernel`: gathers the last picked token's embedding itself and does the bias-free GRU cell;
-2. `_correction_hidden_kernel`: `silu(W1[:, H:] s + W1[:, :H] z)`, where `W1[:, :H] z` was precomputed for every
-   draft position in one matmul before the loop;
-3. `_logits_pick_kernel`: one program per vocabulary tile: `W2` tile times the hidden vector, plus the base logits,
-   divided by the temperature when sampling, stored (speculative sampling needs the exact distribution each draft was
-   drawn from), then the tile's best score (argmax, or Gumbel-max with Philox noise when sampling) and its index;
-4. `_finalize_pick_kernel`: reduces the per-tile winners to the token; ties go to the lowest index, as in
-   `torch.argmax`, because both stages break ties towards the left and tiles are ordered by index.
+The eager rollout (`hf_domino.drafting_domino.eager_rollout`) is the reference. Per draft position it runs a GRU
+step, the low-rank correction `W2 silu(W1 [z ; s])`, adds the base logits and picks a token: a dozen small PyTorch ops
+per position, each waiting on the previous token. Here the same work is four kernels per position, and the picked
+token never goes back to the host, so that a whole block can be captured once as a CUDA graph and replayed
+(`hf_domino.fused_head`): `_gru_cell_kernel` gathers the last picked token's embedding itself and does the GRU cell;
+`_correction_hidden_kernel` computes `silu(W1[:, H:] s + W1[:, :H] z)` (the second product precomputed for all
+positions in one matmul); `_logits_pick_kernel` computes, stores (speculative sampling needs the exact distribution
+each draft was drawn from) and picks from one vocabulary tile of logits (argmax, or Gumbel-max with Philox noise when
+sampling); `_finalize_pick_kernel` reduces the tile winners, ties going to the lowest index as in `torch.argmax`.
 
 Arithmetic accumulates in fp32 whatever the weight dtype; intermediate results are rounded to the weight dtype where
 the eager path materializes a weight-dtype tensor (GRU state, `W1` output, SiLU output, correction), so that both
 paths pick the same tokens unless two logits are within accumulation-order noise. Logits always come back in fp32.
 
-Entry points: `select_rollout()` (what the candidate generator calls once per `generate()`), `fused_rollout()` (one
-block, no graph), `DominoHeadGraphRunner` (one block, captured and replayed). Triton is optional: without it
-`select_rollout()` picks the eager path. On CPU the kernels only run under Triton's interpreter, which must be enabled
-(`TRITON_INTERPRET=1`) before this module is imported, since `triton.jit` decides at decoration time.
+This is the low level: `fused_rollout()` takes tensors and an explicit `head` flag; `_Workspace`/`_launch_rollout`
+are what the CUDA-graph runner of `hf_domino.fused_head` captures, and that module also chooses a rollout per
+`generate()` call. Triton is optional: without it this module still imports (dispatch then answers "eager"). On CPU
+the kernels only run under Triton's interpreter, which must be enabled (`TRITON_INTERPRET=1`) before this module is
+imported, since `triton.jit` decides at decoration time.
 """
 
 from __future__ import annotations
 
-import os
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,23 +31,11 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: `select_rollout()` then always answers "eager"
+except ImportError:  # CPU-only installs: `hf_domino.fused_head.select_rollout()` then always answers "eager"
     triton = tl = None
 
 if TYPE_CHECKING:
-    from transformers import LogitsProcessorList
-
     from .modeling_domino import DominoForSpeculation
-
-# `(draft_hidden [1, k, H], base_logits [1, k, V], anchor_ids [1, n], target_embed_weight [V, H])
-#  -> (draft_ids [1, k], logits [1, k, V] fp32)`, the contract of `DominoForSpeculation.rollout` minus the picker.
-FastRollout = Callable[
-    [torch.Tensor, torch.Tensor, torch.LongTensor, torch.Tensor], tuple[torch.LongTensor, torch.Tensor]
-]
-
-ROLLOUT_MODES = ("auto", "eager", "triton", "triton+graph")
-# Overrides `mode="auto"` without touching code, e.g. `HF_DOMINO_HEAD=eager` to rule the fast path out of a bug hunt.
-MODE_ENV_VAR = "HF_DOMINO_HEAD"
 
 
 # ------------------------------------------------------------------------------------------------------------ kernels
@@ -243,18 +224,14 @@ def kernels_interpreted() -> bool:
     return isinstance(_gru_cell_kernel, InterpretedFunction)
 
 
-def _require_triton() -> None:
+def _check_kernel_device(device: torch.device) -> None:
     if triton is None:
         raise RuntimeError("The fused Domino head needs Triton: `pip install triton` (or hf-domino[gpu]).")
-
-
-def _check_kernel_device(device: torch.device) -> None:
-    _require_triton()
     if device.type != "cuda" and not kernels_interpreted():
         raise RuntimeError(
             f"The fused Domino head runs on CUDA; tensors are on {device}. On CPU it only runs in Triton's interpreter"
-            ", which must be enabled before hf_domino.triton_head is imported (TRITON_INTERPRET=1). Use the eager "
-            "rollout (mode='eager') instead."
+            ", which must be enabled before hf_domino.triton_kernels is imported (TRITON_INTERPRET=1). Use the eager "
+            "rollout (domino_rollout='eager') instead."
         )
 
 
@@ -328,56 +305,54 @@ def _launch_correction_hidden(
 
 
 def _launch_logits_pick(
-    base: torch.Tensor,
+    ws: _Workspace,
+    rows: slice,
+    base_logits: torch.Tensor,
     hidden: torch.Tensor | None,
     proj_out_weight: torch.Tensor | None,
-    logits_out: torch.Tensor,
-    best: torch.Tensor,
-    best_idx: torch.Tensor,
-    tokens: torch.Tensor,
-    token_offset: int,
-    seed: torch.Tensor,
-    temperature: torch.Tensor,
     *,
-    row_offset: int,
     sample: bool,
-    block_v: int,
 ) -> None:
-    """Picks one token for each row of `base` (`[rows, V]`); rows are independent, so one launch covers them all."""
-    rows, vocab_size = base.shape
-    if rows == 0:
+    """Picks draft `rows` of the block into `ws.tokens[1 + row]`, their logits into `ws.logits[row]`.
+
+    `base_logits` `[k, V]` are the whole block's, `hidden` `[len(rows), R]` the correction's hidden vectors of those
+    rows (`None`: base logits alone). Rows are independent, so one launch covers them all.
+    """
+    base = base_logits[rows]
+    num_rows, vocab_size = base.shape
+    if num_rows == 0:
         return
-    num_tiles = _num_tiles(vocab_size, block_v)
+    num_tiles = _num_tiles(vocab_size, ws.block_v)
     has_correction = proj_out_weight is not None
     rank = proj_out_weight.shape[1] if has_correction else 1
-    _logits_pick_kernel[(num_tiles, rows)](
+    _logits_pick_kernel[(num_tiles, num_rows)](
         hidden if has_correction else base,
         hidden.stride(0) if has_correction else 0,
         proj_out_weight if has_correction else base,
         proj_out_weight.stride(0) if has_correction else 0,
         base,
         base.stride(0),
-        logits_out,
-        logits_out.stride(0),
-        best,
-        best_idx,
-        seed,
-        temperature,
-        row_offset,
+        ws.logits[rows],
+        ws.logits.stride(0),
+        ws.best[rows],
+        ws.best_idx[rows],
+        ws.seed,
+        ws.temperature,
+        rows.start,  # the Philox counter's row: no two draft positions share noise
         vocab_size,
         rank,
         num_tiles,
         HAS_CORRECTION=has_correction,
         SAMPLE=sample,
-        BLOCK_V=block_v,
+        BLOCK_V=ws.block_v,
         BLOCK_R=_pow2(rank, LOGITS_BLOCK_R),
         num_warps=4,
     )
-    _finalize_pick_kernel[(rows,)](
-        best,
-        best_idx,
-        tokens,
-        token_offset,
+    _finalize_pick_kernel[(num_rows,)](
+        ws.best[rows],
+        ws.best_idx[rows],
+        ws.tokens,
+        1 + rows.start,
         num_tiles,
         BLOCK_T=triton.next_power_of_2(num_tiles),
         num_warps=4 if num_tiles <= 1024 else 8,
@@ -428,28 +403,13 @@ def logits_pick(
     `(tokens [rows], processed logits [rows, V] fp32)`.
     """
     _check_kernel_device(base_logits.device)
-    device, (rows, vocab_size) = base_logits.device, base_logits.shape
-    num_tiles = _num_tiles(vocab_size, block_v)
-    tokens = torch.empty(rows, dtype=torch.long, device=device)
-    logits = torch.empty(rows, vocab_size, dtype=torch.float32, device=device)
-    best = torch.empty(rows, num_tiles, dtype=torch.float32, device=device)
-    best_idx = torch.empty(rows, num_tiles, dtype=torch.long, device=device)
-    _launch_logits_pick(
-        base_logits,
-        None if hidden is None else hidden.float(),
-        proj_out_weight,
-        logits,
-        best,
-        best_idx,
-        tokens,
-        0,
-        torch.tensor([seed], dtype=torch.long, device=device),
-        torch.tensor([1.0 if temperature is None else temperature], dtype=torch.float32, device=device),
-        row_offset=0,
-        sample=temperature is not None,
-        block_v=block_v,
-    )
-    return tokens, logits
+    rows, vocab_size = base_logits.shape
+    ws = _Workspace(rows, vocab_size, base_logits.device, None, block_v)
+    ws.seed.fill_(seed)
+    ws.temperature.fill_(1.0 if temperature is None else temperature)
+    hidden = None if hidden is None else hidden.float()
+    _launch_logits_pick(ws, slice(0, rows), base_logits, hidden, proj_out_weight, sample=temperature is not None)
+    return ws.tokens[1:], ws.logits
 
 
 # --------------------------------------------------------------------------------------------------- block rollout
@@ -505,6 +465,17 @@ class _Workspace:
             self.proj = torch.zeros(num_drafts, rank, dtype=torch.float32, device=device)
             self.hidden = torch.zeros(num_drafts, rank, dtype=torch.float32, device=device)
 
+    def start(self, anchor_ids: torch.LongTensor, temperature: float | None) -> None:
+        """Loads one block's inputs that are not tensors of the block: the anchor and the sampling parameters.
+
+        The seed comes from torch's generator on the workspace's device, so `torch.manual_seed` reproduces sampled
+        drafts, and a fresh one per block gives a replayed graph fresh noise.
+        """
+        self.tokens[:1].copy_(anchor_ids[0, -1:])
+        if temperature is not None:
+            self.seed.random_(0, 2**62)
+            self.temperature.fill_(temperature)
+
 
 def _launch_rollout(
     weights: _HeadWeights | None,
@@ -525,25 +496,8 @@ def _launch_rollout(
     ws, num_drafts = workspace, base_logits.shape[0]
     prefix_len = num_drafts if weights is None else min(prefix_len, num_drafts)
 
-    def pick(rows: slice, hidden: torch.Tensor | None) -> None:
-        _launch_logits_pick(
-            base_logits[rows],
-            hidden,
-            None if hidden is None else weights.proj_out,
-            ws.logits[rows],
-            ws.best[rows],
-            ws.best_idx[rows],
-            ws.tokens,
-            1 + rows.start,
-            ws.seed,
-            ws.temperature,
-            row_offset=rows.start,
-            sample=sample,
-            block_v=ws.block_v,
-        )
-
     # The pure-draft prefix (all drafts, without an active head) reads the base logits alone: one launch for all rows.
-    pick(slice(0, prefix_len), None)
+    _launch_logits_pick(ws, slice(0, prefix_len), base_logits, None, None, sample=sample)
     if prefix_len == num_drafts:
         return
 
@@ -558,7 +512,7 @@ def _launch_rollout(
         _launch_gru_cell(*gru, j, ws.states[j - 1], weights.weight_ih, weights.weight_hh, ws.states[j])
     for i in range(prefix_len, num_drafts):
         _launch_correction_hidden(ws.proj[i], ws.states[i], weights.proj_in, hidden_size, ws.hidden[i])
-        pick(slice(i, i + 1), ws.hidden[i : i + 1])
+        _launch_logits_pick(ws, slice(i, i + 1), base_logits, ws.hidden[i : i + 1], weights.proj_out, sample=sample)
         if i + 1 < num_drafts:  # the last draft is never read back
             _launch_gru_cell(*gru, i + 1, ws.states[i], weights.weight_ih, weights.weight_hh, ws.states[i + 1])
 
@@ -586,8 +540,21 @@ def _validate_inputs(
         )
 
 
-def _head_weights(drafter: DominoForSpeculation) -> _HeadWeights | None:
-    return _HeadWeights.of(drafter) if drafter.head_active else None
+def _prepare(
+    drafter: DominoForSpeculation,
+    head: bool,
+    draft_hidden: torch.Tensor,
+    base_logits: torch.Tensor,
+    embed: torch.Tensor,
+) -> tuple[_HeadWeights | None, torch.device]:
+    """Checked head weights (`None` when the head is off or absent) and the device the rollout runs on."""
+    weights = _HeadWeights.of(drafter) if head and drafter.config.has_domino_head else None
+    _validate_inputs(weights, draft_hidden, base_logits, embed)
+    return weights, (base_logits.device if weights is None else weights.weight_ih.device)
+
+
+def _rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
 @torch.no_grad()
@@ -598,36 +565,36 @@ def fused_rollout(
     anchor_ids: torch.LongTensor,
     target_embed_weight: torch.Tensor,
     *,
+    head: bool,
     pure_draft_prefix_len: int,
     temperature: float | None,
 ) -> tuple[torch.LongTensor, torch.Tensor]:
-    """`drafter.rollout` with the fused kernels, for greedy decoding or plain temperature sampling.
+    """`eager_rollout` with the fused kernels, for greedy decoding or plain temperature sampling.
+
+    The caller states whether the head is on (`head`), rather than this function reading a default from the drafter:
+    head on/off is a per-`generate()` option, and a captured graph must know which one it was captured for.
 
     Args:
-        drafter: the drafter; its head is used when `drafter.head_active`.
+        drafter: the drafter whose head weights to use.
         draft_hidden: backbone outputs of the positions to draft, `[1, k, hidden]`.
         base_logits: the target LM head on `draft_hidden`, `[1, k, vocab]`.
         anchor_ids: the tokens realised before the first draft, `[1, n]`; only the last one (the anchor) is read.
         target_embed_weight: the target's input embedding table `[vocab, hidden]`, on the head's device.
+        head: correct the base logits with the Domino head (ignored, i.e. off, for a drafter without one).
         pure_draft_prefix_len: leading drafts taken from the base logits alone (`config.pure_draft_prefix_len`).
         temperature: `None` for greedy (argmax); else drafts are drawn from `softmax(logits / temperature)`.
 
     Returns:
         `(draft_ids [1, k], logits [1, k, vocab] fp32)`: the drafts and the processed logits each was picked from
-        (`logits / temperature` when sampling), as `DominoCandidateGenerator._pick` returns them.
+        (`logits / temperature` when sampling), as `processed_pick` returns them.
     """
-    weights = _head_weights(drafter)
-    _validate_inputs(weights, draft_hidden, base_logits, target_embed_weight)
+    weights, device = _prepare(drafter, head, draft_hidden, base_logits, target_embed_weight)
     if temperature is not None and not temperature > 0:
         raise ValueError(f"temperature must be positive for sampling (None = greedy), got {temperature}.")
-    device = weights.weight_ih.device if weights is not None else base_logits.device
     _check_kernel_device(device)
     num_drafts, vocab_size = base_logits.shape[1:]
     workspace = _Workspace(num_drafts, vocab_size, device, weights)
-    workspace.tokens[:1].copy_(anchor_ids[0, -1:])
-    if temperature is not None:
-        workspace.seed.random_(0, 2**62)  # from torch's generator on `device`: torch.manual_seed reproduces drafts
-        workspace.temperature.fill_(temperature)
+    workspace.start(anchor_ids, temperature)
     _launch_rollout(
         weights,
         draft_hidden[0].to(device),
@@ -640,303 +607,10 @@ def fused_rollout(
     return workspace.tokens[None, 1:].to(anchor_ids.device), workspace.logits[None]
 
 
-def _rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
-
-
-class TritonRollout:
-    """The fused rollout without a CUDA graph, as a `FastRollout` callable (what `select_rollout` returns)."""
-
-    def __init__(self, drafter: DominoForSpeculation, *, temperature: float | None):
-        self.drafter = drafter
-        self.temperature = temperature
-
-    def __call__(
-        self,
-        draft_hidden: torch.Tensor,
-        base_logits: torch.Tensor,
-        anchor_ids: torch.LongTensor,
-        target_embed_weight: torch.Tensor,
-    ) -> tuple[torch.LongTensor, torch.Tensor]:
-        return fused_rollout(
-            self.drafter,
-            draft_hidden,
-            base_logits,
-            anchor_ids,
-            target_embed_weight,
-            pure_draft_prefix_len=self.drafter.config.pure_draft_prefix_len,
-            temperature=self.temperature,
-        )
-
-
-class DominoHeadGraphRunner:
-    """Captures a whole block rollout as one CUDA graph and replays it, as a `FastRollout` callable.
-
-    The graph is captured on the first call for the call's configuration: number of drafts, vocabulary, dtypes,
-    device, prefix length, head on/off, greedy or sampling, and the address and layout of every weight and of the
-    embedding table. A call with any of those changed drops the graph (after the device has finished with it) and
-    captures a new one; a call with fewer drafts than captured replays the captured graph and keeps the leading rows,
-    which is exact because a draft position never depends on later ones (blocks shrink near `max_length`, and
-    re-capturing there would cost more than the few wasted positions). Weights updated in place are picked up without
-    re-capture: the graph reads them by address. The temperature and the sampling seed live in device buffers, so
-    neither forces a re-capture.
-
-    Outputs are copied out of the static buffers, so a result stays valid after the next call.
-
-    Args:
-        drafter: the drafter whose head to run.
-        temperature: `None` for greedy, else the sampling temperature.
-        fallback_on_capture_error: when capture fails (e.g. inside another capture), warn once and run the fused
-            kernels without a graph from then on, instead of raising.
-    """
-
-    def __init__(
-        self,
-        drafter: DominoForSpeculation,
-        *,
-        temperature: float | None,
-        fallback_on_capture_error: bool = False,
-    ):
-        self.drafter = drafter
-        self.temperature = temperature
-        self.fallback_on_capture_error = fallback_on_capture_error
-        self.num_captures = 0
-        self._key: tuple | None = None
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._capture_failed = False
-
-    @property
-    def captured_num_drafts(self) -> int | None:
-        return None if self._key is None else self._key[0]
-
-    def reset(self) -> None:
-        """Drops the captured graph and its buffers (waiting for the device to be done with them first)."""
-        if self._graph is not None:
-            torch.cuda.synchronize(self._device)
-        self._graph, self._key = None, None
-
-    def _config_key(
-        self, weights: _HeadWeights | None, draft_hidden: torch.Tensor, base_logits: torch.Tensor, embed: torch.Tensor
-    ) -> tuple:
-        return (
-            base_logits.shape[1],
-            base_logits.shape[2],
-            base_logits.dtype,
-            draft_hidden.dtype,
-            base_logits.device,
-            self.drafter.config.pure_draft_prefix_len,
-            self.temperature is not None,
-            None if weights is None else weights.signature(),
-            (embed.data_ptr(), embed.dtype, embed.device, tuple(embed.shape), embed.stride()),
-        )
-
-    @torch.no_grad()
-    def __call__(
-        self,
-        draft_hidden: torch.Tensor,
-        base_logits: torch.Tensor,
-        anchor_ids: torch.LongTensor,
-        target_embed_weight: torch.Tensor,
-    ) -> tuple[torch.LongTensor, torch.Tensor]:
-        temperature, prefix_len = self.temperature, self.drafter.config.pure_draft_prefix_len
-        if self._capture_failed:
-            return fused_rollout(
-                self.drafter,
-                draft_hidden,
-                base_logits,
-                anchor_ids,
-                target_embed_weight,
-                pure_draft_prefix_len=prefix_len,
-                temperature=temperature,
-            )
-        weights = _head_weights(self.drafter)
-        _validate_inputs(weights, draft_hidden, base_logits, target_embed_weight)
-        device = weights.weight_ih.device if weights is not None else base_logits.device
-        if device.type != "cuda":
-            raise RuntimeError(f"CUDA graphs need CUDA tensors; the Domino head is on {device}.")
-        draft_hidden, base_logits = draft_hidden.to(device), base_logits.to(device)
-        num_drafts = base_logits.shape[1]
-        key = self._config_key(weights, draft_hidden, base_logits, target_embed_weight)
-        captured = self._key
-        # Same configuration, or the same one with a shorter block: replay.
-        if captured is None or key[1:] != captured[1:] or num_drafts > captured[0]:
-            self.reset()
-            try:
-                self._capture(key, weights, draft_hidden, base_logits, target_embed_weight, prefix_len)
-            except Exception as error:  # noqa: BLE001 - re-raised unless the caller asked for the fallback
-                self.reset()
-                if not self.fallback_on_capture_error:
-                    raise
-                warnings.warn(
-                    f"Capturing the Domino head as a CUDA graph failed ({error!r}); using the fused kernels without "
-                    "a graph from now on.",
-                    stacklevel=2,
-                )
-                self._capture_failed = True
-                return self(draft_hidden, base_logits, anchor_ids, target_embed_weight)
-
-        self._draft_hidden[:num_drafts].copy_(draft_hidden[0])
-        self._base_logits[:num_drafts].copy_(base_logits[0])
-        ws = self._workspace
-        ws.tokens[:1].copy_(anchor_ids[0, -1:])
-        if temperature is not None:
-            ws.seed.random_(0, 2**62)
-            ws.temperature.fill_(temperature)
-        self._graph.replay()
-        draft_ids = ws.tokens[None, 1 : num_drafts + 1].to(anchor_ids.device, copy=True)
-        return draft_ids, ws.logits[None, :num_drafts].clone()
-
-    def _capture(
-        self,
-        key: tuple,
-        weights: _HeadWeights | None,
-        draft_hidden: torch.Tensor,
-        base_logits: torch.Tensor,
-        embed_weight: torch.Tensor,
-        prefix_len: int,
-    ) -> None:
-        _check_kernel_device(base_logits.device)
-        self._device = base_logits.device
-        num_drafts, vocab_size = base_logits.shape[1:]
-        self._workspace = _Workspace(num_drafts, vocab_size, self._device, weights)
-        self._draft_hidden = draft_hidden[0].clone()
-        self._base_logits = _rows_contiguous(base_logits[0]).clone()
-
-        def launch() -> None:
-            _launch_rollout(
-                weights,
-                self._draft_hidden,
-                self._base_logits,
-                embed_weight,
-                self._workspace,
-                prefix_len=prefix_len,
-                sample=self.temperature is not None,
-            )
-
-        # Warm up on a side stream (as torch.cuda.graphs recommends): compiles the Triton kernels and settles the
-        # allocator, neither of which may happen during capture.
-        with torch.cuda.device(self._device):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                launch()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                launch()
-        self._graph, self._key = graph, key
-        self.num_captures += 1
-
-
-# ----------------------------------------------------------------------------------------------------------- dispatch
-def split_temperature(logits_processor: LogitsProcessorList | None) -> tuple[float | None, bool]:
-    """`(temperature, has_other_processors)` of a logits-processor list, for `select_rollout`.
-
-    The fast path covers an empty list and a lone `TemperatureLogitsWarper`; the temperature is `None` when the list
-    holds none (i.e. 1.0 when sampling).
-    """
-    from transformers.generation.logits_process import TemperatureLogitsWarper
-
-    temperature, others = None, False
-    for processor in logits_processor or ():
-        if isinstance(processor, TemperatureLogitsWarper) and temperature is None:
-            temperature = float(processor.temperature)
-        else:
-            others = True
-    return temperature, others
-
-
-def select_rollout(
-    drafter: DominoForSpeculation,
-    *,
-    do_sample: bool,
-    temperature: float | None,
-    has_other_processors: bool,
-    mode: str = "auto",
-    target_embed_weight: torch.Tensor | None = None,
-) -> FastRollout | None:
-    """Chooses how a `generate()` call rolls the Domino head out: a fused callable, or `None` for the eager path.
-
-    Args:
-        drafter: the drafter.
-        do_sample: sampling (`True`) or greedy decoding.
-        temperature: the sampling temperature (`None` = 1.0); ignored for greedy decoding.
-        has_other_processors: whether logits processors other than a temperature apply; only the eager path
-            handles those.
-        mode: `"auto"` (fused kernels + CUDA graph on CUDA when Triton imports, else eager; the `HF_DOMINO_HEAD`
-            environment variable overrides it), `"eager"`, `"triton"` (fused kernels, no graph) or `"triton+graph"`.
-            The forced modes raise when they cannot run rather than falling back.
-        target_embed_weight: the target's embedding table, if known: `"auto"` then also checks that the kernels can
-            gather from it (same device as the head).
-
-    Returns:
-        A `FastRollout` callable `(draft_hidden, base_logits, anchor_ids, target_embed_weight) -> (draft_ids,
-        logits)`, or `None` when the eager `drafter.rollout` should run.
-    """
-    if mode not in ROLLOUT_MODES:
-        raise ValueError(f"mode must be one of {ROLLOUT_MODES}, got {mode!r}.")
-    forced = mode != "auto"
-    if not forced:
-        mode = os.environ.get(MODE_ENV_VAR, "auto").strip().lower() or "auto"
-        if mode not in ROLLOUT_MODES:
-            raise ValueError(f"{MODE_ENV_VAR} must be one of {ROLLOUT_MODES}, got {mode!r}.")
-        forced = mode != "auto"
-    if mode == "eager":
-        return None
-
-    sampling_temperature = (1.0 if temperature is None else float(temperature)) if do_sample else None
-    reason = _unsupported_reason(drafter, sampling_temperature, has_other_processors, target_embed_weight)
-    if reason is None and not forced:
-        reason = None if drafter.device.type == "cuda" else f"the drafter is on {drafter.device}, not CUDA"
-    if reason is not None:
-        if forced:
-            raise ValueError(f"mode={mode!r} cannot run here: {reason}. Use mode='auto' or 'eager'.")
-        return None
-
-    if mode == "auto":
-        return DominoHeadGraphRunner(drafter, temperature=sampling_temperature, fallback_on_capture_error=True)
-    if drafter.device.type != "cuda" and not kernels_interpreted():
-        raise RuntimeError(
-            f"mode={mode!r} on {drafter.device} needs Triton's interpreter: set TRITON_INTERPRET=1 before importing "
-            "hf_domino.triton_head (slow; meant for tests). Use mode='eager' on CPU."
-        )
-    if mode == "triton+graph":
-        if drafter.device.type != "cuda":
-            raise RuntimeError(
-                "mode='triton+graph' needs CUDA (CUDA graphs); use mode='triton' under the interpreter."
-            )
-        return DominoHeadGraphRunner(drafter, temperature=sampling_temperature)
-    return TritonRollout(drafter, temperature=sampling_temperature)
-
-
-def _unsupported_reason(
-    drafter: DominoForSpeculation,
-    temperature: float | None,
-    has_other_processors: bool,
-    embed_weight: torch.Tensor | None,
-) -> str | None:
-    if triton is None:
-        return "Triton is not installed"
-    if has_other_processors:
-        return "logits processors other than temperature (top-k, top-p, penalties, ...) only run on the eager path"
-    if temperature is not None and not temperature > 0:
-        return f"temperature must be positive, got {temperature}"
-    if drafter.config.has_domino_head:
-        weights = _HeadWeights.of(drafter)
-        devices = {w.device for w in vars(weights).values()}
-        if len(devices) != 1 or next(iter(devices)).type == "meta":
-            return f"the head's weights are spread over {sorted(map(str, devices))}"
-        if embed_weight is not None and embed_weight.device not in devices:
-            return f"the target's embedding table is on {embed_weight.device}, the head on {next(iter(devices))}"
-    return None
-
-
 __all__ = [
-    "DominoHeadGraphRunner",
-    "FastRollout",
-    "TritonRollout",
+    "correction_hidden",
     "fused_rollout",
+    "gru_cell",
     "kernels_interpreted",
-    "select_rollout",
-    "split_temperature",
+    "logits_pick",
 ]

@@ -1,0 +1,228 @@
+"""The draft step, written once: one block of Domino drafting as a ladder of small functions.
+
+    context features --(DrafterContext.append)--> draft_block --> rollout (eager or fused) --> pick, per position
+
+- `DrafterContext` holds what the drafter knows of the verified sequence: the keys/values of the context tokens it
+  has already read, and the target features of verified tokens it has not read yet (`pending`). Skipped blocks
+  (a plain target step, k = 0) only append to `pending`, so drafting can resume at any step.
+- `draft_block` runs the parallel backbone over `[pending context ; anchor, MASK, ...]` and the target's LM head on
+  the first `num_drafts` draft positions only, over the drafter's draft vocabulary when it has one.
+- a `Rollout` turns a `BlockDraft` into drafts: `eager_rollout` (the reference; the Domino head's GRU and logit
+  correction, then `pick`, position by position) or the fused Triton/CUDA-graph rollout of `hf_domino.fused_head`,
+  with the same call signature.
+- a `Pick` chooses one token from one position's logits: argmax, or a draw from the processed distribution.
+
+The candidate generator (`generation_domino`), the benchmark's hand-written loop and the tests all call this ladder.
+This file is also written next to exported checkpoints as remote code (transformers + torch only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+if TYPE_CHECKING:
+    from .modeling_domino import DominoForSpeculation, TargetModules
+
+
+@dataclass
+class DrafterContext:
+    """The drafter's view of the verified tokens before the anchor.
+
+    `cache` holds the drafter keys/values of the first `length` of them; `pending` the target features
+    `[1, n, len(target_layer_ids) * hidden]` of the next `n`, which the next `draft_block` reads and caches.
+    """
+
+    cache: DynamicCache = field(default_factory=DynamicCache)
+    length: int = 0
+    pending: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Verified tokens before the anchor, read or pending: the anchor's position."""
+        return self.length + (0 if self.pending is None else self.pending.shape[1])
+
+    def append(self, features: torch.Tensor) -> None:
+        """Adds the features of newly verified tokens; cheap, so a skipped block costs nothing here."""
+        self.pending = features if self.pending is None else torch.cat([self.pending, features], dim=1)
+
+
+@dataclass
+class BlockDraft:
+    """The parallel part of one block: backbone outputs and base logits of the positions to draft.
+
+    `base_logits` cover `vocab` (token ids, `[V']`) when the drafter has a draft vocabulary, else the whole
+    vocabulary (`vocab` is None); position i of a logits row is token `vocab[i]`.
+    """
+
+    hidden: torch.Tensor  # [1, k, hidden]
+    base_logits: torch.Tensor  # [1, k, V'] float32
+    vocab: torch.Tensor | None = None
+
+    @classmethod
+    def from_hidden(cls, hidden: torch.Tensor, target: TargetModules, vocab: torch.Tensor | None = None) -> BlockDraft:
+        return cls(hidden=hidden, base_logits=target.logits(hidden, vocab).float(), vocab=vocab)
+
+    @property
+    def num_drafts(self) -> int:
+        return self.base_logits.shape[1]
+
+
+@dataclass
+class Drafts:
+    """What a rollout chose: token ids, the exact (processed) logits each was picked from, and its probability."""
+
+    ids: torch.LongTensor  # [1, k]
+    logits: torch.Tensor  # [1, k, V'] (V' = the full vocabulary whenever logits processors or sampling ran)
+    confidence: torch.Tensor  # [k] float32: probability of each draft under the distribution it was picked from
+
+    def __len__(self) -> int:
+        return self.ids.shape[1]
+
+    def keep(self, k: int) -> Drafts:
+        """The first `k` drafts (a draft never depends on later ones, so this is exact)."""
+        return Drafts(self.ids[:, :k], self.logits[:, :k], self.confidence[:k])
+
+
+# (logits [1, V'], tokens realised so far [1, n]) -> (index into the logits' last axis [1, 1], processed logits)
+Pick = Callable[[torch.Tensor, torch.LongTensor], tuple[torch.LongTensor, torch.Tensor]]
+# (block, tokens realised before the first draft [1, n]; the last one is the anchor) -> drafts
+Rollout = Callable[[BlockDraft, torch.LongTensor], Drafts]
+
+
+def greedy_pick(logits: torch.Tensor, realised_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor]:
+    return logits.argmax(dim=-1, keepdim=True), logits
+
+
+def run_backbone(
+    drafter: DominoForSpeculation,
+    target: TargetModules,
+    anchor_ids: torch.LongTensor,
+    context: DrafterContext,
+    num_drafts: int,
+) -> torch.Tensor:
+    """The parallel backbone over `[pending context ; anchor, MASK, ...]`: outputs of the first `num_drafts` drafts.
+
+    The backbone always reads the whole block it was trained on. The context's pending features move into its cache.
+    """
+    device = drafter.device
+    pending = context.pending
+    if pending is None:
+        pending = torch.zeros(1, 0, drafter.config.context_size, dtype=drafter.dtype, device=device)
+    anchor_position = context.num_tokens
+    position_ids = torch.arange(context.length, anchor_position + drafter.config.block_size, device=device)[None]
+    block_hidden = drafter(
+        drafter.embed_block(target, anchor_ids), pending.to(device), position_ids, past_key_values=context.cache
+    )
+    context.length, context.pending = anchor_position, None
+    return drafter.draft_hidden_states(block_hidden)[:, :num_drafts]
+
+
+def draft_block(
+    drafter: DominoForSpeculation,
+    target: TargetModules,
+    anchor_ids: torch.LongTensor,
+    context: DrafterContext,
+    num_drafts: int,
+    vocab: torch.Tensor | None = None,
+) -> BlockDraft:
+    """`run_backbone`, then the target's LM head on the drafted positions only (over `vocab` when given).
+
+    The LM head is the costly part of drafting on a large vocabulary, hence only the `num_drafts` positions that will
+    be rolled out, and only the draft vocabulary's rows.
+    """
+    hidden = run_backbone(drafter, target, anchor_ids, context, num_drafts)
+    return BlockDraft.from_hidden(hidden, target, vocab)
+
+
+def draft_confidence(logits: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:
+    """Probability of each picked entry under `softmax(logits)`: `[1, k, V']`, `[1, k]` -> `[k]`."""
+    return logits[0].float().log_softmax(dim=-1).gather(-1, index[0, :, None])[:, 0].exp()
+
+
+def to_vocab_ids(index: torch.LongTensor, vocab: torch.Tensor | None) -> torch.LongTensor:
+    """Token ids of positions in a logits row over `vocab` (identity for the full vocabulary)."""
+    return index if vocab is None else vocab.to(index.device)[index]
+
+
+def eager_rollout(
+    drafter: DominoForSpeculation, target: TargetModules, pick: Pick = greedy_pick, head: bool = True
+) -> Rollout:
+    """The reference rollout: per draft position, the Domino head's correction (when `head`), then `pick`.
+
+    The GRU reads the realised tokens of the block (the anchor, then each draft as it is chosen) from the target's
+    embedding table; the first `pure_draft_prefix_len` drafts use the base logits alone. With `head=False` (or a
+    DFlash drafter) every draft uses its base logits alone, and greedy picking is one vectorized argmax.
+    """
+    config = drafter.config
+    use_head = head and config.has_domino_head
+
+    def rollout(block: BlockDraft, prefix_ids: torch.LongTensor) -> Drafts:
+        if not use_head and pick is greedy_pick:  # nothing sequential left: vectorize
+            index = block.base_logits.argmax(dim=-1)
+            return Drafts(
+                to_vocab_ids(index, block.vocab), block.base_logits, draft_confidence(block.base_logits, index)
+            )
+        realised, indices, chosen_logits, state = prefix_ids, [], [], None
+        for i in range(block.num_drafts):
+            logits = block.base_logits[:, i]
+            if use_head and i >= config.pure_draft_prefix_len:
+                # The GRU reads the block's realised tokens: the anchor and any drafts on its first step, then the
+                # one draft chosen since.
+                unread = realised[:, prefix_ids.shape[1] - 1 :] if state is None else realised[:, -1:]
+                gru_weight = drafter.prefix_gru.weight_ih_l0
+                state = drafter.gru_step(target.embed(unread, gru_weight.dtype, gru_weight.device), state)
+                correction = drafter.logit_correction(block.hidden[:, i : i + 1], state, block.vocab)[:, 0]
+                logits = logits + correction.to(device=logits.device, dtype=logits.dtype)
+            index, logits = pick(logits, realised)
+            indices.append(index)
+            chosen_logits.append(logits)
+            token = index if logits.shape[-1] != block.base_logits.shape[-1] else to_vocab_ids(index, block.vocab)
+            realised = torch.cat([realised, token.to(realised.device)], dim=-1)
+        index, logits = torch.cat(indices, dim=-1), torch.stack(chosen_logits, dim=1)
+        return Drafts(realised[:, prefix_ids.shape[1] :], logits, draft_confidence(logits, index))
+
+    return rollout
+
+
+def processed_pick(logits_processor, do_sample: bool, vocab: torch.Tensor | None, vocab_size: int) -> Pick:
+    """A `Pick` from the same processed distribution the assisted-decoding loop will use for the target.
+
+    Logits processors see the whole vocabulary and the realised sequence, so a draft vocabulary's logits are first
+    spread over the whole vocabulary (`-inf` outside it): the draft distribution is then exactly zero there, which
+    keeps speculative sampling lossless.
+    """
+
+    def pick(logits: torch.Tensor, realised_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor]:
+        logits = logits.float()
+        if vocab is not None:
+            full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
+            logits = full.index_copy_(-1, vocab.to(logits.device), logits)
+        if logits_processor is not None:
+            logits = logits_processor(realised_ids.to(logits.device), logits)
+        if do_sample:
+            index = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
+        else:
+            index = logits.argmax(dim=-1, keepdim=True)
+        return index, logits
+
+    return pick
+
+
+__all__ = [
+    "BlockDraft",
+    "DrafterContext",
+    "Drafts",
+    "Pick",
+    "Rollout",
+    "draft_block",
+    "draft_confidence",
+    "eager_rollout",
+    "greedy_pick",
+    "processed_pick",
+    "run_backbone",
+]

@@ -1,0 +1,140 @@
+"""`hf-domino draft-vocab`: give a drafter a draft vocabulary (FR-Spec, arXiv 2502.14856).
+
+Drafting computes base logits (the target's LM head) and Domino-head corrections over the whole vocabulary at every
+drafted position; on a 49k- or 152k-token vocabulary that is the largest drafting cost on a CPU. Most of those
+logits are for tokens that almost never occur, so a draft vocabulary keeps only the most frequent tokens. The target
+still verifies every draft, so greedy output is unchanged; when sampling, the draft distribution is zero outside the
+subset and speculative sampling stays exact. Only acceptance can suffer, where the target's next token is rare.
+
+Frequencies are counted on target-regenerated training data (`hf-domino regenerate` files: response tokens only),
+or, where none is at hand, on the assistant turns of ShareGPT tokenized with the target's tokenizer. The special
+tokens of the tokenizer (EOS in particular) are always kept. The drafter folder is copied unchanged and
+`draft_vocab.safetensors` written beside its weights (see `DominoForSpeculation.set_draft_vocab`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import save_file
+
+from . import assets
+from .modeling_domino import DRAFT_VOCAB_FILE
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def count_tokens(sequences: Iterable[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs in `sequences`: `[vocab_size]` int64."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for sequence in sequences:
+        if len(sequence):
+            counts += torch.bincount(torch.as_tensor(sequence, dtype=torch.long), minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def most_frequent(counts: torch.Tensor, size: int, always: Iterable[int] = ()) -> torch.Tensor:
+    """The `size` most frequent token ids (ties to the lower id), always including `always`; sorted."""
+    always = sorted({int(token) for token in always if 0 <= int(token) < counts.numel()})
+    if not len(always) <= size <= counts.numel():
+        raise ValueError(
+            f"A draft vocabulary of {size} tokens must hold the {len(always)} special tokens and fit in "
+            f"the {counts.numel()}-token vocabulary."
+        )
+    order = sorted(range(counts.numel()), key=lambda token: (-int(counts[token]), token))
+    chosen = list(always)
+    seen = set(always)
+    for token in order:
+        if len(chosen) == size:
+            break
+        if token not in seen:
+            chosen.append(token)
+            seen.add(token)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def regenerated_response_ids(paths: Sequence[str | os.PathLike]) -> Iterator[list[int]]:
+    """The response tokens (loss_mask 1) of `hf-domino regenerate` jsonl files."""
+    for path in paths:
+        with open(path, encoding="utf-8") as file:
+            for line in file:
+                if not line.endswith("\n") or not line.strip():
+                    continue  # a line still being written
+                record = json.loads(line)
+                yield [token for token, keep in zip(record["input_ids"], record["loss_mask"]) if keep]
+
+
+def sharegpt_assistant_ids(tokenizer: PreTrainedTokenizerBase, limit: int | None) -> Iterator[list[int]]:
+    """Token ids of the assistant turns of the first `limit` ShareGPT conversations."""
+    text = assets.sharegpt_json_path().read_text(encoding="utf-8")
+    for index, record in enumerate(assets.iter_json_array(text)):
+        if limit is not None and index >= limit:
+            return
+        try:
+            messages = assets.sharegpt_to_messages(record.get("conversations", []))
+        except ValueError:
+            continue
+        for message in messages:
+            if message["role"] == "assistant" and message["content"]:
+                yield tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+
+
+def write_drafter_with_vocab(drafter_dir: str | os.PathLike, token_ids: torch.Tensor, output_dir: str | os.PathLike):
+    """Copies the drafter folder to `output_dir` with `token_ids` as its draft vocabulary; all or nothing."""
+    output_dir = Path(output_dir)
+    if output_dir.exists():
+        raise FileExistsError(f"{output_dir} exists; choose a new --output folder.")
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
+    try:
+        shutil.copytree(drafter_dir, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+        save_file({"draft_vocab": token_ids.contiguous()}, staging / DRAFT_VOCAB_FILE)
+        os.replace(staging, output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output_dir
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drafter", default=None, help=f"drafter folder (default: {assets.SHIPPED_DRAFTER})")
+    parser.add_argument("--target", default="smollm2", help="tokenizer source: 'smollm2' or a model id/folder")
+    parser.add_argument("--size", type=int, required=True, help="tokens in the draft vocabulary")
+    parser.add_argument("--data", nargs="*", default=[], help="`hf-domino regenerate` jsonl files to count on")
+    parser.add_argument("--sharegpt-conversations", type=int, default=4000, help="without --data: ShareGPT to count")
+    parser.add_argument("--output", required=True, help="new drafter folder (a copy with the draft vocabulary)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    drafter_dir = Path(args.drafter) if args.drafter else assets.SHIPPED_DRAFTER
+    config = json.loads((drafter_dir / "config.json").read_text())
+    if args.target == "smollm2":
+        gguf = assets.smollm2_gguf_path()
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+    if args.data:
+        source, sequences = f"{len(args.data)} regenerated file(s)", regenerated_response_ids(args.data)
+    else:
+        source = f"assistant turns of {args.sharegpt_conversations} ShareGPT conversations"
+        sequences = sharegpt_assistant_ids(tokenizer, args.sharegpt_conversations)
+    counts = count_tokens(sequences, config["vocab_size"])
+    token_ids = most_frequent(counts, args.size, always=tokenizer.all_special_ids)
+    covered = counts[token_ids].sum().item() / max(counts.sum().item(), 1)
+    write_drafter_with_vocab(drafter_dir, token_ids, args.output)
+    print(
+        f"{args.output}: {args.size} of {config['vocab_size']} tokens, covering {covered:.1%} of the "
+        f"{counts.sum().item()} tokens counted ({source})."
+    )
+    return 0

@@ -1,0 +1,357 @@
+"""The fused Domino head rollout behind the drafting ladder's `Rollout` signature, and when to use it.
+
+`hf_domino.drafting_domino.eager_rollout` is the reference rollout; this module offers two faster ones built on the
+kernels of `hf_domino.triton_kernels`, for greedy decoding and plain temperature sampling over the whole vocabulary:
+
+- `TritonRollout`: the fused kernels, launched one by one for every block;
+- `DominoHeadGraphRunner`: the same launches captured once as a CUDA graph and replayed, which removes the launch
+  latency that dominates the head at 16 sequential positions per block.
+
+Both are low-level callables `(draft_hidden, base_logits, anchor_ids, target_embed_weight) -> (draft_ids, logits)`
+(`FastRollout`), configured once like `eager_rollout` (temperature, head on/off). `select_rollout()` is what the
+candidate generator calls once per `generate()`: it picks one of them for the call's `domino_rollout=` option (or
+`None` for the eager rollout) and wraps it in `FusedRollout`, a ladder `Rollout` `(BlockDraft, prefix_ids) -> Drafts`.
+The choice depends only on its arguments: no environment variable changes it behind the caller's back.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import triton_kernels as kernels
+from .drafting_domino import BlockDraft, Drafts, Rollout, draft_confidence
+
+# Package-internal pieces of the kernel module: the graph runner captures exactly what `fused_rollout` launches.
+from .triton_kernels import _check_kernel_device, _HeadWeights, _launch_rollout, _prepare, _rows_contiguous, _Workspace
+
+if TYPE_CHECKING:
+    from transformers import LogitsProcessorList
+
+    from .modeling_domino import DominoForSpeculation, TargetModules
+
+# `(draft_hidden [1, k, H], base_logits [1, k, V], anchor_ids [1, n], target_embed_weight [V, H])
+#  -> (draft_ids [1, k], logits [1, k, V] fp32)`: `fused_rollout`'s contract with the configuration bound.
+FastRollout = Callable[
+    [torch.Tensor, torch.Tensor, torch.LongTensor, torch.Tensor], tuple[torch.LongTensor, torch.Tensor]
+]
+
+# The values of generate()'s `domino_rollout=` option.
+ROLLOUT_MODES = ("auto", "eager", "triton", "triton+graph")
+
+
+class TritonRollout:
+    """The fused rollout without a CUDA graph, as a `FastRollout` callable.
+
+    Args:
+        drafter: the drafter whose head to run.
+        temperature: `None` for greedy, else the sampling temperature.
+        head: correct the base logits with the Domino head (off: base-logits argmax / sampling, DFlash drafting).
+    """
+
+    def __init__(self, drafter: DominoForSpeculation, *, temperature: float | None, head: bool = True):
+        self.drafter = drafter
+        self.temperature = temperature
+        self.head = head
+
+    def __call__(
+        self,
+        draft_hidden: torch.Tensor,
+        base_logits: torch.Tensor,
+        anchor_ids: torch.LongTensor,
+        target_embed_weight: torch.Tensor,
+    ) -> tuple[torch.LongTensor, torch.Tensor]:
+        return kernels.fused_rollout(
+            self.drafter,
+            draft_hidden,
+            base_logits,
+            anchor_ids,
+            target_embed_weight,
+            head=self.head,
+            pure_draft_prefix_len=self.drafter.config.pure_draft_prefix_len,
+            temperature=self.temperature,
+        )
+
+
+class DominoHeadGraphRunner(TritonRollout):
+    """Captures a whole block rollout as one CUDA graph and replays it, as a `FastRollout` callable.
+
+    A `TritonRollout` that records its launches once: without a usable graph (capture failed, with
+    `fallback_on_capture_error`) it is exactly that `TritonRollout`.
+
+    Head on/off and greedy/sampling are fixed at construction. The graph is captured on the first call for the
+    call's configuration: number of drafts, vocabulary, dtypes, device, prefix length, and the address and layout of
+    every weight and of the embedding table. A call with any of those changed drops the graph (after the device has finished with it) and
+    captures a new one; a call with fewer drafts than captured replays the captured graph and keeps the leading rows,
+    which is exact because a draft position never depends on later ones (blocks shrink near `max_length`, and
+    re-capturing there would cost more than the few wasted positions). Weights updated in place are picked up without
+    re-capture: the graph reads them by address. The temperature and the sampling seed live in device buffers, so
+    neither forces a re-capture.
+
+    Outputs are copied out of the static buffers, so a result stays valid after the next call.
+
+    Args:
+        drafter: the drafter whose head to run.
+        temperature: `None` for greedy, else the sampling temperature.
+        head: correct the base logits with the Domino head.
+        fallback_on_capture_error: when capture fails (e.g. inside another capture), warn once and run the fused
+            kernels without a graph from then on, instead of raising.
+    """
+
+    def __init__(
+        self,
+        drafter: DominoForSpeculation,
+        *,
+        temperature: float | None,
+        head: bool = True,
+        fallback_on_capture_error: bool = False,
+    ):
+        super().__init__(drafter, temperature=temperature, head=head)
+        self.fallback_on_capture_error = fallback_on_capture_error
+        self.num_captures = 0
+        self._key: tuple | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._capture_failed = False
+
+    @property
+    def captured_num_drafts(self) -> int | None:
+        return None if self._key is None else self._key[0]
+
+    def reset(self) -> None:
+        """Drops the captured graph and its buffers (waiting for the device to be done with them first)."""
+        if self._graph is not None:
+            torch.cuda.synchronize(self._device)
+        self._graph, self._key = None, None
+
+    def _config_key(
+        self, weights: _HeadWeights | None, draft_hidden: torch.Tensor, base_logits: torch.Tensor, embed: torch.Tensor
+    ) -> tuple:
+        return (
+            base_logits.shape[1],
+            base_logits.shape[2],
+            base_logits.dtype,
+            draft_hidden.dtype,
+            base_logits.device,
+            self.drafter.config.pure_draft_prefix_len,
+            self.temperature is not None,
+            None if weights is None else weights.signature(),  # also tells head on from head off
+            (embed.data_ptr(), embed.dtype, embed.device, tuple(embed.shape), embed.stride()),
+        )
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        draft_hidden: torch.Tensor,
+        base_logits: torch.Tensor,
+        anchor_ids: torch.LongTensor,
+        target_embed_weight: torch.Tensor,
+    ) -> tuple[torch.LongTensor, torch.Tensor]:
+        if self._capture_failed:
+            return super().__call__(draft_hidden, base_logits, anchor_ids, target_embed_weight)
+        weights, device = _prepare(self.drafter, self.head, draft_hidden, base_logits, target_embed_weight)
+        if device.type != "cuda":
+            raise RuntimeError(f"CUDA graphs need CUDA tensors; the Domino head is on {device}.")
+        draft_hidden, base_logits = draft_hidden.to(device), base_logits.to(device)
+        num_drafts = base_logits.shape[1]
+        key = self._config_key(weights, draft_hidden, base_logits, target_embed_weight)
+        captured = self._key
+        # Same configuration, or the same one with a shorter block: replay.
+        if captured is None or key[1:] != captured[1:] or num_drafts > captured[0]:
+            self.reset()
+            try:
+                self._capture(key, weights, draft_hidden, base_logits, target_embed_weight)
+            except Exception as error:  # noqa: BLE001 - re-raised unless the caller asked for the fallback
+                self.reset()
+                if not self.fallback_on_capture_error:
+                    raise
+                warnings.warn(
+                    f"Capturing the Domino head as a CUDA graph failed ({error!r}); using the fused kernels without "
+                    "a graph from now on.",
+                    stacklevel=2,
+                )
+                self._capture_failed = True
+                return super().__call__(draft_hidden, base_logits, anchor_ids, target_embed_weight)
+
+        self._draft_hidden[:num_drafts].copy_(draft_hidden[0])
+        self._base_logits[:num_drafts].copy_(base_logits[0])
+        self._workspace.start(anchor_ids, self.temperature)
+        self._graph.replay()
+        draft_ids = self._workspace.tokens[None, 1 : num_drafts + 1].to(anchor_ids.device, copy=True)
+        return draft_ids, self._workspace.logits[None, :num_drafts].clone()
+
+    def _capture(
+        self,
+        key: tuple,
+        weights: _HeadWeights | None,
+        draft_hidden: torch.Tensor,
+        base_logits: torch.Tensor,
+        embed_weight: torch.Tensor,
+    ) -> None:
+        _check_kernel_device(base_logits.device)
+        self._device = base_logits.device
+        num_drafts, vocab_size = base_logits.shape[1:]
+        self._workspace = _Workspace(num_drafts, vocab_size, self._device, weights)
+        self._draft_hidden = draft_hidden[0].clone()
+        self._base_logits = _rows_contiguous(base_logits[0]).clone()
+        prefix_len = self.drafter.config.pure_draft_prefix_len
+
+        def launch() -> None:
+            _launch_rollout(
+                weights,
+                self._draft_hidden,
+                self._base_logits,
+                embed_weight,
+                self._workspace,
+                prefix_len=prefix_len,
+                sample=self.temperature is not None,
+            )
+
+        # Warm up on a side stream (as torch.cuda.graphs recommends): compiles the Triton kernels and settles the
+        # allocator, neither of which may happen during capture.
+        with torch.cuda.device(self._device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                launch()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                launch()
+        self._graph, self._key = graph, key
+        self.num_captures += 1
+
+
+class FusedRollout:
+    """A `FastRollout` behind the ladder's `Rollout` signature: `(BlockDraft, prefix_ids) -> Drafts`.
+
+    The embedding table is read from `target` on every call (not once), so a target moved or re-tied after
+    `select_rollout()` is still the one gathered from. The kernels cover the whole vocabulary, so a block drafted
+    over a draft vocabulary is refused rather than silently mis-indexed.
+    """
+
+    def __init__(self, fused: FastRollout, target: TargetModules):
+        self.fused = fused
+        self.target = target
+
+    def __call__(self, block: BlockDraft, prefix_ids: torch.LongTensor) -> Drafts:
+        if block.vocab is not None:
+            raise ValueError(
+                "The fused Domino head drafts over the whole vocabulary; this block covers a draft vocabulary. Use "
+                "the eager rollout (domino_rollout='eager') or draft_vocab=False."
+            )
+        ids, logits = self.fused(block.hidden, block.base_logits, prefix_ids, self.target.embed_tokens.weight)
+        return Drafts(ids, logits, draft_confidence(logits, ids.to(logits.device)))
+
+
+# ----------------------------------------------------------------------------------------------------------- dispatch
+def split_temperature(logits_processor: LogitsProcessorList | None) -> tuple[float | None, bool]:
+    """`(temperature, has_other_processors)` of a logits-processor list, for `select_rollout`.
+
+    The fast path covers an empty list and a lone `TemperatureLogitsWarper`; the temperature is `None` when the list
+    holds none (i.e. 1.0 when sampling).
+    """
+    from transformers.generation.logits_process import TemperatureLogitsWarper
+
+    temperature, others = None, False
+    for processor in logits_processor or ():
+        if isinstance(processor, TemperatureLogitsWarper) and temperature is None:
+            temperature = float(processor.temperature)
+        else:
+            others = True
+    return temperature, others
+
+
+def select_rollout(
+    drafter: DominoForSpeculation,
+    target: TargetModules,
+    *,
+    do_sample: bool,
+    logits_processor: LogitsProcessorList | None,
+    mode: str = "auto",
+) -> Rollout | None:
+    """Chooses how a `generate()` call rolls the Domino head out: a fused ladder `Rollout`, or `None` for eager.
+
+    The candidate generator calls this only with the head on and no draft vocabulary (the cases the kernels fuse).
+
+    Args:
+        drafter: the drafter.
+        target: the target's embedding table and LM head; the kernels gather token embeddings from the table.
+        do_sample: sampling (`True`) or greedy decoding.
+        logits_processor: the call's logits processors; only an empty list or a lone temperature runs fused (the
+            temperature is ignored for greedy decoding).
+        mode: generate()'s `domino_rollout=` option: `"auto"` (fused kernels + CUDA graph when the drafter is on
+            CUDA, Triton imports and nothing above rules it out, else `None`), `"eager"` (`None`), `"triton"` (fused
+            kernels, no graph) or `"triton+graph"`. The forced modes raise, saying why, when they cannot run rather
+            than falling back.
+
+    Returns:
+        A `FusedRollout` (`(block, prefix_ids) -> Drafts`) wrapping a `DominoHeadGraphRunner` or a `TritonRollout`,
+        or `None` when the eager rollout should run.
+    """
+    if mode not in ROLLOUT_MODES:
+        raise ValueError(f"mode must be one of {ROLLOUT_MODES}, got {mode!r}.")
+    if mode == "eager":
+        return None
+    forced = mode != "auto"
+    temperature, has_other_processors = split_temperature(logits_processor)
+    sampling_temperature = (1.0 if temperature is None else temperature) if do_sample else None
+    reason = _unsupported_reason(drafter, sampling_temperature, has_other_processors, target.embed_tokens.weight)
+    if reason is None and not forced and drafter.device.type != "cuda":
+        reason = f"the drafter is on {drafter.device}, not CUDA"
+    if reason is not None:
+        if forced:
+            raise ValueError(f"domino_rollout={mode!r} cannot run here: {reason}. Use 'auto' or 'eager'.")
+        return None
+
+    if mode == "auto":
+        fused = DominoHeadGraphRunner(drafter, temperature=sampling_temperature, fallback_on_capture_error=True)
+    elif drafter.device.type != "cuda" and not kernels.kernels_interpreted():
+        raise RuntimeError(
+            f"domino_rollout={mode!r} on {drafter.device} needs Triton's interpreter: set TRITON_INTERPRET=1 before "
+            "importing hf_domino.triton_kernels (slow; meant for tests). Use domino_rollout='eager' on CPU."
+        )
+    elif mode == "triton+graph":
+        if drafter.device.type != "cuda":
+            raise RuntimeError(
+                "domino_rollout='triton+graph' needs CUDA (CUDA graphs); use 'triton' under the interpreter."
+            )
+        fused = DominoHeadGraphRunner(drafter, temperature=sampling_temperature)
+    else:
+        fused = TritonRollout(drafter, temperature=sampling_temperature)
+    return FusedRollout(fused, target)
+
+
+def _unsupported_reason(
+    drafter: DominoForSpeculation,
+    temperature: float | None,
+    has_other_processors: bool,
+    embed_weight: torch.Tensor,
+) -> str | None:
+    if kernels.triton is None:
+        return "Triton is not installed"
+    if has_other_processors:
+        return "logits processors other than temperature (top-k, top-p, penalties, ...) only run on the eager path"
+    if temperature is not None and not temperature > 0:
+        return f"temperature must be positive, got {temperature}"
+    if drafter.config.has_domino_head:
+        weights = _HeadWeights.of(drafter)
+        devices = {w.device for w in vars(weights).values()}
+        if len(devices) != 1 or next(iter(devices)).type == "meta":
+            return f"the head's weights are spread over {sorted(map(str, devices))}"
+        if embed_weight.device not in devices:
+            return f"the target's embedding table is on {embed_weight.device}, the head on {next(iter(devices))}"
+    return None
+
+
+__all__ = [
+    "ROLLOUT_MODES",
+    "DominoHeadGraphRunner",
+    "FastRollout",
+    "FusedRollout",
+    "TritonRollout",
+    "select_rollout",
+    "split_temperature",
+]

@@ -1,0 +1,349 @@
+"""Measuring decoding methods: one generation per (method, prompt), interleaved per prompt in one process.
+
+Methods (`parse_method`):
+
+- `target`: the target's own `generate()` (greedy or sampling), the baseline every speedup is measured against;
+- `prompt_lookup`: transformers' n-gram prompt lookup (`prompt_lookup_num_tokens`), a drafter-free peer;
+- `domino`: `generate(assistant_model=drafter)` with the default (adaptive) draft policy, whole vocabulary;
+  `domino_vocab`: the same over the drafter's draft vocabulary; `domino_k<N>` (`domino_vocab_k<N>`): a fixed N
+  drafts per forward;
+- `dflash`, `dflash_k<N>`: the same with the Domino head switched off (DFlash drafting, same weights);
+- `manual`: a minimal hand-written greedy draft/verify loop (`manual_generate`) over the same drafting ladder and
+  the target's `DynamicCache`, to price what transformers' assisted-decoding loop costs around the same work.
+
+Acceptance is measured for every method by `hf_domino.acceptance`, from the target's own forward calls.
+`hf_domino.report` turns the records into tables and plots; `hf-domino bench` (bench.py) is the command.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .acceptance import acceptance_from_cache_lengths, record_target_forwards
+from .assets import eos_token_ids, pad_token_id
+from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
+from .modeling_domino import DominoForSpeculation, TargetModules, context_features
+from .policy_domino import cached_verify_cost
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+METHODS = ("target", "prompt_lookup", "dflash", "domino", "manual")
+# Per-cycle pieces, in cycle order as plotted: draft (backbone, base logits, head rollout), then target verify.
+TIMING_KEYS = ("backbone", "lm_head", "head", "verify")
+_DRAFTER_METHOD = re.compile(r"^(domino|dflash)(_vocab)?(?:_k(\d+))?$")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What a method name means: which loop, and the Domino options of its generate() call."""
+
+    name: str
+    uses_drafter: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_method(name: str) -> MethodSpec:
+    """`target`, `prompt_lookup`, `manual`, or `domino`/`dflash`, then optionally `_vocab`, then optionally `_k<N>`."""
+    if name in ("target", "prompt_lookup"):
+        return MethodSpec(name)
+    if name == "manual":
+        return MethodSpec(name, uses_drafter=True)
+    match = _DRAFTER_METHOD.match(name)
+    if match is None:
+        raise ValueError(
+            f"Unknown method {name!r}; choose among target, prompt_lookup, manual, domino, dflash, domino_vocab, "
+            "domino_k<N>, domino_vocab_k<N> (and the same for dflash)."
+        )
+    kind, vocab, fixed = match.groups()
+    options: dict[str, Any] = {"domino_head": kind == "domino", "draft_vocab": vocab is not None}
+    if fixed is not None:
+        options |= {"draft_policy": "fixed", "num_speculative_tokens": int(fixed)}
+    return MethodSpec(name, uses_drafter=True, options=options)
+
+
+def generation_kwargs(target: PreTrainedModel, max_new_tokens: int, temperature: float) -> dict[str, Any]:
+    """The sampling settings shared by every method: plain greedy, or plain temperature sampling (no top-k/p)."""
+    kwargs = {"max_new_tokens": max_new_tokens, "pad_token_id": pad_token_id(target)}
+    if temperature > 0:
+        return kwargs | {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    return kwargs | {"do_sample": False}
+
+
+# ------------------------------------------------------------------------------------------- measuring a generation
+@dataclass
+class Generation:
+    """One method on one prompt: new tokens, wall time, tokens per target forward, drafts per forward, timings."""
+
+    new_tokens: list[int]
+    seconds: float
+    acceptance_lengths: list[int]
+    timings: dict[str, list[float]] | None = None
+    drafted: list[int] | None = None
+
+
+class Stopwatch:
+    """Adds the time since the previous tick to `timings[name]`; does nothing when `timings` is None."""
+
+    def __init__(self, timings: dict[str, list[float]] | None, device: torch.device):
+        self.timings, self.device = timings, device
+        self.clock = time.perf_counter()
+
+    def tick(self, name: str | None = None) -> None:
+        if self.timings is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        if name is not None:
+            self.timings.setdefault(name, []).append(now - self.clock)
+        self.clock = now
+
+
+# ------------------------------------------------------------------------------------------------------ manual loop
+@torch.inference_mode()
+def manual_generate(
+    target: PreTrainedModel,
+    drafter: DominoForSpeculation,
+    input_ids: torch.LongTensor,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    timings: dict[str, list[float]] | None = None,
+    num_drafts: int | None = None,
+    head: bool = True,
+) -> torch.LongTensor:
+    """Greedy speculative decoding without transformers' generation loop: draft a block, verify, keep the prefix.
+
+    Drafts come from the same ladder as the candidate generator (`run_backbone`, `BlockDraft`, `eager_rollout`).
+    Returns `input_ids` followed by the new tokens (at most `max_new_tokens`, cut after the first EOS), which are
+    exactly the target's own greedy tokens. `num_drafts` caps the drafts per block (default: the whole block);
+    `timings` (if given) receives per-cycle `backbone`, `lm_head`, `head` and `verify` seconds.
+    """
+    config, modules = drafter.config, TargetModules.from_target(target)
+    rollout = eager_rollout(drafter, modules, head=head)
+    keep_layers = [i + 1 for i in config.target_layer_ids]  # only these hidden states are returned
+    max_length = input_ids.shape[1] + max_new_tokens
+    eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=input_ids.device)
+    target_cache, context = DynamicCache(config=target.config), DrafterContext()
+    stopwatch = Stopwatch(timings, drafter.device)
+    block_drafts = config.num_drafts if num_drafts is None else min(num_drafts, config.num_drafts)
+
+    outputs = target(input_ids, past_key_values=target_cache, output_hidden_states=keep_layers, logits_to_keep=1)
+    tokens = torch.cat([input_ids, outputs.logits[:, -1:].argmax(dim=-1)], dim=-1)
+    context.append(context_features(outputs.hidden_states, config.target_layer_ids))  # every prompt token
+    stopwatch.tick()
+    while tokens.shape[1] < max_length and not bool(torch.isin(tokens[0, -1], eos)):
+        budget = min(block_drafts, max_length - tokens.shape[1] - 1)
+        draft_ids = tokens[:, :0]
+        if budget > 0:
+            hidden = run_backbone(drafter, modules, tokens, context, budget)
+            stopwatch.tick("backbone")
+            block = BlockDraft.from_hidden(hidden, modules)
+            stopwatch.tick("lm_head")
+            draft_ids = rollout(block, tokens).ids.to(tokens.device)
+            stopwatch.tick("head")
+        verify_ids = torch.cat([tokens[:, -1:], draft_ids], dim=-1)
+        outputs = target(verify_ids, past_key_values=target_cache, output_hidden_states=keep_layers)
+        predicted = outputs.logits.argmax(dim=-1)
+        num_matches = int((draft_ids == predicted[:, :-1]).cumprod(dim=-1).sum())
+        accepted = predicted[:, : num_matches + 1]  # matched drafts equal the target's tokens, plus the bonus token
+        eos_positions = torch.isin(accepted[0], eos).nonzero()
+        if eos_positions.numel():
+            accepted = accepted[:, : int(eos_positions[0]) + 1]
+        # Drop the rejected drafts: the cache keeps every verified token but the newest (the next anchor).
+        target_cache.crop(num_matches - draft_ids.shape[1])
+        context.append(context_features(outputs.hidden_states, config.target_layer_ids)[:, : num_matches + 1])
+        tokens = torch.cat([tokens, accepted], dim=-1)[:, :max_length]
+        stopwatch.tick("verify")
+    return tokens
+
+
+# ---------------------------------------------------------------------------------------------------- one method
+def run_method(
+    method: str,
+    target: PreTrainedModel,
+    drafter: DominoForSpeculation | None,
+    input_ids: torch.LongTensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    prompt_lookup_tokens: int = 10,
+    record_timings: bool = True,
+    num_speculative_tokens: int | None = None,
+) -> Generation:
+    """Generates once with `method` and measures it (wall time around the whole call, prefill included).
+
+    `num_speculative_tokens` caps the drafts per forward of every drafter method without a fixed `_k<N>`.
+    """
+    spec = parse_method(method)
+    if spec.uses_drafter and drafter is None:
+        raise ValueError(f"Method {method!r} needs a drafter.")
+    if method == "manual" and temperature > 0:
+        raise ValueError(f"Method {method!r} is greedy only; run it at --temperature 0.")
+    if spec.options.get("domino_head") and not drafter.config.has_domino_head:
+        raise ValueError(f"Method {method!r} needs a drafter with a Domino head (projector_type='domino').")
+    if spec.options.get("draft_vocab") and drafter.draft_vocab is None:
+        raise ValueError(f"Method {method!r} needs a drafter with a draft vocabulary (see `hf-domino draft-vocab`).")
+    input_ids = input_ids.to(target.device)
+    timings = {} if record_timings and spec.uses_drafter else None
+    drafted = None
+    with record_target_forwards(target) as cache_lengths:
+        start = time.perf_counter()
+        if method == "manual":
+            head = drafter.config.has_domino_head
+            output = manual_generate(
+                target,
+                drafter,
+                input_ids,
+                max_new_tokens,
+                eos_token_ids(target),
+                timings,
+                num_speculative_tokens,
+                head,
+            )
+        else:
+            kwargs = generation_kwargs(target, max_new_tokens, temperature)
+            if method == "prompt_lookup":
+                kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
+            elif spec.uses_drafter:
+                kwargs |= {"assistant_model": drafter, "domino_timings": record_timings, **spec.options}
+                if num_speculative_tokens is not None and "num_speculative_tokens" not in spec.options:
+                    kwargs["num_speculative_tokens"] = num_speculative_tokens
+            output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+        if target.device.type == "cuda":
+            torch.cuda.synchronize(target.device)
+        seconds = time.perf_counter() - start
+    if spec.uses_drafter and method != "manual":
+        stats = drafter.last_generation_stats
+        drafted = list(stats.drafted)
+        if record_timings:
+            timings = {key: list(values) for key, values in (stats.timings or {}).items()}
+    return Generation(
+        new_tokens=output[0, input_ids.shape[1] :].tolist(),
+        seconds=seconds,
+        acceptance_lengths=acceptance_from_cache_lengths(cache_lengths, output.shape[1]),
+        timings=timings,
+        drafted=drafted,
+    )
+
+
+@torch.inference_mode()
+def measure_forward_ms(
+    target: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    lengths: Sequence[int],
+    drafter: DominoForSpeculation | None = None,
+    repeats: int = 5,
+) -> dict[int, float]:
+    """Median ms of one target forward over `length` new tokens after `input_ids` is cached, for each length.
+
+    This is the verify cost of a block of `length - 1` drafts (1 = plain decoding), with the drafter's hidden-state
+    selection when a drafter is given; it decides how many tokens per forward a drafter must reach to pay off.
+    """
+    input_ids = input_ids.to(target.device)
+    hidden_states = [i + 1 for i in drafter.config.target_layer_ids] if drafter is not None else False
+    cache = DynamicCache(config=target.config)
+    target(input_ids, past_key_values=cache, logits_to_keep=1)
+    costs = {}
+    for length in lengths:
+        block = input_ids[:, -1:].expand(1, length)  # token values do not change the cost
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            target(block, past_key_values=cache, output_hidden_states=hidden_states)
+            if target.device.type == "cuda":
+                torch.cuda.synchronize(target.device)
+            samples.append(1000 * (time.perf_counter() - start))
+            cache.crop(-length)
+        costs[length] = statistics.median(samples)
+    return costs
+
+
+# ----------------------------------------------------------------------------------------------------- benchmark
+@dataclass
+class BenchSettings:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    prompt_lookup_tokens: int = 10
+    warmup_tokens: int = 16
+    num_speculative_tokens: int | None = None
+
+
+@dataclass
+class BenchResult:
+    methods: list[str]
+    settings: BenchSettings
+    # records[method][prompt index]
+    records: dict[str, list[Generation]] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    title: str = ""  # plot subtitle, e.g. "(mtbench, T=0)"
+    # Median ms of one target forward by the number of tokens it takes, with the first prompt cached.
+    forward_ms: dict[int, float] = field(default_factory=dict)
+    # The adaptive draft policy's verify cost model for the target after the run (ms by tokens per forward).
+    policy_verify_ms: dict[int, float] = field(default_factory=dict)
+
+
+def run_benchmark(
+    target: PreTrainedModel,
+    drafter: DominoForSpeculation | None,
+    prompts: Sequence[torch.LongTensor],
+    methods: Sequence[str],
+    settings: BenchSettings | None = None,
+    progress: bool = True,
+) -> BenchResult:
+    """Runs every method on every prompt, interleaved per prompt, after one short warm-up generation per method.
+
+    The method order rotates from prompt to prompt so that no method always runs right after the same other one
+    (caches, CPU frequency). With sampling, each (prompt, method) pair is seeded with the same seed.
+    """
+    from tqdm.auto import tqdm
+
+    settings = settings or BenchSettings()
+    methods = list(methods)
+    for method in methods:
+        parse_method(method)  # unknown names fail before any generation
+    result = BenchResult(methods=methods, settings=settings, records={method: [] for method in methods})
+    if not prompts:
+        return result
+
+    def generate(method: str, input_ids: torch.LongTensor, max_new_tokens: int, seed: int) -> Generation:
+        torch.manual_seed(seed)
+        return run_method(
+            method,
+            target,
+            drafter,
+            input_ids,
+            max_new_tokens,
+            temperature=settings.temperature,
+            prompt_lookup_tokens=settings.prompt_lookup_tokens,
+            num_speculative_tokens=settings.num_speculative_tokens,
+        )
+
+    for method in methods:  # warm-up: allocator, kernels, lazy imports, the draft policy's cost calibration
+        generate(method, prompts[0], settings.warmup_tokens, settings.seed)
+    drafts = [drafter.config.num_drafts] if drafter is not None else []
+    block_lengths = sorted({1, 2, 3, 4, 5, 8, *(n + 1 for n in drafts)})
+    result.forward_ms = measure_forward_ms(target, prompts[0], block_lengths, drafter)
+    by_prompt: list[dict[str, Generation]] = []
+    with tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen", disable=not progress) as bar:
+        for index, input_ids in enumerate(prompts):
+            shift = index % len(methods)
+            results = {}
+            for method in methods[shift:] + methods[:shift]:
+                bar.set_postfix_str(method)
+                results[method] = generate(method, input_ids, settings.max_new_tokens, settings.seed + index)
+                bar.update()
+            by_prompt.append(results)
+    for method in methods:
+        result.records[method] = [results[method] for results in by_prompt]
+    cost = cached_verify_cost(target)
+    result.policy_verify_ms = {n: 1000 * seconds for n, seconds in cost.seconds.items()} if cost else {}
+    return result

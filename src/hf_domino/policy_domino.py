@@ -1,0 +1,339 @@
+"""How many drafts to verify per target forward: fixed, or chosen per block from a measured cost model.
+
+Speedup = tokens per cycle / cycle time. A cycle drafts k tokens (`T_draft(k)`: the backbone, then the LM head and
+the head's rollout for k positions) and verifies them in one target forward over `1 + k` tokens (`T_verify(k)`).
+On a GPU `T_verify` is nearly flat in k; on a CPU two tokens already cost ~1.6 single-token steps. With the chance
+`a_j` that draft j is accepted once drafts `< j` were, the expected tokens of a cycle are
+`E(k) = 1 + sum_{j <= k} prod_{i <= j} a_i`, and `AdaptivePolicy` maximizes `E(k) / (T_draft(k) + T_verify(k))`:
+
+1. before drafting (`budget`): the upper bound of k from the acceptance seen at each draft position so far, and
+   whether to draft at all. k = 0 is a plain target step: when drafting cycles have been earning fewer tokens per
+   second than plain steps, the policy skips drafting and probes again after 1, 2, 4, ... skipped steps;
+2. after drafting (`choose`): k from the drafts' own confidences (the probability of each drafted token), mapped to
+   acceptance by a calibration learned from the acceptance actually observed (drafters are over-confident off
+   their training distribution).
+
+`T_verify` is measured with a few target forwards at first use per (target, device, dtype) and refined from the
+loop's own timings; `T_draft` is learned from the drafting steps' timings. What is learned is kept for the process,
+per drafter and decoding mode, so later `generate()` calls start informed.
+
+This file is also written next to exported checkpoints as remote code (transformers + torch only).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.cache_utils import Cache
+
+# Online estimates move this far towards each new observation.
+TIME_RATE = 0.2
+POSITION_RATE = 0.2
+RATE_RATE = 0.5
+# What a drafter is assumed to achieve at a draft position before anything was observed there: optimistic, so that
+# the first blocks are long enough to show how far its drafts hold.
+INITIAL_ACCEPTANCE = 0.8
+# Drafting is retried after at most this many plain steps once it stopped paying.
+MAX_SKIP_INTERVAL = 64
+CALIBRATION_BINS = 10
+# Forward lengths measured at first use; others are interpolated.
+CALIBRATION_LENGTHS = (1, 2, 3, 5, 9, 17)
+
+
+# ------------------------------------------------------------------------------------------------------- cost model
+class VerifyCost:
+    """Seconds of one target forward over n tokens (n = 1 + drafts), interpolated between measured lengths."""
+
+    def __init__(self, seconds_by_length: dict[int, float]):
+        self.seconds = dict(sorted(seconds_by_length.items()))
+
+    def __call__(self, num_tokens: int) -> float:
+        if num_tokens in self.seconds:
+            return self.seconds[num_tokens]
+        lengths = list(self.seconds)
+        below = max((n for n in lengths if n < num_tokens), default=lengths[0])
+        above = min((n for n in lengths if n > num_tokens), default=lengths[-1])
+        if below == above:
+            return self.seconds[below]
+        weight = (num_tokens - below) / (above - below)
+        return (1 - weight) * self.seconds[below] + weight * self.seconds[above]
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Moves the estimate for `num_tokens` towards a measured cycle (target forward plus the loop's work)."""
+        current = self(num_tokens)
+        self.seconds[num_tokens] = current + TIME_RATE * (seconds - current)
+        self.seconds = dict(sorted(self.seconds.items()))
+
+
+_VERIFY_COSTS: dict[tuple, VerifyCost] = {}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def measure_verify_cost(
+    target: PreTrainedModel,
+    cache: Cache,
+    last_token: torch.LongTensor,
+    forward_kwargs: dict[str, Any],
+    lengths: tuple[int, ...] = CALIBRATION_LENGTHS,
+    repeats: int = 2,
+) -> VerifyCost:
+    """Times target forwards over 1, 2, 3, 5, ... tokens on top of `cache` (which is left as it was).
+
+    Token values do not change the cost, so the block repeats `last_token`. One unmeasured warm-up forward first.
+    The fastest of `repeats` is kept: other work on the machine only ever adds time, and the loop's own timings
+    refine the table afterwards.
+    """
+    device = last_token.device
+    seconds: dict[int, float] = {}
+    for length in (lengths[0], *lengths):
+        block = last_token[:, -1:].expand(1, length)
+        samples = []
+        for _ in range(repeats):
+            _synchronize(device)
+            start = time.perf_counter()
+            target(input_ids=block, past_key_values=cache, use_cache=True, **forward_kwargs)
+            _synchronize(device)
+            samples.append(time.perf_counter() - start)
+            cache.crop(-length)
+        seconds[length] = min(samples)
+    return VerifyCost(seconds)
+
+
+def _cost_key(target: PreTrainedModel) -> tuple:
+    return (id(target), str(target.device), str(target.dtype), getattr(target.config, "_name_or_path", ""))
+
+
+def verify_cost_for(target: PreTrainedModel, measure) -> VerifyCost:
+    """The process-wide cost table of `target` on its device and dtype, measured with `measure()` on first use."""
+    key = _cost_key(target)
+    if key not in _VERIFY_COSTS:
+        _VERIFY_COSTS[key] = measure()
+    return _VERIFY_COSTS[key]
+
+
+def cached_verify_cost(target: PreTrainedModel) -> VerifyCost | None:
+    """The cost table the adaptive policy uses for `target`, if one was measured in this process."""
+    return _VERIFY_COSTS.get(_cost_key(target))
+
+
+# --------------------------------------------------------------------------------------------------- calibration
+class AcceptanceCalibration:
+    """P(draft accepted | its confidence, the drafts before it accepted), by confidence bin, learned online.
+
+    Each bin starts as if it had seen two drafts accepted at the bin's mean confidence, so an unseen bin trusts the
+    drafter; observations then pull it towards what the target actually accepts.
+    """
+
+    def __init__(self, bins: int = CALIBRATION_BINS, prior_weight: float = 2.0):
+        centers = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
+        self.accepted = centers * prior_weight
+        self.trials = torch.full((bins,), prior_weight, dtype=torch.float64)
+
+    def _bins(self, confidence: torch.Tensor) -> torch.Tensor:
+        bins = self.trials.numel()
+        return (confidence.double().cpu() * bins).long().clamp_(0, bins - 1)
+
+    def __call__(self, confidence: torch.Tensor) -> torch.Tensor:
+        """Calibrated acceptance probability for each confidence in `[k]`."""
+        index = self._bins(confidence)
+        return self.accepted[index] / self.trials[index]
+
+    def observe(self, confidence: torch.Tensor, accepted: torch.Tensor) -> None:
+        index = self._bins(confidence)
+        self.trials.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
+        self.accepted.index_add_(0, index, accepted.double().cpu())
+
+
+def expected_tokens(acceptance: torch.Tensor) -> torch.Tensor:
+    """`E(k)` for k = 0..len(acceptance): one target token plus the drafts accepted in a row."""
+    survive = torch.cumprod(acceptance.double(), dim=0)
+    return torch.cat([torch.ones(1, dtype=torch.float64), 1 + torch.cumsum(survive, dim=0)])
+
+
+# -------------------------------------------------------------------------------------------------------- policies
+@dataclass
+class DrafterRecord:
+    """What the adaptive policy has learned about one drafter in one decoding mode, kept across calls."""
+
+    position_acceptance: list[float]
+    calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
+    backbone_seconds: float | None = None
+    position_seconds: float | None = None
+    drafting_rate: float | None = None  # tokens/s of recent drafting cycles, drafting included
+    skip_interval: int = 1
+    skip_left: int = 0
+
+
+_RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def drafter_record(drafter: torch.nn.Module, mode: str, num_drafts: int) -> DrafterRecord:
+    records = _RECORDS.setdefault(drafter, {})
+    if mode not in records:
+        records[mode] = DrafterRecord(position_acceptance=[INITIAL_ACCEPTANCE] * num_drafts)
+    return records[mode]
+
+
+class FixedPolicy:
+    """Verify `k` drafts every block (0: never draft), cut at the first draft below `confidence_threshold`."""
+
+    adaptive = False
+
+    def __init__(self, k: int, confidence_threshold: float | None = None):
+        self.k, self.confidence_threshold = k, confidence_threshold
+
+    def budget(self, room: int) -> int:
+        return min(self.k, room)
+
+    def choose(self, confidence: torch.Tensor, draft_seconds: float) -> int:
+        return below_threshold(confidence, self.confidence_threshold)
+
+    def observe(self, **_: Any) -> None:
+        pass
+
+
+def below_threshold(confidence: torch.Tensor, threshold: float | None) -> int:
+    """Drafts before the first one whose confidence is under `threshold` (all of them without a threshold)."""
+    if threshold is None:
+        return confidence.numel()
+    low = (confidence < threshold).nonzero()
+    return int(low[0, 0]) if low.numel() else confidence.numel()
+
+
+class AdaptivePolicy:
+    """Chooses k per block to maximize expected tokens per second (see the module docstring)."""
+
+    adaptive = True
+
+    def __init__(
+        self,
+        record: DrafterRecord,
+        verify_cost: VerifyCost,
+        cap: int,
+        confidence_threshold: float | None = None,
+        learn_times: bool = True,
+    ):
+        self.record, self.verify_cost, self.cap = record, verify_cost, cap
+        self.confidence_threshold = confidence_threshold
+        self.learn_times = learn_times  # False on CUDA: host timings there would need a synchronization
+        self.probing = False
+        self.confidence: torch.Tensor | None = None
+
+    # ---------------------------------------------------------------------------------------------- estimates
+    def _draft_seconds(self, k: int) -> float:
+        one = self.verify_cost(1)
+        backbone = self.record.backbone_seconds if self.record.backbone_seconds is not None else 0.15 * one
+        position = self.record.position_seconds if self.record.position_seconds is not None else 0.02 * one
+        return backbone + k * position
+
+    def _best_k(self, acceptance: torch.Tensor, spent: float | None, minimum: int = 0) -> int:
+        """argmax over k = minimum..len(acceptance) of E(k) / cost(k).
+
+        `spent`: the drafting already paid for this block; None estimates the drafting cost of each k.
+        """
+        tokens = expected_tokens(acceptance)
+        costs = torch.tensor(
+            [
+                (spent if spent is not None else (self._draft_seconds(k) if k else 0.0)) + self.verify_cost(1 + k)
+                for k in range(len(tokens))
+            ],
+            dtype=torch.float64,
+        )
+        minimum = min(minimum, len(tokens) - 1)
+        return minimum + int(torch.argmax(tokens[minimum:] / costs[minimum:]))
+
+    # ---------------------------------------------------------------------------------------------- decisions
+    def budget(self, room: int) -> int:
+        record, limit = self.record, min(self.cap, room)
+        self.probing, self.confidence = False, None
+        if limit <= 0:
+            return 0
+        # Never drafted yet, or drafting has not been paying: draft anyway now and then (a probe), or nothing will
+        # ever be learned about how well the drafter does on this text.
+        if record.drafting_rate is None or record.drafting_rate < 1 / self.verify_cost(1):
+            if record.skip_left > 0:
+                record.skip_left -= 1
+                return 0
+            self.probing = True
+        acceptance = torch.tensor(record.position_acceptance[:limit])
+        return self._best_k(acceptance, spent=None, minimum=1 if self.probing else 0)
+
+    def choose(self, confidence: torch.Tensor, draft_seconds: float) -> int:
+        self.confidence = confidence.detach().float().cpu()
+        limit = below_threshold(self.confidence, self.confidence_threshold)
+        # A probe verifies at least one draft: only verified drafts teach the calibration anything.
+        minimum = 1 if self.probing else 0
+        return self._best_k(self.record.calibration(self.confidence[:limit]), spent=draft_seconds, minimum=minimum)
+
+    # ------------------------------------------------------------------------------------------------- learning
+    def observe(
+        self,
+        *,
+        drafted: bool,
+        verified: int,
+        accepted: int,
+        verify_seconds: float,
+        backbone_seconds: float = 0.0,
+        rollout_seconds: float = 0.0,
+        positions: int = 0,
+    ) -> None:
+        """Learns from one cycle: `verified` drafts were offered, the first `accepted` of them matched."""
+        record = self.record
+        if self.learn_times:
+            self.verify_cost.observe(1 + verified, verify_seconds)
+            if drafted:
+                record.backbone_seconds = _moved(record.backbone_seconds, backbone_seconds, TIME_RATE)
+                if positions:
+                    record.position_seconds = _moved(record.position_seconds, rollout_seconds / positions, TIME_RATE)
+        if verified:
+            seen = min(verified, accepted + 1)  # drafts after the first rejection were never judged
+            outcomes = torch.arange(seen) < accepted
+            for j in range(seen):
+                current = record.position_acceptance[j]
+                record.position_acceptance[j] = current + POSITION_RATE * (float(outcomes[j]) - current)
+            if self.confidence is not None:
+                record.calibration.observe(self.confidence[:seen], outcomes)
+        if not drafted:
+            return
+        if self.learn_times:
+            cycle_seconds = backbone_seconds + rollout_seconds + verify_seconds
+        else:  # host timings are not the device's: judge the cycle by the cost model
+            cycle_seconds = self._draft_seconds(positions) + self.verify_cost(1 + verified)
+        cycle_rate = (accepted + 1) / max(cycle_seconds, 1e-9)
+        # A probe's own cycle is the freshest evidence there is after a pause: it replaces the stale estimate.
+        record.drafting_rate = cycle_rate if self.probing else _moved(record.drafting_rate, cycle_rate, RATE_RATE)
+        if record.drafting_rate < 1 / self.verify_cost(1):
+            # Back off only after a failed probe; the first failure starts with a one-step pause.
+            record.skip_interval = min(2 * record.skip_interval, MAX_SKIP_INTERVAL) if self.probing else 1
+            record.skip_left = record.skip_interval
+        else:
+            record.skip_interval, record.skip_left = 1, 0
+
+
+def _moved(current: float | None, observed: float, rate: float) -> float:
+    return observed if current is None else current + rate * (observed - current)
+
+
+__all__ = [
+    "AcceptanceCalibration",
+    "AdaptivePolicy",
+    "FixedPolicy",
+    "VerifyCost",
+    "cached_verify_cost",
+    "drafter_record",
+    "expected_tokens",
+    "measure_verify_cost",
+    "verify_cost_for",
+]

@@ -1,0 +1,68 @@
+"""Training Domino drafters against a frozen target (`hf-domino regenerate`, then `hf-domino train`).
+
+The recipe is the Domino paper's (section 4.2, appendix A.1; docs/training.md): the target answers the training
+prompts itself, the drafter learns many blocks per sequence in one forward, its Domino head is teacher-forced, and
+a base-anchored curriculum mixes the base and final losses. One module per job, each readable on its own:
+
+- `regenerate`: `hf-domino regenerate`, the target's answers to the prompts, as a resumable jsonl file;
+- `data`: examples from those files, the target's context features (in-process or `FeatureCache`), batches,
+  anchors and block inputs;
+- `loss`: the block attention mask, position weights, curriculum lambda, teacher-forced logits and the losses,
+  wrapped in `DominoTrainingModule`;
+- `loop`: `TrainConfig`, `train` (accelerate: CPU, GPU, DDP, FSDP), checkpoints and bit-for-bit resumption, the
+  warm start `init_from_target_layers`, the logged metrics;
+- `evaluate`: `teacher_forced_metrics`, `evaluate_acceptance` (through `generate()`, counted by
+  `hf_domino.acceptance` like the benchmark), `read_log`, `plot_loss_curves`;
+- `command`: `hf-domino train` (argument parsing, building the drafter, `--eval-only`).
+"""
+
+from .data import (
+    Batch,
+    BlockInputs,
+    Example,
+    FeatureCache,
+    build_block_inputs,
+    collate,
+    load_examples,
+    sample_anchors,
+    target_context_features,
+)
+from .evaluate import AcceptanceResult, evaluate_acceptance, plot_loss_curves, read_log, teacher_forced_metrics
+from .loop import TrainConfig, init_from_target_layers, latest_checkpoint, train
+from .loss import (
+    DominoLossOutput,
+    DominoTrainingModule,
+    block_attention_mask,
+    curriculum_lambda,
+    domino_losses,
+    draft_logits,
+    position_weights,
+)
+
+__all__ = [
+    "AcceptanceResult",
+    "Batch",
+    "BlockInputs",
+    "DominoLossOutput",
+    "DominoTrainingModule",
+    "Example",
+    "FeatureCache",
+    "TrainConfig",
+    "block_attention_mask",
+    "build_block_inputs",
+    "collate",
+    "curriculum_lambda",
+    "domino_losses",
+    "draft_logits",
+    "evaluate_acceptance",
+    "init_from_target_layers",
+    "latest_checkpoint",
+    "load_examples",
+    "plot_loss_curves",
+    "position_weights",
+    "read_log",
+    "sample_anchors",
+    "target_context_features",
+    "teacher_forced_metrics",
+    "train",
+]

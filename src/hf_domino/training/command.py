@@ -1,0 +1,239 @@
+"""`hf-domino train`: the command line over `train` (and `--eval-only`, over `evaluate_acceptance`).
+
+It loads the target through `hf_domino.assets`, builds the drafter to start from (a fresh one shaped by the
+architecture flags, optionally warm-started from the target's top layers, or `--init-from` a checkpoint), reads the
+regenerated data, optionally fills a feature cache, trains, and saves `final/` (and an export) once the last step
+is done. Rerunning the same command resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import assets
+from ..configuration_domino import DominoConfig
+from ..modeling_domino import DominoForSpeculation
+from .data import Example, FeatureCache, load_examples
+from .evaluate import evaluate_acceptance
+from .loop import CHECKPOINT_PREFIX, TrainConfig, init_from_target_layers, latest_checkpoint, train
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the `hf-domino train` options."""
+    target_group = parser.add_argument_group("target")
+    target_group.add_argument(
+        "--target", default="smollm2", help="Model id or folder, or `smollm2` (offline, default)."
+    )
+    target_group.add_argument("--gguf-file", help="GGUF file inside --target.")
+
+    data = parser.add_argument_group("data")
+    data.add_argument("--data", nargs="+", type=Path, help="jsonl files written by `hf-domino regenerate`.")
+    data.add_argument("--max-examples", type=int, default=None, help="Use only the first examples of --data.")
+    data.add_argument(
+        "--validation-examples",
+        type=int,
+        default=0,
+        help="Hold out the last N examples (after --max-examples): losses and tau~ at every checkpoint.",
+    )
+    data.add_argument("--max-length", type=int, default=1024, help="Cut sequences to this many tokens.")
+    data.add_argument(
+        "--features-only", action="store_true", help="Fill --feature-cache and exit (before concurrent runs)."
+    )
+    data.add_argument(
+        "--feature-cache",
+        type=Path,
+        help="Folder of precomputed target features (filled first if incomplete). Without it, the target runs "
+        "in-process at every step.",
+    )
+
+    model = parser.add_argument_group("drafter architecture (new drafters)")
+    model.add_argument("--num-draft-layers", type=int, default=1)
+    model.add_argument("--block-size", type=int, default=16)
+    model.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
+    model.add_argument("--emb-dim", type=int, default=64)
+    model.add_argument("--gru-hidden-dim", type=int, default=256)
+    model.add_argument("--intermediate-size", type=int, default=None, help="Draft MLP width (default: target's).")
+    model.add_argument("--pure-draft-prefix-len", type=int, default=1)
+    model.add_argument("--no-domino-head", action="store_true", help="Train a plain DFlash drafter.")
+    model.add_argument("--no-shift-label", action="store_true", help="DFlash label convention (B - 1 drafts).")
+    model.add_argument("--init-from", type=Path, help="Start from this drafter checkpoint instead of a fresh one.")
+    model.add_argument(
+        "--init-from-target",
+        action="store_true",
+        help="Start the draft layers as copies of the target's top layers (init_from_target_layers).",
+    )
+
+    optim = parser.add_argument_group("optimization")
+    optim.add_argument("--output-dir", type=Path, default=Path("runs/train"))
+    optim.add_argument("--total-steps", type=int, default=1000)
+    optim.add_argument("--batch-size", type=int, default=1, help="Sequences per process and micro step.")
+    optim.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    optim.add_argument("--num-anchors", type=int, default=16, help="Blocks per sequence.")
+    optim.add_argument("--lr", type=float, default=6e-4)
+    optim.add_argument("--warmup-ratio", type=float, default=0.04)
+    optim.add_argument("--max-grad-norm", type=float, default=1.0)
+    optim.add_argument("--no-curriculum", action="store_true", help="Ablation: lam = 0 (no base loss) throughout.")
+    optim.add_argument("--seed", type=int, default=0)
+    optim.add_argument("--log-every", type=int, default=10)
+    optim.add_argument("--save-every", type=int, default=100)
+    optim.add_argument("--gradient-checkpointing", action="store_true")
+    optim.add_argument("--stop-after-minutes", type=float, default=None, help="Checkpoint and stop (resume later).")
+    optim.add_argument("--no-resume", action="store_true", help="Ignore checkpoints in --output-dir.")
+    optim.add_argument("--threads", type=int, default=None, help="torch CPU threads per process.")
+    optim.add_argument("--export-dir", type=Path, help="Export the finished drafter here (export_drafter).")
+
+    evaluation = parser.add_argument_group("evaluation")
+    evaluation.add_argument("--eval-only", action="store_true", help="Measure acceptance lengths of --drafter.")
+    evaluation.add_argument("--drafter", type=Path, help="Drafter folder to evaluate.")
+    evaluation.add_argument("--eval-prompts", nargs="+", default=["mtbench", "humaneval"])
+    evaluation.add_argument("--eval-limit", type=int, default=30)
+    evaluation.add_argument("--max-new-tokens", type=int, default=128)
+    evaluation.add_argument("--head", choices=["on", "off", "both"], default="both")
+    evaluation.add_argument("--eval-output", type=Path, help="Write the results as json here.")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `hf-domino train` with parsed arguments."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from accelerate import PartialState
+
+    target_model, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, device="cpu")
+    if args.eval_only:
+        return _run_eval(args, target_model, tokenizer)
+    if not args.data:
+        raise SystemExit("--data is required for training.")
+
+    drafter = _drafter_from_args(args, target_model)
+    examples, validation = _examples_from_args(args)
+    feature_cache = None
+    if args.feature_cache:
+        # Safe to call from every process (and from concurrent runs): a file lock lets one fill it at a time.
+        feature_cache = FeatureCache.build(
+            args.feature_cache, target_model, examples, drafter.config.target_layer_ids, args.max_length
+        )
+        if args.features_only:
+            return 0
+    config = TrainConfig(
+        total_steps=args.total_steps,
+        batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        num_anchors=args.num_anchors,
+        max_length=args.max_length,
+        learning_rate=args.lr,
+        warmup_ratio=args.warmup_ratio,
+        max_grad_norm=args.max_grad_norm,
+        curriculum=not args.no_curriculum,
+        seed=args.seed,
+        log_every=args.log_every,
+        save_every=args.save_every,
+        gradient_checkpointing=args.gradient_checkpointing,
+        stop_after_seconds=args.stop_after_minutes * 60 if args.stop_after_minutes else None,
+    )
+    PartialState().print(
+        f"Training {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M-parameter drafter on {len(examples)} "
+        f"examples ({sum(sum(e.loss_mask) for e in examples)} response tokens) for {config.total_steps} steps.",
+        flush=True,
+    )
+    drafter = train(
+        drafter,
+        target_model,
+        examples,
+        config,
+        args.output_dir,
+        feature_cache=feature_cache,
+        resume=not args.no_resume,
+        pad_token_id=assets.pad_token_id(target_model, tokenizer),
+        validation_examples=validation,
+    )
+    finished = latest_checkpoint(args.output_dir)
+    if PartialState().is_main_process and finished is not None:
+        if finished.name == f"{CHECKPOINT_PREFIX}{config.total_steps}":
+            drafter.save_pretrained(args.output_dir / "final")
+            if args.export_dir:
+                from ..export import export_drafter
+
+                base_model = "HuggingFaceTB/SmolLM2-135M-Instruct" if args.target == "smollm2" else args.target
+                export_drafter(drafter, args.export_dir, base_model=base_model, overwrite=True)
+    return 0
+
+
+def _examples_from_args(args: argparse.Namespace) -> tuple[list[Example], list[Example]]:
+    """The training examples and the held-out ones (`--max-examples`, then the last `--validation-examples`)."""
+    examples = load_examples(args.data, args.max_length)
+    if args.max_examples:
+        examples = examples[: args.max_examples]
+    if not args.validation_examples:
+        return examples, []
+    if not 0 < args.validation_examples < len(examples):
+        raise SystemExit(
+            f"--validation-examples {args.validation_examples} must be between 1 and the number of examples "
+            f"minus one ({len(examples) - 1})."
+        )
+    return examples[: -args.validation_examples], examples[-args.validation_examples :]
+
+
+def _drafter_from_args(args: argparse.Namespace, target_model: PreTrainedModel) -> DominoForSpeculation:
+    """The drafter to train: a checkpoint (`--init-from`), or a fresh one shaped by the architecture flags."""
+    if args.init_from and args.init_from_target:
+        raise SystemExit("--init-from and --init-from-target exclude each other: pick one starting point.")
+    if args.init_from:
+        # fp32 master weights whatever the checkpoint was saved in (exports are often fp16).
+        return DominoForSpeculation.from_pretrained(args.init_from, dtype=torch.float32)
+    backbone = {"intermediate_size": args.intermediate_size} if args.intermediate_size else {}
+    config = DominoConfig.from_target(
+        target_model.config,
+        num_hidden_layers=args.num_draft_layers,
+        block_size=args.block_size,
+        target_layer_ids=args.target_layer_ids,
+        with_domino_head=not args.no_domino_head,
+        emb_dim=args.emb_dim,
+        gru_hidden_dim=args.gru_hidden_dim,
+        pure_draft_prefix_len=args.pure_draft_prefix_len,
+        shift_label=False if args.no_shift_label else None,
+        **backbone,
+    )
+    torch.manual_seed(args.seed)
+    drafter = DominoForSpeculation(config)
+    if args.init_from_target:
+        from accelerate import PartialState
+
+        copied = init_from_target_layers(drafter, target_model)
+        PartialState().print(f"Draft layers start as copies of target layers {copied}.")
+    return drafter
+
+
+def _run_eval(args: argparse.Namespace, target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int:
+    """`--eval-only`: acceptance lengths of `--drafter` per prompt set, head on and/or off, optionally as json."""
+    if args.drafter is None:
+        raise SystemExit("--eval-only needs --drafter.")
+    drafter = DominoForSpeculation.from_pretrained(args.drafter).eval()
+    heads = {"on": [True], "off": [False], "both": [True, False]}[args.head]
+    if not drafter.config.has_domino_head:
+        heads = [False]
+    results = {}
+    for name in args.eval_prompts:
+        prompts = assets.load_prompts(name, limit=args.eval_limit)
+        for head in heads:
+            with drafter.domino_head(head) if drafter.config.has_domino_head else contextlib.nullcontext():
+                result = evaluate_acceptance(target_model, tokenizer, drafter, prompts, args.max_new_tokens)
+            key = f"{Path(str(name)).stem}/head_{'on' if head else 'off'}"
+            results[key] = result.to_dict()
+            print(
+                f"{key}: acceptance length {result.mean_acceptance_length:.3f} over {len(prompts)} prompts "
+                f"({result.new_tokens} tokens, {result.seconds:.0f}s)",
+                flush=True,
+            )
+    if args.eval_output:
+        args.eval_output.parent.mkdir(parents=True, exist_ok=True)
+        args.eval_output.write_text(json.dumps(results, indent=2))
+    return 0

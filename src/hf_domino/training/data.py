@@ -1,0 +1,291 @@
+"""What a training step reads: regenerated examples, the target's context features, batches and blocks.
+
+Examples come from `hf-domino regenerate` jsonl files. The drafter's context input is the frozen target's hidden
+states at `target_layer_ids`, computed in-process (`target_context_features`) or once for all runs and epochs
+(`FeatureCache`, float16 on disk). Every sequence then carries many blocks at random anchors inside its response
+(`sample_anchors`), and `build_block_inputs` turns each anchor into the block's input ids, positions, labels and the
+teacher-forced GRU input.
+
+Randomness here always comes from an explicit `torch.Generator` (`anchor_generator`), never from the global RNG, so
+that a resumed run draws exactly the anchors it would have drawn had it never stopped.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..modeling_domino import context_features
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+# ========================================================================================================= examples
+@dataclass
+class Example:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 on response tokens
+
+
+def load_examples(paths: str | os.PathLike | Sequence[str | os.PathLike], max_length: int) -> list[Example]:
+    """Reads `hf-domino regenerate` jsonl files, cutting sequences to `max_length` tokens.
+
+    Records with fewer than two response tokens left (no usable anchor) are dropped; a line cut short by a running
+    regeneration is ignored.
+    """
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    examples = []
+    for path in paths:
+        with open(path, encoding="utf-8") as file:
+            for line in file:
+                if not line.endswith("\n"):
+                    break
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                input_ids, loss_mask = record["input_ids"][:max_length], record["loss_mask"][:max_length]
+                if sum(loss_mask) >= 2:
+                    examples.append(Example(input_ids, loss_mask))
+    if not examples:
+        raise ValueError(f"No usable training examples in {[str(p) for p in paths]}.")
+    return examples
+
+
+# ================================================================================================= target features
+@torch.no_grad()
+def target_context_features(
+    target_model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor,
+    layer_ids: Sequence[int],
+) -> torch.Tensor:
+    """The target's hidden states after each layer in `layer_ids`, concatenated: `[b, T, len(layer_ids) * hidden]`."""
+    outputs = target_model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        output_hidden_states=True,
+        use_cache=False,
+        logits_to_keep=1,  # the LM head over every position would cost a fifth of the forward for nothing
+    )
+    return context_features(outputs.hidden_states, layer_ids)
+
+
+class FeatureCache:
+    """Target context features precomputed once, on disk (float16, one row per token), for repeated or shared use.
+
+    Layout of the folder: `meta.json` (layer ids, width, max_length), `features.f16` (rows appended example after
+    example) and `index.jsonl` (one `{"example", "offset", "length"}` line per finished example), so that filling it
+    resumes after an interruption.
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.meta = json.loads((self.directory / "meta.json").read_text())
+        self.width = self.meta["width"]
+        self.index: dict[int, tuple[int, int]] = {}
+        index_path = self.directory / "index.jsonl"
+        if index_path.exists():
+            # The last element is "" or a line cut short by an interrupted write: skip it either way.
+            for line in index_path.read_text().split("\n")[:-1]:
+                if line.strip():
+                    entry = json.loads(line)
+                    self.index[entry["example"]] = (entry["offset"], entry["length"])
+        self._rows = None
+
+    @property
+    def rows(self) -> np.ndarray:
+        if self._rows is None:
+            self._rows = np.memmap(self.directory / "features.f16", dtype=np.float16, mode="r").reshape(-1, self.width)
+        return self._rows
+
+    def __contains__(self, example: int) -> bool:
+        return example in self.index
+
+    def get(self, example: int) -> torch.Tensor:
+        offset, length = self.index[example]
+        return torch.from_numpy(np.array(self.rows[offset : offset + length], dtype=np.float32))
+
+    @classmethod
+    @torch.no_grad()
+    def build(
+        cls,
+        directory: str | os.PathLike,
+        target_model: PreTrainedModel,
+        examples: Sequence[Example],
+        layer_ids: Sequence[int],
+        max_length: int,
+        progress: bool = True,
+    ) -> FeatureCache:
+        """Computes (or completes) the cache for `examples`, one target forward per example."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        hidden_size = target_model.config.get_text_config().hidden_size
+        meta = {"layer_ids": list(layer_ids), "width": len(layer_ids) * hidden_size, "max_length": max_length}
+        meta_path = directory / "meta.json"
+        with open(directory / ".lock", "w") as lock:
+            # Several runs may share one cache: one fills it at a time, the others then find it complete.
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
+                raise ValueError(f"{directory} holds features for {json.loads(meta_path.read_text())}, not {meta}.")
+            if not meta_path.exists():
+                meta_path.write_text(json.dumps(meta))
+            cls._fill(directory, target_model, examples, layer_ids, meta, progress)
+        return cls(directory)
+
+    @classmethod
+    def _fill(cls, directory: Path, target_model, examples, layer_ids, meta, progress) -> None:
+        index_path = directory / "index.jsonl"
+        if index_path.exists():
+            complete = index_path.read_bytes().rfind(b"\n") + 1
+            if complete != index_path.stat().st_size:
+                with open(index_path, "r+b") as file:
+                    file.truncate(complete)
+        cache = cls(directory)
+        features_path = directory / "features.f16"
+        # Rows written after the last indexed example belong to an interrupted write: drop them.
+        rows_done = max((offset + length for offset, length in cache.index.values()), default=0)
+        row_bytes = meta["width"] * 2
+        if features_path.exists() and features_path.stat().st_size != rows_done * row_bytes:
+            with open(features_path, "r+b") as file:
+                file.truncate(rows_done * row_bytes)
+        todo = [i for i in range(len(examples)) if i not in cache]
+        start = time.perf_counter()
+        device = target_model.device
+        with open(features_path, "ab") as rows_file, open(index_path, "a") as index_file:
+            for count, i in enumerate(todo, start=1):
+                ids = torch.tensor([examples[i].input_ids], device=device)
+                features = target_context_features(target_model, ids, torch.ones_like(ids), layer_ids)[0]
+                half = features.float().clamp(-65000, 65000).cpu().numpy().astype(np.float16)
+                rows_file.write(half.tobytes())
+                rows_file.flush()
+                index_file.write(json.dumps({"example": i, "offset": rows_done, "length": len(half)}) + "\n")
+                index_file.flush()
+                rows_done += len(half)
+                if progress and (count % 50 == 0 or count == len(todo)):
+                    elapsed = time.perf_counter() - start
+                    print(f"features: {count}/{len(todo)} examples, {rows_done} rows, {elapsed:.0f}s", flush=True)
+
+
+# ========================================================================================================== batches
+@dataclass
+class Batch:
+    input_ids: torch.LongTensor  # [b, T], right-padded
+    loss_mask: torch.Tensor  # [b, T]
+    attention_mask: torch.Tensor  # [b, T]
+    context_features: torch.Tensor | None  # [b, T, F] when taken from a FeatureCache
+
+
+def collate(examples: Sequence[Example], pad_token_id: int, features: Sequence[torch.Tensor] | None = None) -> Batch:
+    """Right-pads examples (and their cached features, if given) into one batch."""
+    seq_len = max(len(example.input_ids) for example in examples)
+    input_ids = torch.full((len(examples), seq_len), pad_token_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(examples), seq_len), dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), seq_len), dtype=torch.long)
+    for row, example in enumerate(examples):
+        length = len(example.input_ids)
+        input_ids[row, :length] = torch.tensor(example.input_ids)
+        loss_mask[row, :length] = torch.tensor(example.loss_mask)
+        attention_mask[row, :length] = 1
+    batch_features = None
+    if features is not None:
+        batch_features = torch.zeros((len(examples), seq_len, features[0].shape[-1]))
+        for row, rows in enumerate(features):
+            batch_features[row, : len(rows)] = rows
+    return Batch(input_ids, loss_mask, attention_mask, batch_features)
+
+
+# ========================================================================================================== blocks
+def anchor_generator(seed: int, stream: int) -> torch.Generator:
+    """The generator of one batch's anchors: a function of the run's seed and the batch's place in the run only."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + stream)
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.LongTensor, torch.BoolTensor]:
+    """Draws up to `num_anchors` distinct anchor positions per sequence, uniformly among the usable ones.
+
+    An anchor is usable when it and the token after it are response tokens: at inference the anchor is always a token
+    the target produced, and a block whose first label is masked teaches nothing.
+
+    Args:
+        loss_mask: `[b, T]`, 1 on response tokens (0 on prompt and padding).
+        num_anchors: blocks per sequence, `m`.
+        generator: source of randomness (a CPU generator).
+
+    Returns:
+        `(anchors [b, m], valid [b, m])`, sorted by position; slots beyond a short sequence's usable positions are
+        invalid (anchor 0), so that every batch has the same shape.
+    """
+    mask = loss_mask.bool()
+    usable = torch.zeros_like(mask)
+    usable[:, :-1] = mask[:, :-1] & mask[:, 1:]
+    scores = torch.rand(usable.shape, generator=generator).to(usable.device)
+    scores = scores.masked_fill(~usable, -1.0)
+    num_anchors = min(num_anchors, usable.shape[1])
+    top_scores, anchors = scores.topk(num_anchors, dim=1)
+    valid = top_scores >= 0
+    anchors = anchors.masked_fill(~valid, 0)
+    # Invalid slots sort last so that the valid anchors stay in position order.
+    order = (anchors + (~valid) * usable.shape[1]).argsort(dim=1)
+    return anchors.gather(1, order), valid.gather(1, order)
+
+
+@dataclass
+class BlockInputs:
+    """Tensors describing `m` blocks per sequence (`B` = block_size, `D` = drafts per block)."""
+
+    block_ids: torch.LongTensor  # [b, m, B]: [anchor, MASK, ...]
+    position_ids: torch.LongTensor  # [b, m, B]: anchor .. anchor + B - 1
+    labels: torch.LongTensor  # [b, m, D]: the token at anchor + k + 1
+    label_mask: torch.BoolTensor  # [b, m, D]: the label is a response token of a valid block
+    gru_ids: torch.LongTensor  # [b, m, D]: teacher-forced GRU input [anchor, y_0, ..., y_{D-2}]
+
+
+def build_block_inputs(
+    input_ids: torch.LongTensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.LongTensor,
+    anchor_valid: torch.BoolTensor,
+    *,
+    block_size: int,
+    num_drafts: int,
+    mask_token_id: int,
+) -> BlockInputs:
+    """Block inputs, labels and GRU inputs for the blocks starting at `anchors`.
+
+    Draft k predicts the token at `anchor + k + 1` under both conventions: with `shift_label` the drafts are block
+    positions 0..B-1, without it positions 1..B-1 (position i predicts `anchor + i`). Labels past the sequence end or
+    outside the response are masked.
+    """
+    seq_len = input_ids.shape[1]
+    offsets = torch.arange(num_drafts + 1, device=input_ids.device)
+    # Column 0 is the anchor, column k + 1 the label of draft k.
+    positions = anchors.unsqueeze(-1) + offsets  # [b, m, D + 1]
+    in_range = positions < seq_len
+    gather_positions = positions.clamp(max=seq_len - 1).flatten(1)
+    tokens = input_ids.gather(1, gather_positions).view(positions.shape)
+    in_response = loss_mask.bool().gather(1, gather_positions).view(positions.shape)
+    labels = tokens[..., 1:]
+    label_mask = (in_range & in_response)[..., 1:] & anchor_valid.unsqueeze(-1)
+
+    block_ids = torch.full((*anchors.shape, block_size), mask_token_id, dtype=torch.long, device=input_ids.device)
+    block_ids[..., 0] = tokens[..., 0]
+    position_ids = anchors.unsqueeze(-1) + torch.arange(block_size, device=input_ids.device)
+    return BlockInputs(
+        block_ids=block_ids,
+        position_ids=position_ids,
+        labels=labels.masked_fill(~label_mask, 0),
+        label_mask=label_mask,
+        gru_ids=tokens[..., :-1],
+    )

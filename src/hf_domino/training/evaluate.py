@@ -1,0 +1,150 @@
+"""How good is a drafter: teacher-forced metrics on regenerated data, acceptance through `generate()`, and logs.
+
+- `teacher_forced_metrics`: losses, per-position accuracies and teacher-forced tau on any regenerated examples,
+  the exact numbers `hf-domino train --validation-examples` logs, so that held-out data (or a finished drafter)
+  can be scored the same way afterwards.
+- `evaluate_acceptance`: the real thing, greedy acceptance length through `target_model.generate(...,
+  assistant_model=drafter)`, counted by `hf_domino.acceptance`, the one acceptance metric the benchmark uses too.
+- `read_log` / `plot_loss_curves`: a run's `log.jsonl`, resumed runs included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import assets
+from ..acceptance import generate_with_acceptance, mean_acceptance_length
+from ..assets import Messages
+from ..modeling_domino import DominoForSpeculation, TargetModules
+from .data import Example
+from .loop import TrainConfig, held_out_window, metrics_record
+from .loss import DominoTrainingModule
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+TEACHER_FORCED_KEYS = ("base_loss", "final_loss", "base_acc", "final_acc", "train_tau")
+
+
+def teacher_forced_metrics(
+    drafter: DominoForSpeculation,
+    target_model: PreTrainedModel,
+    examples: Sequence[Example],
+    config: TrainConfig | None = None,
+    pad_token_id: int = 0,
+) -> dict[str, Any]:
+    """Losses (at lam = 0), per-position accuracies and teacher-forced tau of `drafter` on `examples`.
+
+    The numbers `--validation-examples` logs, for any drafter and any regenerated examples (e.g. held-out prompts):
+    anchors are fixed per example (`config.seed`, `config.num_anchors`), target features are computed in-process.
+    """
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=drafter.device.type == "cpu")
+    config = config or TrainConfig()
+    module = DominoTrainingModule(drafter, TargetModules.from_target(target_model)).train(drafter.training)
+    window = held_out_window(accelerator, module, target_model, examples, config, 0.0, pad_token_id)
+    record = metrics_record(accelerator, window, 0, 0.0, 0.0, 0.0, time.perf_counter())
+    return {key: record[key] for key in TEACHER_FORCED_KEYS}
+
+
+@dataclass
+class AcceptanceResult:
+    mean_acceptance_length: float  # tokens per target forward while drafting, over all prompts
+    per_prompt: list[float]
+    new_tokens: int
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@torch.inference_mode()
+def evaluate_acceptance(
+    target_model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    drafter: DominoForSpeculation,
+    prompts: Sequence[Messages],
+    max_new_tokens: int = 128,
+) -> AcceptanceResult:
+    """Greedy (T=0) acceptance length of `drafter` on chat `prompts` through `target_model.generate(assistant_model=)`.
+
+    Acceptance length = tokens added per target forward after the prefill (accepted drafts + the target's own token),
+    pooled over every forward of every prompt, as `hf_domino.acceptance` counts it for the benchmark. Switch the
+    head off around the call (`with drafter.domino_head(False)`) for the DFlash-mode figure of the same weights.
+    """
+    drafter.eval()
+    pad_token_id = assets.pad_token_id(target_model, tokenizer)
+    lengths, per_prompt, new_tokens = [], [], 0
+    start = time.perf_counter()
+    for messages in prompts:
+        input_ids = assets.encode_chat(tokenizer, messages).to(target_model.device)
+        output, acceptance_lengths = generate_with_acceptance(
+            target_model,
+            input_ids,
+            assistant_model=drafter,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad_token_id,
+        )
+        new_tokens += output.shape[1] - input_ids.shape[1]
+        if acceptance_lengths:
+            lengths.extend(acceptance_lengths)
+            per_prompt.append(mean_acceptance_length(acceptance_lengths))
+    return AcceptanceResult(
+        mean_acceptance_length=mean_acceptance_length(lengths),
+        per_prompt=per_prompt,
+        new_tokens=new_tokens,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a training `log.jsonl`; on a resumed run, the latest record of each step wins."""
+    records: dict[int, dict[str, Any]] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            records[record["step"]] = record
+    return [records[step] for step in sorted(records)]
+
+
+def plot_loss_curves(
+    logs: dict[str, str | os.PathLike], output: str | os.PathLike, key: str | Sequence[str] = "base_loss"
+) -> Path:
+    """Plots `key` (default the base loss; or several keys) against the step for runs' logs into a PNG.
+
+    Needs matplotlib.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4), dpi=120)
+    keys = [key] if isinstance(key, str) else list(key)
+    for label, path in logs.items():
+        records = read_log(path)
+        for name in keys:
+            curve_label = label if len(keys) == 1 else f"{label}: {name.replace('_', ' ')}"
+            axis.plot([r["step"] for r in records], [r[name] for r in records], label=curve_label)
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel(keys[0].replace("_", " ") if len(keys) == 1 else "loss")
+    axis.set_yscale("log")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output)
+    plt.close(figure)
+    return output

@@ -1,0 +1,437 @@
+"""The training loop: `train` a drafter against a frozen target, with checkpoints it resumes from bit-for-bit.
+
+One script for one CPU, one GPU or many processes under `accelerate launch` (DDP; FSDP in docs/training.md). What
+makes resuming exact:
+
+- nothing random depends on the global RNG or on history: which examples a process reads at a step
+  (`example_indices`) and where its anchors fall (`data.anchor_generator`) are functions of `(seed, step)` only;
+- a checkpoint is accelerate's state (`Accelerator.save_state`: optimizer, learning-rate schedule, RNG states,
+  grad scaler) plus the drafter itself, written with `save_pretrained` so that every `checkpoint-{step}/` also loads
+  with `DominoForSpeculation.from_pretrained`; it is written to a temporary folder and renamed, so a crash never
+  leaves half a checkpoint to resume from.
+
+Also here: `init_from_target_layers` (the warm start from the target's top layers) and the per-window metrics that
+`log.jsonl` and `validation.jsonl` record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..modeling_domino import DominoForSpeculation, TargetModules
+from .data import Example, FeatureCache, anchor_generator, collate, sample_anchors, target_context_features
+from .loss import DominoLossOutput, DominoTrainingModule, curriculum_lambda
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from transformers import PreTrainedModel
+
+LOG_FILE = "log.jsonl"
+VALIDATION_LOG_FILE = "validation.jsonl"
+STATE_JSON = "trainer_state.json"
+LEGACY_STATE_FILE = "trainer_state.pt"  # checkpoints written before they went through accelerate's state saving
+CHECKPOINT_PREFIX = "checkpoint-"
+
+
+@dataclass
+class TrainConfig:
+    """Optimization settings of `train` (the drafter architecture lives in its `DominoConfig`)."""
+
+    total_steps: int = 1000
+    batch_size: int = 1  # sequences per process and micro step
+    gradient_accumulation_steps: int = 1
+    num_anchors: int = 16  # blocks per sequence
+    max_length: int = 1024
+    learning_rate: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    curriculum: bool = True
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 100
+    keep_checkpoints: int = 2
+    gradient_checkpointing: bool = False
+    stop_after_seconds: float | None = None  # checkpoint and return early (training in stages)
+
+
+def example_indices(
+    step: int, micro_step: int, rank: int, *, config: TrainConfig, world_size: int, num_examples: int
+) -> list[int]:
+    """Which examples a process reads at (optimizer step, micro step): a function of the seed and position only.
+
+    Epoch e visits the examples in the order of a permutation seeded by `seed + e`; consecutive global positions go
+    to consecutive micro steps and ranks. Stateless, so resuming needs nothing but the step.
+    """
+    per_step = config.batch_size * config.gradient_accumulation_steps * world_size
+    first = step * per_step + (micro_step * world_size + rank) * config.batch_size
+    indices = []
+    for position in range(first, first + config.batch_size):
+        epoch, offset = divmod(position, num_examples)
+        order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(config.seed + epoch))
+        indices.append(int(order[offset]))
+    return indices
+
+
+def cosine_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float):
+    """Linear warmup over the first `warmup_ratio` of the steps, then cosine decay to 0 (transformers' schedule)."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    return get_cosine_schedule_with_warmup(optimizer, round(total_steps * warmup_ratio), total_steps)
+
+
+# =================================================================================================== initialization
+def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    base = getattr(model, model.base_model_prefix, model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"{type(model).__name__} keeps no `layers` list in its base model; initialize the drafter randomly "
+            "(leave out --init-from-target)."
+        )
+    return layers
+
+
+@torch.no_grad()
+def init_from_target_layers(drafter: DominoForSpeculation, target_model: PreTrainedModel) -> list[int]:
+    """Start the draft layers as copies of the target's top layers; returns the target layers copied.
+
+    Draft layer i becomes target layer `L - n + i`, and the context projection starts as "read the deepest context
+    layer, normalized as the first copied layer would": with `target_layer_ids[-1] == L - n - 1`, draft layer 0 then
+    sees exactly the keys and values the target's layer `L - n` computes over the context. The block's queries start
+    from token embeddings instead of deep hidden states, so this is a warm start, not a working drafter; on a small
+    CPU budget it learns much faster than a random one (docs/training.md). Weights the target lacks (the q/k norms of
+    a Llama target) keep their fresh values.
+    """
+    config = drafter.config
+    target_layers = _decoder_layers(target_model)
+    first = len(target_layers) - config.num_hidden_layers
+    if first < 0:
+        raise ValueError(
+            f"The drafter has {config.num_hidden_layers} layers but the target only {len(target_layers)}; "
+            "use fewer --num-draft-layers or drop --init-from-target."
+        )
+    for draft_layer, target_layer in zip(drafter.layers, target_layers[first:]):
+        source = target_layer.state_dict()
+        own = draft_layer.state_dict()
+        shared = {name: tensor for name, tensor in source.items() if name in own and own[name].shape == tensor.shape}
+        draft_layer.load_state_dict(shared, strict=False)
+    hidden = config.hidden_size
+    deepest = config.target_layer_ids.index(max(config.target_layer_ids))
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, deepest * hidden : (deepest + 1) * hidden] = torch.eye(hidden)
+    drafter.hidden_norm.weight.copy_(target_layers[first].input_layernorm.weight)
+    target_norm = getattr(getattr(target_model, target_model.base_model_prefix, target_model), "norm", None)
+    if target_norm is not None:
+        drafter.norm.weight.copy_(target_norm.weight)
+    return list(range(first, len(target_layers)))
+
+
+# ====================================================================================================== checkpoints
+def _checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """The finished `checkpoint-{step}` folders of a run, oldest first."""
+    paths = [
+        path
+        for path in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*")
+        if path.name[len(CHECKPOINT_PREFIX) :].isdigit() and (path / STATE_JSON).exists()
+    ]
+    return sorted(paths, key=lambda path: int(path.name[len(CHECKPOINT_PREFIX) :]))
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    checkpoints = _checkpoints(output_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def save_checkpoint(
+    accelerator: Accelerator, module: nn.Module, output_dir: Path, step: int, config: TrainConfig
+) -> Path:
+    """Writes `checkpoint-{step}` (on every process: a collective) and prunes all but the last `keep_checkpoints`.
+
+    `accelerator.save_state` writes the optimizer, the registered schedule and each process's RNG states (FSDP:
+    its sharded model and optimizer as well); the drafter goes next to them through `save_pretrained`, with the
+    full weights gathered by `accelerator.get_state_dict`, instead of accelerate's own copy of the wrapper's weights.
+    """
+    path = output_dir / f"{CHECKPOINT_PREFIX}{step}"
+    tmp = output_dir / f".tmp-{CHECKPOINT_PREFIX}{step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    hook = accelerator.register_save_state_pre_hook(lambda models, weights, directory: weights.clear())
+    try:
+        accelerator.save_state(str(tmp))
+    finally:
+        hook.remove()
+    # A collective under FSDP (gathers the shards); the unwrapped weights otherwise.
+    full_state = accelerator.get_state_dict(module)
+    if accelerator.is_main_process:
+        weights = {name.removeprefix("drafter."): tensor for name, tensor in full_state.items()}
+        accelerator.unwrap_model(module).drafter.save_pretrained(tmp, state_dict=weights)
+        (tmp / STATE_JSON).write_text(json.dumps({"step": step, "train_config": dataclasses.asdict(config)}, indent=2))
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+        for old in _checkpoints(output_dir)[: -config.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def load_checkpoint(accelerator: Accelerator, path: Path) -> int:
+    """Restores what `save_checkpoint` wrote into the prepared objects of `accelerator`; returns the step."""
+    from safetensors.torch import load_file
+
+    if (path / LEGACY_STATE_FILE).exists():
+        raise ValueError(
+            f"{path} was written by an older hf-domino (before checkpoints used accelerate's state saving) and cannot "
+            f"be resumed; start a new run from its weights with `--init-from {path}` in a fresh --output-dir."
+        )
+
+    def load_drafter(models: list[nn.Module], directory: str) -> None:
+        weights = {}
+        for file in sorted(Path(directory).glob("*.safetensors")):
+            weights.update(load_file(file))
+        for model in models:
+            accelerator.unwrap_model(model).drafter.load_state_dict(weights, strict=True)
+        models.clear()  # accelerate would look for a weights file of its own (FSDP never gets here: it has one)
+
+    hook = accelerator.register_load_state_pre_hook(load_drafter)
+    try:
+        accelerator.load_state(str(path))
+    finally:
+        hook.remove()
+    return int(json.loads((path / STATE_JSON).read_text())["step"])
+
+
+# ============================================================================================================ train
+def train(
+    drafter: DominoForSpeculation,
+    target_model: PreTrainedModel,
+    examples: Sequence[Example],
+    config: TrainConfig,
+    output_dir: str | os.PathLike,
+    *,
+    feature_cache: FeatureCache | None = None,
+    accelerator: Accelerator | None = None,
+    resume: bool = True,
+    pad_token_id: int = 0,
+    validation_examples: Sequence[Example] = (),
+) -> DominoForSpeculation:
+    """Trains `drafter` against the frozen `target_model` on regenerated `examples`; returns the (unwrapped) drafter.
+
+    Checkpoints go to `output_dir/checkpoint-{step}`; with `resume`, training continues from the latest one, exactly
+    as if it had never stopped. Logs go to `output_dir/log.jsonl` and the console. Returns after `total_steps`
+    optimizer steps, or earlier (with a checkpoint) once `stop_after_seconds` have passed.
+
+    With `validation_examples` (held out from `examples`), every checkpoint also logs their losses, per-position
+    accuracies and teacher-forced acceptance to `output_dir/validation.jsonl` (same fields as `log.jsonl`), with
+    fixed anchors and in-process target features, without touching any training randomness.
+    """
+    from accelerate import Accelerator
+
+    if accelerator is None:
+        accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    device = accelerator.device
+    world_size, rank = accelerator.num_processes, accelerator.process_index
+
+    target_model.requires_grad_(False).eval().to(device)
+    drafter.to(device).train()
+    if config.gradient_checkpointing:
+        if hasattr(drafter, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            drafter.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            drafter.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW(
+        [p for p in drafter.parameters() if p.requires_grad],
+        lr=config.learning_rate,
+        weight_decay=config.weight_decay,
+    )
+    scheduler = cosine_schedule(optimizer, config.total_steps, config.warmup_ratio)
+    module = DominoTrainingModule(drafter, TargetModules.from_target(target_model))
+    module, optimizer = accelerator.prepare(module, optimizer)
+    # The scheduler stays unprepared (accelerate's wrapper steps it once per process, which breaks the schedule);
+    # registering it puts it in the checkpoints all the same.
+    accelerator.register_for_checkpointing(scheduler)
+
+    step = 0
+    checkpoint = latest_checkpoint(output_dir) if resume else None
+    if checkpoint is not None:
+        step = load_checkpoint(accelerator, checkpoint)
+        accelerator.print(f"Resumed from {checkpoint} at step {step}.")
+    mask_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+    layer_ids = drafter.config.target_layer_ids
+
+    start_time = time.perf_counter()
+    window: dict[str, torch.Tensor] = {}
+    while step < config.total_steps:
+        lam = curriculum_lambda(step, config.total_steps, config.curriculum)
+        for micro_step in range(config.gradient_accumulation_steps):
+            indices = example_indices(
+                step, micro_step, rank, config=config, world_size=world_size, num_examples=len(examples)
+            )
+            features = [feature_cache.get(i) for i in indices] if feature_cache is not None else None
+            batch = collate([examples[i] for i in indices], pad_token_id, features)
+            input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+            if batch.context_features is None:
+                context_features = target_context_features(target_model, input_ids, attention_mask, layer_ids)
+            else:
+                context_features = batch.context_features.to(device)
+            stream = (step * config.gradient_accumulation_steps + micro_step) * 1024 + rank
+            anchors, anchor_valid = sample_anchors(
+                batch.loss_mask, config.num_anchors, anchor_generator(config.seed, stream)
+            )
+            last_micro = micro_step == config.gradient_accumulation_steps - 1
+            sync = contextlib.nullcontext() if last_micro else accelerator.no_sync(module)
+            with sync:
+                with accelerator.autocast():
+                    out = module(
+                        input_ids,
+                        batch.loss_mask.to(device),
+                        attention_mask,
+                        context_features,
+                        anchors.to(device),
+                        anchor_valid.to(device),
+                        lam,
+                        mask_dtype,
+                    )
+                accelerator.backward(out.loss / config.gradient_accumulation_steps)
+            accumulate_metrics(window, out)
+        grad_norm = accelerator.clip_grad_norm_(module.parameters(), config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        lr = scheduler.get_last_lr()[0]
+
+        if step % config.log_every == 0 or step == config.total_steps:
+            record = metrics_record(accelerator, window, step, lam, lr, grad_norm, start_time)
+            window = {}
+            _append_record(accelerator, output_dir / LOG_FILE, record, _console_line(record))
+        out_of_time = _agree(accelerator, config.stop_after_seconds, time.perf_counter() - start_time)
+        if step % config.save_every == 0 or step == config.total_steps or out_of_time:
+            if validation_examples:
+                held_out = held_out_window(
+                    accelerator, module, target_model, validation_examples, config, lam, pad_token_id
+                )
+                record = metrics_record(accelerator, held_out, step, lam, lr, 0.0, start_time)
+                record = {key: value for key, value in record.items() if key not in ("lr", "grad_norm")}
+                losses = f"base {record['base_loss']:.4f} | final {record['final_loss']:.4f}"
+                line = f"validation step {step}: {losses} | tau~{record['train_tau']:.2f}"
+                _append_record(accelerator, output_dir / VALIDATION_LOG_FILE, record, line)
+            save_checkpoint(accelerator, module, output_dir, step, config)
+        if out_of_time and step < config.total_steps:
+            accelerator.print(f"Stopping at step {step} after {config.stop_after_seconds:.0f}s; rerun to resume.")
+            break
+    return accelerator.unwrap_model(module).drafter
+
+
+# ========================================================================================================== metrics
+def accumulate_metrics(window: dict[str, torch.Tensor], out: DominoLossOutput) -> None:
+    """Adds one forward's loss sums and counts to a logging window (summed over processes by `metrics_record`)."""
+    values = {
+        "base_loss": out.base_loss.detach().float().view(1),
+        "final_loss": out.final_loss.detach().float().view(1),
+        "losses": torch.ones(1, device=out.loss.device),
+        "base_correct": out.base_correct,
+        "final_correct": out.final_correct,
+        "counts": out.counts,
+        "accepted": out.accepted.view(1),
+        "num_blocks": out.num_blocks.view(1),
+    }
+    for key, value in values.items():
+        window[key] = window[key] + value if key in window else value.clone()
+
+
+def metrics_record(
+    accelerator: Accelerator,
+    window: dict[str, torch.Tensor],
+    step: int,
+    lam: float,
+    lr: float,
+    grad_norm: float | torch.Tensor,
+    start_time: float,
+) -> dict[str, Any]:
+    """One `log.jsonl` record: the window's mean losses, per-position accuracies and teacher-forced tau."""
+    totals = {key: accelerator.reduce(value, reduction="sum").cpu() for key, value in window.items()}
+    counts = totals["counts"].clamp(min=1)
+    return {
+        "step": step,
+        "lam": round(lam, 6),
+        "lr": lr,
+        "grad_norm": float(grad_norm),
+        "base_loss": float(totals["base_loss"] / totals["losses"]),
+        "final_loss": float(totals["final_loss"] / totals["losses"]),
+        "base_acc": [round(float(x), 4) for x in totals["base_correct"] / counts],
+        "final_acc": [round(float(x), 4) for x in totals["final_correct"] / counts],
+        "train_tau": float(totals["accepted"] / totals["num_blocks"].clamp(min=1)),
+        "elapsed_s": round(time.perf_counter() - start_time, 1),
+    }
+
+
+def held_out_window(
+    accelerator: Accelerator,
+    module: nn.Module,
+    target_model: PreTrainedModel,
+    examples: Sequence[Example],
+    config: TrainConfig,
+    lam: float,
+    pad_token_id: int,
+) -> dict[str, torch.Tensor]:
+    """Loss sums over held-out examples, with anchors fixed per example; every process runs it (DDP forwards sync)."""
+    device = accelerator.device
+    layer_ids = accelerator.unwrap_model(module).drafter.config.target_layer_ids
+    window: dict[str, torch.Tensor] = {}
+    was_training = module.training
+    module.eval()
+    with torch.no_grad(), accelerator.autocast():
+        for index, example in enumerate(examples):
+            batch = collate([example], pad_token_id)
+            input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+            features = target_context_features(target_model, input_ids, attention_mask, layer_ids)
+            anchors, anchor_valid = sample_anchors(
+                batch.loss_mask, config.num_anchors, anchor_generator(config.seed, index)
+            )
+            loss_mask = batch.loss_mask.to(device)
+            out = module(
+                input_ids, loss_mask, attention_mask, features, anchors.to(device), anchor_valid.to(device), lam
+            )
+            accumulate_metrics(window, out)
+    module.train(was_training)
+    return window
+
+
+def _append_record(accelerator: Accelerator, path: Path, record: dict[str, Any], line: str) -> None:
+    if accelerator.is_main_process:
+        with open(path, "a") as file:
+            file.write(json.dumps(record) + "\n")
+        print(line, flush=True)
+
+
+def _agree(accelerator: Accelerator, budget: float | None, elapsed: float) -> bool:
+    """All processes stop together: the slowest clock decides."""
+    if budget is None:
+        return False
+    flag = torch.tensor([float(elapsed >= budget)], device=accelerator.device)
+    return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+
+
+def _console_line(record: dict[str, Any]) -> str:
+    head = ", ".join(f"{x:.2f}" for x in record["final_acc"][:4])
+    return (
+        f"step {record['step']:>6} | lam {record['lam']:.3f} | lr {record['lr']:.2e} | base {record['base_loss']:.4f}"
+        f" | final {record['final_loss']:.4f} | acc[0:4] {head} | tau~{record['train_tau']:.2f}"
+        f" | {record['elapsed_s']:.0f}s"
+    )

@@ -1,0 +1,209 @@
+"""The Domino training objective: teacher-forced drafts of many blocks in one forward, and the curriculum loss.
+
+- All blocks of a batch go through ONE drafter forward over `[context ; block_1 ; ... ; block_m]`; the additive
+  mask of `block_attention_mask` lets block j see the context strictly before its anchor and itself
+  (bidirectionally), never another block.
+- The Domino head is teacher-forced (`draft_logits`): its GRU reads `[anchor, y_0, ..., y_{D-2}]` (ground truth),
+  exactly the prefix a draft has at inference when every draft before it was accepted, which is the only case in
+  which the draft counts. The first `pure_draft_prefix_len` drafts use the base logits alone.
+- `loss = (1 - lam) * L_final + lam * L_base` (`domino_losses`), both cross-entropies weighting draft k by
+  `exp(-k / block_size)` (`position_weights`), with `lam` annealed from 1 to 0 (`curriculum_lambda`): the
+  base-anchored curriculum that keeps the backbone a drafter of its own (paper, Fig. 4).
+
+`DominoTrainingModule` puts it all in one `forward`, the module that DDP/FSDP wrap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..modeling_domino import DominoForSpeculation, TargetModules
+from .data import BlockInputs, build_block_inputs
+
+
+def block_attention_mask(
+    anchors: torch.LongTensor,
+    context_mask: torch.Tensor,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Additive mask `[b, 1, m * B, T + m * B]` over keys `[context ; block_1 ; ... ; block_m]`.
+
+    A query of block j sees the context positions strictly before its anchor (the anchor's own features do not exist
+    at inference time) that are not padding, and all of block j; nothing of the other blocks.
+    """
+    batch_size, num_blocks = anchors.shape
+    seq_len = context_mask.shape[1]
+    device = anchors.device
+    context_positions = torch.arange(seq_len, device=device)
+    sees_context = (context_positions.view(1, 1, seq_len) < anchors.unsqueeze(-1)) & context_mask.bool().unsqueeze(1)
+    block_of = torch.arange(num_blocks, device=device).repeat_interleave(block_size)
+    sees_block = block_of.view(-1, 1) == block_of.view(1, -1)  # [m*B, m*B]: block diagonal
+    allowed = torch.cat(
+        [
+            sees_context.repeat_interleave(block_size, dim=1),  # [b, m*B, T]
+            sees_block.expand(batch_size, -1, -1),
+        ],
+        dim=-1,
+    )
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+
+
+def position_weights(num_drafts: int, block_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """Loss weight of draft k: `exp(-k / block_size)`. Late drafts matter less: they count only if all before do."""
+    return torch.exp(-torch.arange(num_drafts, dtype=torch.float32, device=device) / block_size)
+
+
+def curriculum_lambda(step: int, total_steps: int, enabled: bool = True) -> float:
+    """Weight of the base loss at optimizer step `step` (0-based): 1 at the first step, linearly down to 0 at the last.
+
+    Without the curriculum the base logits get no direct loss (lam = 0), which lets the backbone drift into serving
+    the head only (the collapse of the paper's Fig. 4).
+    """
+    if not enabled:
+        return 0.0
+    return max(0.0, 1.0 - step / max(total_steps - 1, 1))
+
+
+@dataclass
+class DominoLossOutput:
+    loss: torch.Tensor  # (1 - lam) * final_loss + lam * base_loss
+    base_loss: torch.Tensor
+    final_loss: torch.Tensor
+    base_correct: torch.Tensor  # [D] correct base argmaxes per draft position (summed over blocks)
+    final_correct: torch.Tensor  # [D] same for the final (head-corrected) logits
+    counts: torch.Tensor  # [D] valid labels per draft position
+    accepted: torch.Tensor  # sum over valid blocks of 1 + leading correct final drafts (teacher-forced tau)
+    num_blocks: torch.Tensor  # valid blocks
+
+
+def domino_losses(
+    base_logits: torch.Tensor,
+    final_logits: torch.Tensor,
+    labels: torch.LongTensor,
+    label_mask: torch.BoolTensor,
+    weights: torch.Tensor,
+    lam: float,
+) -> DominoLossOutput:
+    """Position-weighted cross-entropies of the base and final logits and their curriculum mix.
+
+    Args:
+        base_logits, final_logits: `[N, D, V]` for N blocks (float32 is best: the vocabulary is large).
+        labels, label_mask: `[N, D]`.
+        weights: `[D]`, see `position_weights`.
+        lam: base-loss weight, see `curriculum_lambda`.
+    """
+    mask = label_mask.float()
+    weight = weights.view(1, -1) * mask
+    denominator = weight.sum().clamp(min=1e-6)
+
+    def weighted_ce(logits: torch.Tensor) -> torch.Tensor:
+        ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+        return (ce * weight).sum() / denominator
+
+    base_loss = weighted_ce(base_logits)
+    final_loss = weighted_ce(final_logits)
+    with torch.no_grad():
+        base_hit = (base_logits.argmax(-1) == labels) & label_mask
+        final_hit = (final_logits.argmax(-1) == labels) & label_mask
+        block_valid = label_mask[:, 0]
+        accepted = (final_hit.long().cumprod(dim=1).sum(dim=1) + 1) * block_valid
+    return DominoLossOutput(
+        loss=(1.0 - lam) * final_loss + lam * base_loss,
+        base_loss=base_loss,
+        final_loss=final_loss,
+        base_correct=base_hit.sum(0).float(),
+        final_correct=final_hit.sum(0).float(),
+        counts=mask.sum(0),
+        accepted=accepted.sum().float(),
+        num_blocks=block_valid.sum().float(),
+    )
+
+
+def draft_logits(
+    drafter: DominoForSpeculation,
+    target_modules: TargetModules,
+    context_features: torch.Tensor,
+    context_mask: torch.Tensor,
+    blocks: BlockInputs,
+    anchors: torch.LongTensor,
+    mask_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced base and final logits of every draft of every block, `[b * m, D, V]` each.
+
+    All blocks of the batch share one backbone forward; the head then runs on the ground-truth block tokens, so its
+    sequential GRU becomes one `nn.GRU` call over `[anchor, y_0, ..., y_{D-2}]`.
+    """
+    config = drafter.config
+    batch_size, num_blocks, block_size = blocks.block_ids.shape
+    seq_len = context_features.shape[1]
+    block_embeds = target_modules.embed(blocks.block_ids.view(batch_size, -1), drafter.dtype, drafter.device)
+    context_positions = torch.arange(seq_len, device=anchors.device).expand(batch_size, -1)
+    position_ids = torch.cat([context_positions, blocks.position_ids.view(batch_size, -1)], dim=1)
+    attention_mask = block_attention_mask(anchors, context_mask, block_size, dtype=mask_dtype)
+    block_hidden = drafter(block_embeds, context_features, position_ids, attention_mask=attention_mask)
+    draft_hidden = drafter.draft_hidden_states(block_hidden.view(batch_size * num_blocks, block_size, -1))
+    base_logits = target_modules.logits(draft_hidden).float()
+    if not config.has_domino_head:
+        return base_logits, base_logits
+
+    gru_weight = drafter.prefix_gru.weight_ih_l0
+    gru_inputs = target_modules.embed(blocks.gru_ids.flatten(0, 1), gru_weight.dtype, gru_weight.device)
+    # Output k of the GRU is its state after reading anchor, y_0 .. y_{k-1}: exactly what draft k sees at inference.
+    states, _ = drafter.prefix_gru(gru_inputs)
+    correction = drafter.logit_correction(draft_hidden, states.transpose(0, 1)).float()
+    head_on = torch.arange(correction.shape[1], device=correction.device) >= config.pure_draft_prefix_len
+    final_logits = base_logits + correction * head_on.view(1, -1, 1)
+    return base_logits, final_logits
+
+
+class DominoTrainingModule(nn.Module):
+    """Wraps a drafter so that one `forward` computes the losses: what DDP/FSDP wrap and `accelerate` prepares.
+
+    The frozen target modules are kept as a plain attribute (not a submodule), so they are neither trained, synced,
+    sharded nor saved with the drafter.
+    """
+
+    def __init__(self, drafter: DominoForSpeculation, target_modules: TargetModules):
+        super().__init__()
+        self.drafter = drafter
+        self.target_modules = target_modules
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        loss_mask: torch.Tensor,
+        attention_mask: torch.Tensor,
+        context_features: torch.Tensor,
+        anchors: torch.LongTensor,
+        anchor_valid: torch.BoolTensor,
+        lam: float,
+        mask_dtype: torch.dtype = torch.float32,
+    ) -> DominoLossOutput:
+        config = self.drafter.config
+        blocks = build_block_inputs(
+            input_ids,
+            loss_mask,
+            anchors,
+            anchor_valid,
+            block_size=config.block_size,
+            num_drafts=config.num_drafts,
+            mask_token_id=config.mask_token_id,
+        )
+        base_logits, final_logits = draft_logits(
+            self.drafter, self.target_modules, context_features, attention_mask, blocks, anchors, mask_dtype
+        )
+        weights = position_weights(config.num_drafts, config.block_size, device=base_logits.device)
+        return domino_losses(
+            base_logits,
+            final_logits,
+            blocks.labels.flatten(0, 1),
+            blocks.label_mask.flatten(0, 1),
+            weights,
+            lam,
+        )

@@ -1,0 +1,307 @@
+"""The draft policy (how many drafts each target forward verifies), the draft vocabulary, and per-call options.
+
+The adaptive policy decides from timings. To make its decisions reproducible here, `cpu_like_costs` replaces the
+first-use measurement with a fixed table shaped like the 2-core CPU's (two tokens cost 1.6 single-token steps) and
+turns online timing off, so the policy judges every cycle by that table.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
+from test_generation import chi_square_p_value, exact_sequence_distribution
+from transformers import GenerationConfig, LogitsProcessorList
+
+from hf_domino import generation_domino, policy_domino
+from hf_domino.policy_domino import AcceptanceCalibration, AdaptivePolicy, DrafterRecord, VerifyCost, expected_tokens
+
+VOCAB = 32
+CPU_LIKE = {1: 0.040, 2: 0.064, 3: 0.062, 5: 0.060, 9: 0.058, 17: 0.075}
+GPU_LIKE = {1: 0.010, 17: 0.011}
+
+
+@pytest.fixture
+def cpu_like_costs(monkeypatch):
+    return _fixed_costs(monkeypatch, CPU_LIKE)
+
+
+@pytest.fixture
+def gpu_like_costs(monkeypatch):
+    return _fixed_costs(monkeypatch, GPU_LIKE)
+
+
+def _fixed_costs(monkeypatch, table):
+    for module in (policy_domino, generation_domino):
+        monkeypatch.setattr(module, "measure_verify_cost", lambda *args, **kwargs: VerifyCost(dict(table)))
+    monkeypatch.setattr(policy_domino, "_VERIFY_COSTS", {})
+    monkeypatch.setattr(policy_domino, "_RECORDS", policy_domino.weakref.WeakKeyDictionary())
+    monkeypatch.setattr(generation_domino.DominoCandidateGenerator, "_timing_is_free", property(lambda self: False))
+    return table
+
+
+def greedy(target, prompt, **kwargs):
+    return target.generate(prompt, do_sample=False, pad_token_id=0, **kwargs)
+
+
+# -------------------------------------------------------------------------------------------------- the pieces
+def test_expected_tokens_and_cost_interpolation():
+    assert expected_tokens(torch.tensor([1.0, 1.0, 0.0])).tolist() == [1, 2, 3, 3]
+    assert expected_tokens(torch.tensor([0.5, 0.5])).tolist() == [1, 1.5, 1.75]
+    cost = VerifyCost({1: 1.0, 3: 2.0, 17: 4.0})
+    assert cost(2) == pytest.approx(1.5) and cost(10) == pytest.approx(3.0) and cost(30) == 4.0
+    cost.observe(2, 3.5)  # moves the estimate towards the observation, by TIME_RATE
+    assert cost(2) == pytest.approx(1.5 + policy_domino.TIME_RATE * 2.0)
+
+
+def test_calibration_learns_what_the_target_accepts():
+    calibration = AcceptanceCalibration()
+    confident = torch.tensor([0.97])
+    assert calibration(confident).item() == pytest.approx(0.95)  # the prior trusts the drafter
+    for _ in range(40):  # an over-confident drafter: its sure drafts are accepted one time in four
+        calibration.observe(torch.tensor([0.97, 0.98, 0.99, 0.96]), torch.tensor([True, False, False, False]))
+    assert calibration(confident).item() == pytest.approx(0.25, abs=0.03)
+    assert calibration(torch.tensor([0.15])).item() == pytest.approx(0.15)  # other bins untouched
+
+
+def adaptive(table, acceptance: float, cap: int = 16) -> AdaptivePolicy:
+    record = DrafterRecord(position_acceptance=[acceptance] * 16)
+    return AdaptivePolicy(record, VerifyCost(dict(table)), cap=cap, learn_times=False)
+
+
+def test_adaptive_policy_drafts_long_blocks_where_verification_is_flat():
+    policy = adaptive(GPU_LIKE, acceptance=0.9)
+    assert policy.budget(room=100) == 16
+    assert policy.choose(torch.full((16,), 0.99), draft_seconds=0.002) == 16
+    assert policy.budget(room=5) == 5  # never past the length limit
+    assert adaptive(GPU_LIKE, acceptance=0.9, cap=4).budget(room=100) == 4
+
+
+def test_adaptive_policy_cuts_the_block_where_confidence_drops():
+    policy = adaptive({1: 0.040, 2: 0.050, 17: 0.120}, acceptance=0.8)  # each verified token costs 4.7 ms
+    assert 0 < policy.budget(room=100) < 16  # 17 tokens cost too much for 80% drafts
+    confidence = torch.tensor([0.99, 0.98, 0.97, 0.05, 0.99, 0.99])
+    assert policy.choose(confidence, draft_seconds=0.008) == 3
+    policy.confidence_threshold = 0.975  # transformers' meaning: stop at the first draft below it
+    assert policy.choose(confidence, draft_seconds=0.008) == 2
+
+
+def test_adaptive_policy_backs_off_and_probes_when_drafting_does_not_pay():
+    policy = adaptive(CPU_LIKE, acceptance=0.5)
+    decisions = []
+    for _ in range(40):
+        k = policy.budget(room=100)
+        decisions.append(k)
+        if k:
+            policy.choose(torch.full((k,), 0.9), draft_seconds=0.008)
+        # Every draft is rejected.
+        policy.observe(drafted=k > 0, verified=k and 1, accepted=0, verify_seconds=0.05, positions=k)
+    probes = [i for i, k in enumerate(decisions) if k]
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    assert gaps[-3:] == sorted(gaps[-3:]) and gaps[-1] >= 8  # the pause doubles after every failed probe
+    assert policy.record.position_acceptance[0] < 0.5 * (1 - policy_domino.POSITION_RATE) ** 3  # learned
+
+    # The drafter becomes right again: the next probe pays, and drafting resumes at once.
+    while policy.budget(room=100) == 0:
+        pass
+    policy.choose(torch.full((16,), 0.99), draft_seconds=0.008)
+    policy.observe(drafted=True, verified=4, accepted=4, verify_seconds=0.06, positions=4)
+    assert policy.record.skip_left == 0 and policy.budget(room=100) > 0
+
+
+# ------------------------------------------------------------------------------------------- through generate()
+def test_adaptive_greedy_is_identical_through_long_plain_runs_and_back(cpu_like_costs):
+    # Right drafts for tokens below 20, wrong ones above: the sequence counts up mod 32, so drafting pays for most of
+    # each period and not at all for the rest.
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, [(t + 1) % VOCAB if t < 20 else (t + 2) % VOCAB for t in range(VOCAB)])
+    target.generation_config.eos_token_id = None  # count through several periods
+    prompt = torch.tensor([[4, 5]])
+    expected = greedy(target, prompt, max_new_tokens=120)
+    assert torch.equal(greedy(target, prompt, max_new_tokens=120, assistant_model=drafter), expected)
+    stats = drafter.last_generation_stats
+    drafted, accepted = stats.drafted, stats.acceptance_lengths
+    assert sum(accepted) + 1 == 120
+    runs, run = [], 0
+    for k in drafted:
+        run = run + 1 if k == 0 else 0
+        runs.append(run)
+    assert max(runs) >= 4, drafted  # long stretches of plain target steps ...
+    resumed = [i for i in range(1, len(drafted)) if runs[i - 1] >= 3 and drafted[i] > 0 and accepted[i] > 2]
+    assert resumed, (drafted, accepted)  # ... after which drafting resumes, and pays
+
+
+def test_adaptive_matches_full_blocks_where_every_draft_is_right(gpu_like_costs):
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, [(t + 1) % VOCAB for t in range(VOCAB)], block_size=8)
+    prompt = torch.tensor([[4, 5]])
+    expected = greedy(target, prompt, max_new_tokens=40)
+    assert torch.equal(greedy(target, prompt, max_new_tokens=40, assistant_model=drafter), expected)
+    assert max(drafter.last_generation_stats.acceptance_lengths) == drafter.config.num_drafts + 1
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_draft_vocabulary_keeps_greedy_identical(policy, cpu_like_costs):
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, [(t + 1) % VOCAB for t in range(VOCAB)])
+    drafter.set_draft_vocab(torch.arange(0, VOCAB, 2))  # odd tokens can never be drafted
+    prompt = torch.tensor([[4, 5]])
+    expected = greedy(target, prompt, max_new_tokens=30)
+    output = greedy(target, prompt, max_new_tokens=30, assistant_model=drafter, draft_policy=policy)
+    assert torch.equal(output, expected)
+    if policy == "fixed":
+        stats = drafter.last_generation_stats
+        assert max(stats.acceptance_lengths) == 2  # an even draft is right, the odd one after it never is
+        without = greedy(
+            target, prompt, max_new_tokens=30, assistant_model=drafter, draft_policy=policy, draft_vocab=False
+        )
+        assert torch.equal(without, expected) and max(drafter.last_generation_stats.acceptance_lengths) > 2
+
+
+def test_draft_vocabulary_round_trips_and_is_validated(tmp_path):
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    drafter.save_pretrained(tmp_path / "plain")
+    assert not (tmp_path / "plain" / "draft_vocab.safetensors").exists()
+    drafter.set_draft_vocab(torch.tensor([9, 3, 5]))
+    drafter.save_pretrained(tmp_path / "vocab")
+    reloaded = type(drafter).from_pretrained(tmp_path / "vocab")
+    assert reloaded.draft_vocab.tolist() == [3, 5, 9]
+    assert type(drafter).from_pretrained(tmp_path / "plain").draft_vocab is None
+    for bad in ([], [3, 3], [-1], [target.config.vocab_size]):
+        with pytest.raises(ValueError, match="draft vocabulary"):
+            drafter.set_draft_vocab(torch.tensor(bad, dtype=torch.long))
+
+
+@pytest.mark.parametrize("options", [dict(draft_policy="adaptive"), dict(draft_policy="fixed", draft_vocab=True)])
+def test_sampling_preserves_target_distribution_adaptive_and_with_a_draft_vocabulary(options, gpu_like_costs):
+    vocab, num_new, draws = 5, 4, 2500
+    target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=3)
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    if options.get("draft_vocab"):
+        drafter.set_draft_vocab(torch.tensor([0, 2, 3]))
+    prompt = [2, 4, 1]
+    probs = exact_sequence_distribution(target, prompt, num_new, LogitsProcessorList())
+    torch.manual_seed(4321)
+    counts: dict[tuple, int] = {}
+    drafted = accepted = 0
+    outside_vocab = 0
+    for _ in range(draws):
+        out = target.generate(
+            torch.tensor([prompt]),
+            do_sample=True,
+            max_new_tokens=num_new,
+            assistant_model=drafter,
+            pad_token_id=0,
+            **options,
+        )
+        key = tuple(out[0, len(prompt) :].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        stats = drafter.last_generation_stats
+        drafted += sum(stats.drafted)
+        accepted += sum(stats.acceptance_lengths) - len(stats.acceptance_lengths)
+        outside_vocab += any(t in (1, 4) for t in key)
+    assert 0 < accepted < drafted  # rejection sampling really ran, with both outcomes
+    assert chi_square_p_value(counts, probs, draws) > 1e-3
+    if options.get("draft_vocab"):
+        assert outside_vocab > 0  # tokens the drafter can never propose still come out, from the target
+
+
+# ------------------------------------------------------------------------------------------------------ options
+def test_options_come_from_the_call_or_the_generation_config():
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, [(t + 1) % VOCAB for t in range(VOCAB)], block_size=8)
+    prompt = torch.tensor([[4, 5]])
+    config = GenerationConfig(do_sample=False, max_new_tokens=20, pad_token_id=0, draft_policy="fixed")
+    config.num_speculative_tokens = 3
+    target.generate(prompt, generation_config=config, assistant_model=drafter)
+    assert max(drafter.last_generation_stats.drafted) == 3
+    greedy(target, prompt, max_new_tokens=20, assistant_model=drafter, draft_policy="fixed", num_speculative_tokens=2)
+    assert max(drafter.last_generation_stats.drafted) == 2
+    # k = 0 with the fixed policy: every forward is a plain target step.
+    output = greedy(
+        target, prompt, max_new_tokens=20, assistant_model=drafter, draft_policy="fixed", num_speculative_tokens=0
+    )
+    assert torch.equal(output, greedy(target, prompt, max_new_tokens=20))
+    assert set(drafter.last_generation_stats.drafted) == {0}
+
+
+def test_confidence_threshold_stops_drafting_like_transformers():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)  # random: its drafts are far from certain
+    prompt = torch.tensor([[5, 6, 7]])
+    expected = greedy(target, prompt, max_new_tokens=12)
+    output = greedy(
+        target,
+        prompt,
+        max_new_tokens=12,
+        assistant_model=drafter,
+        draft_policy="fixed",
+        assistant_confidence_threshold=0.999,
+    )
+    assert torch.equal(output, expected) and set(drafter.last_generation_stats.drafted) == {0}
+
+
+@pytest.mark.parametrize(
+    "option, match",
+    [
+        (dict(draft_policy="greedy"), "draft_policy must be one of"),
+        (dict(num_speculative_tokens=99), "num_speculative_tokens must be an int"),
+        (dict(assistant_confidence_threshold=1.5), "assistant_confidence_threshold must be a probability"),
+        (dict(domino_head="yes"), "domino_head must be True or False"),
+        (dict(domino_rollout="fast"), "domino_rollout must be one of"),
+        (dict(domino_timings=1), "domino_timings must be True or False"),
+    ],
+)
+def test_bad_options_are_rejected_before_any_work(option, match, monkeypatch):
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    calls = []
+    monkeypatch.setattr(target, "forward", lambda *a, **k: calls.append(1))
+    with pytest.raises(ValueError, match=match):
+        greedy(target, torch.tensor([[5, 6]]), max_new_tokens=4, assistant_model=drafter, **option)
+    assert not calls
+
+
+def test_domino_options_without_a_domino_drafter_keep_transformers_error():
+    target = tiny_target("qwen3")
+    with pytest.raises(ValueError, match="not used by the model"):
+        greedy(target, torch.tensor([[5, 6]]), max_new_tokens=4, draft_policy="fixed")
+
+
+# ------------------------------------------------------------------------------------------ building a vocabulary
+def test_draft_vocab_counts_and_keeps_special_tokens():
+    from hf_domino.draft_vocab import count_tokens, most_frequent
+
+    counts = count_tokens([[5, 5, 6], [7, 5, 6], []], vocab_size=10)
+    assert counts.tolist() == [0, 0, 0, 0, 0, 3, 2, 1, 0, 0]
+    assert most_frequent(counts, 3, always=[1]).tolist() == [1, 5, 6]
+    assert most_frequent(counts, 4).tolist() == [0, 5, 6, 7]  # ties go to the lower id
+    with pytest.raises(ValueError, match="special tokens"):
+        most_frequent(counts, 1, always=[1, 2])
+
+
+def test_draft_vocab_command_writes_a_loadable_copy(tmp_path):
+    import json
+
+    from test_generation import letter_tokenizer
+
+    from hf_domino import cli
+    from hf_domino.modeling_domino import DominoForSpeculation
+
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, [(t + 1) % VOCAB for t in range(VOCAB)])
+    drafter.save_pretrained(tmp_path / "drafter")
+    letter_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    data = tmp_path / "regen.jsonl"
+    record = {"index": 0, "input_ids": [9, 9, 5, 6, 5, 7], "loss_mask": [0, 0, 1, 1, 1, 1]}
+    data.write_text(json.dumps(record) + "\n" + '{"index": 1, "input_ids": [8')  # a line still being written
+    argv = ["draft-vocab", "--drafter", str(tmp_path / "drafter"), "--target", str(tmp_path / "tokenizer")]
+    assert cli.main([*argv, "--size", "6", "--data", str(data), "--output", str(tmp_path / "out")]) == 0
+    loaded = DominoForSpeculation.from_pretrained(tmp_path / "out")
+    assert loaded.draft_vocab.tolist() == [0, 1, 2, 5, 6, 7]  # the tokenizer's special tokens, then by frequency
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (
+        tmp_path / "drafter" / "model.safetensors"
+    ).read_bytes()
+    with pytest.raises(FileExistsError):
+        cli.main([*argv, "--size", "6", "--data", str(data), "--output", str(tmp_path / "out")])
