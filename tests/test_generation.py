@@ -286,6 +286,28 @@ def chi_square_p_value(counts: dict[tuple, int], probs: dict[tuple, float], draw
     return float(chi2.sf(statistic, df=len(observed) - 1))
 
 
+def sample_with_drafter(target, drafter, prompt, num_new: int, draws: int, seed: int, **kwargs):
+    """`draws` sampled continuations through the drafter: (counts per continuation, drafts offered, drafts accepted)."""
+    torch.manual_seed(seed)
+    counts: dict[tuple, int] = {}
+    drafted = accepted = 0
+    for _ in range(draws):
+        out = target.generate(
+            torch.tensor([prompt]),
+            do_sample=True,
+            max_new_tokens=num_new,
+            assistant_model=drafter,
+            pad_token_id=0,
+            **kwargs,
+        )
+        key = tuple(out[0, len(prompt) :].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        stats = drafter.last_generation_stats
+        drafted += sum(stats.drafted)
+        accepted += sum(stats.acceptance_lengths) - len(stats.acceptance_lengths)
+    return counts, drafted, accepted
+
+
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=3)])
 def test_sampling_preserves_target_distribution(sampling):
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
@@ -301,23 +323,7 @@ def test_sampling_preserves_target_distribution(sampling):
     prompt = [2, 4, 1]
     probs = exact_sequence_distribution(target, prompt, num_new, processors)
 
-    torch.manual_seed(1234)
-    counts: dict[tuple, int] = {}
-    drafted = accepted = 0
-    for _ in range(draws):
-        out = target.generate(
-            torch.tensor([prompt]),
-            do_sample=True,
-            max_new_tokens=num_new,
-            assistant_model=drafter,
-            pad_token_id=0,
-            **sampling,
-        )
-        key = tuple(out[0, len(prompt) :].tolist())
-        counts[key] = counts.get(key, 0) + 1
-        stats = drafter.last_generation_stats
-        drafted += sum(stats.drafted)
-        accepted += sum(stats.acceptance_lengths) - len(stats.acceptance_lengths)
+    counts, drafted, accepted = sample_with_drafter(target, drafter, prompt, num_new, draws, seed=1234, **sampling)
     assert 0 < accepted < drafted  # rejection sampling really ran, with both outcomes
     assert chi_square_p_value(counts, probs, draws) > 1e-3
     # The test can fail: the same draws are far from a wrong distribution (the untempered target).

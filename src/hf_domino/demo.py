@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from .modeling_domino import DominoForSpeculation
 
-DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence, then name two famous sights there."
+DEFAULT_PROMPT = "Explain in a short paragraph how a bicycle stays upright while it moves."
 
 
 @dataclass

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -94,9 +93,11 @@ def write_drafter_with_vocab(drafter_dir: str | os.PathLike, token_ids: torch.Te
     if output_dir.exists():
         raise FileExistsError(f"{output_dir} exists; choose a new --output folder.")
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
+    # A plain sibling folder (not `tempfile`'s private 0700 one), so the result gets the usual permissions.
+    staging = output_dir.with_name(f".{output_dir.name}.{os.getpid()}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
     try:
-        shutil.copytree(drafter_dir, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(drafter_dir, staging, ignore=shutil.ignore_patterns("__pycache__"))
         save_file({"draft_vocab": token_ids.contiguous()}, staging / DRAFT_VOCAB_FILE)
         os.replace(staging, output_dir)
     except BaseException:

@@ -56,8 +56,11 @@ generator = pipeline("text-generation", model=target, tokenizer=tokenizer, assis
 print(generator(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])
 ```
 
-With `pip install hf-domino`, `import hf_domino` makes `trust_remote_code` unnecessary. Drafting with the Domino head
-switched off (DFlash mode, same weights): `with drafter.domino_head(False): target.generate(...)`.
+With `pip install hf-domino`, `hf_domino.DominoForSpeculation.from_pretrained(...)` makes `trust_remote_code`
+unnecessary. Options per call: `target.generate(..., assistant_model=drafter, domino_head=False)` drafts with the
+Domino head switched off (DFlash mode, same weights); by default the number of drafts verified per target forward
+is chosen per block from the measured cost of verification and the drafts' confidence (`draft_policy="fixed",
+num_speculative_tokens=16` verifies whole blocks).
 
 ## Drafter
 
@@ -82,6 +85,8 @@ def drafter_shape(drafter: DominoForSpeculation, dtype: torch.dtype | None = Non
     if config.has_domino_head:
         shape["GRU hidden / correction rank"] = f"{config.gru_hidden_dim} / {config.emb_dim}"
         shape["pure draft prefix"] = config.pure_draft_prefix_len
+    if drafter.draft_vocab is not None:
+        shape["draft vocabulary"] = f"{drafter.draft_vocab.numel()} of {config.vocab_size} tokens"
     shape["parameters"] = f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M"
     shape["dtype"] = str(dtype or drafter.dtype).removeprefix("torch.")
     return shape

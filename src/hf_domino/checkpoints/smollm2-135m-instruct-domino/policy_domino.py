@@ -41,7 +41,7 @@ RATE_RATE = 0.5
 # the first blocks are long enough to show how far its drafts hold.
 INITIAL_ACCEPTANCE = 0.8
 # Drafting is retried after at most this many plain steps once it stopped paying.
-MAX_SKIP_INTERVAL = 64
+MAX_SKIP_INTERVAL = 128
 CALIBRATION_BINS = 10
 # Forward lengths measured at first use; others are interpolated.
 CALIBRATION_LENGTHS = (1, 2, 3, 5, 9, 17)
@@ -273,9 +273,10 @@ class AdaptivePolicy:
     def choose(self, confidence: torch.Tensor, draft_seconds: float) -> int:
         self.confidence = confidence.detach().float().cpu()
         limit = below_threshold(self.confidence, self.confidence_threshold)
-        # A probe verifies at least one draft: only verified drafts teach the calibration anything.
-        minimum = 1 if self.probing else 0
-        return self._best_k(self.record.calibration(self.confidence[:limit]), spent=draft_seconds, minimum=minimum)
+        # A probe's drafts are verified only when their calibrated confidence says so, like any block's: the
+        # calibration trusts a confident drafter until the target says otherwise, and an unsure one costs only its
+        # drafting.
+        return self._best_k(self.record.calibration(self.confidence[:limit]), spent=draft_seconds)
 
     # ------------------------------------------------------------------------------------------------- learning
     def observe(
