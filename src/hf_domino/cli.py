@@ -9,6 +9,7 @@ import sys
 # Each module exposes `add_arguments(parser)` and `run(args) -> int | None`.
 COMMANDS = {
     "regenerate": ("hf_domino.training.regenerate", "regenerate training responses with the target"),
+    "pack": ("hf_domino.training.packed", "pack regenerated token ids into one compact file to commit"),
     "train": ("hf_domino.training.command", "train a Domino drafter"),
     "bench": ("hf_domino.bench", "benchmark speculative decoding methods"),
     "demo": ("hf_domino.demo", "stream an answer from SmolLM2 with the shipped drafter"),

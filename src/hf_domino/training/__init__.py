@@ -5,6 +5,7 @@ prompts itself, the drafter learns many blocks per sequence in one forward, its 
 a base-anchored curriculum mixes the base and final losses. One module per job, each readable on its own:
 
 - `regenerate`: `hf-domino regenerate`, the target's answers to the prompts, as a resumable jsonl file;
+- `packed`: `hf-domino pack`, the regenerated token ids in one compact file to commit (`pack`, `unpack`);
 - `data`: examples from those files, the target's context features (in-process or `FeatureCache`), batches,
   anchors and block inputs;
 - `loss`: the block attention mask, position weights, curriculum lambda, teacher-forced logits and the losses,
@@ -38,6 +39,7 @@ from .loss import (
     draft_logits,
     position_weights,
 )
+from .packed import pack, packed_info, unpack
 
 __all__ = [
     "AcceptanceResult",
@@ -58,6 +60,8 @@ __all__ = [
     "init_from_target_layers",
     "latest_checkpoint",
     "load_examples",
+    "pack",
+    "packed_info",
     "plot_loss_curves",
     "position_weights",
     "read_log",
@@ -65,4 +69,5 @@ __all__ = [
     "target_context_features",
     "teacher_forced_metrics",
     "train",
+    "unpack",
 ]

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target_group.add_argument("--gguf-file", help="GGUF file inside --target.")
 
     data = parser.add_argument_group("data")
-    data.add_argument("--data", nargs="+", type=Path, help="jsonl files written by `hf-domino regenerate`.")
+    data.add_argument("--data", nargs="+", type=Path, help="`hf-domino regenerate` jsonl or `hf-domino pack` files.")
     data.add_argument("--max-examples", type=int, default=None, help="Use only the first examples of --data.")
     data.add_argument(
         "--validation-examples",

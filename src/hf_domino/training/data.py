@@ -1,10 +1,10 @@
 """What a training step reads: regenerated examples, the target's context features, batches and blocks.
 
-Examples come from `hf-domino regenerate` jsonl files. The drafter's context input is the frozen target's hidden
-states at `target_layer_ids`, computed in-process (`target_context_features`) or once for all runs and epochs
-(`FeatureCache`, float16 on disk). Every sequence then carries many blocks at random anchors inside its response
-(`sample_anchors`), and `build_block_inputs` turns each anchor into the block's input ids, positions, labels and the
-teacher-forced GRU input.
+Examples come from `hf-domino regenerate` jsonl files or from packed files (`packed`). The drafter's context input is
+the frozen target's hidden states at `target_layer_ids`, computed in-process (`target_context_features`) or once for
+all runs and epochs (`FeatureCache`, float16 on disk). Every sequence then carries many blocks at random anchors
+inside its response (`sample_anchors`), and `build_block_inputs` turns each anchor into the block's input ids,
+positions, labels and the teacher-forced GRU input.
 
 Randomness here always comes from an explicit `torch.Generator` (`anchor_generator`), never from the global RNG, so
 that a resumed run draws exactly the anchors it would have drawn had it never stopped.
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..modeling_domino import context_features
+from .packed import iter_records
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -38,7 +39,7 @@ class Example:
 
 
 def load_examples(paths: str | os.PathLike | Sequence[str | os.PathLike], max_length: int) -> list[Example]:
-    """Reads `hf-domino regenerate` jsonl files, cutting sequences to `max_length` tokens.
+    """Reads `hf-domino regenerate` jsonl files or packed files (`hf-domino pack`), cutting sequences to `max_length`.
 
     Records with fewer than two response tokens left (no usable anchor) are dropped; a line cut short by a running
     regeneration is ignored.
@@ -46,16 +47,10 @@ def load_examples(paths: str | os.PathLike | Sequence[str | os.PathLike], max_le
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     examples = []
     for path in paths:
-        with open(path, encoding="utf-8") as file:
-            for line in file:
-                if not line.endswith("\n"):
-                    break
-                if not line.strip():
-                    continue
-                record = json.loads(line)
-                input_ids, loss_mask = record["input_ids"][:max_length], record["loss_mask"][:max_length]
-                if sum(loss_mask) >= 2:
-                    examples.append(Example(input_ids, loss_mask))
+        for record in iter_records(path):
+            input_ids, loss_mask = record["input_ids"][:max_length], record["loss_mask"][:max_length]
+            if sum(loss_mask) >= 2:
+                examples.append(Example(input_ids, loss_mask))
     if not examples:
         raise ValueError(f"No usable training examples in {[str(p) for p in paths]}.")
     return examples

