@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_domino import assets, cli
+from hf_domino import assets, cli, prompt_mix
 from hf_domino.training import regenerate
 
 transformers = pytest.importorskip("transformers")
@@ -161,7 +161,7 @@ def test_cli_regenerates_the_training_mix_and_continues_committed_data(model, to
 
     first = tmp_path / "mix.jsonl"
     assert cli.main(argv(first, 3)) == 0
-    ids, _ = assets.training_prompt_mix("heldout", limit=4)
+    ids, _ = prompt_mix.training_prompt_mix("heldout", limit=4)
     assert sorted(record["id"] for record in read_records_list(first)) == sorted(ids[:3])
     recipe = json.loads((tmp_path / "mix.recipe.json").read_text())
     assert (recipe["prompts"]["name"], recipe["prompts"]["split"], recipe["max_new_tokens"]) == ("mix", "heldout", 4)

@@ -14,7 +14,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from hf_domino import assets, cli
+from hf_domino import assets, cli, prompt_mix
 from hf_domino.training import load_examples, pack, packed_info, unpack
 from hf_domino.training.regenerate import check_recipe
 
@@ -143,12 +143,12 @@ FIRST_HELDOUT = ["sharegpt:conv49", "sharegpt:conv104", "sharegpt:conv169"]
 
 def test_heldout_rule_is_a_fixed_two_percent():
     groups = [f"sharegpt:conv{i}" for i in range(20_000)]
-    heldout = [group for group in groups if assets.is_heldout(group)]
+    heldout = [group for group in groups if prompt_mix.is_heldout(group)]
     assert 0.017 < len(heldout) / len(groups) < 0.023
     assert len(heldout) == HELDOUT_OF_20000
     assert heldout[:3] == FIRST_HELDOUT
-    assert all(assets.is_heldout(g, percent=100) for g in groups[:100])
-    assert not any(assets.is_heldout(g, percent=0) for g in groups)
+    assert all(prompt_mix.is_heldout(g, percent=100) for g in groups[:100])
+    assert not any(prompt_mix.is_heldout(g, percent=0) for g in groups)
 
 
 def test_sharegpt_turn_prompts_ask_later_turns_with_their_context():
@@ -163,28 +163,28 @@ def test_sharegpt_turn_prompts_ask_later_turns_with_their_context():
         {"role": "assistant", "content": "a"},
         {"role": "user", "content": "fourth question"},
     ]
-    prompts = dict(assets.sharegpt_turn_prompts(conversation))
+    prompts = dict(prompt_mix.sharegpt_turn_prompts(conversation))
 
     assert sorted(prompts) == [1, 3]  # turn 2 is too long, turn 4 beyond MIX_MAX_USER_TURNS
     assert prompts[1] == [{"role": "user", "content": "first question"}]
     third = prompts[3]
     assert [m["role"] for m in third][-1] == "user" and third[-1]["content"] == "third question"
     assert third[0]["role"] == "user"  # context starts on a user turn
-    assert sum(len(m["content"]) for m in third[:-1]) <= assets.MIX_MAX_CONTEXT_CHARS
-    assert all(len(m["content"]) <= assets.MIX_MAX_CONTEXT_MESSAGE_CHARS + 6 for m in third[:-1])
+    assert sum(len(m["content"]) for m in third[:-1]) <= prompt_mix.MIX_MAX_CONTEXT_CHARS
+    assert all(len(m["content"]) <= prompt_mix.MIX_MAX_CONTEXT_MESSAGE_CHARS + 6 for m in third[:-1])
     cut = next(m["content"] for m in third if m["content"].startswith("word"))
     assert cut.endswith(" [...]") and not cut.endswith("wor [...]")
 
     system = [{"role": "system", "content": "be nice"}]
-    turns = assets.sharegpt_turn_prompts([*system, *conversation[1:3], {"role": "user", "content": "again"}])
+    turns = prompt_mix.sharegpt_turn_prompts([*system, *conversation[1:3], {"role": "user", "content": "again"}])
     assert [turn for turn, _ in turns] == [1, 2] and all(prompt[0] == system[0] for _, prompt in turns)
 
 
 def test_looks_like_code():
-    assert assets.looks_like_code("Fix this:\n```\nx = 1\n```")
-    assert assets.looks_like_code("int main() {\n  int x = 1;\n  return x;\n}")
-    assert assets.looks_like_code("import os\nfrom a import b\ndef f():\n    pass")
-    assert not assets.looks_like_code("Write a poem about the sea; make it rhyme.\nThanks!")
+    assert prompt_mix.looks_like_code("Fix this:\n```\nx = 1\n```")
+    assert prompt_mix.looks_like_code("int main() {\n  int x = 1;\n  return x;\n}")
+    assert prompt_mix.looks_like_code("import os\nfrom a import b\ndef f():\n    pass")
+    assert not prompt_mix.looks_like_code("Write a poem about the sea; make it rhyme.\nThanks!")
 
 
 requires_mix_sources = pytest.mark.skipif(
@@ -195,7 +195,7 @@ requires_mix_sources = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def mix():
-    return {split: assets.training_prompt_mix(split) for split in ("train", "heldout")}
+    return {split: prompt_mix.training_prompt_mix(split) for split in ("train", "heldout")}
 
 
 @requires_mix_sources
@@ -208,8 +208,8 @@ def test_training_prompt_mix(mix):
 
     train_counts = Counter(i.split(":")[0] for i in train_ids)
     heldout_counts = Counter(i.split(":")[0] for i in heldout_ids)
-    assert set(train_counts) == set(heldout_counts) == set(assets.MIX_SOURCES)
-    for source in assets.MIX_SOURCES:
+    assert set(train_counts) == set(heldout_counts) == set(prompt_mix.MIX_SOURCES)
+    for source in prompt_mix.MIX_SOURCES:
         assert 0.01 < heldout_counts[source] / (train_counts[source] + heldout_counts[source]) < 0.035, source
     assert train_counts["math"] + heldout_counts["math"] == 374
     turns = Counter(i.rsplit(":", 1)[1] for i in train_ids if not i.startswith("math:"))
@@ -219,16 +219,16 @@ def test_training_prompt_mix(mix):
 
     # Any prefix is balanced by the weights while sources last, and a longer limit extends a shorter one.
     head = Counter(i.split(":")[0] for i in train_ids[:1000])
-    assert {source: round(head[source] / 1000, 2) for source in head} == assets.MIX_WEIGHTS
-    assert assets.training_prompt_mix("train", limit=10) == (train_ids[:10], train_prompts[:10])
+    assert {source: round(head[source] / 1000, 2) for source in head} == prompt_mix.MIX_WEIGHTS
+    assert prompt_mix.training_prompt_mix("train", limit=10) == (train_ids[:10], train_prompts[:10])
 
     # MT-Bench and HumanEval are never in the mix.
     benchmark = {p[-1]["content"] for p in assets.load_mtbench()} | {p[-1]["content"] for p in assets.load_humaneval()}
     assert not benchmark & {p[-1]["content"] for p in train_prompts + heldout_prompts}
     with pytest.raises(ValueError, match="split"):
-        assets.training_prompt_mix("test")
+        prompt_mix.training_prompt_mix("test")
     with pytest.raises(ValueError, match="Unknown mix sources"):
-        assets.training_prompt_mix(weights={"wiki": 1.0})
+        prompt_mix.training_prompt_mix(weights={"wiki": 1.0})
 
 
 @requires_mix_sources

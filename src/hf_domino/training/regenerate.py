@@ -6,7 +6,7 @@ target rather than taken from the dataset. Each output line is one example:
     {"index": 12, "input_ids": [...prompt..., ...response...], "loss_mask": [0, ..., 0, 1, ..., 1]}
 
 where `index` is the prompt's position in its source (or `"id": "sharegpt:QWJhYvA_0:2"`, the stable id of a prompt
-of the training mix, `assets.training_prompt_mix`) and the response ends with the target's EOS when it emitted one.
+of the training mix, `prompt_mix.training_prompt_mix`) and the response ends with the target's EOS when it emitted one.
 The file is appended to and flushed after every batch, and a restarted run skips the prompts already written, so a
 long CPU run can be interrupted (or stopped by `--stop-after-minutes`) and resumed at will. Only one run may write a
 file at a time, but others can read it meanwhile: a last line without its newline is a write in progress and must be
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import assets
+from .. import assets, prompt_mix
 from ..assets import Messages
 from .packed import Key, read_keys, read_recipe, recipe_differences, recipe_path, record_key
 
@@ -140,7 +140,7 @@ def cli_recipe(args: argparse.Namespace, device: str) -> dict[str, Any]:
     if args.dataset:
         prompts: dict[str, Any] = {"dataset": args.dataset, "split": args.split}
     elif args.prompts == MIX:
-        prompts = assets.prompt_mix_recipe(args.split)
+        prompts = prompt_mix.prompt_mix_recipe(args.split)
     else:
         prompts = {"name": str(args.prompts)}
     greedy = args.temperature <= 0
@@ -179,7 +179,7 @@ def load_cli_prompts(args: argparse.Namespace) -> tuple[list[Key], list[Messages
     if args.dataset:
         return load_dataset_prompts(args.dataset, args.split, start=args.skip, end=end)
     if args.prompts == MIX:
-        ids, prompts = assets.training_prompt_mix(args.split, limit=end)
+        ids, prompts = prompt_mix.training_prompt_mix(args.split, limit=end)
         return list(ids[args.skip :]), prompts[args.skip :]
     prompts = assets.load_prompts(args.prompts, limit=end)[args.skip :]
     return list(range(args.skip, args.skip + len(prompts))), prompts
