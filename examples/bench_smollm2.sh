@@ -14,12 +14,11 @@ NUM_PROMPTS="${NUM_PROMPTS:-6}"
 MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-96}"
 TEMPERATURE="${TEMPERATURE:-0}"
 THREADS="${THREADS:-2}"
-VOCAB_SIZE="${VOCAB_SIZE:-8192}"
 METHODS="${METHODS:-target,prompt_lookup,domino_k16,domino_k8,domino_k4,domino_k2,domino,domino_vocab}"
 
-# The shipped drafter plus a draft vocabulary of its target's most frequent tokens (a copy; the package is untouched).
-VOCAB_DRAFTER="runs/drafters/shipped-vocab${VOCAB_SIZE}"
-[ -d "$VOCAB_DRAFTER" ] || python -m hf_domino draft-vocab --size "$VOCAB_SIZE" --output "$VOCAB_DRAFTER"
+# The shipped drafter carries its draft vocabulary (`domino_vocab` uses it, `domino` does not); DRAFTER=<folder> benches
+# another one.
+DRAFTER="${DRAFTER:-src/hf_domino/checkpoints/smollm2-135m-instruct-domino}"
 
 for prompts in $PROMPTS; do
   for drafter in $DRAFTERS; do
@@ -27,7 +26,7 @@ for prompts in $PROMPTS; do
     [ "$drafter" = untrained ] && extra=(--random-weights)
     python -m hf_domino bench \
       --target smollm2 \
-      --drafter "$VOCAB_DRAFTER" "${extra[@]}" \
+      --drafter "$DRAFTER" "${extra[@]}" \
       --prompts "$prompts" \
       --num-prompts "$NUM_PROMPTS" \
       --max-new-tokens "$MAX_NEW_TOKENS" \

@@ -25,11 +25,12 @@ def main() -> None:
     parser.add_argument("data", nargs="+", help="regenerated jsonl files, one row of results each")
     parser.add_argument("--num-examples", type=int, default=24, help="first examples of each file")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-length", type=int, default=640, help="cut examples to this many tokens")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer = load_smollm2()
     drafter = DominoForSpeculation.from_pretrained(args.drafter, dtype=torch.float32).eval()
-    config = TrainConfig(num_anchors=32, max_length=512)
+    config = TrainConfig(num_anchors=32, max_length=args.max_length)
     print("| examples | base loss | final loss | draft-0 acc | final acc, drafts 1-5 | teacher-forced tau |")
     print("| --- | --- | --- | --- | --- | --- |")
     for path in args.data:

@@ -427,3 +427,18 @@ def test_cli_regenerate_then_train_any_causal_lm(model, tokenizer, tmp_path):
         cli.main([*train, "--validation-examples", "5", "--output-dir", str(tmp_path / "d")])  # 5 examples in all
     with pytest.raises(SystemExit, match="exclude each other"):
         cli.main([*train, "--init-from-target", "--init-from", str(fp16_export), "--output-dir", str(tmp_path / "c")])
+    with pytest.raises(SystemExit, match="--kl-weight must be between 0 and 1, got 1.5"):
+        cli.main([*train, "--kl-weight", "1.5", "--output-dir", str(tmp_path / "e")])
+    with pytest.raises(SystemExit, match="--kl-weight needs the target's last hidden state"):
+        cli.main([*train, "--kl-weight", "0.5", "--feature-cache", str(tmp_path / "f"), "--output-dir", str(tmp_path)])
+
+    # --eval-only: whole blocks or the given draft lengths, head on and off, each measured on its own.
+    evaluation = ["train", *common, "--eval-only", "--drafter", str(tmp_path / "a" / "final"), "--eval-prompts",
+                  "mtbench", "--eval-limit", "1", "--max-new-tokens", "6", "--eval-output", str(tmp_path / "e.json")]  # fmt: skip
+    assert cli.main([*evaluation, "--draft-lengths", "1", "4"]) == 0
+    results = json.loads((tmp_path / "e.json").read_text())
+    assert sorted(results) == [f"mtbench/head_{head}/k{k}" for head in ("off", "on") for k in (1, 4)]
+    assert all(1.0 <= result["mean_acceptance_length"] <= k + 1 for key, result in results.items()
+               for k in [int(key.rsplit("k", 1)[1])])  # fmt: skip
+    with pytest.raises(SystemExit, match=r"--draft-lengths \[5\]: each must be between 1 and the block's 4"):
+        cli.main([*evaluation, "--draft-lengths", "5"])

@@ -288,3 +288,11 @@ def test_draft_vocab_command_writes_a_loadable_copy(tmp_path):
     ).read_bytes()
     with pytest.raises(FileExistsError):
         cli.main([*argv, "--size", "6", "--data", str(data), "--output", str(tmp_path / "out")])
+
+    # The committed form of regenerated data (`hf-domino pack`) counts the same.
+    from hf_domino.training import pack
+
+    pack([data], tmp_path / "packed.safetensors", recipe={"name": "test"})
+    packed_argv = ["--size", "6", "--data", str(tmp_path / "packed.safetensors"), "--output", str(tmp_path / "p")]
+    assert cli.main([*argv, *packed_argv]) == 0
+    assert DominoForSpeculation.from_pretrained(tmp_path / "p").draft_vocab.tolist() == [0, 1, 2, 5, 6, 7]

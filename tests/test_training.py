@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from conftest import tiny_target as conftest_tiny_target
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -24,12 +26,15 @@ from hf_domino.training import (
     build_block_inputs,
     collate,
     curriculum_lambda,
+    domino_losses,
     draft_logits,
     init_from_target_layers,
     position_weights,
     read_log,
     sample_anchors,
     target_context_features,
+    target_hidden_states,
+    target_next_token_probs,
     train,
 )
 
@@ -422,3 +427,69 @@ def test_teacher_forced_metrics_match_the_validation_log(target, trained_run, tm
     for key in ("base_loss", "final_loss", "train_tau"):
         assert metrics[key] == pytest.approx(logged[key], rel=1e-5), key
     assert metrics["final_acc"] == logged["final_acc"]
+
+
+# ---------------------------------------------------------------------------------------------------- distillation
+def test_target_next_token_probs_are_the_targets_distribution_before_each_label(target):
+    batch = collate(toy_examples(2), pad_token_id=0)
+    features, last_hidden = target_hidden_states(target, batch.input_ids, batch.attention_mask, [1, 2])
+    torch.testing.assert_close(
+        features, target_context_features(target, batch.input_ids, batch.attention_mask, [1, 2])
+    )
+    anchors, _ = sample_anchors(batch.loss_mask, 3, torch.Generator().manual_seed(0))
+    probs = target_next_token_probs(TargetModules.from_target(target), last_hidden, anchors, BLOCK)
+    with torch.no_grad():
+        logits = target(batch.input_ids, attention_mask=batch.attention_mask).logits
+    labels = build_block_inputs(
+        batch.input_ids, batch.loss_mask, anchors, torch.ones_like(anchors, dtype=torch.bool),
+        block_size=BLOCK, num_drafts=BLOCK, mask_token_id=0,
+    ).labels  # fmt: skip
+    for row, block, k in itertools.product(range(2), range(3), range(BLOCK)):
+        position = int(anchors[row, block]) + k  # the target predicts the label at position + 1 from here
+        if position + 1 < batch.input_ids.shape[1]:
+            assert int(labels[row, block, k]) == int(batch.input_ids[row, position + 1])
+            torch.testing.assert_close(probs[row * 3 + block, k], logits[row, position].softmax(-1))
+
+
+def test_distillation_loss_is_the_cross_entropy_against_one_hot_targets_and_pulls_towards_the_target():
+    generator = torch.Generator().manual_seed(0)
+    base, final = torch.randn(3, BLOCK, VOCAB, generator=generator), torch.randn(3, BLOCK, VOCAB, generator=generator)
+    labels = torch.randint(VOCAB, (3, BLOCK), generator=generator)
+    mask = torch.rand(3, BLOCK, generator=generator) > 0.2
+    weights = position_weights(BLOCK, BLOCK)
+    one_hot = F.one_hot(labels, VOCAB).float()
+    plain = domino_losses(base, final, labels, mask, weights, 0.3)
+    for kl_weight in (0.5, 1.0):
+        distilled = domino_losses(base, final, labels, mask, weights, 0.3, one_hot, kl_weight)
+        torch.testing.assert_close(distilled.loss, plain.loss)
+
+    # Against a soft target p, the gradient of the final logits z is (softmax(z) - p), weighted per draft.
+    probs = torch.randn(3, BLOCK, VOCAB, generator=generator).softmax(-1)
+    logits = final.clone().requires_grad_(True)
+    domino_losses(base, logits, labels, mask, weights, 0.0, probs, 1.0).loss.backward()
+    weight = weights.view(1, -1) * mask
+    expected = (final.softmax(-1) - probs) * (weight / weight.sum()).unsqueeze(-1)
+    torch.testing.assert_close(logits.grad, expected)
+    with pytest.raises(ValueError, match="target_probs"):
+        domino_losses(base, final, labels, mask, weights, 0.3, None, 0.5)
+
+
+def distillation_loss(drafter, target):
+    batch = collate(toy_examples(8), pad_token_id=0)
+    features, last_hidden = target_hidden_states(target, batch.input_ids, batch.attention_mask, [1, 2])
+    anchors, valid = sample_anchors(batch.loss_mask, 4, torch.Generator().manual_seed(123))
+    module = DominoTrainingModule(drafter, TargetModules.from_target(target))
+    with torch.no_grad():
+        out = module(
+            batch.input_ids, batch.loss_mask, batch.attention_mask, features, anchors, valid, 0.0,
+            target_last_hidden=last_hidden, kl_weight=1.0,
+        )  # fmt: skip
+    return out.final_loss.item()
+
+
+def test_training_with_distillation_reduces_the_distillation_loss(target, tmp_path):
+    config = TrainConfig(
+        total_steps=20, batch_size=2, num_anchors=4, learning_rate=1e-2, save_every=100, kl_weight=1.0
+    )
+    drafter = train(tiny_drafter(target), target, toy_examples(), config, tmp_path)
+    assert distillation_loss(drafter, target) < 0.9 * distillation_loss(tiny_drafter(target), target)

@@ -62,14 +62,12 @@ def most_frequent(counts: torch.Tensor, size: int, always: Iterable[int] = ()) -
 
 
 def regenerated_response_ids(paths: Sequence[str | os.PathLike]) -> Iterator[list[int]]:
-    """The response tokens (loss_mask 1) of `hf-domino regenerate` jsonl files."""
+    """The response tokens (loss_mask 1) of `hf-domino regenerate` jsonl files or `hf-domino pack` files."""
+    from .training.packed import iter_records
+
     for path in paths:
-        with open(path, encoding="utf-8") as file:
-            for line in file:
-                if not line.endswith("\n") or not line.strip():
-                    continue  # a line still being written
-                record = json.loads(line)
-                yield [token for token, keep in zip(record["input_ids"], record["loss_mask"]) if keep]
+        for record in iter_records(path):
+            yield [token for token, keep in zip(record["input_ids"], record["loss_mask"]) if keep]
 
 
 def sharegpt_assistant_ids(tokenizer: PreTrainedTokenizerBase, limit: int | None) -> Iterator[list[int]]:
@@ -110,7 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default=None, help=f"drafter folder (default: {assets.SHIPPED_DRAFTER})")
     parser.add_argument("--target", default="smollm2", help="tokenizer source: 'smollm2' or a model id/folder")
     parser.add_argument("--size", type=int, required=True, help="tokens in the draft vocabulary")
-    parser.add_argument("--data", nargs="*", default=[], help="`hf-domino regenerate` jsonl files to count on")
+    parser.add_argument(
+        "--data", nargs="*", default=[], help="`hf-domino regenerate` jsonl or `hf-domino pack` files to count on"
+    )
     parser.add_argument("--sharegpt-conversations", type=int, default=4000, help="without --data: ShareGPT to count")
     parser.add_argument("--output", required=True, help="new drafter folder (a copy with the draft vocabulary)")
 

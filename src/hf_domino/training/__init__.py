@@ -27,6 +27,7 @@ from .data import (
     load_examples,
     sample_anchors,
     target_context_features,
+    target_hidden_states,
 )
 from .evaluate import AcceptanceResult, evaluate_acceptance, plot_loss_curves, read_log, teacher_forced_metrics
 from .loop import TrainConfig, init_from_target_layers, latest_checkpoint, train
@@ -38,6 +39,7 @@ from .loss import (
     domino_losses,
     draft_logits,
     position_weights,
+    target_next_token_probs,
 )
 from .packed import pack, packed_info, unpack
 
@@ -67,6 +69,8 @@ __all__ = [
     "read_log",
     "sample_anchors",
     "target_context_features",
+    "target_hidden_states",
+    "target_next_token_probs",
     "teacher_forced_metrics",
     "train",
     "unpack",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -82,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     optim.add_argument("--warmup-ratio", type=float, default=0.04)
     optim.add_argument("--max-grad-norm", type=float, default=1.0)
     optim.add_argument("--no-curriculum", action="store_true", help="Ablation: lam = 0 (no base loss) throughout.")
+    optim.add_argument(
+        "--kl-weight",
+        type=float,
+        default=0.0,
+        help="Distill the target's next-token distribution: this share of each cross-entropy reads it (0 to 1).",
+    )
     optim.add_argument("--seed", type=int, default=0)
     optim.add_argument("--log-every", type=int, default=10)
     optim.add_argument("--save-every", type=int, default=100)
@@ -98,6 +105,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     evaluation.add_argument("--eval-limit", type=int, default=30)
     evaluation.add_argument("--max-new-tokens", type=int, default=128)
     evaluation.add_argument("--head", choices=["on", "off", "both"], default="both")
+    evaluation.add_argument(
+        "--draft-lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        help="Drafts verified per cycle, e.g. 2 4 8 16 (default: the whole block); each is measured separately.",
+    )
     evaluation.add_argument("--eval-output", type=Path, help="Write the results as json here.")
 
 
@@ -115,6 +129,12 @@ def run(args: argparse.Namespace) -> int:
 
     drafter = _drafter_from_args(args, target_model)
     examples, validation = _examples_from_args(args)
+    if not 0.0 <= args.kl_weight <= 1.0:
+        raise SystemExit(f"--kl-weight must be between 0 and 1, got {args.kl_weight}.")
+    if args.kl_weight > 0 and args.feature_cache:
+        raise SystemExit(
+            "--kl-weight needs the target's last hidden state, which --feature-cache does not store: drop one of them."
+        )
     feature_cache = None
     if args.feature_cache:
         # Safe to call from every process (and from concurrent runs): a file lock lets one fill it at a time.
@@ -133,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         warmup_ratio=args.warmup_ratio,
         max_grad_norm=args.max_grad_norm,
         curriculum=not args.no_curriculum,
+        kl_weight=args.kl_weight,
         seed=args.seed,
         log_every=args.log_every,
         save_every=args.save_every,
@@ -220,13 +241,16 @@ def _run_eval(args: argparse.Namespace, target_model: PreTrainedModel, tokenizer
     heads = {"on": [True], "off": [False], "both": [True, False]}[args.head]
     if not drafter.config.has_domino_head:
         heads = [False]
+    draft_lengths = args.draft_lengths or [drafter.config.num_drafts]
+    if bad := [k for k in draft_lengths if not 1 <= k <= drafter.config.num_drafts]:
+        raise SystemExit(f"--draft-lengths {bad}: each must be between 1 and the block's {drafter.config.num_drafts}.")
     results = {}
     for name in args.eval_prompts:
         prompts = assets.load_prompts(name, limit=args.eval_limit)
-        for head in heads:
+        for head, k in itertools.product(heads, draft_lengths):
             with drafter.domino_head(head) if drafter.config.has_domino_head else contextlib.nullcontext():
-                result = evaluate_acceptance(target_model, tokenizer, drafter, prompts, args.max_new_tokens)
-            key = f"{Path(str(name)).stem}/head_{'on' if head else 'off'}"
+                result = evaluate_acceptance(target_model, tokenizer, drafter, prompts, args.max_new_tokens, k)
+            key = f"{Path(str(name)).stem}/head_{'on' if head else 'off'}/k{k}"
             results[key] = result.to_dict()
             print(
                 f"{key}: acceptance length {result.mean_acceptance_length:.3f} over {len(prompts)} prompts "

@@ -58,13 +58,17 @@ def load_examples(paths: str | os.PathLike | Sequence[str | os.PathLike], max_le
 
 # ================================================================================================= target features
 @torch.no_grad()
-def target_context_features(
+def target_hidden_states(
     target_model: PreTrainedModel,
     input_ids: torch.LongTensor,
     attention_mask: torch.Tensor,
     layer_ids: Sequence[int],
-) -> torch.Tensor:
-    """The target's hidden states after each layer in `layer_ids`, concatenated: `[b, T, len(layer_ids) * hidden]`."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's context features (`target_context_features`) and the target's last (final-norm) hidden state.
+
+    The last hidden state and the target's LM head give its next-token distribution at any position, which the
+    distillation loss reads (`loss.target_next_token_probs`) from the same forward.
+    """
     outputs = target_model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -72,7 +76,17 @@ def target_context_features(
         use_cache=False,
         logits_to_keep=1,  # the LM head over every position would cost a fifth of the forward for nothing
     )
-    return context_features(outputs.hidden_states, layer_ids)
+    return context_features(outputs.hidden_states, layer_ids), outputs.hidden_states[-1]
+
+
+def target_context_features(
+    target_model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor,
+    layer_ids: Sequence[int],
+) -> torch.Tensor:
+    """The target's hidden states after each layer in `layer_ids`, concatenated: `[b, T, len(layer_ids) * hidden]`."""
+    return target_hidden_states(target_model, input_ids, attention_mask, layer_ids)[0]
 
 
 class FeatureCache:

@@ -75,12 +75,15 @@ def evaluate_acceptance(
     drafter: DominoForSpeculation,
     prompts: Sequence[Messages],
     max_new_tokens: int = 128,
+    draft_length: int | None = None,
 ) -> AcceptanceResult:
     """Greedy (T=0) acceptance length of `drafter` on chat `prompts` through `target_model.generate(assistant_model=)`.
 
     Acceptance length = tokens added per target forward after the prefill (accepted drafts + the target's own token),
-    pooled over every forward of every prompt, as `hf_domino.acceptance` counts it for the benchmark. Switch the
-    head off around the call (`with drafter.domino_head(False)`) for the DFlash-mode figure of the same weights.
+    pooled over every forward of every prompt, as `hf_domino.acceptance` counts it for the benchmark. Every cycle
+    drafts and verifies `draft_length` tokens (default: the whole block) under the fixed draft policy: the adaptive
+    policy's short or skipped drafts would measure the policy, not the drafter. Switch the head off around the call
+    (`with drafter.domino_head(False)`) for the DFlash-mode figure of the same weights.
     """
     drafter.eval()
     pad_token_id = assets.pad_token_id(target_model, tokenizer)
@@ -92,6 +95,8 @@ def evaluate_acceptance(
             target_model,
             input_ids,
             assistant_model=drafter,
+            draft_policy="fixed",
+            num_speculative_tokens=draft_length or drafter.config.num_drafts,
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=pad_token_id,

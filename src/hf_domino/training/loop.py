@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..modeling_domino import DominoForSpeculation, TargetModules
-from .data import Example, FeatureCache, anchor_generator, collate, sample_anchors, target_context_features
+from .data import Example, FeatureCache, anchor_generator, collate, sample_anchors, target_hidden_states
 from .loss import DominoLossOutput, DominoTrainingModule, curriculum_lambda
 
 if TYPE_CHECKING:
@@ -59,6 +59,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     curriculum: bool = True
+    kl_weight: float = 0.0  # share of the loss that distills the target's whole next-token distribution
     seed: int = 0
     log_every: int = 10
     save_every: int = 100
@@ -285,8 +286,13 @@ def train(
             features = [feature_cache.get(i) for i in indices] if feature_cache is not None else None
             batch = collate([examples[i] for i in indices], pad_token_id, features)
             input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+            last_hidden = None
             if batch.context_features is None:
-                context_features = target_context_features(target_model, input_ids, attention_mask, layer_ids)
+                # Under the mixed-precision autocast: on a GPU the frozen target's forward is most of a step.
+                with accelerator.autocast():
+                    context_features, last_hidden = target_hidden_states(
+                        target_model, input_ids, attention_mask, layer_ids
+                    )
             else:
                 context_features = batch.context_features.to(device)
             stream = (step * config.gradient_accumulation_steps + micro_step) * 1024 + rank
@@ -306,6 +312,8 @@ def train(
                         anchor_valid.to(device),
                         lam,
                         mask_dtype,
+                        last_hidden,
+                        config.kl_weight,
                     )
                 accelerator.backward(out.loss / config.gradient_accumulation_steps)
             accumulate_metrics(window, out)
@@ -400,13 +408,21 @@ def held_out_window(
         for index, example in enumerate(examples):
             batch = collate([example], pad_token_id)
             input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-            features = target_context_features(target_model, input_ids, attention_mask, layer_ids)
+            features, last_hidden = target_hidden_states(target_model, input_ids, attention_mask, layer_ids)
             anchors, anchor_valid = sample_anchors(
                 batch.loss_mask, config.num_anchors, anchor_generator(config.seed, index)
             )
             loss_mask = batch.loss_mask.to(device)
             out = module(
-                input_ids, loss_mask, attention_mask, features, anchors.to(device), anchor_valid.to(device), lam
+                input_ids,
+                loss_mask,
+                attention_mask,
+                features,
+                anchors.to(device),
+                anchor_valid.to(device),
+                lam,
+                target_last_hidden=last_hidden,
+                kl_weight=config.kl_weight,
             )
             accumulate_metrics(window, out)
     module.train(was_training)

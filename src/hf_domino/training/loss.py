@@ -9,6 +9,10 @@
 - `loss = (1 - lam) * L_final + lam * L_base` (`domino_losses`), both cross-entropies weighting draft k by
   `exp(-k / block_size)` (`position_weights`), with `lam` annealed from 1 to 0 (`curriculum_lambda`): the
   base-anchored curriculum that keeps the backbone a drafter of its own (paper, Fig. 4).
+- Distillation (`kl_weight > 0`): each cross-entropy also reads the target's whole next-token distribution at the
+  label's position (`target_next_token_probs`, from the target's last hidden state and its LM head, so no logits are
+  stored), which says more per token than the one greedy label. Up to a constant (the target's entropy) this is
+  the KL divergence from the target's distribution to the draft's.
 
 `DominoTrainingModule` puts it all in one `forward`, the module that DDP/FSDP wrap.
 """
@@ -89,6 +93,8 @@ def domino_losses(
     label_mask: torch.BoolTensor,
     weights: torch.Tensor,
     lam: float,
+    target_probs: torch.Tensor | None = None,
+    kl_weight: float = 0.0,
 ) -> DominoLossOutput:
     """Position-weighted cross-entropies of the base and final logits and their curriculum mix.
 
@@ -97,13 +103,21 @@ def domino_losses(
         labels, label_mask: `[N, D]`.
         weights: `[D]`, see `position_weights`.
         lam: base-loss weight, see `curriculum_lambda`.
+        target_probs: `[N, D, V]`, the target's next-token distribution at each label (`target_next_token_probs`);
+            needed when `kl_weight > 0`.
+        kl_weight: each cross-entropy is `(1 - kl_weight) * CE(label) + kl_weight * CE(target_probs)`.
     """
+    if kl_weight > 0 and target_probs is None:
+        raise ValueError("kl_weight > 0 needs the target's next-token distribution (target_probs).")
     mask = label_mask.float()
     weight = weights.view(1, -1) * mask
     denominator = weight.sum().clamp(min=1e-6)
 
     def weighted_ce(logits: torch.Tensor) -> torch.Tensor:
         ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+        if kl_weight > 0:
+            soft = -(target_probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+            ce = (1.0 - kl_weight) * ce + kl_weight * soft
         return (ce * weight).sum() / denominator
 
     base_loss = weighted_ce(base_logits)
@@ -162,6 +176,23 @@ def draft_logits(
     return base_logits, final_logits
 
 
+@torch.no_grad()
+def target_next_token_probs(
+    target_modules: TargetModules, last_hidden: torch.Tensor, anchors: torch.LongTensor, num_drafts: int
+) -> torch.Tensor:
+    """The target's next-token distribution for every draft label, `[b * m, D, V]` (float32).
+
+    Draft k's label is the token at `anchor + k + 1`, which the target predicts from position `anchor + k`: its
+    (final-norm) hidden state there, through the target's own LM head, gives the distribution without storing logits.
+    """
+    batch_size, num_blocks = anchors.shape
+    positions = anchors.unsqueeze(-1) + torch.arange(num_drafts, device=anchors.device)  # [b, m, D]
+    positions = positions.clamp(max=last_hidden.shape[1] - 1).view(batch_size, -1, 1)
+    hidden = last_hidden.gather(1, positions.expand(-1, -1, last_hidden.shape[-1]))
+    logits = target_modules.logits(hidden).float().view(batch_size * num_blocks, num_drafts, -1)
+    return logits.softmax(dim=-1)
+
+
 class DominoTrainingModule(nn.Module):
     """Wraps a drafter so that one `forward` computes the losses: what DDP/FSDP wrap and `accelerate` prepares.
 
@@ -184,6 +215,8 @@ class DominoTrainingModule(nn.Module):
         anchor_valid: torch.BoolTensor,
         lam: float,
         mask_dtype: torch.dtype = torch.float32,
+        target_last_hidden: torch.Tensor | None = None,
+        kl_weight: float = 0.0,
     ) -> DominoLossOutput:
         config = self.drafter.config
         blocks = build_block_inputs(
@@ -199,6 +232,11 @@ class DominoTrainingModule(nn.Module):
             self.drafter, self.target_modules, context_features, attention_mask, blocks, anchors, mask_dtype
         )
         weights = position_weights(config.num_drafts, config.block_size, device=base_logits.device)
+        target_probs = None
+        if kl_weight > 0:
+            if target_last_hidden is None:
+                raise ValueError("kl_weight > 0 needs the target's last hidden state (target_last_hidden).")
+            target_probs = target_next_token_probs(self.target_modules, target_last_hidden, anchors, config.num_drafts)
         return domino_losses(
             base_logits,
             final_logits,
@@ -206,4 +244,6 @@ class DominoTrainingModule(nn.Module):
             blocks.label_mask.flatten(0, 1),
             weights,
             lam,
+            target_probs,
+            kl_weight,
         )
