@@ -22,7 +22,13 @@ from torch import nn
 
 pytest.importorskip("triton")
 
-from hf_domino import DominoConfig, DominoForSpeculation, TargetModules, fused_head  # noqa: E402
+from hf_domino import (  # noqa: E402
+    DominoConfig,
+    DominoForSpeculation,
+    TargetModules,
+    fused_head,
+    triton_rollout,
+)
 from hf_domino import triton_kernels as kernels  # noqa: E402
 from hf_domino.drafting_domino import BlockDraft, Drafts, draft_confidence, eager_rollout, greedy_pick  # noqa: E402
 
@@ -36,7 +42,8 @@ HIDDEN, GRU, RANK, VOCAB = 32, 16, 8, 100  # VOCAB is deliberately not a multipl
 
 @pytest.fixture
 def interp():
-    """`hf_domino.triton_kernels` with interpreted kernels: only in the child run of `test_interpreter_suite`."""
+    """`hf_domino.triton_kernels` with interpreted kernels (the rollout uses them too): only in the child run of
+    `test_interpreter_suite`."""
     if not INTERPRETED:
         pytest.skip("runs in test_interpreter_suite's child process (TRITON_INTERPRET=1)")
     return kernels
@@ -177,7 +184,7 @@ def test_fused_rollout_greedy_matches_eager(interp, pure_draft_prefix_len):
     embed, draft_hidden, base_logits, anchor_ids = tiny_inputs(drafter.config.num_drafts)
     target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
 
-    draft_ids, logits = interp.fused_rollout(
+    draft_ids, logits = triton_rollout.fused_rollout(
         drafter,
         draft_hidden,
         base_logits,
@@ -200,7 +207,7 @@ def test_fused_rollout_greedy_matches_eager(interp, pure_draft_prefix_len):
 def test_fused_rollout_without_head_is_base_argmax(interp):
     drafter = tiny_drafter()
     embed, draft_hidden, base_logits, anchor_ids = tiny_inputs(drafter.config.num_drafts)
-    draft_ids, logits = interp.fused_rollout(
+    draft_ids, logits = triton_rollout.fused_rollout(
         drafter,
         draft_hidden,
         base_logits,
@@ -218,7 +225,7 @@ def test_fused_rollout_bf16_greedy_matches_eager_until_a_near_tie(interp):
     drafter = tiny_drafter(torch.bfloat16)
     embed, draft_hidden, base_logits, anchor_ids = tiny_inputs(drafter.config.num_drafts, torch.bfloat16)
     target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
-    draft_ids, logits = interp.fused_rollout(
+    draft_ids, logits = triton_rollout.fused_rollout(
         drafter,
         draft_hidden,
         base_logits,
@@ -248,14 +255,16 @@ def test_fused_rollout_sampling_returns_the_logits_it_drew_from(interp):
     temperature = 0.7
     options = {"head": True, "pure_draft_prefix_len": 1, "temperature": temperature}
     torch.manual_seed(123)
-    draft_ids, logits = interp.fused_rollout(drafter, draft_hidden, base_logits, anchor_ids, embed.weight, **options)
+    draft_ids, logits = triton_rollout.fused_rollout(
+        drafter, draft_hidden, base_logits, anchor_ids, embed.weight, **options
+    )
     picker = forced_picker(draft_ids, temperature)
     expected = eager_drafts(drafter, target, draft_hidden, base_logits, anchor_ids, picker).logits
     # (base + correction) / temperature along the drafted path, as TemperatureLogitsWarper would produce it.
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
 
     torch.manual_seed(123)
-    again, _ = interp.fused_rollout(drafter, draft_hidden, base_logits, anchor_ids, embed.weight, **options)
+    again, _ = triton_rollout.fused_rollout(drafter, draft_hidden, base_logits, anchor_ids, embed.weight, **options)
     assert torch.equal(again, draft_ids), "torch.manual_seed must make sampled drafts reproducible"
 
 
@@ -382,7 +391,7 @@ def cuda_case(dtype: torch.dtype = torch.bfloat16):
 def test_cuda_fused_rollout_matches_eager(dtype):
     drafter, embed, draft_hidden, base_logits, anchor_ids = cuda_case(dtype)
     target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
-    draft_ids, logits = kernels.fused_rollout(
+    draft_ids, logits = triton_rollout.fused_rollout(
         drafter,
         draft_hidden,
         base_logits,
@@ -414,7 +423,7 @@ def test_cuda_graph_runner_reuses_and_recaptures():
     runner = fused_head.DominoHeadGraphRunner(drafter, temperature=None)
 
     def fused(hidden=draft_hidden, base=base_logits):
-        return kernels.fused_rollout(
+        return triton_rollout.fused_rollout(
             drafter, hidden, base, anchor_ids, embed.weight, head=True, pure_draft_prefix_len=1, temperature=None
         )
 

@@ -25,8 +25,9 @@ import torch
 from . import triton_kernels as kernels
 from .drafting_domino import BlockDraft, Drafts, Rollout, draft_confidence
 
-# Package-internal pieces of the kernel module: the graph runner captures exactly what `fused_rollout` launches.
-from .triton_kernels import _check_kernel_device, _HeadWeights, _launch_rollout, _prepare, _rows_contiguous, _Workspace
+# The graph runner captures exactly what `fused_rollout` launches.
+from .triton_kernels import Workspace, check_kernel_device
+from .triton_rollout import HeadWeights, fused_rollout, launch_rollout, prepare_rollout, rows_contiguous
 
 if TYPE_CHECKING:
     from transformers import LogitsProcessorList
@@ -64,7 +65,7 @@ class TritonRollout:
         anchor_ids: torch.LongTensor,
         target_embed_weight: torch.Tensor,
     ) -> tuple[torch.LongTensor, torch.Tensor]:
-        return kernels.fused_rollout(
+        return fused_rollout(
             self.drafter,
             draft_hidden,
             base_logits,
@@ -127,7 +128,7 @@ class DominoHeadGraphRunner(TritonRollout):
         self._graph, self._key = None, None
 
     def _config_key(
-        self, weights: _HeadWeights | None, draft_hidden: torch.Tensor, base_logits: torch.Tensor, embed: torch.Tensor
+        self, weights: HeadWeights | None, draft_hidden: torch.Tensor, base_logits: torch.Tensor, embed: torch.Tensor
     ) -> tuple:
         return (
             base_logits.shape[1],
@@ -151,7 +152,7 @@ class DominoHeadGraphRunner(TritonRollout):
     ) -> tuple[torch.LongTensor, torch.Tensor]:
         if self._capture_failed:
             return super().__call__(draft_hidden, base_logits, anchor_ids, target_embed_weight)
-        weights, device = _prepare(self.drafter, self.head, draft_hidden, base_logits, target_embed_weight)
+        weights, device = prepare_rollout(self.drafter, self.head, draft_hidden, base_logits, target_embed_weight)
         if device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need CUDA tensors; the Domino head is on {device}.")
         draft_hidden, base_logits = draft_hidden.to(device), base_logits.to(device)
@@ -185,21 +186,21 @@ class DominoHeadGraphRunner(TritonRollout):
     def _capture(
         self,
         key: tuple,
-        weights: _HeadWeights | None,
+        weights: HeadWeights | None,
         draft_hidden: torch.Tensor,
         base_logits: torch.Tensor,
         embed_weight: torch.Tensor,
     ) -> None:
-        _check_kernel_device(base_logits.device)
+        check_kernel_device(base_logits.device)
         self._device = base_logits.device
         num_drafts, vocab_size = base_logits.shape[1:]
-        self._workspace = _Workspace(num_drafts, vocab_size, self._device, weights)
+        self._workspace = Workspace(num_drafts, vocab_size, self._device, weights)
         self._draft_hidden = draft_hidden[0].clone()
-        self._base_logits = _rows_contiguous(base_logits[0]).clone()
+        self._base_logits = rows_contiguous(base_logits[0]).clone()
         prefix_len = self.drafter.config.pure_draft_prefix_len
 
         def launch() -> None:
-            _launch_rollout(
+            launch_rollout(
                 weights,
                 self._draft_hidden,
                 self._base_logits,
@@ -337,7 +338,7 @@ def _unsupported_reason(
     if temperature is not None and not temperature > 0:
         return f"temperature must be positive, got {temperature}"
     if drafter.config.has_domino_head:
-        weights = _HeadWeights.of(drafter)
+        weights = HeadWeights.of(drafter)
         devices = {w.device for w in vars(weights).values()}
         if len(devices) != 1 or next(iter(devices)).type == "meta":
             return f"the head's weights are spread over {sorted(map(str, devices))}"

@@ -14,16 +14,15 @@ Arithmetic accumulates in fp32 whatever the weight dtype; intermediate results a
 the eager path materializes a weight-dtype tensor (GRU state, `W1` output, SiLU output, correction), so that both
 paths pick the same tokens unless two logits are within accumulation-order noise. Logits always come back in fp32.
 
-This is the low level: `fused_rollout()` takes tensors and an explicit `head` flag; `_Workspace`/`_launch_rollout`
-are what the CUDA-graph runner of `hf_domino.fused_head` captures, and that module also chooses a rollout per
-`generate()` call. Triton is optional: without it this module still imports (dispatch then answers "eager"). On CPU
+This module holds the kernels, their launchers and single-kernel wrappers (what the kernel tests call); the block
+rollout that sequences them is `hf_domino.triton_rollout` (`fused_rollout`, and the workspace and launch that the
+CUDA-graph runner of `hf_domino.fused_head` captures). Triton is optional: without it this module still imports (dispatch then answers "eager"). On CPU
 the kernels only run under Triton's interpreter, which must be enabled (`TRITON_INTERPRET=1`) before this module is
 imported, since `triton.jit` decides at decoration time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,7 +34,7 @@ except ImportError:  # CPU-only installs: `hf_domino.fused_head.select_rollout()
     triton = tl = None
 
 if TYPE_CHECKING:
-    from .modeling_domino import DominoForSpeculation
+    from .triton_rollout import HeadWeights
 
 
 # ------------------------------------------------------------------------------------------------------------ kernels
@@ -224,7 +223,7 @@ def kernels_interpreted() -> bool:
     return isinstance(_gru_cell_kernel, InterpretedFunction)
 
 
-def _check_kernel_device(device: torch.device) -> None:
+def check_kernel_device(device: torch.device) -> None:
     if triton is None:
         raise RuntimeError("The fused Domino head needs Triton: `pip install triton` (or hf-domino[gpu]).")
     if device.type != "cuda" and not kernels_interpreted():
@@ -254,191 +253,8 @@ def _num_tiles(vocab_size: int, block_v: int) -> int:
     return triton.cdiv(vocab_size, block_v)
 
 
-def _launch_gru_cell(
-    embed_weight: torch.Tensor,
-    tokens: torch.Tensor,
-    token_index: int,
-    state: torch.Tensor | None,
-    weight_ih: torch.Tensor,
-    weight_hh: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    gru_size, input_size = weight_hh.shape[1], weight_ih.shape[1]
-    block_g = _pow2(gru_size, GRU_BLOCK_G)
-    _gru_cell_kernel[(triton.cdiv(gru_size, block_g),)](
-        embed_weight,
-        embed_weight.stride(0),
-        tokens,
-        token_index,
-        out if state is None else state,  # never read with ZERO_STATE; any valid pointer will do
-        weight_ih,
-        weight_ih.stride(0),
-        weight_hh,
-        weight_hh.stride(0),
-        out,
-        input_size,
-        gru_size,
-        ZERO_STATE=state is None,
-        BLOCK_G=block_g,
-        BLOCK_K=_pow2(max(input_size, gru_size), GRU_BLOCK_K),
-        num_warps=4,
-    )
-
-
-def _launch_correction_hidden(
-    proj: torch.Tensor, state: torch.Tensor, proj_in_weight: torch.Tensor, hidden_size: int, out: torch.Tensor
-) -> None:
-    rank, gru_size = proj_in_weight.shape[0], proj_in_weight.shape[1] - hidden_size
-    block_r = _pow2(rank, HIDDEN_BLOCK_R)
-    _correction_hidden_kernel[(triton.cdiv(rank, block_r),)](
-        proj,
-        state,
-        proj_in_weight[:, hidden_size:],  # a strided view: the kernel walks rows with W1's full row stride
-        proj_in_weight.stride(0),
-        out,
-        rank,
-        gru_size,
-        BLOCK_R=block_r,
-        BLOCK_K=_pow2(gru_size, HIDDEN_BLOCK_K),
-        num_warps=4,
-    )
-
-
-def _launch_logits_pick(
-    ws: _Workspace,
-    rows: slice,
-    base_logits: torch.Tensor,
-    hidden: torch.Tensor | None,
-    proj_out_weight: torch.Tensor | None,
-    *,
-    sample: bool,
-) -> None:
-    """Picks draft `rows` of the block into `ws.tokens[1 + row]`, their logits into `ws.logits[row]`.
-
-    `base_logits` `[k, V]` are the whole block's, `hidden` `[len(rows), R]` the correction's hidden vectors of those
-    rows (`None`: base logits alone). Rows are independent, so one launch covers them all.
-    """
-    base = base_logits[rows]
-    num_rows, vocab_size = base.shape
-    if num_rows == 0:
-        return
-    num_tiles = _num_tiles(vocab_size, ws.block_v)
-    has_correction = proj_out_weight is not None
-    rank = proj_out_weight.shape[1] if has_correction else 1
-    _logits_pick_kernel[(num_tiles, num_rows)](
-        hidden if has_correction else base,
-        hidden.stride(0) if has_correction else 0,
-        proj_out_weight if has_correction else base,
-        proj_out_weight.stride(0) if has_correction else 0,
-        base,
-        base.stride(0),
-        ws.logits[rows],
-        ws.logits.stride(0),
-        ws.best[rows],
-        ws.best_idx[rows],
-        ws.seed,
-        ws.temperature,
-        rows.start,  # the Philox counter's row: no two draft positions share noise
-        vocab_size,
-        rank,
-        num_tiles,
-        HAS_CORRECTION=has_correction,
-        SAMPLE=sample,
-        BLOCK_V=ws.block_v,
-        BLOCK_R=_pow2(rank, LOGITS_BLOCK_R),
-        num_warps=4,
-    )
-    _finalize_pick_kernel[(num_rows,)](
-        ws.best[rows],
-        ws.best_idx[rows],
-        ws.tokens,
-        1 + rows.start,
-        num_tiles,
-        BLOCK_T=triton.next_power_of_2(num_tiles),
-        num_warps=4 if num_tiles <= 1024 else 8,
-    )
-
-
-# ------------------------------------------------------------------------------------ single-kernel wrappers (tests)
-def gru_cell(
-    embed_weight: torch.Tensor,
-    token_ids: torch.LongTensor,
-    state: torch.Tensor | None,
-    weight_ih: torch.Tensor,
-    weight_hh: torch.Tensor,
-) -> torch.Tensor:
-    """One bias-free GRU step on `embed_weight[token_ids[-1]]` from `state` (`[G]`, `None` = zeros): `[G]` new state.
-
-    The state is kept in the GRU weights' dtype, as the eager `nn.GRU` returns it.
-    """
-    _check_kernel_device(weight_ih.device)
-    token_ids = token_ids.reshape(-1).to(device=weight_ih.device, dtype=torch.long)
-    out = torch.empty(weight_hh.shape[1], dtype=weight_hh.dtype, device=weight_hh.device)
-    _launch_gru_cell(embed_weight, token_ids, token_ids.numel() - 1, state, weight_ih, weight_hh, out)
-    return out
-
-
-def correction_hidden(
-    projected_draft: torch.Tensor, state: torch.Tensor, proj_in_weight: torch.Tensor, hidden_size: int
-) -> torch.Tensor:
-    """`silu(W1 [z ; s])` (`[R]`, fp32) given `projected_draft = W1[:, :hidden_size] z` (`[R]`, fp32) and `s` (`[G]`)."""
-    _check_kernel_device(proj_in_weight.device)
-    out = torch.empty(proj_in_weight.shape[0], dtype=torch.float32, device=proj_in_weight.device)
-    _launch_correction_hidden(projected_draft.float().contiguous(), state, proj_in_weight, hidden_size, out)
-    return out
-
-
-def logits_pick(
-    base_logits: torch.Tensor,
-    hidden: torch.Tensor | None = None,
-    proj_out_weight: torch.Tensor | None = None,
-    *,
-    temperature: float | None = None,
-    seed: int = 0,
-    block_v: int = LOGITS_BLOCK_V,
-) -> tuple[torch.LongTensor, torch.Tensor]:
-    """Picks a token per row of `base_logits + hidden @ W2.T` (`[rows, V]`; `hidden` `[rows, R]` may be `None`).
-
-    Greedy (argmax) when `temperature` is `None`, else a draw from `softmax(logits / temperature)`. Returns
-    `(tokens [rows], processed logits [rows, V] fp32)`.
-    """
-    _check_kernel_device(base_logits.device)
-    rows, vocab_size = base_logits.shape
-    ws = _Workspace(rows, vocab_size, base_logits.device, None, block_v)
-    ws.seed.fill_(seed)
-    ws.temperature.fill_(1.0 if temperature is None else temperature)
-    hidden = None if hidden is None else hidden.float()
-    _launch_logits_pick(ws, slice(0, rows), base_logits, hidden, proj_out_weight, sample=temperature is not None)
-    return ws.tokens[1:], ws.logits
-
-
-# --------------------------------------------------------------------------------------------------- block rollout
-@dataclass(frozen=True)
-class _HeadWeights:
-    weight_ih: torch.Tensor  # [3G, H], gates (r, z, n)
-    weight_hh: torch.Tensor  # [3G, G]
-    proj_in: torch.Tensor  # W1 [R, H + G]
-    proj_out: torch.Tensor  # W2 [V, R]
-
-    @classmethod
-    def of(cls, drafter: DominoForSpeculation) -> _HeadWeights:
-        gru, proj = drafter.prefix_gru, drafter.embed_proj
-        weights = cls(gru.weight_ih_l0, gru.weight_hh_l0, proj[0].weight, proj[2].weight)
-        for name, weight in vars(weights).items():
-            if weight.stride(-1) != 1:
-                raise ValueError(f"The Domino head's {name} weight must be contiguous in its last dimension.")
-        return weights
-
-    @property
-    def hidden_size(self) -> int:
-        return self.weight_ih.shape[1]
-
-    def signature(self) -> tuple:
-        """What a captured graph depends on: where each weight lives and how it is laid out (not its values)."""
-        return tuple((w.data_ptr(), w.dtype, w.device, tuple(w.shape), w.stride()) for w in vars(self).values())
-
-
-class _Workspace:
+# --------------------------------------------------------------------------------------------------------- launches
+class Workspace:
     """Every buffer one block rollout touches; static (fixed addresses) so a CUDA graph can replay over it."""
 
     def __init__(
@@ -446,7 +262,7 @@ class _Workspace:
         num_drafts: int,
         vocab_size: int,
         device: torch.device,
-        weights: _HeadWeights | None,
+        weights: HeadWeights | None,
         block_v: int = LOGITS_BLOCK_V,
     ):
         num_tiles = _num_tiles(vocab_size, block_v)
@@ -477,140 +293,173 @@ class _Workspace:
             self.temperature.fill_(temperature)
 
 
-def _launch_rollout(
-    weights: _HeadWeights | None,
-    draft_hidden: torch.Tensor,
-    base_logits: torch.Tensor,
+def launch_gru_cell(
     embed_weight: torch.Tensor,
-    workspace: _Workspace,
+    tokens: torch.Tensor,
+    token_index: int,
+    state: torch.Tensor | None,
+    weight_ih: torch.Tensor,
+    weight_hh: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    gru_size, input_size = weight_hh.shape[1], weight_ih.shape[1]
+    block_g = _pow2(gru_size, GRU_BLOCK_G)
+    _gru_cell_kernel[(triton.cdiv(gru_size, block_g),)](
+        embed_weight,
+        embed_weight.stride(0),
+        tokens,
+        token_index,
+        out if state is None else state,  # never read with ZERO_STATE; any valid pointer will do
+        weight_ih,
+        weight_ih.stride(0),
+        weight_hh,
+        weight_hh.stride(0),
+        out,
+        input_size,
+        gru_size,
+        ZERO_STATE=state is None,
+        BLOCK_G=block_g,
+        BLOCK_K=_pow2(max(input_size, gru_size), GRU_BLOCK_K),
+        num_warps=4,
+    )
+
+
+def launch_correction_hidden(
+    proj: torch.Tensor, state: torch.Tensor, proj_in_weight: torch.Tensor, hidden_size: int, out: torch.Tensor
+) -> None:
+    rank, gru_size = proj_in_weight.shape[0], proj_in_weight.shape[1] - hidden_size
+    block_r = _pow2(rank, HIDDEN_BLOCK_R)
+    _correction_hidden_kernel[(triton.cdiv(rank, block_r),)](
+        proj,
+        state,
+        proj_in_weight[:, hidden_size:],  # a strided view: the kernel walks rows with W1's full row stride
+        proj_in_weight.stride(0),
+        out,
+        rank,
+        gru_size,
+        BLOCK_R=block_r,
+        BLOCK_K=_pow2(gru_size, HIDDEN_BLOCK_K),
+        num_warps=4,
+    )
+
+
+def launch_logits_pick(
+    ws: Workspace,
+    rows: slice,
+    base_logits: torch.Tensor,
+    hidden: torch.Tensor | None,
+    proj_out_weight: torch.Tensor | None,
     *,
-    prefix_len: int,
     sample: bool,
 ) -> None:
-    """Enqueues one block's rollout; no host synchronization, no data-dependent control flow (graph-capturable).
+    """Picks draft `rows` of the block into `ws.tokens[1 + row]`, their logits into `ws.logits[row]`.
 
-    `draft_hidden` `[k, H]` and `base_logits` `[k, V]` are the block's rows; `workspace.tokens[0]` holds the anchor,
-    `workspace.seed`/`workspace.temperature` the sampling parameters. Drafts land in `workspace.tokens[1:]`, the
-    logits they were picked from in `workspace.logits`.
+    `base_logits` `[k, V]` are the whole block's, `hidden` `[len(rows), R]` the correction's hidden vectors of those
+    rows (`None`: base logits alone). Rows are independent, so one launch covers them all.
     """
-    ws, num_drafts = workspace, base_logits.shape[0]
-    prefix_len = num_drafts if weights is None else min(prefix_len, num_drafts)
-
-    # The pure-draft prefix (all drafts, without an active head) reads the base logits alone: one launch for all rows.
-    _launch_logits_pick(ws, slice(0, prefix_len), base_logits, None, None, sample=sample)
-    if prefix_len == num_drafts:
+    base = base_logits[rows]
+    num_rows, vocab_size = base.shape
+    if num_rows == 0:
         return
-
-    hidden_size = weights.hidden_size
-    # W1[:, :H] z for every corrected position in one matmul; only W1[:, H:] s is left inside the sequential loop.
-    torch.matmul(
-        draft_hidden[prefix_len:].float(), weights.proj_in[:, :hidden_size].float().t(), out=ws.proj[prefix_len:]
+    tiles = _num_tiles(vocab_size, ws.block_v)
+    has_correction = proj_out_weight is not None
+    rank = proj_out_weight.shape[1] if has_correction else 1
+    _logits_pick_kernel[(tiles, num_rows)](
+        hidden if has_correction else base,
+        hidden.stride(0) if has_correction else 0,
+        proj_out_weight if has_correction else base,
+        proj_out_weight.stride(0) if has_correction else 0,
+        base,
+        base.stride(0),
+        ws.logits[rows],
+        ws.logits.stride(0),
+        ws.best[rows],
+        ws.best_idx[rows],
+        ws.seed,
+        ws.temperature,
+        rows.start,  # the Philox counter's row: no two draft positions share noise
+        vocab_size,
+        rank,
+        tiles,
+        HAS_CORRECTION=has_correction,
+        SAMPLE=sample,
+        BLOCK_V=ws.block_v,
+        BLOCK_R=_pow2(rank, LOGITS_BLOCK_R),
+        num_warps=4,
     )
-    gru = (embed_weight, ws.tokens)
-    _launch_gru_cell(*gru, 0, None, weights.weight_ih, weights.weight_hh, ws.states[0])
-    for j in range(1, prefix_len + 1):  # catch the GRU up on the drafts of the pure prefix
-        _launch_gru_cell(*gru, j, ws.states[j - 1], weights.weight_ih, weights.weight_hh, ws.states[j])
-    for i in range(prefix_len, num_drafts):
-        _launch_correction_hidden(ws.proj[i], ws.states[i], weights.proj_in, hidden_size, ws.hidden[i])
-        _launch_logits_pick(ws, slice(i, i + 1), base_logits, ws.hidden[i : i + 1], weights.proj_out, sample=sample)
-        if i + 1 < num_drafts:  # the last draft is never read back
-            _launch_gru_cell(*gru, i + 1, ws.states[i], weights.weight_ih, weights.weight_hh, ws.states[i + 1])
+    _finalize_pick_kernel[(num_rows,)](
+        ws.best[rows],
+        ws.best_idx[rows],
+        ws.tokens,
+        1 + rows.start,
+        tiles,
+        BLOCK_T=triton.next_power_of_2(tiles),
+        num_warps=4 if tiles <= 1024 else 8,
+    )
 
 
-def _validate_inputs(
-    weights: _HeadWeights | None, draft_hidden: torch.Tensor, base_logits: torch.Tensor, embed_weight: torch.Tensor
-) -> None:
-    if base_logits.dim() != 3 or base_logits.shape[0] != 1 or draft_hidden.shape[:2] != base_logits.shape[:2]:
-        raise ValueError(
-            f"Expected draft_hidden [1, k, hidden] and base_logits [1, k, vocab] for one sequence, got "
-            f"{tuple(draft_hidden.shape)} and {tuple(base_logits.shape)}."
-        )
-    if weights is None:
-        return
-    if base_logits.shape[-1] != weights.proj_out.shape[0]:
-        raise ValueError(
-            f"base_logits cover {base_logits.shape[-1]} tokens but the Domino head corrects {weights.proj_out.shape[0]}."
-        )
-    if embed_weight.shape[1] != weights.hidden_size or draft_hidden.shape[-1] != weights.hidden_size:
-        raise ValueError("The target embeddings and draft hidden states must have the drafter's hidden_size.")
-    if embed_weight.device != weights.weight_ih.device or embed_weight.stride(-1) != 1:
-        raise ValueError(
-            "The fused Domino head gathers token embeddings itself: the target's embedding table must be contiguous "
-            f"and on the head's device ({weights.weight_ih.device}), not {embed_weight.device}."
-        )
+# ------------------------------------------------------------------------------------ single-kernel wrappers (tests)
+def gru_cell(
+    embed_weight: torch.Tensor,
+    token_ids: torch.LongTensor,
+    state: torch.Tensor | None,
+    weight_ih: torch.Tensor,
+    weight_hh: torch.Tensor,
+) -> torch.Tensor:
+    """One bias-free GRU step on `embed_weight[token_ids[-1]]` from `state` (`[G]`, `None` = zeros): `[G]` new state.
+
+    The state is kept in the GRU weights' dtype, as the eager `nn.GRU` returns it.
+    """
+    check_kernel_device(weight_ih.device)
+    token_ids = token_ids.reshape(-1).to(device=weight_ih.device, dtype=torch.long)
+    out = torch.empty(weight_hh.shape[1], dtype=weight_hh.dtype, device=weight_hh.device)
+    launch_gru_cell(embed_weight, token_ids, token_ids.numel() - 1, state, weight_ih, weight_hh, out)
+    return out
 
 
-def _prepare(
-    drafter: DominoForSpeculation,
-    head: bool,
-    draft_hidden: torch.Tensor,
+def correction_hidden(
+    projected_draft: torch.Tensor, state: torch.Tensor, proj_in_weight: torch.Tensor, hidden_size: int
+) -> torch.Tensor:
+    """`silu(W1 [z ; s])` (`[R]`, fp32) given `projected_draft = W1[:, :hidden_size] z` (`[R]`, fp32) and `s` (`[G]`)."""
+    check_kernel_device(proj_in_weight.device)
+    out = torch.empty(proj_in_weight.shape[0], dtype=torch.float32, device=proj_in_weight.device)
+    launch_correction_hidden(projected_draft.float().contiguous(), state, proj_in_weight, hidden_size, out)
+    return out
+
+
+def logits_pick(
     base_logits: torch.Tensor,
-    embed: torch.Tensor,
-) -> tuple[_HeadWeights | None, torch.device]:
-    """Checked head weights (`None` when the head is off or absent) and the device the rollout runs on."""
-    weights = _HeadWeights.of(drafter) if head and drafter.config.has_domino_head else None
-    _validate_inputs(weights, draft_hidden, base_logits, embed)
-    return weights, (base_logits.device if weights is None else weights.weight_ih.device)
-
-
-def _rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
-
-
-@torch.no_grad()
-def fused_rollout(
-    drafter: DominoForSpeculation,
-    draft_hidden: torch.Tensor,
-    base_logits: torch.Tensor,
-    anchor_ids: torch.LongTensor,
-    target_embed_weight: torch.Tensor,
+    hidden: torch.Tensor | None = None,
+    proj_out_weight: torch.Tensor | None = None,
     *,
-    head: bool,
-    pure_draft_prefix_len: int,
-    temperature: float | None,
+    temperature: float | None = None,
+    seed: int = 0,
+    block_v: int = LOGITS_BLOCK_V,
 ) -> tuple[torch.LongTensor, torch.Tensor]:
-    """`eager_rollout` with the fused kernels, for greedy decoding or plain temperature sampling.
+    """Picks a token per row of `base_logits + hidden @ W2.T` (`[rows, V]`; `hidden` `[rows, R]` may be `None`).
 
-    The caller states whether the head is on (`head`), rather than this function reading a default from the drafter:
-    head on/off is a per-`generate()` option, and a captured graph must know which one it was captured for.
-
-    Args:
-        drafter: the drafter whose head weights to use.
-        draft_hidden: backbone outputs of the positions to draft, `[1, k, hidden]`.
-        base_logits: the target LM head on `draft_hidden`, `[1, k, vocab]`.
-        anchor_ids: the tokens realised before the first draft, `[1, n]`; only the last one (the anchor) is read.
-        target_embed_weight: the target's input embedding table `[vocab, hidden]`, on the head's device.
-        head: correct the base logits with the Domino head (ignored, i.e. off, for a drafter without one).
-        pure_draft_prefix_len: leading drafts taken from the base logits alone (`config.pure_draft_prefix_len`).
-        temperature: `None` for greedy (argmax); else drafts are drawn from `softmax(logits / temperature)`.
-
-    Returns:
-        `(draft_ids [1, k], logits [1, k, vocab] fp32)`: the drafts and the processed logits each was picked from
-        (`logits / temperature` when sampling), as `processed_pick` returns them.
+    Greedy (argmax) when `temperature` is `None`, else a draw from `softmax(logits / temperature)`. Returns
+    `(tokens [rows], processed logits [rows, V] fp32)`.
     """
-    weights, device = _prepare(drafter, head, draft_hidden, base_logits, target_embed_weight)
-    if temperature is not None and not temperature > 0:
-        raise ValueError(f"temperature must be positive for sampling (None = greedy), got {temperature}.")
-    _check_kernel_device(device)
-    num_drafts, vocab_size = base_logits.shape[1:]
-    workspace = _Workspace(num_drafts, vocab_size, device, weights)
-    workspace.start(anchor_ids, temperature)
-    _launch_rollout(
-        weights,
-        draft_hidden[0].to(device),
-        _rows_contiguous(base_logits[0].to(device)),
-        target_embed_weight,
-        workspace,
-        prefix_len=pure_draft_prefix_len,
-        sample=temperature is not None,
-    )
-    return workspace.tokens[None, 1:].to(anchor_ids.device), workspace.logits[None]
+    check_kernel_device(base_logits.device)
+    rows, vocab_size = base_logits.shape
+    ws = Workspace(rows, vocab_size, base_logits.device, None, block_v)
+    ws.seed.fill_(seed)
+    ws.temperature.fill_(1.0 if temperature is None else temperature)
+    hidden = None if hidden is None else hidden.float()
+    launch_logits_pick(ws, slice(0, rows), base_logits, hidden, proj_out_weight, sample=temperature is not None)
+    return ws.tokens[1:], ws.logits
 
 
 __all__ = [
+    "LOGITS_BLOCK_V",
+    "Workspace",
+    "check_kernel_device",
     "correction_hidden",
-    "fused_rollout",
     "gru_cell",
     "kernels_interpreted",
+    "launch_correction_hidden",
+    "launch_gru_cell",
+    "launch_logits_pick",
     "logits_pick",
 ]

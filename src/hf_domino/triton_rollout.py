@@ -1,0 +1,179 @@
+"""One Domino head rollout (a whole block) on the fused Triton kernels of `hf_domino.triton_kernels`.
+
+`fused_rollout()` takes tensors and an explicit `head` flag, like `drafting_domino.eager_rollout`. `Workspace` (every
+buffer of a block, at fixed addresses) and `launch_rollout` (the kernel sequence, with no host synchronization) are
+what the CUDA-graph runner of `hf_domino.fused_head` captures and replays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .triton_kernels import (
+    Workspace,
+    check_kernel_device,
+    launch_correction_hidden,
+    launch_gru_cell,
+    launch_logits_pick,
+)
+
+if TYPE_CHECKING:
+    from .modeling_domino import DominoForSpeculation
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    weight_ih: torch.Tensor  # [3G, H], gates (r, z, n)
+    weight_hh: torch.Tensor  # [3G, G]
+    proj_in: torch.Tensor  # W1 [R, H + G]
+    proj_out: torch.Tensor  # W2 [V, R]
+
+    @classmethod
+    def of(cls, drafter: DominoForSpeculation) -> HeadWeights:
+        gru, proj = drafter.prefix_gru, drafter.embed_proj
+        weights = cls(gru.weight_ih_l0, gru.weight_hh_l0, proj[0].weight, proj[2].weight)
+        for name, weight in vars(weights).items():
+            if weight.stride(-1) != 1:
+                raise ValueError(f"The Domino head's {name} weight must be contiguous in its last dimension.")
+        return weights
+
+    @property
+    def hidden_size(self) -> int:
+        return self.weight_ih.shape[1]
+
+    def signature(self) -> tuple:
+        """What a captured graph depends on: where each weight lives and how it is laid out (not its values)."""
+        return tuple((w.data_ptr(), w.dtype, w.device, tuple(w.shape), w.stride()) for w in vars(self).values())
+
+
+def launch_rollout(
+    weights: HeadWeights | None,
+    draft_hidden: torch.Tensor,
+    base_logits: torch.Tensor,
+    embed_weight: torch.Tensor,
+    workspace: Workspace,
+    *,
+    prefix_len: int,
+    sample: bool,
+) -> None:
+    """Enqueues one block's rollout; no host synchronization, no data-dependent control flow (graph-capturable).
+
+    `draft_hidden` `[k, H]` and `base_logits` `[k, V]` are the block's rows; `workspace.tokens[0]` holds the anchor,
+    `workspace.seed`/`workspace.temperature` the sampling parameters. Drafts land in `workspace.tokens[1:]`, the
+    logits they were picked from in `workspace.logits`.
+    """
+    ws, num_drafts = workspace, base_logits.shape[0]
+    prefix_len = num_drafts if weights is None else min(prefix_len, num_drafts)
+
+    # The pure-draft prefix (all drafts, without an active head) reads the base logits alone: one launch for all rows.
+    launch_logits_pick(ws, slice(0, prefix_len), base_logits, None, None, sample=sample)
+    if prefix_len == num_drafts:
+        return
+
+    hidden_size = weights.hidden_size
+    # W1[:, :H] z for every corrected position in one matmul; only W1[:, H:] s is left inside the sequential loop.
+    torch.matmul(
+        draft_hidden[prefix_len:].float(), weights.proj_in[:, :hidden_size].float().t(), out=ws.proj[prefix_len:]
+    )
+    gru = (embed_weight, ws.tokens)
+    launch_gru_cell(*gru, 0, None, weights.weight_ih, weights.weight_hh, ws.states[0])
+    for j in range(1, prefix_len + 1):  # catch the GRU up on the drafts of the pure prefix
+        launch_gru_cell(*gru, j, ws.states[j - 1], weights.weight_ih, weights.weight_hh, ws.states[j])
+    for i in range(prefix_len, num_drafts):
+        launch_correction_hidden(ws.proj[i], ws.states[i], weights.proj_in, hidden_size, ws.hidden[i])
+        launch_logits_pick(ws, slice(i, i + 1), base_logits, ws.hidden[i : i + 1], weights.proj_out, sample=sample)
+        if i + 1 < num_drafts:  # the last draft is never read back
+            launch_gru_cell(*gru, i + 1, ws.states[i], weights.weight_ih, weights.weight_hh, ws.states[i + 1])
+
+
+def _validate_inputs(
+    weights: HeadWeights | None, draft_hidden: torch.Tensor, base_logits: torch.Tensor, embed_weight: torch.Tensor
+) -> None:
+    if base_logits.dim() != 3 or base_logits.shape[0] != 1 or draft_hidden.shape[:2] != base_logits.shape[:2]:
+        raise ValueError(
+            f"Expected draft_hidden [1, k, hidden] and base_logits [1, k, vocab] for one sequence, got "
+            f"{tuple(draft_hidden.shape)} and {tuple(base_logits.shape)}."
+        )
+    if weights is None:
+        return
+    if base_logits.shape[-1] != weights.proj_out.shape[0]:
+        raise ValueError(
+            f"base_logits cover {base_logits.shape[-1]} tokens but the Domino head corrects {weights.proj_out.shape[0]}."
+        )
+    if embed_weight.shape[1] != weights.hidden_size or draft_hidden.shape[-1] != weights.hidden_size:
+        raise ValueError("The target embeddings and draft hidden states must have the drafter's hidden_size.")
+    if embed_weight.device != weights.weight_ih.device or embed_weight.stride(-1) != 1:
+        raise ValueError(
+            "The fused Domino head gathers token embeddings itself: the target's embedding table must be contiguous "
+            f"and on the head's device ({weights.weight_ih.device}), not {embed_weight.device}."
+        )
+
+
+def prepare_rollout(
+    drafter: DominoForSpeculation,
+    head: bool,
+    draft_hidden: torch.Tensor,
+    base_logits: torch.Tensor,
+    embed: torch.Tensor,
+) -> tuple[HeadWeights | None, torch.device]:
+    """Checked head weights (`None` when the head is off or absent) and the device the rollout runs on."""
+    weights = HeadWeights.of(drafter) if head and drafter.config.has_domino_head else None
+    _validate_inputs(weights, draft_hidden, base_logits, embed)
+    return weights, (base_logits.device if weights is None else weights.weight_ih.device)
+
+
+def rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+@torch.no_grad()
+def fused_rollout(
+    drafter: DominoForSpeculation,
+    draft_hidden: torch.Tensor,
+    base_logits: torch.Tensor,
+    anchor_ids: torch.LongTensor,
+    target_embed_weight: torch.Tensor,
+    *,
+    head: bool,
+    pure_draft_prefix_len: int,
+    temperature: float | None,
+) -> tuple[torch.LongTensor, torch.Tensor]:
+    """`eager_rollout` with the fused kernels, for greedy decoding or plain temperature sampling.
+
+    The caller states whether the head is on (`head`), rather than this function reading a default from the drafter:
+    head on/off is a per-`generate()` option, and a captured graph must know which one it was captured for.
+
+    Args:
+        drafter: the drafter whose head weights to use.
+        draft_hidden: backbone outputs of the positions to draft, `[1, k, hidden]`.
+        base_logits: the target LM head on `draft_hidden`, `[1, k, vocab]`.
+        anchor_ids: the tokens realised before the first draft, `[1, n]`; only the last one (the anchor) is read.
+        target_embed_weight: the target's input embedding table `[vocab, hidden]`, on the head's device.
+        head: correct the base logits with the Domino head (ignored, i.e. off, for a drafter without one).
+        pure_draft_prefix_len: leading drafts taken from the base logits alone (`config.pure_draft_prefix_len`).
+        temperature: `None` for greedy (argmax); else drafts are drawn from `softmax(logits / temperature)`.
+
+    Returns:
+        `(draft_ids [1, k], logits [1, k, vocab] fp32)`: the drafts and the processed logits each was picked from
+        (`logits / temperature` when sampling), as `processed_pick` returns them.
+    """
+    weights, device = prepare_rollout(drafter, head, draft_hidden, base_logits, target_embed_weight)
+    if temperature is not None and not temperature > 0:
+        raise ValueError(f"temperature must be positive for sampling (None = greedy), got {temperature}.")
+    check_kernel_device(device)
+    num_drafts, vocab_size = base_logits.shape[1:]
+    workspace = Workspace(num_drafts, vocab_size, device, weights)
+    workspace.start(anchor_ids, temperature)
+    launch_rollout(
+        weights,
+        draft_hidden[0].to(device),
+        rows_contiguous(base_logits[0].to(device)),
+        target_embed_weight,
+        workspace,
+        prefix_len=pure_draft_prefix_len,
+        sample=temperature is not None,
+    )
+    return workspace.tokens[None, 1:].to(anchor_ids.device), workspace.logits[None]
