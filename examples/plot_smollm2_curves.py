@@ -22,8 +22,8 @@ CHAIN = ("stage1-ce", "stage2-ce", "stage3-ce")  # each stage starts from the la
 
 
 def smoothed(values: list[float], window: int = 10) -> list[float]:
-    return [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1]) for i in
-            range(len(values))]  # fmt: skip
+    """Trailing mean over `window` log records (each record is already a mean over 20 steps)."""
+    return [sum(values[max(0, i - window + 1) : i + 1]) / min(i + 1, window) for i in range(len(values))]
 
 
 def stage_curves(name: str, offset: int) -> tuple[dict[str, list], dict[str, list], int]:
