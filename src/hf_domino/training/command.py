@@ -121,6 +121,13 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     from accelerate import PartialState
 
+    # Bad options fail before the target and the data are loaded.
+    if not 0.0 <= args.kl_weight <= 1.0:
+        raise SystemExit(f"--kl-weight must be between 0 and 1, got {args.kl_weight}.")
+    if args.kl_weight > 0 and args.feature_cache:
+        raise SystemExit(
+            "--kl-weight needs the target's last hidden state, which --feature-cache does not store: drop one of them."
+        )
     target_model, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, device="cpu")
     if args.eval_only:
         return _run_eval(args, target_model, tokenizer)
@@ -129,12 +136,6 @@ def run(args: argparse.Namespace) -> int:
 
     drafter = _drafter_from_args(args, target_model)
     examples, validation = _examples_from_args(args)
-    if not 0.0 <= args.kl_weight <= 1.0:
-        raise SystemExit(f"--kl-weight must be between 0 and 1, got {args.kl_weight}.")
-    if args.kl_weight > 0 and args.feature_cache:
-        raise SystemExit(
-            "--kl-weight needs the target's last hidden state, which --feature-cache does not store: drop one of them."
-        )
     feature_cache = None
     if args.feature_cache:
         # Safe to call from every process (and from concurrent runs): a file lock lets one fill it at a time.
