@@ -14,6 +14,11 @@
 #   LR (6e-4), WARMUP (0.04), SEED (0)
 #   KL_WEIGHT     share of the loss that distills the target's next-token distribution (default 0: labels only;
 #                 1 measured no better at equal steps, docs/training.md)
+#   DRAFT_VOCAB   train and score over this draft vocabulary (a draft_vocab.safetensors file or a drafter folder with
+#                 one, e.g. the shipped drafter): the drafter's share of a CPU step is 3.6x cheaper (docs/training.md)
+#   LAYERS (2), INTERMEDIATE (1536)  draft layers and their MLP width, for a new drafter (not with INIT_FROM);
+#                 in the 25 MB budget: 3 layers at INTERMEDIATE=768 (22.9 MB fp16), 4 at 512 (23.8 MB); an MLP
+#                 narrower than the target's starts fresh (only same-shape weights are copied)
 #   BATCH_SIZE    sequences per step (default 16); NUM_ANCHORS blocks per sequence (default 32)
 #   SAVE_EVERY    steps between checkpoints and validations (default 500); STAGE_MINUTES; THREADS (default 2)
 # Extra arguments go to `hf-domino train` as they are.
@@ -29,8 +34,8 @@ print(packed_info('$DATA/heldout_ids.safetensors')['counts']['examples'])")
 if [ -n "${INIT_FROM:-}" ]; then
   start=(--init-from "$INIT_FROM")
 else
-  start=(--init-from-target --num-draft-layers 2 --target-layer-ids 1 14 27 --block-size 16 --pure-draft-prefix-len 1
-         --emb-dim 64 --gru-hidden-dim 256)
+  start=(--init-from-target --num-draft-layers "${LAYERS:-2}" --intermediate-size "${INTERMEDIATE:-1536}"
+         --target-layer-ids 1 14 27 --block-size 16 --pure-draft-prefix-len 1 --emb-dim 64 --gru-hidden-dim 256)
 fi
 
 # Sequences are at most 384 prompt + 256 response tokens (the regeneration's limits).
@@ -40,5 +45,5 @@ hf-domino train --target smollm2 \
   --total-steps "${TOTAL_STEPS:-2500}" --batch-size "${BATCH_SIZE:-16}" --num-anchors "${NUM_ANCHORS:-32}" \
   --lr "${LR:-6e-4}" --warmup-ratio "${WARMUP:-0.04}" --seed "${SEED:-0}" --kl-weight "${KL_WEIGHT:-0}" \
   --save-every "${SAVE_EVERY:-500}" --log-every 20 --threads "${THREADS:-2}" \
-  ${STAGE_MINUTES:+--stop-after-minutes "$STAGE_MINUTES"} \
+  ${STAGE_MINUTES:+--stop-after-minutes "$STAGE_MINUTES"} ${DRAFT_VOCAB:+--draft-vocab "$DRAFT_VOCAB"} \
   --output-dir "${OUTPUT:-runs/train-smollm2}" "$@"

@@ -389,6 +389,7 @@ def test_regenerate_with_smollm2(tmp_path, capfd):
 def test_cli_regenerate_then_train_any_causal_lm(model, tokenizer, tmp_path):
     """The two commands alone turn a Hugging Face causal LM folder into a working drafter, also from an fp16 export."""
     from safetensors import safe_open
+    from safetensors.torch import save_file
 
     from hf_domino import DominoForSpeculation
     from hf_domino.export import export_drafter
@@ -431,6 +432,25 @@ def test_cli_regenerate_then_train_any_causal_lm(model, tokenizer, tmp_path):
         cli.main([*train, "--kl-weight", "1.5", "--output-dir", str(tmp_path / "e")])
     with pytest.raises(SystemExit, match="--kl-weight needs the target's last hidden state"):
         cli.main([*train, "--kl-weight", "0.5", "--feature-cache", str(tmp_path / "f"), "--output-dir", str(tmp_path)])
+
+    # --draft-vocab: trained over a draft vocabulary, which the trained drafter keeps; bad files fail before loading.
+    vocab = torch.arange(model.config.vocab_size // 2)
+    save_file({"draft_vocab": vocab}, tmp_path / "vocab.safetensors")
+    vocab_run = [
+        "--init-from",
+        str(tmp_path / "a" / "final"),
+        "--total-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path / "v"),
+    ]
+    assert cli.main([*train, *vocab_run, "--draft-vocab", str(tmp_path / "vocab.safetensors")]) == 0
+    assert torch.equal(DominoForSpeculation.from_pretrained(tmp_path / "v" / "final").draft_vocab, vocab)
+    with pytest.raises(SystemExit, match="--draft-vocab .*missing: no such file"):
+        cli.main([*train, "--draft-vocab", str(tmp_path / "missing"), "--output-dir", str(tmp_path / "g")])
+    (tmp_path / "notes.txt").write_text("not a vocabulary")
+    with pytest.raises(SystemExit, match="is not a safetensors file"):
+        cli.main([*train, "--draft-vocab", str(tmp_path / "notes.txt"), "--output-dir", str(tmp_path / "g")])
 
     # --eval-only: whole blocks or the given draft lengths, head on and off, each measured on its own.
     evaluation = ["train", *common, "--eval-only", "--drafter", str(tmp_path / "a" / "final"), "--eval-prompts",

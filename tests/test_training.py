@@ -248,10 +248,10 @@ def test_gru_reads_ground_truth_tokens(target):
 
 
 # ---------------------------------------------------------------------------------------------------------- training
-def fixed_batch_losses(drafter, target):
+def fixed_batch_losses(drafter, target, vocab=None):
     batch, features = batch_and_features(target, toy_examples(8))
     anchors, valid = sample_anchors(batch.loss_mask, 4, torch.Generator().manual_seed(123))
-    module = DominoTrainingModule(drafter, TargetModules.from_target(target))
+    module = DominoTrainingModule(drafter, TargetModules.from_target(target), vocab)
     with torch.no_grad():
         out = module(batch.input_ids, batch.loss_mask, batch.attention_mask, features, anchors, valid, 0.5)
     return out.base_loss.item(), out.final_loss.item()
@@ -493,3 +493,61 @@ def test_training_with_distillation_reduces_the_distillation_loss(target, tmp_pa
     )
     drafter = train(tiny_drafter(target), target, toy_examples(), config, tmp_path)
     assert distillation_loss(drafter, target) < 0.9 * distillation_loss(tiny_drafter(target), target)
+
+
+# ------------------------------------------------------------------------------------------ draft vocabulary (FR-Spec)
+DRAFT_VOCAB = torch.arange(3, 40)  # the toy responses also use tokens 40..63: those labels fall outside
+
+
+def test_training_over_a_draft_vocab_scores_exactly_its_columns(target):
+    drafter = tiny_drafter(target)
+    target_modules = TargetModules.from_target(target)
+    batch, features = batch_and_features(target, toy_examples(4))
+    anchors, valid = sample_anchors(batch.loss_mask, 4, torch.Generator().manual_seed(0))
+    blocks = build_block_inputs(
+        batch.input_ids, batch.loss_mask, anchors, valid, block_size=BLOCK, num_drafts=BLOCK, mask_token_id=0
+    )
+    args = (drafter, target_modules, features, batch.attention_mask, blocks, anchors)
+    with torch.no_grad():
+        full_base, full_final = draft_logits(*args)
+        base, final = draft_logits(*args, vocab=DRAFT_VOCAB)
+    torch.testing.assert_close(base, full_base[..., DRAFT_VOCAB])
+    torch.testing.assert_close(final, full_final[..., DRAFT_VOCAB])
+
+    # The losses are the cross-entropies over those columns; a label outside counts, never hits, takes no loss.
+    labels, mask = blocks.labels.flatten(0, 1), blocks.label_mask.flatten(0, 1)
+    inside = (labels >= 3) & (labels < 40)
+    assert (mask & ~inside).any() and (mask & inside).any()
+    out = DominoTrainingModule(drafter, target_modules, DRAFT_VOCAB)(
+        batch.input_ids, batch.loss_mask, batch.attention_mask, features, anchors, valid, 0.0
+    )
+    weight = position_weights(BLOCK, BLOCK).view(1, -1) * (mask & inside)
+    ce = F.cross_entropy(final.flatten(0, 1), (labels - 3).clamp(0, 36).flatten(), reduction="none")
+    torch.testing.assert_close(out.final_loss, (ce.view(labels.shape) * weight).sum() / weight.sum())
+    hits = (final.argmax(-1) + 3 == labels) & mask & inside
+    torch.testing.assert_close(out.final_correct, hits.sum(0).float())
+    torch.testing.assert_close(out.counts, mask.sum(0).float())
+
+    # The head's gradient reaches the correction rows of the draft vocabulary's tokens, and no others.
+    out.loss.backward()
+    row_grads = drafter.embed_proj[2].weight.grad.abs().sum(-1)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[DRAFT_VOCAB] = False
+    assert (row_grads[DRAFT_VOCAB] > 0).all() and (row_grads[outside] == 0).all()
+
+
+def test_training_over_a_draft_vocab_learns_and_keeps_the_vocab(target, tmp_path):
+    config = TrainConfig(
+        total_steps=30, batch_size=2, num_anchors=4, learning_rate=1e-2, save_every=100, draft_vocab=True
+    )
+    with pytest.raises(ValueError, match="has none: give it one"):
+        train(tiny_drafter(target), target, toy_examples(), config, tmp_path / "none")
+    drafter = tiny_drafter(target)
+    drafter.set_draft_vocab(DRAFT_VOCAB)
+    trained = train(drafter, target, toy_examples(), config, tmp_path / "run")
+    _, final_before = fixed_batch_losses(tiny_drafter(target), target, DRAFT_VOCAB)
+    _, final_after = fixed_batch_losses(trained, target, DRAFT_VOCAB)
+    assert final_after < 0.8 * final_before
+    trained.save_pretrained(tmp_path / "saved")
+    reloaded = DominoForSpeculation.from_pretrained(tmp_path / "saved")
+    assert torch.equal(reloaded.draft_vocab, DRAFT_VOCAB)

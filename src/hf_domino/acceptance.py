@@ -8,6 +8,7 @@ any of them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,15 @@ def acceptance_from_cache_lengths(cache_lengths: Sequence[int], final_length: in
     """
     starts = [length + 1 for length in cache_lengths[1:]]
     return [end - start for start, end in zip(starts, [*starts[1:], final_length])]
+
+
+def block_anchors(prompt_length: int, lengths: Sequence[int]) -> list[int]:
+    """Position of each decoding forward's anchor (the last token before what it verifies) from its lengths.
+
+    The prefill produces the token at `prompt_length`; each later forward starts from the token the previous one
+    produced, so anchor i is `prompt_length + sum(lengths[:i])`. Every forward drafts a block under the fixed policy.
+    """
+    return list(itertools.accumulate(lengths[:-1], initial=prompt_length))
 
 
 def mean_acceptance_length(lengths: Sequence[int]) -> float:

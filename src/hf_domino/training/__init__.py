@@ -12,8 +12,9 @@ a base-anchored curriculum mixes the base and final losses. One module per job, 
   wrapped in `DominoTrainingModule`;
 - `loop`: `TrainConfig`, `train` (accelerate: CPU, GPU, DDP, FSDP), checkpoints and bit-for-bit resumption, the
   warm start `init_from_target_layers`, the logged metrics;
-- `evaluate`: `teacher_forced_metrics`, `evaluate_acceptance` (through `generate()`, counted by
-  `hf_domino.acceptance` like the benchmark), `read_log`, `plot_loss_curves`;
+- `evaluate`: `teacher_forced_metrics`, `teacher_forced_acceptance` (generate()'s own blocks, teacher-forced),
+  `evaluate_acceptance` (through `generate()`, counted by `hf_domino.acceptance` like the benchmark), `read_log`,
+  `plot_loss_curves`;
 - `command`: `hf-domino train` (argument parsing, building the drafter, `--eval-only`).
 """
 
@@ -29,15 +30,24 @@ from .data import (
     target_context_features,
     target_hidden_states,
 )
-from .evaluate import AcceptanceResult, evaluate_acceptance, plot_loss_curves, read_log, teacher_forced_metrics
+from .evaluate import (
+    AcceptanceResult,
+    evaluate_acceptance,
+    plot_loss_curves,
+    read_log,
+    teacher_forced_acceptance,
+    teacher_forced_metrics,
+)
 from .loop import TrainConfig, init_from_target_layers, latest_checkpoint, train
 from .loss import (
     DominoLossOutput,
     DominoTrainingModule,
+    accepted_lengths,
     block_attention_mask,
     curriculum_lambda,
     domino_losses,
     draft_logits,
+    draft_vocab_labels,
     position_weights,
     target_next_token_probs,
 )
@@ -52,12 +62,14 @@ __all__ = [
     "Example",
     "FeatureCache",
     "TrainConfig",
+    "accepted_lengths",
     "block_attention_mask",
     "build_block_inputs",
     "collate",
     "curriculum_lambda",
     "domino_losses",
     "draft_logits",
+    "draft_vocab_labels",
     "evaluate_acceptance",
     "init_from_target_layers",
     "latest_checkpoint",
@@ -71,6 +83,7 @@ __all__ = [
     "target_context_features",
     "target_hidden_states",
     "target_next_token_probs",
+    "teacher_forced_acceptance",
     "teacher_forced_metrics",
     "train",
     "unpack",

@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from .. import assets
 from ..configuration_domino import DominoConfig
-from ..modeling_domino import DominoForSpeculation
+from ..modeling_domino import DRAFT_VOCAB_FILE, DominoForSpeculation
 from .data import Example, FeatureCache, load_examples
 from .evaluate import evaluate_acceptance
 from .loop import CHECKPOINT_PREFIX, TrainConfig, init_from_target_layers, latest_checkpoint, train
@@ -89,6 +91,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="Distill the target's next-token distribution: this share of each cross-entropy reads it (0 to 1).",
     )
+    optim.add_argument(
+        "--draft-vocab",
+        type=Path,
+        help="Train and score drafts over this draft vocabulary only (a draft_vocab.safetensors file, or a drafter "
+        "folder with one; `hf-domino draft-vocab` builds it): cuts the LM head's share of each step. The trained "
+        "drafter keeps it.",
+    )
     optim.add_argument("--seed", type=int, default=0)
     optim.add_argument("--log-every", type=int, default=10)
     optim.add_argument("--save-every", type=int, default=100)
@@ -128,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             "--kl-weight needs the target's last hidden state, which --feature-cache does not store: drop one of them."
         )
+    vocab_file = _draft_vocab_file(args.draft_vocab) if args.draft_vocab else None
     target_model, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, device="cpu")
     if args.eval_only:
         return _run_eval(args, target_model, tokenizer)
@@ -135,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--data is required for training.")
 
     drafter = _drafter_from_args(args, target_model)
+    if vocab_file is not None:
+        drafter.set_draft_vocab(load_file(vocab_file)["draft_vocab"])
     examples, validation = _examples_from_args(args)
     feature_cache = None
     if args.feature_cache:
@@ -155,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         max_grad_norm=args.max_grad_norm,
         curriculum=not args.no_curriculum,
         kl_weight=args.kl_weight,
+        draft_vocab=vocab_file is not None,
         seed=args.seed,
         log_every=args.log_every,
         save_every=args.save_every,
@@ -187,6 +200,23 @@ def run(args: argparse.Namespace) -> int:
                 base_model = "HuggingFaceTB/SmolLM2-135M-Instruct" if args.target == "smollm2" else args.target
                 export_drafter(drafter, args.export_dir, base_model=base_model, overwrite=True)
     return 0
+
+
+def _draft_vocab_file(path: Path) -> Path:
+    """`--draft-vocab`: the vocabulary file itself, or the one inside a drafter folder; checked before any loading."""
+    file = path / DRAFT_VOCAB_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise SystemExit(f"--draft-vocab {path}: no such file. Build one with `hf-domino draft-vocab`.")
+    try:
+        with safe_open(file, "pt") as handle:
+            names = set(handle.keys())
+    except Exception as error:  # safetensors raises its own error types for files that are not safetensors
+        raise SystemExit(f"--draft-vocab {file} is not a safetensors file ({error}).") from error
+    if "draft_vocab" not in names:
+        raise SystemExit(
+            f"--draft-vocab {file} holds no `draft_vocab` tensor; build one with `hf-domino draft-vocab`."
+        )
+    return file
 
 
 def _examples_from_args(args: argparse.Namespace) -> tuple[list[Example], list[Example]]:

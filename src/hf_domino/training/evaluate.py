@@ -25,9 +25,9 @@ from .. import assets
 from ..acceptance import generate_with_acceptance, mean_acceptance_length
 from ..assets import Messages
 from ..modeling_domino import DominoForSpeculation, TargetModules
-from .data import Example
+from .data import Example, build_block_inputs, target_context_features
 from .loop import TrainConfig, held_out_window, metrics_record
-from .loss import DominoTrainingModule
+from .loss import DominoTrainingModule, accepted_lengths, draft_logits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -55,6 +55,46 @@ def teacher_forced_metrics(
     window = held_out_window(accelerator, module, target_model, examples, config, 0.0, pad_token_id)
     record = metrics_record(accelerator, window, 0, 0.0, 0.0, 0.0, time.perf_counter())
     return {key: record[key] for key in TEACHER_FORCED_KEYS}
+
+
+@torch.no_grad()
+def teacher_forced_acceptance(
+    drafter: DominoForSpeculation,
+    target_model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    anchors: Sequence[int],
+    draft_vocab: bool = True,
+) -> list[int]:
+    """Tokens per target forward of a block at each of `anchors`, teacher-forced on the sequence `input_ids` `[1, T]`.
+
+    Each block drafts every draft the sequence still has room for, with the target's features of the tokens before
+    its anchor, and counts 1 + its leading drafts that match the sequence. On the output of a greedy
+    `generate(..., assistant_model=drafter, draft_policy="fixed")` at its anchors (`acceptance.block_anchors`) this
+    is generate()'s own acceptance, block for block: training's teacher forcing drafts exactly as inference does.
+    Except the last block when generation stopped at `max_new_tokens`: generate() then drafts only what fits.
+    `draft_vocab` as in generate(): over the drafter's draft vocabulary when it has one.
+    """
+    config = drafter.config
+    input_ids = input_ids.to(drafter.device)
+    attention_mask = torch.ones_like(input_ids)
+    features = target_context_features(target_model, input_ids, attention_mask, config.target_layer_ids)
+    anchor_ids = torch.tensor([list(anchors)], device=input_ids.device)
+    blocks = build_block_inputs(
+        input_ids,
+        attention_mask,  # every token after an anchor is a label: generate() verifies whatever follows
+        anchor_ids,
+        torch.ones_like(anchor_ids, dtype=torch.bool),
+        block_size=config.block_size,
+        num_drafts=config.num_drafts,
+        mask_token_id=config.mask_token_id,
+    )
+    vocab = drafter.draft_vocab if draft_vocab else None
+    target_modules = TargetModules.from_target(target_model)
+    _, final_logits = draft_logits(drafter, target_modules, features, attention_mask, blocks, anchor_ids, vocab=vocab)
+    index = final_logits.argmax(-1)
+    drafts = index if vocab is None else vocab[index]
+    labels, label_mask = blocks.labels[0], blocks.label_mask[0]
+    return accepted_lengths((drafts == labels) & label_mask, torch.ones_like(label_mask[:, 0])).tolist()
 
 
 @dataclass

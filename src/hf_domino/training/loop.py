@@ -60,6 +60,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     curriculum: bool = True
     kl_weight: float = 0.0  # share of the loss that distills the target's whole next-token distribution
+    draft_vocab: bool = False  # train and score drafts over the drafter's draft vocabulary only (FR-Spec)
     seed: int = 0
     log_every: int = 10
     save_every: int = 100
@@ -241,6 +242,11 @@ def train(
     """
     from accelerate import Accelerator
 
+    if config.draft_vocab and drafter.draft_vocab is None:
+        raise ValueError(
+            "TrainConfig(draft_vocab=True) trains over the drafter's draft vocabulary, but it has none: give it one "
+            "with drafter.set_draft_vocab(...) (`hf-domino train --draft-vocab FILE`)."
+        )
     if accelerator is None:
         accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
     output_dir = Path(output_dir)
@@ -261,7 +267,8 @@ def train(
         weight_decay=config.weight_decay,
     )
     scheduler = cosine_schedule(optimizer, config.total_steps, config.warmup_ratio)
-    module = DominoTrainingModule(drafter, TargetModules.from_target(target_model))
+    vocab = drafter.draft_vocab if config.draft_vocab else None
+    module = DominoTrainingModule(drafter, TargetModules.from_target(target_model), vocab)
     module, optimizer = accelerator.prepare(module, optimizer)
     # The scheduler stays unprepared (accelerate's wrapper steps it once per process, which breaks the schedule);
     # registering it puts it in the checkpoints all the same.

@@ -13,6 +13,9 @@
   label's position (`target_next_token_probs`, from the target's last hidden state and its LM head, so no logits are
   stored), which says more per token than the one greedy label. Up to a constant (the target's entropy) this is
   the KL divergence from the target's distribution to the draft's.
+- Draft vocabulary (`vocab`): the logits, and so the LM-head cost of training, cover only the drafter's draft
+  vocabulary, exactly what drafting computes with one (FR-Spec). A label outside it can never be drafted: it counts
+  as a miss and takes no loss (`draft_vocab_labels`).
 
 `DominoTrainingModule` puts it all in one `forward`, the module that DDP/FSDP wrap.
 """
@@ -86,6 +89,11 @@ class DominoLossOutput:
     num_blocks: torch.Tensor  # valid blocks
 
 
+def accepted_lengths(hits: torch.BoolTensor, block_valid: torch.BoolTensor) -> torch.LongTensor:
+    """Tokens each block adds when verified greedily: 1 + its leading correct drafts (`hits` `[N, D]`); 0 if invalid."""
+    return (hits.long().cumprod(dim=1).sum(dim=1) + 1) * block_valid
+
+
 def domino_losses(
     base_logits: torch.Tensor,
     final_logits: torch.Tensor,
@@ -100,7 +108,8 @@ def domino_losses(
 
     Args:
         base_logits, final_logits: `[N, D, V]` for N blocks (float32 is best: the vocabulary is large).
-        labels, label_mask: `[N, D]`.
+        labels, label_mask: `[N, D]`; a label of -1 (outside a draft vocabulary, `draft_vocab_labels`) is counted
+            but is never a hit and takes no loss.
         weights: `[D]`, see `position_weights`.
         lam: base-loss weight, see `curriculum_lambda`.
         target_probs: `[N, D, V]`, the target's next-token distribution at each label (`target_next_token_probs`);
@@ -110,11 +119,12 @@ def domino_losses(
     if kl_weight > 0 and target_probs is None:
         raise ValueError("kl_weight > 0 needs the target's next-token distribution (target_probs).")
     mask = label_mask.float()
-    weight = weights.view(1, -1) * mask
+    weight = weights.view(1, -1) * (label_mask & (labels >= 0))
     denominator = weight.sum().clamp(min=1e-6)
+    loss_labels = labels.clamp(min=0)
 
     def weighted_ce(logits: torch.Tensor) -> torch.Tensor:
-        ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+        ce = F.cross_entropy(logits.float().flatten(0, 1), loss_labels.flatten(), reduction="none").view(labels.shape)
         if kl_weight > 0:
             soft = -(target_probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)
             ce = (1.0 - kl_weight) * ce + kl_weight * soft
@@ -126,7 +136,7 @@ def domino_losses(
         base_hit = (base_logits.argmax(-1) == labels) & label_mask
         final_hit = (final_logits.argmax(-1) == labels) & label_mask
         block_valid = label_mask[:, 0]
-        accepted = (final_hit.long().cumprod(dim=1).sum(dim=1) + 1) * block_valid
+        accepted = accepted_lengths(final_hit, block_valid)
     return DominoLossOutput(
         loss=(1.0 - lam) * final_loss + lam * base_loss,
         base_loss=base_loss,
@@ -147,11 +157,13 @@ def draft_logits(
     blocks: BlockInputs,
     anchors: torch.LongTensor,
     mask_dtype: torch.dtype = torch.float32,
+    vocab: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced base and final logits of every draft of every block, `[b * m, D, V]` each.
 
     All blocks of the batch share one backbone forward; the head then runs on the ground-truth block tokens, so its
-    sequential GRU becomes one `nn.GRU` call over `[anchor, y_0, ..., y_{D-2}]`.
+    sequential GRU becomes one `nn.GRU` call over `[anchor, y_0, ..., y_{D-2}]`. With `vocab` (draft vocabulary token
+    ids) the logits cover those tokens only, `[b * m, D, len(vocab)]`.
     """
     config = drafter.config
     batch_size, num_blocks, block_size = blocks.block_ids.shape
@@ -162,7 +174,7 @@ def draft_logits(
     attention_mask = block_attention_mask(anchors, context_mask, block_size, dtype=mask_dtype)
     block_hidden = drafter(block_embeds, context_features, position_ids, attention_mask=attention_mask)
     draft_hidden = drafter.draft_hidden_states(block_hidden.view(batch_size * num_blocks, block_size, -1))
-    base_logits = target_modules.logits(draft_hidden).float()
+    base_logits = target_modules.logits(draft_hidden, vocab).float()
     if not config.has_domino_head:
         return base_logits, base_logits
 
@@ -170,7 +182,7 @@ def draft_logits(
     gru_inputs = target_modules.embed(blocks.gru_ids.flatten(0, 1), gru_weight.dtype, gru_weight.device)
     # Output k of the GRU is its state after reading anchor, y_0 .. y_{k-1}: exactly what draft k sees at inference.
     states, _ = drafter.prefix_gru(gru_inputs)
-    correction = drafter.logit_correction(draft_hidden, states.transpose(0, 1)).float()
+    correction = drafter.logit_correction(draft_hidden, states.transpose(0, 1), vocab).float()
     head_on = torch.arange(correction.shape[1], device=correction.device) >= config.pure_draft_prefix_len
     final_logits = base_logits + correction * head_on.view(1, -1, 1)
     return base_logits, final_logits
@@ -178,32 +190,51 @@ def draft_logits(
 
 @torch.no_grad()
 def target_next_token_probs(
-    target_modules: TargetModules, last_hidden: torch.Tensor, anchors: torch.LongTensor, num_drafts: int
+    target_modules: TargetModules,
+    last_hidden: torch.Tensor,
+    anchors: torch.LongTensor,
+    num_drafts: int,
+    vocab: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The target's next-token distribution for every draft label, `[b * m, D, V]` (float32).
 
     Draft k's label is the token at `anchor + k + 1`, which the target predicts from position `anchor + k`: its
     (final-norm) hidden state there, through the target's own LM head, gives the distribution without storing logits.
+    With `vocab`, the probabilities of those tokens only (not renormalized: their soft cross-entropy against draft
+    logits over `vocab` is lowest at the target's distribution restricted to them).
     """
     batch_size, num_blocks = anchors.shape
     positions = anchors.unsqueeze(-1) + torch.arange(num_drafts, device=anchors.device)  # [b, m, D]
     positions = positions.clamp(max=last_hidden.shape[1] - 1).view(batch_size, -1, 1)
     hidden = last_hidden.gather(1, positions.expand(-1, -1, last_hidden.shape[-1]))
     logits = target_modules.logits(hidden).float().view(batch_size * num_blocks, num_drafts, -1)
-    return logits.softmax(dim=-1)
+    probs = logits.softmax(dim=-1)
+    return probs if vocab is None else probs[..., vocab.to(probs.device)]
+
+
+def draft_vocab_labels(labels: torch.LongTensor, vocab: torch.Tensor) -> torch.LongTensor:
+    """Token ids -> their index in the draft vocabulary `vocab`, or -1 for tokens outside it."""
+    vocab = vocab.to(labels.device)
+    index = torch.full((max(int(vocab.max()), int(labels.max())) + 1,), -1, dtype=torch.long, device=labels.device)
+    index[vocab] = torch.arange(vocab.numel(), device=labels.device)
+    return index[labels]
 
 
 class DominoTrainingModule(nn.Module):
     """Wraps a drafter so that one `forward` computes the losses: what DDP/FSDP wrap and `accelerate` prepares.
 
     The frozen target modules are kept as a plain attribute (not a submodule), so they are neither trained, synced,
-    sharded nor saved with the drafter.
+    sharded nor saved with the drafter. With `vocab` (draft vocabulary token ids) drafts are trained and scored over
+    those tokens only.
     """
 
-    def __init__(self, drafter: DominoForSpeculation, target_modules: TargetModules):
+    def __init__(
+        self, drafter: DominoForSpeculation, target_modules: TargetModules, vocab: torch.Tensor | None = None
+    ):
         super().__init__()
         self.drafter = drafter
         self.target_modules = target_modules
+        self.vocab = vocab
 
     def forward(
         self,
@@ -228,19 +259,23 @@ class DominoTrainingModule(nn.Module):
             num_drafts=config.num_drafts,
             mask_token_id=config.mask_token_id,
         )
+        vocab = None if self.vocab is None else self.vocab.to(input_ids.device)
         base_logits, final_logits = draft_logits(
-            self.drafter, self.target_modules, context_features, attention_mask, blocks, anchors, mask_dtype
+            self.drafter, self.target_modules, context_features, attention_mask, blocks, anchors, mask_dtype, vocab
         )
         weights = position_weights(config.num_drafts, config.block_size, device=base_logits.device)
         target_probs = None
         if kl_weight > 0:
             if target_last_hidden is None:
                 raise ValueError("kl_weight > 0 needs the target's last hidden state (target_last_hidden).")
-            target_probs = target_next_token_probs(self.target_modules, target_last_hidden, anchors, config.num_drafts)
+            target_probs = target_next_token_probs(
+                self.target_modules, target_last_hidden, anchors, config.num_drafts, vocab
+            )
+        labels = blocks.labels.flatten(0, 1)
         return domino_losses(
             base_logits,
             final_logits,
-            blocks.labels.flatten(0, 1),
+            labels if vocab is None else draft_vocab_labels(labels, vocab),
             blocks.label_mask.flatten(0, 1),
             weights,
             lam,

@@ -86,8 +86,11 @@ def vocab_rows(weight: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
     """`weight[vocab]`, cached: the rows of an output projection for a draft vocabulary (FR-Spec).
 
     Gathering them costs as much as a few draft blocks, so they are kept per (weight, its in-place version, vocab)
-    for the process; a handful of entries covers every drafter/target pair in use.
+    for the process; a handful of entries covers every drafter/target pair in use. A weight being trained gets a
+    differentiable gather instead: it changes every step, and its gradient must reach the rows.
     """
+    if weight.requires_grad and torch.is_grad_enabled():
+        return weight[vocab.to(weight.device)]
     key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.device, vocab.data_ptr(), vocab.numel())
     rows = _VOCAB_ROWS.get(key)
     if rows is None:
