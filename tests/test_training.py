@@ -438,6 +438,11 @@ def test_target_next_token_probs_are_the_targets_distribution_before_each_label(
     )
     anchors, _ = sample_anchors(batch.loss_mask, 3, torch.Generator().manual_seed(0))
     probs = target_next_token_probs(TargetModules.from_target(target), last_hidden, anchors, BLOCK)
+    vocab = torch.tensor([3, 7, 20, 41])  # over a draft vocabulary: the same probabilities, its columns only
+    torch.testing.assert_close(
+        target_next_token_probs(TargetModules.from_target(target), last_hidden, anchors, BLOCK, vocab),
+        probs[..., vocab],
+    )
     with torch.no_grad():
         logits = target(batch.input_ids, attention_mask=batch.attention_mask).logits
     labels = build_block_inputs(
@@ -527,6 +532,16 @@ def test_training_over_a_draft_vocab_scores_exactly_its_columns(target):
     hits = (final.argmax(-1) + 3 == labels) & mask & inside
     torch.testing.assert_close(out.final_correct, hits.sum(0).float())
     torch.testing.assert_close(out.counts, mask.sum(0).float())
+
+    # Distilling over the vocabulary reads the target's probabilities of its tokens, on the same drafts.
+    _, last_hidden = target_hidden_states(target, batch.input_ids, batch.attention_mask, [1, 2])
+    probs = target_next_token_probs(target_modules, last_hidden, anchors, BLOCK, DRAFT_VOCAB)
+    distilled = DominoTrainingModule(drafter, target_modules, DRAFT_VOCAB)(
+        batch.input_ids, batch.loss_mask, batch.attention_mask, features, anchors, valid, 0.0,
+        target_last_hidden=last_hidden, kl_weight=1.0,
+    )  # fmt: skip
+    soft = -(probs * final.log_softmax(-1)).sum(-1)
+    torch.testing.assert_close(distilled.final_loss, (soft * weight).sum() / weight.sum())
 
     # The head's gradient reaches the correction rows of the draft vocabulary's tokens, and no others.
     out.loss.backward()
