@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from hf_domino import DominoForSpeculation, TargetModules
-from hf_domino.assets import load_smollm2, pad_token_id
+from hf_domino import TargetModules
+from hf_domino.assets import load_drafter, load_smollm2, pad_token_id
 from hf_domino.training import DominoTrainingModule, collate, load_examples, sample_anchors, target_hidden_states
 
 
@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer = load_smollm2()
-    drafter = DominoForSpeculation.from_pretrained(args.drafter, dtype=torch.float32).train()
+    drafter = load_drafter(args.drafter).train()
     if drafter.draft_vocab is None:
         raise SystemExit(f"{args.drafter} has no draft vocabulary; build one with `hf-domino draft-vocab`.")
     batch = collate(load_examples(args.data, max_length=640)[: args.batch_size], pad_token_id(target, tokenizer))

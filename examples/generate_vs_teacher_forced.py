@@ -16,9 +16,8 @@ import argparse
 
 import torch
 
-from hf_domino import DominoForSpeculation
 from hf_domino.acceptance import block_anchors, generate_with_acceptance, mean_acceptance_length
-from hf_domino.assets import load_smollm2, pad_token_id
+from hf_domino.assets import load_drafter, load_smollm2, pad_token_id
 from hf_domino.training import Example, TrainConfig, load_examples, teacher_forced_acceptance, teacher_forced_metrics
 
 
@@ -34,7 +33,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target, tokenizer = load_smollm2()
     pad = pad_token_id(target, tokenizer)
-    drafter = DominoForSpeculation.from_pretrained(args.drafter, dtype=torch.float32).eval()
+    drafter = load_drafter(args.drafter)
     examples = load_examples(args.data, max_length=640)[args.skip : args.skip + args.num_examples]
     lengths, same_anchors, scored = [], [], []
     for example in examples:

@@ -14,8 +14,7 @@ import argparse
 
 import torch
 
-from hf_domino import DominoForSpeculation
-from hf_domino.assets import load_smollm2
+from hf_domino.assets import load_drafter, load_smollm2
 from hf_domino.training import TrainConfig, load_examples, teacher_forced_metrics
 
 
@@ -29,7 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer = load_smollm2()
-    drafter = DominoForSpeculation.from_pretrained(args.drafter, dtype=torch.float32).eval()
+    drafter = load_drafter(args.drafter)
     config = TrainConfig(num_anchors=32, max_length=args.max_length)
     print("| examples | base loss | final loss | draft-0 acc | final acc, drafts 1-5 | teacher-forced tau |")
     print("| --- | --- | --- | --- | --- | --- |")

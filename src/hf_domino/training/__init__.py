@@ -47,7 +47,7 @@ from .loss import (
     curriculum_lambda,
     domino_losses,
     draft_logits,
-    draft_vocab_labels,
+    draft_vocab_index,
     position_weights,
     target_next_token_probs,
 )
@@ -69,7 +69,7 @@ __all__ = [
     "curriculum_lambda",
     "domino_losses",
     "draft_logits",
-    "draft_vocab_labels",
+    "draft_vocab_index",
     "evaluate_acceptance",
     "init_from_target_layers",
     "latest_checkpoint",

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from .. import assets
@@ -137,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             "--kl-weight needs the target's last hidden state, which --feature-cache does not store: drop one of them."
         )
-    vocab_file = _draft_vocab_file(args.draft_vocab) if args.draft_vocab else None
+    draft_vocab = _read_draft_vocab(args.draft_vocab) if args.draft_vocab else None
     target_model, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, device="cpu")
     if args.eval_only:
         return _run_eval(args, target_model, tokenizer)
@@ -145,8 +144,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--data is required for training.")
 
     drafter = _drafter_from_args(args, target_model)
-    if vocab_file is not None:
-        drafter.set_draft_vocab(load_file(vocab_file)["draft_vocab"])
+    if draft_vocab is not None:
+        drafter.set_draft_vocab(draft_vocab)
     examples, validation = _examples_from_args(args)
     feature_cache = None
     if args.feature_cache:
@@ -167,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         max_grad_norm=args.max_grad_norm,
         curriculum=not args.no_curriculum,
         kl_weight=args.kl_weight,
-        draft_vocab=vocab_file is not None,
+        draft_vocab=draft_vocab is not None,
         seed=args.seed,
         log_every=args.log_every,
         save_every=args.save_every,
@@ -202,21 +201,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _draft_vocab_file(path: Path) -> Path:
-    """`--draft-vocab`: the vocabulary file itself, or the one inside a drafter folder; checked before any loading."""
+def _read_draft_vocab(path: Path) -> torch.Tensor:
+    """`--draft-vocab`: the token ids in the file itself, or in the one inside a drafter folder; read before any loading."""
     file = path / DRAFT_VOCAB_FILE if path.is_dir() else path
     if not file.is_file():
         raise SystemExit(f"--draft-vocab {path}: no such file. Build one with `hf-domino draft-vocab`.")
     try:
-        with safe_open(file, "pt") as handle:
-            names = set(handle.keys())
+        tensors = load_file(file)
     except Exception as error:  # safetensors raises its own error types for files that are not safetensors
         raise SystemExit(f"--draft-vocab {file} is not a safetensors file ({error}).") from error
-    if "draft_vocab" not in names:
+    if "draft_vocab" not in tensors:
         raise SystemExit(
             f"--draft-vocab {file} holds no `draft_vocab` tensor; build one with `hf-domino draft-vocab`."
         )
-    return file
+    return tensors["draft_vocab"]
 
 
 def _examples_from_args(args: argparse.Namespace) -> tuple[list[Example], list[Example]]:

@@ -27,7 +27,7 @@ from ..assets import Messages
 from ..modeling_domino import DominoForSpeculation, TargetModules
 from .data import Example, build_block_inputs, target_context_features
 from .loop import TrainConfig, held_out_window, metrics_record
-from .loss import DominoTrainingModule, accepted_lengths, draft_logits
+from .loss import DominoTrainingModule, accepted_lengths, draft_logits, draft_vocab_index
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -91,10 +91,11 @@ def teacher_forced_acceptance(
     vocab = drafter.draft_vocab if draft_vocab else None
     target_modules = TargetModules.from_target(target_model)
     _, final_logits = draft_logits(drafter, target_modules, features, attention_mask, blocks, anchor_ids, vocab=vocab)
-    index = final_logits.argmax(-1)
-    drafts = index if vocab is None else vocab[index]
     labels, label_mask = blocks.labels[0], blocks.label_mask[0]
-    return accepted_lengths((drafts == labels) & label_mask, torch.ones_like(label_mask[:, 0])).tolist()
+    if vocab is not None:  # compared as columns of the draft-vocabulary logits, as training scores them
+        labels = draft_vocab_index(vocab, config.vocab_size)[labels]
+    hits = (final_logits.argmax(-1) == labels) & label_mask
+    return accepted_lengths(hits, torch.ones_like(label_mask[:, 0])).tolist()
 
 
 @dataclass

@@ -15,7 +15,7 @@
   the KL divergence from the target's distribution to the draft's.
 - Draft vocabulary (`vocab`): the logits, and so the LM-head cost of training, cover only the drafter's draft
   vocabulary, exactly what drafting computes with one (FR-Spec). A label outside it can never be drafted: it counts
-  as a miss and takes no loss (`draft_vocab_labels`).
+  as a miss and takes no loss (`draft_vocab_index`).
 
 `DominoTrainingModule` puts it all in one `forward`, the module that DDP/FSDP wrap.
 """
@@ -108,7 +108,7 @@ def domino_losses(
 
     Args:
         base_logits, final_logits: `[N, D, V]` for N blocks (float32 is best: the vocabulary is large).
-        labels, label_mask: `[N, D]`; a label of -1 (outside a draft vocabulary, `draft_vocab_labels`) is counted
+        labels, label_mask: `[N, D]`; a label of -1 (outside a draft vocabulary, `draft_vocab_index`) is counted
             but is never a hit and takes no loss.
         weights: `[D]`, see `position_weights`.
         lam: base-loss weight, see `curriculum_lambda`.
@@ -212,12 +212,14 @@ def target_next_token_probs(
     return probs if vocab is None else probs[..., vocab.to(probs.device)]
 
 
-def draft_vocab_labels(labels: torch.LongTensor, vocab: torch.Tensor) -> torch.LongTensor:
-    """Token ids -> their index in the draft vocabulary `vocab`, or -1 for tokens outside it."""
-    vocab = vocab.to(labels.device)
-    index = torch.full((max(int(vocab.max()), int(labels.max())) + 1,), -1, dtype=torch.long, device=labels.device)
-    index[vocab] = torch.arange(vocab.numel(), device=labels.device)
-    return index[labels]
+def draft_vocab_index(vocab: torch.Tensor, vocab_size: int) -> torch.LongTensor:
+    """`[vocab_size]` table from token id to its column in logits over the draft vocabulary `vocab`, -1 outside it.
+
+    Built once per run: indexing it with labels maps them without a host sync on every step.
+    """
+    index = torch.full((vocab_size,), -1, dtype=torch.long, device=vocab.device)
+    index[vocab] = torch.arange(vocab.numel(), device=vocab.device)
+    return index
 
 
 class DominoTrainingModule(nn.Module):
@@ -235,6 +237,7 @@ class DominoTrainingModule(nn.Module):
         self.drafter = drafter
         self.target_modules = target_modules
         self.vocab = vocab
+        self.vocab_index = None if vocab is None else draft_vocab_index(vocab, drafter.config.vocab_size)
 
     def forward(
         self,
@@ -259,9 +262,15 @@ class DominoTrainingModule(nn.Module):
             num_drafts=config.num_drafts,
             mask_token_id=config.mask_token_id,
         )
-        vocab = None if self.vocab is None else self.vocab.to(input_ids.device)
         base_logits, final_logits = draft_logits(
-            self.drafter, self.target_modules, context_features, attention_mask, blocks, anchors, mask_dtype, vocab
+            self.drafter,
+            self.target_modules,
+            context_features,
+            attention_mask,
+            blocks,
+            anchors,
+            mask_dtype,
+            self.vocab,
         )
         weights = position_weights(config.num_drafts, config.block_size, device=base_logits.device)
         target_probs = None
@@ -269,13 +278,13 @@ class DominoTrainingModule(nn.Module):
             if target_last_hidden is None:
                 raise ValueError("kl_weight > 0 needs the target's last hidden state (target_last_hidden).")
             target_probs = target_next_token_probs(
-                self.target_modules, target_last_hidden, anchors, config.num_drafts, vocab
+                self.target_modules, target_last_hidden, anchors, config.num_drafts, self.vocab
             )
         labels = blocks.labels.flatten(0, 1)
         return domino_losses(
             base_logits,
             final_logits,
-            labels if vocab is None else draft_vocab_labels(labels, vocab),
+            labels if self.vocab_index is None else self.vocab_index[labels],
             blocks.label_mask.flatten(0, 1),
             weights,
             lam,
