@@ -80,3 +80,59 @@ def test_shipped_drafter_greedy_identical_on_mtbench(smollm2, shipped_drafter, h
         with shipped_drafter.domino_head(head):
             output = target.generate(input_ids, max_new_tokens=96, do_sample=False, assistant_model=shipped_drafter)
         assert torch.equal(output, expected)
+
+
+def test_shipped_drafter_serves_a_padded_batch_losslessly(smollm2, shipped_drafter):
+    """Rows of different lengths, left-padded, through the batched loop: each row is the target alone's."""
+    target, tokenizer = smollm2
+    tokenizer.padding_side = "left"
+    texts = [
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        for messages in load_mtbench(limit=3)
+    ]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    assert len(set(batch["attention_mask"].sum(dim=-1).tolist())) == 3
+    expected = target.generate(**batch, max_new_tokens=40, do_sample=False)
+    for policy in ("fixed", "adaptive"):
+        output = target.generate(
+            **batch, max_new_tokens=40, do_sample=False, assistant_model=shipped_drafter, draft_policy=policy
+        )
+        assert torch.equal(output, expected), policy
+        if policy == "fixed":
+            assert shipped_drafter.last_generation_stats.mean_acceptance_length > 1.0
+
+
+PIPELINE_SCRIPT = """
+import torch
+import hf_domino
+from hf_domino import DominoForSpeculation, generation_domino
+from hf_domino.assets import SHIPPED_DRAFTER, load_smollm2
+from transformers import pipeline
+
+batched_calls = []
+original = generation_domino.batched_assisted_decoding
+generation_domino.batched_assisted_decoding = lambda *a, **k: batched_calls.append(a[1].shape) or original(*a, **k)
+
+target, tokenizer = load_smollm2()
+tokenizer.padding_side = "left"
+drafter = DominoForSpeculation.from_pretrained(SHIPPED_DRAFTER).to(target.dtype)
+prompts = [[{"role": "user", "content": c}] for c in ("What is 2+2?", "Name three colours, please.", "Say hi.")]
+plain = pipeline("text-generation", model=target, tokenizer=tokenizer)
+assisted = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter)
+expected = plain(prompts, batch_size=3, max_new_tokens=16, do_sample=False)
+output = assisted(prompts, batch_size=3, max_new_tokens=16, do_sample=False)
+assert output == expected, (output, expected)
+assert len(batched_calls) == 1 and batched_calls[0][0] == 3, batched_calls
+print("ok")
+"""
+
+
+def test_pipeline_with_batch_size_in_a_plain_script(tmp_path):
+    """pipeline(..., assistant_model=drafter) over a list of prompts with batch_size, as a user's script runs it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "pipeline_batch.py"
+    script.write_text(PIPELINE_SCRIPT)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import platform
 from pathlib import Path
@@ -19,6 +20,7 @@ import transformers
 
 from . import assets
 from .measure import METHODS, BenchSettings, parse_method, run_benchmark
+from .measure_batch import BATCH_METHODS, batch_markdown, parse_batch_method, run_batch_benchmark
 from .report import markdown_report, write_report
 
 
@@ -54,6 +56,16 @@ def _methods(value: str) -> list[str]:
     return methods
 
 
+def _batch_sizes(value: str) -> list[int]:
+    try:
+        sizes = [int(size) for size in value.split(",") if size.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"batch sizes are comma-separated integers, got {value!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {value!r}")
+    return sizes
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2", help="'smollm2' (offline SmolLM2-135M-Instruct) or a path")
     parser.add_argument("--drafter", default=None, help=f"drafter folder (default: {assets.SHIPPED_DRAFTER})")
@@ -82,6 +94,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--warmup-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--batch-size",
+        type=_batch_sizes,
+        default=None,
+        help="comma-separated batch sizes, e.g. 1,2,4,8: batched generation (left-padded groups of the prompts) with "
+        "the drafter against the batched target alone, instead of the per-prompt methods",
+    )
+    parser.add_argument(
+        "--batch-methods",
+        default=",".join(BATCH_METHODS),
+        help="with --batch-size: target, domino (adaptive, one k per batch), domino_rowk (adaptive, k per row), "
+        "domino_k<N> (fixed)",
+    )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--output-dir", default=None, help="default: runs/bench/<prompts>-T<temperature>")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
@@ -93,7 +118,7 @@ def command_line(args: argparse.Namespace) -> str:
     for key, value in vars(args).items():
         if key in ("module_name", "command", "progress") or value is None or value is False:
             continue
-        value = ",".join(value) if isinstance(value, list) else value
+        value = ",".join(map(str, value)) if isinstance(value, list) else value
         parts.append(f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}"))
     return " ".join(parts)
 
@@ -108,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
     if args.temperature > 0 and "manual" in methods:
         print(f"Skipping manual at temperature {args.temperature}: greedy only.")
         methods.remove("manual")
+    if args.batch_size:
+        return run_batches(args, metadata, dtype)
     needs_drafter = any(parse_method(m).uses_drafter for m in methods)
     try:
         drafter = None
@@ -148,4 +175,40 @@ def run(args: argparse.Namespace) -> int:
     paths = write_report(result, output_dir)
     print(markdown_report(result))
     print("Wrote " + ", ".join(str(path) for path in paths.values()))
+    return 0
+
+
+def run_batches(args: argparse.Namespace, metadata: dict[str, Any], dtype: torch.dtype) -> int:
+    """`--batch-size`: batched generation with the drafter against the batched target alone, per batch size."""
+    methods = [m.strip() for m in args.batch_methods.split(",") if m.strip()]
+    for method in methods:
+        try:
+            parse_batch_method(method)
+        except ValueError as error:
+            raise SystemExit(f"hf-domino bench: --batch-methods: {error}") from None
+    if max(args.batch_size) > args.num_prompts:
+        raise SystemExit(f"hf-domino bench: --batch-size {max(args.batch_size)} needs --num-prompts at least that.")
+    drafter = assets.load_drafter(args.drafter, dtype=dtype, random_weights=args.random_weights, seed=args.seed)
+    target, tokenizer = assets.load_target(args.target, dtype=dtype)
+    drafter.to(target.device)
+    conversations = assets.load_prompts(args.prompts, args.num_prompts)
+    rows = run_batch_benchmark(
+        target,
+        tokenizer,
+        drafter,
+        conversations,
+        args.batch_size,
+        methods,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        warmup_tokens=args.warmup_tokens,
+        seed=args.seed,
+    )
+    table = batch_markdown(rows)
+    output_dir = Path(args.output_dir or f"runs/bench/batch-{Path(args.prompts).stem}-T{args.temperature:g}")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    report = {"command": command_line(args), **metadata, "rows": [vars(row) for row in rows]}
+    (output_dir / "batch.json").write_text(json.dumps(report, indent=2))
+    print(f"`{report['command']}`\n\n{table}")
+    print(f"Wrote {output_dir / 'batch.json'}")
     return 0

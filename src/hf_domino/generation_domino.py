@@ -20,6 +20,7 @@ This file is also written next to exported checkpoints as remote code, so it imp
 from __future__ import annotations
 
 import contextvars
+import copy
 import dataclasses
 import functools
 import importlib
@@ -34,6 +35,7 @@ from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
+from .batching_domino import batched_assisted_decoding
 from .drafting_domino import (
     BlockDraft,
     DrafterContext,
@@ -194,10 +196,10 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
         )
     if generation_config is None:
         return
-    if generation_config.num_return_sequences and generation_config.num_return_sequences > 1:
+    if generation_config.num_beams is not None and generation_config.num_beams > 1:
         raise ValueError(
-            "Domino drafting verifies one sequence at a time: num_return_sequences must be 1. Call generate() "
-            "several times (with do_sample=True) for several samples."
+            f"num_beams={generation_config.num_beams}: beam search cannot be verified with a drafter (transformers "
+            "would silently ignore it). Use num_beams=1 with the drafter, or drop assistant_model for beam search."
         )
     if generation_config.cache_implementation in STATIC_CACHES:
         raise ValueError(
@@ -464,8 +466,10 @@ _REQUIRED_PARAMETERS = {
         "assistant_model",
     ),
 }
-# Where the options travel from `_extract_generation_mode_kwargs` to `_assisted_decoding`.
+# Where the options travel from `_extract_generation_mode_kwargs` to `_assisted_decoding`, and whether the call
+# passed an attention mask (a padded batch without one is refused).
 _OPTIONS_KEY = "domino_options"
+_MASK_GIVEN_KEY = "domino_attention_mask_given"
 
 
 def is_domino_drafter(model: Any) -> bool:
@@ -487,9 +491,17 @@ def _wrap_extract_generation_mode_kwargs(original):
             mode_kwargs[_OPTIONS_KEY] = {
                 name: call_kwargs.pop(name) for name in DominoOptions.names() if name in call_kwargs
             }
+            mode_kwargs[_MASK_GIVEN_KEY] = call_kwargs.get("attention_mask") is not None
         return mode_kwargs
 
     return _extract_generation_mode_kwargs
+
+
+def _single_sequence_view(generation_config: GenerationConfig) -> GenerationConfig:
+    """A copy with num_return_sequences=1, for transformers' own checks of an assisted call."""
+    view = copy.copy(generation_config)
+    view.num_return_sequences = 1
+    return view
 
 
 def _wrap_validate_generation_mode(original):
@@ -503,6 +515,11 @@ def _wrap_validate_generation_mode(original):
             options = DominoOptions.resolve(mode_kwargs.get(_OPTIONS_KEY, {}), arguments["generation_config"])
             options.validate(assistant)
             mode_kwargs[_OPTIONS_KEY] = options  # validated once; the generator takes it as is
+            if arguments["generation_config"].num_return_sequences > 1:
+                # transformers refuses several sequences per prompt for an assistant; ours serves them as a batch.
+                bound = inspect.signature(original).bind(self, *args, **kwargs)
+                bound.arguments["generation_config"] = _single_sequence_view(arguments["generation_config"])
+                return original(*bound.args, **bound.kwargs)
         return original(self, *args, **kwargs)
 
     return _validate_generation_mode
@@ -512,12 +529,30 @@ def _wrap_assisted_decoding(original):
     @functools.wraps(original)
     def _assisted_decoding(self, *args, **kwargs):
         options = kwargs.pop(_OPTIONS_KEY, None)
+        attention_mask_given = kwargs.pop(_MASK_GIVEN_KEY, True)
         arguments = _bound_arguments(original, self, args, kwargs)
-        if not is_domino_drafter(arguments.get("assistant_model")):
+        drafter = arguments.get("assistant_model")
+        if not is_domino_drafter(drafter):
             return original(self, *args, **kwargs)
         if not isinstance(options, DominoOptions):  # reached without generate()'s validation
             options = DominoOptions.resolve(options or {}, arguments["generation_config"])
-            options.validate(arguments["assistant_model"])
+            options.validate(drafter)
+        if arguments["input_ids"].shape[0] > 1:  # transformers' loop verifies one sequence: a batch is ours
+            stats = DominoGenerationStats(timings={} if options.domino_timings else None)
+            drafter.last_generation_stats = stats
+            return batched_assisted_decoding(
+                self,
+                arguments["input_ids"],
+                arguments["logits_processor"],
+                arguments["stopping_criteria"],
+                arguments["generation_config"],
+                drafter,
+                options,
+                stats,
+                streamer=arguments.get("streamer"),
+                attention_mask_given=attention_mask_given,
+                **arguments.get("model_kwargs", {}),
+            )
         token = _CALL.set((options, arguments.get("stopping_criteria")))
         try:
             return original(self, *args, **kwargs)

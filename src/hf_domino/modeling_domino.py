@@ -339,9 +339,12 @@ class DominoForSpeculation(DominoPreTrainedModel):
 
     # ------------------------------------------------------------------------------------------------- convenience
     def embed_block(self, target: TargetModules, anchor_ids: torch.LongTensor) -> torch.Tensor:
-        """Target embeddings of the block `[anchor, MASK, ..., MASK]` for the anchor `anchor_ids[:, -1]`."""
+        """Target embeddings of the blocks `[anchor, MASK, ..., MASK]`, one per row, for anchors `anchor_ids[:, -1]`."""
         block_ids = torch.full(
-            (1, self.config.block_size), self.config.mask_token_id, dtype=torch.long, device=anchor_ids.device
+            (anchor_ids.shape[0], self.config.block_size),
+            self.config.mask_token_id,
+            dtype=torch.long,
+            device=anchor_ids.device,
         )
         block_ids[:, 0] = anchor_ids[:, -1]
         return target.embed(block_ids, self.dtype, self.device)

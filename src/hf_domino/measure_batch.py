@@ -1,0 +1,151 @@
+"""Benchmark runs of batched generation: a drafter serving B prompts at once against the batched target alone.
+
+`hf-domino bench --batch-size 1,2,4,8` calls `run_batch_benchmark`: the same prompts, split into consecutive groups of
+B and left-padded, go through `target.generate(**batch)` alone and with the drafter, interleaved group by group in one
+process. Throughput is the tokens every row generated (up to its EOS) over the wall time of all groups; tau is tokens
+per target forward per row. Every group's outputs are compared with the target alone's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from . import batching_domino
+from .assets import chat_token_ids, eos_token_ids, pad_token_id
+from .modeling_domino import DominoForSpeculation
+
+BATCH_METHODS = ("target", "domino", "domino_rowk")
+
+
+def parse_batch_method(method: str) -> dict:
+    """`target`, `domino` (adaptive, one k per batch), `domino_rowk` (adaptive, k per row), `domino_k<N>` (fixed)."""
+    if method == "target":
+        return {}
+    if method == "domino":
+        return {"draft_policy": "adaptive"}
+    if method == "domino_rowk":
+        return {"draft_policy": "adaptive", "per_row": True}
+    if method.startswith("domino_k") and method[len("domino_k") :].isdigit():
+        return {"draft_policy": "fixed", "num_speculative_tokens": int(method[len("domino_k") :])}
+    raise ValueError(f"unknown batch method {method!r}: use target, domino, domino_rowk or domino_k<N>")
+
+
+def left_padded_batch(
+    tokenizer: PreTrainedTokenizerBase, conversations: Sequence[list[int]], pad: int
+) -> dict[str, torch.Tensor]:
+    width = max(len(ids) for ids in conversations)
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + list(ids) for ids in conversations])
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in conversations])
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def generated_tokens(output: torch.Tensor, prompt_width: int, eos: Sequence[int]) -> int:
+    """Tokens the rows generated, each up to and including its EOS (the padding after it is not work)."""
+    total = 0
+    for row in output[:, prompt_width:]:
+        hits = torch.isin(row, torch.tensor(list(eos), dtype=row.dtype)).nonzero()
+        total += int(hits[0]) + 1 if hits.numel() else row.numel()
+    return total
+
+
+def differing_rows(reference: torch.Tensor, output: torch.Tensor) -> int:
+    if reference.shape != output.shape:
+        return reference.shape[0]
+    return int((reference != output).any(dim=-1).sum())
+
+
+@dataclass
+class BatchRow:
+    batch_size: int
+    method: str
+    tokens: int = 0
+    seconds: list[float] = field(default_factory=list)
+    acceptance: list[float] = field(default_factory=list)
+    mismatched_rows: int = 0
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens / max(sum(self.seconds), 1e-9)
+
+    @property
+    def tau(self) -> float | None:
+        return statistics.fmean(self.acceptance) if self.acceptance else None
+
+
+def _generate(target, drafter, batch, method: str, max_new_tokens: int, temperature: float):
+    options = parse_batch_method(method)
+    per_row = options.pop("per_row", False)
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    if options:
+        options["assistant_model"] = drafter
+    previous = batching_domino.K_PER_ROW
+    batching_domino.K_PER_ROW = per_row
+    try:
+        return target.generate(**batch, max_new_tokens=max_new_tokens, **sampling, **options)
+    finally:
+        batching_domino.K_PER_ROW = previous
+
+
+@torch.no_grad()
+def run_batch_benchmark(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    drafter: DominoForSpeculation,
+    conversations: Sequence,
+    batch_sizes: Sequence[int],
+    methods: Sequence[str] = BATCH_METHODS,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    warmup_tokens: int = 16,
+    seed: int = 0,
+) -> list[BatchRow]:
+    """One `BatchRow` per (batch size, method); "target" is the baseline of each batch size."""
+    pad, eos = pad_token_id(target, tokenizer), eos_token_ids(target, tokenizer)
+    prompts = [chat_token_ids(tokenizer, messages) for messages in conversations]
+    rows: list[BatchRow] = []
+    for batch_size in batch_sizes:
+        groups = [prompts[i : i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
+        results = {method: BatchRow(batch_size, method) for method in methods}
+        for method in methods:  # warm-up: kernels, and the adaptive policy's cost table for this batch shape
+            _generate(
+                target, drafter, left_padded_batch(tokenizer, groups[0], pad), method, warmup_tokens, temperature
+            )
+        for group in groups:
+            batch = left_padded_batch(tokenizer, group, pad)
+            reference = None
+            for method in methods:
+                torch.manual_seed(seed)
+                start = time.perf_counter()
+                output = _generate(target, drafter, batch, method, max_new_tokens, temperature)
+                results[method].seconds.append(time.perf_counter() - start)
+                results[method].tokens += generated_tokens(output, batch["input_ids"].shape[1], eos)
+                if method == "target":
+                    reference = output
+                else:
+                    results[method].acceptance.append(drafter.last_generation_stats.mean_acceptance_length)
+                    if reference is not None and temperature == 0:
+                        results[method].mismatched_rows += differing_rows(reference, output)
+        rows.extend(results.values())
+    return rows
+
+
+def batch_markdown(rows: Sequence[BatchRow]) -> str:
+    """The table docs/benchmarks.md shows: throughput, speedup over the target alone at the same batch size, tau."""
+    baseline = {row.batch_size: row.throughput for row in rows if row.method == "target"}
+    lines = [
+        "| batch | method | tokens/s | speedup vs target alone (same batch) | tau (tokens/forward/row) | rows differing |",
+        "| ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        speedup = row.throughput / baseline[row.batch_size] if row.batch_size in baseline else float("nan")
+        tau = "" if row.tau is None else f"{row.tau:.2f}"
+        lines.append(
+            f"| {row.batch_size} | {row.method} | {row.throughput:.1f} | {speedup:.2f}x | {tau} | {row.mismatched_rows} |"
+        )
+    return "\n".join(lines)

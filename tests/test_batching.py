@@ -1,0 +1,241 @@
+"""Batched speculative decoding: `generate(**batch, assistant_model=drafter)` for B > 1, lossless row by row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
+from test_generation import (
+    VOCAB,
+    CollectingStreamer,
+    chi_square_p_value,
+    exact_sequence_distribution,
+    letter_tokenizer,
+    successor,
+)
+from transformers import LogitsProcessorList
+
+from hf_domino import batching_domino
+from hf_domino.batching_domino import BatchedDrafterContext, RaggedCache, run_batched_backbone
+from hf_domino.drafting_domino import DrafterContext, run_backbone
+from hf_domino.generation_domino import DominoOptions
+from hf_domino.modeling_domino import TargetModules
+
+# Draft the successor except after multiples of 5: rows accept different numbers of drafts in the same cycle.
+PARTIAL = [(t + 1) % VOCAB if t % 5 else 0 for t in range(VOCAB)]
+
+
+def left_padded(rows: list[list[int]], pad: int = 0) -> dict[str, torch.Tensor]:
+    width = max(map(len, rows))
+    input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def both(target, drafter, batch, **kwargs):
+    """(the target alone, with the drafter) on the same padded batch, greedy; Domino options go to the second only."""
+    options = {name: kwargs.pop(name) for name in DominoOptions.names() if name in kwargs}
+    expected = target.generate(**batch, do_sample=False, **kwargs)
+    return expected, target.generate(**batch, do_sample=False, assistant_model=drafter, **kwargs, **options)
+
+
+# ------------------------------------------------------------------------------------------ greedy: token-identical
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+@pytest.mark.parametrize("next_token", [successor(1), PARTIAL, successor(2)], ids=["full", "ragged", "none"])
+def test_greedy_batch_identical_rows_stop_at_different_times(arch, next_token, policy):
+    # The successor target counts up to EOS (token 1, after 31 and 0): each row stops when its count gets there.
+    target = successor_target(arch, VOCAB)
+    drafter = forcing_drafter(target, next_token, block_size=6)
+    batch = left_padded([[4, 9, 11], [20], [7, 25, 26, 27, 28], [12, 13]])
+    expected, output = both(target, drafter, batch, max_new_tokens=24, draft_policy=policy)
+    assert torch.equal(output, expected)
+    assert (expected[:, -1] == 0).any() and (expected[:, -1] != 0).any()  # some rows finished early, padded
+    lengths = drafter.last_generation_stats.acceptance_lengths
+    if next_token == PARTIAL and policy == "fixed":
+        assert len(set(lengths)) > 2  # ragged acceptance really happened
+
+
+@pytest.mark.parametrize("head", [True, False])
+def test_greedy_batch_identical_random_models(arch, head):
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target, head=head)
+    torch.manual_seed(0)
+    rows = [torch.randint(4, 64, (n,)).tolist() for n in (9, 3, 6, 1, 12)]
+    for policy in ("fixed", "adaptive"):
+        expected, output = both(target, drafter, left_padded(rows), max_new_tokens=19, draft_policy=policy)
+        assert torch.equal(output, expected), policy
+
+
+def test_caches_compacted_every_cycle_or_never_give_the_same_output(monkeypatch):
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, PARTIAL, block_size=8)
+    batch = left_padded([[4], [9, 10, 11, 12, 13, 14, 15], [2, 3]])
+    expected = target.generate(**batch, do_sample=False, max_new_tokens=30)
+    calls = []
+    original = RaggedCache.maybe_compact
+
+    def counting(self):
+        calls.append(original(self))
+        return calls[-1]
+
+    monkeypatch.setattr(RaggedCache, "maybe_compact", counting)
+    for fraction, minimum in ((0.0, 0), (2.0, 10**9)):
+        monkeypatch.setattr(batching_domino, "COMPACT_FRACTION", fraction)
+        monkeypatch.setattr(batching_domino, "MIN_COMPACT_COLUMNS", minimum)
+        calls.clear()
+        output = target.generate(**batch, do_sample=False, max_new_tokens=30, assistant_model=drafter)
+        assert torch.equal(output, expected)
+        assert any(calls) == (minimum == 0)
+
+
+def test_ragged_drafter_context_matches_one_row_at_a_time():
+    """The batched backbone over a ragged cache gives each row what the batch-1 ladder gives it alone."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=5)
+    modules = TargetModules.from_target(target)
+    torch.manual_seed(2)
+    size = drafter.config.context_size
+    appends = [[3, 7, 1], [2, 0, 4], [5, 1, 0], [1, 3, 2]]  # rows x cycles: features appended, 0 = a plain step
+    batched = BatchedDrafterContext.empty(3, size, drafter.dtype, drafter.device)
+    single = [DrafterContext() for _ in range(3)]
+    for cycle in range(len(appends)):
+        counts = torch.tensor([appends[cycle][row] for row in range(3)])
+        features = torch.randn(3, int(counts.max()), size)
+        batched.append(features, counts)
+        for row in range(3):
+            if counts[row]:
+                single[row].append(features[row : row + 1, : counts[row]])
+        anchors = torch.randint(4, 64, (3, 1))
+        with torch.no_grad():
+            hidden = run_batched_backbone(drafter, modules, anchors, batched, 4)
+            for row in range(3):
+                alone = run_backbone(drafter, modules, anchors[row : row + 1], single[row], 4)
+                torch.testing.assert_close(hidden[row : row + 1], alone, rtol=1e-5, atol=1e-5)
+    assert batched.cache.mask.shape[1] > int(batched.cache.lengths.min())  # holes were really there
+
+
+def test_rows_finish_and_leave_the_batch():
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, successor(1), block_size=6)
+    batch = left_padded([[29], [3, 4]])  # row 0 reaches EOS after 4 tokens, row 1 runs to max_new_tokens
+    expected, output = both(target, drafter, batch, max_new_tokens=20, draft_policy="fixed")
+    assert torch.equal(output, expected)
+    assert output[0, -1] == 0 and output[1, -1] != 0
+
+
+def test_max_new_tokens_and_eos_cut_inside_blocks():
+    target = successor_target("llama", VOCAB)
+    drafter = forcing_drafter(target, successor(1), block_size=8)
+    batch = left_padded([[26], [3, 4, 5], [30, 31]])
+    for max_new_tokens in (1, 2, 5, 9):
+        expected, output = both(target, drafter, batch, max_new_tokens=max_new_tokens, draft_policy="fixed")
+        assert torch.equal(output, expected), max_new_tokens
+
+
+def test_stop_strings_per_row():
+    tokenizer = letter_tokenizer()
+    target = successor_target("llama", VOCAB)  # emits consecutive letters
+    drafter = forcing_drafter(target, successor(1), block_size=10)
+    batch = left_padded([[4, 5], [10], [6, 7, 8]])  # "ab", "g", "cde": "hi" comes at different steps
+    kwargs = dict(max_new_tokens=20, stop_strings=["hi"], tokenizer=tokenizer, draft_policy="fixed")
+    expected, output = both(target, drafter, batch, **kwargs)
+    assert torch.equal(output, expected)
+    assert all("hi" in tokenizer.decode(row) for row in expected)
+
+
+def test_streamer_receives_what_the_target_alone_streams():
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, PARTIAL, block_size=6)
+    batch = left_padded([[27], [3, 4, 5]])
+    streamed, alone = CollectingStreamer(), CollectingStreamer()
+    target.generate(**batch, do_sample=False, max_new_tokens=12, streamer=alone)
+    target.generate(**batch, do_sample=False, max_new_tokens=12, streamer=streamed, assistant_model=drafter)
+    assert streamed.chunks == alone.chunks and len(alone.chunks) == 14  # prompt, 12 columns, end
+
+
+def test_repetition_penalty_acts_per_row():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    torch.manual_seed(5)
+    rows = [torch.randint(4, 64, (n,)).tolist() for n in (7, 2, 4)]
+    kwargs = dict(max_new_tokens=15, repetition_penalty=1.5, no_repeat_ngram_size=2, draft_policy="fixed")
+    expected, output = both(target, drafter, left_padded(rows), **kwargs)
+    assert torch.equal(output, expected)
+
+
+# ------------------------------------------------------------------------------------------------------- sampling
+def test_sampling_keeps_each_rows_law_with_num_return_sequences():
+    from transformers.generation.logits_process import TemperatureLogitsWarper
+
+    vocab, num_new, per_prompt = 5, 3, 2000
+    target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4)  # peaked laws, so that a wrong one is told apart (below)
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    prompts = [[2, 4, 1], [3]]
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.5)])
+    batch = left_padded(prompts)
+    counts = [{}, {}]
+    drafted = accepted = 0
+    torch.manual_seed(7)
+    for _ in range(per_prompt // 250):
+        out = target.generate(
+            **batch,
+            do_sample=True,
+            temperature=0.5,
+            max_new_tokens=num_new,
+            num_return_sequences=250,
+            assistant_model=drafter,
+            draft_policy="fixed",
+            pad_token_id=0,
+        )
+        assert out.shape == (500, batch["input_ids"].shape[1] + num_new)
+        for row, sequence in enumerate(out):
+            key = tuple(sequence[-num_new:].tolist())
+            counts[row // 250][key] = counts[row // 250].get(key, 0) + 1
+        stats = drafter.last_generation_stats
+        drafted += sum(stats.drafted)
+        accepted += sum(stats.acceptance_lengths) - len(stats.acceptance_lengths)
+    assert 0 < accepted < drafted  # rejection sampling really ran, with both outcomes
+    for prompt, observed in zip(prompts, counts):
+        probs = exact_sequence_distribution(target, prompt, num_new, processors)
+        assert chi_square_p_value(observed, probs, per_prompt) > 1e-3
+    # The test can fail: the same draws are far from a wrong law (the untempered target).
+    wrong = exact_sequence_distribution(target, prompts[0], num_new, LogitsProcessorList())
+    assert chi_square_p_value(counts[0], wrong, per_prompt) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------------------ bad input
+def test_bad_batches_fail_with_the_fix_named():
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, successor(1))
+    batch = left_padded([[4, 9, 11], [20]])
+    right = {
+        "input_ids": torch.tensor([[4, 9, 11], [20, 0, 0]]),
+        "attention_mask": torch.tensor([[1, 1, 1], [1, 0, 0]]),
+    }
+    with pytest.raises(ValueError, match="padding_side = 'left'"):
+        target.generate(**right, max_new_tokens=4, assistant_model=drafter)
+    with pytest.raises(ValueError, match="attention_mask"):
+        target.generate(batch["input_ids"], max_new_tokens=4, assistant_model=drafter)
+    with pytest.raises(ValueError, match="beam search"):
+        target.generate(**batch, max_new_tokens=4, num_beams=2, assistant_model=drafter)
+    with pytest.raises(ValueError, match="output_scores"):
+        target.generate(
+            **batch, max_new_tokens=4, assistant_model=drafter, return_dict_in_generate=True, output_scores=True
+        )
+    with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):
+        target.generate(**batch, max_new_tokens=4, assistant_model=drafter, prefix_allowed_tokens_fn=lambda b, s: [5])
+    # The same calls without a drafter still work (only the drafter's batch path refuses).
+    assert target.generate(**batch, max_new_tokens=4).shape == (2, 7)
+
+
+def test_return_dict_gives_the_sequences():
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, successor(1))
+    batch = left_padded([[4, 9, 11], [20]])
+    expected = target.generate(**batch, max_new_tokens=6, do_sample=False)
+    output = target.generate(
+        **batch, max_new_tokens=6, do_sample=False, assistant_model=drafter, return_dict_in_generate=True
+    )
+    assert torch.equal(output.sequences, expected)
