@@ -255,3 +255,27 @@ def test_missing_drafter_is_a_clear_error(tmp_path):
         assets.load_drafter(tmp_path / "missing")
     with pytest.raises(SystemExit, match="hf-domino demo: No drafter checkpoint"):
         cli.main(["demo", "--drafter", str(tmp_path / "missing")])
+
+
+def test_cli_bench_batch_sizes(target, drafter, tokenizer, tmp_path, capsys):
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"messages": m}) + "\n" for m in PROMPTS * 2))
+    argv = ["bench", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")]
+    argv += ["--prompts", str(prompt_file), "--num-prompts", "4", "--max-new-tokens", "6", "--threads", "1"]
+    argv += ["--batch-size", "1,2,4", "--batch-methods", "target,domino,domino_k2", "--warmup-tokens", "2"]
+    argv += ["--output-dir", str(tmp_path / "out")]
+    assert cli.main(argv) == 0
+    written = json.loads((tmp_path / "out" / "batch.json").read_text())
+    assert [(r["batch_size"], r["method"]) for r in written["rows"]][:3] == [
+        (1, "target"),
+        (1, "domino"),
+        (1, "domino_k2"),
+    ]
+    assert len(written["rows"]) == 9 and all(r["mismatched_rows"] == 0 for r in written["rows"])
+    assert all(r["tokens"] > 0 for r in written["rows"])
+    assert "| 4 | domino_k2 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="batch-methods"):
+        cli.main(argv[:-2] + ["--batch-methods", "target,beam"])

@@ -12,6 +12,7 @@ import torch
 from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
 from test_generation import chi_square_p_value, exact_sequence_distribution, sample_with_drafter
 from transformers import GenerationConfig, LogitsProcessorList
+from transformers.cache_utils import DynamicCache
 
 from hf_domino import generation_domino, policy_domino
 from hf_domino.policy_domino import AcceptanceCalibration, AdaptivePolicy, DrafterRecord, VerifyCost, expected_tokens
@@ -296,3 +297,31 @@ def test_draft_vocab_command_writes_a_loadable_copy(tmp_path):
     packed_argv = ["--size", "6", "--data", str(tmp_path / "packed.safetensors"), "--output", str(tmp_path / "p")]
     assert cli.main([*argv, *packed_argv]) == 0
     assert DominoForSpeculation.from_pretrained(tmp_path / "p").draft_vocab.tolist() == [0, 1, 2, 5, 6, 7]
+
+
+# --------------------------------------------------------------------------------------------------------- batches
+def test_a_batch_gets_one_k_priced_by_all_its_tokens():
+    from hf_domino.batching_domino import BatchVerifyCost
+
+    assert expected_tokens(torch.tensor([[1.0, 0.0], [1.0, 1.0]])).tolist() == [1, 2, 2.5]  # mean over rows
+    table = VerifyCost({1: 0.010, 4: 0.011, 8: 0.012, 16: 0.030, 64: 0.100})  # cheap up to 8 tokens, then dear
+    policy = AdaptivePolicy(DrafterRecord([0.9] * 16), BatchVerifyCost(table, rows=4), cap=16, learn_times=False)
+    confident = torch.full((4, 8), 0.99)
+    # 4 rows x (1 + 1) tokens cost about what 4 x 1 do; 4 x (1 + 3) = 16 tokens cost 2.7 plain steps.
+    assert policy.choose(confident, draft_seconds=0.001, limits=[8, 8, 8, 8]) == 1
+    # One row may offer none (a stop string ahead, no room): the others still draft, and k never passes the limits.
+    assert policy.choose(confident, draft_seconds=0.001, limits=[0, 8, 8, 8]) == 1
+    assert policy.choose(confident, draft_seconds=0.001, limits=[0, 0, 0, 0]) == 0
+    # Learning from every row: row 0 rejected its first draft, the others accepted theirs.
+    before = policy.record.position_acceptance[0]
+    policy.observe(drafted=True, verified=1, accepted=[0, 1, 1, 1], row_verified=[1, 1, 1, 1], verify_seconds=0.02)
+    assert policy.record.position_acceptance[0] != before
+    assert policy.record.calibration.trials.sum() > AcceptanceCalibration().trials.sum() + 3
+
+
+def test_verify_cost_of_a_batch_is_keyed_by_all_its_tokens():
+    target = tiny_target("qwen3")
+    cache = DynamicCache()
+    target(torch.tensor([[5, 6, 7]] * 3), past_key_values=cache, use_cache=True)
+    cost = policy_domino.measure_verify_cost(target, cache, torch.tensor([[7]] * 3), {}, lengths=(1, 2), repeats=1)
+    assert sorted(cost.seconds) == [3, 6] and cache.get_seq_length() == 3  # the cache is left as it was

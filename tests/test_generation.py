@@ -359,9 +359,10 @@ def test_errors_before_any_generation_work(monkeypatch):
     monkeypatch.setattr(type(target), "__call__", lambda *a, **k: forwards.append(1), raising=False)
     prompt = torch.tensor([[5, 6, 7]])
     cases = [
-        (dict(input_ids=prompt.repeat(2, 1)), "batch size 1"),
-        (dict(input_ids=prompt, num_return_sequences=2, do_sample=True), "num_return_sequences"),
+        (dict(input_ids=prompt.repeat(2, 1), attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]])), "padding_side"),
+        (dict(input_ids=prompt, num_beams=2), "beam search"),
         (dict(input_ids=prompt, cache_implementation="static"), "dynamic cache"),
+        (dict(input_ids=prompt.repeat(2, 1), cache_implementation="static"), "dynamic cache"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -23,6 +23,7 @@ This file is also written next to exported checkpoints as remote code (transform
 from __future__ import annotations
 
 import copy
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -363,8 +364,13 @@ def batch_policy(
     if max(wanted) > max(cost.seconds):  # measured for smaller batches only: add this batch's shapes
         cost.seconds.update(measure_verify_cost(target, cache.cache, anchor_ids, forward_kwargs).seconds)
         cost.seconds = dict(sorted(cost.seconds.items()))
+    # What pays depends on the batch size (verifying rows x (1 + k) tokens), so rates and back-off are learned per
+    # batch size; how far drafts hold on this text is the drafter's, shared with every batch size and with batch 1.
+    shared = drafter_record(drafter, mode, drafter.config.num_drafts)
+    record = drafter_record(drafter, f"{mode}+batch{rows}", drafter.config.num_drafts)
+    record.position_acceptance, record.calibration = shared.position_acceptance, shared.calibration
     return AdaptivePolicy(
-        drafter_record(drafter, mode + "+batch", drafter.config.num_drafts),
+        record,
         BatchVerifyCost(cost, rows),
         cap=max_drafts,
         confidence_threshold=options.assistant_confidence_threshold,
@@ -372,20 +378,7 @@ def batch_policy(
     )
 
 
-# -------------------------------------------------------------------------------------------------------- the loop
-@dataclass
-class BatchState:
-    """The rows of one batched call: every row's sequence (left-padded prompt + its tokens), which are active."""
-
-    sequences: list[torch.LongTensor]
-    prompt_length: int
-    active: list[int]
-    finished: list[bool] = field(default_factory=list)
-
-    def generated(self, row: int) -> int:
-        return self.sequences[row].shape[0] - self.prompt_length
-
-
+# -------------------------------------------------------------------------------------------------- one batched call
 def _check_batch_call(
     target: PreTrainedModel,
     input_ids: torch.LongTensor,
@@ -436,7 +429,8 @@ def _target_forward(
     logits_to_keep: int | None = None,
 ):
     """One target forward that appends `input_ids` to every row; holes among them are `new_columns == False`."""
-    kwargs = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
+    takes_logits_to_keep = "logits_to_keep" in inspect.signature(target.forward).parameters
+    kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep is not None and takes_logits_to_keep else {}
     outputs = target(
         input_ids=input_ids,
         attention_mask=cache.attention_mask(new_columns).long(),
@@ -448,29 +442,6 @@ def _target_forward(
     )
     cache.appended(new_columns)
     return outputs
-
-
-def _row_limits(
-    state: BatchState,
-    drafts: BatchDrafts,
-    room: list[int],
-    threshold: float | None,
-    block_criteria: list,
-) -> list[int]:
-    """Drafts each row may offer: its room, its drafts above the confidence threshold, and none past a stop string."""
-    limits = []
-    for i, row in enumerate(state.active):
-        limit = min(room[i], below_threshold(drafts.confidence[i], threshold))
-        if block_criteria:
-            # The target's own next token decides a stop, exactly as without a drafter (see _truncate_at_stop).
-            sequence = torch.cat([state.sequences[row], drafts.ids[i].to(state.sequences[row].device)])
-            for j in range(1, limit + 1):
-                prefix = sequence[None, : state.sequences[row].shape[0] + j]
-                if any(bool(criterion(prefix, None).any()) for criterion in block_criteria):
-                    limit = j - 1
-                    break
-        limits.append(limit)
-    return limits
 
 
 def _accept(
@@ -508,41 +479,261 @@ def _accept(
     return tokens, torch.tensor(matches, device=lengths.device)
 
 
-def _extend_row(
-    state: BatchState,
-    row: int,
-    tokens: torch.LongTensor,
-    max_length: int,
-    eos: torch.Tensor | None,
-    stopping_criteria: StoppingCriteriaList,
-) -> bool:
-    """Appends a verification's tokens to a row, cut at EOS and max_length as the target alone would; True if done."""
-    sequence = state.sequences[row]
-    tokens = tokens[: max_length - sequence.shape[0]].to(sequence.device)
-    hit_eos = False
-    if eos is not None:
-        hits = torch.isin(tokens, eos.to(tokens.device)).nonzero()
-        if hits.numel():
-            tokens, hit_eos = tokens[: int(hits[0]) + 1], True
-    sequence = state.sequences[row] = torch.cat([sequence, tokens])
-    return hit_eos or sequence.shape[0] >= max_length or bool(stopping_criteria(sequence[None], None).any())
+@dataclass
+class CycleDrafts:
+    """What the drafting half of a cycle produced: the drafts, how many each row offers, and what it cost."""
+
+    drafts: BatchDrafts | None
+    lengths: torch.LongTensor  # [rows]: drafts offered by each row (0: a plain step for that row)
+    observed: dict[str, Any] = field(default_factory=dict)  # for the policy's observe()
+
+    @property
+    def width(self) -> int:
+        return int(self.lengths.max()) if self.lengths.numel() else 0
 
 
-def _stream(streamer, state: BatchState, pad: int, emitted: int) -> int:
-    """Puts every token column that all unfinished rows have reached, as the target alone streams one per step."""
-    lengths = [state.generated(row) for row in range(len(state.sequences))]
-    open_rows = [lengths[row] for row in state.active]
-    ready = min(open_rows) if open_rows else max(lengths)
-    for column in range(emitted, ready):
-        streamer.put(
-            torch.tensor(
-                [
-                    int(seq[state.prompt_length + column]) if column < n else pad
-                    for seq, n in zip(state.sequences, lengths)
-                ]
+class BatchedDecoding:
+    """One batched `generate()` call: its rows, both ragged caches, the draft policy, and the steps of a cycle.
+
+    `sequences[row]` is the row's left-padded prompt plus its tokens so far: exactly the input_ids the target alone
+    would hand to logits processors and stopping criteria for that row. `active` lists the rows still generating;
+    the caches hold those rows only, in that order.
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        drafter: DominoForSpeculation,
+        options: DominoOptions,
+        generation_config: GenerationConfig,
+        logits_processor: LogitsProcessorList,
+        stopping_criteria: StoppingCriteriaList,
+        stats,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None,
+        cache: DynamicCache,
+    ):
+        self.target, self.drafter, self.options, self.stats = target, drafter, options, stats
+        self.modules = TargetModules.from_target(target)
+        self.layer_ids = drafter.config.target_layer_ids
+        self.hidden_layers = [i + 1 for i in self.layer_ids]  # hidden_states[0] is the embedding output
+        self.do_sample, self.max_length = bool(generation_config.do_sample), generation_config.max_length
+        self.pad = int(generation_config._pad_token_tensor.flatten()[0])
+        self.eos = generation_config._eos_token_tensor
+        self.stopping_criteria = stopping_criteria
+        # EOS and max_length are cut inside a block; other criteria (stop strings, ...) must not fire inside one.
+        self.block_criteria = [
+            c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))
+        ]
+        rows, self.prompt_length = input_ids.shape
+        self.per_row = row_processors(logits_processor, rows) if len(logits_processor) else None
+        self.head = options.head_enabled(drafter)
+        self.vocab = drafter.draft_vocab if options.draft_vocab else None
+        self.device = input_ids.device
+        self.mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        self.sequences = list(input_ids)
+        self.active = list(range(rows))
+        self.target_cache = RaggedCache(cache, self.mask[:, :0])
+        self.context = BatchedDrafterContext.empty(rows, drafter.config.context_size, drafter.dtype, drafter.device)
+        self.policy: AdaptivePolicy | FixedPolicy | None = None
+
+    # ------------------------------------------------------------------------------------------------------ rows
+    def generated(self, row: int) -> int:
+        return self.sequences[row].shape[0] - self.prompt_length
+
+    def active_sequences(self) -> list[torch.LongTensor]:
+        return [self.sequences[row] for row in self.active]
+
+    def process(self, logits: torch.Tensor, extra: torch.LongTensor | None = None) -> torch.Tensor:
+        """The active rows' logits `[rows, V]` through their processors, row b after its tokens plus `extra[b]`."""
+        processors = None if self.per_row is None else [self.per_row[row] for row in self.active]
+        return process_rows(processors, self.active_sequences(), logits, extra)
+
+    def pick_logits(self, logits: torch.Tensor, drafted: torch.LongTensor) -> torch.Tensor:
+        """The distribution a draft is picked from: base (+ head) logits for plain greedy drafting, else processed."""
+        if not self.do_sample and self.per_row is None:
+            return logits
+        return self.process(spread_to_vocabulary(logits.float(), self.vocab, self.drafter.config.vocab_size), drafted)
+
+    def extend(self, row: int, tokens: torch.LongTensor) -> bool:
+        """Appends tokens to a row, cut at EOS and max_length as the target alone would; True when the row is done."""
+        sequence = self.sequences[row]
+        tokens = tokens[: self.max_length - sequence.shape[0]].to(sequence.device)
+        hit_eos = False
+        if self.eos is not None:
+            hits = torch.isin(tokens, self.eos.to(tokens.device)).nonzero()
+            if hits.numel():
+                tokens, hit_eos = tokens[: int(hits[0]) + 1], True
+        sequence = self.sequences[row] = torch.cat([sequence, tokens])
+        done = hit_eos or sequence.shape[0] >= self.max_length
+        return done or bool(self.stopping_criteria(sequence[None], None).any())
+
+    def retire(self, finished: list[bool]) -> None:
+        """Finished rows leave the batch and both caches."""
+        keep = [i for i, done in enumerate(finished) if not done]
+        if len(keep) < len(self.active):
+            index = torch.tensor(keep, dtype=torch.long)
+            self.target_cache.select_rows(index)
+            self.context.select_rows(index)
+            self.active = [self.active[i] for i in keep]
+
+    def stream(self, streamer, emitted: int) -> int:
+        """Puts every token column all unfinished rows have reached, as the target alone streams one per step."""
+        lengths = [self.generated(row) for row in range(len(self.sequences))]
+        ready = min((lengths[row] for row in self.active), default=max(lengths))
+        for column in range(emitted, ready):
+            at = self.prompt_length + column
+            streamer.put(
+                torch.tensor([int(s[at]) if column < n else self.pad for s, n in zip(self.sequences, lengths)])
             )
+        return ready
+
+    def output(self) -> torch.LongTensor:
+        """The rows, padded after their end exactly as the target alone pads them."""
+        longest = max(self.generated(row) for row in range(len(self.sequences)))
+        sequences = self.sequences[0].new_full((len(self.sequences), self.prompt_length + longest), self.pad)
+        for row, sequence in enumerate(self.sequences):
+            sequences[row, : sequence.shape[0]] = sequence
+        return sequences
+
+    # ----------------------------------------------------------------------------------------------------- steps
+    def prefill(self, input_ids: torch.LongTensor) -> list[bool]:
+        """The prompt through the target: every prompt token becomes drafter context, the first token is picked."""
+        outputs = _target_forward(
+            self.target, self.target_cache, input_ids, self.mask, self.hidden_layers, logits_to_keep=1
         )
-    return ready
+        first = pick_tokens(self.process(outputs.logits[:, -1].float()), self.do_sample)
+        features = context_features(outputs.hidden_states, self.layer_ids)
+        drafter = self.drafter
+        self.context.pending = [features[row, self.mask[row]].to(drafter.device, drafter.dtype) for row in self.active]
+        self.context.known = self.mask.sum(dim=-1).to(drafter.device)
+        return [self.extend(row, first[row : row + 1]) for row in self.active]
+
+    def build_policy(self, anchors: torch.LongTensor) -> AdaptivePolicy | FixedPolicy:
+        mode = "sample" if self.do_sample else "greedy"
+        mode += ("+head" if self.head else "") + ("+vocab" if self.vocab is not None else "")
+        forward_kwargs = {"output_hidden_states": self.hidden_layers}
+        max_drafts = self.options.drafts_per_block(self.drafter)
+        return batch_policy(
+            self.target, self.drafter, self.options, mode, self.target_cache, anchors, forward_kwargs, max_drafts
+        )
+
+    def draft(self, anchors: torch.LongTensor, room: list[int]) -> CycleDrafts:
+        """The policy's budget, one block for every active row, and how many drafts each row offers."""
+        start = time.perf_counter()
+        budget = self.policy.budget(max(room))
+        if budget <= 0:
+            return CycleDrafts(None, torch.zeros(len(self.active), dtype=torch.long), {"drafted": False})
+        hidden = run_batched_backbone(self.drafter, self.modules, anchors, self.context, budget)
+        backbone_done = time.perf_counter()
+        base_logits = self.modules.logits(hidden, self.vocab).float()
+        lm_head_done = time.perf_counter()
+        drafts = batched_rollout(
+            self.drafter, self.modules, hidden, base_logits, self.vocab, anchors,
+            head=self.head, pick_logits=self.pick_logits, do_sample=self.do_sample,
+        )  # fmt: skip
+        drafted = time.perf_counter()
+        limits = self.row_limits(drafts, room)
+        if K_PER_ROW and isinstance(self.policy, AdaptivePolicy):
+            lengths = [
+                self.policy.choose(drafts.confidence[i : i + 1], drafted - start, [n]) for i, n in enumerate(limits)
+            ]
+            self.policy.confidence = drafts.confidence.detach().float().cpu()  # what observe() learns from
+        else:
+            width = self.policy.choose(drafts.confidence, drafted - start, limits=limits)
+            lengths = [min(width, limit) for limit in limits]
+        if self.stats.timings is not None:
+            for name, seconds in (
+                ("backbone", backbone_done - start),
+                ("lm_head", lm_head_done - backbone_done),
+                ("head", drafted - lm_head_done),
+            ):
+                self.stats.timings.setdefault(name, []).append(seconds)
+        observed = {
+            "drafted": True,
+            "positions": budget,
+            "backbone_seconds": backbone_done - start,
+            "rollout_seconds": drafted - backbone_done,
+        }
+        return CycleDrafts(drafts, torch.tensor(lengths, dtype=torch.long), observed)
+
+    def row_limits(self, drafts: BatchDrafts, room: list[int]) -> list[int]:
+        """Drafts each row may offer: its room, its drafts above the confidence threshold, none past a stop string."""
+        threshold = self.options.assistant_confidence_threshold
+        limits = []
+        for i, sequence in enumerate(self.active_sequences()):
+            limit = min(room[i], below_threshold(drafts.confidence[i], threshold))
+            if self.block_criteria:
+                # The target's own next token decides a stop, exactly as without a drafter (see _truncate_at_stop).
+                candidate = torch.cat([sequence, drafts.ids[i].to(sequence.device)])
+                for j in range(1, limit + 1):
+                    prefix = candidate[None, : sequence.shape[0] + j]
+                    if any(bool(criterion(prefix, None).any()) for criterion in self.block_criteria):
+                        limit = j - 1
+                        break
+            limits.append(limit)
+        return limits
+
+    def verify(self, anchors: torch.LongTensor, cycle: CycleDrafts) -> tuple[list[torch.LongTensor], torch.LongTensor]:
+        """One target forward over every row's `[anchor, drafts]`; per row, the tokens it adds and drafts matched.
+
+        The accepted tokens stay in the target's cache and their hidden states become drafter context; the columns
+        of rejected drafts (and of shorter rows' padding) become holes.
+        """
+        width, device = cycle.width, self.device
+        candidates = cycle.drafts.ids[:, :width].to(device) if width else anchors[:, :0].to(device)
+        lengths = cycle.lengths.to(device)
+        new_columns = torch.arange(1 + width, device=device)[None] <= lengths[:, None]
+        outputs = _target_forward(
+            self.target, self.target_cache, torch.cat([anchors.to(device), candidates], dim=-1), new_columns,
+            self.hidden_layers,
+        )  # fmt: skip
+        logits = outputs.logits[:, -(1 + width) :].float()
+        processed = torch.stack([self.process(logits[:, i], candidates[:, :i]) for i in range(1 + width)], dim=1)
+        draft_logits = None if cycle.drafts is None or cycle.drafts.logits is None else cycle.drafts.logits[:, :width]
+        tokens, matches = _accept(processed, candidates, lengths, draft_logits, self.do_sample)
+        self.target_cache.keep_appended(1 + matches)
+        self.context.append(
+            context_features(outputs.hidden_states, self.layer_ids), (1 + matches).to(self.drafter.device)
+        )
+        return tokens, matches
+
+    def cycle(self) -> list[bool]:
+        """Draft, verify, learn, extend: one target forward for every active row. Returns which rows finished."""
+        self.target_cache.maybe_compact()
+        sequences = self.active_sequences()
+        anchors = torch.stack([sequence[-1:] for sequence in sequences]).to(self.drafter.device)
+        room = [self.max_length - sequence.shape[0] - 1 for sequence in sequences]  # the target adds one of its own
+        if self.policy is None:
+            self.policy = self.build_policy(anchors.to(self.device))
+        if isinstance(self.policy, AdaptivePolicy):
+            self.policy.verify_cost.rows = len(self.active)
+        drafts = self.draft(anchors, room)
+        verify_start = time.perf_counter()
+        tokens, matches = self.verify(anchors, drafts)
+        verify_seconds = time.perf_counter() - verify_start
+        if self.stats.timings is not None and drafts.drafts is not None:
+            self.stats.timings.setdefault("verify", []).append(verify_seconds)
+        self.policy.observe(
+            verified=drafts.width, accepted=matches.tolist(), row_verified=drafts.lengths.tolist(),
+            verify_seconds=verify_seconds, **drafts.observed,
+        )  # fmt: skip
+        self.stats.acceptance_lengths.extend((1 + matches).tolist())
+        self.stats.drafted.extend(drafts.lengths.tolist())
+        return [self.extend(row, tokens[i]) for i, row in enumerate(self.active)]
+
+    def run(self, input_ids: torch.LongTensor, streamer=None) -> torch.LongTensor:
+        finished, emitted = self.prefill(input_ids), 0
+        while True:
+            self.retire(finished)
+            if streamer is not None:
+                emitted = self.stream(streamer, emitted)
+            if not self.active:
+                break
+            finished = self.cycle()
+        if streamer is not None:
+            streamer.end()
+        return self.output()
 
 
 @torch.no_grad()
@@ -562,177 +753,30 @@ def batched_assisted_decoding(
     """Speculative decoding of a left-padded batch: each row's output is what the target alone generates for it.
 
     Called by the generate() hook for `generate(**batch, assistant_model=drafter)` with more than one sequence
-    (`num_return_sequences > 1` included). Returns the sequences padded as the target alone pads them.
+    (`num_return_sequences > 1` included); `stats` is the call's `DominoGenerationStats`. Returns the sequences padded
+    as the target alone pads them.
     """
     attention_mask = model_kwargs.get("attention_mask")
     _check_batch_call(target, input_ids, attention_mask, logits_processor, generation_config, attention_mask_given)
     cache = model_kwargs.get("past_key_values")
     RaggedCache.check(cache, "target")
-    rows, prompt_length = input_ids.shape
-    mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    target_cache = RaggedCache(cache, mask[:, :0])
-    modules = TargetModules.from_target(target)
-    layer_ids = drafter.config.target_layer_ids
-    hidden_layers = [i + 1 for i in layer_ids]
-    do_sample, max_length = bool(generation_config.do_sample), generation_config.max_length
-    pad, eos = int(generation_config._pad_token_tensor.flatten()[0]), generation_config._eos_token_tensor
-    per_row = row_processors(logits_processor, rows) if len(logits_processor) else None
-    block_criteria = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
-    head, vocab = options.head_enabled(drafter), (drafter.draft_vocab if options.draft_vocab else None)
-    greedy_drafts = not do_sample and per_row is None
-    state = BatchState(sequences=list(input_ids), prompt_length=prompt_length, active=list(range(rows)))
-    timings = stats.timings
-
-    def process(logits: torch.Tensor, extra: torch.LongTensor | None = None) -> torch.Tensor:
-        """The active rows' logits through their processors."""
-        processors = None if per_row is None else [per_row[row] for row in state.active]
-        return process_rows(processors, [state.sequences[row] for row in state.active], logits, extra)
-
-    def pick_logits(logits: torch.Tensor, drafted: torch.LongTensor) -> torch.Tensor:
-        if greedy_drafts:
-            return logits
-        return process(spread_to_vocabulary(logits.float(), vocab, drafter.config.vocab_size), drafted)
-
-    # The prefill: every prompt token becomes drafter context; the target's first token is the first anchor.
-    outputs = _target_forward(target, target_cache, input_ids, mask, hidden_layers, logits_to_keep=1)
-    first = pick_tokens(process(outputs.logits[:, -1].float()), do_sample)
-    features = context_features(outputs.hidden_states, layer_ids)
-    context = BatchedDrafterContext.empty(rows, drafter.config.context_size, drafter.dtype, drafter.device)
-    context.pending = [features[row, mask[row]].to(drafter.device, drafter.dtype) for row in range(rows)]
-    context.known = mask.sum(dim=-1).to(drafter.device)
-    del outputs, features
-    finished = [
-        _extend_row(state, row, first[row : row + 1], max_length, eos, stopping_criteria) for row in range(rows)
-    ]
-    policy, emitted = None, 0
-
-    while True:
-        keep = [i for i, row in enumerate(state.active) if not finished[i]]
-        if len(keep) < len(state.active):
-            index = torch.tensor(keep, dtype=torch.long)
-            target_cache.select_rows(index)
-            context.select_rows(index)
-            state.active = [state.active[i] for i in keep]
-        if streamer is not None:
-            emitted = _stream(streamer, state, pad, emitted)
-        if not state.active:
-            break
-        target_cache.maybe_compact()
-        sequences = [state.sequences[row] for row in state.active]
-        anchors = torch.stack([sequence[-1:] for sequence in sequences]).to(drafter.device)
-        room = [max_length - sequence.shape[0] - 1 for sequence in sequences]  # the target adds one of its own
-        if policy is None:
-            mode = (
-                ("sample" if do_sample else "greedy")
-                + ("+head" if head else "")
-                + ("+vocab" if vocab is not None else "")
-            )
-            policy = batch_policy(
-                target,
-                drafter,
-                options,
-                mode,
-                target_cache,
-                anchors.to(input_ids.device),
-                {"output_hidden_states": hidden_layers},
-                options.drafts_per_block(drafter),
-            )
-        if isinstance(policy, AdaptivePolicy):
-            policy.verify_cost.rows = len(state.active)
-
-        start = time.perf_counter()
-        budget = policy.budget(max(room))
-        drafts, lengths, width = None, torch.zeros(len(state.active), dtype=torch.long), 0
-        cycle = {"drafted": budget > 0, "positions": budget}
-        if budget > 0:
-            hidden = run_batched_backbone(drafter, modules, anchors, context, budget)
-            backbone_done = time.perf_counter()
-            base_logits = modules.logits(hidden, vocab).float()
-            lm_head_done = time.perf_counter()
-            drafts = batched_rollout(
-                drafter,
-                modules,
-                hidden,
-                base_logits,
-                vocab,
-                anchors,
-                head=head,
-                pick_logits=pick_logits,
-                do_sample=do_sample,
-            )
-            drafted = time.perf_counter()
-            limits = _row_limits(state, drafts, room, options.assistant_confidence_threshold, block_criteria)
-            if K_PER_ROW and isinstance(policy, AdaptivePolicy):
-                row_k = [
-                    policy.choose(drafts.confidence[i : i + 1], drafted - start, limits=[limit])
-                    for i, limit in enumerate(limits)
-                ]
-                policy.confidence = drafts.confidence.detach().float().cpu()  # what observe() learns from
-                lengths = torch.tensor(row_k, dtype=torch.long)
-            else:
-                width = policy.choose(drafts.confidence, drafted - start, limits=limits)
-                lengths = torch.tensor([min(width, limit) for limit in limits], dtype=torch.long)
-            width = int(lengths.max())
-            cycle |= {"backbone_seconds": backbone_done - start, "rollout_seconds": drafted - backbone_done}
-            if timings is not None:
-                for name, seconds in (
-                    ("backbone", backbone_done - start),
-                    ("lm_head", lm_head_done - backbone_done),
-                    ("head", drafted - lm_head_done),
-                ):
-                    timings.setdefault(name, []).append(seconds)
-        verify_start = time.perf_counter()
-
-        candidates = drafts.ids[:, :width].to(input_ids.device) if width else anchors[:, :0].to(input_ids.device)
-        new_columns = torch.arange(1 + width)[None] <= lengths[:, None]
-        outputs = _target_forward(
-            target,
-            target_cache,
-            torch.cat([anchors.to(input_ids.device), candidates], dim=-1),
-            new_columns.to(input_ids.device),
-            hidden_layers,
-        )
-        logits = outputs.logits[:, -(1 + width) :].float()
-        processed = torch.stack([process(logits[:, i], candidates[:, :i]) for i in range(1 + width)], dim=1)
-        draft_logits = None if drafts is None or drafts.logits is None else drafts.logits[:, :width]
-        tokens, matches = _accept(processed, candidates, lengths.to(input_ids.device), draft_logits, do_sample)
-        target_cache.keep_appended(1 + matches)
-        context.append(context_features(outputs.hidden_states, layer_ids), (1 + matches).to(drafter.device))
-        del outputs, logits, processed
-        verify_seconds = time.perf_counter() - verify_start
-        if timings is not None and budget > 0:
-            timings.setdefault("verify", []).append(verify_seconds)
-
-        policy.observe(
-            verified=width,
-            accepted=matches.tolist(),
-            row_verified=lengths.tolist(),
-            verify_seconds=verify_seconds,
-            **cycle,
-        )
-        stats.acceptance_lengths.extend((1 + matches).tolist())
-        stats.drafted.extend(lengths.tolist())
-        finished = [
-            _extend_row(state, row, tokens[i], max_length, eos, stopping_criteria)
-            for i, row in enumerate(state.active)
-        ]
-
-    if streamer is not None:
-        streamer.end()
-    longest = max(state.generated(row) for row in range(rows))
-    sequences = input_ids.new_full((rows, prompt_length + longest), pad)
-    for row, sequence in enumerate(state.sequences):
-        sequences[row, : sequence.shape[0]] = sequence
+    decoding = BatchedDecoding(
+        target, drafter, options, generation_config, logits_processor, stopping_criteria, stats, input_ids,
+        attention_mask, cache,
+    )  # fmt: skip
+    sequences = decoding.run(input_ids, streamer)
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences
 
 
 __all__ = [
+    "BatchedDecoding",
     "BatchedDrafterContext",
     "RaggedCache",
     "batched_assisted_decoding",
     "batched_rollout",
     "process_rows",
+    "row_processors",
     "run_batched_backbone",
 ]

@@ -242,8 +242,9 @@ class DominoCandidateGenerator(CandidateGenerator):
             options.validate(drafter)
         if input_ids is not None and input_ids.shape[0] != 1:
             raise ValueError(
-                f"Domino drafting supports batch size 1 (got {input_ids.shape[0]} sequences): transformers' "
-                "assisted decoding verifies one sequence per target forward. Call generate() once per prompt."
+                f"DominoCandidateGenerator drafts for one sequence (got {input_ids.shape[0]}): transformers' assisted "
+                "loop verifies one sequence per target forward. Pass the whole batch to target.generate(..., "
+                "assistant_model=drafter), which serves it through hf_domino.batching_domino."
             )
         self.drafter, self.target_model, self.options = drafter, target, options
         self.target = TargetModules.from_target(target)
