@@ -325,3 +325,15 @@ def test_verify_cost_of_a_batch_is_keyed_by_all_its_tokens():
     target(torch.tensor([[5, 6, 7]] * 3), past_key_values=cache, use_cache=True)
     cost = policy_domino.measure_verify_cost(target, cache, torch.tensor([[7]] * 3), {}, lengths=(1, 2), repeats=1)
     assert sorted(cost.seconds) == [3, 6] and cache.get_seq_length() == 3  # the cache is left as it was
+
+
+def test_a_new_setting_waits_before_probing_when_the_cost_model_says_drafting_will_not_pay():
+    from hf_domino.batching_domino import BatchVerifyCost
+
+    table = VerifyCost({1: 0.010, 8: 0.110, 16: 0.130, 24: 0.150})  # CPU-like at batch 8: 2 tokens per row cost 1.2x
+    known_poor = AdaptivePolicy(DrafterRecord([0.1] * 16), BatchVerifyCost(table, rows=8), cap=16, learn_times=False)
+    decisions = [known_poor.budget(room=100) for _ in range(policy_domino.PRIOR_SKIP_INTERVAL + 1)]
+    assert decisions[:-1] == [0] * policy_domino.PRIOR_SKIP_INTERVAL and decisions[-1] > 0  # then one probe
+    # The same costs with a drafter expected to do well: probe at once, as before anything was learned.
+    hopeful = AdaptivePolicy(DrafterRecord([0.9] * 16), BatchVerifyCost(table, rows=8), cap=16, learn_times=False)
+    assert hopeful.budget(room=100) > 0

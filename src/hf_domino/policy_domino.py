@@ -8,7 +8,8 @@ On a GPU `T_verify` is nearly flat in k; on a CPU two tokens already cost ~1.6 s
 
 1. before drafting (`budget`): the upper bound of k from the acceptance seen at each draft position so far, and
    whether to draft at all. k = 0 is a plain target step: when drafting cycles have been earning fewer tokens per
-   second than plain steps, the policy skips drafting and probes again after 1, 2, 4, ... skipped steps;
+   second than plain steps, the policy skips drafting and probes again after 1, 2, 4, ... skipped steps (in a
+   setting never drafted in, such as a new batch size, the cost model's prediction stands in for those cycles);
 2. after drafting (`choose`): k from the drafts' own confidences (the probability of each drafted token), mapped to
    acceptance by a calibration learned from the acceptance actually observed (drafters are over-confident off
    their training distribution).
@@ -42,6 +43,9 @@ RATE_RATE = 0.5
 INITIAL_ACCEPTANCE = 0.8
 # Drafting is retried after at most this many plain steps once it stopped paying.
 MAX_SKIP_INTERVAL = 128
+# Plain steps before the first probe where the cost model already says drafting will not pay (e.g. a new batch size
+# for a drafter whose acceptance on this text is known).
+PRIOR_SKIP_INTERVAL = 8
 CALIBRATION_BINS = 10
 # Forward lengths measured at first use; others are interpolated.
 CALIBRATION_LENGTHS = (1, 2, 3, 5, 9, 17)
@@ -247,6 +251,13 @@ class AdaptivePolicy:
         position = self.record.position_seconds if self.record.position_seconds is not None else 0.02 * one
         return backbone + k * position
 
+    def _expected_rate(self, acceptance: torch.Tensor) -> float:
+        """Tokens per second of the best drafting cycle (k >= 1) that the cost model and `acceptance` predict."""
+        tokens = expected_tokens(acceptance)
+        return max(
+            float(tokens[k]) / (self._draft_seconds(k) + self.verify_cost(1 + k)) for k in range(1, len(tokens))
+        )
+
     def _best_k(self, acceptance: torch.Tensor, spent: float | None, minimum: int = 0) -> int:
         """argmax over k = minimum..len(acceptance) of E(k) / cost(k).
 
@@ -269,14 +280,21 @@ class AdaptivePolicy:
         self.probing, self.confidence = False, None
         if limit <= 0:
             return 0
+        acceptance = torch.tensor(record.position_acceptance[:limit])
+        first = record.drafting_rate is None
+        if first:
+            # Never drafted in this setting (e.g. a new batch size): start from what the cost model and the acceptance
+            # seen so far predict, so that a drafter already known not to pay here waits before its first probe.
+            record.drafting_rate = self._expected_rate(acceptance)
+            if record.drafting_rate < 1 / self.verify_cost(1):
+                record.skip_interval = record.skip_left = PRIOR_SKIP_INTERVAL
         # Never drafted yet, or drafting has not been paying: draft anyway now and then (a probe), or nothing will
         # ever be learned about how well the drafter does on this text.
-        if record.drafting_rate is None or record.drafting_rate < 1 / self.verify_cost(1):
+        if first or record.drafting_rate < 1 / self.verify_cost(1):
             if record.skip_left > 0:
                 record.skip_left -= 1
                 return 0
             self.probing = True
-        acceptance = torch.tensor(record.position_acceptance[:limit])
         return self._best_k(acceptance, spent=None, minimum=1 if self.probing else 0)
 
     def choose(self, confidence: torch.Tensor, draft_seconds: float, limits: list[int] | None = None) -> int:
@@ -317,7 +335,9 @@ class AdaptivePolicy:
         record = self.record
         accepted_rows = [accepted] if isinstance(accepted, int) else list(accepted)
         verified_rows = [verified] * len(accepted_rows) if row_verified is None else list(row_verified)
-        confidence_rows = self.confidence if self.confidence is None or self.confidence.dim() == 2 else [self.confidence]
+        confidence_rows = (
+            self.confidence if self.confidence is None or self.confidence.dim() == 2 else [self.confidence]
+        )
         if self.learn_times:
             self.verify_cost.observe(1 + verified, verify_seconds)
             if drafted:
