@@ -239,3 +239,14 @@ def test_return_dict_gives_the_sequences():
         **batch, max_new_tokens=6, do_sample=False, assistant_model=drafter, return_dict_in_generate=True
     )
     assert torch.equal(output.sequences, expected)
+
+
+def test_timings_and_stats_per_row():
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, PARTIAL, block_size=6)
+    batch = left_padded([[4, 9, 11], [20], [12, 13]])
+    target.generate(**batch, max_new_tokens=10, assistant_model=drafter, draft_policy="fixed", domino_timings=True)
+    stats = drafter.last_generation_stats
+    assert set(stats.timings) == {"backbone", "lm_head", "head", "verify"}
+    assert len(stats.acceptance_lengths) == len(stats.drafted) >= 3 * 2  # one entry per row per forward
+    assert all(seconds > 0 for values in stats.timings.values() for seconds in values)

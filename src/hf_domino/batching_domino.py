@@ -537,6 +537,12 @@ class BatchedDecoding:
         self.context = BatchedDrafterContext.empty(rows, drafter.config.context_size, drafter.dtype, drafter.device)
         self.policy: AdaptivePolicy | FixedPolicy | None = None
 
+    def now(self) -> float:
+        """Host time; on CUDA with `domino_timings=True`, after the device finished (the timings' price)."""
+        if self.stats.timings is not None and self.drafter.device.type == "cuda":
+            torch.cuda.synchronize(self.drafter.device)
+        return time.perf_counter()
+
     # ------------------------------------------------------------------------------------------------------ rows
     def generated(self, row: int) -> int:
         return self.sequences[row].shape[0] - self.prompt_length
@@ -620,19 +626,19 @@ class BatchedDecoding:
 
     def draft(self, anchors: torch.LongTensor, room: list[int]) -> CycleDrafts:
         """The policy's budget, one block for every active row, and how many drafts each row offers."""
-        start = time.perf_counter()
+        start = self.now()
         budget = self.policy.budget(max(room))
         if budget <= 0:
             return CycleDrafts(None, torch.zeros(len(self.active), dtype=torch.long), {"drafted": False})
         hidden = run_batched_backbone(self.drafter, self.modules, anchors, self.context, budget)
-        backbone_done = time.perf_counter()
+        backbone_done = self.now()
         base_logits = self.modules.logits(hidden, self.vocab).float()
-        lm_head_done = time.perf_counter()
+        lm_head_done = self.now()
         drafts = batched_rollout(
             self.drafter, self.modules, hidden, base_logits, self.vocab, anchors,
             head=self.head, pick_logits=self.pick_logits, do_sample=self.do_sample,
         )  # fmt: skip
-        drafted = time.perf_counter()
+        drafted = self.now()
         limits = self.row_limits(drafts, room)
         if K_PER_ROW and isinstance(self.policy, AdaptivePolicy):
             lengths = [
@@ -709,9 +715,9 @@ class BatchedDecoding:
         if isinstance(self.policy, AdaptivePolicy):
             self.policy.verify_cost.rows = len(self.active)
         drafts = self.draft(anchors, room)
-        verify_start = time.perf_counter()
+        verify_start = self.now()
         tokens, matches = self.verify(anchors, drafts)
-        verify_seconds = time.perf_counter() - verify_start
+        verify_seconds = self.now() - verify_start
         if self.stats.timings is not None and drafts.drafts is not None:
             self.stats.timings.setdefault("verify", []).append(verify_seconds)
         self.policy.observe(
