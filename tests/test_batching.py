@@ -59,6 +59,7 @@ def test_greedy_batch_identical_rows_stop_at_different_times(arch, next_token, p
 def test_greedy_batch_identical_random_models(arch, head):
     target = tiny_target(arch)
     drafter = tiny_drafter(target, head=head)
+    drafter.set_draft_vocab(list(range(0, 64, 2)) if head else None)
     torch.manual_seed(0)
     rows = [torch.randint(4, 64, (n,)).tolist() for n in (9, 3, 6, 1, 12)]
     for policy in ("fixed", "adaptive"):
@@ -164,7 +165,8 @@ def test_repetition_penalty_acts_per_row():
 
 
 # ------------------------------------------------------------------------------------------------------- sampling
-def test_sampling_keeps_each_rows_law_with_num_return_sequences():
+@pytest.mark.parametrize("draft_vocab", [None, [0, 2, 3]], ids=["full-vocab", "draft-vocab"])
+def test_sampling_keeps_each_rows_law_with_num_return_sequences(draft_vocab):
     from transformers.generation.logits_process import TemperatureLogitsWarper
 
     vocab, num_new, per_prompt = 5, 3, 2000
@@ -172,6 +174,7 @@ def test_sampling_keeps_each_rows_law_with_num_return_sequences():
     with torch.no_grad():
         target.lm_head.weight.mul_(4)  # peaked laws, so that a wrong one is told apart (below)
     drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    drafter.set_draft_vocab(draft_vocab)  # drafts only from these tokens: zero draft probability elsewhere
     prompts = [[2, 4, 1], [3]]
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.5)])
     batch = left_padded(prompts)

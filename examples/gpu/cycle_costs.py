@@ -1,0 +1,175 @@
+"""What one drafting cycle costs at paper scale: a Qwen3-8B-shaped target and a drafter of the published shape.
+
+Issue 22, Part A.4. Random weights (acceptance is meaningless there), so this measures costs only:
+
+- one target token, and a 17-token verification (anchor + 16 drafts), on a cached context;
+- the draft: backbone (5 layers over the block and the new context), LM head on the 16 draft positions, the Domino
+  head rollout (eager, and the fused Triton / CUDA-graph rollouts where they run);
+- what transformers' assisted loop adds per cycle: `generate(..., draft_policy="fixed")`'s `verify` timing (target
+  forward plus the loop's own work) against the bare 17-token forward.
+
+It then prints the speedup these costs imply at the paper's tau of 7.17, labelled as implied. On a GPU:
+
+    python examples/gpu/cycle_costs.py --shape qwen3-8b --dtype bfloat16
+
+Here (a CPU) the same code runs at toy shapes, to check it end to end:
+
+    python examples/gpu/cycle_costs.py --shape tiny --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from hf_domino import DominoConfig, DominoForSpeculation, TargetModules
+from hf_domino.drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
+from hf_domino.modeling_domino import context_features
+
+SHAPES = {
+    # Qwen3-8B, and the published Qwen3-8B Domino drafter (docs/model.md): 5 layers, GRU 1024, rank 256.
+    "qwen3-8b": dict(
+        target=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128, vocab_size=151936),
+        drafter=dict(num_hidden_layers=5, target_layer_ids=[1, 9, 17, 25, 33], gru_hidden_dim=1024, emb_dim=256),
+    ),
+    "tiny": dict(
+        target=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, vocab_size=1024),
+        drafter=dict(num_hidden_layers=2, target_layer_ids=[1, 3], gru_hidden_dim=32, emb_dim=16),
+    ),
+}  # fmt: skip
+PAPER_TAU = 7.17
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, device: torch.device, warmup: int = 3, reps: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return 1000 * statistics.median(samples)
+
+
+def build(shape: str, dtype: torch.dtype, device: torch.device) -> tuple[Qwen3ForCausalLM, DominoForSpeculation]:
+    sizes = SHAPES[shape]
+    target_config = Qwen3Config(**sizes["target"], tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
+    with torch.device(device):
+        target = Qwen3ForCausalLM._from_config(target_config, dtype=dtype).eval()
+        config = DominoConfig.from_target(
+            target.config, block_size=16, mask_token_id=2, shift_label=True, with_domino_head=True, **sizes["drafter"]
+        )
+        drafter = DominoForSpeculation(config).to(dtype).eval()
+    return target, drafter
+
+
+@torch.no_grad()
+def measure(target, drafter, context_tokens: int, device: torch.device, reps: int) -> dict[str, float]:
+    modules = TargetModules.from_target(target)
+    vocab = target.config.vocab_size
+    prompt = torch.randint(3, vocab, (1, context_tokens), device=device)
+    layers = [i + 1 for i in drafter.config.target_layer_ids]
+    out = target(prompt, use_cache=True, output_hidden_states=layers)
+    cache = out.past_key_values
+    features = context_features(out.hidden_states, drafter.config.target_layer_ids)
+    costs = {}
+
+    def forward(length: int) -> None:
+        target(prompt[:, -length:], past_key_values=cache, use_cache=True, output_hidden_states=layers)
+        cache.crop(-length)
+
+    costs["target, 1 token"] = median_ms(lambda: forward(1), device, reps=reps)
+    costs["target, 17 tokens (verification)"] = median_ms(lambda: forward(17), device, reps=reps)
+
+    anchor = prompt[:, -1:]
+    # A cycle's backbone reads the block and the few tokens verified since the last one; the rest is cached.
+    context = DrafterContext()
+    context.append(features[:, :-8])
+    run_backbone(drafter, modules, anchor, context, 16)
+    context.append(features[:, -8:])
+
+    def backbone() -> torch.Tensor:
+        hidden = run_backbone(drafter, modules, anchor, context, 16)
+        context.cache.crop(-8)  # undo the call: the 8 new tokens leave the cache and are pending again
+        context.length -= 8
+        context.append(features[:, -8:])
+        return hidden
+
+    costs["draft: backbone (8 new context tokens)"] = median_ms(backbone, device, reps=reps)
+    hidden = backbone()
+    costs["draft: LM head, 16 positions"] = median_ms(
+        lambda: BlockDraft.from_hidden(hidden, modules), device, reps=reps
+    )
+    block = BlockDraft.from_hidden(hidden, modules)
+    eager = eager_rollout(drafter, modules)
+    costs["draft: head, eager"] = median_ms(lambda: eager(block, anchor), device, reps=reps)
+    if device.type == "cuda":
+        try:
+            from hf_domino.fused_head import select_rollout
+
+            for mode in ("triton", "triton+graph"):
+                fused = select_rollout(drafter, modules, do_sample=False, logits_processor=None, mode=mode)
+                costs[f"draft: head, {mode}"] = median_ms(lambda f=fused: f(block, anchor), device, reps=reps)
+        except Exception as error:  # report, do not hide: the fused path is what Part A proves
+            print(f"fused head unavailable: {type(error).__name__}: {error}")
+    return costs
+
+
+@torch.no_grad()
+def loop_overhead(target, drafter, context_tokens: int, device: torch.device, new_tokens: int) -> float:
+    """ms per cycle that transformers' assisted loop adds over the bare 17-token target forward."""
+    prompt = torch.randint(3, target.config.vocab_size, (1, context_tokens), device=device)
+    kwargs = dict(assistant_model=drafter, draft_policy="fixed", do_sample=False, domino_timings=True)
+    target.generate(prompt, max_new_tokens=8, **kwargs)
+    target.generate(prompt, max_new_tokens=new_tokens, **kwargs)
+    verify = drafter.last_generation_stats.timings["verify"]
+    return 1000 * statistics.median(verify)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="model shapes")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="weights")
+    parser.add_argument("--context-tokens", type=int, default=512, help="cached context before the block")
+    parser.add_argument("--reps", type=int, default=20, help="timed repetitions per cost (median)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="generate() length for the loop's overhead")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    target, drafter = build(args.shape, getattr(torch, args.dtype), device)
+    costs = measure(target, drafter, args.context_tokens, device, args.reps)
+    verify_in_loop = loop_overhead(target, drafter, args.context_tokens, device, args.new_tokens)
+    costs["transformers' loop, per cycle (verify timing - bare 17-token forward)"] = (
+        verify_in_loop - costs["target, 17 tokens (verification)"]
+    )
+    head = min(v for k, v in costs.items() if k.startswith("draft: head"))
+    cycle = (
+        costs["draft: backbone (8 new context tokens)"] + costs["draft: LM head, 16 positions"] + head
+        + costs["target, 17 tokens (verification)"]
+        + max(costs["transformers' loop, per cycle (verify timing - bare 17-token forward)"], 0.0)
+    )  # fmt: skip
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{args.shape}, {args.dtype}, {name}, torch {torch.__version__}, context {args.context_tokens} tokens\n")
+    print("| cost | ms |\n| --- | ---: |")
+    for key, value in costs.items():
+        print(f"| {key} | {value:.2f} |")
+    print(f"| **cycle** (fastest head) | {cycle:.2f} |")
+    implied = PAPER_TAU * costs["target, 1 token"] / cycle
+    print(f"\nImplied (not measured) speedup at the paper's tau {PAPER_TAU}: {implied:.2f}x (head {head / cycle:.1%})")
+
+
+if __name__ == "__main__":
+    main()
