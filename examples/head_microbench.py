@@ -1,15 +1,24 @@
-"""Micro-benchmark of one Domino head rollout (a 16-draft block) at Qwen3-8B shapes: eager vs fused vs fused + graph.
+"""Micro-benchmark of one Domino head rollout (a 16-draft block): eager vs fused vs fused + graph.
 
 Times only the sequential head, i.e. one ladder `Rollout` from a `BlockDraft` (backbone outputs and base logits) to
 `Drafts`: the eager reference (`eager_rollout`) and the two fused rollouts `hf_domino.fused_head.select_rollout`
-returns for `domino_rollout="triton"` and `"triton+graph"`, with random bf16 weights: hidden 4096, GRU 1024, rank 256,
-vocab 151936. All three are called exactly as the candidate generator calls them. Prints a markdown table of the
-median latency per block.
+returns for `domino_rollout="triton"` and `"triton+graph"`, with random weights (bf16 by default). Shapes: Qwen3-8B's
+by default (hidden 4096, GRU 1024, rank 256, vocab 151936), or the shipped SmolLM2-135M drafter's (`--shapes
+smollm2-135m`: hidden 576, GRU 256, rank 64, vocab 49152), optionally over a draft vocabulary (`--draft-vocab`: a
+number of token ids drawn at random, or a `draft_vocab.safetensors` file such as the shipped drafter's). All three are
+called exactly as the candidate generator calls them. Prints a markdown table of the median latency per block.
 
     python examples/head_microbench.py                       # greedy
     python examples/head_microbench.py --temperature 1.0     # sampling (Gumbel-max in the fused kernels)
+    python examples/head_microbench.py --shapes smollm2-135m  # the shipped drafter, whole vocabulary
+    python examples/head_microbench.py --shapes smollm2-135m \
+        --draft-vocab src/hf_domino/checkpoints/smollm2-135m-instruct-domino/draft_vocab.safetensors
 
-Needs a CUDA GPU and Triton; on CPU it says so and exits (the eager path at these shapes is not a useful CPU number).
+Needs a CUDA GPU and Triton; on CPU it says so and exits (the eager path at these shapes is not a useful CPU number),
+unless Triton's interpreter is on (`TRITON_INTERPRET=1`): then it runs eager and fused Triton (no graph) at whatever
+shapes are given, to check that the script runs (interpreter timings mean nothing), e.g.
+`TRITON_INTERPRET=1 python examples/head_microbench.py --hidden-size 64 --gru-hidden-dim 32 --emb-dim 16
+--vocab-size 1000 --draft-vocab 300 --reps 2 --warmup 1`.
 """
 
 from __future__ import annotations
@@ -28,6 +37,11 @@ from hf_domino import DominoConfig, DominoForSpeculation, TargetModules
 from hf_domino.drafting_domino import BlockDraft, Pick, eager_rollout, greedy_pick, processed_pick
 
 QWEN3_8B = {"hidden_size": 4096, "gru_hidden_dim": 1024, "emb_dim": 256, "vocab_size": 151936}
+SHAPES = {
+    "qwen3-8b": QWEN3_8B,
+    "smollm2-135m": {"hidden_size": 576, "gru_hidden_dim": 256, "emb_dim": 64, "vocab_size": 49152},
+}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def build_head(args: argparse.Namespace, device: torch.device) -> tuple[DominoForSpeculation, nn.Embedding]:
@@ -49,10 +63,28 @@ def build_head(args: argparse.Namespace, device: torch.device) -> tuple[DominoFo
         block_size=args.num_drafts,
         shift_label=True,
     )
+    dtype = DTYPES[args.dtype]
     with torch.device(device):
-        drafter = DominoForSpeculation(config).to(torch.bfloat16).eval()
-        embed = nn.Embedding(args.vocab_size, args.hidden_size, dtype=torch.bfloat16)
+        drafter = DominoForSpeculation(config).to(dtype).eval()
+        embed = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
     return drafter, embed
+
+
+def load_draft_vocab(spec: str | None, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """`--draft-vocab`: `None`/"0" for the whole vocabulary, a count of random ids, or a draft_vocab.safetensors."""
+    if spec is None or spec == "0":
+        return None
+    if spec.isdigit():
+        if int(spec) > vocab_size:
+            raise SystemExit(f"--draft-vocab {spec} exceeds the vocabulary ({vocab_size} tokens).")
+        ids = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(0))[: int(spec)]
+    else:
+        from safetensors.torch import load_file
+
+        ids = load_file(spec)["draft_vocab"].long()
+        if int(ids.max()) >= vocab_size:
+            raise SystemExit(f"{spec} holds token ids up to {int(ids.max())}, beyond --vocab-size {vocab_size}.")
+    return torch.sort(ids).values.to(device)
 
 
 def logits_processor(temperature: float | None):
@@ -64,11 +96,16 @@ def logits_processor(temperature: float | None):
     return LogitsProcessorList([TemperatureLogitsWarper(temperature)])
 
 
-def eager_pick(temperature: float | None, vocab_size: int) -> Pick:
-    """The pick the candidate generator gives `eager_rollout` for this decoding mode (full vocabulary)."""
+def eager_pick(temperature: float | None, vocab_size: int, vocab: torch.Tensor | None) -> Pick:
+    """The pick the candidate generator gives `eager_rollout` for this decoding mode."""
     if temperature is None:
         return greedy_pick
-    return processed_pick(logits_processor(temperature), True, None, vocab_size)
+    return processed_pick(logits_processor(temperature), True, vocab, vocab_size)
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def median_ms(fn, warmup: int, reps: int) -> float:
@@ -76,10 +113,10 @@ def median_ms(fn, warmup: int, reps: int) -> float:
         fn()
     times = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        synchronize()
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -90,11 +127,24 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default greedy)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--reps", type=int, default=100)
-    for name, value in QWEN3_8B.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-8b", help="defaults for the four sizes")
+    parser.add_argument(
+        "--draft-vocab",
+        default=None,
+        help="draft over a vocabulary: a number of random token ids, or a draft_vocab.safetensors (default: none)",
+    )
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="head and embedding weights")
+    for name in QWEN3_8B:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help="overrides --shapes")
     args = parser.parse_args()
+    for name, value in SHAPES[args.shapes].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
-    if not torch.cuda.is_available():
+    from hf_domino.triton_kernels import kernels_interpreted
+
+    interpreted = kernels_interpreted()
+    if not torch.cuda.is_available() and not interpreted:
         print("head_microbench.py measures GPU kernels and needs a CUDA device; none is available here.")
         sys.exit(0)
     import triton
@@ -102,24 +152,27 @@ def main() -> None:
     from hf_domino.fused_head import select_rollout
 
     torch.manual_seed(0)
-    device = torch.device("cuda")
+    device = torch.device("cpu" if interpreted else "cuda")
     drafter, embed = build_head(args, device)
     target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
-    draft_hidden = torch.randn(1, args.num_drafts, args.hidden_size, device=device, dtype=torch.bfloat16)
-    block = BlockDraft(draft_hidden, torch.randn(1, args.num_drafts, args.vocab_size, device=device) * 4)
+    vocab = load_draft_vocab(args.draft_vocab, args.vocab_size, device)
+    columns = args.vocab_size if vocab is None else len(vocab)
+    draft_hidden = torch.randn(1, args.num_drafts, args.hidden_size, device=device, dtype=DTYPES[args.dtype])
+    block = BlockDraft(draft_hidden, torch.randn(1, args.num_drafts, columns, device=device) * 4, vocab)
     anchor_ids = torch.tensor([[42]], device=device)
     do_sample, processors = args.temperature is not None, logits_processor(args.temperature)
 
     eager_name = "eager (`eager_rollout`)"
     rollouts = {
-        eager_name: eager_rollout(drafter, target, eager_pick(args.temperature, args.vocab_size)),
+        eager_name: eager_rollout(drafter, target, eager_pick(args.temperature, args.vocab_size, vocab)),
         "fused Triton": select_rollout(
             drafter, target, do_sample=do_sample, logits_processor=processors, mode="triton"
         ),
-        "fused Triton + CUDA graph": select_rollout(
-            drafter, target, do_sample=do_sample, logits_processor=processors, mode="triton+graph"
-        ),
     }
+    if not interpreted:  # CUDA graphs need CUDA
+        rollouts["fused Triton + CUDA graph"] = select_rollout(
+            drafter, target, do_sample=do_sample, logits_processor=processors, mode="triton+graph"
+        )
     with torch.no_grad():
         results = {
             name: median_ms(lambda r=r: r(block, anchor_ids), args.warmup, args.reps) for name, r in rollouts.items()
@@ -133,13 +186,18 @@ def main() -> None:
             agreement = dict.fromkeys(rollouts)  # sampled drafts are random: nothing to compare
 
     eager = results[eager_name]
-    print(
-        f"Device: {torch.cuda.get_device_name(device)}; torch {torch.__version__}; triton {triton.__version__}; "
-        f"Python {platform.python_version()}"
+    device_name = (
+        "CPU, Triton interpreter (timings meaningless)" if interpreted else torch.cuda.get_device_name(device)
     )
     print(
-        f"Shapes: hidden {args.hidden_size}, GRU {args.gru_hidden_dim}, rank {args.emb_dim}, vocab {args.vocab_size}, "
-        f"{args.num_drafts} drafts, bf16 weights, {'greedy' if args.temperature is None else f'T={args.temperature}'}"
+        f"Device: {device_name}; torch {torch.__version__}; triton {triton.__version__}; "
+        f"Python {platform.python_version()}"
+    )
+    draft_vocab = "whole vocabulary" if vocab is None else f"draft vocabulary of {len(vocab)} tokens"
+    print(
+        f"Shapes: hidden {args.hidden_size}, GRU {args.gru_hidden_dim}, rank {args.emb_dim}, vocab {args.vocab_size} "
+        f"({draft_vocab}), {args.num_drafts} drafts, {args.dtype} weights, "
+        f"{'greedy' if args.temperature is None else f'T={args.temperature}'}"
     )
     print(f"Command: `python {shlex.join(sys.argv)}` (median of {args.reps} blocks after {args.warmup} warm-up)\n")
     print("| path | ms / block | speedup vs eager | drafts equal to eager |")

@@ -30,7 +30,13 @@ from hf_domino import (  # noqa: E402
     triton_rollout,
 )
 from hf_domino import triton_kernels as kernels  # noqa: E402
-from hf_domino.drafting_domino import BlockDraft, Drafts, draft_confidence, eager_rollout, greedy_pick  # noqa: E402
+from hf_domino.drafting_domino import (  # noqa: E402
+    BlockDraft,
+    Drafts,
+    draft_confidence,
+    eager_rollout,
+    greedy_pick,
+)
 
 INTERPRETED = kernels.kernels_interpreted()
 requires_cuda = pytest.mark.skipif(
@@ -50,9 +56,12 @@ def interp():
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child run")
-def test_interpreter_suite():
+def test_interpreter_suite(request):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-W", "ignore"]
+    markexpr = request.config.getoption("markexpr")
+    if markexpr:  # e.g. CI's -m "not slow" must hold in the child too
+        command += ["-m", markexpr]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     summary = result.stdout.strip().splitlines()[-1:] if result.stdout else []
     assert result.returncode == 0, f"interpreter tests failed:\n{result.stdout[-6000:]}\n{result.stderr[-2000:]}"
@@ -292,6 +301,204 @@ def test_sampled_tokens_follow_softmax_of_processed_logits(interp):
     assert chi_square(counts, torch.softmax(unscaled, -1)) > critical, "the test cannot tell temperatures apart"
 
 
+# -------------------------------------------------------------------------------------------------- draft vocabulary
+# A draft vocabulary (FR-Spec): base logits over `VOCAB_IDS` only, the correction from W2's rows of those tokens, the
+# pick over them, and the GRU reading the picked *token ids*. ANCHOR (42, the anchor of `tiny_inputs`) is left out of
+# one of them: the GRU's first input is then a token the drafter can never propose.
+ANCHOR = 42
+VOCAB_IDS = torch.tensor([1, 3, 4, 8, 10, 17, 20, 33, 41, 42, 50, 63, 64, 70, 77, 80, 88, 95, 99])
+VOCABS = {"with the anchor": VOCAB_IDS, "without the anchor": VOCAB_IDS[VOCAB_IDS != ANCHOR]}
+
+
+def vocab_case(vocab: torch.Tensor, pure_draft_prefix_len: int = 1, dtype: torch.dtype = torch.float32):
+    drafter = tiny_drafter(dtype, pure_draft_prefix_len=pure_draft_prefix_len)
+    embed, draft_hidden, base_logits, anchor_ids = tiny_inputs(drafter.config.num_drafts, dtype)
+    assert anchor_ids[0, -1].item() == ANCHOR
+    target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
+    return drafter, target, embed, draft_hidden, base_logits[..., vocab], anchor_ids
+
+
+def spread_picker(tokens: torch.LongTensor, temperature: float, vocab: torch.Tensor):
+    """`forced_picker` after `processed_pick`'s spreading: logits over the whole vocabulary, `-inf` outside `vocab`."""
+    forced = forced_picker(tokens, temperature)
+
+    def pick(logits: torch.Tensor, realised_ids: torch.LongTensor):
+        full = logits.new_full((logits.shape[0], VOCAB), float("-inf")).index_copy_(-1, vocab, logits.float())
+        return forced(full, realised_ids)
+
+    return pick
+
+
+@pytest.mark.parametrize("vocab_name", list(VOCABS))
+@pytest.mark.parametrize("pure_draft_prefix_len", [0, 1, 2])
+def test_fused_rollout_over_a_draft_vocabulary_greedy_matches_eager(interp, vocab_name, pure_draft_prefix_len):
+    vocab = VOCABS[vocab_name]
+    drafter, target, embed, draft_hidden, base_logits, anchor_ids = vocab_case(vocab, pure_draft_prefix_len)
+    options = {"head": True, "pure_draft_prefix_len": pure_draft_prefix_len, "temperature": None, "vocab": vocab}
+    draft_ids, logits = triton_rollout.fused_rollout(
+        drafter, draft_hidden, base_logits, anchor_ids, embed.weight, **options
+    )
+    with torch.no_grad():
+        expected = eager_rollout(drafter, target)(BlockDraft(draft_hidden, base_logits, vocab), anchor_ids)
+
+    # Greedy: logits over the vocabulary's columns, drafts as token ids.
+    assert logits.shape == base_logits.shape == expected.logits.shape
+    assert torch.equal(draft_ids, expected.ids)
+    torch.testing.assert_close(logits, expected.logits, atol=1e-5, rtol=0)
+    assert torch.isin(draft_ids, vocab).all()
+    # The head mattered, and ids are not column indices (so the mapping and the GRU's reads are exercised).
+    assert not torch.equal(draft_ids, vocab[base_logits.argmax(-1)])
+    assert not torch.equal(draft_ids, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("vocab_name", list(VOCABS))
+@pytest.mark.parametrize("pure_draft_prefix_len", [0, 2])
+def test_fused_rollout_over_a_draft_vocabulary_sampling_matches_eager(interp, vocab_name, pure_draft_prefix_len):
+    vocab = VOCABS[vocab_name]
+    drafter, target, embed, draft_hidden, base_logits, anchor_ids = vocab_case(vocab, pure_draft_prefix_len)
+    temperature = 0.7
+    options = {"head": True, "pure_draft_prefix_len": pure_draft_prefix_len, "temperature": temperature}
+    torch.manual_seed(123)
+    draft_ids, logits = triton_rollout.fused_rollout(
+        drafter, draft_hidden, base_logits, anchor_ids, embed.weight, vocab=vocab, **options
+    )
+    picker = spread_picker(draft_ids, temperature, vocab)
+    with torch.no_grad():
+        expected = eager_rollout(drafter, target, picker)(BlockDraft(draft_hidden, base_logits, vocab), anchor_ids)
+
+    # Sampling: (base + correction) / temperature spread over the whole vocabulary, -inf outside the draft vocabulary
+    # (the draft distribution is exactly zero there, which keeps speculative sampling lossless).
+    assert logits.shape == (1, drafter.config.num_drafts, VOCAB)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.isneginf(logits[..., outside]).all() and torch.isfinite(logits[..., vocab]).all()
+    torch.testing.assert_close(logits, expected.logits, atol=1e-5, rtol=0)
+    assert torch.isin(draft_ids, vocab).all()
+
+    torch.manual_seed(123)
+    again, _ = triton_rollout.fused_rollout(
+        drafter, draft_hidden, base_logits, anchor_ids, embed.weight, vocab=vocab, **options
+    )
+    assert torch.equal(again, draft_ids), "torch.manual_seed must make sampled drafts reproducible"
+
+
+def test_sampled_tokens_over_a_draft_vocabulary_follow_the_subset_softmax(interp):
+    # As `test_sampled_tokens_follow_softmax_of_processed_logits`, over the 4-token vocabulary [2, 5, 6, 9] of a
+    # 10-token W2: the correction must use W2's rows 2, 5, 6, 9, and the draws land on those token ids.
+    torch.manual_seed(0)
+    draws, full, rank, temperature = 300, 10, 8, 0.5
+    vocab = torch.tensor([2, 5, 6, 9])
+    w2 = torch.randn(full, rank) * 0.6
+    hidden = torch.randn(1, rank).expand(draws, rank)
+    base = torch.tensor([[1.0, 0.4, 0.0, -1.0]]).expand(draws, len(vocab))
+    tokens, logits = interp.logits_pick(
+        base, hidden, w2, temperature=temperature, seed=2024, vocab=vocab, spread_size=full
+    )
+
+    unscaled = base[0] + w2[vocab] @ hidden[0]
+    expected = torch.full((full,), float("-inf")).index_copy_(0, vocab, unscaled / temperature)
+    torch.testing.assert_close(logits, expected.expand(draws, full), atol=1e-6, rtol=0)
+    assert torch.isin(tokens, vocab).all()
+    counts = torch.bincount(tokens, minlength=full)[vocab].float()
+    critical = 16.27  # chi-square, 3 degrees of freedom, p = 0.001
+    assert chi_square(counts, torch.softmax(unscaled / temperature, -1)) < critical, counts
+    wrong_rows = base[0] + w2[: len(vocab)] @ hidden[0]  # what ignoring the vocabulary in W2 would give
+    assert chi_square(counts, torch.softmax(wrong_rows / temperature, -1)) > critical, "cannot tell W2's rows apart"
+
+
+def test_greedy_pick_over_a_draft_vocabulary_breaks_ties_to_the_lowest_token_id(interp):
+    vocab = torch.arange(3, VOCAB, 3)  # 33 ids, 3 tiles of 16
+    base = torch.zeros(3, len(vocab))
+    base[0, [2, 30]] = 5.0  # tiles 0 and 1
+    base[1, [20, 21]] = 5.0  # inside one tile
+    base[2] = float("-inf")  # nothing finite: torch.argmax answers column 0
+    tokens, logits = interp.logits_pick(base, block_v=16, vocab=vocab)
+    assert tokens.tolist() == vocab[base.argmax(-1)].tolist() == [9, 63, 3]
+    assert torch.equal(logits, base)
+
+
+def test_fused_rollout_refuses_a_bad_draft_vocabulary(interp):
+    drafter, _, embed, draft_hidden, base_logits, anchor_ids = vocab_case(VOCAB_IDS)
+    options = {"head": True, "pure_draft_prefix_len": 1, "temperature": None}
+
+    def run(vocab, base=base_logits):
+        triton_rollout.fused_rollout(drafter, draft_hidden, base, anchor_ids, embed.weight, vocab=vocab, **options)
+
+    with pytest.raises(ValueError, match="sorted, distinct token ids"):
+        run(VOCAB_IDS.flip(0))
+    with pytest.raises(ValueError, match="sorted, distinct token ids"):
+        run(torch.cat([VOCAB_IDS[:-1], torch.tensor([VOCAB])]))
+    with pytest.raises(ValueError, match="long token ids"):
+        run(VOCAB_IDS[:-1])  # one id fewer than the base logits' columns
+    with pytest.raises(ValueError, match="pass the draft vocabulary"):
+        run(None)  # base logits over a subset, but no vocabulary to say which
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_select_rollout_over_a_draft_vocabulary_matches_eager(interp, do_sample):
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper
+
+    vocab = VOCABS["without the anchor"]
+    drafter, target, embed, draft_hidden, base_logits, anchor_ids = vocab_case(vocab)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.7)]) if do_sample else None
+    rollout = fused_head.select_rollout(
+        drafter, target, do_sample=do_sample, logits_processor=processors, mode="triton"
+    )
+    block = BlockDraft(draft_hidden, base_logits, vocab)
+    torch.manual_seed(7)
+    drafts = rollout(block, anchor_ids)
+    # The generator's eager pick for this call; sampling replays the fused draws to compare along the same path.
+    if do_sample:
+        eager_pick = spread_picker(drafts.ids, 0.7, vocab)
+    else:
+        eager_pick = greedy_pick
+    with torch.no_grad():
+        expected = eager_rollout(drafter, target, eager_pick)(block, anchor_ids)
+
+    assert isinstance(drafts, Drafts) and drafts.logits.shape == expected.logits.shape
+    assert torch.equal(drafts.ids, expected.ids)
+    torch.testing.assert_close(drafts.logits, expected.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(drafts.confidence, expected.confidence, atol=1e-5, rtol=0)
+    assert (drafts.confidence > 0).all()
+
+
+def test_generate_with_a_draft_vocabulary_runs_the_fused_head(interp, monkeypatch):
+    # `_select_rollout` no longer refuses a draft vocabulary: a forced 'triton' generate() drafts through the fused
+    # kernels, and greedy output is the target's own.
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    calls = []
+    original = fused_head.TritonRollout.__call__
+
+    def spy(self, *args, **kwargs):
+        calls.append(args[4] if len(args) > 4 else kwargs.get("vocab"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(fused_head.TritonRollout, "__call__", spy)
+    torch.manual_seed(0)
+    target_config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    target = Qwen3ForCausalLM(target_config).eval()
+    drafter = tiny_drafter()
+    drafter.set_draft_vocab(VOCABS["without the anchor"])
+    prompt = torch.tensor([[5, 17, 42, 8, 9]])
+    options = dict(max_new_tokens=10, do_sample=False, draft_policy="fixed")
+    fused = target.generate(prompt, assistant_model=drafter, domino_rollout="triton", **options)
+    assert calls and all(vocab is drafter.draft_vocab for vocab in calls)
+    eager = target.generate(prompt, assistant_model=drafter, domino_rollout="eager", **options)
+    plain = target.generate(prompt, max_new_tokens=10, do_sample=False)
+    assert torch.equal(fused, plain) and torch.equal(eager, plain)
+
+
 # ---------------------------------------------------------------------------------------------------------- dispatch
 def test_select_rollout_modes(interp, monkeypatch):
     from transformers import LogitsProcessorList, TopKLogitsWarper
@@ -356,9 +563,6 @@ def test_select_rollout_gives_a_ladder_rollout_matching_eager(interp):
     torch.testing.assert_close(drafts.logits, expected.logits, atol=1e-5, rtol=0)
     torch.testing.assert_close(drafts.confidence, draft_confidence(drafts.logits, drafts.ids))
     torch.testing.assert_close(drafts.confidence, expected.confidence, atol=1e-5, rtol=0)
-
-    with pytest.raises(ValueError, match="draft vocabulary"):
-        rollout(BlockDraft(draft_hidden, base_logits[..., :50], vocab=torch.arange(50)), anchor_ids)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="TRITON_INTERPRET=1 is set for the whole run")
@@ -451,6 +655,45 @@ def test_cuda_graph_runner_reuses_and_recaptures():
 
 
 @requires_cuda
+@pytest.mark.parametrize("temperature", [None, 0.7])
+def test_cuda_graph_runner_over_a_draft_vocabulary(temperature):
+    drafter, embed, draft_hidden, base_logits, anchor_ids = cuda_case(torch.float32)
+    vocabs = [VOCABS["without the anchor"].cuda(), VOCAB_IDS[1:].cuda()]  # same size, other ids
+    runner = fused_head.DominoHeadGraphRunner(drafter, temperature=temperature)
+
+    def fused(vocab):
+        return triton_rollout.fused_rollout(
+            drafter,
+            draft_hidden,
+            base_logits[..., vocab],
+            anchor_ids,
+            embed.weight,
+            head=True,
+            pure_draft_prefix_len=1,
+            temperature=temperature,
+            vocab=vocab,
+        )
+
+    for captures, vocab in enumerate(vocabs, start=1):
+        torch.manual_seed(5)
+        ids, logits = runner(draft_hidden, base_logits[..., vocab], anchor_ids, embed.weight, vocab)
+        assert runner.num_captures == captures, "a new vocabulary must re-capture"
+        assert torch.isin(ids, vocab).all()
+        assert logits.shape[-1] == (len(vocab) if temperature is None else VOCAB)
+        if temperature is None:
+            expected_ids, expected_logits = fused(vocab)
+            assert torch.equal(ids, expected_ids)
+            torch.testing.assert_close(logits, expected_logits)
+        else:  # spread over the whole vocabulary, -inf outside the draft vocabulary
+            assert torch.isfinite(logits[..., vocab]).all()
+            assert int(torch.isinf(logits).sum()) == logits.shape[1] * (VOCAB - len(vocab))
+    runner(draft_hidden, base_logits[..., vocabs[1]], anchor_ids, embed.weight, vocabs[1])
+    assert runner.num_captures == 2
+    runner(draft_hidden, base_logits, anchor_ids, embed.weight)  # whole vocabulary again
+    assert runner.num_captures == 3
+
+
+@requires_cuda
 def test_cuda_graph_runner_sampling_draws_fresh_noise():
     drafter, embed, draft_hidden, base_logits, anchor_ids = cuda_case(torch.float32)
     runner = fused_head.DominoHeadGraphRunner(drafter, temperature=1.0)
@@ -460,7 +703,8 @@ def test_cuda_graph_runner_sampling_draws_fresh_noise():
 
 
 @requires_cuda
-def test_cuda_greedy_generate_is_identical_with_and_without_the_fast_path(monkeypatch):
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_cuda_greedy_generate_is_identical_with_and_without_the_fast_path(monkeypatch, draft_vocab):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     calls = []
@@ -487,9 +731,11 @@ def test_cuda_greedy_generate_is_identical_with_and_without_the_fast_path(monkey
     )
     target = Qwen3ForCausalLM(target_config).cuda().eval()
     drafter = tiny_drafter().cuda()
+    if draft_vocab:
+        drafter.set_draft_vocab(VOCABS["without the anchor"])
     prompt = torch.tensor([[5, 17, 42, 8, 9]], device="cuda")
     outputs = {}
-    for mode in ("eager", "triton", "triton+graph"):
+    for mode in ("eager", "auto", "triton", "triton+graph"):
         outputs[mode] = target.generate(
             prompt,
             assistant_model=drafter,
@@ -499,6 +745,29 @@ def test_cuda_greedy_generate_is_identical_with_and_without_the_fast_path(monkey
             draft_policy="fixed",  # draft every block: the adaptive policy may skip drafting on a model this small
         )
     plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
-    assert calls, "the candidate generator did not dispatch to select_rollout()'s fast path"
+    assert "DominoHeadGraphRunner" in calls, "the candidate generator did not dispatch to select_rollout()'s fast path"
     assert torch.equal(outputs["eager"], plain)
     assert torch.equal(outputs["triton"], plain) and torch.equal(outputs["triton+graph"], plain)
+    assert torch.equal(outputs["auto"], plain)
+
+
+@pytest.mark.slow
+def test_shipped_drafter_with_its_draft_vocabulary_drafts_the_same_fused_and_eager(interp):
+    # The drafter users get first: the real SmolLM2 target and the shipped drafter over its 8192-token vocabulary.
+    # Same drafts fused and eager means the same acceptance, block for block; greedy output is the target's own.
+    from hf_domino.assets import SHIPPED_DRAFTER, load_mtbench, load_smollm2
+
+    target, tokenizer = load_smollm2()
+    drafter = DominoForSpeculation.from_pretrained(SHIPPED_DRAFTER, dtype=torch.float32).eval()
+    assert drafter.draft_vocab is not None and len(drafter.draft_vocab) == 8192
+    input_ids = tokenizer.apply_chat_template(
+        load_mtbench(limit=1)[0], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    options = dict(max_new_tokens=12, do_sample=False, assistant_model=drafter, draft_policy="fixed")
+    expected = target.generate(input_ids, max_new_tokens=12, do_sample=False)
+    acceptance = {}
+    for mode in ("eager", "triton"):
+        output = target.generate(input_ids, domino_rollout=mode, **options)
+        assert torch.equal(output, expected), mode
+        acceptance[mode] = drafter.last_generation_stats.acceptance_lengths
+    assert acceptance["triton"] == acceptance["eager"] and max(acceptance["eager"]) > 1, acceptance

@@ -4,7 +4,8 @@ Importing this package registers `DominoConfig`/`DominoForSpeculation` with the 
 `generate(assistant_model=drafter)` hook (see `hf_domino.generation_domino`).
 """
 
-import transformers
+import importlib
+
 from transformers import AutoConfig, AutoModel
 
 from .configuration_domino import DominoConfig, default_target_layer_ids
@@ -21,8 +22,12 @@ install_assisted_generation_hook()  # also done by every drafter's __init__; her
 AutoConfig.register(DominoConfig.model_type, DominoConfig, exist_ok=True)
 AutoModel.register(DominoConfig, DominoForSpeculation, exist_ok=True)
 # pipeline(..., assistant_model="path/to/drafter") resolves the assistant's class by looking the config's
-# `architectures` names up in the transformers namespace; expose ours there so a path string works too.
-transformers.DominoForSpeculation = DominoForSpeculation
+# `architectures` names up in `importlib.import_module("transformers")`; expose ours there so a path string works.
+# That must be the module object now in sys.modules: the first import of `transformers.processing_utils` (pulled in
+# by any model code, ours included) re-executes transformers' __init__ and replaces sys.modules["transformers"], so
+# the `transformers` bound above may be a stale object that the pipeline never sees.
+importlib.import_module("transformers.processing_utils")
+importlib.import_module("transformers").DominoForSpeculation = DominoForSpeculation
 
 __version__ = "0.1.0"
 

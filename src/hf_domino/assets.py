@@ -194,6 +194,18 @@ def load_target(
     return model.to(device), tokenizer
 
 
+def load_tokenizer(target: str = "smollm2", *, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
+    """The target's tokenizer alone, resolved as `load_target` resolves `target`: `"smollm2"` is the offline
+    SmolLM2-135M-Instruct tokenizer, anything else a Hugging Face model id or folder (with `gguf_file` inside it)."""
+    from transformers import AutoTokenizer
+
+    if target == "smollm2" and gguf_file is None:
+        gguf_path = smollm2_gguf_path()
+        with _quiet_gguf_loading():
+            return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    return AutoTokenizer.from_pretrained(target, gguf_file=gguf_file)
+
+
 def load_drafter(
     path: str | os.PathLike | None = None,
     dtype: torch.dtype | None = None,

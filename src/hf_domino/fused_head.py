@@ -1,14 +1,15 @@
 """The fused Domino head rollout behind the drafting ladder's `Rollout` signature, and when to use it.
 
 `hf_domino.drafting_domino.eager_rollout` is the reference rollout; this module offers two faster ones built on the
-kernels of `hf_domino.triton_kernels`, for greedy decoding and plain temperature sampling over the whole vocabulary:
+kernels of `hf_domino.triton_kernels`, for greedy decoding and plain temperature sampling, over the whole vocabulary
+or over the drafter's draft vocabulary:
 
 - `TritonRollout`: the fused kernels, launched one by one for every block;
 - `DominoHeadGraphRunner`: the same launches captured once as a CUDA graph and replayed, which removes the launch
   latency that dominates the head at 16 sequential positions per block.
 
-Both are low-level callables `(draft_hidden, base_logits, anchor_ids, target_embed_weight) -> (draft_ids, logits)`
-(`FastRollout`), configured once like `eager_rollout` (temperature, head on/off). `select_rollout()` is what the
+Both are low-level callables `(draft_hidden, base_logits, anchor_ids, target_embed_weight, vocab) -> (draft_ids,
+logits)` (`FastRollout`), configured once like `eager_rollout` (temperature, head on/off). `select_rollout()` is what the
 candidate generator calls once per `generate()`: it picks one of them for the call's `domino_rollout=` option (or
 `None` for the eager rollout) and wraps it in `FusedRollout`, a ladder `Rollout` `(BlockDraft, prefix_ids) -> Drafts`.
 The choice depends only on its arguments: no environment variable changes it behind the caller's back.
@@ -27,17 +28,26 @@ from .drafting_domino import BlockDraft, Drafts, Rollout, draft_confidence
 
 # The graph runner captures exactly what `fused_rollout` launches.
 from .triton_kernels import Workspace, check_kernel_device
-from .triton_rollout import HeadWeights, fused_rollout, launch_rollout, prepare_rollout, rows_contiguous
+from .triton_rollout import (
+    HeadWeights,
+    check_vocab_ids,
+    fused_rollout,
+    launch_rollout,
+    prepare_rollout,
+    rows_contiguous,
+)
 
 if TYPE_CHECKING:
     from transformers import LogitsProcessorList
 
     from .modeling_domino import DominoForSpeculation, TargetModules
 
-# `(draft_hidden [1, k, H], base_logits [1, k, V], anchor_ids [1, n], target_embed_weight [V, H])
-#  -> (draft_ids [1, k], logits [1, k, V] fp32)`: `fused_rollout`'s contract with the configuration bound.
+# `(draft_hidden [1, k, H], base_logits [1, k, V'], anchor_ids [1, n], target_embed_weight [V, H], vocab [V'] | None)
+#  -> (draft_ids [1, k], logits [1, k, V' (greedy) or V (sampling)] fp32)`: `fused_rollout`'s contract with the
+# configuration bound.
 FastRollout = Callable[
-    [torch.Tensor, torch.Tensor, torch.LongTensor, torch.Tensor], tuple[torch.LongTensor, torch.Tensor]
+    [torch.Tensor, torch.Tensor, torch.LongTensor, torch.Tensor, "torch.Tensor | None"],
+    tuple[torch.LongTensor, torch.Tensor],
 ]
 
 # The values of generate()'s `domino_rollout=` option.
@@ -57,6 +67,17 @@ class TritonRollout:
         self.drafter = drafter
         self.temperature = temperature
         self.head = head
+        self._checked_vocab: tuple | None = None
+
+    def _check_vocab_once(self, vocab: torch.Tensor | None, embed: torch.Tensor) -> None:
+        """Checks `vocab`'s values (`check_vocab_ids`): it costs a device synchronization, so once per vocabulary
+        tensor (and in-place version), not once per block."""
+        if vocab is None:
+            return
+        key = (vocab.data_ptr(), vocab.numel(), vocab._version, vocab.device, embed.shape[0])
+        if key != self._checked_vocab:
+            check_vocab_ids(vocab, min(self.drafter.config.vocab_size, embed.shape[0]))
+            self._checked_vocab = key
 
     def __call__(
         self,
@@ -64,7 +85,9 @@ class TritonRollout:
         base_logits: torch.Tensor,
         anchor_ids: torch.LongTensor,
         target_embed_weight: torch.Tensor,
+        vocab: torch.Tensor | None = None,
     ) -> tuple[torch.LongTensor, torch.Tensor]:
+        self._check_vocab_once(vocab, target_embed_weight)
         return fused_rollout(
             self.drafter,
             draft_hidden,
@@ -74,6 +97,8 @@ class TritonRollout:
             head=self.head,
             pure_draft_prefix_len=self.drafter.config.pure_draft_prefix_len,
             temperature=self.temperature,
+            vocab=vocab,
+            check_vocab=False,
         )
 
 
@@ -84,8 +109,9 @@ class DominoHeadGraphRunner(TritonRollout):
     `fallback_on_capture_error`) it is exactly that `TritonRollout`.
 
     Head on/off and greedy/sampling are fixed at construction. The graph is captured on the first call for the
-    call's configuration: number of drafts, vocabulary, dtypes, device, prefix length, and the address and layout of
-    every weight and of the embedding table. A call with any of those changed drops the graph (after the device has finished with it) and
+    call's configuration: number of drafts, vocabulary size, the draft vocabulary (none, or the address and size of
+    its id tensor), dtypes, device, prefix length, and the address and layout of every weight and of the embedding
+    table. A call with any of those changed drops the graph (after the device has finished with it) and
     captures a new one; a call with fewer drafts than captured replays the captured graph and keeps the leading rows,
     which is exact because a draft position never depends on later ones (blocks shrink near `max_length`, and
     re-capturing there would cost more than the few wasted positions). Weights updated in place are picked up without
@@ -128,7 +154,12 @@ class DominoHeadGraphRunner(TritonRollout):
         self._graph, self._key = None, None
 
     def _config_key(
-        self, weights: HeadWeights | None, draft_hidden: torch.Tensor, base_logits: torch.Tensor, embed: torch.Tensor
+        self,
+        weights: HeadWeights | None,
+        draft_hidden: torch.Tensor,
+        base_logits: torch.Tensor,
+        embed: torch.Tensor,
+        vocab: torch.Tensor | None,
     ) -> tuple:
         return (
             base_logits.shape[1],
@@ -140,6 +171,9 @@ class DominoHeadGraphRunner(TritonRollout):
             self.temperature is not None,
             None if weights is None else weights.signature(),  # also tells head on from head off
             (embed.data_ptr(), embed.dtype, embed.device, tuple(embed.shape), embed.stride()),
+            # The graph reads the ids by address; values changed in place are checked again (`_version`).
+            None if vocab is None else (vocab.data_ptr(), vocab.numel(), vocab.device, vocab._version),
+            self.drafter.config.vocab_size,  # the width of sampled (spread) logits
         )
 
     @torch.no_grad()
@@ -149,21 +183,26 @@ class DominoHeadGraphRunner(TritonRollout):
         base_logits: torch.Tensor,
         anchor_ids: torch.LongTensor,
         target_embed_weight: torch.Tensor,
+        vocab: torch.Tensor | None = None,
     ) -> tuple[torch.LongTensor, torch.Tensor]:
         if self._capture_failed:
-            return super().__call__(draft_hidden, base_logits, anchor_ids, target_embed_weight)
-        weights, device = prepare_rollout(self.drafter, self.head, draft_hidden, base_logits, target_embed_weight)
+            return super().__call__(draft_hidden, base_logits, anchor_ids, target_embed_weight, vocab)
+        weights, device = prepare_rollout(
+            self.drafter, self.head, draft_hidden, base_logits, target_embed_weight, vocab
+        )
         if device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need CUDA tensors; the Domino head is on {device}.")
         draft_hidden, base_logits = draft_hidden.to(device), base_logits.to(device)
+        vocab = None if vocab is None else vocab.to(device)
         num_drafts = base_logits.shape[1]
-        key = self._config_key(weights, draft_hidden, base_logits, target_embed_weight)
+        key = self._config_key(weights, draft_hidden, base_logits, target_embed_weight, vocab)
         captured = self._key
         # Same configuration, or the same one with a shorter block: replay.
         if captured is None or key[1:] != captured[1:] or num_drafts > captured[0]:
             self.reset()
             try:
-                self._capture(key, weights, draft_hidden, base_logits, target_embed_weight)
+                self._check_vocab_once(vocab, target_embed_weight)
+                self._capture(key, weights, draft_hidden, base_logits, target_embed_weight, vocab)
             except Exception as error:  # noqa: BLE001 - re-raised unless the caller asked for the fallback
                 self.reset()
                 if not self.fallback_on_capture_error:
@@ -174,7 +213,7 @@ class DominoHeadGraphRunner(TritonRollout):
                     stacklevel=2,
                 )
                 self._capture_failed = True
-                return super().__call__(draft_hidden, base_logits, anchor_ids, target_embed_weight)
+                return super().__call__(draft_hidden, base_logits, anchor_ids, target_embed_weight, vocab)
 
         self._draft_hidden[:num_drafts].copy_(draft_hidden[0])
         self._base_logits[:num_drafts].copy_(base_logits[0])
@@ -190,11 +229,15 @@ class DominoHeadGraphRunner(TritonRollout):
         draft_hidden: torch.Tensor,
         base_logits: torch.Tensor,
         embed_weight: torch.Tensor,
+        vocab: torch.Tensor | None,
     ) -> None:
         check_kernel_device(base_logits.device)
         self._device = base_logits.device
         num_drafts, vocab_size = base_logits.shape[1:]
-        self._workspace = Workspace(num_drafts, vocab_size, self._device, weights)
+        spread_size = self.drafter.config.vocab_size if self.temperature is not None else None
+        self._workspace = Workspace(
+            num_drafts, vocab_size, self._device, weights, vocab=vocab, spread_size=spread_size
+        )
         self._draft_hidden = draft_hidden[0].clone()
         self._base_logits = rows_contiguous(base_logits[0]).clone()
         prefix_len = self.drafter.config.pure_draft_prefix_len
@@ -229,8 +272,9 @@ class FusedRollout:
     """A `FastRollout` behind the ladder's `Rollout` signature: `(BlockDraft, prefix_ids) -> Drafts`.
 
     The embedding table is read from `target` on every call (not once), so a target moved or re-tied after
-    `select_rollout()` is still the one gathered from. The kernels cover the whole vocabulary, so a block drafted
-    over a draft vocabulary is refused rather than silently mis-indexed.
+    `select_rollout()` is still the one gathered from. A block drafted over a draft vocabulary (`block.vocab`) comes
+    back as `eager_rollout` returns it: token ids, and greedy logits over the vocabulary's columns or sampled logits
+    over the whole vocabulary.
     """
 
     def __init__(self, fused: FastRollout, target: TargetModules):
@@ -238,13 +282,13 @@ class FusedRollout:
         self.target = target
 
     def __call__(self, block: BlockDraft, prefix_ids: torch.LongTensor) -> Drafts:
-        if block.vocab is not None:
-            raise ValueError(
-                "The fused Domino head drafts over the whole vocabulary; this block covers a draft vocabulary. Use "
-                "the eager rollout (domino_rollout='eager') or draft_vocab=False."
-            )
-        ids, logits = self.fused(block.hidden, block.base_logits, prefix_ids, self.target.embed_tokens.weight)
-        return Drafts(ids, logits, draft_confidence(logits, ids.to(logits.device)))
+        embed = self.target.embed_tokens.weight
+        ids, logits = self.fused(block.hidden, block.base_logits, prefix_ids, embed, block.vocab)
+        index = ids.to(logits.device)
+        if block.vocab is not None and logits.shape[-1] == block.base_logits.shape[-1]:
+            # Greedy logits are over the vocabulary's columns: the column of each id (the vocabulary is sorted).
+            index = torch.searchsorted(block.vocab.to(logits.device), index)
+        return Drafts(ids, logits, draft_confidence(logits, index))
 
 
 # ----------------------------------------------------------------------------------------------------------- dispatch
@@ -275,7 +319,8 @@ def select_rollout(
 ) -> Rollout | None:
     """Chooses how a `generate()` call rolls the Domino head out: a fused ladder `Rollout`, or `None` for eager.
 
-    The candidate generator calls this only with the head on and no draft vocabulary (the cases the kernels fuse).
+    The candidate generator calls this only with the head on (the case the kernels fuse), with or without a draft
+    vocabulary: the returned rollout reads it from each block (`BlockDraft.vocab`).
 
     Args:
         drafter: the drafter.

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -96,7 +97,8 @@ class DominoOptions:
         num_speculative_tokens: drafts per target forward: the cap for `"adaptive"`, the exact number for
             `"fixed"` (0 = never draft). Default: the drafter's whole block.
         assistant_confidence_threshold: see above; in (0, 1).
-        domino_head: the Domino head on (default, when the drafter has one) or off (DFlash drafting, same weights).
+        domino_head: the Domino head on (`True`) or off (`False`: DFlash drafting, same weights); `None`, the
+            default, means on when the drafter has a head, or what an enclosing `with drafter.domino_head(...)` set.
         draft_vocab: compute drafts over the drafter's draft vocabulary, when it has one (default True).
         domino_rollout: `"auto"` (the fused Triton/CUDA-graph head on CUDA when it applies), `"eager"`, `"triton"`,
             `"triton+graph"` (forced: raise when they cannot run). See docs/fast_path.md.
@@ -140,14 +142,21 @@ class DominoOptions:
                 f"all of them), got {cap!r}."
             )
         threshold = self.assistant_confidence_threshold
-        if threshold is not None and (isinstance(threshold, bool) or not 0 < float(threshold) < 1):
+        if threshold is not None and (
+            isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 < threshold < 1
+        ):
             raise ValueError(
-                f"assistant_confidence_threshold must be a probability in (0, 1), got {threshold!r}; drop it to "
-                "let the draft policy alone decide."
+                f"assistant_confidence_threshold must be a number in (0, 1), a probability, got {threshold!r}; pass "
+                "e.g. assistant_confidence_threshold=0.4, or drop it to let the draft policy alone decide."
             )
-        for name in ("domino_head", "draft_vocab", "domino_timings"):
+        if self.domino_head is not None and not isinstance(self.domino_head, bool):
+            raise ValueError(
+                f"domino_head must be True, False or None (the default: the head when the drafter has one), got "
+                f"{self.domino_head!r}."
+            )
+        for name in ("draft_vocab", "domino_timings"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
+            if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}.")
         if self.domino_head and not drafter.config.has_domino_head:
             raise ValueError("domino_head=True needs a drafter with a Domino head; this one drafts as DFlash.")
@@ -421,11 +430,12 @@ class DominoCandidateGenerator(CandidateGenerator):
         if self.do_sample or self.logits_processor is not None:
             pick = processed_pick(self.logits_processor, self.do_sample, self.vocab, drafter.config.vocab_size)
         eager = eager_rollout(drafter, self.target, pick, head=head)
-        if options.domino_rollout == "eager" or not sequential or not head or self.vocab is not None:
-            if options.domino_rollout in ("triton", "triton+graph") and (not head or self.vocab is not None):
+        # The fused rollout covers a draft vocabulary too: it reads it from each block, as the eager one does.
+        if options.domino_rollout == "eager" or not sequential or not head:
+            if options.domino_rollout in ("triton", "triton+graph") and not head:
                 raise ValueError(
-                    f"domino_rollout={options.domino_rollout!r} fuses the Domino head over the whole vocabulary: it "
-                    "needs the head on and draft_vocab=False."
+                    f"domino_rollout={options.domino_rollout!r} fuses the Domino head: it needs the head on "
+                    "(domino_head=True, a drafter with a head); use 'auto' or 'eager' without it."
                 )
             return eager
         try:

@@ -168,7 +168,8 @@ def expected_tokens(acceptance: torch.Tensor) -> torch.Tensor:
 
     `acceptance` is `[K]`, or `[rows, K]` for a batch whose rows all verify k drafts: then the mean over the rows.
     """
-    survive = torch.cumprod(acceptance.double().reshape(-1, acceptance.shape[-1]), dim=-1)
+    rows = acceptance.double()
+    survive = torch.cumprod(rows[None] if rows.dim() == 1 else rows, dim=-1)
     ones = torch.ones(survive.shape[0], 1, dtype=torch.float64)
     return torch.cat([ones, 1 + torch.cumsum(survive, dim=-1)], dim=-1).mean(dim=0)
 

@@ -9,6 +9,8 @@ token never goes back to the host, so that a whole block can be captured once as
 positions in one matmul); `_logits_pick_kernel` computes, stores (speculative sampling needs the exact distribution
 each draft was drawn from) and picks from one vocabulary tile of logits (argmax, or Gumbel-max with Philox noise when
 sampling); `_finalize_pick_kernel` reduces the tile winners, ties going to the lowest index as in `torch.argmax`.
+Over a draft vocabulary (base logits over `vocab`, sorted token ids) the logits kernel reads W2's rows of those
+tokens and the finalize kernel maps the winning column to its token id, which is what the next GRU step gathers.
 
 Arithmetic accumulates in fp32 whatever the weight dtype; intermediate results are rounded to the weight dtype where
 the eager path materializes a weight-dtype tensor (GRU state, `W1` output, SiLU output, correction), so that both
@@ -157,20 +159,32 @@ if triton is not None:
         best_idx_ptr,
         seed_ptr,
         temperature_ptr,
+        vocab_ptr,
         row_offset,
         V,
         R,
         num_tiles,
         HAS_CORRECTION: tl.constexpr,
         SAMPLE: tl.constexpr,
+        HAS_VOCAB: tl.constexpr,
+        SPREAD: tl.constexpr,
         BLOCK_V: tl.constexpr,
         BLOCK_R: tl.constexpr,
     ):
-        """One vocabulary tile of one draft position (`program_id(1)`): logits, stored, and the tile's winner."""
+        """One vocabulary tile of one draft position (`program_id(1)`): logits, stored, and the tile's winner.
+
+        With `HAS_VOCAB`, column `c` of the base logits is token `vocab[c]` (a draft vocabulary of `V` token ids): the
+        correction reads W2's row of that token, and with `SPREAD` the logit is stored in that token's column of a
+        whole-vocabulary row (the rest of which holds `-inf`), as `processed_pick` spreads it for sampling. The tile's
+        winner is always a column of the base logits; `_finalize_pick_kernel` maps it to a token id.
+        """
         tile = tl.program_id(0)
         row = tl.program_id(1)
         cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         col_mask = cols < V
+        token_ids = cols
+        if HAS_VOCAB:
+            token_ids = tl.load(vocab_ptr + cols, mask=col_mask, other=0)
         logits = tl.load(base_ptr + row * base_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
         if HAS_CORRECTION:
             acc = tl.zeros([BLOCK_V], dtype=tl.float32)
@@ -178,8 +192,10 @@ if triton is not None:
                 ranks = r0 + tl.arange(0, BLOCK_R)
                 rank_mask = ranks < R
                 a = tl.load(hidden_ptr + row * hidden_stride + ranks, mask=rank_mask, other=0.0)
+                # A draft vocabulary gathers W2's rows in-kernel (not a gathered copy), so that a captured graph
+                # still reads weights updated in place.
                 w = tl.load(
-                    w2_ptr + cols[:, None] * w2_stride + ranks[None, :],
+                    w2_ptr + token_ids[:, None] * w2_stride + ranks[None, :],
                     mask=col_mask[:, None] & rank_mask[None, :],
                     other=0.0,
                 )
@@ -188,7 +204,10 @@ if triton is not None:
         if SAMPLE:
             # Same op as transformers' TemperatureLogitsWarper (`scores / temperature`), correctly rounded.
             logits = tl.div_rn(logits, tl.load(temperature_ptr))
-        tl.store(logits_ptr + row * logits_stride + cols, logits, mask=col_mask)
+        if SPREAD:
+            tl.store(logits_ptr + row * logits_stride + token_ids, logits, mask=col_mask)
+        else:
+            tl.store(logits_ptr + row * logits_stride + cols, logits, mask=col_mask)
 
         score = logits
         if SAMPLE:
@@ -204,13 +223,29 @@ if triton is not None:
         tl.store(best_idx_ptr + row * num_tiles + tile, tile * BLOCK_V + best_idx)
 
     @triton.jit
-    def _finalize_pick_kernel(best_ptr, best_idx_ptr, tokens_ptr, token_offset, num_tiles, BLOCK_T: tl.constexpr):
-        """Second stage of the vocabulary argmax: the first tile holding the maximum wins (lowest index on ties)."""
+    def _finalize_pick_kernel(
+        best_ptr,
+        best_idx_ptr,
+        vocab_ptr,
+        tokens_ptr,
+        token_offset,
+        num_tiles,
+        HAS_VOCAB: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+    ):
+        """Second stage of the vocabulary argmax: the first tile holding the maximum wins (lowest index on ties).
+
+        The winning column becomes a token id (`vocab[column]` with a draft vocabulary) before it is stored: the next
+        GRU step gathers that token's embedding from the target's table. A sorted vocabulary keeps torch's tie rule,
+        lowest token id, in both the compact and the spread logits.
+        """
         row = tl.program_id(0)
         tiles = tl.arange(0, BLOCK_T)
         best = tl.load(best_ptr + row * num_tiles + tiles, mask=tiles < num_tiles, other=float("-inf"))
         winner = tl.argmax(best, axis=0, tie_break_left=True)
         token = tl.load(best_idx_ptr + row * num_tiles + winner)
+        if HAS_VOCAB:
+            token = tl.load(vocab_ptr + token)
         tl.store(tokens_ptr + token_offset + row, token.to(tokens_ptr.dtype.element_ty))
 
 
@@ -264,11 +299,24 @@ class Workspace:
         device: torch.device,
         weights: HeadWeights | None,
         block_v: int = LOGITS_BLOCK_V,
+        vocab: torch.Tensor | None = None,
+        spread_size: int | None = None,
     ):
+        """`vocab_size` columns of base logits per draft; with `vocab`, they are those (sorted) token ids.
+
+        With `spread_size`, the logits are stored over a whole vocabulary of that size, `-inf` outside `vocab` (what
+        sampling returns); else over the `vocab_size` columns.
+        """
         num_tiles = _num_tiles(vocab_size, block_v)
         self.block_v = block_v
+        self.vocab = vocab
+        self.spread = spread_size is not None and vocab is not None
         self.tokens = torch.zeros(num_drafts + 1, dtype=torch.long, device=device)  # [anchor, drafts...]
-        self.logits = torch.zeros(num_drafts, vocab_size, dtype=torch.float32, device=device)
+        if self.spread:
+            # Only the vocabulary's columns are ever written: the -inf elsewhere survives every replay.
+            self.logits = torch.full((num_drafts, spread_size), float("-inf"), dtype=torch.float32, device=device)
+        else:
+            self.logits = torch.zeros(num_drafts, vocab_size, dtype=torch.float32, device=device)
         self.best = torch.empty(num_drafts, num_tiles, dtype=torch.float32, device=device)
         self.best_idx = torch.empty(num_drafts, num_tiles, dtype=torch.long, device=device)
         self.seed = torch.zeros(1, dtype=torch.long, device=device)
@@ -354,8 +402,10 @@ def launch_logits_pick(
 ) -> None:
     """Picks draft `rows` of the block into `ws.tokens[1 + row]`, their logits into `ws.logits[row]`.
 
-    `base_logits` `[k, V]` are the whole block's, `hidden` `[len(rows), R]` the correction's hidden vectors of those
-    rows (`None`: base logits alone). Rows are independent, so one launch covers them all.
+    `base_logits` `[k, V]` are the whole block's (over `ws.vocab` when set), `hidden` `[len(rows), R]` the
+    correction's hidden vectors of those rows (`None`: base logits alone), `proj_out_weight` the whole W2
+    (`[vocab, R]`; a draft vocabulary's rows are gathered in the kernel). Rows are independent, so one launch covers
+    them all.
     """
     base = base_logits[rows]
     num_rows, vocab_size = base.shape
@@ -363,6 +413,8 @@ def launch_logits_pick(
         return
     tiles = _num_tiles(vocab_size, ws.block_v)
     has_correction = proj_out_weight is not None
+    has_vocab = ws.vocab is not None
+    vocab = ws.vocab if has_vocab else ws.tokens  # never read without HAS_VOCAB; any valid pointer will do
     rank = proj_out_weight.shape[1] if has_correction else 1
     _logits_pick_kernel[(tiles, num_rows)](
         hidden if has_correction else base,
@@ -377,12 +429,15 @@ def launch_logits_pick(
         ws.best_idx[rows],
         ws.seed,
         ws.temperature,
+        vocab,
         rows.start,  # the Philox counter's row: no two draft positions share noise
         vocab_size,
         rank,
         tiles,
         HAS_CORRECTION=has_correction,
         SAMPLE=sample,
+        HAS_VOCAB=has_vocab,
+        SPREAD=ws.spread,
         BLOCK_V=ws.block_v,
         BLOCK_R=_pow2(rank, LOGITS_BLOCK_R),
         num_warps=4,
@@ -390,9 +445,11 @@ def launch_logits_pick(
     _finalize_pick_kernel[(num_rows,)](
         ws.best[rows],
         ws.best_idx[rows],
+        vocab,
         ws.tokens,
         1 + rows.start,
         tiles,
+        HAS_VOCAB=has_vocab,
         BLOCK_T=triton.next_power_of_2(tiles),
         num_warps=4 if tiles <= 1024 else 8,
     )
@@ -435,15 +492,19 @@ def logits_pick(
     temperature: float | None = None,
     seed: int = 0,
     block_v: int = LOGITS_BLOCK_V,
+    vocab: torch.Tensor | None = None,
+    spread_size: int | None = None,
 ) -> tuple[torch.LongTensor, torch.Tensor]:
     """Picks a token per row of `base_logits + hidden @ W2.T` (`[rows, V]`; `hidden` `[rows, R]` may be `None`).
 
-    Greedy (argmax) when `temperature` is `None`, else a draw from `softmax(logits / temperature)`. Returns
-    `(tokens [rows], processed logits [rows, V] fp32)`.
+    Greedy (argmax) when `temperature` is `None`, else a draw from `softmax(logits / temperature)`. With `vocab`
+    (`[V]` sorted token ids), column `c` is token `vocab[c]`: W2's rows are `W2[vocab]` and the picked tokens are ids;
+    with `spread_size` too, the logits come back over that whole vocabulary, `-inf` outside `vocab`. Returns
+    `(tokens [rows], processed logits [rows, V or spread_size] fp32)`.
     """
     check_kernel_device(base_logits.device)
     rows, vocab_size = base_logits.shape
-    ws = Workspace(rows, vocab_size, base_logits.device, None, block_v)
+    ws = Workspace(rows, vocab_size, base_logits.device, None, block_v, vocab, spread_size)
     ws.seed.fill_(seed)
     ws.temperature.fill_(1.0 if temperature is None else temperature)
     hidden = None if hidden is None else hidden.float()

@@ -61,9 +61,10 @@ def launch_rollout(
 ) -> None:
     """Enqueues one block's rollout; no host synchronization, no data-dependent control flow (graph-capturable).
 
-    `draft_hidden` `[k, H]` and `base_logits` `[k, V]` are the block's rows; `workspace.tokens[0]` holds the anchor,
-    `workspace.seed`/`workspace.temperature` the sampling parameters. Drafts land in `workspace.tokens[1:]`, the
-    logits they were picked from in `workspace.logits`.
+    `draft_hidden` `[k, H]` and `base_logits` `[k, V]` are the block's rows (over `workspace.vocab` when the drafter
+    has a draft vocabulary); `workspace.tokens[0]` holds the anchor, `workspace.seed`/`workspace.temperature` the
+    sampling parameters. Drafts (token ids) land in `workspace.tokens[1:]`, the logits they were picked from in
+    `workspace.logits`.
     """
     ws, num_drafts = workspace, base_logits.shape[0]
     prefix_len = num_drafts if weights is None else min(prefix_len, num_drafts)
@@ -90,18 +91,31 @@ def launch_rollout(
 
 
 def _validate_inputs(
-    weights: HeadWeights | None, draft_hidden: torch.Tensor, base_logits: torch.Tensor, embed_weight: torch.Tensor
+    weights: HeadWeights | None,
+    draft_hidden: torch.Tensor,
+    base_logits: torch.Tensor,
+    embed_weight: torch.Tensor,
+    vocab: torch.Tensor | None,
 ) -> None:
     if base_logits.dim() != 3 or base_logits.shape[0] != 1 or draft_hidden.shape[:2] != base_logits.shape[:2]:
         raise ValueError(
             f"Expected draft_hidden [1, k, hidden] and base_logits [1, k, vocab] for one sequence, got "
             f"{tuple(draft_hidden.shape)} and {tuple(base_logits.shape)}."
         )
+    if vocab is not None:
+        if vocab.dim() != 1 or vocab.numel() != base_logits.shape[-1] or vocab.dtype != torch.long:
+            raise ValueError(
+                f"A draft vocabulary must be the [V'] long token ids of the base logits' {base_logits.shape[-1]} "
+                f"columns, got {vocab.dtype} {tuple(vocab.shape)} (see DominoForSpeculation.set_draft_vocab)."
+            )
+        if vocab.stride(0) != 1:
+            raise ValueError("The draft vocabulary must be contiguous (vocab.contiguous()).")
     if weights is None:
         return
-    if base_logits.shape[-1] != weights.proj_out.shape[0]:
+    if vocab is None and base_logits.shape[-1] != weights.proj_out.shape[0]:
         raise ValueError(
-            f"base_logits cover {base_logits.shape[-1]} tokens but the Domino head corrects {weights.proj_out.shape[0]}."
+            f"base_logits cover {base_logits.shape[-1]} tokens but the Domino head corrects {weights.proj_out.shape[0]}"
+            "; pass the draft vocabulary the base logits were computed over."
         )
     if embed_weight.shape[1] != weights.hidden_size or draft_hidden.shape[-1] != weights.hidden_size:
         raise ValueError("The target embeddings and draft hidden states must have the drafter's hidden_size.")
@@ -118,11 +132,27 @@ def prepare_rollout(
     draft_hidden: torch.Tensor,
     base_logits: torch.Tensor,
     embed: torch.Tensor,
+    vocab: torch.Tensor | None = None,
 ) -> tuple[HeadWeights | None, torch.device]:
-    """Checked head weights (`None` when the head is off or absent) and the device the rollout runs on."""
+    """Checked head weights (`None` when the head is off or absent) and the device the rollout runs on.
+
+    Cheap checks only (shapes, dtypes, layouts: no device synchronization); `check_vocab_ids` checks a vocabulary's
+    values.
+    """
     weights = HeadWeights.of(drafter) if head and drafter.config.has_domino_head else None
-    _validate_inputs(weights, draft_hidden, base_logits, embed)
+    _validate_inputs(weights, draft_hidden, base_logits, embed, vocab)
     return weights, (base_logits.device if weights is None else weights.weight_ih.device)
+
+
+def check_vocab_ids(vocab: torch.Tensor, vocab_size: int) -> None:
+    """A draft vocabulary's ids must be sorted, distinct and in `[0, vocab_size)`: the kernels index W2 and the
+    embedding table with them unchecked, and the lowest-id tie rule needs them sorted. One device synchronization."""
+    ok = vocab.numel() > 0 and bool((vocab[0] >= 0) & (vocab[-1] < vocab_size) & (vocab.diff() > 0).all())
+    if not ok:
+        raise ValueError(
+            f"A draft vocabulary must hold sorted, distinct token ids in [0, {vocab_size}); "
+            "DominoForSpeculation.set_draft_vocab builds one."
+        )
 
 
 def rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
@@ -140,6 +170,8 @@ def fused_rollout(
     head: bool,
     pure_draft_prefix_len: int,
     temperature: float | None,
+    vocab: torch.Tensor | None = None,
+    check_vocab: bool = True,
 ) -> tuple[torch.LongTensor, torch.Tensor]:
     """`eager_rollout` with the fused kernels, for greedy decoding or plain temperature sampling.
 
@@ -149,23 +181,35 @@ def fused_rollout(
     Args:
         drafter: the drafter whose head weights to use.
         draft_hidden: backbone outputs of the positions to draft, `[1, k, hidden]`.
-        base_logits: the target LM head on `draft_hidden`, `[1, k, vocab]`.
+        base_logits: the target LM head on `draft_hidden`, `[1, k, V']`: over the whole vocabulary, or over `vocab`.
         anchor_ids: the tokens realised before the first draft, `[1, n]`; only the last one (the anchor) is read.
         target_embed_weight: the target's input embedding table `[vocab, hidden]`, on the head's device.
         head: correct the base logits with the Domino head (ignored, i.e. off, for a drafter without one).
         pure_draft_prefix_len: leading drafts taken from the base logits alone (`config.pure_draft_prefix_len`).
         temperature: `None` for greedy (argmax); else drafts are drawn from `softmax(logits / temperature)`.
+        vocab: the draft vocabulary the base logits cover (`[V']` sorted token ids, as `set_draft_vocab` stores
+            them), or `None` for the whole vocabulary. The correction then uses W2's rows of those tokens, the pick
+            is over them, and the GRU reads the picked token ids.
+        check_vocab: check `vocab`'s values (`check_vocab_ids`, one device synchronization); a caller that already
+            checked this vocabulary tensor passes `False`.
 
     Returns:
-        `(draft_ids [1, k], logits [1, k, vocab] fp32)`: the drafts and the processed logits each was picked from
-        (`logits / temperature` when sampling), as `processed_pick` returns them.
+        `(draft_ids [1, k], logits [1, k, V] fp32)`: the drafts (token ids) and the processed logits each was picked
+        from, as `eager_rollout` returns them: greedy, over the base logits' `V'` columns; sampling,
+        `logits / temperature` over the whole vocabulary (`config.vocab_size` columns, `-inf` outside `vocab`, as
+        `processed_pick` spreads them so that speculative sampling stays lossless).
     """
-    weights, device = prepare_rollout(drafter, head, draft_hidden, base_logits, target_embed_weight)
+    weights, device = prepare_rollout(drafter, head, draft_hidden, base_logits, target_embed_weight, vocab)
     if temperature is not None and not temperature > 0:
         raise ValueError(f"temperature must be positive for sampling (None = greedy), got {temperature}.")
     check_kernel_device(device)
     num_drafts, vocab_size = base_logits.shape[1:]
-    workspace = Workspace(num_drafts, vocab_size, device, weights)
+    if vocab is not None:
+        vocab = vocab.to(device)
+        if check_vocab:
+            check_vocab_ids(vocab, min(drafter.config.vocab_size, target_embed_weight.shape[0]))
+    spread_size = drafter.config.vocab_size if temperature is not None else None
+    workspace = Workspace(num_drafts, vocab_size, device, weights, vocab=vocab, spread_size=spread_size)
     workspace.start(anchor_ids, temperature)
     launch_rollout(
         weights,

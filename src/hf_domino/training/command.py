@@ -58,13 +58,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     model = parser.add_argument_group("drafter architecture (new drafters)")
-    model.add_argument("--num-draft-layers", type=int, default=1)
-    model.add_argument("--block-size", type=int, default=16)
-    model.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
-    model.add_argument("--emb-dim", type=int, default=64)
-    model.add_argument("--gru-hidden-dim", type=int, default=256)
+    model.add_argument("--num-draft-layers", type=int, default=1, help="Decoder layers of the drafter's backbone.")
+    model.add_argument("--block-size", type=int, default=16, help="Tokens per drafted block, the anchor included.")
+    model.add_argument(
+        "--target-layer-ids",
+        type=int,
+        nargs="+",
+        default=None,
+        help="Target layers whose hidden states feed the drafter (default: DFlash's spacing rule).",
+    )
+    model.add_argument("--emb-dim", type=int, default=64, help="Rank of the Domino head's logit correction.")
+    model.add_argument("--gru-hidden-dim", type=int, default=256, help="Hidden size of the Domino head's GRU.")
     model.add_argument("--intermediate-size", type=int, default=None, help="Draft MLP width (default: target's).")
-    model.add_argument("--pure-draft-prefix-len", type=int, default=1)
+    model.add_argument(
+        "--pure-draft-prefix-len", type=int, default=1, help="Leading drafts taken from the base logits alone."
+    )
     model.add_argument("--no-domino-head", action="store_true", help="Train a plain DFlash drafter.")
     model.add_argument("--no-shift-label", action="store_true", help="DFlash label convention (B - 1 drafts).")
     model.add_argument("--init-from", type=Path, help="Start from this drafter checkpoint instead of a fresh one.")
@@ -75,14 +83,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     optim = parser.add_argument_group("optimization")
-    optim.add_argument("--output-dir", type=Path, default=Path("runs/train"))
-    optim.add_argument("--total-steps", type=int, default=1000)
+    optim.add_argument(
+        "--output-dir", type=Path, default=Path("runs/train"), help="Checkpoints, logs and final/ go here."
+    )
+    optim.add_argument("--total-steps", type=int, default=1000, help="Optimizer steps in all (resumed runs included).")
     optim.add_argument("--batch-size", type=int, default=1, help="Sequences per process and micro step.")
-    optim.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    optim.add_argument("--gradient-accumulation-steps", type=int, default=1, help="Micro steps per optimizer step.")
     optim.add_argument("--num-anchors", type=int, default=16, help="Blocks per sequence.")
-    optim.add_argument("--lr", type=float, default=6e-4)
-    optim.add_argument("--warmup-ratio", type=float, default=0.04)
-    optim.add_argument("--max-grad-norm", type=float, default=1.0)
+    optim.add_argument("--lr", type=float, default=6e-4, help="Peak AdamW learning rate (cosine schedule).")
+    optim.add_argument(
+        "--warmup-ratio", type=float, default=0.04, help="Share of the steps with a linear learning-rate warm-up."
+    )
+    optim.add_argument("--max-grad-norm", type=float, default=1.0, help="Clip the gradient norm to this.")
     optim.add_argument("--no-curriculum", action="store_true", help="Ablation: lam = 0 (no base loss) throughout.")
     optim.add_argument(
         "--kl-weight",
@@ -97,10 +109,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "folder with one; `hf-domino draft-vocab` builds it): cuts the LM head's share of each step. The trained "
         "drafter keeps it.",
     )
-    optim.add_argument("--seed", type=int, default=0)
-    optim.add_argument("--log-every", type=int, default=10)
-    optim.add_argument("--save-every", type=int, default=100)
-    optim.add_argument("--gradient-checkpointing", action="store_true")
+    optim.add_argument("--seed", type=int, default=0, help="Seed of the initial weights and the block anchors.")
+    optim.add_argument("--log-every", type=int, default=10, help="Log losses every this many steps.")
+    optim.add_argument("--save-every", type=int, default=100, help="Checkpoint every this many steps.")
+    optim.add_argument(
+        "--gradient-checkpointing", action="store_true", help="Recompute activations in backward (less memory)."
+    )
     optim.add_argument("--stop-after-minutes", type=float, default=None, help="Checkpoint and stop (resume later).")
     optim.add_argument("--no-resume", action="store_true", help="Ignore checkpoints in --output-dir.")
     optim.add_argument("--threads", type=int, default=None, help="torch CPU threads per process.")
@@ -109,10 +123,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     evaluation = parser.add_argument_group("evaluation")
     evaluation.add_argument("--eval-only", action="store_true", help="Measure acceptance lengths of --drafter.")
     evaluation.add_argument("--drafter", type=Path, help="Drafter folder to evaluate.")
-    evaluation.add_argument("--eval-prompts", nargs="+", default=["mtbench", "humaneval"])
-    evaluation.add_argument("--eval-limit", type=int, default=30)
-    evaluation.add_argument("--max-new-tokens", type=int, default=128)
-    evaluation.add_argument("--head", choices=["on", "off", "both"], default="both")
+    evaluation.add_argument(
+        "--eval-prompts",
+        nargs="+",
+        default=["mtbench", "humaneval"],
+        help="Prompt sets (mtbench, humaneval, sharegpt, math) or jsonl files to measure on.",
+    )
+    evaluation.add_argument("--eval-limit", type=int, default=30, help="Prompts per set.")
+    evaluation.add_argument("--max-new-tokens", type=int, default=128, help="Tokens generated per prompt.")
+    evaluation.add_argument(
+        "--head",
+        choices=["on", "off", "both"],
+        default="both",
+        help="Measure with the Domino head, without it (DFlash mode), or both.",
+    )
     evaluation.add_argument(
         "--draft-lengths",
         type=int,

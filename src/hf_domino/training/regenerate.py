@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Hugging Face model id or folder, or `smollm2` for the offline SmolLM2-135M-Instruct (default).",
     )
     target_group.add_argument("--gguf-file", help="GGUF file inside --target to load the target from.")
-    target_group.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    target_group.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="Dtype to run the target in.")
     target_group.add_argument("--device", default=None, help="Default: cuda when available, else cpu.")
 
     source = parser.add_argument_group("prompts")
@@ -79,8 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     generation = parser.add_argument_group("generation")
     generation.add_argument("--output", type=Path, required=True, help="jsonl file to write (resumed if present).")
-    generation.add_argument("--batch-size", type=int, default=16)
-    generation.add_argument("--max-new-tokens", type=int, default=256)
+    generation.add_argument("--batch-size", type=int, default=16, help="Prompts generated together.")
+    generation.add_argument("--max-new-tokens", type=int, default=256, help="Longest response, in tokens.")
     generation.add_argument(
         "--max-prompt-tokens",
         type=int,

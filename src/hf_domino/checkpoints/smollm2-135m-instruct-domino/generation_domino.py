@@ -20,10 +20,12 @@ This file is also written next to exported checkpoints as remote code, so it imp
 from __future__ import annotations
 
 import contextvars
+import copy
 import dataclasses
 import functools
 import importlib
 import inspect
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -34,6 +36,7 @@ from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
+from .batching_domino import batched_assisted_decoding
 from .drafting_domino import (
     BlockDraft,
     DrafterContext,
@@ -94,7 +97,8 @@ class DominoOptions:
         num_speculative_tokens: drafts per target forward: the cap for `"adaptive"`, the exact number for
             `"fixed"` (0 = never draft). Default: the drafter's whole block.
         assistant_confidence_threshold: see above; in (0, 1).
-        domino_head: the Domino head on (default, when the drafter has one) or off (DFlash drafting, same weights).
+        domino_head: the Domino head on (`True`) or off (`False`: DFlash drafting, same weights); `None`, the
+            default, means on when the drafter has a head, or what an enclosing `with drafter.domino_head(...)` set.
         draft_vocab: compute drafts over the drafter's draft vocabulary, when it has one (default True).
         domino_rollout: `"auto"` (the fused Triton/CUDA-graph head on CUDA when it applies), `"eager"`, `"triton"`,
             `"triton+graph"` (forced: raise when they cannot run). See docs/fast_path.md.
@@ -138,14 +142,21 @@ class DominoOptions:
                 f"all of them), got {cap!r}."
             )
         threshold = self.assistant_confidence_threshold
-        if threshold is not None and (isinstance(threshold, bool) or not 0 < float(threshold) < 1):
+        if threshold is not None and (
+            isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 < threshold < 1
+        ):
             raise ValueError(
-                f"assistant_confidence_threshold must be a probability in (0, 1), got {threshold!r}; drop it to "
-                "let the draft policy alone decide."
+                f"assistant_confidence_threshold must be a number in (0, 1), a probability, got {threshold!r}; pass "
+                "e.g. assistant_confidence_threshold=0.4, or drop it to let the draft policy alone decide."
             )
-        for name in ("domino_head", "draft_vocab", "domino_timings"):
+        if self.domino_head is not None and not isinstance(self.domino_head, bool):
+            raise ValueError(
+                f"domino_head must be True, False or None (the default: the head when the drafter has one), got "
+                f"{self.domino_head!r}."
+            )
+        for name in ("draft_vocab", "domino_timings"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
+            if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}.")
         if self.domino_head and not drafter.config.has_domino_head:
             raise ValueError("domino_head=True needs a drafter with a Domino head; this one drafts as DFlash.")
@@ -194,10 +205,10 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
         )
     if generation_config is None:
         return
-    if generation_config.num_return_sequences and generation_config.num_return_sequences > 1:
+    if generation_config.num_beams is not None and generation_config.num_beams > 1:
         raise ValueError(
-            "Domino drafting verifies one sequence at a time: num_return_sequences must be 1. Call generate() "
-            "several times (with do_sample=True) for several samples."
+            f"num_beams={generation_config.num_beams}: beam search cannot be verified with a drafter (transformers "
+            "would silently ignore it). Use num_beams=1 with the drafter, or drop assistant_model for beam search."
         )
     if generation_config.cache_implementation in STATIC_CACHES:
         raise ValueError(
@@ -240,8 +251,9 @@ class DominoCandidateGenerator(CandidateGenerator):
             options.validate(drafter)
         if input_ids is not None and input_ids.shape[0] != 1:
             raise ValueError(
-                f"Domino drafting supports batch size 1 (got {input_ids.shape[0]} sequences): transformers' "
-                "assisted decoding verifies one sequence per target forward. Call generate() once per prompt."
+                f"DominoCandidateGenerator drafts for one sequence (got {input_ids.shape[0]}): transformers' assisted "
+                "loop verifies one sequence per target forward. Pass the whole batch to target.generate(..., "
+                "assistant_model=drafter), which serves it through hf_domino.batching_domino."
             )
         self.drafter, self.target_model, self.options = drafter, target, options
         self.target = TargetModules.from_target(target)
@@ -418,11 +430,12 @@ class DominoCandidateGenerator(CandidateGenerator):
         if self.do_sample or self.logits_processor is not None:
             pick = processed_pick(self.logits_processor, self.do_sample, self.vocab, drafter.config.vocab_size)
         eager = eager_rollout(drafter, self.target, pick, head=head)
-        if options.domino_rollout == "eager" or not sequential or not head or self.vocab is not None:
-            if options.domino_rollout in ("triton", "triton+graph") and (not head or self.vocab is not None):
+        # The fused rollout covers a draft vocabulary too: it reads it from each block, as the eager one does.
+        if options.domino_rollout == "eager" or not sequential or not head:
+            if options.domino_rollout in ("triton", "triton+graph") and not head:
                 raise ValueError(
-                    f"domino_rollout={options.domino_rollout!r} fuses the Domino head over the whole vocabulary: it "
-                    "needs the head on and draft_vocab=False."
+                    f"domino_rollout={options.domino_rollout!r} fuses the Domino head: it needs the head on "
+                    "(domino_head=True, a drafter with a head); use 'auto' or 'eager' without it."
                 )
             return eager
         try:
@@ -464,8 +477,10 @@ _REQUIRED_PARAMETERS = {
         "assistant_model",
     ),
 }
-# Where the options travel from `_extract_generation_mode_kwargs` to `_assisted_decoding`.
+# Where the options travel from `_extract_generation_mode_kwargs` to `_assisted_decoding`, and whether the call
+# passed an attention mask (a padded batch without one is refused).
 _OPTIONS_KEY = "domino_options"
+_MASK_GIVEN_KEY = "domino_attention_mask_given"
 
 
 def is_domino_drafter(model: Any) -> bool:
@@ -487,9 +502,17 @@ def _wrap_extract_generation_mode_kwargs(original):
             mode_kwargs[_OPTIONS_KEY] = {
                 name: call_kwargs.pop(name) for name in DominoOptions.names() if name in call_kwargs
             }
+            mode_kwargs[_MASK_GIVEN_KEY] = call_kwargs.get("attention_mask") is not None
         return mode_kwargs
 
     return _extract_generation_mode_kwargs
+
+
+def _single_sequence_view(generation_config: GenerationConfig) -> GenerationConfig:
+    """A copy with num_return_sequences=1, for transformers' own checks of an assisted call."""
+    view = copy.copy(generation_config)
+    view.num_return_sequences = 1
+    return view
 
 
 def _wrap_validate_generation_mode(original):
@@ -503,6 +526,11 @@ def _wrap_validate_generation_mode(original):
             options = DominoOptions.resolve(mode_kwargs.get(_OPTIONS_KEY, {}), arguments["generation_config"])
             options.validate(assistant)
             mode_kwargs[_OPTIONS_KEY] = options  # validated once; the generator takes it as is
+            if arguments["generation_config"].num_return_sequences > 1:
+                # transformers refuses several sequences per prompt for an assistant; ours serves them as a batch.
+                bound = inspect.signature(original).bind(self, *args, **kwargs)
+                bound.arguments["generation_config"] = _single_sequence_view(arguments["generation_config"])
+                return original(*bound.args, **bound.kwargs)
         return original(self, *args, **kwargs)
 
     return _validate_generation_mode
@@ -512,12 +540,30 @@ def _wrap_assisted_decoding(original):
     @functools.wraps(original)
     def _assisted_decoding(self, *args, **kwargs):
         options = kwargs.pop(_OPTIONS_KEY, None)
+        attention_mask_given = kwargs.pop(_MASK_GIVEN_KEY, True)
         arguments = _bound_arguments(original, self, args, kwargs)
-        if not is_domino_drafter(arguments.get("assistant_model")):
+        drafter = arguments.get("assistant_model")
+        if not is_domino_drafter(drafter):
             return original(self, *args, **kwargs)
         if not isinstance(options, DominoOptions):  # reached without generate()'s validation
             options = DominoOptions.resolve(options or {}, arguments["generation_config"])
-            options.validate(arguments["assistant_model"])
+            options.validate(drafter)
+        if arguments["input_ids"].shape[0] > 1:  # transformers' loop verifies one sequence: a batch is ours
+            stats = DominoGenerationStats(timings={} if options.domino_timings else None)
+            drafter.last_generation_stats = stats
+            return batched_assisted_decoding(
+                self,
+                arguments["input_ids"],
+                arguments["logits_processor"],
+                arguments["stopping_criteria"],
+                arguments["generation_config"],
+                drafter,
+                options,
+                stats,
+                streamer=arguments.get("streamer"),
+                attention_mask_given=attention_mask_given,
+                **arguments.get("model_kwargs", {}),
+            )
         token = _CALL.set((options, arguments.get("stopping_criteria")))
         try:
             return original(self, *args, **kwargs)

@@ -257,12 +257,19 @@ class DominoForSpeculation(DominoPreTrainedModel):
         install_assisted_generation_hook()
 
     @contextlib.contextmanager
-    def domino_head(self, enabled: bool) -> Iterator[DominoForSpeculation]:
+    def domino_head(self, enabled: bool | None) -> Iterator[DominoForSpeculation]:
         """Default for `generate(..., domino_head=...)` inside this block (off = DFlash drafting, same weights).
 
         The default lives in a context variable, not on the model: an explicit `domino_head=` still wins, and other
-        threads and calls outside the block are unaffected.
+        threads and calls outside the block are unaffected. None restores the package default (the head when the
+        drafter has one) inside the block.
         """
+        # Checked here rather than at generate(), so that a typo fails on the `with` line that holds it.
+        if enabled is not None and not isinstance(enabled, bool):
+            raise ValueError(
+                f"drafter.domino_head(enabled) takes True (Domino head), False (DFlash drafting) or None (the "
+                f"default), got {enabled!r}: write `with drafter.domino_head(False):`."
+            )
         if enabled and not self.config.has_domino_head:
             raise ValueError("This drafter has no Domino head (projector_type is not 'domino'); it drafts as DFlash.")
         token = DOMINO_HEAD_DEFAULT.set(enabled)
@@ -339,9 +346,12 @@ class DominoForSpeculation(DominoPreTrainedModel):
 
     # ------------------------------------------------------------------------------------------------- convenience
     def embed_block(self, target: TargetModules, anchor_ids: torch.LongTensor) -> torch.Tensor:
-        """Target embeddings of the block `[anchor, MASK, ..., MASK]` for the anchor `anchor_ids[:, -1]`."""
+        """Target embeddings of the blocks `[anchor, MASK, ..., MASK]`, one per row, for anchors `anchor_ids[:, -1]`."""
         block_ids = torch.full(
-            (1, self.config.block_size), self.config.mask_token_id, dtype=torch.long, device=anchor_ids.device
+            (anchor_ids.shape[0], self.config.block_size),
+            self.config.mask_token_id,
+            dtype=torch.long,
+            device=anchor_ids.device,
         )
         block_ids[:, 0] = anchor_ids[:, -1]
         return target.embed(block_ids, self.dtype, self.device)
@@ -411,7 +421,22 @@ class DominoForSpeculation(DominoPreTrainedModel):
         if token_ids is None:
             self.draft_vocab = None
             return
-        token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        expected = "set_draft_vocab takes token ids (a tensor, list or array of ints) or None"
+        if isinstance(token_ids, (str, bytes)):
+            raise TypeError(
+                f"{expected}, got the string {token_ids!r}. A saved vocabulary loads with its folder "
+                "(DominoForSpeculation.from_pretrained), or pass safetensors.torch.load_file(file)['draft_vocab']."
+            )
+        try:
+            token_ids = torch.as_tensor(token_ids)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise TypeError(f"{expected}, got {type(token_ids).__name__}: {error}") from error
+        # A cast to long would silently truncate floats and turn a boolean mask into ids 0 and 1.
+        if token_ids.dtype == torch.bool:
+            raise TypeError(f"{expected}, got a boolean mask; pass the ids it selects: mask.nonzero().flatten().")
+        if token_ids.is_floating_point() or token_ids.is_complex():
+            raise TypeError(f"{expected}, got {token_ids.dtype} values; pass integer ids (e.g. ids.long()).")
+        token_ids = token_ids.to(torch.long).flatten()
         vocab_size = self.config.vocab_size
         if token_ids.numel() == 0 or int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
             raise ValueError(f"A draft vocabulary must be a non-empty set of token ids in [0, {vocab_size}).")

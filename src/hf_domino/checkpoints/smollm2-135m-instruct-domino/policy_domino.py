@@ -8,7 +8,8 @@ On a GPU `T_verify` is nearly flat in k; on a CPU two tokens already cost ~1.6 s
 
 1. before drafting (`budget`): the upper bound of k from the acceptance seen at each draft position so far, and
    whether to draft at all. k = 0 is a plain target step: when drafting cycles have been earning fewer tokens per
-   second than plain steps, the policy skips drafting and probes again after 1, 2, 4, ... skipped steps;
+   second than plain steps, the policy skips drafting and probes again after 1, 2, 4, ... skipped steps (in a
+   setting never drafted in, such as a new batch size, the cost model's prediction stands in for those cycles);
 2. after drafting (`choose`): k from the drafts' own confidences (the probability of each drafted token), mapped to
    acceptance by a calibration learned from the acceptance actually observed (drafters are over-confident off
    their training distribution).
@@ -42,6 +43,9 @@ RATE_RATE = 0.5
 INITIAL_ACCEPTANCE = 0.8
 # Drafting is retried after at most this many plain steps once it stopped paying.
 MAX_SKIP_INTERVAL = 128
+# Plain steps before the first probe where the cost model already says drafting will not pay (e.g. a new batch size
+# for a drafter whose acceptance on this text is known).
+PRIOR_SKIP_INTERVAL = 8
 CALIBRATION_BINS = 10
 # Forward lengths measured at first use; others are interpolated.
 CALIBRATION_LENGTHS = (1, 2, 3, 5, 9, 17)
@@ -91,14 +95,17 @@ def measure_verify_cost(
 ) -> VerifyCost:
     """Times target forwards over 1, 2, 3, 5, ... tokens on top of `cache` (which is left as it was).
 
-    Token values do not change the cost, so the block repeats `last_token`. One unmeasured warm-up forward first.
+    Token values do not change the cost, so the block repeats `last_token`. With a batch (`last_token` of `[rows, 1]`)
+    every row gets the block and the table is keyed by all the forward's tokens, `rows * length`: a batch verifying
+    k drafts per row costs about what one sequence verifying `rows * (1 + k)` tokens does, and the loop's own timings
+    refine the estimate. One unmeasured warm-up forward first.
     The fastest of `repeats` is kept: other work on the machine only ever adds time, and the loop's own timings
     refine the table afterwards.
     """
-    device = last_token.device
+    device, rows = last_token.device, last_token.shape[0]
     seconds: dict[int, float] = {}
     for length in (lengths[0], *lengths):
-        block = last_token[:, -1:].expand(1, length)
+        block = last_token[:, -1:].expand(rows, length)
         samples = []
         for _ in range(repeats):
             _synchronize(device)
@@ -107,7 +114,7 @@ def measure_verify_cost(
             _synchronize(device)
             samples.append(time.perf_counter() - start)
             cache.crop(-length)
-        seconds[length] = min(samples)
+        seconds[rows * length] = min(samples)
     return VerifyCost(seconds)
 
 
@@ -157,9 +164,14 @@ class AcceptanceCalibration:
 
 
 def expected_tokens(acceptance: torch.Tensor) -> torch.Tensor:
-    """`E(k)` for k = 0..len(acceptance): one target token plus the drafts accepted in a row."""
-    survive = torch.cumprod(acceptance.double(), dim=0)
-    return torch.cat([torch.ones(1, dtype=torch.float64), 1 + torch.cumsum(survive, dim=0)])
+    """`E(k)` for k = 0..K: one target token plus the drafts accepted in a row.
+
+    `acceptance` is `[K]`, or `[rows, K]` for a batch whose rows all verify k drafts: then the mean over the rows.
+    """
+    rows = acceptance.double()
+    survive = torch.cumprod(rows[None] if rows.dim() == 1 else rows, dim=-1)
+    ones = torch.ones(survive.shape[0], 1, dtype=torch.float64)
+    return torch.cat([ones, 1 + torch.cumsum(survive, dim=-1)], dim=-1).mean(dim=0)
 
 
 # -------------------------------------------------------------------------------------------------------- policies
@@ -197,7 +209,9 @@ class FixedPolicy:
     def budget(self, room: int) -> int:
         return min(self.k, room)
 
-    def choose(self, confidence: torch.Tensor, draft_seconds: float) -> int:
+    def choose(self, confidence: torch.Tensor, draft_seconds: float, limits: list[int] | None = None) -> int:
+        if limits is not None:  # a batch: the loop already cut each row at the threshold
+            return max(limits)
         return below_threshold(confidence, self.confidence_threshold)
 
     def observe(self, **_: Any) -> None:
@@ -238,6 +252,13 @@ class AdaptivePolicy:
         position = self.record.position_seconds if self.record.position_seconds is not None else 0.02 * one
         return backbone + k * position
 
+    def _expected_rate(self, acceptance: torch.Tensor) -> float:
+        """Tokens per second of the best drafting cycle (k >= 1) that the cost model and `acceptance` predict."""
+        tokens = expected_tokens(acceptance)
+        return max(
+            float(tokens[k]) / (self._draft_seconds(k) + self.verify_cost(1 + k)) for k in range(1, len(tokens))
+        )
+
     def _best_k(self, acceptance: torch.Tensor, spent: float | None, minimum: int = 0) -> int:
         """argmax over k = minimum..len(acceptance) of E(k) / cost(k).
 
@@ -260,18 +281,35 @@ class AdaptivePolicy:
         self.probing, self.confidence = False, None
         if limit <= 0:
             return 0
+        acceptance = torch.tensor(record.position_acceptance[:limit])
+        first = record.drafting_rate is None
+        if first:
+            # Never drafted in this setting (e.g. a new batch size): start from what the cost model and the acceptance
+            # seen so far predict, so that a drafter already known not to pay here waits before its first probe.
+            record.drafting_rate = self._expected_rate(acceptance)
+            if record.drafting_rate < 1 / self.verify_cost(1):
+                record.skip_interval = record.skip_left = PRIOR_SKIP_INTERVAL
         # Never drafted yet, or drafting has not been paying: draft anyway now and then (a probe), or nothing will
         # ever be learned about how well the drafter does on this text.
-        if record.drafting_rate is None or record.drafting_rate < 1 / self.verify_cost(1):
+        if first or record.drafting_rate < 1 / self.verify_cost(1):
             if record.skip_left > 0:
                 record.skip_left -= 1
                 return 0
             self.probing = True
-        acceptance = torch.tensor(record.position_acceptance[:limit])
         return self._best_k(acceptance, spent=None, minimum=1 if self.probing else 0)
 
-    def choose(self, confidence: torch.Tensor, draft_seconds: float) -> int:
+    def choose(self, confidence: torch.Tensor, draft_seconds: float, limits: list[int] | None = None) -> int:
+        """k for this block from the drafts' confidences `[k]`, or `[rows, k]` for a batch with per-row `limits`.
+
+        A batch verifies one rectangle of `rows x (1 + k)` tokens, so one k serves every row: a row never offers
+        drafts past its limit (room, threshold, stop strings), which count as certain rejections here.
+        """
         self.confidence = confidence.detach().float().cpu()
+        if limits is not None:
+            acceptance = self.record.calibration(self.confidence.flatten()).view(self.confidence.shape).clone()
+            for row, limit in enumerate(limits):
+                acceptance[row, limit:] = 0
+            return min(self._best_k(acceptance, spent=draft_seconds), max(limits))
         limit = below_threshold(self.confidence, self.confidence_threshold)
         # A probe's drafts are verified only when their calibrated confidence says so, like any block's: the
         # calibration trusts a confident drafter until the target says otherwise, and an unsure one costs only its
@@ -284,35 +322,46 @@ class AdaptivePolicy:
         *,
         drafted: bool,
         verified: int,
-        accepted: int,
+        accepted: int | list[int],
         verify_seconds: float,
         backbone_seconds: float = 0.0,
         rollout_seconds: float = 0.0,
         positions: int = 0,
+        row_verified: list[int] | None = None,
     ) -> None:
-        """Learns from one cycle: `verified` drafts were offered, the first `accepted` of them matched."""
+        """Learns from one cycle: `verified` drafts were offered, the first `accepted` of them matched.
+
+        For a batch, `accepted` and `row_verified` hold each row's numbers and `verified` is the widest row's.
+        """
         record = self.record
+        accepted_rows = [accepted] if isinstance(accepted, int) else list(accepted)
+        verified_rows = [verified] * len(accepted_rows) if row_verified is None else list(row_verified)
+        confidence_rows = (
+            self.confidence if self.confidence is None or self.confidence.dim() == 2 else [self.confidence]
+        )
         if self.learn_times:
             self.verify_cost.observe(1 + verified, verify_seconds)
             if drafted:
                 record.backbone_seconds = _moved(record.backbone_seconds, backbone_seconds, TIME_RATE)
                 if positions:
                     record.position_seconds = _moved(record.position_seconds, rollout_seconds / positions, TIME_RATE)
-        if verified:
-            seen = min(verified, accepted + 1)  # drafts after the first rejection were never judged
-            outcomes = torch.arange(seen) < accepted
+        for row, (row_accepted, offered) in enumerate(zip(accepted_rows, verified_rows)):
+            if not offered:
+                continue
+            seen = min(offered, row_accepted + 1)  # drafts after the first rejection were never judged
+            outcomes = torch.arange(seen) < row_accepted
             for j in range(seen):
                 current = record.position_acceptance[j]
                 record.position_acceptance[j] = current + POSITION_RATE * (float(outcomes[j]) - current)
-            if self.confidence is not None:
-                record.calibration.observe(self.confidence[:seen], outcomes)
+            if confidence_rows is not None:
+                record.calibration.observe(confidence_rows[row][:seen], outcomes)
         if not drafted:
             return
         if self.learn_times:
             cycle_seconds = backbone_seconds + rollout_seconds + verify_seconds
         else:  # host timings are not the device's: judge the cycle by the cost model
             cycle_seconds = self._draft_seconds(positions) + self.verify_cost(1 + verified)
-        cycle_rate = (accepted + 1) / max(cycle_seconds, 1e-9)
+        cycle_rate = (sum(accepted_rows) / len(accepted_rows) + 1) / max(cycle_seconds, 1e-9)
         # A probe's own cycle is the freshest evidence there is after a pause: it replaces the stale estimate.
         record.drafting_rate = cycle_rate if self.probing else _moved(record.drafting_rate, cycle_rate, RATE_RATE)
         if record.drafting_rate < 1 / self.verify_cost(1):

