@@ -216,14 +216,27 @@ def test_bench_sampling(target, drafter):
         measure.run_method("manual", target, drafter, prompts[0], 4, temperature=0.8)
 
 
-def test_cli_bench_end_to_end(target, drafter, tokenizer, tmp_path, capsys):
+def saved_bench_argv(target, drafter, tokenizer, tmp_path) -> list[str]:
+    """`hf-domino bench` arguments for these models saved as folders and a prompt file, as a user would pass them."""
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
     drafter.save_pretrained(tmp_path / "drafter")
     prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"messages": m}) + "\n" for m in PROMPTS * 2))
-    argv = ["bench", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")]
-    argv += ["--prompts", str(prompt_file), "--num-prompts", "2", "--max-new-tokens", "8", "--threads", "1"]
+    return [
+        "bench",
+        "--target",
+        str(tmp_path / "target"),
+        "--drafter",
+        str(tmp_path / "drafter"),
+        "--prompts",
+        str(prompt_file),
+    ]
+
+
+def test_cli_bench_end_to_end(target, drafter, tokenizer, tmp_path, capsys):
+    argv = saved_bench_argv(target, drafter, tokenizer, tmp_path)
+    argv += ["--num-prompts", "2", "--max-new-tokens", "8", "--threads", "1"]
     argv += ["--methods", "target,prompt_lookup,domino,manual", "--output-dir", str(tmp_path / "out"), "--no-progress"]
     assert cli.main(argv) == 0
     written = json.loads((tmp_path / "out" / "bench.json").read_text())
@@ -258,13 +271,8 @@ def test_missing_drafter_is_a_clear_error(tmp_path):
 
 
 def test_cli_bench_batch_sizes(target, drafter, tokenizer, tmp_path, capsys):
-    target.save_pretrained(tmp_path / "target")
-    tokenizer.save_pretrained(tmp_path / "target")
-    drafter.save_pretrained(tmp_path / "drafter")
-    prompt_file = tmp_path / "prompts.jsonl"
-    prompt_file.write_text("".join(json.dumps({"messages": m}) + "\n" for m in PROMPTS * 2))
-    argv = ["bench", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")]
-    argv += ["--prompts", str(prompt_file), "--num-prompts", "4", "--max-new-tokens", "6", "--threads", "1"]
+    argv = saved_bench_argv(target, drafter, tokenizer, tmp_path)
+    argv += ["--num-prompts", "4", "--max-new-tokens", "6", "--threads", "1"]
     argv += ["--batch-size", "1,2,4", "--batch-methods", "target,domino,domino_k2", "--warmup-tokens", "2"]
     argv += ["--output-dir", str(tmp_path / "out")]
     assert cli.main(argv) == 0

@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 from torch import nn
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 pytest.importorskip("triton")
 
@@ -66,6 +67,22 @@ def test_interpreter_suite(request):
     summary = result.stdout.strip().splitlines()[-1:] if result.stdout else []
     assert result.returncode == 0, f"interpreter tests failed:\n{result.stdout[-6000:]}\n{result.stderr[-2000:]}"
     assert "passed" in "".join(summary) and " error" not in "".join(summary), result.stdout[-2000:]
+
+
+def small_target() -> Qwen3ForCausalLM:
+    """A real Qwen3 target at the tiny drafter's sizes, for generate() through the fused rollouts."""
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return Qwen3ForCausalLM(config).eval()
 
 
 def tiny_drafter(dtype: torch.dtype = torch.float32, pure_draft_prefix_len: int = 1, block_size: int = 5):
@@ -465,8 +482,6 @@ def test_select_rollout_over_a_draft_vocabulary_matches_eager(interp, do_sample)
 def test_generate_with_a_draft_vocabulary_runs_the_fused_head(interp, monkeypatch):
     # `_select_rollout` no longer refuses a draft vocabulary: a forced 'triton' generate() drafts through the fused
     # kernels, and greedy output is the target's own.
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     calls = []
     original = fused_head.TritonRollout.__call__
 
@@ -476,18 +491,7 @@ def test_generate_with_a_draft_vocabulary_runs_the_fused_head(interp, monkeypatc
 
     monkeypatch.setattr(fused_head.TritonRollout, "__call__", spy)
     torch.manual_seed(0)
-    target_config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    target = Qwen3ForCausalLM(target_config).eval()
+    target = small_target()
     drafter = tiny_drafter()
     drafter.set_draft_vocab(VOCABS["without the anchor"])
     prompt = torch.tensor([[5, 17, 42, 8, 9]])
@@ -705,8 +709,6 @@ def test_cuda_graph_runner_sampling_draws_fresh_noise():
 @requires_cuda
 @pytest.mark.parametrize("draft_vocab", [False, True])
 def test_cuda_greedy_generate_is_identical_with_and_without_the_fast_path(monkeypatch, draft_vocab):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     calls = []
     for cls in (fused_head.DominoHeadGraphRunner, fused_head.TritonRollout):
         original = cls.__call__
@@ -718,18 +720,7 @@ def test_cuda_greedy_generate_is_identical_with_and_without_the_fast_path(monkey
         monkeypatch.setattr(cls, "__call__", spy)
 
     torch.manual_seed(0)
-    target_config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    target = Qwen3ForCausalLM(target_config).cuda().eval()
+    target = small_target().cuda()
     drafter = tiny_drafter().cuda()
     if draft_vocab:
         drafter.set_draft_vocab(VOCABS["without the anchor"])
