@@ -337,3 +337,23 @@ def test_a_new_setting_waits_before_probing_when_the_cost_model_says_drafting_wi
     # The same costs with a drafter expected to do well: probe at once, as before anything was learned.
     hopeful = AdaptivePolicy(DrafterRecord([0.9] * 16), BatchVerifyCost(table, rows=8), cap=16, learn_times=False)
     assert hopeful.budget(room=100) > 0
+
+
+def test_a_new_batch_size_starts_from_the_drafters_cost_at_batch_1(monkeypatch):
+    import types
+
+    from hf_domino import batching_domino
+    from hf_domino.generation_domino import DominoOptions
+
+    monkeypatch.setattr(batching_domino, "measure_verify_cost", lambda *a, **k: VerifyCost({1: 0.01, 136: 0.3}))
+    monkeypatch.setattr(policy_domino, "_VERIFY_COSTS", {})
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    shared = policy_domino.drafter_record(drafter, "greedy", drafter.config.num_drafts)
+    shared.backbone_seconds, shared.position_seconds = 0.004, 0.001  # learned at batch 1
+    anchors = torch.zeros(8, 1, dtype=torch.long)
+    cache = types.SimpleNamespace(cache=None)
+    policy = batching_domino.batch_policy(target, drafter, DominoOptions(), "greedy", cache, anchors, {}, 4)
+    assert policy.record is not shared and policy.record.position_acceptance is shared.position_acceptance
+    assert policy.record.backbone_seconds == pytest.approx(0.032)
+    assert policy.record.position_seconds == pytest.approx(0.008)

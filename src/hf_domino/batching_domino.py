@@ -369,6 +369,11 @@ def batch_policy(
     shared = drafter_record(drafter, mode, drafter.config.num_drafts)
     record = drafter_record(drafter, f"{mode}+batch{rows}", drafter.config.num_drafts)
     record.position_acceptance, record.calibration = shared.position_acceptance, shared.calibration
+    if record.backbone_seconds is None and shared.backbone_seconds is not None:
+        # Before this batch size drafts at all: the drafter's cost measured at batch 1, times the rows. On a CPU it
+        # grows about so; on a GPU this overestimates, which only delays the first probe (then it is measured).
+        record.backbone_seconds = rows * shared.backbone_seconds
+        record.position_seconds = None if shared.position_seconds is None else rows * shared.position_seconds
     return AdaptivePolicy(
         record,
         BatchVerifyCost(cost, rows),
