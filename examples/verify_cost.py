@@ -4,9 +4,12 @@ Prints, for SmolLM2-135M-Instruct on the CPU (fp32, 2 threads, an MT-Bench promp
 1. the target forward's time by tokens per forward, with and without the hidden states a Domino drafter asks for
    (the one thing our side of the loop adds to the target's forward);
 2. the time of one of the target's linear layers (the MLP's gate projection, 576 -> 1536) by rows, which is where
-   the forward spends ~80% of its time (torch profiler: aten::mm).
+   the forward spends ~80% of its time (torch profiler: aten::mm);
+3. with `--paths`, the forward's time on the CPU fast paths as well: `prepacked` (hf_domino.prepare_for_cpu_decoding,
+   oneDNN-packed weights) and `compile` (torch.compile with inductor's weight freezing, dynamic shapes; the time
+   spent compiling is printed, since every new number of tokens per forward may compile again).
 
-    python examples/verify_cost.py [--threads 2] [--repeats 7]
+    python examples/verify_cost.py [--threads 2] [--repeats 7] [--paths eager,prepacked,compile]
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import argparse
 import time
 
 import torch
+import torch._inductor.config as inductor_config
 from transformers.cache_utils import DynamicCache
 
-from hf_domino import assets
+from hf_domino import assets, prepare_for_cpu_decoding
 
 
 def fastest_ms(fn, repeats: int) -> float:
@@ -34,26 +38,47 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--paths", default="eager", help="comma-separated: eager, prepacked, compile")
     args = parser.parse_args()
+    paths = [path.strip() for path in args.paths.split(",")]
+    if unknown := set(paths) - {"eager", "prepacked", "compile"}:
+        parser.error(f"unknown --paths {sorted(unknown)}: choose among eager, prepacked, compile")
     torch.set_num_threads(args.threads)
     target, tokenizer = assets.load_target("smollm2")
     drafter = assets.load_drafter()
     layers = [i + 1 for i in drafter.config.target_layer_ids]
     prompt = assets.encode_chat(tokenizer, assets.load_prompts("mtbench", 1)[0])
-    cache = DynamicCache(config=target.config)
-    target(prompt, past_key_values=cache, logits_to_keep=1)
-
-    def forward(tokens: int, hidden_states) -> None:
-        target(prompt[:, -1:].expand(1, tokens), past_key_values=cache, output_hidden_states=hidden_states)
-        cache.crop(-tokens)
-
     lengths = (1, 2, 3, 4, 5, 8, 17)
+
+    def timed_row(model, label: str, hidden_states) -> None:
+        cache = DynamicCache(config=model.config)
+        model(prompt, past_key_values=cache, logits_to_keep=1)
+
+        def forward(tokens: int) -> None:
+            model(prompt[:, -1:].expand(1, tokens), past_key_values=cache, output_hidden_states=hidden_states)
+            cache.crop(-tokens)
+
+        start = time.perf_counter()
+        for n in lengths:  # warm-up (and, compiled, compiling wherever a new length needs it)
+            forward(n)
+        warmup = time.perf_counter() - start
+        row = [fastest_ms(lambda n=n: forward(n), args.repeats) for n in lengths]
+        label += f" ({warmup:.0f} s compiling)" if "compiled" in label else ""
+        print(f"| ms, {label} | " + " | ".join(f"{ms:.1f}" for ms in row) + " |")
+
     print("| tokens per forward | " + " | ".join(map(str, lengths)) + " |")
     print("|---|" + "---:|" * len(lengths))
-    for label, hidden_states in (("plain", False), ("+ drafter's hidden states", layers)):
-        forward(1, hidden_states)  # warm-up
-        row = [fastest_ms(lambda n=n, h=hidden_states: forward(n, h), args.repeats) for n in lengths]
-        print(f"| ms, {label} | " + " | ".join(f"{ms:.1f}" for ms in row) + " |")
+    if "eager" in paths:
+        timed_row(target, "plain", False)
+        timed_row(target, "+ drafter's hidden states", layers)
+    if "prepacked" in paths:
+        prepare_for_cpu_decoding(target)
+        timed_row(target, "prepacked (prepare_for_cpu_decoding)", layers)
+    if "compile" in paths:  # a copy of its own: inductor's freezing packs the dense weights itself
+        inductor_config.freezing = True
+        compiled, _ = assets.load_target("smollm2")
+        compiled.forward = torch.compile(compiled.forward, dynamic=True)
+        timed_row(compiled, "compiled, freezing, dynamic shapes", layers)
     weight = target.model.layers[0].mlp.gate_proj.weight
     rows = [
         fastest_ms(lambda m=m: torch.nn.functional.linear(torch.randn(m, weight.shape[1]), weight), 50)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 
@@ -10,7 +11,17 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from hf_domino import DominoConfig, DominoForSpeculation, assets, cli, demo, generation_domino, measure, report
+from hf_domino import (
+    DominoConfig,
+    DominoForSpeculation,
+    assets,
+    cli,
+    demo,
+    generation_domino,
+    measure,
+    prepare_for_cpu_decoding,
+    report,
+)
 from hf_domino.acceptance import acceptance_from_cache_lengths
 from hf_domino.drafting_domino import Drafts
 
@@ -216,6 +227,22 @@ def test_bench_sampling(target, drafter):
         measure.run_method("manual", target, drafter, prompts[0], 4, temperature=0.8)
 
 
+def test_greedy_agreement_counts_the_tokens_before_the_first_difference():
+    def record(tokens):
+        return measure.Generation(new_tokens=tokens, seconds=1.0, acceptance_lengths=[1] * len(tokens))
+
+    baseline = [record([1, 2, 3, 4]), record([5, 6, 7, 8, 9, 10]), record([1, 2])]
+    same = report._against_baseline(baseline, baseline, greedy=True)
+    assert same["greedy_mismatches"] == 0 and same["greedy_agreement"] == 1.0
+    # Differs at the third token, is identical, stops early (EOS) where the baseline went on.
+    other = [record([1, 2, 9, 9]), record([5, 6, 7, 8, 9, 10]), record([1])]
+    against = report._against_baseline(other, baseline, greedy=True)
+    assert against["greedy_mismatches"] == 2 and against["greedy_agreement"] == pytest.approx((2 + 6 + 1) / 12)
+    assert report._mismatch_cell(2, against["greedy_agreement"], 3) == "2/3 (75% agree)"
+    assert report._mismatch_cell(0, 1.0, 3) == "0/3" and report._mismatch_cell(None, None, 3) == "-"
+    assert report._against_baseline(other, baseline, greedy=False)["greedy_agreement"] is None
+
+
 def saved_bench_argv(target, drafter, tokenizer, tmp_path) -> list[str]:
     """`hf-domino bench` arguments for these models saved as folders and a prompt file, as a user would pass them."""
     target.save_pretrained(tmp_path / "target")
@@ -234,17 +261,28 @@ def saved_bench_argv(target, drafter, tokenizer, tmp_path) -> list[str]:
     ]
 
 
-def test_cli_bench_end_to_end(target, drafter, tokenizer, tmp_path, capsys):
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_cli_bench_end_to_end(fast_path, target, drafter, tokenizer, tmp_path, capsys):
     argv = saved_bench_argv(target, drafter, tokenizer, tmp_path)
     argv += ["--num-prompts", "2", "--max-new-tokens", "8", "--threads", "1"]
     argv += ["--methods", "target,prompt_lookup,domino,manual", "--output-dir", str(tmp_path / "out"), "--no-progress"]
-    assert cli.main(argv) == 0
+    assert cli.main(argv + ([] if fast_path else ["--no-cpu-fast-path"])) == 0
     written = json.loads((tmp_path / "out" / "bench.json").read_text())
-    assert written["methods"] == ["target", "prompt_lookup", "domino", "manual"]
-    assert all(s["greedy_mismatches"] == 0 for s in written["summary"].values())
+    summary, out = written["summary"], capsys.readouterr().out
+    assert all(s["greedy_mismatches"] == 0 for s in summary.values())
     assert written["metadata"]["torch_threads"] == 1
     assert written["metadata"]["command"].startswith("hf-domino bench --target")
-    assert "| manual |" in capsys.readouterr().out
+    assert "| manual |" in out
+    if fast_path:  # on a CPU by default: both models prepared, and the target alone also timed without it
+        assert written["methods"] == ["target", "target_eager", "prompt_lookup", "domino", "manual"]
+        assert "nn.Linear prepacked" in written["metadata"]["cpu_fast_path"] and "CPU fast path" in out
+        assert summary["target_eager"]["greedy_mismatches"] == 0  # fp32 rounding only, on these prompts
+        assert summary["domino"]["speedup_vs_eager_target"] > 0 and "vs eager target" in out
+        assert sorted(written["eager_target_forward_ms_by_tokens"]) == sorted(written["target_forward_ms_by_tokens"])
+    else:
+        assert written["methods"] == ["target", "prompt_lookup", "domino", "manual"]
+        assert written["metadata"]["cpu_fast_path"] == "off" and "speedup_vs_eager_target" not in summary["domino"]
+        assert "vs eager target" not in out
 
 
 def test_demo_core(target, drafter, tokenizer):
@@ -261,6 +299,15 @@ def test_demo_core(target, drafter, tokenizer):
     assert result.mean_acceptance_length >= 1
     assert stream.getvalue().strip() == result.text.strip()
     assert "tokens per target forward" in result.summary()
+    assert result.eager_target_seconds is None  # eager models: nothing else to compare with
+
+
+def test_demo_core_on_the_cpu_fast_path(target, drafter, tokenizer):
+    target, drafter = copy.deepcopy(target), copy.deepcopy(drafter)
+    prepare_for_cpu_decoding(target, drafter)
+    result = demo.run_demo(target, tokenizer, drafter, "hello world", max_new_tokens=12)
+    assert result.identical_to_target and result.eager_target_seconds > 0
+    assert "eager linear layers" in result.summary()
 
 
 def test_missing_drafter_is_a_clear_error(tmp_path):

@@ -110,6 +110,92 @@ def test_adaptive_policy_backs_off_and_probes_when_drafting_does_not_pay():
     assert policy.record.skip_left == 0 and policy.budget(room=100) > 0
 
 
+# Costs of a CPU with the fast path (hf_domino.prepare_for_cpu_decoding): verifying 2-4 drafts costs about a step.
+PREPACKED = {1: 0.040, 2: 0.045, 3: 0.041, 5: 0.042, 9: 0.047, 17: 0.060}
+
+
+def test_the_first_drafting_cycle_of_a_call_does_not_set_the_drafters_cost():
+    # The first cycle reads the whole prompt into the drafter's context and pays one-time set-up: a drafter priced by
+    # it would look ten times dearer than it is and never draft again.
+    policy = AdaptivePolicy(DrafterRecord([0.8] * 16), VerifyCost(dict(PREPACKED)), cap=16, learn_times=True)
+
+    def cycle(accepted: int, backbone_seconds: float, rollout_seconds: float) -> None:
+        policy.budget(room=100)
+        policy.observe(
+            drafted=True, verified=2, accepted=accepted, verify_seconds=0.045, positions=2,
+            backbone_seconds=backbone_seconds, rollout_seconds=rollout_seconds,
+        )  # fmt: skip
+
+    cycle(accepted=2, backbone_seconds=0.9, rollout_seconds=0.3)
+    assert policy.record.backbone_seconds is None and policy.record.position_seconds is None
+    assert policy.record.skip_left == 0 and policy.budget(room=100) > 0  # judged by the cost model: it pays
+    cycle(accepted=1, backbone_seconds=0.005, rollout_seconds=0.002)
+    assert policy.record.backbone_seconds == pytest.approx(0.005)
+    assert policy.record.position_seconds == pytest.approx(0.001)
+
+
+def test_one_failed_cycle_pauses_only_a_drafter_whose_acceptance_says_drafting_does_not_pay():
+    def after_a_failed_cycle(acceptance: float) -> int:
+        policy = adaptive(PREPACKED, acceptance=acceptance)
+        policy.record.drafting_rate = 1 / 0.040  # drafting has been paying as much as plain steps
+        k = policy.budget(room=100)
+        policy.choose(torch.full((k,), 0.9), draft_seconds=0.006)
+        policy.observe(drafted=True, verified=2, accepted=0, verify_seconds=0.045, positions=k)
+        return policy.record.skip_left
+
+    # 60% of first drafts right: a failed cycle is bad luck, and drafting still pays on average at these costs.
+    assert after_a_failed_cycle(0.6) == 0
+    # 15%: the same cycle confirms that it does not.
+    assert after_a_failed_cycle(0.15) > 0
+
+
+def test_while_the_long_run_acceptance_pays_pauses_stay_short():
+    def pauses(steady: float) -> list[int]:
+        policy = adaptive(PREPACKED, acceptance=0.6)
+        policy.record.steady_acceptance = [steady] * 16
+        policy.record.steady_cycles = policy_domino.STEADY_CYCLES
+        gaps = []
+        for _ in range(12):  # a stretch the drafter cannot follow: every probe fails
+            skipped = 0
+            while (k := policy.budget(room=100)) == 0:
+                skipped += 1
+            gaps.append(skipped)
+            policy.choose(torch.full((k,), 0.9), draft_seconds=0.006)
+            policy.observe(drafted=True, verified=1, accepted=0, verify_seconds=0.045, positions=k)
+        return gaps
+
+    # The drafter's acceptance learned over many cycles says drafting pays: probe every few steps, so that drafting
+    # resumes soon after the stretch ends.
+    assert max(pauses(steady=0.6)) == policy_domino.STEADY_SKIP_INTERVAL
+    # It does not: back off exponentially, as before.
+    assert max(pauses(steady=0.1)) > 4 * policy_domino.STEADY_SKIP_INTERVAL
+
+
+def test_an_untrained_drafter_backs_off_although_its_prior_acceptance_looked_good():
+    # The long-run acceptance starts from the optimistic prior: it caps pauses only once it rests on enough cycles.
+    policy = adaptive(PREPACKED, acceptance=policy_domino.INITIAL_ACCEPTANCE)
+    plain = 0
+    for _ in range(300):
+        k = policy.budget(room=100)
+        if k == 0:
+            plain += 1
+            continue
+        verified = policy.choose(torch.full((k,), 0.5), draft_seconds=0.006)
+        policy.observe(drafted=True, verified=verified, accepted=0, verify_seconds=0.045, positions=k)
+    assert policy.record.steady_cycles < policy_domino.STEADY_CYCLES
+    assert plain > 0.9 * 300 and policy.record.skip_interval > 4 * policy_domino.STEADY_SKIP_INTERVAL
+
+
+def test_drafting_drafts_at_least_one_position_so_its_cost_stays_measured():
+    # An estimate of the drafter's cost that says every k loses would otherwise never be corrected.
+    policy = adaptive(PREPACKED, acceptance=0.02)
+    policy.record.drafting_rate = 1 / 0.040  # drafting has been paying
+    acceptance = torch.tensor(policy.record.position_acceptance)
+    assert policy._best_k(acceptance, spent=None) == 0  # the cost model alone would take a plain step
+    assert policy.budget(room=100) >= 1
+    assert policy.choose(torch.tensor([0.01]), draft_seconds=0.004) == 0  # poor drafts are still not verified
+
+
 # ------------------------------------------------------------------------------------------- through generate()
 def test_adaptive_greedy_is_identical_through_long_plain_runs_and_back(cpu_like_costs):
     # Right drafts for tokens below 20, wrong ones above: the sequence counts up mod 32, so drafting pays for most of

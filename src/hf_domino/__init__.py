@@ -9,6 +9,7 @@ import importlib
 from transformers import AutoConfig, AutoModel
 
 from .configuration_domino import DominoConfig, default_target_layer_ids
+from .cpu_fast_path import CpuFastPathReport, prepare_for_cpu_decoding
 from .generation_domino import (
     DominoCandidateGenerator,
     DominoGenerationStats,
@@ -32,6 +33,7 @@ importlib.import_module("transformers").DominoForSpeculation = DominoForSpeculat
 __version__ = "0.1.0"
 
 __all__ = [
+    "CpuFastPathReport",
     "DominoCandidateGenerator",
     "DominoConfig",
     "DominoForSpeculation",
@@ -40,4 +42,5 @@ __all__ = [
     "TargetModules",
     "check_drafter_for_target",
     "default_target_layer_ids",
+    "prepare_for_cpu_decoding",
 ]

@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from . import assets
+from .cpu_fast_path import prepare_for_cpu_decoding
 from .measure import METHODS, BenchSettings, parse_method, run_benchmark
 from .measure_batch import BATCH_METHODS, batch_markdown, parse_batch_method, run_batch_benchmark
 from .report import markdown_report, write_report
@@ -119,6 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="dtype of both models"
     )
+    parser.add_argument(
+        "--no-cpu-fast-path",
+        action="store_true",
+        help="on a CPU, keep eager linear layers (default: hf_domino.prepare_for_cpu_decoding on both models, and "
+        "the target alone is also timed eagerly, as method target_eager)",
+    )
     parser.add_argument("--output-dir", default=None, help="default: runs/bench/<prompts>-T<temperature>")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
@@ -160,6 +167,9 @@ def run(args: argparse.Namespace) -> int:
     target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype)
     if drafter is not None:
         drafter.to(target.device)
+    fast_path = _cpu_fast_path(args, target, drafter)
+    if fast_path != "off" and "target" in methods and "target_eager" not in methods:
+        methods.insert(methods.index("target") + 1, "target_eager")
     prompts = [
         assets.encode_chat(tokenizer, messages) for messages in assets.load_prompts(args.prompts, args.num_prompts)
     ]
@@ -180,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         "target": args.target,
         "drafter": str(args.drafter or assets.SHIPPED_DRAFTER) + (" (random weights)" if args.random_weights else ""),
         "dtype": args.dtype,
+        "cpu_fast_path": fast_path,
         "prompts": f"{prompt_set} ({len(prompts)} prompts, mean {mean_prompt:.0f} prompt tokens, chat template)",
         "speedup": "tokens/s of the method over tokens/s of the target alone, totals over all prompts, same run",
     }
@@ -189,6 +200,15 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_report(result))
     print("Wrote " + ", ".join(str(path) for path in paths.values()))
     return 0
+
+
+def _cpu_fast_path(args: argparse.Namespace, target, drafter) -> str:
+    """Prepares both models for CPU decoding unless `--no-cpu-fast-path` or not on a CPU; says what it did."""
+    if args.no_cpu_fast_path or target.device.type != "cpu":
+        return "off"
+    report = prepare_for_cpu_decoding(target, drafter)
+    print(f"CPU fast path (--no-cpu-fast-path to turn it off): {report}")
+    return str(report)
 
 
 def run_batches(args: argparse.Namespace, metadata: dict[str, Any], dtype: torch.dtype) -> int:
@@ -204,6 +224,7 @@ def run_batches(args: argparse.Namespace, metadata: dict[str, Any], dtype: torch
     drafter = assets.load_drafter(args.drafter, dtype=dtype, random_weights=args.random_weights, seed=args.seed)
     target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype)
     drafter.to(target.device)
+    metadata["cpu_fast_path"] = _cpu_fast_path(args, target, drafter)
     conversations = assets.load_prompts(args.prompts, args.num_prompts)
     rows = run_batch_benchmark(
         target,

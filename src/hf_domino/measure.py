@@ -3,6 +3,8 @@
 Methods (`parse_method`):
 
 - `target`: the target's own `generate()` (greedy or sampling), the baseline every speedup is measured against;
+- `target_eager`: the same with every linear layer multiplying eagerly (`hf_domino.cpu_fast_path.eager_linears`):
+  the target alone without the CPU fast path, when the models were prepared with it;
 - `prompt_lookup`: transformers' n-gram prompt lookup (`prompt_lookup_num_tokens`), a drafter-free peer;
 - `domino`: `generate(assistant_model=drafter)` with the default (adaptive) draft policy, whole vocabulary;
   `domino_vocab`: the same over the drafter's draft vocabulary; `domino_k<N>` (`domino_vocab_k<N>`): a fixed N
@@ -17,6 +19,7 @@ Acceptance is measured for every method by `hf_domino.acceptance`, from the targ
 
 from __future__ import annotations
 
+import contextlib
 import re
 import statistics
 import time
@@ -29,6 +32,7 @@ from transformers.cache_utils import DynamicCache
 
 from .acceptance import acceptance_from_cache_lengths, record_target_forwards
 from .assets import eos_token_ids, pad_token_id
+from .cpu_fast_path import eager_linears
 from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
 from .modeling_domino import DominoForSpeculation, TargetModules, context_features
 from .policy_domino import cached_verify_cost
@@ -53,14 +57,14 @@ class MethodSpec:
 
 def parse_method(name: str) -> MethodSpec:
     """`target`, `prompt_lookup`, `manual`, or `domino`/`dflash`, then optionally `_vocab`, then optionally `_k<N>`."""
-    if name in ("target", "prompt_lookup"):
+    if name in ("target", "target_eager", "prompt_lookup"):
         return MethodSpec(name)
     if name == "manual":
         return MethodSpec(name, uses_drafter=True)
     match = _DRAFTER_METHOD.match(name)
     if match is None:
         raise ValueError(
-            f"Unknown method {name!r}; choose among target, prompt_lookup, manual, domino, dflash, domino_vocab, "
+            f"Unknown method {name!r}; choose among target, target_eager, prompt_lookup, manual, domino, dflash, domino_vocab, "
             "domino_k<N>, domino_vocab_k<N> (and the same for dflash)."
         )
     kind, vocab, fixed = match.groups()
@@ -194,7 +198,8 @@ def run_method(
     input_ids = input_ids.to(target.device)
     timings = {} if record_timings and spec.uses_drafter else None
     drafted = None
-    with record_target_forwards(target) as cache_lengths:
+    eager = eager_linears() if method == "target_eager" else contextlib.nullcontext()
+    with record_target_forwards(target) as cache_lengths, eager:
         start = time.perf_counter()
         if method == "manual":
             head = drafter.config.has_domino_head
@@ -287,6 +292,8 @@ class BenchResult:
     title: str = ""  # plot subtitle, e.g. "(mtbench, T=0)"
     # Median ms of one target forward by the number of tokens it takes, with the first prompt cached.
     forward_ms: dict[int, float] = field(default_factory=dict)
+    # The same with eager linear layers, when `target_eager` ran (the CPU fast path's baseline).
+    eager_forward_ms: dict[int, float] = field(default_factory=dict)
     # The adaptive draft policy's verify cost model for the target after the run (ms by tokens per forward).
     policy_verify_ms: dict[int, float] = field(default_factory=dict)
 
@@ -332,6 +339,9 @@ def run_benchmark(
     drafts = [drafter.config.num_drafts] if drafter is not None else []
     block_lengths = sorted({1, 2, 3, 4, 5, 8, *(n + 1 for n in drafts)})
     result.forward_ms = measure_forward_ms(target, prompts[0], block_lengths, drafter)
+    if "target_eager" in methods:
+        with eager_linears():
+            result.eager_forward_ms = measure_forward_ms(target, prompts[0], block_lengths, drafter)
     by_prompt: list[dict[str, Generation]] = []
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen", disable=not progress) as bar:
         for index, input_ids in enumerate(prompts):

@@ -8,7 +8,8 @@ On a GPU `T_verify` is nearly flat in k; on a CPU two tokens already cost ~1.6 s
 
 1. before drafting (`budget`): the upper bound of k from the acceptance seen at each draft position so far, and
    whether to draft at all. k = 0 is a plain target step: when drafting cycles have been earning fewer tokens per
-   second than plain steps, the policy skips drafting and probes again after 1, 2, 4, ... skipped steps (in a
+   second than plain steps (and the acceptance learned per position agrees), the policy skips drafting and probes
+   again after 1, 2, 4, ... skipped steps, at most 4 while the drafter's long-run acceptance says drafting pays (in a
    setting never drafted in, such as a new batch size, the cost model's prediction stands in for those cycles);
 2. after drafting (`choose`): k from the drafts' own confidences (the probability of each drafted token), mapped to
    acceptance by a calibration learned from the acceptance actually observed (drafters are over-confident off
@@ -43,6 +44,13 @@ RATE_RATE = 0.5
 INITIAL_ACCEPTANCE = 0.8
 # Drafting is retried after at most this many plain steps once it stopped paying.
 MAX_SKIP_INTERVAL = 128
+# ... and after at most this many while the drafter's acceptance learned over many cycles (`steady_acceptance`, moving
+# at STEADY_RATE, trusted once it has seen STEADY_CYCLES of them) says that drafting pays: a stretch of text the drafter
+# cannot follow then costs a few probes, not a pause of 128 steps that outlasts it (HumanEval on a CPU: 1.00x without
+# this cap, where drafting pays 1.2x). Until then the optimistic prior would keep an untrained drafter probing.
+STEADY_SKIP_INTERVAL = 4
+STEADY_RATE = 0.05
+STEADY_CYCLES = 20
 # Plain steps before the first probe where the cost model already says drafting will not pay (e.g. a new batch size
 # for a drafter whose acceptance on this text is known).
 PRIOR_SKIP_INTERVAL = 8
@@ -186,6 +194,8 @@ class DrafterRecord:
     drafting_rate: float | None = None  # tokens/s of recent drafting cycles, drafting included
     skip_interval: int = 1
     skip_left: int = 0
+    steady_acceptance: list[float] | None = None  # like position_acceptance, learned slowly (STEADY_RATE)
+    steady_cycles: int = 0  # drafting cycles behind steady_acceptance
 
 
 _RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -244,6 +254,7 @@ class AdaptivePolicy:
         self.learn_times = learn_times  # False on CUDA: host timings there would need a synchronization
         self.probing = False
         self.confidence: torch.Tensor | None = None
+        self.drafted_before = False
 
     # ---------------------------------------------------------------------------------------------- estimates
     def _draft_seconds(self, k: int) -> float:
@@ -296,7 +307,10 @@ class AdaptivePolicy:
                 record.skip_left -= 1
                 return 0
             self.probing = True
-        return self._best_k(acceptance, spent=None, minimum=1 if self.probing else 0)
+        # Drafting pays, or this is a probe: draft at least one position whatever the cost model's k, so that the
+        # drafter's cost keeps being measured (a stale estimate that ruled drafting out would never be corrected);
+        # `choose` still verifies nothing when the drafts look poor.
+        return self._best_k(acceptance, spent=None, minimum=1)
 
     def choose(self, confidence: torch.Tensor, draft_seconds: float, limits: list[int] | None = None) -> int:
         """k for this block from the drafts' confidences `[k]`, or `[rows, k]` for a batch with per-row `limits`.
@@ -339,9 +353,13 @@ class AdaptivePolicy:
         confidence_rows = (
             self.confidence if self.confidence is None or self.confidence.dim() == 2 else [self.confidence]
         )
+        # A call's first drafting cycle reads the prompt's whole context and, first in a process, pays one-time work
+        # (kernel set-up, packing a draft vocabulary's rows: 0.7-1.3 s on a CPU): its times are not the drafter's cost.
+        first_draft, self.drafted_before = drafted and not self.drafted_before, self.drafted_before or drafted
+        learn_draft_times = self.learn_times and not first_draft
         if self.learn_times:
             self.verify_cost.observe(1 + verified, verify_seconds)
-            if drafted:
+            if drafted and learn_draft_times:
                 record.backbone_seconds = _moved(record.backbone_seconds, backbone_seconds, TIME_RATE)
                 if positions:
                     record.position_seconds = _moved(record.position_seconds, rollout_seconds / positions, TIME_RATE)
@@ -350,23 +368,35 @@ class AdaptivePolicy:
                 continue
             seen = min(offered, row_accepted + 1)  # drafts after the first rejection were never judged
             outcomes = torch.arange(seen) < row_accepted
+            if record.steady_acceptance is None:
+                record.steady_acceptance = list(record.position_acceptance)
+            record.steady_cycles += 1
             for j in range(seen):
                 current = record.position_acceptance[j]
                 record.position_acceptance[j] = current + POSITION_RATE * (float(outcomes[j]) - current)
+                steady = record.steady_acceptance[j]
+                record.steady_acceptance[j] = steady + STEADY_RATE * (float(outcomes[j]) - steady)
             if confidence_rows is not None:
                 record.calibration.observe(confidence_rows[row][:seen], outcomes)
         if not drafted:
             return
-        if self.learn_times:
+        if learn_draft_times:
             cycle_seconds = backbone_seconds + rollout_seconds + verify_seconds
-        else:  # host timings are not the device's: judge the cycle by the cost model
+        else:  # host timings are not the device's, or not typical: judge the cycle by the cost model
             cycle_seconds = self._draft_seconds(positions) + self.verify_cost(1 + verified)
         cycle_rate = (sum(accepted_rows) / len(accepted_rows) + 1) / max(cycle_seconds, 1e-9)
         # A probe's own cycle is the freshest evidence there is after a pause: it replaces the stale estimate.
         record.drafting_rate = cycle_rate if self.probing else _moved(record.drafting_rate, cycle_rate, RATE_RATE)
-        if record.drafting_rate < 1 / self.verify_cost(1):
+        # One cycle is a coin toss (a drafter accepting 40% of first drafts fails most cycles yet pays on average where
+        # a cycle costs little more than a plain step): after verifying drafts, pause only when the acceptance learned
+        # per position, through the cost model, also says that drafting does not pay.
+        expected = self._expected_rate(torch.tensor(record.position_acceptance[: max(self.cap, 1)]))
+        if record.drafting_rate < 1 / self.verify_cost(1) and (not verified or expected < 1 / self.verify_cost(1)):
             # Back off only after a failed probe; the first failure starts with a one-step pause.
-            record.skip_interval = min(2 * record.skip_interval, MAX_SKIP_INTERVAL) if self.probing else 1
+            steady = record.steady_acceptance if record.steady_cycles >= STEADY_CYCLES else None
+            steady_rate = 0.0 if steady is None else self._expected_rate(torch.tensor(steady[: max(self.cap, 1)]))
+            longest = STEADY_SKIP_INTERVAL if steady_rate >= 1 / self.verify_cost(1) else MAX_SKIP_INTERVAL
+            record.skip_interval = min(2 * record.skip_interval, longest) if self.probing else 1
             record.skip_left = record.skip_interval
         else:
             record.skip_interval, record.skip_left = 1, 0

@@ -48,6 +48,12 @@ def summarize_method(result: BenchResult, method: str) -> dict[str, Any]:
     baseline = result.records.get("target")
     greedy = result.settings.temperature == 0
     summary |= _against_baseline(records, baseline, greedy) if baseline else _against_baseline([], [], False)
+    eager = result.records.get("target_eager")
+    if eager:  # the CPU fast path's baseline: the target alone with eager linear layers
+        against_eager = _against_baseline(records, eager, greedy)
+        summary["speedup_vs_eager_target"] = against_eager["speedup_total"]
+        summary["greedy_mismatches_vs_eager_target"] = against_eager["greedy_mismatches"]
+        summary["greedy_agreement_vs_eager_target"] = against_eager["greedy_agreement"]
     summary |= _latency_split(records)
     return summary
 
@@ -65,11 +71,20 @@ def _against_baseline(records: Sequence[Generation], baseline: Sequence[Generati
         for record, base in zip(records, baseline)
         if record.seconds and base.seconds and base.new_tokens
     ]
+    agreed = sum(_common_prefix(r.new_tokens, b.new_tokens) for r, b in zip(records, baseline))
+    baseline_tokens = sum(len(b.new_tokens) for b in baseline[: len(records)])
     return {
         "speedup_total": method_tps / base_tps if method_tps and base_tps else None,
         "speedup_median": statistics.median(ratios) if ratios else None,
         "greedy_mismatches": sum(r.new_tokens != b.new_tokens for r, b in zip(records, baseline)) if greedy else None,
+        # Where outputs may differ by rounding (bf16, another kernel): the share of the baseline's tokens generated
+        # before the first difference.
+        "greedy_agreement": agreed / baseline_tokens if greedy and baseline_tokens else None,
     }
+
+
+def _common_prefix(tokens: Sequence[int], other: Sequence[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(tokens, other)) if a != b), min(len(tokens), len(other)))
 
 
 def _latency_split(records: Sequence[Generation]) -> dict[str, Any]:
@@ -104,6 +119,7 @@ def result_to_json(result: BenchResult) -> dict[str, Any]:
         "methods": result.methods,
         "summary": summarize(result),
         "target_forward_ms_by_tokens": result.forward_ms,
+        "eager_target_forward_ms_by_tokens": result.eager_forward_ms,
         "policy_verify_ms_by_tokens": result.policy_verify_ms,
         "records": {method: [asdict(record) for record in records] for method, records in result.records.items()},
     }
@@ -114,6 +130,13 @@ def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
     return "-" if value is None else pattern.format(value)
 
 
+def _mismatch_cell(mismatches: int | None, agreement: float | None, prompts: int) -> str:
+    """`0/10`, or with differences `3/10 (92% agree)`: how much of the baseline's output came before them."""
+    if mismatches is None:
+        return "-"
+    return f"{mismatches}/{prompts}" + (f" ({agreement:.0%} agree)" if mismatches and agreement is not None else "")
+
+
 def markdown_report(result: BenchResult) -> str:
     """Markdown tables: throughput and acceptance per method, then the per-cycle latency split."""
     summaries = summarize(result)
@@ -122,17 +145,25 @@ def markdown_report(result: BenchResult) -> str:
     if meta:
         lines += [f"- {key}: `{value}`" for key, value in meta.items()]
         lines.append("")
+    with_eager = "target_eager" in result.records and bool(result.records["target_eager"])
+    eager_header = " vs eager target | mismatches vs eager |" if with_eager else ""
     lines += [
         "| method | acceptance length | tokens/s | speedup (totals) | speedup (median/prompt) "
-        "| ms / target forward | greedy mismatches |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| ms / target forward | greedy mismatches |" + eager_header,
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if with_eager else ""),
     ]
     for method, s in summaries.items():
-        mismatches = "-" if s["greedy_mismatches"] is None else f"{s['greedy_mismatches']}/{s['prompts']}"
+        mismatches = _mismatch_cell(s["greedy_mismatches"], s["greedy_agreement"], s["prompts"])
+        eager_cells = ""
+        if with_eager:
+            eager_mismatches = _mismatch_cell(
+                s["greedy_mismatches_vs_eager_target"], s["greedy_agreement_vs_eager_target"], s["prompts"]
+            )
+            eager_cells = f" {_fmt(s['speedup_vs_eager_target'], '{:.2f}x')} | {eager_mismatches} |"
         lines.append(
             f"| {method} | {_fmt(s['mean_acceptance_length'])} | {_fmt(s['tokens_per_second'])} "
             f"| {_fmt(s['speedup_total'], '{:.2f}x')} | {_fmt(s['speedup_median'], '{:.2f}x')} "
-            f"| {_fmt(s['ms_per_target_forward'], '{:.1f}')} | {mismatches} |"
+            f"| {_fmt(s['ms_per_target_forward'], '{:.1f}')} | {mismatches} |" + eager_cells
         )
     timed = {method: s for method, s in summaries.items() if s["latency_ms"]}
     if timed:
@@ -165,6 +196,14 @@ def markdown_report(result: BenchResult) -> str:
             lines.append(
                 "| x one token | " + " | ".join(f"{ms / one:.2f}" for ms in result.forward_ms.values()) + " |"
             )
+        eager_one = result.eager_forward_ms.get(1)
+        if eager_one:
+            lines += [
+                "| ms, eager linears | " + " | ".join(f"{ms:.1f}" for ms in result.eager_forward_ms.values()) + " |",
+                "| x one token, eager | "
+                + " | ".join(f"{ms / eager_one:.2f}" for ms in result.eager_forward_ms.values())
+                + " |",
+            ]
     chosen = {method: s for method, s in summaries.items() if s.get("drafts_histogram")}
     if chosen:
         longest = max(int(k) for s in chosen.values() for k in s["drafts_histogram"])

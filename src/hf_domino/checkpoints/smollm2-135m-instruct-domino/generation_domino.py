@@ -27,6 +27,7 @@ import importlib
 import inspect
 import numbers
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -202,6 +203,14 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
         raise ValueError(
             f"target_layer_ids {bad_layers} are outside the target's {num_layers} layers: this drafter was built for "
             f"a deeper target (num_target_layers={config.num_target_layers})."
+        )
+    if drafter.device.type == "cpu" and drafter.dtype == torch.float16 and target.dtype != torch.float16:
+        # The shipped checkpoint is fp16, so a plain from_pretrained gives this: fp16 products on most CPUs run
+        # several times slower than fp32 ones, and every draft casts the target's features.
+        warnings.warn(
+            f"The drafter is float16 on the CPU next to a {target.dtype} target: drafting will be slow. Call "
+            "drafter.to(target.dtype), or hf_domino.prepare_for_cpu_decoding(target, drafter) (which also does it).",
+            stacklevel=2,
         )
     if generation_config is None:
         return

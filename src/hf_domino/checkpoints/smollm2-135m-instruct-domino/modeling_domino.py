@@ -73,6 +73,9 @@ class TargetModules:
         hidden_states = hidden_states.to(device=weight.device, dtype=weight.dtype)
         if vocab is None:
             return self.lm_head(hidden_states)
+        rows_linear = getattr(self.lm_head, "rows_linear", None)
+        if rows_linear is not None:  # a head that keeps its own fast form of row subsets (hf_domino.cpu_fast_path)
+            return rows_linear(hidden_states, vocab)
         bias = getattr(self.lm_head, "bias", None)
         return nn.functional.linear(
             hidden_states, vocab_rows(weight, vocab), None if bias is None else vocab_rows(bias, vocab)
@@ -342,6 +345,9 @@ class DominoForSpeculation(DominoPreTrainedModel):
         if vocab is None:
             return self.embed_proj(features)
         rank = self.embed_proj[1](self.embed_proj[0](features))
+        rows_linear = getattr(self.embed_proj[2], "rows_linear", None)
+        if rows_linear is not None:
+            return rows_linear(rank, vocab)
         return nn.functional.linear(rank, vocab_rows(self.embed_proj[2].weight, vocab))
 
     # ------------------------------------------------------------------------------------------------- convenience

@@ -1,0 +1,266 @@
+"""A one-line CPU fast path for decoding: `prepare_for_cpu_decoding(target, drafter)`.
+
+Why: on a CPU, eager `nn.Linear` hands each product to MKL's sgemm, which packs the weight matrix again on every call
+with more than one row. A forward over 2-3 tokens (a verification of 1-2 drafts) then costs 1.6-2.0x a single-token
+forward, and the target's 49152-row LM head over 2-3 rows costs 4-5x its single row (docs/benchmarks.md, "Why two
+tokens cost more than eight"). oneDNN, which torch ships, can pack a weight once, in the layout its matmul kernel
+reads (`torch.ops.mkldnn._reorder_linear_weight`, the op torch.compile's CPU weight freezing uses), and multiply any
+number of rows by it (`torch.ops.mkldnn._linear_pointwise`). Measured on this project's 2-core CPU, that makes a
+forward over 2-3 tokens cost about 1.1x a single one, and the 8192-row draft-vocabulary LM head over 3 positions
+0.2 ms instead of 1.8.
+
+What `prepare_for_cpu_decoding` changes, on models whose parameters are all on the CPU (a CUDA model is left as it
+is): every module of exact type `nn.Linear` (the LM head included) becomes a `PrepackedLinear`, in place (its class
+is swapped, its parameters are the same objects). So:
+
+- `weight` and `bias` stay ordinary dense parameters: tied weights stay tied, `state_dict()`/`save_pretrained()`
+  and loading are unchanged, and the drafter still reads the target's LM head and embedding table;
+- the packed copy is derived data, rebuilt whenever the weight changes (assignment, in-place update, `.to()`), never
+  saved or copied (deep copies and pickles drop it), and costs a second copy of each weight in memory;
+- the product falls back to `F.linear` where the packed one does not apply: inputs not on the CPU, autograd
+  (training), an input dtype unlike the weight's, dtypes oneDNN cannot pack on this CPU (fp16 without avx512_fp16),
+  and inside `eager_linears()`;
+- `rows_linear(x, rows)` multiplies by the rows `rows` of the weight only, packed once per row set: the drafter's
+  draft-vocabulary LM head (`TargetModules.logits`) and head correction use it when the module offers it.
+
+The drafter is also cast to the target's dtype when they differ: an fp16 drafter (the dtype of the shipped
+checkpoint, what `from_pretrained` gives by default) multiplies on a CPU without packed fp16 kernels several times
+slower than in fp32, and every draft then pays a cast of the target's features.
+
+Calling it again changes nothing (already prepared modules are counted, not repacked). Greedy output is the prepared
+target's own, token for token: speculative decoding verifies every draft with the same (prepared) target. Against
+the eager target alone, fp32 products agree to rounding (a different summation order), like any change of kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+logger = logging.getLogger(__name__)
+
+# Row sets of `rows_linear` kept packed per module (a draft vocabulary or two per drafter/target pair).
+MAX_ROW_SETS = 4
+_EAGER = contextvars.ContextVar("hf_domino_eager_linears", default=False)
+
+
+def _weight_key(weight: torch.Tensor) -> tuple:
+    """Changes whenever the weight's values may have: a new tensor, an in-place update, a new dtype or device."""
+    try:
+        version = weight._version
+    except RuntimeError:  # inference tensors have no version counter; they cannot be updated in place either
+        version = -1
+    return (weight.data_ptr(), version, weight.dtype, weight.device, tuple(weight.shape))
+
+
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN can prepack on this CPU: float32, and bfloat16/float16 where the CPU supports them."""
+    if not torch.backends.mkldnn.is_available():
+        return ()
+    dtypes = [torch.float32]
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        dtypes.append(torch.bfloat16)
+    # The fp16 reorder needs avx512_fp16 or avx_ne_convert, which _is_mkldnn_fp16_supported does not check.
+    with contextlib.suppress(RuntimeError):
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(1, 1, dtype=torch.float16), None)
+        dtypes.append(torch.float16)
+    return tuple(dtypes)
+
+
+class PrepackedLinear(nn.Linear):
+    """An `nn.Linear` that multiplies by a oneDNN-prepacked copy of its weight on a CPU (see the module docstring).
+
+    Made by `prepare_for_cpu_decoding`, which swaps the class of existing `nn.Linear` modules; `weight` and `bias`
+    remain the module's own dense parameters.
+    """
+
+    _packed: tuple[tuple, torch.Tensor] | None = None
+    _row_sets: dict | None = None
+
+    def _packs(self, x: torch.Tensor) -> bool:
+        weight = self.weight
+        return (
+            not _EAGER.get()
+            and x.device.type == "cpu"
+            and weight.device.type == "cpu"
+            and x.dtype == weight.dtype
+            and weight.dtype in _PACKABLE
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+        )
+
+    def packed_weight(self) -> torch.Tensor:
+        """The weight in oneDNN's packed layout, packed again if the weight changed since."""
+        key = _weight_key(self.weight)
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None))
+        return self._packed[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._packs(x):
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
+
+    def rows_linear(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """`F.linear(x, weight[rows], bias[rows])`: the outputs `rows` only (a draft vocabulary's logits)."""
+        weight, bias = self.weight, self.bias
+        if not self._packs(x):
+            return F.linear(x, weight[rows.to(weight.device)], None if bias is None else bias[rows.to(weight.device)])
+        # Each entry keeps its `rows` tensor alive, so no other tensor can take its address while the entry exists.
+        key = (_weight_key(weight), _weight_key(rows))
+        row_sets = self._row_sets if self._row_sets is not None else {}
+        entry = row_sets.get(key)
+        if entry is None:
+            if len(row_sets) >= MAX_ROW_SETS:
+                row_sets.clear()
+            index = rows.to(weight.device)
+            entry = row_sets[key] = (
+                rows,
+                torch.ops.mkldnn._reorder_linear_weight(weight.detach()[index].contiguous(), None),
+                None if bias is None else bias.detach()[index].contiguous(),
+            )
+            self._row_sets = row_sets
+        return torch.ops.mkldnn._linear_pointwise(x, entry[1], entry[2], "none", [], "")
+
+    def packed_bytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size() if self._packed is not None else 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Packed oneDNN tensors can be neither copied nor pickled; they are rebuilt at the next product.
+        state = dict(super().__getstate__())
+        state.pop("_packed", None)
+        state.pop("_row_sets", None)
+        return state
+
+
+_PACKABLE = packable_dtypes()
+
+
+@dataclass
+class CpuFastPathReport:
+    """What `prepare_for_cpu_decoding` did, per model ("target", "drafter")."""
+
+    prepacked: dict[str, list[str]] = field(default_factory=dict)  # modules made prepacked by this call
+    already: dict[str, int] = field(default_factory=dict)  # modules already prepacked by an earlier call
+    skipped: dict[str, str] = field(default_factory=dict)  # model -> why it was left untouched
+    casts: list[str] = field(default_factory=list)
+    packed_bytes: int = 0  # memory taken by the packed copies made by this call
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.casts or any(self.prepacked.values()))
+
+    def __str__(self) -> str:
+        parts = []
+        for name in sorted(set(self.prepacked) | set(self.already) | set(self.skipped)):
+            if name in self.skipped:
+                parts.append(f"{name}: untouched ({self.skipped[name]})")
+                continue
+            new, old = len(self.prepacked.get(name, [])), self.already.get(name, 0)
+            parts.append(f"{name}: {new} nn.Linear prepacked for oneDNN" + (f" ({old} already were)" if old else ""))
+        parts += self.casts
+        if self.packed_bytes:
+            parts.append(f"{self.packed_bytes / 2**20:.0f} MiB of packed weights")
+        return "; ".join(parts) if parts else "nothing to prepare"
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    return all(tensor.device.type == "cpu" for tensor in model.parameters())
+
+
+def _prepare(model: nn.Module, name: str, report: CpuFastPathReport) -> None:
+    if not _PACKABLE:
+        report.skipped[name] = "this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"
+        return
+    if not _on_cpu(model):
+        report.skipped[name] = f"on {next(model.parameters()).device}, not the CPU"
+        return
+    prepared, already = [], 0
+    for module_name, module in model.named_modules():
+        if isinstance(module, PrepackedLinear):
+            already += 1
+        elif type(module) is nn.Linear and module.weight.dtype in _PACKABLE:
+            module.__class__ = PrepackedLinear
+            with torch.no_grad():
+                module.packed_weight()
+            report.packed_bytes += module.packed_bytes()
+            prepared.append(module_name)
+    report.prepacked[name], report.already[name] = prepared, already
+    if not prepared and not already:
+        report.skipped[name] = f"no nn.Linear of a dtype oneDNN packs here ({', '.join(map(str, _PACKABLE))})"
+
+
+def _pack_draft_vocabulary(target: nn.Module, drafter: nn.Module) -> None:
+    """Packs the rows of a drafter's draft vocabulary now, not in the first drafting cycle (tens of ms)."""
+    vocab = getattr(drafter, "draft_vocab", None)
+    heads = [getattr(target, "get_output_embeddings", lambda: None)()]
+    embed_proj = getattr(drafter, "embed_proj", None)
+    heads.append(embed_proj[-1] if isinstance(embed_proj, nn.Sequential) else None)
+    if vocab is None:
+        return
+    with torch.no_grad():
+        for head in heads:
+            if isinstance(head, PrepackedLinear):
+                head.rows_linear(head.weight.new_zeros(1, 1, head.in_features), vocab)
+
+
+def prepare_for_cpu_decoding(
+    target: nn.Module, drafter: nn.Module | None = None, *, match_drafter_dtype: bool = True
+) -> CpuFastPathReport:
+    """Makes decoding on a CPU fast: oneDNN-prepacked linear layers in `target` and `drafter`, in place.
+
+    One line before `generate()`; models on a GPU are left untouched, and calling it again changes nothing:
+
+        report = hf_domino.prepare_for_cpu_decoding(target, drafter)
+        print(report)  # target: 211 nn.Linear prepacked for oneDNN; drafter: 17 ...; 1076 MiB of packed weights
+
+    Every `nn.Linear` (the LM head included) keeps its dense `weight`, so saving, loading and everything that reads
+    the weights work as before, and multiplies by a packed copy instead (see the module docstring for when it falls
+    back to `F.linear`). With `match_drafter_dtype` (default), a drafter on the CPU whose dtype differs from the
+    target's is cast to it first (fp16 products are slow on most CPUs). Returns what was changed (also logged).
+    """
+    report = CpuFastPathReport()
+    if drafter is not None and match_drafter_dtype and _on_cpu(drafter) and _on_cpu(target):
+        target_dtype = next(target.parameters()).dtype
+        drafter_dtype = next(drafter.parameters()).dtype
+        if drafter_dtype != target_dtype:
+            drafter.to(target_dtype)
+            report.casts.append(f"drafter cast from {drafter_dtype} to the target's {target_dtype}")
+    _prepare(target, "target", report)
+    if drafter is not None:
+        _prepare(drafter, "drafter", report)
+        _pack_draft_vocabulary(target, drafter)
+    logger.info("CPU fast path: %s", report)
+    return report
+
+
+def is_prepared_for_cpu_decoding(model: nn.Module) -> bool:
+    """Whether any linear layer of `model` runs prepacked (see `prepare_for_cpu_decoding`)."""
+    return any(isinstance(module, PrepackedLinear) for module in model.modules())
+
+
+@contextlib.contextmanager
+def eager_linears() -> Iterator[None]:
+    """Inside this block, prepared linear layers multiply with plain `F.linear` (e.g. to time the eager path)."""
+    token = _EAGER.set(True)
+    try:
+        yield
+    finally:
+        _EAGER.reset(token)
+
+
+__all__ = [
+    "CpuFastPathReport",
+    "PrepackedLinear",
+    "eager_linears",
+    "is_prepared_for_cpu_decoding",
+    "packable_dtypes",
+    "prepare_for_cpu_decoding",
+]

@@ -1,0 +1,225 @@
+"""The CPU fast path (`hf_domino.prepare_for_cpu_decoding`): oneDNN-prepacked linear layers, same weights, same
+greedy output as the prepared target alone, with tiny real models and the real SmolLM2 target."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
+from torch import nn
+from torch.nn import functional as F
+
+import hf_domino
+from hf_domino import TargetModules, prepare_for_cpu_decoding
+from hf_domino.cpu_fast_path import PrepackedLinear, eager_linears, is_prepared_for_cpu_decoding, packable_dtypes
+
+pytestmark = pytest.mark.skipif(not packable_dtypes(), reason="this torch build has no oneDNN")
+
+
+def linears(model: nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+
+
+def greedy(target, input_ids, max_new_tokens=24, **kwargs):
+    return target.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False, **kwargs
+    )
+
+
+def prompt(vocab_size: int, length: int = 7, seed: int = 0) -> torch.LongTensor:
+    return torch.randint(4, vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------------- what it changes
+def test_prepare_replaces_every_linear_keeps_the_weights_and_is_idempotent():
+    target = tiny_target("llama", tie_word_embeddings=True)
+    drafter = tiny_drafter(target)
+    drafter.set_draft_vocab(torch.arange(10, 40))
+    weights = {name: param for name, param in target.named_parameters(remove_duplicate=False)}
+    state = {key: value.clone() for key, value in target.state_dict().items()}
+
+    report = prepare_for_cpu_decoding(target, drafter)
+
+    assert sorted(report.prepacked["target"]) == sorted(linears(target)) and "lm_head" in report.prepacked["target"]
+    assert sorted(report.prepacked["drafter"]) == sorted(linears(drafter))
+    assert all(type(m) is PrepackedLinear for m in target.modules() if isinstance(m, nn.Linear))
+    assert report.packed_bytes > 0 and "prepacked" in str(report) and report.changed
+    assert len(target.lm_head._row_sets) == 1  # the draft vocabulary's rows, packed before the first draft
+    # Same parameter objects: tied weights stay tied, and the state dict is what it was.
+    assert target.lm_head.weight is target.model.embed_tokens.weight
+    for name, param in target.named_parameters(remove_duplicate=False):
+        assert param is weights[name]
+    assert target.state_dict().keys() == state.keys()
+    assert all(torch.equal(value, state[key]) for key, value in target.state_dict().items())
+
+    again = prepare_for_cpu_decoding(target, drafter)
+    assert not again.changed and again.packed_bytes == 0
+    assert again.already == {"target": len(linears(target)), "drafter": len(linears(drafter))}
+    assert is_prepared_for_cpu_decoding(target) and is_prepared_for_cpu_decoding(drafter)
+
+
+def test_models_off_the_cpu_are_left_untouched():
+    # A model whose parameters are not on the CPU (here: the meta device, standing in for a GPU) is skipped.
+    with torch.device("meta"):
+        target = tiny_target("qwen3")
+    report = prepare_for_cpu_decoding(target)
+    assert "not the CPU" in report.skipped["target"] and not report.changed
+    assert not is_prepared_for_cpu_decoding(target)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_models_are_left_untouched():
+    target = tiny_target("qwen3").cuda()
+    drafter = tiny_drafter(target).half()
+    report = prepare_for_cpu_decoding(target, drafter)
+    assert set(report.skipped) == {"target", "drafter"} and not report.changed
+    assert drafter.dtype == torch.float16 and not is_prepared_for_cpu_decoding(target)
+
+
+def test_products_match_eager_and_follow_weight_changes():
+    torch.manual_seed(0)
+    layer = nn.Linear(24, 40)
+    reference = copy.deepcopy(layer)
+    prepare_for_cpu_decoding(layer)
+    for shape in [(1, 1, 24), (1, 3, 24), (2, 17, 24), (5, 24), (1, 0, 24)]:
+        x = torch.randn(shape)
+        assert torch.allclose(layer(x), reference(x), atol=1e-5)
+        with eager_linears():
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    x = torch.randn(1, 3, 24)
+    rows = torch.tensor([3, 0, 39, 17])
+    assert torch.allclose(layer.rows_linear(x, rows), reference(x)[..., rows], atol=1e-5)
+    other = torch.tensor([1, 2, 3, 4])  # another row set of the same size, then changed in place
+    assert torch.allclose(layer.rows_linear(x, other), reference(x)[..., other], atol=1e-5)
+    other[0] = 30
+    assert torch.allclose(layer.rows_linear(x, other), reference(x)[..., other], atol=1e-5)
+    # In-place update, new tensor, load_state_dict: the packed copy follows the weight.
+    with torch.no_grad():
+        layer.weight.mul_(2)
+        reference.weight.mul_(2)
+    assert torch.allclose(layer(x), reference(x), atol=1e-5)
+    assert torch.allclose(layer.rows_linear(x, rows), reference(x)[..., rows], atol=1e-5)
+    layer.weight = nn.Parameter(torch.randn(40, 24))
+    reference.load_state_dict(layer.state_dict())
+    assert torch.allclose(layer(x), reference(x), atol=1e-5)
+    layer.load_state_dict({"weight": torch.zeros(40, 24), "bias": torch.ones(40)})
+    assert torch.equal(layer(x), torch.ones(1, 3, 40))
+
+
+def test_autograd_dtype_changes_copies_and_pickles_fall_back_or_repack():
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 8)
+    prepare_for_cpu_decoding(layer)
+    x = torch.randn(3, 16, requires_grad=True)
+    layer(x).sum().backward()  # training: the eager product, with gradients
+    assert layer.weight.grad is not None and torch.allclose(x.grad, layer.weight.sum(0).expand(3, 16))
+    layer.zero_grad()
+    twin = copy.deepcopy(layer)
+    restored = pickle.loads(pickle.dumps(layer))
+    with torch.no_grad():
+        for other in (twin, restored):
+            assert type(other) is PrepackedLinear and torch.allclose(other(x), layer(x), atol=1e-6)
+        layer.to(torch.bfloat16)
+        out = layer(x.detach().bfloat16())
+        assert out.dtype == torch.bfloat16
+        assert torch.allclose(out.float(), F.linear(x, twin.weight, twin.bias), atol=0.1)
+
+
+def test_save_pretrained_of_prepared_models(tmp_path):
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    drafter.set_draft_vocab(torch.arange(5, 50))
+    prepare_for_cpu_decoding(target, drafter)
+    target.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    reloaded = type(target).from_pretrained(tmp_path / "target").eval()
+    redrafter = hf_domino.DominoForSpeculation.from_pretrained(tmp_path / "drafter").eval()
+    assert not is_prepared_for_cpu_decoding(reloaded) and torch.equal(redrafter.draft_vocab, drafter.draft_vocab)
+    for model, copy_ in ((target, reloaded), (drafter, redrafter)):
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, copy_.state_dict()[key]), key
+
+
+# ------------------------------------------------------------------------------------------------------ drafting
+def test_draft_vocabulary_logits_read_the_prepacked_head():
+    target = tiny_target("llama", vocab_size=96)
+    modules = TargetModules.from_target(target)
+    hidden = torch.randn(1, 3, target.config.hidden_size)
+    vocab = torch.arange(7, 90, 3)
+    expected = modules.logits(hidden, vocab)
+    prepare_for_cpu_decoding(target)
+    assert torch.allclose(modules.logits(hidden, vocab), expected, atol=1e-5)
+    assert torch.allclose(modules.logits(hidden)[..., vocab], expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_greedy_output_is_the_prepared_targets_own(arch):
+    target = tiny_target(arch, vocab_size=96, hidden_size=64)
+    drafter = tiny_drafter(target, block_size=5)
+    drafter.set_draft_vocab(torch.arange(0, 96, 2))
+    input_ids = prompt(96)
+    prepare_for_cpu_decoding(target, drafter)
+    expected = greedy(target, input_ids)
+    for options in (
+        {"draft_policy": "fixed", "num_speculative_tokens": 2},
+        {"draft_policy": "fixed", "num_speculative_tokens": 4, "draft_vocab": False},
+        {},
+    ):
+        assert torch.equal(greedy(target, input_ids, assistant_model=drafter, **options), expected), options
+
+
+def test_accepted_drafts_on_the_fast_path_are_lossless():
+    # A target that counts up and a drafter forced to draft it: most drafts are accepted, so verification of several
+    # tokens at once (the multi-row prepacked products) decides the output.
+    target = successor_target("qwen3", vocab_size=32)
+    drafter = forcing_drafter(target, [(t + 1) % 32 for t in range(32)])
+    input_ids = torch.tensor([[5, 6, 7]])
+    eager_expected = greedy(target, input_ids, max_new_tokens=20)
+    prepare_for_cpu_decoding(target, drafter)
+    expected = greedy(target, input_ids, max_new_tokens=20)
+    assert torch.equal(expected, eager_expected)
+    output = greedy(target, input_ids, max_new_tokens=20, assistant_model=drafter, draft_policy="fixed")
+    assert torch.equal(output, expected)
+    assert drafter.last_generation_stats.mean_acceptance_length > 3
+
+
+def test_fp16_drafter_is_cast_by_the_fast_path_and_warned_about_without_it():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target).half()
+    input_ids = prompt(64)
+    with pytest.warns(UserWarning, match=r"drafter.to\(target.dtype\)"):
+        greedy(target, input_ids, max_new_tokens=4, assistant_model=drafter)
+    report = prepare_for_cpu_decoding(target, drafter)
+    assert drafter.dtype == torch.float32 and "cast from torch.float16" in str(report)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        greedy(target, input_ids, max_new_tokens=4, assistant_model=drafter)
+
+
+# ----------------------------------------------------------------------------------------------- the real target
+def test_real_smollm2_with_the_shipped_drafter_on_the_fast_path():
+    from hf_domino.assets import SHIPPED_DRAFTER, encode_chat, load_mtbench, load_smollm2
+
+    torch.set_num_threads(2)
+    try:
+        target, tokenizer = load_smollm2()
+        drafter = hf_domino.DominoForSpeculation.from_pretrained(SHIPPED_DRAFTER).eval()  # fp16, as shipped
+        input_ids = encode_chat(tokenizer, load_mtbench(limit=1)[0])
+        with torch.no_grad():
+            eager_logits = target(input_ids).logits[0, -4:]
+        report = prepare_for_cpu_decoding(target, drafter)
+        assert drafter.dtype == torch.float32 and len(report.prepacked["target"]) == 30 * 7 + 1
+        with torch.no_grad():
+            # Another kernel sums in another order: the same logits up to fp32 rounding, not bit for bit.
+            assert torch.allclose(target(input_ids).logits[0, -4:], eager_logits, atol=2e-3, rtol=0)
+        expected = greedy(target, input_ids, max_new_tokens=32)
+        for options in ({"draft_policy": "fixed", "num_speculative_tokens": 2}, {}):
+            assert torch.equal(
+                greedy(target, input_ids, max_new_tokens=32, assistant_model=drafter, **options), expected
+            )
+    finally:
+        torch.set_num_threads(1)
