@@ -14,6 +14,7 @@ from test_generation import chi_square_p_value, exact_sequence_distribution, sam
 from transformers import GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 
+import hf_domino
 from hf_domino import generation_domino, policy_domino
 from hf_domino.policy_domino import AcceptanceCalibration, AdaptivePolicy, DrafterRecord, VerifyCost, expected_tokens
 
@@ -243,6 +244,38 @@ def test_draft_vocabulary_keeps_greedy_identical(policy, cpu_like_costs):
             target, prompt, max_new_tokens=30, assistant_model=drafter, draft_policy=policy, draft_vocab=False
         )
         assert torch.equal(without, expected) and max(drafter.last_generation_stats.acceptance_lengths) > 2
+
+
+@pytest.mark.parametrize("fast_path", [False, True])
+def test_draft_vocabulary_with_models_made_under_inference_mode(fast_path):
+    # Weights created under torch.inference_mode() are inference tensors, which have no version counter: the cached
+    # vocabulary rows (and the CPU fast path's packed ones) must key them some other way.
+    with torch.inference_mode():
+        target = successor_target("qwen3", VOCAB)
+        drafter = forcing_drafter(target, [(t + 1) % VOCAB for t in range(VOCAB)])
+        drafter.set_draft_vocab(torch.arange(0, VOCAB, 2))
+        if fast_path:
+            hf_domino.prepare_for_cpu_decoding(target, drafter)
+        prompt = torch.tensor([[4, 5]])
+        expected = greedy(target, prompt, max_new_tokens=20)
+        output = greedy(target, prompt, max_new_tokens=20, assistant_model=drafter, draft_policy="fixed")
+    assert torch.equal(output, expected) and max(drafter.last_generation_stats.acceptance_lengths) == 2
+
+
+def test_cached_vocabulary_rows_follow_the_weight():
+    from hf_domino.modeling_domino import vocab_rows
+
+    vocab = torch.tensor([3, 1, 4])
+    weight = torch.randn(8, 5)
+    assert torch.equal(vocab_rows(weight, vocab), weight[vocab])
+    with torch.no_grad():
+        weight.mul_(2)  # in place
+    assert torch.equal(vocab_rows(weight, vocab), weight[vocab])
+    for _ in range(3):  # new weights, which may take a freed one's address
+        weight = torch.randn(8, 5)
+        assert torch.equal(vocab_rows(weight, vocab), weight[vocab])
+    vocab[0] = 7
+    assert torch.equal(vocab_rows(weight, vocab), weight[vocab])
 
 
 def test_draft_vocabulary_round_trips_and_is_validated(tmp_path):

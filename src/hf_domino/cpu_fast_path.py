@@ -54,10 +54,7 @@ _EAGER = contextvars.ContextVar("hf_domino_eager_linears", default=False)
 
 def _weight_key(weight: torch.Tensor) -> tuple:
     """Changes whenever the weight's values may have: a new tensor, an in-place update, a new dtype or device."""
-    try:
-        version = weight._version
-    except RuntimeError:  # inference tensors have no version counter; they cannot be updated in place either
-        version = -1
+    version = -1 if weight.is_inference() else weight._version  # inference tensors have no version counter
     return (weight.data_ptr(), version, weight.dtype, weight.device, tuple(weight.shape))
 
 

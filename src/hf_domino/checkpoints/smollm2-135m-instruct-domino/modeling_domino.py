@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -82,7 +83,7 @@ class TargetModules:
         )
 
 
-_VOCAB_ROWS: dict[tuple, torch.Tensor] = {}
+_VOCAB_ROWS: dict[tuple, tuple[torch.Tensor, weakref.ref, torch.Tensor]] = {}
 
 
 def vocab_rows(weight: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
@@ -94,13 +95,22 @@ def vocab_rows(weight: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
     """
     if weight.requires_grad and torch.is_grad_enabled():
         return weight[vocab.to(weight.device)]
-    key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.device, vocab.data_ptr(), vocab.numel())
-    rows = _VOCAB_ROWS.get(key)
-    if rows is None:
+    key = (weight.data_ptr(), _version(weight), tuple(weight.shape), weight.device)
+    key += (vocab.data_ptr(), _version(vocab), vocab.numel())
+    entry = _VOCAB_ROWS.get(key)
+    # The entry holds `vocab`, so no other tensor can take its address while the entry exists, and a weak reference
+    # to `weight`, so a new model's weight at a freed one's address is not taken for it.
+    if entry is None or entry[1]() is not weight:
         if len(_VOCAB_ROWS) >= 8:
             _VOCAB_ROWS.clear()
-        rows = _VOCAB_ROWS[key] = weight.detach()[vocab.to(weight.device)].contiguous()
-    return rows
+        entry = _VOCAB_ROWS[key] = (vocab, weakref.ref(weight), weight.detach()[vocab.to(weight.device)].contiguous())
+    return entry[2]
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter; -1 for inference tensors (models loaded under `torch.inference_mode()`),
+    which have none."""
+    return -1 if tensor.is_inference() else tensor._version
 
 
 def context_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
