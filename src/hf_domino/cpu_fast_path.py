@@ -66,7 +66,7 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         dtypes.append(torch.bfloat16)
     # The fp16 reorder needs avx512_fp16 or avx_ne_convert, which _is_mkldnn_fp16_supported does not check.
-    with contextlib.suppress(RuntimeError):
+    with contextlib.suppress(RuntimeError, NotImplementedError):
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(1, 1, dtype=torch.float16), None)
         dtypes.append(torch.float16)
     return tuple(dtypes)
