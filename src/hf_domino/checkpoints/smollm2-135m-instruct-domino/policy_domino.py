@@ -270,6 +270,11 @@ class AdaptivePolicy:
             float(tokens[k]) / (self._draft_seconds(k) + self.verify_cost(1 + k)) for k in range(1, len(tokens))
         )
 
+    def _pays(self, position_acceptance: list[float]) -> bool:
+        """Whether drafting with this acceptance per draft position beats plain steps, by the cost model."""
+        acceptance = torch.tensor(position_acceptance[: max(self.cap, 1)])
+        return self._expected_rate(acceptance) >= 1 / self.verify_cost(1)
+
     def _best_k(self, acceptance: torch.Tensor, spent: float | None, minimum: int = 0) -> int:
         """argmax over k = minimum..len(acceptance) of E(k) / cost(k).
 
@@ -355,7 +360,8 @@ class AdaptivePolicy:
         )
         # A call's first drafting cycle reads the prompt's whole context and, first in a process, pays one-time work
         # (kernel set-up, packing a draft vocabulary's rows: 0.7-1.3 s on a CPU): its times are not the drafter's cost.
-        first_draft, self.drafted_before = drafted and not self.drafted_before, self.drafted_before or drafted
+        first_draft = drafted and not self.drafted_before
+        self.drafted_before |= drafted
         learn_draft_times = self.learn_times and not first_draft
         if self.learn_times:
             self.verify_cost.observe(1 + verified, verify_seconds)
@@ -390,12 +396,11 @@ class AdaptivePolicy:
         # One cycle is a coin toss (a drafter accepting 40% of first drafts fails most cycles yet pays on average where
         # a cycle costs little more than a plain step): after verifying drafts, pause only when the acceptance learned
         # per position, through the cost model, also says that drafting does not pay.
-        expected = self._expected_rate(torch.tensor(record.position_acceptance[: max(self.cap, 1)]))
-        if record.drafting_rate < 1 / self.verify_cost(1) and (not verified or expected < 1 / self.verify_cost(1)):
+        plain_rate = 1 / self.verify_cost(1)
+        if record.drafting_rate < plain_rate and (not verified or not self._pays(record.position_acceptance)):
             # Back off only after a failed probe; the first failure starts with a one-step pause.
             steady = record.steady_acceptance if record.steady_cycles >= STEADY_CYCLES else None
-            steady_rate = 0.0 if steady is None else self._expected_rate(torch.tensor(steady[: max(self.cap, 1)]))
-            longest = STEADY_SKIP_INTERVAL if steady_rate >= 1 / self.verify_cost(1) else MAX_SKIP_INTERVAL
+            longest = STEADY_SKIP_INTERVAL if steady is not None and self._pays(steady) else MAX_SKIP_INTERVAL
             record.skip_interval = min(2 * record.skip_interval, longest) if self.probing else 1
             record.skip_left = record.skip_interval
         else:
