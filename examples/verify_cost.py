@@ -22,6 +22,7 @@ import torch._inductor.config as inductor_config
 from transformers.cache_utils import DynamicCache
 
 from hf_domino import assets, prepare_for_cpu_decoding
+from hf_domino.modeling_domino import cache_argument
 
 
 def fastest_ms(fn, repeats: int) -> float:
@@ -52,10 +53,10 @@ def main() -> None:
 
     def timed_row(model, label: str, hidden_states) -> None:
         cache = DynamicCache(config=model.config)
-        model(prompt, past_key_values=cache, logits_to_keep=1)
+        model(prompt, **cache_argument(cache), logits_to_keep=1)
 
         def forward(tokens: int) -> None:
-            model(prompt[:, -1:].expand(1, tokens), past_key_values=cache, output_hidden_states=hidden_states)
+            model(prompt[:, -1:].expand(1, tokens), **cache_argument(cache), output_hidden_states=hidden_states)
             cache.crop(-tokens)
 
         start = time.perf_counter()

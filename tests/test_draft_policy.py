@@ -16,6 +16,7 @@ from transformers.cache_utils import DynamicCache
 
 import hf_domino
 from hf_domino import generation_domino, policy_domino
+from hf_domino.modeling_domino import cache_argument
 from hf_domino.policy_domino import AcceptanceCalibration, AdaptivePolicy, DrafterRecord, VerifyCost, expected_tokens
 
 VOCAB = 32
@@ -441,7 +442,7 @@ def test_a_batch_gets_one_k_priced_by_all_its_tokens():
 def test_verify_cost_of_a_batch_is_keyed_by_all_its_tokens():
     target = tiny_target("qwen3")
     cache = DynamicCache()
-    target(torch.tensor([[5, 6, 7]] * 3), past_key_values=cache, use_cache=True)
+    target(torch.tensor([[5, 6, 7]] * 3), use_cache=True, **cache_argument(cache))
     cost = policy_domino.measure_verify_cost(target, cache, torch.tensor([[7]] * 3), {}, lengths=(1, 2), repeats=1)
     assert sorted(cost.seconds) == [3, 6] and cache.get_seq_length() == 3  # the cache is left as it was
 

@@ -28,7 +28,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_domino import DominoConfig, DominoForSpeculation, TargetModules
 from hf_domino.drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
-from hf_domino.modeling_domino import context_features
+from hf_domino.modeling_domino import CACHE_ARGUMENT, cache_argument, context_features
 
 SHAPES = {
     # Qwen3-8B, and the published Qwen3-8B Domino drafter (docs/model.md): 5 layers, GRU 1024, rank 256.
@@ -83,12 +83,12 @@ def measure(target, drafter, context_tokens: int, device: torch.device, reps: in
     prompt = torch.randint(3, vocab, (1, context_tokens), device=device)
     layers = [i + 1 for i in drafter.config.target_layer_ids]
     out = target(prompt, use_cache=True, output_hidden_states=layers)
-    cache = out.past_key_values
+    cache = getattr(out, CACHE_ARGUMENT)
     features = context_features(out.hidden_states, drafter.config.target_layer_ids)
     costs = {}
 
     def forward(length: int) -> None:
-        target(prompt[:, -length:], past_key_values=cache, use_cache=True, output_hidden_states=layers)
+        target(prompt[:, -length:], use_cache=True, **cache_argument(cache), output_hidden_states=layers)
         cache.crop(-length)
 
     costs["target, 1 token"] = median_ms(lambda: forward(1), device, reps=reps)

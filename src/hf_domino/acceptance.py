@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .modeling_domino import CACHE_ARGUMENT
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -28,7 +30,7 @@ def record_target_forwards(target: PreTrainedModel) -> Iterator[list[int]]:
     cache_lengths: list[int] = []
 
     def pre_hook(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get(CACHE_ARGUMENT)
         cache_lengths.append(int(cache.get_seq_length()) if cache is not None else 0)
 
     handle = target.register_forward_pre_hook(pre_hook, with_kwargs=True)

@@ -34,7 +34,7 @@ from .acceptance import acceptance_from_cache_lengths, record_target_forwards
 from .assets import eos_token_ids, pad_token_id
 from .cpu_fast_path import eager_linears
 from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
-from .modeling_domino import DominoForSpeculation, TargetModules, context_features
+from .modeling_domino import DominoForSpeculation, TargetModules, cache_argument, context_features
 from .policy_domino import cached_verify_cost
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ def manual_generate(
     stopwatch = Stopwatch(timings, drafter.device)
     block_drafts = config.num_drafts if num_drafts is None else min(num_drafts, config.num_drafts)
 
-    outputs = target(input_ids, past_key_values=target_cache, output_hidden_states=keep_layers, logits_to_keep=1)
+    outputs = target(input_ids, **cache_argument(target_cache), output_hidden_states=keep_layers, logits_to_keep=1)
     tokens = torch.cat([input_ids, outputs.logits[:, -1:].argmax(dim=-1)], dim=-1)
     context.append(context_features(outputs.hidden_states, config.target_layer_ids))  # every prompt token
     stopwatch.tick()
@@ -155,7 +155,7 @@ def manual_generate(
             draft_ids = rollout(block, tokens).ids.to(tokens.device)
             stopwatch.tick("head")
         verify_ids = torch.cat([tokens[:, -1:], draft_ids], dim=-1)
-        outputs = target(verify_ids, past_key_values=target_cache, output_hidden_states=keep_layers)
+        outputs = target(verify_ids, **cache_argument(target_cache), output_hidden_states=keep_layers)
         predicted = outputs.logits.argmax(dim=-1)
         num_matches = int((draft_ids == predicted[:, :-1]).cumprod(dim=-1).sum())
         accepted = predicted[:, : num_matches + 1]  # matched drafts equal the target's tokens, plus the bonus token
@@ -255,14 +255,14 @@ def measure_forward_ms(
     input_ids = input_ids.to(target.device)
     hidden_states = [i + 1 for i in drafter.config.target_layer_ids] if drafter is not None else False
     cache = DynamicCache(config=target.config)
-    target(input_ids, past_key_values=cache, logits_to_keep=1)
+    target(input_ids, **cache_argument(cache), logits_to_keep=1)
     costs = {}
     for length in lengths:
         block = input_ids[:, -1:].expand(1, length)  # token values do not change the cost
         samples = []
         for _ in range(repeats):
             start = time.perf_counter()
-            target(block, past_key_values=cache, output_hidden_states=hidden_states)
+            target(block, **cache_argument(cache), output_hidden_states=hidden_states)
             if target.device.type == "cuda":
                 torch.cuda.synchronize(target.device)
             samples.append(1000 * (time.perf_counter() - start))

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .modeling_domino import cache_argument
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.cache_utils import Cache
@@ -118,7 +120,7 @@ def measure_verify_cost(
         for _ in range(repeats):
             _synchronize(device)
             start = time.perf_counter()
-            target(input_ids=block, past_key_values=cache, use_cache=True, **forward_kwargs)
+            target(input_ids=block, use_cache=True, **cache_argument(cache), **forward_kwargs)
             _synchronize(device)
             samples.append(time.perf_counter() - start)
             cache.crop(-length)

@@ -42,7 +42,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput, _speculative_sampling
 
 from .drafting_domino import to_vocab_ids
-from .modeling_domino import TargetModules, context_features
+from .modeling_domino import CACHE_ARGUMENT, TargetModules, cache_argument, context_features
 from .policy_domino import (
     CALIBRATION_LENGTHS,
     AdaptivePolicy,
@@ -90,7 +90,7 @@ class RaggedCache:
         if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in layers or ()):
             raise ValueError(
                 f"Batched Domino drafting keeps holes in the {who}'s cache, which needs a DynamicCache of "
-                f"full-attention layers; got {type(cache).__name__}. Drop cache_implementation and past_key_values, "
+                f"full-attention layers; got {type(cache).__name__}. Drop cache_implementation and {CACHE_ARGUMENT}, "
                 "or generate one prompt at a time."
             )
 
@@ -440,8 +440,8 @@ def _target_forward(
         input_ids=input_ids,
         attention_mask=cache.attention_mask(new_columns).long(),
         position_ids=positions_from_mask(new_columns, cache.lengths),
-        past_key_values=cache.cache,
         use_cache=True,
+        **cache_argument(cache.cache),
         output_hidden_states=hidden_layers,
         **kwargs,
     )
@@ -769,7 +769,7 @@ def batched_assisted_decoding(
     """
     attention_mask = model_kwargs.get("attention_mask")
     _check_batch_call(target, input_ids, attention_mask, logits_processor, generation_config, attention_mask_given)
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get(CACHE_ARGUMENT)
     RaggedCache.check(cache, "target")
     decoding = BatchedDecoding(
         target, drafter, options, generation_config, logits_processor, stopping_criteria, stats, input_ids,

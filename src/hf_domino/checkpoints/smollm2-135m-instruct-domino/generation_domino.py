@@ -47,7 +47,7 @@ from .drafting_domino import (
     processed_pick,
     run_backbone,
 )
-from .modeling_domino import DOMINO_HEAD_DEFAULT, TargetModules, context_features
+from .modeling_domino import CACHE_ARGUMENT, DOMINO_HEAD_DEFAULT, TargetModules, context_features
 from .policy_domino import AdaptivePolicy, FixedPolicy, drafter_record, measure_verify_cost, verify_cost_for
 
 if TYPE_CHECKING:
@@ -411,7 +411,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         options, drafter = self.options, self.drafter
         if options.draft_policy == "fixed":
             return FixedPolicy(self.max_drafts, options.assistant_confidence_threshold)
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_ARGUMENT)
         forward_kwargs = {"output_hidden_states": self.model_kwargs_overrides["output_hidden_states"]}
         cost = verify_cost_for(
             self.target_model,

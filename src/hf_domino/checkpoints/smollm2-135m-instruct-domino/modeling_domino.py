@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -26,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
+from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen3.modeling_qwen3 import (
     ALL_ATTENTION_FUNCTIONS,
@@ -39,6 +41,20 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from transformers.utils import cached_file
 
 from .configuration_domino import DominoConfig
+
+# transformers 5.24 renamed the key/value cache from `past_key_values` to `cache`: in a model's forward() arguments, in
+# generate()'s model_kwargs and in its outputs (the old argument name warns until 5.40). Both releases are supported;
+# the name is read off generate()'s own input preparation, which passes it to every model.
+CACHE_ARGUMENT = (
+    "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    else "past_key_values"
+)  # fmt: skip
+
+
+def cache_argument(cache: DynamicCache | None) -> dict[str, DynamicCache | None]:
+    """`target(..., **cache_argument(cache))`: the cache under the name this transformers release uses."""
+    return {CACHE_ARGUMENT: cache}
+
 
 # A drafter's optional draft vocabulary lives in this file next to model.safetensors.
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
