@@ -334,3 +334,30 @@ def test_cli_bench_batch_sizes(target, drafter, tokenizer, tmp_path, capsys):
     assert "| 4 | domino_k2 |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="batch-methods"):
         cli.main(argv[:-2] + ["--batch-methods", "target,beam"])
+
+
+def test_cli_bench_batch_repeats_count_each_group_once(target, drafter, tokenizer, tmp_path):
+    per_prompt = saved_bench_argv(target, drafter, tokenizer, tmp_path)
+    per_prompt += ["--num-prompts", "2", "--max-new-tokens", "5", "--threads", "1", "--warmup-tokens", "2"]
+    argv = [
+        *per_prompt,
+        "--batch-size",
+        "2",
+        "--batch-methods",
+        "target,domino",
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]
+    assert cli.main(argv) == 0
+    once = json.loads((tmp_path / "out" / "batch.json").read_text())["rows"]
+    assert cli.main([*argv, "--repeats", "3"]) == 0
+    written = json.loads((tmp_path / "out" / "batch.json").read_text())
+    assert "--repeats 3" in written["command"]
+    for single, repeated in zip(once, written["rows"]):
+        # Tokens and acceptance come from one run per group; the group's time is the median of its three.
+        assert repeated["tokens"] == single["tokens"] and len(repeated["seconds"]) == 1
+        assert len(repeated["acceptance"]) == len(single["acceptance"])
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--repeats", "0"])
+    with pytest.raises(SystemExit, match="--repeats applies to --batch-size"):
+        cli.main([*per_prompt, "--repeats", "2"])

@@ -57,6 +57,12 @@ def _methods(value: str) -> list[str]:
     return methods
 
 
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return int(value)
+
+
 def _batch_sizes(value: str) -> list[int]:
     try:
         sizes = [int(size) for size in value.split(",") if size.strip()]
@@ -118,6 +124,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "domino_k<N> (fixed)",
     )
     parser.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=1,
+        help="with --batch-size: runs of every group per method (interleaved); each group's median time counts",
+    )
+    parser.add_argument(
         "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="dtype of both models"
     )
     parser.add_argument(
@@ -134,7 +146,8 @@ def command_line(args: argparse.Namespace) -> str:
     """The `hf-domino bench` command that reproduces `args`, for the report."""
     parts = ["hf-domino bench"]
     # Each mode's own flags only: --batch-size runs --batch-methods, otherwise --methods.
-    unused = ("methods", "prompt_lookup_tokens", "num_speculative_tokens") if args.batch_size else ("batch_methods",)
+    batch_only = ("batch_methods", "repeats")
+    unused = ("methods", "prompt_lookup_tokens", "num_speculative_tokens") if args.batch_size else batch_only
     for key, value in vars(args).items():
         if key in ("module_name", "command", "progress", *unused) or value is None or value is False:
             continue
@@ -155,6 +168,10 @@ def run(args: argparse.Namespace) -> int:
         methods.remove("manual")
     if args.batch_size:
         return run_batches(args, metadata, dtype)
+    if args.repeats != 1:
+        raise SystemExit(
+            "hf-domino bench: --repeats applies to --batch-size runs (per-prompt runs time each prompt once)."
+        )
     needs_drafter = any(parse_method(m).uses_drafter for m in methods)
     try:
         drafter = None
@@ -237,6 +254,7 @@ def run_batches(args: argparse.Namespace, metadata: dict[str, Any], dtype: torch
         temperature=args.temperature,
         warmup_tokens=args.warmup_tokens,
         seed=args.seed,
+        repeats=args.repeats,
     )
     table = batch_markdown(rows)
     output_dir = Path(args.output_dir or f"runs/bench/batch-{Path(args.prompts).stem}-T{args.temperature:g}")

@@ -3,7 +3,8 @@
 `hf-domino bench --batch-size 1,2,4,8` calls `run_batch_benchmark`: the same prompts, split into consecutive groups of
 B and left-padded, go through `target.generate(**batch)` alone and with the drafter, interleaved group by group in one
 process. Throughput is the tokens every row generated (up to its EOS) over the wall time of all groups; tau is tokens
-per target forward per row. Every group's outputs are compared with the target alone's.
+per target forward per row. Every group's outputs are compared with the target alone's. With `--repeats N` each
+group runs N times, methods interleaved, and its median time counts.
 """
 
 from __future__ import annotations
@@ -104,8 +105,13 @@ def run_batch_benchmark(
     temperature: float = 0.0,
     warmup_tokens: int = 16,
     seed: int = 0,
+    repeats: int = 1,
 ) -> list[BatchRow]:
-    """One `BatchRow` per (batch size, method); "target" is the baseline of each batch size."""
+    """One `BatchRow` per (batch size, method); "target" is the baseline of each batch size.
+
+    Each group runs `repeats` times, the methods interleaved within every repeat, and counts with its median time:
+    on a shared CPU one call can vary by 15-20% (a batch of 8 prompts alone: 10.2 s, then 12.1 s).
+    """
     pad, eos = pad_token_id(target, tokenizer), eos_token_ids(target, tokenizer)
     prompts = [chat_token_ids(tokenizer, messages) for messages in conversations]
     rows: list[BatchRow] = []
@@ -118,21 +124,31 @@ def run_batch_benchmark(
             )
         for group in groups:
             batch = left_padded_batch(tokenizer, group, pad)
-            reference = None
+            seconds: dict[str, list[float]] = {method: [] for method in methods}
+            for repeat in range(repeats):
+                outputs = {}
+                for method in methods:
+                    torch.manual_seed(seed)
+                    start = time.perf_counter()
+                    outputs[method] = _generate(target, drafter, batch, method, max_new_tokens, temperature)
+                    seconds[method].append(time.perf_counter() - start)
+                    if repeat == 0 and method != "target":
+                        results[method].acceptance.append(drafter.last_generation_stats.mean_acceptance_length)
+                if repeat == 0:
+                    _count_tokens(results, outputs, batch["input_ids"].shape[1], eos, compare=temperature == 0)
             for method in methods:
-                torch.manual_seed(seed)
-                start = time.perf_counter()
-                output = _generate(target, drafter, batch, method, max_new_tokens, temperature)
-                results[method].seconds.append(time.perf_counter() - start)
-                results[method].tokens += generated_tokens(output, batch["input_ids"].shape[1], eos)
-                if method == "target":
-                    reference = output
-                else:
-                    results[method].acceptance.append(drafter.last_generation_stats.mean_acceptance_length)
-                    if reference is not None and temperature == 0:
-                        results[method].mismatched_rows += differing_rows(reference, output)
+                results[method].seconds.append(statistics.median(seconds[method]))
         rows.extend(results.values())
     return rows
+
+
+def _count_tokens(results: dict[str, BatchRow], outputs: dict, prompt_width: int, eos, compare: bool) -> None:
+    """Adds one group's generated tokens to each method's row and, greedy, its rows differing from the target's."""
+    reference = outputs.get("target")
+    for method, output in outputs.items():
+        results[method].tokens += generated_tokens(output, prompt_width, eos)
+        if method != "target" and reference is not None and compare:
+            results[method].mismatched_rows += differing_rows(reference, output)
 
 
 def batch_markdown(rows: Sequence[BatchRow]) -> str:
