@@ -15,11 +15,11 @@ from test_generation import (
 )
 from transformers import LogitsProcessorList
 
-from hf_domino import batching_domino
-from hf_domino.batching_domino import BatchedDrafterContext, RaggedCache, run_batched_backbone
+from hf_domino import ragged_batch_domino
 from hf_domino.drafting_domino import DrafterContext, run_backbone
-from hf_domino.generation_domino import DominoOptions
 from hf_domino.modeling_domino import TargetModules
+from hf_domino.options_domino import DominoOptions
+from hf_domino.ragged_batch_domino import BatchedDrafterContext, RaggedCache, run_batched_backbone
 
 # Draft the successor except after multiples of 5: rows accept different numbers of drafts in the same cycle.
 PARTIAL = [(t + 1) % VOCAB if t % 5 else 0 for t in range(VOCAB)]
@@ -81,8 +81,8 @@ def test_caches_compacted_every_cycle_or_never_give_the_same_output(monkeypatch)
 
     monkeypatch.setattr(RaggedCache, "maybe_compact", counting)
     for fraction, minimum in ((0.0, 0), (2.0, 10**9)):
-        monkeypatch.setattr(batching_domino, "COMPACT_FRACTION", fraction)
-        monkeypatch.setattr(batching_domino, "MIN_COMPACT_COLUMNS", minimum)
+        monkeypatch.setattr(ragged_batch_domino, "COMPACT_FRACTION", fraction)
+        monkeypatch.setattr(ragged_batch_domino, "MIN_COMPACT_COLUMNS", minimum)
         calls.clear()
         output = target.generate(**batch, do_sample=False, max_new_tokens=30, assistant_model=drafter)
         assert torch.equal(output, expected)

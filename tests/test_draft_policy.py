@@ -72,6 +72,58 @@ def adaptive(table, acceptance: float, cap: int = 16) -> AdaptivePolicy:
     return AdaptivePolicy(record, VerifyCost(dict(table)), cap=cap, learn_times=False)
 
 
+def test_the_rollout_stops_where_no_later_draft_can_pay():
+    policy = AdaptivePolicy(DrafterRecord([0.8] * 16), VerifyCost(dict(CPU_LIKE)), cap=8, learn_times=True)
+    policy.record.backbone_seconds, policy.record.position_seconds = 0.008, 0.004
+    assert policy.keep_rolling(torch.tensor([0.95, 0.9]))  # the next drafts may well be accepted
+    assert not policy.keep_rolling(torch.tensor([0.95, 0.02]))  # a block that has failed: more cannot pay
+    assert not policy.keep_rolling(torch.tensor([0.9] * 8))  # the cap
+    # A batch rolls on while some row's drafts still hold; on CUDA it never asks (a decision would synchronize).
+    assert policy.keep_rolling(torch.tensor([[0.95, 0.9], [0.05, 0.05]]))
+    assert not policy.keep_rolling(torch.tensor([[0.95, 0.02], [0.05, 0.05]]))
+    assert AdaptivePolicy(policy.record, policy.verify_cost, cap=8, learn_times=False).keep_rolling(
+        torch.tensor([0.01])
+    )
+
+
+def test_a_rollout_stopped_early_is_the_start_of_the_whole_block():
+    from hf_domino.drafting_domino import BlockDraft, eager_rollout, greedy_pick, processed_pick
+    from hf_domino.modeling_domino import TargetModules
+    from hf_domino.ragged_batch_domino import batched_rollout
+
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    modules = TargetModules.from_target(target)
+    torch.manual_seed(3)
+    hidden = torch.randn(2, drafter.config.num_drafts, drafter.config.hidden_size)
+    anchors = torch.tensor([[7], [9]])
+    asked = []
+
+    def three(confidence):
+        asked.append(confidence.shape)
+        return confidence.shape[-1] < 3
+
+    sampling = processed_pick(None, True, None, drafter.config.vocab_size)
+    with torch.no_grad():
+        base = modules.logits(hidden).float()
+        for pick in (greedy_pick, sampling):
+            block = BlockDraft(hidden[:1], base[:1])
+            torch.manual_seed(0)
+            whole = eager_rollout(drafter, modules, pick)(block, anchors[:1])
+            torch.manual_seed(0)
+            short = eager_rollout(drafter, modules, pick)(block, anchors[:1], three)
+            assert len(short) == 3 and torch.equal(short.ids, whole.ids[:, :3])
+            assert torch.equal(short.logits, whole.logits[:, :3])
+            assert torch.allclose(short.confidence, whole.confidence[:3])
+        assert asked[:3] == [torch.Size([1]), torch.Size([2]), torch.Size([3])]
+        rows = dict(head=True, pick_logits=lambda logits, drafted: logits, do_sample=False)
+        whole = batched_rollout(drafter, modules, hidden, base, None, anchors, **rows)
+        short = batched_rollout(drafter, modules, hidden, base, None, anchors, **rows, keep_rolling=three)
+    assert short.ids.shape == (2, 3) and torch.equal(short.ids, whole.ids[:, :3])
+    assert torch.allclose(short.confidence, whole.confidence[:, :3])
+    assert asked[-1] == torch.Size([2, 3])
+
+
 def test_adaptive_policy_drafts_long_blocks_where_verification_is_flat():
     policy = adaptive(GPU_LIKE, acceptance=0.9)
     assert policy.budget(room=100) == 16
@@ -463,7 +515,7 @@ def test_a_new_batch_size_starts_from_the_drafters_cost_at_batch_1(monkeypatch):
     import types
 
     from hf_domino import batching_domino
-    from hf_domino.generation_domino import DominoOptions
+    from hf_domino.options_domino import DominoOptions
 
     monkeypatch.setattr(batching_domino, "measure_verify_cost", lambda *a, **k: VerifyCost({1: 0.01, 136: 0.3}))
     monkeypatch.setattr(policy_domino, "_VERIFY_COSTS", {})

@@ -177,7 +177,9 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
         "generation_domino.py",
         "model.safetensors",
         "modeling_domino.py",
+        "options_domino.py",
         "policy_domino.py",
+        "ragged_batch_domino.py",
     ]
     with safe_open(str(tmp_path / "d" / "model.safetensors"), "pt") as f:
         names = set(f.keys())

@@ -10,14 +10,9 @@ from transformers import AutoConfig, AutoModel
 
 from .configuration_domino import DominoConfig, default_target_layer_ids
 from .cpu_fast_path import CpuFastPathReport, prepare_for_cpu_decoding
-from .generation_domino import (
-    DominoCandidateGenerator,
-    DominoGenerationStats,
-    DominoOptions,
-    check_drafter_for_target,
-    install_assisted_generation_hook,
-)
+from .generation_domino import DominoCandidateGenerator, install_assisted_generation_hook
 from .modeling_domino import DominoForSpeculation, TargetModules
+from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
 
 install_assisted_generation_hook()  # also done by every drafter's __init__; here so that the hook is in place early
 AutoConfig.register(DominoConfig.model_type, DominoConfig, exist_ok=True)

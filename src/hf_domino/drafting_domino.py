@@ -92,6 +92,8 @@ class Drafts:
 Pick = Callable[[torch.Tensor, torch.LongTensor], tuple[torch.LongTensor, torch.Tensor]]
 # (block, tokens realised before the first draft [1, n]; the last one is the anchor) -> drafts
 Rollout = Callable[[BlockDraft, torch.LongTensor], Drafts]
+# (confidence of the drafts rolled out so far [j]) -> whether to roll out the next one (see AdaptivePolicy.keep_rolling)
+KeepRolling = Callable[[torch.Tensor], bool]
 
 
 def greedy_pick(logits: torch.Tensor, realised_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor]:
@@ -157,18 +159,22 @@ def eager_rollout(
     The GRU reads the realised tokens of the block (the anchor, then each draft as it is chosen) from the target's
     embedding table; the first `pure_draft_prefix_len` drafts use the base logits alone. With `head=False` (or a
     DFlash drafter) every draft uses its base logits alone, and greedy picking is one vectorized argmax.
+    The returned rollout takes an optional `keep_rolling`, asked before each draft after the first; a block it stops
+    is exactly the first drafts of the whole block.
     """
     config = drafter.config
     use_head = head and config.has_domino_head
 
-    def rollout(block: BlockDraft, prefix_ids: torch.LongTensor) -> Drafts:
+    def rollout(block: BlockDraft, prefix_ids: torch.LongTensor, keep_rolling: KeepRolling | None = None) -> Drafts:
         if not use_head and pick is greedy_pick:  # nothing sequential left: vectorize
             index = block.base_logits.argmax(dim=-1)
             return Drafts(
                 to_vocab_ids(index, block.vocab), block.base_logits, draft_confidence(block.base_logits, index)
             )
-        realised, indices, chosen_logits, state = prefix_ids, [], [], None
+        realised, indices, chosen_logits, confidence, state = prefix_ids, [], [], [], None
         for i in range(block.num_drafts):
+            if keep_rolling is not None and i and not keep_rolling(torch.cat(confidence)):
+                break  # a draft never depends on later ones: the block is exact up to here
             logits = block.base_logits[:, i]
             if use_head and i >= config.pure_draft_prefix_len:
                 # The GRU reads the block's realised tokens: the anchor and any drafts on its first step, then the
@@ -181,6 +187,8 @@ def eager_rollout(
             index, logits = pick(logits, realised)
             indices.append(index)
             chosen_logits.append(logits)
+            if keep_rolling is not None:
+                confidence.append(draft_confidence(logits[:, None], index))
             token = index if logits.shape[-1] != block.base_logits.shape[-1] else to_vocab_ids(index, block.vocab)
             realised = torch.cat([realised, token.to(realised.device)], dim=-1)
         index, logits = torch.cat(indices, dim=-1), torch.stack(chosen_logits, dim=1)
@@ -217,6 +225,7 @@ __all__ = [
     "BlockDraft",
     "DrafterContext",
     "Drafts",
+    "KeepRolling",
     "Pick",
     "Rollout",
     "draft_block",

@@ -4,13 +4,10 @@ transformers' assisted-decoding loop verifies one sequence per target forward. F
 to `batched_assisted_decoding` (see the hook in `generation_domino`), a loop of ours built from transformers' pieces
 (logits processors, stopping criteria, the streamer protocol, `_speculative_sampling`) and our drafting ladder.
 
-Rows accept different numbers of drafts in a cycle. Both caches, the target's and the drafter's, stay rectangular
-tensors with *holes*: a `RaggedCache` is a `DynamicCache` plus a mask of which of its columns are real tokens of
-each row. A rejected draft's column becomes a hole (masked out of attention, skipped by the position count), so no
-accepted token is ever recomputed and no row waits for another. Positions are per row: the number of real columns
-before a token, exactly as transformers derives them from a left-padded attention mask. When holes waste enough of
-the cache, it is compacted (each row's real columns gathered to the right). Rows that finish leave the batch: their
-cache rows are dropped, and their output is padded exactly as the target alone pads it.
+Rows accept different numbers of drafts in a cycle; both caches stay rectangular with holes where rejected drafts
+and shorter rows' padding were (`ragged_batch_domino`), so no accepted token is recomputed and no row waits for
+another. Rows that finish leave the batch: their cache rows are dropped, and their output is padded exactly as the
+target alone pads it.
 
 A cycle drafts one block for every row in one parallel backbone forward (the drafter's cache is ragged the same
 way), rolls the Domino head out for all rows at once, and verifies `[anchor, drafts]` for every row in one target
@@ -22,26 +19,16 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
-import copy
 import inspect
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput, _speculative_sampling
 
-from .drafting_domino import to_vocab_ids
 from .modeling_domino import CACHE_ARGUMENT, TargetModules, cache_argument, context_features
 from .policy_domino import (
     CALIBRATION_LENGTHS,
@@ -52,283 +39,29 @@ from .policy_domino import (
     measure_verify_cost,
     verify_cost_for,
 )
+from .ragged_batch_domino import (
+    BatchDrafts,
+    BatchedDrafterContext,
+    RaggedCache,
+    batched_rollout,
+    pick_tokens,
+    positions_from_mask,
+    process_rows,
+    row_processors,
+    run_batched_backbone,
+    spread_to_vocabulary,
+)
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
+    from transformers.cache_utils import DynamicCache
 
-    from .generation_domino import DominoOptions
     from .modeling_domino import DominoForSpeculation
+    from .options_domino import DominoOptions
 
-# Compact a ragged cache once holes waste this share of its columns (and at least MIN_COMPACT_COLUMNS): a compaction
-# copies the whole cache, holes only cost attention over masked columns.
-COMPACT_FRACTION = 0.25
-MIN_COMPACT_COLUMNS = 16
 # The adaptive policy chooses one k for the whole batch; True chooses each row's own k instead (for measuring the
 # choice: `hf-domino bench --batch-size ... --methods target,domino,domino_rowk`; see docs/benchmarks.md).
 K_PER_ROW = False
-# Logits processors that act on each row of scores alone and never read input_ids: applied to all rows at once.
-ROW_WISE_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
-
-
-# ---------------------------------------------------------------------------------------------------- ragged caches
-@dataclass
-class RaggedCache:
-    """A `DynamicCache` whose rows hold different numbers of real tokens: `mask[b, j]` says column j of row b is one.
-
-    Left padding, rejected drafts and padding slots of shorter rows are holes (False). The position of a row's next
-    token is its number of real columns.
-    """
-
-    cache: DynamicCache
-    mask: torch.BoolTensor  # [rows, columns]
-    last_width: int = 0  # columns the latest forward appended
-
-    @staticmethod
-    def check(cache: Any, who: str) -> None:
-        """Raises unless every layer is a plain dynamic layer (holes need full-length, croppable keys/values)."""
-        layers = getattr(cache, "layers", None)
-        if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in layers or ()):
-            raise ValueError(
-                f"Batched Domino drafting keeps holes in the {who}'s cache, which needs a DynamicCache of "
-                f"full-attention layers; got {type(cache).__name__}. Drop cache_implementation and {CACHE_ARGUMENT}, "
-                "or generate one prompt at a time."
-            )
-
-    @property
-    def lengths(self) -> torch.LongTensor:
-        """Real tokens per row: the position of each row's next token."""
-        return self.mask.sum(dim=-1)
-
-    def attention_mask(self, new_columns: torch.BoolTensor) -> torch.BoolTensor:
-        """The mask over `[cache ; new_columns]` for a forward that appends `new_columns` (`[rows, q]`)."""
-        return torch.cat([self.mask, new_columns], dim=-1)
-
-    def appended(self, new_columns: torch.BoolTensor) -> None:
-        """Records that a forward appended these columns to the cache."""
-        self.mask, self.last_width = self.attention_mask(new_columns), new_columns.shape[1]
-
-    def keep_appended(self, keep: torch.LongTensor) -> None:
-        """Of the columns appended last, row b keeps its first `keep[b]`: the rest become holes."""
-        first_new = self.mask.shape[1] - self.last_width
-        columns = torch.arange(self.mask.shape[1], device=self.mask.device)
-        self.mask &= columns[None] < first_new + keep.to(self.mask.device)[:, None]
-        self._crop_trailing_holes()
-
-    def select_rows(self, rows: torch.LongTensor) -> None:
-        """Keeps only these rows (finished rows leave the batch)."""
-        self.cache.batch_select_indices(rows.to(self.mask.device))
-        self.mask = self.mask[rows.to(self.mask.device)]
-        self._crop_trailing_holes()
-
-    def _crop_trailing_holes(self) -> None:
-        real = self.mask.any(dim=0).nonzero()
-        trailing = self.mask.shape[1] - (int(real[-1]) + 1 if real.numel() else 0)
-        if trailing:
-            self.cache.crop(-trailing)
-            self.mask = self.mask[:, : self.mask.shape[1] - trailing]
-
-    def maybe_compact(self) -> bool:
-        """Gathers each row's real columns to the right once holes waste enough columns of every row.
-
-        Keys already carry their rotary positions, so moving a column changes nothing but where it is stored.
-        """
-        width = self.mask.shape[1]
-        needed = int(self.lengths.max()) if width else 0
-        if width - needed < max(MIN_COMPACT_COLUMNS, COMPACT_FRACTION * width):
-            return False
-        # A stable sort puts each row's holes first and its real columns after them, in order.
-        order = torch.sort(self.mask.to(torch.int8), dim=-1, stable=True).indices[:, width - needed :]
-        self.mask = torch.gather(self.mask, 1, order)
-        for layer in self.cache.layers:
-            if layer.is_initialized and layer.keys.numel():
-                index = order.to(layer.keys.device)[:, None, :, None]
-                layer.keys = torch.gather(
-                    layer.keys, 2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-                )
-                layer.values = torch.gather(
-                    layer.values, 2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
-                )
-        return True
-
-
-def positions_from_mask(mask: torch.BoolTensor, first: torch.LongTensor | int = 0) -> torch.LongTensor:
-    """Position of each column: real columns before it (plus `first`); holes get 1, as transformers does for pads."""
-    positions = mask.long().cumsum(dim=-1) - 1 + (first[:, None] if torch.is_tensor(first) else first)
-    return positions.masked_fill(~mask, 1)
-
-
-# ----------------------------------------------------------------------------------------------- drafter context
-@dataclass
-class BatchedDrafterContext:
-    """`DrafterContext` for a batch: the drafter's ragged cache and, per row, features it has not read yet."""
-
-    cache: RaggedCache
-    pending: list[torch.Tensor]  # row b: [p_b, context_size]
-    known: torch.LongTensor  # row b: verified tokens before its anchor (the anchor's position)
-
-    @classmethod
-    def empty(cls, rows: int, context_size: int, dtype: torch.dtype, device: torch.device) -> BatchedDrafterContext:
-        return cls(
-            cache=RaggedCache(DynamicCache(), torch.zeros(rows, 0, dtype=torch.bool, device=device)),
-            pending=[torch.zeros(0, context_size, dtype=dtype, device=device) for _ in range(rows)],
-            known=torch.zeros(rows, dtype=torch.long, device=device),
-        )
-
-    def append(self, features: torch.Tensor, counts: torch.LongTensor) -> None:
-        """Row b's next `counts[b]` verified tokens have target features `features[b, :counts[b]]`."""
-        features = features.to(device=self.known.device, dtype=self.pending[0].dtype)
-        for row, count in enumerate(counts.tolist()):
-            self.pending[row] = torch.cat([self.pending[row], features[row, :count]])
-        self.known += counts.to(self.known.device)
-
-    def select_rows(self, rows: torch.LongTensor) -> None:
-        self.cache.select_rows(rows)
-        self.pending = [self.pending[row] for row in rows.tolist()]
-        self.known = self.known[rows.to(self.known.device)]
-
-
-def run_batched_backbone(
-    drafter: DominoForSpeculation,
-    target: TargetModules,
-    anchor_ids: torch.LongTensor,
-    context: BatchedDrafterContext,
-    num_drafts: int,
-) -> torch.Tensor:
-    """`run_backbone` for a batch: one forward over every row's `[pending context ; anchor, MASK, ...]`.
-
-    Rows have different numbers of pending features; the shorter ones are padded with holes, which stay in the
-    drafter's cache as holes. Returns the outputs of the first `num_drafts` draft positions, `[rows, k, hidden]`.
-    """
-    device, rows, block_size = drafter.device, anchor_ids.shape[0], drafter.config.block_size
-    counts = torch.tensor([p.shape[0] for p in context.pending], device=device)
-    width = int(counts.max()) if rows else 0
-    features = torch.zeros(rows, width, drafter.config.context_size, dtype=drafter.dtype, device=device)
-    for row, pending in enumerate(context.pending):
-        features[row, : pending.shape[0]] = pending
-    slots = torch.arange(width, device=device)
-    pending_mask = slots[None] < counts[:, None]
-    pending_positions = (context.known - counts)[:, None] + slots[None]
-    block_positions = context.known[:, None] + torch.arange(block_size, device=device)[None]
-    columns = context.cache.attention_mask(
-        torch.cat([pending_mask, torch.ones(rows, block_size, dtype=torch.bool, device=device)], dim=-1)
-    )
-    additive = torch.zeros(rows, 1, block_size, columns.shape[1], dtype=drafter.dtype, device=device)
-    additive.masked_fill_(~columns[:, None, None, :], torch.finfo(drafter.dtype).min)
-    hidden = drafter(
-        drafter.embed_block(target, anchor_ids),
-        features,
-        torch.cat([pending_positions, block_positions], dim=-1),
-        attention_mask=additive,
-        past_key_values=context.cache.cache,
-    )
-    context.cache.appended(pending_mask)  # the forward already dropped the block's own keys/values
-    context.cache.maybe_compact()
-    context.pending = [p[:0] for p in context.pending]
-    return drafter.draft_hidden_states(hidden)[:, :num_drafts]
-
-
-# ------------------------------------------------------------------------------------------------ logits, per row
-def row_processors(logits_processor: LogitsProcessorList, rows: int) -> list[LogitsProcessorList]:
-    """The call's logits processors as each row of the batch sees them, to be called with that row alone.
-
-    Processors are shared, except those holding one entry per row of the batch (the repetition penalty's
-    `prompt_ignore_length`, the row's left padding): each row gets a copy holding its own entry.
-    """
-    views = []
-    for row in range(rows):
-        view = LogitsProcessorList()
-        for processor in logits_processor:
-            if isinstance(processor, RepetitionPenaltyLogitsProcessor) and torch.is_tensor(
-                processor.prompt_ignore_length
-            ):
-                processor = copy.copy(processor)
-                processor.prompt_ignore_length = processor.prompt_ignore_length[row : row + 1]
-            view.append(processor)
-        views.append(view)
-    return views
-
-
-def process_rows(
-    processors: list[LogitsProcessorList] | None,
-    sequences: list[torch.LongTensor],
-    logits: torch.Tensor,
-    extra: torch.LongTensor | None = None,
-) -> torch.Tensor:
-    """Applies each row's logits processors to its row of `logits [rows, V]`, row b seeing `sequences[b] + extra[b]`.
-
-    Each row sees exactly the input_ids the target alone would pass for it (its left-padded prompt and its tokens
-    so far), so penalties and minimum lengths act per row as they would without a drafter.
-    """
-    if not processors or not len(processors[0]):
-        return logits
-    if all(isinstance(processor, ROW_WISE_WARPERS) for processor in processors[0]):
-        return processors[0](sequences[0][None], logits)  # they read the scores only
-    rows = []
-    for row, sequence in enumerate(sequences):
-        ids = sequence if extra is None else torch.cat([sequence, extra[row].to(sequence.device)])
-        rows.append(processors[row](ids[None], logits[row : row + 1]))
-    return torch.cat(rows)
-
-
-def pick_tokens(logits: torch.Tensor, do_sample: bool) -> torch.LongTensor:
-    """One token per row from processed logits `[rows, V]`: argmax, or a draw."""
-    if do_sample:
-        return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)[:, 0]
-    return logits.argmax(dim=-1)
-
-
-def spread_to_vocabulary(logits: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
-    """Draft-vocabulary logits over the whole vocabulary, `-inf` elsewhere (a zero draft probability there)."""
-    if vocab is None:
-        return logits
-    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
-    return full.index_copy_(-1, vocab.to(logits.device), logits)
-
-
-@dataclass
-class BatchDrafts:
-    ids: torch.LongTensor  # [rows, k]
-    logits: torch.Tensor | None  # [rows, k, V]: the processed logits each draft was drawn from (sampling only)
-    confidence: torch.Tensor  # [rows, k]
-
-
-def batched_rollout(
-    drafter: DominoForSpeculation,
-    target: TargetModules,
-    hidden: torch.Tensor,
-    base_logits: torch.Tensor,
-    vocab: torch.Tensor | None,
-    anchor_ids: torch.LongTensor,
-    *,
-    head: bool,
-    pick_logits,
-    do_sample: bool,
-) -> BatchDrafts:
-    """`eager_rollout` for all rows at once: per draft position the Domino head's correction, then one pick per row.
-
-    `pick_logits(logits [rows, V'], drafts so far [rows, i])` returns the distribution to pick from: the base (and
-    corrected) logits themselves for plain greedy drafting, else processed logits over the whole vocabulary.
-    """
-    config = drafter.config
-    use_head = head and config.has_domino_head
-    realised, picked, chosen, state = anchor_ids, [], [], None
-    for i in range(base_logits.shape[1]):
-        logits = base_logits[:, i]
-        if use_head and i >= config.pure_draft_prefix_len:
-            unread = realised[:, -(i + 1) :] if state is None else realised[:, -1:]
-            weight = drafter.prefix_gru.weight_ih_l0
-            state = drafter.gru_step(target.embed(unread, weight.dtype, weight.device), state)
-            correction = drafter.logit_correction(hidden[:, i : i + 1], state, vocab)[:, 0]
-            logits = logits + correction.to(device=logits.device, dtype=logits.dtype)
-        logits = pick_logits(logits, realised[:, 1:])
-        index = pick_tokens(logits, do_sample)[:, None]
-        token = index if logits.shape[-1] == config.vocab_size else to_vocab_ids(index, vocab)
-        picked.append(index)
-        chosen.append(logits)
-        realised = torch.cat([realised, token.to(realised.device)], dim=-1)
-    index, logits = torch.cat(picked, dim=-1), torch.stack(chosen, dim=1)
-    confidence = logits.float().log_softmax(dim=-1).gather(-1, index[..., None])[..., 0].exp()
-    return BatchDrafts(realised[:, 1:], logits if do_sample else None, confidence)
 
 
 # ------------------------------------------------------------------------------------------------------ the policy
@@ -642,6 +375,7 @@ class BatchedDecoding:
         drafts = batched_rollout(
             self.drafter, self.modules, hidden, base_logits, self.vocab, anchors,
             head=self.head, pick_logits=self.pick_logits, do_sample=self.do_sample,
+            keep_rolling=self.policy.keep_rolling if self.policy.adaptive else None,
         )  # fmt: skip
         drafted = self.now()
         limits = self.row_limits(drafts, room)
@@ -662,7 +396,7 @@ class BatchedDecoding:
                 self.stats.timings.setdefault(name, []).append(seconds)
         observed = {
             "drafted": True,
-            "positions": budget,
+            "positions": drafts.ids.shape[1],
             "backbone_seconds": backbone_done - start,
             "rollout_seconds": drafted - backbone_done,
         }
@@ -781,13 +515,4 @@ def batched_assisted_decoding(
     return sequences
 
 
-__all__ = [
-    "BatchedDecoding",
-    "BatchedDrafterContext",
-    "RaggedCache",
-    "batched_assisted_decoding",
-    "batched_rollout",
-    "process_rows",
-    "row_processors",
-    "run_batched_backbone",
-]
+__all__ = ["BatchedDecoding", "batch_policy", "batched_assisted_decoding"]

@@ -21,14 +21,10 @@ from __future__ import annotations
 
 import contextvars
 import copy
-import dataclasses
 import functools
 import importlib
 import inspect
-import numbers
 import time
-import warnings
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +43,8 @@ from .drafting_domino import (
     processed_pick,
     run_backbone,
 )
-from .modeling_domino import CACHE_ARGUMENT, DOMINO_HEAD_DEFAULT, TargetModules, context_features
+from .modeling_domino import CACHE_ARGUMENT, TargetModules, context_features
+from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
 from .policy_domino import AdaptivePolicy, FixedPolicy, drafter_record, measure_verify_cost, verify_cost_for
 
 if TYPE_CHECKING:
@@ -55,180 +52,6 @@ if TYPE_CHECKING:
 
     from .drafting_domino import Rollout
     from .modeling_domino import DominoForSpeculation
-
-
-@dataclass
-class DominoGenerationStats:
-    """What one `generate()` call did with a drafter; read it from `drafter.last_generation_stats` afterwards.
-
-    `acceptance_lengths[i]` is the number of tokens the i-th target forward after the prefill added (accepted drafts
-    plus the target's own token); `drafted[i]` how many drafts it verified (0: a plain target step). `timings`
-    (seconds per drafting cycle, with `domino_timings=True`) splits each cycle into `backbone`, `lm_head` (base
-    logits of the drafted positions), `head` (the sequential rollout: Domino head and token picking) and `verify`
-    (target forward and acceptance, timed from the end of drafting to the loop's next call).
-    """
-
-    acceptance_lengths: list[int] = field(default_factory=list)
-    drafted: list[int] = field(default_factory=list)
-    timings: dict[str, list[float]] | None = None
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
-
-
-# ------------------------------------------------------------------------------------------------------- options
-DRAFT_POLICIES = ("adaptive", "fixed")
-ROLLOUTS = ("auto", "eager", "triton", "triton+graph")
-
-
-@dataclass(frozen=True)
-class DominoOptions:
-    """The options of one `generate(..., assistant_model=drafter)` call, passed as generate() keyword arguments.
-
-    Our own names can also be set as attributes of a `GenerationConfig` (e.g. `GenerationConfig(draft_policy=
-    "fixed", num_speculative_tokens=4)` or `target.generation_config.draft_policy = "fixed"`); a keyword argument
-    wins. `assistant_confidence_threshold` keeps transformers' meaning (drafting stops at the first draft whose
-    probability is below it) and applies only when passed to generate() explicitly, since every generation config
-    carries transformers' default of 0.4 for ordinary assistants.
-
-    Attributes:
-        draft_policy: `"adaptive"` (default: drafts verified per block chosen from a measured cost model and the
-            drafts' confidence; 0 = a plain target step) or `"fixed"` (always `num_speculative_tokens`).
-        num_speculative_tokens: drafts per target forward: the cap for `"adaptive"`, the exact number for
-            `"fixed"` (0 = never draft). Default: the drafter's whole block.
-        assistant_confidence_threshold: see above; in (0, 1).
-        domino_head: the Domino head on (`True`) or off (`False`: DFlash drafting, same weights); `None`, the
-            default, means on when the drafter has a head, or what an enclosing `with drafter.domino_head(...)` set.
-        draft_vocab: compute drafts over the drafter's draft vocabulary, when it has one (default True).
-        domino_rollout: `"auto"` (the fused Triton/CUDA-graph head on CUDA when it applies), `"eager"`, `"triton"`,
-            `"triton+graph"` (forced: raise when they cannot run). See docs/fast_path.md.
-        domino_timings: record per-cycle timings in `drafter.last_generation_stats.timings`.
-    """
-
-    draft_policy: str = "adaptive"
-    num_speculative_tokens: int | None = None
-    assistant_confidence_threshold: float | None = None
-    domino_head: bool | None = None
-    draft_vocab: bool = True
-    domino_rollout: str = "auto"
-    domino_timings: bool = False
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
-
-    @classmethod
-    def resolve(cls, call_options: dict[str, Any], generation_config: GenerationConfig | None) -> DominoOptions:
-        """Keyword arguments of the call, else our own attributes of the generation config, else the defaults."""
-        values = {}
-        for name in cls.names():
-            if name in call_options:
-                values[name] = call_options[name]
-            elif name != "assistant_confidence_threshold" and getattr(generation_config, name, None) is not None:
-                values[name] = getattr(generation_config, name)
-        if values.get("domino_head") is None and DOMINO_HEAD_DEFAULT.get() is not None:
-            values["domino_head"] = DOMINO_HEAD_DEFAULT.get()
-        return cls(**values)
-
-    def validate(self, drafter: DominoForSpeculation) -> None:
-        """Raises a `ValueError` naming the option, the bad value and what is allowed."""
-        if self.draft_policy not in DRAFT_POLICIES:
-            raise ValueError(f"draft_policy must be one of {DRAFT_POLICIES}, got {self.draft_policy!r}.")
-        cap = self.num_speculative_tokens
-        block = drafter.config.num_drafts
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= block):
-            raise ValueError(
-                f"num_speculative_tokens must be an int from 0 to the drafter's {block} drafts per block (or None for "
-                f"all of them), got {cap!r}."
-            )
-        threshold = self.assistant_confidence_threshold
-        if threshold is not None and (
-            isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 < threshold < 1
-        ):
-            raise ValueError(
-                f"assistant_confidence_threshold must be a number in (0, 1), a probability, got {threshold!r}; pass "
-                "e.g. assistant_confidence_threshold=0.4, or drop it to let the draft policy alone decide."
-            )
-        if self.domino_head is not None and not isinstance(self.domino_head, bool):
-            raise ValueError(
-                f"domino_head must be True, False or None (the default: the head when the drafter has one), got "
-                f"{self.domino_head!r}."
-            )
-        for name in ("draft_vocab", "domino_timings"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False, got {value!r}.")
-        if self.domino_head and not drafter.config.has_domino_head:
-            raise ValueError("domino_head=True needs a drafter with a Domino head; this one drafts as DFlash.")
-        if self.domino_rollout not in ROLLOUTS:
-            raise ValueError(f"domino_rollout must be one of {ROLLOUTS}, got {self.domino_rollout!r}.")
-
-    def head_enabled(self, drafter: DominoForSpeculation) -> bool:
-        return drafter.config.has_domino_head and self.domino_head is not False
-
-    def drafts_per_block(self, drafter: DominoForSpeculation) -> int:
-        """The cap on drafts verified per target forward."""
-        cap = self.num_speculative_tokens
-        return drafter.config.num_drafts if cap is None else cap
-
-
-# ------------------------------------------------------------------------------------------------ compatibility checks
-STATIC_CACHES = ("static", "hybrid", "sliding_window", "offloaded_static", "offloaded_hybrid")
-
-
-def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedModel, generation_config=None) -> None:
-    """Raises a `ValueError` that names the problem and the fix when `drafter` cannot draft for `target`."""
-    config, target_config = drafter.config, target.config.get_text_config()
-    if getattr(target.config, "is_encoder_decoder", False):
-        raise ValueError("Domino drafters work with decoder-only targets; this target is an encoder-decoder model.")
-    num_layers = getattr(target_config, "num_hidden_layers", None)
-    if num_layers is None:
-        raise ValueError(
-            f"{type(target).__name__} does not report num_hidden_layers, so it cannot provide the per-layer hidden "
-            "states (output_hidden_states) a Domino drafter reads."
-        )
-    if target_config.vocab_size != config.vocab_size:
-        raise ValueError(
-            f"The drafter's vocab_size ({config.vocab_size}) differs from the target's ({target_config.vocab_size}): "
-            "a drafter uses its target's tokenizer, embeddings and LM head. Use a drafter trained for this target."
-        )
-    if target_config.hidden_size != config.hidden_size:
-        raise ValueError(
-            f"The drafter's hidden_size ({config.hidden_size}) differs from the target's ({target_config.hidden_size})"
-            ": the drafter reads the target's hidden states. Use a drafter trained for this target."
-        )
-    bad_layers = [i for i in config.target_layer_ids if not 0 <= i < num_layers]
-    if bad_layers:
-        raise ValueError(
-            f"target_layer_ids {bad_layers} are outside the target's {num_layers} layers: this drafter was built for "
-            f"a deeper target (num_target_layers={config.num_target_layers})."
-        )
-    if drafter.device.type == "cpu" and drafter.dtype == torch.float16 and target.dtype != torch.float16:
-        # The shipped checkpoint is fp16, so a plain from_pretrained gives this: fp16 products on most CPUs run
-        # several times slower than fp32 ones, and every draft casts the target's features.
-        warnings.warn(
-            f"The drafter is float16 on the CPU next to a {target.dtype} target: drafting will be slow. Call "
-            "drafter.to(target.dtype), or hf_domino.prepare_for_cpu_decoding(target, drafter) (which also does it).",
-            stacklevel=2,
-        )
-    if generation_config is None:
-        return
-    if generation_config.num_beams is not None and generation_config.num_beams > 1:
-        raise ValueError(
-            f"num_beams={generation_config.num_beams}: beam search cannot be verified with a drafter (transformers "
-            "would silently ignore it). Use num_beams=1 with the drafter, or drop assistant_model for beam search."
-        )
-    if generation_config.cache_implementation in STATIC_CACHES:
-        raise ValueError(
-            f"cache_implementation={generation_config.cache_implementation!r} cannot be rolled back after a "
-            "rejected draft; Domino drafting needs the default dynamic cache. Drop cache_implementation."
-        )
-    if getattr(generation_config, "speculation_type", None) is not None:
-        raise ValueError(
-            f"speculation_type={generation_config.speculation_type!r} selects another transformers drafting path; "
-            "a Domino drafter drafts by itself. Remove it (for DFlash-style drafting use drafter.domino_head(False))."
-        )
 
 
 # ------------------------------------------------------------------------------------------------ candidate generator
@@ -344,12 +167,13 @@ class DominoCandidateGenerator(CandidateGenerator):
         backbone = self._lap("backbone", True)
         block = BlockDraft.from_hidden(hidden, self.target, self.vocab)
         lm_head = self._lap("lm_head", True)
-        drafts = self.rollout(block, input_ids)
+        keep_rolling = self.policy.keep_rolling if self.policy.adaptive else None
+        drafts = self.rollout(block, input_ids, keep_rolling)
         head = self._lap("head", True)
         self.cycle = {
             "drafted": True,
             "verified": 0,
-            "positions": num_drafts,
+            "positions": len(drafts),
             "backbone_seconds": backbone,
             "rollout_seconds": lm_head + head,
         }

@@ -226,6 +226,9 @@ class FixedPolicy:
             return max(limits)
         return below_threshold(confidence, self.confidence_threshold)
 
+    def keep_rolling(self, confidence: torch.Tensor) -> bool:
+        return True
+
     def observe(self, **_: Any) -> None:
         pass
 
@@ -336,6 +339,31 @@ class AdaptivePolicy:
         # calibration trusts a confident drafter until the target says otherwise, and an unsure one costs only its
         # drafting.
         return self._best_k(self.record.calibration(self.confidence[:limit]), spent=draft_seconds)
+
+    def keep_rolling(self, confidence: torch.Tensor) -> bool:
+        """Whether rolling the head out past the `j` drafts so far (`confidence` `[j]`, or `[rows, j]`) can still pay.
+
+        The rollout is sequential, so on a CPU every position costs (about a tenth of a cycle for eight of them) and
+        `budget` is an upper bound that `choose` usually cuts. Here each later draft is assumed certain to be accepted
+        (calibrated acceptance is never above 1), so the rollout never stops before a draft that `choose` would still
+        have verified. Always True on CUDA, where a decision per position would synchronize with the device.
+        """
+        if not self.learn_times or confidence.shape[-1] >= self.cap:
+            return not self.learn_times
+        confidence = confidence.detach().float().cpu()
+        acceptance = self.record.calibration(confidence.flatten()).view(confidence.shape)
+        acceptance = acceptance if acceptance.dim() == 2 else acceptance[None]
+        drafted = acceptance.shape[-1]
+        tokens = expected_tokens(acceptance)
+        spent = self._draft_seconds(drafted)  # sunk for every choice of k
+        best_now = max(float(tokens[k]) / (spent + self.verify_cost(1 + k)) for k in range(drafted + 1))
+        all_accepted = float(torch.cumprod(acceptance.double(), dim=-1)[:, -1].mean())
+        position = self._draft_seconds(1) - self._draft_seconds(0)
+        best_later = max(
+            (float(tokens[drafted]) + all_accepted * n) / (spent + n * position + self.verify_cost(1 + drafted + n))
+            for n in range(1, self.cap - drafted + 1)
+        )
+        return best_later > best_now
 
     # ------------------------------------------------------------------------------------------------- learning
     def observe(
