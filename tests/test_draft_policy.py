@@ -203,6 +203,26 @@ def test_one_failed_cycle_pauses_only_a_drafter_whose_acceptance_says_drafting_d
     assert after_a_failed_cycle(0.15) > 0
 
 
+def test_a_failed_cycle_over_several_rows_is_evidence_enough_to_pause():
+    from hf_domino.batching_domino import BatchVerifyCost
+
+    def after_a_failed_batch_cycle(rows: int) -> int:
+        table = VerifyCost({n * rows: seconds for n, seconds in PREPACKED.items()})
+        policy = AdaptivePolicy(DrafterRecord([0.6] * 16), BatchVerifyCost(table, rows), cap=16, learn_times=False)
+        policy.record.drafting_rate = 1 / table(rows)  # drafting has been paying as much as plain steps
+        k = policy.budget(room=100)
+        policy.choose(torch.full((rows, k), 0.9), draft_seconds=0.006, limits=[k] * rows)
+        policy.observe(
+            drafted=True, verified=2, accepted=[0] * rows, row_verified=[2] * rows, verify_seconds=0.045, positions=k
+        )
+        return policy.record.skip_left
+
+    # Two rows failing together may still be bad luck: the acceptance learned per position decides, as for one.
+    assert after_a_failed_batch_cycle(2) == 0
+    # Four rows failing together are a measurement: the policy pauses although 60% acceptance looked good.
+    assert policy_domino.BATCH_EVIDENCE_ROWS == 4 and after_a_failed_batch_cycle(4) > 0
+
+
 def test_while_the_long_run_acceptance_pays_pauses_stay_short():
     def pauses(steady: float) -> list[int]:
         policy = adaptive(PREPACKED, acceptance=0.6)

@@ -53,6 +53,9 @@ MAX_SKIP_INTERVAL = 128
 STEADY_SKIP_INTERVAL = 4
 STEADY_RATE = 0.05
 STEADY_CYCLES = 20
+# A drafting cycle verified for at least this many rows of a batch is judged by its measured rate alone (see observe):
+# at 4 rows on a CPU the acceptance-based second opinion kept a drafter that was about to break even drafting (0.94x).
+BATCH_EVIDENCE_ROWS = 4
 # Plain steps before the first probe where the cost model already says drafting will not pay (e.g. a new batch size
 # for a drafter whose acceptance on this text is known).
 PRIOR_SKIP_INTERVAL = 8
@@ -423,11 +426,14 @@ class AdaptivePolicy:
         cycle_rate = (sum(accepted_rows) / len(accepted_rows) + 1) / max(cycle_seconds, 1e-9)
         # A probe's own cycle is the freshest evidence there is after a pause: it replaces the stale estimate.
         record.drafting_rate = cycle_rate if self.probing else _moved(record.drafting_rate, cycle_rate, RATE_RATE)
-        # One cycle is a coin toss (a drafter accepting 40% of first drafts fails most cycles yet pays on average where
-        # a cycle costs little more than a plain step): after verifying drafts, pause only when the acceptance learned
-        # per position, through the cost model, also says that drafting does not pay.
+        # One cycle of one sequence is a coin toss (a drafter accepting 40% of first drafts fails most cycles yet pays
+        # on average where a cycle costs little more than a plain step): after verifying drafts, pause only when the
+        # acceptance learned per position, through the cost model, also says that drafting does not pay. A cycle over
+        # BATCH_EVIDENCE_ROWS rows or more averages their outcomes: its measured rate is evidence enough.
         plain_rate = 1 / self.verify_cost(1)
-        if record.drafting_rate < plain_rate and (not verified or not self._pays(record.position_acceptance)):
+        averaged = sum(1 for offered in verified_rows if offered) >= BATCH_EVIDENCE_ROWS
+        evidence = not verified or averaged or not self._pays(record.position_acceptance)
+        if record.drafting_rate < plain_rate and evidence:
             # Back off only after a failed probe; the first failure starts with a one-step pause.
             steady = record.steady_acceptance if record.steady_cycles >= STEADY_CYCLES else None
             longest = STEADY_SKIP_INTERVAL if steady is not None and self._pays(steady) else MAX_SKIP_INTERVAL
