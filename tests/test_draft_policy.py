@@ -223,6 +223,33 @@ def test_a_failed_cycle_over_several_rows_is_evidence_enough_to_pause():
     assert policy_domino.BATCH_EVIDENCE_ROWS == 4 and after_a_failed_batch_cycle(4) > 0
 
 
+def test_a_batchs_pauses_grow_whatever_the_long_run_acceptance_says():
+    from hf_domino.batching_domino import BatchVerifyCost
+
+    def pauses(rows: int) -> list[int]:
+        table = VerifyCost({n * rows: seconds for n, seconds in PREPACKED.items()})
+        record = DrafterRecord([0.1] * 16, steady_acceptance=[0.9] * 16, steady_cycles=100)
+        policy = AdaptivePolicy(record, BatchVerifyCost(table, rows), cap=16, learn_times=False)
+        seen = []
+        for _ in range(6):  # failed probes, one after another
+            while policy.budget(room=100) == 0:
+                pass
+            policy.choose(torch.full((rows, 4), 0.9), draft_seconds=0.006, limits=[4] * rows)
+            policy.observe(
+                drafted=True,
+                verified=2,
+                accepted=[0] * rows,
+                row_verified=[2] * rows,
+                verify_seconds=0.09,
+                positions=4,
+            )
+            seen.append(record.skip_interval)
+        return seen
+
+    assert max(pauses(1)) == policy_domino.STEADY_SKIP_INTERVAL  # one sequence: the long run keeps pauses short
+    assert pauses(4)[-1] > policy_domino.STEADY_SKIP_INTERVAL  # a batch: its failed probes double the pause
+
+
 def test_while_the_long_run_acceptance_pays_pauses_stay_short():
     def pauses(steady: float) -> list[int]:
         policy = adaptive(PREPACKED, acceptance=0.6)

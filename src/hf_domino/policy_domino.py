@@ -54,7 +54,8 @@ STEADY_SKIP_INTERVAL = 4
 STEADY_RATE = 0.05
 STEADY_CYCLES = 20
 # A drafting cycle verified for at least this many rows of a batch is judged by its measured rate alone (see observe):
-# at 4 rows on a CPU the acceptance-based second opinion kept a drafter that was about to break even drafting (0.94x).
+# whether to pause and for how long. At 4 rows on a CPU the acceptance-based second opinions (the one per position,
+# and the long run's cap on pauses) kept a drafter that was at best breaking even drafting and probing (0.94x).
 BATCH_EVIDENCE_ROWS = 4
 # Plain steps before the first probe where the cost model already says drafting will not pay (e.g. a new batch size
 # for a drafter whose acceptance on this text is known).
@@ -431,11 +432,12 @@ class AdaptivePolicy:
         # acceptance learned per position, through the cost model, also says that drafting does not pay. A cycle over
         # BATCH_EVIDENCE_ROWS rows or more averages their outcomes: its measured rate is evidence enough.
         plain_rate = 1 / self.verify_cost(1)
-        averaged = sum(1 for offered in verified_rows if offered) >= BATCH_EVIDENCE_ROWS
+        averaged = len(accepted_rows) >= BATCH_EVIDENCE_ROWS  # rows of the batch in this cycle
         evidence = not verified or averaged or not self._pays(record.position_acceptance)
         if record.drafting_rate < plain_rate and evidence:
-            # Back off only after a failed probe; the first failure starts with a one-step pause.
-            steady = record.steady_acceptance if record.steady_cycles >= STEADY_CYCLES else None
+            # Back off only after a failed probe; the first failure starts with a one-step pause. The long-run
+            # acceptance keeps pauses short for one sequence; a batch's measured rates alone set them.
+            steady = record.steady_acceptance if record.steady_cycles >= STEADY_CYCLES and not averaged else None
             longest = STEADY_SKIP_INTERVAL if steady is not None and self._pays(steady) else MAX_SKIP_INTERVAL
             record.skip_interval = min(2 * record.skip_interval, longest) if self.probing else 1
             record.skip_left = record.skip_interval
