@@ -111,7 +111,7 @@ def test_a_rollout_stopped_early_is_the_start_of_the_whole_block():
             torch.manual_seed(0)
             whole = eager_rollout(drafter, modules, pick)(block, anchors[:1])
             torch.manual_seed(0)
-            short = eager_rollout(drafter, modules, pick)(block, anchors[:1], three)
+            short = eager_rollout(drafter, modules, pick, keep_rolling=three)(block, anchors[:1])
             assert len(short) == 3 and torch.equal(short.ids, whole.ids[:, :3])
             assert torch.equal(short.logits, whole.logits[:, :3])
             assert torch.allclose(short.confidence, whole.confidence[:3])

@@ -281,8 +281,7 @@ class FusedRollout:
         self.fused = fused
         self.target = target
 
-    def __call__(self, block: BlockDraft, prefix_ids: torch.LongTensor, keep_rolling=None) -> Drafts:
-        # `keep_rolling` is for the eager rollout: a fused block is one launch (or graph) and runs whole.
+    def __call__(self, block: BlockDraft, prefix_ids: torch.LongTensor) -> Drafts:
         embed = self.target.embed_tokens.weight
         ids, logits = self.fused(block.hidden, block.base_logits, prefix_ids, embed, block.vocab)
         index = ids.to(logits.device)

@@ -152,20 +152,24 @@ def to_vocab_ids(index: torch.LongTensor, vocab: torch.Tensor | None) -> torch.L
 
 
 def eager_rollout(
-    drafter: DominoForSpeculation, target: TargetModules, pick: Pick = greedy_pick, head: bool = True
+    drafter: DominoForSpeculation,
+    target: TargetModules,
+    pick: Pick = greedy_pick,
+    head: bool = True,
+    keep_rolling: KeepRolling | None = None,
 ) -> Rollout:
     """The reference rollout: per draft position, the Domino head's correction (when `head`), then `pick`.
 
     The GRU reads the realised tokens of the block (the anchor, then each draft as it is chosen) from the target's
     embedding table; the first `pure_draft_prefix_len` drafts use the base logits alone. With `head=False` (or a
     DFlash drafter) every draft uses its base logits alone, and greedy picking is one vectorized argmax.
-    The returned rollout takes an optional `keep_rolling`, asked before each draft after the first; a block it stops
-    is exactly the first drafts of the whole block.
+    `keep_rolling`, when given, is asked before each sequential draft after the first; a block it stops is exactly
+    the first drafts of the whole block.
     """
     config = drafter.config
     use_head = head and config.has_domino_head
 
-    def rollout(block: BlockDraft, prefix_ids: torch.LongTensor, keep_rolling: KeepRolling | None = None) -> Drafts:
+    def rollout(block: BlockDraft, prefix_ids: torch.LongTensor) -> Drafts:
         if not use_head and pick is greedy_pick:  # nothing sequential left: vectorize
             index = block.base_logits.argmax(dim=-1)
             return Drafts(

@@ -167,8 +167,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         backbone = self._lap("backbone", True)
         block = BlockDraft.from_hidden(hidden, self.target, self.vocab)
         lm_head = self._lap("lm_head", True)
-        keep_rolling = self.policy.keep_rolling if self.policy.adaptive else None
-        drafts = self.rollout(block, input_ids, keep_rolling)
+        drafts = self.rollout(block, input_ids)
         head = self._lap("head", True)
         self.cycle = {
             "drafted": True,
@@ -262,7 +261,11 @@ class DominoCandidateGenerator(CandidateGenerator):
         pick = greedy_pick
         if self.do_sample or self.logits_processor is not None:
             pick = processed_pick(self.logits_processor, self.do_sample, self.vocab, drafter.config.vocab_size)
-        eager = eager_rollout(drafter, self.target, pick, head=head)
+        # The policy is built at the first drafting call, after this: the eager rollout asks it through a closure.
+        keep_rolling = (
+            (lambda confidence: self.policy.keep_rolling(confidence)) if options.draft_policy == "adaptive" else None
+        )
+        eager = eager_rollout(drafter, self.target, pick, head=head, keep_rolling=keep_rolling)
         # The fused rollout covers a draft vocabulary too: it reads it from each block, as the eager one does.
         if options.domino_rollout == "eager" or not sequential or not head:
             if options.domino_rollout in ("triton", "triton+graph") and not head:
