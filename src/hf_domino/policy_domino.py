@@ -230,9 +230,6 @@ class FixedPolicy:
             return max(limits)
         return below_threshold(confidence, self.confidence_threshold)
 
-    def keep_rolling(self, confidence: torch.Tensor) -> bool:
-        return True
-
     def observe(self, **_: Any) -> None:
         pass
 
@@ -264,6 +261,7 @@ class AdaptivePolicy:
         self.probing = False
         self.confidence: torch.Tensor | None = None
         self.drafted_before = False
+        self.block_verify_seconds: list[float] | None = None  # verify_cost(1 + k), k = 0..cap, for this block
 
     # ---------------------------------------------------------------------------------------------- estimates
     def _draft_seconds(self, k: int) -> float:
@@ -303,7 +301,7 @@ class AdaptivePolicy:
     # ---------------------------------------------------------------------------------------------- decisions
     def budget(self, room: int) -> int:
         record, limit = self.record, min(self.cap, room)
-        self.probing, self.confidence = False, None
+        self.probing, self.confidence, self.block_verify_seconds = False, None, None
         if limit <= 0:
             return 0
         acceptance = torch.tensor(record.position_acceptance[:limit])
@@ -352,19 +350,22 @@ class AdaptivePolicy:
         (calibrated acceptance is never above 1), so the rollout never stops before a draft that `choose` would still
         have verified. Always True on CUDA, where a decision per position would synchronize with the device.
         """
-        if not self.learn_times or confidence.shape[-1] >= self.cap:
-            return not self.learn_times
+        if not self.learn_times:
+            return True
+        drafted = confidence.shape[-1]
+        if drafted >= self.cap:
+            return False
+        if self.block_verify_seconds is None:  # asked once per position: read the table once per block
+            self.block_verify_seconds = [self.verify_cost(1 + k) for k in range(self.cap + 1)]
+        verify = self.block_verify_seconds
         confidence = confidence.detach().float().cpu()
-        acceptance = self.record.calibration(confidence.flatten()).view(confidence.shape)
-        acceptance = acceptance if acceptance.dim() == 2 else acceptance[None]
-        drafted = acceptance.shape[-1]
-        tokens = expected_tokens(acceptance)
+        tokens = expected_tokens(self.record.calibration(confidence.flatten()).view(confidence.shape)).tolist()
+        all_accepted = tokens[drafted] - tokens[drafted - 1]  # the chance that every draft so far is accepted
         spent = self._draft_seconds(drafted)  # sunk for every choice of k
-        best_now = max(float(tokens[k]) / (spent + self.verify_cost(1 + k)) for k in range(drafted + 1))
-        all_accepted = float(torch.cumprod(acceptance.double(), dim=-1)[:, -1].mean())
         position = self._draft_seconds(1) - self._draft_seconds(0)
+        best_now = max(tokens[k] / (spent + verify[k]) for k in range(drafted + 1))
         best_later = max(
-            (float(tokens[drafted]) + all_accepted * n) / (spent + n * position + self.verify_cost(1 + drafted + n))
+            (tokens[drafted] + all_accepted * n) / (spent + n * position + verify[drafted + n])
             for n in range(1, self.cap - drafted + 1)
         )
         return best_later > best_now

@@ -196,7 +196,9 @@ def eager_rollout(
             token = index if logits.shape[-1] != block.base_logits.shape[-1] else to_vocab_ids(index, block.vocab)
             realised = torch.cat([realised, token.to(realised.device)], dim=-1)
         index, logits = torch.cat(indices, dim=-1), torch.stack(chosen_logits, dim=1)
-        return Drafts(realised[:, prefix_ids.shape[1] :], logits, draft_confidence(logits, index))
+        # With keep_rolling each draft's confidence was already computed, position by position.
+        confidence = torch.cat(confidence) if keep_rolling is not None else draft_confidence(logits, index)
+        return Drafts(realised[:, prefix_ids.shape[1] :], logits, confidence)
 
     return rollout
 

@@ -1,0 +1,81 @@
+"""The adaptive policy cycle by cycle on real batches: each block's budget, the drafts verified and accepted per
+row, and the cycle's predicted and measured cost against a plain step. docs/benchmarks.md, "Batches", quotes it:
+
+    python examples/policy_trace.py --prompts mtbench --batch-size 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from hf_domino import assets, policy_domino, prepare_for_cpu_decoding
+from hf_domino.measure_batch import left_padded_batch
+
+
+def traced(policy_class, log: list[str]) -> None:
+    """Wraps `budget` and `observe` of the policy class so that every decision is logged."""
+    budget, observe = policy_class.budget, policy_class.observe
+
+    def logged_budget(self, room):
+        k = budget(self, room)
+        rate = self.record.drafting_rate
+        drafting = "unmeasured" if rate is None else f"{rate:.1f} tok/s"
+        log.append(f"  budget {k} (plain {1 / self.verify_cost(1):.1f} tok/s, drafting {drafting})")
+        return k
+
+    def logged_observe(self, **cycle):
+        if cycle.get("drafted"):
+            predicted = self._draft_seconds(cycle["positions"]) + self.verify_cost(1 + cycle["verified"])
+            parts = [cycle["backbone_seconds"], cycle["rollout_seconds"], cycle["verify_seconds"]]
+            log.append(
+                f"  cycle: verified {cycle['verified']}, accepted {cycle['accepted']}; predicted "
+                f"{predicted * 1e3:.0f} ms, measured {sum(parts) * 1e3:.0f} ms (backbone {parts[0] * 1e3:.0f}, "
+                f"rollout {parts[1] * 1e3:.0f}, verify {parts[2] * 1e3:.0f}); plain step {self.verify_cost(1) * 1e3:.0f} ms"
+            )
+        else:
+            log.append(f"  plain step {cycle['verify_seconds'] * 1e3:.0f} ms")
+        return observe(self, **cycle)
+
+    policy_class.budget, policy_class.observe = logged_budget, logged_observe
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", default="mtbench")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    target, tokenizer = assets.load_target("smollm2")
+    drafter = assets.load_drafter(None)
+    prepare_for_cpu_decoding(target, drafter)
+    pad = assets.pad_token_id(target, tokenizer)
+    prompts = [assets.chat_token_ids(tokenizer, m) for m in assets.load_prompts(args.prompts, args.num_prompts)]
+    groups = [prompts[i : i + args.batch_size] for i in range(0, len(prompts) - args.batch_size + 1, args.batch_size)]
+    log: list[str] = []
+    traced(policy_domino.AdaptivePolicy, log)
+
+    def seconds(batch, tokens: int, **extra) -> float:
+        start = time.perf_counter()
+        target.generate(**batch, max_new_tokens=tokens, do_sample=False, **extra)
+        return time.perf_counter() - start
+
+    for extra in ({}, {"assistant_model": drafter}):  # warm-up
+        seconds(left_padded_batch(tokenizer, groups[0], pad), 16, **extra)
+    for number, group in enumerate(groups):
+        batch = left_padded_batch(tokenizer, group, pad)
+        alone = seconds(batch, args.max_new_tokens)
+        log.clear()
+        drafting = seconds(batch, args.max_new_tokens, assistant_model=drafter)
+        print(
+            f"group {number}: target alone {alone:.2f} s, with the drafter {drafting:.2f} s ({alone / drafting:.2f}x)"
+        )
+        print("\n".join(log))
+
+
+if __name__ == "__main__":
+    main()
