@@ -19,6 +19,7 @@ from hf_domino import (
     demo,
     generation_domino,
     measure,
+    measure_batch,
     prepare_for_cpu_decoding,
     report,
 )
@@ -191,7 +192,7 @@ def test_manual_loop_stops_at_eos_and_length(target, drafter):
 def test_bench_runs_all_methods(target, drafter, tokenizer, tmp_path):
     prompts = [assets.encode_chat(tokenizer, messages) for messages in PROMPTS]
     settings = measure.BenchSettings(max_new_tokens=16, warmup_tokens=4)
-    methods = [*measure.METHODS, "domino_k3", "dflash_k3"]
+    methods = [*measure.METHODS, "domino_k3", "dflash_k3", "domino_k3@eager"]
     result = measure.run_benchmark(target, drafter, prompts, methods, settings, progress=False)
     summary = report.summarize(result)
     assert list(summary) == methods
@@ -201,7 +202,7 @@ def test_bench_runs_all_methods(target, drafter, tokenizer, tmp_path):
         assert s["mean_acceptance_length"] >= 1
     assert summary["target"]["speedup_total"] == pytest.approx(1.0)
     assert summary["target"]["acceptance_histogram"] == {"1": summary["target"]["new_tokens"] - 2}
-    for method in ("manual", "domino_k3", "dflash_k3"):  # fixed draft lengths: every cycle drafts
+    for method in ("manual", "domino_k3", "dflash_k3", "domino_k3@eager"):  # fixed draft lengths: every cycle drafts
         assert set(summary[method]["latency_ms"]) == {*measure.TIMING_KEYS, "cycle"}
     assert set(summary["domino_k3"]["drafts_histogram"]) <= {"0", "1", "2", "3"}
     assert "loop_overhead_vs_manual" in summary["domino"]
@@ -214,6 +215,21 @@ def test_bench_runs_all_methods(target, drafter, tokenizer, tmp_path):
     assert "| domino |" in paths["markdown"].read_text()
     for name in report.PLOT_FILES:
         assert paths[name].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_method_names():
+    assert measure.parse_method("domino_vocab_k16@triton+graph").options == {
+        "domino_head": True,
+        "draft_vocab": True,
+        "draft_policy": "fixed",
+        "num_speculative_tokens": 16,
+        "domino_rollout": "triton+graph",
+    }
+    assert "domino_rollout" not in measure.parse_method("domino_vocab").options
+    with pytest.raises(ValueError, match="dflash has no head"):
+        measure.parse_method("dflash_k4@eager")
+    with pytest.raises(ValueError, match="Unknown method"):
+        measure.parse_method("domino@fused")
 
 
 def test_bench_sampling(target, drafter):
@@ -336,7 +352,10 @@ def test_cli_bench_batch_sizes(target, drafter, tokenizer, tmp_path, capsys):
         cli.main(argv[:-2] + ["--batch-methods", "target,beam"])
 
 
-def test_cli_bench_batch_repeats_count_each_group_once(target, drafter, tokenizer, tmp_path):
+def test_cli_bench_batch_repeats_count_each_group_once(target, drafter, tokenizer, tmp_path, monkeypatch):
+    calls = []
+    generate = measure_batch._generate
+    monkeypatch.setattr(measure_batch, "_generate", lambda *args: calls.append(args[3]) or generate(*args))
     per_prompt = saved_bench_argv(target, drafter, tokenizer, tmp_path)
     per_prompt += ["--num-prompts", "2", "--max-new-tokens", "5", "--threads", "1", "--warmup-tokens", "2"]
     argv = [
@@ -350,7 +369,10 @@ def test_cli_bench_batch_repeats_count_each_group_once(target, drafter, tokenize
     ]
     assert cli.main(argv) == 0
     once = json.loads((tmp_path / "out" / "batch.json").read_text())["rows"]
+    assert calls == ["target", "domino"] * 2  # a warm-up, then the one group once
+    calls.clear()
     assert cli.main([*argv, "--repeats", "3"]) == 0
+    assert calls == ["target", "domino"] * 4  # a warm-up, then the group three times, methods interleaved
     written = json.loads((tmp_path / "out" / "batch.json").read_text())
     assert "--repeats 3" in written["command"]
     for single, repeated in zip(once, written["rows"]):

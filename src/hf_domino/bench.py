@@ -95,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--methods",
         type=_methods,
         default=list(METHODS),
-        help=f"comma-separated (default {','.join(METHODS)}); also domino_vocab, domino_k<N>, dflash_k<N>",
+        help=f"comma-separated (default {','.join(METHODS)}); also domino_vocab, domino_k<N>, dflash_k<N>, and "
+        "domino...@eager|@triton|@triton+graph (the head's rollout)",
     )
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
     parser.add_argument(

@@ -10,6 +10,8 @@ Methods (`parse_method`):
   `domino_vocab`: the same over the drafter's draft vocabulary; `domino_k<N>` (`domino_vocab_k<N>`): a fixed N
   drafts per forward;
 - `dflash`, `dflash_k<N>`: the same with the Domino head switched off (DFlash drafting, same weights);
+- a Domino method with `@eager`, `@triton` or `@triton+graph` appended (`domino_vocab_k16@eager`) forces that
+  `domino_rollout` (the default, `auto`, fuses the head on CUDA where it applies), to time the head's paths;
 - `manual`: a minimal hand-written greedy draft/verify loop (`manual_generate`) over the same drafting ladder and
   the target's `DynamicCache`, to price what transformers' assisted-decoding loop costs around the same work.
 
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
 METHODS = ("target", "prompt_lookup", "dflash", "domino", "manual")
 # Per-cycle pieces, in cycle order as plotted: draft (backbone, base logits, head rollout), then target verify.
 TIMING_KEYS = ("backbone", "lm_head", "head", "verify")
-_DRAFTER_METHOD = re.compile(r"^(domino|dflash)(_vocab)?(?:_k(\d+))?$")
+_DRAFTER_METHOD = re.compile(r"^(domino|dflash)(_vocab)?(?:_k(\d+))?(?:@(eager|triton|triton\+graph))?$")
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ class MethodSpec:
 
 
 def parse_method(name: str) -> MethodSpec:
-    """`target`, `prompt_lookup`, `manual`, or `domino`/`dflash`, then optionally `_vocab`, then optionally `_k<N>`."""
+    """`target`, `prompt_lookup`, `manual`, or `domino`/`dflash`, then optionally `_vocab`, `_k<N>`, `@<rollout>`."""
     if name in ("target", "target_eager", "prompt_lookup"):
         return MethodSpec(name)
     if name == "manual":
@@ -65,12 +67,17 @@ def parse_method(name: str) -> MethodSpec:
     if match is None:
         raise ValueError(
             f"Unknown method {name!r}; choose among target, target_eager, prompt_lookup, manual, domino, dflash, domino_vocab, "
-            "domino_k<N>, domino_vocab_k<N> (and the same for dflash)."
+            "domino_k<N>, domino_vocab_k<N> (and the same for dflash), each optionally with @eager, @triton or "
+            "@triton+graph (the Domino head's rollout)."
         )
-    kind, vocab, fixed = match.groups()
+    kind, vocab, fixed, rollout = match.groups()
+    if rollout is not None and kind != "domino":
+        raise ValueError(f"Method {name!r}: @{rollout} picks the Domino head's rollout, and dflash has no head.")
     options: dict[str, Any] = {"domino_head": kind == "domino", "draft_vocab": vocab is not None}
     if fixed is not None:
         options |= {"draft_policy": "fixed", "num_speculative_tokens": int(fixed)}
+    if rollout is not None:
+        options["domino_rollout"] = rollout
     return MethodSpec(name, uses_drafter=True, options=options)
 
 
