@@ -1,7 +1,9 @@
-"""Seconds of one training step over the whole vocabulary and over the drafter's draft vocabulary (`--draft-vocab`).
+"""Seconds of one training step over the whole vocabulary and over the drafter's draft vocabulary (`--draft-vocab`),
+and what drawing its anchors among generate()'s own blocks adds (`--anchor-chain`).
 
 One batch of the shipped recipe (16 held-out sequences, 32 anchors each): the target's feature forward once, then
-the drafter's forward and backward a few times per vocabulary, with the batch's teacher-forced tau~ for each:
+the drafter's forward and backward a few times per vocabulary, with the batch's teacher-forced tau~ for each; then
+the no-grad pass that finds generate()'s blocks (over the draft vocabulary), and tau~ at anchors drawn among them:
 
     python examples/draft_vocab_step_time.py src/hf_domino/checkpoints/smollm2-135m-instruct-domino \
         data/smollm2-regen/heldout_ids.safetensors
@@ -16,7 +18,14 @@ import torch
 
 from hf_domino import TargetModules
 from hf_domino.assets import load_drafter, load_smollm2, pad_token_id
-from hf_domino.training import DominoTrainingModule, collate, load_examples, sample_anchors, target_hidden_states
+from hf_domino.training import (
+    DominoTrainingModule,
+    collate,
+    load_examples,
+    sample_anchors,
+    sample_chain_anchors,
+    target_hidden_states,
+)
 
 
 def main() -> None:
@@ -49,6 +58,19 @@ def main() -> None:
             seconds.append(time.perf_counter() - start)
         tau = (out.accepted / out.num_blocks).item()
         print(f"{name}: drafter forward + backward {', '.join(f'{s:.2f}' for s in seconds)} s | tau~ {tau:.3f}")
+
+    inputs = (batch.input_ids, batch.loss_mask, batch.attention_mask, features)
+    start = time.perf_counter()
+    chains = module.generate_blocks(*inputs)
+    seconds = time.perf_counter() - start
+    added = sum(tokens for chain in chains for _, tokens in chain) / sum(len(chain) for chain in chains)
+    print(f"--anchor-chain: generate()'s blocks found in {seconds:.2f} s (no grad) | their acceptance {added:.3f}")
+    anchors, valid = sample_chain_anchors(chains, args.num_anchors, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = module(*inputs, anchors, valid, 0.5)
+    print(
+        f"--anchor-chain: tau~ at {int(valid.sum())} anchors drawn among them {(out.accepted / out.num_blocks).item():.3f}"
+    )
 
 
 if __name__ == "__main__":

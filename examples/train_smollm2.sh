@@ -20,6 +20,8 @@
 #                 in the 25 MB budget: 3 layers at INTERMEDIATE=768 (22.9 MB fp16), 4 at 512 (23.8 MB); an MLP
 #                 narrower than the target's starts fresh (only same-shape weights are copied)
 #   BATCH_SIZE    sequences per step (default 16); NUM_ANCHORS blocks per sequence (default 32)
+#   ANCHOR_CHAIN=1  draw anchors among generate()'s own blocks over each answer, not uniformly (docs/training.md,
+#                 "Where blocks start"); GENERATE_TAU=1 also logs generate()'s acceptance on the held-out answers
 #   SAVE_EVERY    steps between checkpoints and validations (default 500); STAGE_MINUTES; THREADS (default 2)
 # Extra arguments go to `hf-domino train` as they are.
 set -euo pipefail
@@ -46,4 +48,5 @@ hf-domino train --target smollm2 \
   --lr "${LR:-6e-4}" --warmup-ratio "${WARMUP:-0.04}" --seed "${SEED:-0}" --kl-weight "${KL_WEIGHT:-0}" \
   --save-every "${SAVE_EVERY:-500}" --log-every 20 --threads "${THREADS:-2}" \
   ${STAGE_MINUTES:+--stop-after-minutes "$STAGE_MINUTES"} ${DRAFT_VOCAB:+--draft-vocab "$DRAFT_VOCAB"} \
+  ${ANCHOR_CHAIN:+--anchor-chain} ${GENERATE_TAU:+--generate-tau} \
   --output-dir "${OUTPUT:-runs/train-smollm2}" "$@"

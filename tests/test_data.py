@@ -432,6 +432,8 @@ def test_cli_regenerate_then_train_any_causal_lm(model, tokenizer, tmp_path):
         cli.main([*train, "--kl-weight", "1.5", "--output-dir", str(tmp_path / "e")])
     with pytest.raises(SystemExit, match="--kl-weight needs the target's last hidden state"):
         cli.main([*train, "--kl-weight", "0.5", "--feature-cache", str(tmp_path / "f"), "--output-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--generate-tau scores the held-out answers: give --validation-examples"):
+        cli.main([*train, "--generate-tau", "--output-dir", str(tmp_path / "h")])
 
     # --draft-vocab: trained over a draft vocabulary, which the trained drafter keeps; bad files fail before loading.
     vocab = torch.arange(model.config.vocab_size // 2)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_domino import DominoForSpeculation
+from hf_domino import DominoForSpeculation, TargetModules
 from hf_domino.acceptance import block_anchors, generate_with_acceptance
 from hf_domino.assets import SHIPPED_DRAFTER, load_mtbench, load_smollm2
-from hf_domino.training import teacher_forced_acceptance
+from hf_domino.training import DominoTrainingModule, target_context_features, teacher_forced_acceptance
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,17 @@ def test_generate_accepts_what_teacher_forcing_predicts_block_for_block(smollm2,
     # The last block is cut to the room max_new_tokens leaves. One full forward against generate()'s cached ones can
     # differ in the last bits: allow one near-tie block.
     assert sum(a != b for a, b in zip(predicted[:-1], lengths[:-1])) <= 1, (predicted, lengths)
+
+    # And without knowing generate()'s anchors: training's validation (`--generate-tau`) scores every anchor of the
+    # answer and follows the blocks from its first token.
+    vocab = shipped_drafter.draft_vocab if draft_vocab else None
+    module = DominoTrainingModule(shipped_drafter, TargetModules.from_target(target), vocab)
+    loss_mask = torch.zeros_like(output)
+    loss_mask[:, input_ids.shape[1] :] = 1
+    ones = torch.ones_like(output)
+    features = target_context_features(target, output, ones, shipped_drafter.config.target_layer_ids)
+    (chain,) = module.generate_blocks(output, loss_mask, ones, features)
+    assert sum(a != b for (_, a), b in zip(chain, lengths[:-1])) <= 1, (chain, lengths)
 
 
 @pytest.mark.slow

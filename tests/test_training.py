@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -28,10 +29,12 @@ from hf_domino.training import (
     curriculum_lambda,
     domino_losses,
     draft_logits,
+    generate_chain,
     init_from_target_layers,
     position_weights,
     read_log,
     sample_anchors,
+    sample_chain_anchors,
     target_context_features,
     target_hidden_states,
     target_next_token_probs,
@@ -123,6 +126,26 @@ def test_sample_anchors_stay_inside_responses():
     assert sorted(anchors[0].tolist()) == [2, 3, 4]  # position 5 has no response token after it
     assert valid[0].all()
     assert valid[1].tolist() == [True, False, False] and anchors[1, 0] == 1
+
+
+def test_generate_chain_follows_each_block_to_the_next_anchor():
+    # A block at p adds acceptance[p] tokens; 0 marks positions where no block can start (prompt, the last token).
+    acceptance = [0, 0, 1, 3, 2, 1, 1, 2, 1, 1, 0]
+    assert generate_chain(acceptance, first=2) == [(2, 1), (3, 3), (6, 1), (7, 2)]  # the block at 9 is cut off
+    assert generate_chain(acceptance, first=4) == [(4, 2), (6, 1), (7, 2)]
+    assert generate_chain([0, 1, 0], first=1) == []
+
+
+def test_sample_chain_anchors_draws_distinct_chain_anchors_in_order():
+    chains = [[(2, 1), (3, 3), (6, 1), (7, 2)], [(4, 2)], []]
+    anchors, valid = sample_chain_anchors(chains, 3, torch.Generator().manual_seed(0))
+    assert valid.tolist() == [[True] * 3, [True, False, False], [False] * 3]
+    picked = anchors[0].tolist()
+    assert picked == sorted(picked) and len(set(picked)) == 3 and set(picked) <= {2, 3, 6, 7}
+    assert anchors[1].tolist() == [4, 0, 0] and anchors[2].tolist() == [0, 0, 0]
+    again, _ = sample_chain_anchors(chains, 3, torch.Generator().manual_seed(0))
+    assert torch.equal(anchors, again)
+    assert sorted(sample_chain_anchors(chains, 8)[0][0, :4].tolist()) == [2, 3, 6, 7]
 
 
 def test_build_block_inputs_labels_and_gru_inputs():
@@ -412,6 +435,92 @@ def test_validation_is_logged_and_leaves_training_untouched(target, tmp_path):
     assert set(records[0]) == train_keys - {"lr", "grad_norm"}
     assert records[-1]["final_loss"] < records[0]["final_loss"]  # held-out toy sequences follow the same rule
     assert not (tmp_path / "plain" / "validation.jsonl").exists()
+
+
+def greedy_answers(target, count: int, prompt_len: int = 5, new_tokens: int = 24) -> list[Example]:
+    """The target's own greedy answers to random prompts: regenerated data, on which generate() reproduces them."""
+    generator = torch.Generator().manual_seed(1)
+    examples = []
+    for _ in range(count):
+        prompt = torch.randint(3, VOCAB, (1, prompt_len), generator=generator)
+        output = target.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0].tolist()
+        examples.append(Example(output, [0] * prompt_len + [1] * (len(output) - prompt_len)))
+    return examples
+
+
+@pytest.fixture(scope="module")
+def self_trained(target, tmp_path_factory):
+    """A drafter trained on the target's own greedy answers, which it then drafts well (tau~ about 2; 2 s)."""
+    config = TrainConfig(total_steps=150, batch_size=4, num_anchors=6, learning_rate=1e-2, save_every=1000)
+    return train(tiny_drafter(target), target, greedy_answers(target, 16), config, tmp_path_factory.mktemp("self"))
+
+
+def test_block_acceptance_is_what_the_loss_counts(target, self_trained):
+    batch, features = batch_and_features(target, greedy_answers(target, 4))
+    anchors, valid = sample_anchors(batch.loss_mask, 4, torch.Generator().manual_seed(5))
+    module = DominoTrainingModule(self_trained, TargetModules.from_target(target))
+    args = (batch.input_ids, batch.loss_mask, batch.attention_mask, features)
+    accepted = module.block_acceptance(*args, anchors, valid)
+    with torch.no_grad():
+        out = module(*args, anchors, valid, 0.0)
+    assert accepted.sum() == out.accepted and accepted.max() > 1
+
+
+def test_generate_blocks_are_generate_blocks(target, self_trained):
+    """On the target's own greedy answer, the chain of teacher-forced blocks is generate()'s, anchor for anchor and
+    block for block, for an untrained drafter and one that drafts well."""
+    from hf_domino.acceptance import block_anchors, generate_with_acceptance
+
+    prompt = torch.tensor([toy_examples(1)[0].input_ids[:6]])
+    for drafter in (tiny_drafter(target), self_trained):
+        output, lengths = generate_with_acceptance(
+            target, prompt, assistant_model=drafter, draft_policy="fixed", max_new_tokens=24, do_sample=False
+        )
+        loss_mask = torch.zeros_like(output)
+        loss_mask[:, prompt.shape[1] :] = 1
+        features = target_context_features(target, output, torch.ones_like(output), [1, 2])
+        module = DominoTrainingModule(drafter, TargetModules.from_target(target))
+        (blocks,) = module.generate_blocks(output, loss_mask, torch.ones_like(output), features)
+        expected = list(zip(block_anchors(prompt.shape[1], lengths), lengths))[:-1]
+        assert blocks == expected
+    assert max(lengths) > 1
+
+
+def test_training_at_generates_anchors(target, self_trained, tmp_path, monkeypatch):
+    """--anchor-chain trains on blocks anchored where generate() anchors them, deterministically (so resumable)."""
+    from hf_domino.training import loop
+
+    examples = greedy_answers(target, 4)
+    chains = []
+    original = loop.sample_chain_anchors
+    monkeypatch.setattr(loop, "sample_chain_anchors", lambda c, *a: chains.append(c) or original(c, *a))
+    config = TrainConfig(total_steps=2, batch_size=2, num_anchors=4, learning_rate=1e-2, save_every=100)
+    chain = TrainConfig(**{**config.__dict__, "anchor_chain": True})
+    plain = train(copy.deepcopy(self_trained), target, examples, config, tmp_path / "plain")
+    first = train(copy.deepcopy(self_trained), target, examples, chain, tmp_path / "a")
+    again = train(copy.deepcopy(self_trained), target, examples, chain, tmp_path / "b")
+    weights = [m.state_dict()["prefix_gru.weight_ih_l0"] for m in (plain, first, again)]
+    assert torch.equal(weights[1], weights[2]) and not torch.equal(weights[0], weights[1])
+    # The first step's chains are the blocks generate() drafts over those answers with the starting drafter.
+    module = DominoTrainingModule(self_trained, TargetModules.from_target(target))
+    batch, features = batch_and_features(target, [examples[i] for i in loop.example_indices(
+        0, 0, 0, config=chain, world_size=1, num_examples=len(examples))])  # fmt: skip
+    assert chains[0] == module.generate_blocks(batch.input_ids, batch.loss_mask, batch.attention_mask, features)
+
+
+def test_validation_logs_generate_tau(target, tmp_path):
+    from hf_domino.training import teacher_forced_metrics
+
+    config = TrainConfig(total_steps=10, batch_size=2, num_anchors=4, learning_rate=1e-2, save_every=10)
+    config = TrainConfig(**{**config.__dict__, "generate_tau": True})
+    held_out = toy_examples(count=10)[8:]
+    drafter = train(tiny_drafter(target), target, toy_examples(), config, tmp_path, validation_examples=held_out)
+    logged = read_log(tmp_path / "validation.jsonl")[-1]
+    assert 1.0 <= logged["generate_tau"] <= BLOCK
+    drafter.eval()
+    assert teacher_forced_metrics(drafter, target, held_out, config)["generate_tau"] == pytest.approx(
+        logged["generate_tau"], rel=1e-5
+    )
 
 
 def test_teacher_forced_metrics_match_the_validation_log(target, trained_run, tmp_path):

@@ -219,6 +219,14 @@ def anchor_generator(seed: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + stream)
 
 
+def usable_anchors(loss_mask: torch.Tensor) -> torch.BoolTensor:
+    """`[b, T]`: where a block can start, a response token followed by another one (see `sample_anchors`)."""
+    mask = loss_mask.bool()
+    usable = torch.zeros_like(mask)
+    usable[:, :-1] = mask[:, :-1] & mask[:, 1:]
+    return usable
+
+
 def sample_anchors(
     loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
 ) -> tuple[torch.LongTensor, torch.BoolTensor]:
@@ -236,9 +244,7 @@ def sample_anchors(
         `(anchors [b, m], valid [b, m])`, sorted by position; slots beyond a short sequence's usable positions are
         invalid (anchor 0), so that every batch has the same shape.
     """
-    mask = loss_mask.bool()
-    usable = torch.zeros_like(mask)
-    usable[:, :-1] = mask[:, :-1] & mask[:, 1:]
+    usable = usable_anchors(loss_mask)
     scores = torch.rand(usable.shape, generator=generator).to(usable.device)
     scores = scores.masked_fill(~usable, -1.0)
     num_anchors = min(num_anchors, usable.shape[1])
@@ -248,6 +254,35 @@ def sample_anchors(
     # Invalid slots sort last so that the valid anchors stay in position order.
     order = (anchors + (~valid) * usable.shape[1]).argsort(dim=1)
     return anchors.gather(1, order), valid.gather(1, order)
+
+
+def generate_chain(acceptance: Sequence[int], first: int) -> list[tuple[int, int]]:
+    """The blocks greedy `generate()` with whole blocks drafts over a sequence, as `(anchor, tokens added)`, from
+    `acceptance[p]`, the tokens a block anchored at `p` adds (0 where no block can start).
+
+    The first block is anchored at `first` (the prefill's token), each next one where the previous one's tokens end.
+    The last block is left out: the sequence's end cuts it short, as `max_new_tokens` cuts generate()'s.
+    """
+    blocks, position = [], first
+    while position < len(acceptance) and acceptance[position] > 0:
+        blocks.append((position, acceptance[position]))
+        position += acceptance[position]
+    return blocks[:-1]
+
+
+def sample_chain_anchors(
+    chains: Sequence[Sequence[tuple[int, int]]], num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.LongTensor, torch.BoolTensor]:
+    """Up to `num_anchors` distinct anchors per sequence drawn uniformly among `generate()`'s own (`generate_chain`),
+    in `sample_anchors`' layout: `(anchors [b, m], valid [b, m])`, sorted, invalid slots last (anchor 0)."""
+    anchors = torch.zeros(len(chains), num_anchors, dtype=torch.long)
+    valid = torch.zeros(len(chains), num_anchors, dtype=torch.bool)
+    for row, chain in enumerate(chains):
+        scores = torch.rand(len(chain), generator=generator)
+        picked = sorted(chain[i][0] for i in scores.argsort(descending=True)[:num_anchors].tolist())
+        anchors[row, : len(picked)] = torch.tensor(picked, dtype=torch.long)
+        valid[row, : len(picked)] = True
+    return anchors, valid
 
 
 @dataclass

@@ -46,6 +46,8 @@ def teacher_forced_metrics(
 
     The numbers `--validation-examples` logs, for any drafter and any regenerated examples (e.g. held-out prompts):
     anchors are fixed per example (`config.seed`, `config.num_anchors`), target features are computed in-process.
+    With `config.generate_tau`, also `generate_tau`: on the target's own greedy answers, the acceptance greedy
+    `generate()` with whole blocks has on their prompts (`DominoTrainingModule.generate_blocks`).
     """
     from accelerate import Accelerator
 
@@ -54,7 +56,8 @@ def teacher_forced_metrics(
     module = DominoTrainingModule(drafter, TargetModules.from_target(target_model)).train(drafter.training)
     window = held_out_window(accelerator, module, target_model, examples, config, 0.0, pad_token_id)
     record = metrics_record(accelerator, window, 0, 0.0, 0.0, 0.0, time.perf_counter())
-    return {key: record[key] for key in TEACHER_FORCED_KEYS}
+    keys = (*TEACHER_FORCED_KEYS, "generate_tau") if config.generate_tau else TEACHER_FORCED_KEYS
+    return {key: record[key] for key in keys}
 
 
 @torch.no_grad()

@@ -31,7 +31,15 @@ import torch
 from torch import nn
 
 from ..modeling_domino import DominoForSpeculation, TargetModules
-from .data import Example, FeatureCache, anchor_generator, collate, sample_anchors, target_hidden_states
+from .data import (
+    Example,
+    FeatureCache,
+    anchor_generator,
+    collate,
+    sample_anchors,
+    sample_chain_anchors,
+    target_hidden_states,
+)
 from .loss import DominoLossOutput, DominoTrainingModule, curriculum_lambda
 
 if TYPE_CHECKING:
@@ -61,6 +69,8 @@ class TrainConfig:
     curriculum: bool = True
     kl_weight: float = 0.0  # share of the loss that distills the target's whole next-token distribution
     draft_vocab: bool = False  # train and score drafts over the drafter's draft vocabulary only (FR-Spec)
+    anchor_chain: bool = False  # anchors drawn among generate()'s own blocks over each answer, not uniformly
+    generate_tau: bool = False  # validation also logs generate()'s own acceptance on the held-out answers
     seed: int = 0
     log_every: int = 10
     save_every: int = 100
@@ -303,20 +313,28 @@ def train(
             else:
                 context_features = batch.context_features.to(device)
             stream = (step * config.gradient_accumulation_steps + micro_step) * 1024 + rank
-            anchors, anchor_valid = sample_anchors(
-                batch.loss_mask, config.num_anchors, anchor_generator(config.seed, stream)
-            )
+            generator = anchor_generator(config.seed, stream)
+            loss_mask = batch.loss_mask.to(device)
+            if config.anchor_chain:  # where generate() starts its blocks (a no-grad pass over every anchor first)
+                with accelerator.autocast():
+                    chains = accelerator.unwrap_model(module).generate_blocks(
+                        input_ids, loss_mask, attention_mask, context_features, mask_dtype
+                    )
+                anchors, anchor_valid = sample_chain_anchors(chains, config.num_anchors, generator)
+            else:
+                anchors, anchor_valid = sample_anchors(batch.loss_mask, config.num_anchors, generator)
+            anchors, anchor_valid = anchors.to(device), anchor_valid.to(device)
             last_micro = micro_step == config.gradient_accumulation_steps - 1
             sync = contextlib.nullcontext() if last_micro else accelerator.no_sync(module)
             with sync:
                 with accelerator.autocast():
                     out = module(
                         input_ids,
-                        batch.loss_mask.to(device),
+                        loss_mask,
                         attention_mask,
                         context_features,
-                        anchors.to(device),
-                        anchor_valid.to(device),
+                        anchors,
+                        anchor_valid,
                         lam,
                         mask_dtype,
                         last_hidden,
@@ -345,6 +363,8 @@ def train(
                 record = {key: value for key, value in record.items() if key not in ("lr", "grad_norm")}
                 losses = f"base {record['base_loss']:.4f} | final {record['final_loss']:.4f}"
                 line = f"validation step {step}: {losses} | tau~{record['train_tau']:.2f}"
+                if "generate_tau" in record:
+                    line += f" | generate() tau {record['generate_tau']:.2f}"
                 _append_record(accelerator, output_dir / VALIDATION_LOG_FILE, record, line)
             save_checkpoint(accelerator, module, output_dir, step, config)
         if out_of_time and step < config.total_steps:
@@ -379,7 +399,8 @@ def metrics_record(
     grad_norm: float | torch.Tensor,
     start_time: float,
 ) -> dict[str, Any]:
-    """One `log.jsonl` record: the window's mean losses, per-position accuracies and teacher-forced tau."""
+    """One `log.jsonl` record: the window's mean losses, per-position accuracies and teacher-forced tau (and, for a
+    validation window with `generate_tau`, the acceptance generate() has on the held-out answers)."""
     totals = {key: accelerator.reduce(value, reduction="sum").cpu() for key, value in window.items()}
     counts = totals["counts"].clamp(min=1)
     return {
@@ -392,6 +413,11 @@ def metrics_record(
         "base_acc": [round(float(x), 4) for x in totals["base_correct"] / counts],
         "final_acc": [round(float(x), 4) for x in totals["final_correct"] / counts],
         "train_tau": float(totals["accepted"] / totals["num_blocks"].clamp(min=1)),
+        **(
+            {"generate_tau": float(totals["generate_accepted"] / totals["generate_blocks"].clamp(min=1))}
+            if "generate_blocks" in totals
+            else {}
+        ),
         "elapsed_s": round(time.perf_counter() - start_time, 1),
     }
 
@@ -405,7 +431,11 @@ def held_out_window(
     lam: float,
     pad_token_id: int,
 ) -> dict[str, torch.Tensor]:
-    """Loss sums over held-out examples, with anchors fixed per example; every process runs it (DDP forwards sync)."""
+    """Loss sums over held-out examples, with anchors fixed per example; every process runs it (DDP forwards sync).
+
+    With `config.generate_tau`, also the blocks greedy `generate()` drafts over each held-out answer and the tokens
+    they add (`DominoTrainingModule.generate_blocks`): on regenerated answers, generate()'s own acceptance.
+    """
     device = accelerator.device
     layer_ids = accelerator.unwrap_model(module).drafter.config.target_layer_ids
     window: dict[str, torch.Tensor] = {}
@@ -432,6 +462,14 @@ def held_out_window(
                 kl_weight=config.kl_weight,
             )
             accumulate_metrics(window, out)
+            if config.generate_tau:
+                (blocks,) = accelerator.unwrap_model(module).generate_blocks(
+                    input_ids, loss_mask, attention_mask, features
+                )
+                added = sum(tokens for _, tokens in blocks)
+                generated = {"generate_accepted": float(added), "generate_blocks": float(len(blocks))}
+                for key, value in generated.items():
+                    window[key] = window.get(key, torch.zeros(1, device=device)) + value
     module.train(was_training)
     return window
 

@@ -17,7 +17,9 @@
   vocabulary, exactly what drafting computes with one (FR-Spec). A label outside it can never be drafted: it counts
   as a miss and takes no loss (`draft_vocab_index`).
 
-`DominoTrainingModule` puts it all in one `forward`, the module that DDP/FSDP wrap.
+`DominoTrainingModule` puts it all in one `forward`, the module that DDP/FSDP wrap. Its `block_acceptance` and
+`generate_blocks` score blocks without a loss: the blocks greedy `generate()` drafts over an answer, where they start
+and what they add, to train where `generate()`'s blocks start and to measure what it accepts on held-out answers.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..modeling_domino import DominoForSpeculation, TargetModules
-from .data import BlockInputs, build_block_inputs
+from .data import BlockInputs, build_block_inputs, generate_chain, usable_anchors
+
+# Anchors scored in one forward by `DominoTrainingModule.generate_blocks` (`[chunk x block]` queries).
+ACCEPTANCE_CHUNK = 64
 
 
 def block_attention_mask(
@@ -291,3 +296,91 @@ class DominoTrainingModule(nn.Module):
             target_probs,
             kl_weight,
         )
+
+    @torch.no_grad()
+    def block_acceptance(
+        self,
+        input_ids: torch.LongTensor,
+        loss_mask: torch.Tensor,
+        attention_mask: torch.Tensor,
+        context_features: torch.Tensor,
+        anchors: torch.LongTensor,
+        anchor_valid: torch.BoolTensor,
+        mask_dtype: torch.dtype = torch.float32,
+    ) -> torch.LongTensor:
+        """`[b, m]`: the tokens greedy `generate()` would add with a block at each anchor (0 for an invalid one).
+
+        1 + the block's leading correct teacher-forced drafts, which are `generate()`'s own drafts up to its first
+        wrong one (the GRU has read the same tokens), so this is `generate()`'s acceptance on a sequence it produced.
+        """
+        config = self.drafter.config
+        blocks = build_block_inputs(
+            input_ids,
+            loss_mask,
+            anchors,
+            anchor_valid,
+            block_size=config.block_size,
+            num_drafts=config.num_drafts,
+            mask_token_id=config.mask_token_id,
+        )
+        _, final_logits = draft_logits(
+            self.drafter,
+            self.target_modules,
+            context_features,
+            attention_mask,
+            blocks,
+            anchors,
+            mask_dtype,
+            self.vocab,
+        )
+        labels = blocks.labels.flatten(0, 1)
+        labels = labels if self.vocab_index is None else self.vocab_index[labels]
+        hits = (final_logits.argmax(-1) == labels) & blocks.label_mask.flatten(0, 1)
+        return accepted_lengths(hits, anchor_valid.flatten()).view(anchors.shape)
+
+    @torch.no_grad()
+    def acceptance_everywhere(
+        self,
+        input_ids: torch.LongTensor,
+        loss_mask: torch.Tensor,
+        attention_mask: torch.Tensor,
+        context_features: torch.Tensor,
+        mask_dtype: torch.dtype = torch.float32,
+    ) -> torch.LongTensor:
+        """`[b, T]`: `block_acceptance` of a block at every position (0 where none can start), `ACCEPTANCE_CHUNK`
+        anchors per forward: about `response length / ACCEPTANCE_CHUNK` no-grad forwards."""
+        usable = usable_anchors(loss_mask)
+        first = int(loss_mask.bool().long().argmax(dim=1).min())
+        acceptance = torch.zeros(usable.shape, dtype=torch.long, device=usable.device)
+        for start in range(first, usable.shape[1], ACCEPTANCE_CHUNK):
+            positions = torch.arange(start, min(start + ACCEPTANCE_CHUNK, usable.shape[1]), device=usable.device)
+            acceptance[:, positions] = self.block_acceptance(
+                input_ids,
+                loss_mask,
+                attention_mask,
+                context_features,
+                positions.expand(usable.shape[0], -1),
+                usable[:, positions],
+                mask_dtype,
+            )
+        return acceptance
+
+    @torch.no_grad()
+    def generate_blocks(
+        self,
+        input_ids: torch.LongTensor,
+        loss_mask: torch.Tensor,
+        attention_mask: torch.Tensor,
+        context_features: torch.Tensor,
+        mask_dtype: torch.dtype = torch.float32,
+    ) -> list[list[tuple[int, int]]]:
+        """Per sequence, the blocks greedy `generate()` with whole blocks drafts over its response: `(anchor, tokens
+        added)` each, the last (cut-off) one left out.
+
+        Scores a block at every anchor (`acceptance_everywhere`), then follows the blocks from the response's first
+        token (`data.generate_chain`). On the target's own greedy answers (regenerated data) these are `generate()`'s
+        blocks on their prompts, without generating.
+        """
+        acceptance = self.acceptance_everywhere(input_ids, loss_mask, attention_mask, context_features, mask_dtype)
+        first = loss_mask.bool().long().argmax(dim=1)
+        return [generate_chain(row, start) for row, start in zip(acceptance.tolist(), first.tolist())]
