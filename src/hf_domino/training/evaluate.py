@@ -25,9 +25,9 @@ from .. import assets
 from ..acceptance import generate_with_acceptance, mean_acceptance_length
 from ..assets import Messages
 from ..modeling_domino import DominoForSpeculation, TargetModules
-from .data import Example, build_block_inputs, target_context_features
+from .data import Example, target_context_features
 from .loop import TrainConfig, held_out_window, metrics_record
-from .loss import DominoTrainingModule, accepted_lengths, draft_logits, draft_vocab_index
+from .loss import DominoTrainingModule
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -77,28 +77,14 @@ def teacher_forced_acceptance(
     Except the last block when generation stopped at `max_new_tokens`: generate() then drafts only what fits.
     `draft_vocab` as in generate(): over the drafter's draft vocabulary when it has one.
     """
-    config = drafter.config
     input_ids = input_ids.to(drafter.device)
-    attention_mask = torch.ones_like(input_ids)
-    features = target_context_features(target_model, input_ids, attention_mask, config.target_layer_ids)
-    anchor_ids = torch.tensor([list(anchors)], device=input_ids.device)
-    blocks = build_block_inputs(
-        input_ids,
-        attention_mask,  # every token after an anchor is a label: generate() verifies whatever follows
-        anchor_ids,
-        torch.ones_like(anchor_ids, dtype=torch.bool),
-        block_size=config.block_size,
-        num_drafts=config.num_drafts,
-        mask_token_id=config.mask_token_id,
-    )
+    ones = torch.ones_like(input_ids)  # every token after an anchor is a label: generate() verifies whatever follows
+    features = target_context_features(target_model, input_ids, ones, drafter.config.target_layer_ids)
     vocab = drafter.draft_vocab if draft_vocab else None
-    target_modules = TargetModules.from_target(target_model)
-    _, final_logits = draft_logits(drafter, target_modules, features, attention_mask, blocks, anchor_ids, vocab=vocab)
-    labels, label_mask = blocks.labels[0], blocks.label_mask[0]
-    if vocab is not None:  # compared as columns of the draft-vocabulary logits, as training scores them
-        labels = draft_vocab_index(vocab, config.vocab_size)[labels]
-    hits = (final_logits.argmax(-1) == labels) & label_mask
-    return accepted_lengths(hits, torch.ones_like(label_mask[:, 0])).tolist()
+    module = DominoTrainingModule(drafter, TargetModules.from_target(target_model), vocab)
+    anchor_ids = torch.tensor([list(anchors)], device=input_ids.device)
+    valid = torch.ones_like(anchor_ids, dtype=torch.bool)
+    return module.block_acceptance(input_ids, ones, ones, features, anchor_ids, valid)[0].tolist()
 
 
 @dataclass

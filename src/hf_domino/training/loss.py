@@ -244,7 +244,7 @@ class DominoTrainingModule(nn.Module):
         self.vocab = vocab
         self.vocab_index = None if vocab is None else draft_vocab_index(vocab, drafter.config.vocab_size)
 
-    def forward(
+    def _teacher_forced_blocks(
         self,
         input_ids: torch.LongTensor,
         loss_mask: torch.Tensor,
@@ -252,11 +252,10 @@ class DominoTrainingModule(nn.Module):
         context_features: torch.Tensor,
         anchors: torch.LongTensor,
         anchor_valid: torch.BoolTensor,
-        lam: float,
-        mask_dtype: torch.dtype = torch.float32,
-        target_last_hidden: torch.Tensor | None = None,
-        kl_weight: float = 0.0,
-    ) -> DominoLossOutput:
+        mask_dtype: torch.dtype,
+    ) -> tuple[BlockInputs, torch.Tensor, torch.Tensor, torch.LongTensor]:
+        """The blocks at `anchors`, their base and final logits `[b * m, D, V']`, and their labels `[b * m, D]` as
+        columns of those logits (-1 for a label outside the draft vocabulary)."""
         config = self.drafter.config
         blocks = build_block_inputs(
             input_ids,
@@ -277,6 +276,27 @@ class DominoTrainingModule(nn.Module):
             mask_dtype,
             self.vocab,
         )
+        labels = blocks.labels.flatten(0, 1)
+        labels = labels if self.vocab_index is None else self.vocab_index[labels]
+        return blocks, base_logits, final_logits, labels
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        loss_mask: torch.Tensor,
+        attention_mask: torch.Tensor,
+        context_features: torch.Tensor,
+        anchors: torch.LongTensor,
+        anchor_valid: torch.BoolTensor,
+        lam: float,
+        mask_dtype: torch.dtype = torch.float32,
+        target_last_hidden: torch.Tensor | None = None,
+        kl_weight: float = 0.0,
+    ) -> DominoLossOutput:
+        config = self.drafter.config
+        blocks, base_logits, final_logits, labels = self._teacher_forced_blocks(
+            input_ids, loss_mask, attention_mask, context_features, anchors, anchor_valid, mask_dtype
+        )
         weights = position_weights(config.num_drafts, config.block_size, device=base_logits.device)
         target_probs = None
         if kl_weight > 0:
@@ -285,11 +305,10 @@ class DominoTrainingModule(nn.Module):
             target_probs = target_next_token_probs(
                 self.target_modules, target_last_hidden, anchors, config.num_drafts, self.vocab
             )
-        labels = blocks.labels.flatten(0, 1)
         return domino_losses(
             base_logits,
             final_logits,
-            labels if self.vocab_index is None else self.vocab_index[labels],
+            labels,
             blocks.label_mask.flatten(0, 1),
             weights,
             lam,
@@ -313,28 +332,9 @@ class DominoTrainingModule(nn.Module):
         1 + the block's leading correct teacher-forced drafts, which are `generate()`'s own drafts up to its first
         wrong one (the GRU has read the same tokens), so this is `generate()`'s acceptance on a sequence it produced.
         """
-        config = self.drafter.config
-        blocks = build_block_inputs(
-            input_ids,
-            loss_mask,
-            anchors,
-            anchor_valid,
-            block_size=config.block_size,
-            num_drafts=config.num_drafts,
-            mask_token_id=config.mask_token_id,
+        blocks, _, final_logits, labels = self._teacher_forced_blocks(
+            input_ids, loss_mask, attention_mask, context_features, anchors, anchor_valid, mask_dtype
         )
-        _, final_logits = draft_logits(
-            self.drafter,
-            self.target_modules,
-            context_features,
-            attention_mask,
-            blocks,
-            anchors,
-            mask_dtype,
-            self.vocab,
-        )
-        labels = blocks.labels.flatten(0, 1)
-        labels = labels if self.vocab_index is None else self.vocab_index[labels]
         hits = (final_logits.argmax(-1) == labels) & blocks.label_mask.flatten(0, 1)
         return accepted_lengths(hits, anchor_valid.flatten()).view(anchors.shape)
 
