@@ -406,6 +406,11 @@ def test_cli_regenerate_then_train_any_causal_lm(model, tokenizer, tmp_path):
     assert cli.main([*train, *first_run, "--output-dir", str(tmp_path / "a")]) == 0
     assert [r["step"] for r in read_records_list(tmp_path / "a" / "validation.jsonl")] == [2]
     first = DominoForSpeculation.from_pretrained(tmp_path / "a" / "final")
+    # Anchors among generate()'s own blocks, and generate()'s acceptance on the held-out answer in the log.
+    chain_run = [*first_run, "--anchor-chain", "--generate-tau"]
+    assert cli.main([*train, *chain_run, "--output-dir", str(tmp_path / "chain")]) == 0
+    (record,) = read_records_list(tmp_path / "chain" / "validation.jsonl")
+    assert 1.0 <= record["generate_tau"] <= 4
 
     fp16_export = tmp_path / "fp16"
     export_drafter(first, fp16_export, base_model="tiny-llama", dtype=torch.float16)
