@@ -44,6 +44,7 @@ def main() -> None:
             assistant_model=drafter,
             draft_policy="fixed",
             num_speculative_tokens=drafter.config.num_drafts,
+            domino_lookup=False,  # the drafter's own blocks
             max_new_tokens=args.max_new_tokens,
             do_sample=False,
             pad_token_id=pad,

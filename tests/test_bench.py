@@ -221,6 +221,7 @@ def test_method_names():
     assert measure.parse_method("domino_vocab_k16@triton+graph").options == {
         "domino_head": True,
         "draft_vocab": True,
+        "domino_lookup": False,
         "draft_policy": "fixed",
         "num_speculative_tokens": 16,
         "domino_rollout": "triton+graph",

@@ -183,18 +183,30 @@ def test_stop_strings_inside_a_block():
 
 
 # ---------------------------------------------------------------------------- drafts = the method, step by step
+def copied_from_text(sequence: list[int], limit: int) -> list[int]:
+    """Prompt lookup written out: what followed the earliest earlier occurrence of the last 3, else 2, tokens."""
+    for n in (3, 2):
+        tail = sequence[-n:]
+        for start in range(len(sequence) - n):
+            if sequence[start : start + n] == tail:
+                return sequence[start + n : start + n + limit]
+    return []
+
+
 @pytest.mark.parametrize("shift_label, pure_prefix", [(True, 1), (False, 0), (True, 3)])
 def test_drafted_tokens_match_independent_reference(arch, shift_label, pure_prefix):
-    """Reads the drafts from the target's verification inputs and recomputes each block from raw tensors."""
+    """Reads the drafts from the target's verification inputs and recomputes each block from raw tensors: the
+    drafter's from its weights, copied ones from the text. The drafter's context must stay right across copied
+    cycles, which it does not draft."""
     target = tiny_target(arch).double()
     drafter = tiny_drafter(target, shift_label=shift_label, pure_draft_prefix_len=pure_prefix, block_size=5).double()
     verify_inputs = []
     handle = target.register_forward_pre_hook(
         lambda module, args, kwargs: verify_inputs.append(kwargs["input_ids"].clone()), with_kwargs=True
     )
-    prompt = torch.tensor([[5, 17, 9, 33]])
+    prompt = torch.tensor([[7, 7, 8, 9, 10, 11, 12, 7, 7, 8]])  # the text repeats: blocks are copied, then drafted
     try:
-        output = greedy(target, prompt, max_new_tokens=20, assistant_model=drafter)
+        output = greedy(target, prompt, max_new_tokens=30, assistant_model=drafter)
     finally:
         handle.remove()
 
@@ -203,20 +215,26 @@ def test_drafted_tokens_match_independent_reference(arch, shift_label, pure_pref
     config = drafter.config
     embed, lm_head = target.model.embed_tokens.weight, target.lm_head.weight
     sequence = output[0]
+    stats = drafter.last_generation_stats
     position = prompt.shape[1]  # length of the sequence before each verification's first token
     checked = 0
-    for step_input in verify_inputs[1:]:
+    for step_input, copied in zip(verify_inputs[1:], stats.copied, strict=True):
         anchor_pos = position  # step_input = [anchor, drafts...]
-        with torch.no_grad():
-            hidden = target(sequence[None, :anchor_pos], output_hidden_states=True).hidden_states
-        features = torch.cat([hidden[i + 1][0] for i in config.target_layer_ids], dim=-1)
         drafts = step_input[0, 1:].tolist()
-        expected = draft_greedy(tensors, cfg, embed, lm_head, features, int(sequence[anchor_pos]), len(drafts))
-        assert drafts == expected
+        if copied:
+            expected = copied_from_text(sequence[: anchor_pos + 1].tolist(), limit=drafter.config.num_drafts)
+            assert drafts and drafts == expected[: len(drafts)]
+        else:
+            with torch.no_grad():
+                hidden = target(sequence[None, :anchor_pos], output_hidden_states=True).hidden_states
+            features = torch.cat([hidden[i + 1][0] for i in config.target_layer_ids], dim=-1)
+            expected = draft_greedy(tensors, cfg, embed, lm_head, features, int(sequence[anchor_pos]), len(drafts))
+            assert drafts == expected
         checked += 1
-        accepted = drafter.last_generation_stats.acceptance_lengths[checked - 1]
-        position += accepted
-    assert checked == len(drafter.last_generation_stats.acceptance_lengths) > 2
+        position += stats.acceptance_lengths[checked - 1]
+    assert checked == len(stats.acceptance_lengths) > 2
+    # Both sources drafted, and the drafter drafted after copied cycles.
+    assert any(stats.copied) and False in stats.copied[stats.copied.index(True) :]
 
 
 def test_head_switch_changes_drafts_not_output():
@@ -239,7 +257,10 @@ def test_head_switch_changes_drafts_not_output():
 def test_timings_are_recorded_on_request():
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
-    out = greedy(target, torch.tensor([[5, 6, 7]]), max_new_tokens=12, assistant_model=drafter, domino_timings=True)
+    out = greedy(
+        target, torch.tensor([[5, 6, 7]]), max_new_tokens=12, assistant_model=drafter, domino_timings=True,
+        domino_lookup=False,  # timings are per drafted cycle; copied drafts are not drafted
+    )  # fmt: skip
     stats = drafter.last_generation_stats
     assert set(stats.timings) == {"backbone", "lm_head", "head", "verify"}
     assert all(stats.drafted)  # every target forward verified drafts, so every cycle drafted

@@ -80,7 +80,7 @@ def test_generate_accepts_what_teacher_forcing_predicts_block_for_block(smollm2,
     input_ids = chat_ids(tokenizer, load_mtbench(limit=2)[1])
     output, lengths = generate_with_acceptance(
         target, input_ids, assistant_model=shipped_drafter, draft_policy="fixed", draft_vocab=draft_vocab,
-        max_new_tokens=64, do_sample=False,
+        domino_lookup=False, max_new_tokens=64, do_sample=False,
     )  # fmt: skip
     anchors = block_anchors(input_ids.shape[1], lengths)
     predicted = teacher_forced_acceptance(shipped_drafter, target, output, anchors, draft_vocab=draft_vocab)

@@ -474,8 +474,9 @@ def test_generate_blocks_are_generate_blocks(target, self_trained):
     prompt = torch.tensor([toy_examples(1)[0].input_ids[:6]])
     for drafter in (tiny_drafter(target), self_trained):
         output, lengths = generate_with_acceptance(
-            target, prompt, assistant_model=drafter, draft_policy="fixed", max_new_tokens=24, do_sample=False
-        )
+            target, prompt, assistant_model=drafter, draft_policy="fixed", domino_lookup=False, max_new_tokens=24,
+            do_sample=False,
+        )  # fmt: skip
         loss_mask = torch.zeros_like(output)
         loss_mask[:, prompt.shape[1] :] = 1
         features = target_context_features(target, output, torch.ones_like(output), [1, 2])

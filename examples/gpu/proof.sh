@@ -13,9 +13,9 @@ cd $W
 PROMPTS=${PROMPTS:-10}; TOKENS=${TOKENS:-128}; REPEATS=${REPEATS:-3}; COST_SHAPE=${COST_SHAPE:-qwen3-8b}
 MICRO_REPS=${MICRO_REPS:-100}; PYTEST_ARGS=${PYTEST_ARGS:--n 8 --timeout 300}  # xdist, pytest-timeout: on the image
 VOCAB=src/hf_domino/checkpoints/smollm2-135m-instruct-domino/draft_vocab.safetensors
-METHODS=${METHODS:-target,prompt_lookup,manual,dflash_vocab_k16,domino_vocab_k16@eager,domino_vocab_k16@triton+graph,domino_vocab,domino}
+METHODS=${METHODS:-target,prompt_lookup,manual,dflash_vocab_k16,domino_vocab_k16@eager,domino_vocab_k16@triton+graph,domino_vocab,domino_vocab_lookup,domino}
 # fp32 runs last and proves identity more than speed: fewer methods, so that it fits what device time is left.
-FP32_METHODS=${FP32_METHODS:-target,domino_vocab_k16@eager,domino_vocab_k16@triton+graph,domino_vocab}
+FP32_METHODS=${FP32_METHODS:-target,domino_vocab_k16@eager,domino_vocab_k16@triton+graph,domino_vocab,domino_vocab_lookup}
 
 STAGE_LIMIT=${STAGE_LIMIT:-900}  # seconds: a hung stage must not take the whole lease
 export S W R PROMPTS TOKENS REPEATS MICRO_REPS VOCAB  # for the stage functions, which run under `timeout`

@@ -63,7 +63,9 @@ With `pip install hf-domino`, `hf_domino.DominoForSpeculation.from_pretrained(..
 unnecessary. Options per call: `target.generate(..., assistant_model=drafter, domino_head=False)` drafts with the
 Domino head switched off (DFlash mode, same weights); by default the number of drafts verified per target forward
 is chosen per block from the measured cost of verification and the drafts' confidence (`draft_policy="fixed",
-num_speculative_tokens=16` verifies whole blocks). On a CPU, eager PyTorch makes a forward over 2-3 tokens cost
+num_speculative_tokens=16` verifies whole blocks), and where the text repeats (the last 3 or 2 tokens occurred
+before) the tokens that followed are verified instead of a drafted block (`domino_lookup=False`: the drafter's drafts
+only). On a CPU, eager PyTorch makes a forward over 2-3 tokens cost
 1.6-2x a single token, so that policy takes plain target steps almost everywhere and you get about the target's own
 speed; with `pip install hf-domino`, one line before `generate()`, `hf_domino.prepare_for_cpu_decoding(target,
 drafter)` (oneDNN-prepacked weights; same weights, same output) makes verifying a few drafts cost about one step, and

@@ -6,9 +6,10 @@ Methods (`parse_method`):
 - `target_eager`: the same with every linear layer multiplying eagerly (`hf_domino.cpu_fast_path.eager_linears`):
   the target alone without the CPU fast path, when the models were prepared with it;
 - `prompt_lookup`: transformers' n-gram prompt lookup (`prompt_lookup_num_tokens`), a drafter-free peer;
-- `domino`: `generate(assistant_model=drafter)` with the default (adaptive) draft policy, whole vocabulary;
-  `domino_vocab`: the same over the drafter's draft vocabulary; `domino_k<N>` (`domino_vocab_k<N>`): a fixed N
-  drafts per forward;
+- `domino`: `generate(assistant_model=drafter)` with the default (adaptive) draft policy, whole vocabulary, drafts
+  from the drafter only; `domino_vocab`: the same over the drafter's draft vocabulary; `domino_k<N>`
+  (`domino_vocab_k<N>`): a fixed N drafts per forward; `_lookup` after `domino`/`domino_vocab` also copies drafts
+  from the text (`domino_lookup=True`, what generate() does by default: `domino_vocab_lookup` is a user's default);
 - `dflash`, `dflash_k<N>`: the same with the Domino head switched off (DFlash drafting, same weights);
 - a Domino method with `@eager`, `@triton` or `@triton+graph` appended (`domino_vocab_k16@eager`) forces that
   `domino_rollout` (the default, `auto`, fuses the head on CUDA where it applies), to time the head's paths;
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 METHODS = ("target", "prompt_lookup", "dflash", "domino", "manual")
 # Per-cycle pieces, in cycle order as plotted: draft (backbone, base logits, head rollout), then target verify.
 TIMING_KEYS = ("backbone", "lm_head", "head", "verify")
-_DRAFTER_METHOD = re.compile(r"^(domino|dflash)(_vocab)?(?:_k(\d+))?(?:@(eager|triton|triton\+graph))?$")
+_DRAFTER_METHOD = re.compile(r"^(domino|dflash)(_vocab)?(_lookup)?(?:_k(\d+))?(?:@(eager|triton|triton\+graph))?$")
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,8 @@ class MethodSpec:
 
 
 def parse_method(name: str) -> MethodSpec:
-    """`target`, `prompt_lookup`, `manual`, or `domino`/`dflash`, then optionally `_vocab`, `_k<N>`, `@<rollout>`."""
+    """`target`, `prompt_lookup`, `manual`, or `domino`/`dflash`, then optionally `_vocab`, `_lookup`, `_k<N>`,
+    `@<rollout>`."""
     if name in ("target", "target_eager", "prompt_lookup"):
         return MethodSpec(name)
     if name == "manual":
@@ -67,13 +69,17 @@ def parse_method(name: str) -> MethodSpec:
     if match is None:
         raise ValueError(
             f"Unknown method {name!r}; choose among target, target_eager, prompt_lookup, manual, domino, dflash, domino_vocab, "
-            "domino_k<N>, domino_vocab_k<N> (and the same for dflash), each optionally with @eager, @triton or "
+            "domino_k<N>, domino_vocab_k<N>, domino_vocab_lookup (and the same for dflash), each optionally with @eager, @triton or "
             "@triton+graph (the Domino head's rollout)."
         )
-    kind, vocab, fixed, rollout = match.groups()
+    kind, vocab, lookup, fixed, rollout = match.groups()
     if rollout is not None and kind != "domino":
         raise ValueError(f"Method {name!r}: @{rollout} picks the Domino head's rollout, and dflash has no head.")
-    options: dict[str, Any] = {"domino_head": kind == "domino", "draft_vocab": vocab is not None}
+    options: dict[str, Any] = {
+        "domino_head": kind == "domino",
+        "draft_vocab": vocab is not None,
+        "domino_lookup": lookup is not None,
+    }
     if fixed is not None:
         options |= {"draft_policy": "fixed", "num_speculative_tokens": int(fixed)}
     if rollout is not None:
@@ -99,6 +105,7 @@ class Generation:
     acceptance_lengths: list[int]
     timings: dict[str, list[float]] | None = None
     drafted: list[int] | None = None
+    copied: list[bool] | None = None  # per forward: drafts copied from the text (`domino_lookup`)
 
 
 class Stopwatch:
@@ -204,7 +211,7 @@ def run_method(
         raise ValueError(f"Method {method!r} needs a drafter with a draft vocabulary (see `hf-domino draft-vocab`).")
     input_ids = input_ids.to(target.device)
     timings = {} if record_timings and spec.uses_drafter else None
-    drafted = None
+    drafted = copied = None
     eager = eager_linears() if method == "target_eager" else contextlib.nullcontext()
     with record_target_forwards(target) as cache_lengths, eager:
         start = time.perf_counter()
@@ -234,7 +241,7 @@ def run_method(
         seconds = time.perf_counter() - start
     if spec.uses_drafter and method != "manual":
         stats = drafter.last_generation_stats
-        drafted = list(stats.drafted)
+        drafted, copied = list(stats.drafted), list(stats.copied)
         if record_timings:
             timings = {key: list(values) for key, values in (stats.timings or {}).items()}
     return Generation(
@@ -243,6 +250,7 @@ def run_method(
         acceptance_lengths=acceptance_from_cache_lengths(cache_lengths, output.shape[1]),
         timings=timings,
         drafted=drafted,
+        copied=copied,
     )
 
 

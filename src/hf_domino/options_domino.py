@@ -32,7 +32,8 @@ class DominoGenerationStats:
     """What one `generate()` call did with a drafter; read it from `drafter.last_generation_stats` afterwards.
 
     `acceptance_lengths[i]` is the number of tokens the i-th target forward after the prefill added (accepted drafts
-    plus the target's own token); `drafted[i]` how many drafts it verified (0: a plain target step). `timings`
+    plus the target's own token); `drafted[i]` how many drafts it verified (0: a plain target step), and
+    `copied[i]` whether they were copied from the text (`domino_lookup`) rather than drafted. `timings`
     (seconds per drafting cycle, with `domino_timings=True`) splits each cycle into `backbone`, `lm_head` (base
     logits of the drafted positions), `head` (the sequential rollout: Domino head and token picking) and `verify`
     (target forward and acceptance, timed from the end of drafting to the loop's next call).
@@ -40,6 +41,7 @@ class DominoGenerationStats:
 
     acceptance_lengths: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
+    copied: list[bool] = field(default_factory=list)
     timings: dict[str, list[float]] | None = None
 
     @property
@@ -73,7 +75,10 @@ class DominoOptions:
         draft_vocab: compute drafts over the drafter's draft vocabulary, when it has one (default True).
         domino_rollout: `"auto"` (the fused Triton/CUDA-graph head on CUDA when it applies), `"eager"`, `"triton"`,
             `"triton+graph"` (forced: raise when they cannot run). See docs/fast_path.md.
-        domino_timings: record per-cycle timings in `drafter.last_generation_stats.timings`.
+        domino_lookup: also draft by copying from the text (prompt lookup, default True): where the sequence's last
+            3 or 2 tokens occurred before, the tokens that followed them are verified instead of a drafted block,
+            as many as pay by their acceptance so far. Off with `assistant_ensemble_weight`.
+        domino_timings: record per-cycle timings in `drafter.last_generation_stats.timings` (drafted cycles only).
     """
 
     draft_policy: str = "adaptive"
@@ -82,6 +87,7 @@ class DominoOptions:
     domino_head: bool | None = None
     draft_vocab: bool = True
     domino_rollout: str = "auto"
+    domino_lookup: bool = True
     domino_timings: bool = False
 
     @classmethod
@@ -125,7 +131,7 @@ class DominoOptions:
                 f"domino_head must be True, False or None (the default: the head when the drafter has one), got "
                 f"{self.domino_head!r}."
             )
-        for name in ("draft_vocab", "domino_timings"):
+        for name in ("draft_vocab", "domino_lookup", "domino_timings"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}.")

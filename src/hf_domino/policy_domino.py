@@ -15,6 +15,9 @@ On a GPU `T_verify` is nearly flat in k; on a CPU two tokens already cost ~1.6 s
    acceptance by a calibration learned from the acceptance actually observed (drafters are over-confident off
    their training distribution).
 
+Drafts copied from the text (prompt lookup) are verified by `LookupPolicy`: the same `E(k) / T_verify(k)`, with
+their own acceptance per position and no drafting cost.
+
 `T_verify` is measured with a few target forwards at first use per (target, device, dtype) and refined from the
 loop's own timings; `T_draft` is learned from the drafting steps' timings. What is learned is kept for the process,
 per drafter and decoding mode, so later `generate()` calls start informed.
@@ -405,20 +408,8 @@ class AdaptivePolicy:
                 if positions:
                     record.position_seconds = _moved(record.position_seconds, rollout_seconds / positions, TIME_RATE)
         for row, (row_accepted, offered) in enumerate(zip(accepted_rows, verified_rows)):
-            if not offered:
-                continue
-            seen = min(offered, row_accepted + 1)  # drafts after the first rejection were never judged
-            outcomes = torch.arange(seen) < row_accepted
-            if record.steady_acceptance is None:
-                record.steady_acceptance = list(record.position_acceptance)
-            record.steady_cycles += 1
-            for j in range(seen):
-                current = record.position_acceptance[j]
-                record.position_acceptance[j] = current + POSITION_RATE * (float(outcomes[j]) - current)
-                steady = record.steady_acceptance[j]
-                record.steady_acceptance[j] = steady + STEADY_RATE * (float(outcomes[j]) - steady)
-            if confidence_rows is not None:
-                record.calibration.observe(confidence_rows[row][:seen], outcomes)
+            confidence = None if confidence_rows is None else confidence_rows[row]
+            learn_acceptance(record, offered, row_accepted, confidence)
         if not drafted:
             return
         if learn_draft_times:
@@ -446,6 +437,51 @@ class AdaptivePolicy:
             record.skip_interval, record.skip_left = 1, 0
 
 
+def learn_acceptance(
+    record: DrafterRecord, offered: int, accepted: int, confidence: torch.Tensor | None = None
+) -> None:
+    """Learns from one row of one cycle: `offered` drafts were verified, the first `accepted` of them matched."""
+    if not offered:
+        return
+    seen = min(offered, accepted + 1)  # drafts after the first rejection were never judged
+    outcomes = torch.arange(seen) < accepted
+    if record.steady_acceptance is None:
+        record.steady_acceptance = list(record.position_acceptance)
+    record.steady_cycles += 1
+    for j in range(seen):
+        current = record.position_acceptance[j]
+        record.position_acceptance[j] = current + POSITION_RATE * (float(outcomes[j]) - current)
+        steady = record.steady_acceptance[j]
+        record.steady_acceptance[j] = steady + STEADY_RATE * (float(outcomes[j]) - steady)
+    if confidence is not None:
+        record.calibration.observe(confidence[:seen], outcomes)
+
+
+class LookupPolicy:
+    """How many drafts copied from the text (`drafting_domino.lookup_drafts`) to verify.
+
+    Copying costs nothing next to a target forward, so there is no drafting time to learn and nothing to pause: of
+    the drafts found, verify the k that maximizes `E(k) / T_verify(k)` by the acceptance seen per position of such
+    drafts (learned like a drafter's, in its own record) and the target's verify-cost table. 0 when even the first
+    copied draft is not worth its verification; the drafter then drafts as usual.
+    """
+
+    def __init__(self, record: DrafterRecord, verify_cost: VerifyCost | None, learn_times: bool = True):
+        self.record, self.verify_cost, self.learn_times = record, verify_cost, learn_times
+
+    def choose(self, num_found: int) -> int:
+        if self.verify_cost is None:  # a fixed policy: verify every draft found
+            return num_found
+        tokens = expected_tokens(torch.tensor(self.record.position_acceptance[:num_found]))
+        costs = torch.tensor([self.verify_cost(1 + k) for k in range(len(tokens))], dtype=torch.float64)
+        return int(torch.argmax(tokens / costs))
+
+    def observe(self, *, verified: int, accepted: int, verify_seconds: float) -> None:
+        if self.verify_cost is not None and self.learn_times:
+            self.verify_cost.observe(1 + verified, verify_seconds)
+        learn_acceptance(self.record, verified, accepted)
+
+
 def _moved(current: float | None, observed: float, rate: float) -> float:
     return observed if current is None else current + rate * (observed - current)
 
@@ -454,10 +490,12 @@ __all__ = [
     "AcceptanceCalibration",
     "AdaptivePolicy",
     "FixedPolicy",
+    "LookupPolicy",
     "VerifyCost",
     "cached_verify_cost",
     "drafter_record",
     "expected_tokens",
+    "learn_acceptance",
     "measure_verify_cost",
     "verify_cost_for",
 ]

@@ -45,6 +45,15 @@ def summarize_method(result: BenchResult, method: str) -> dict[str, Any]:
     if drafted:  # how many drafts each target forward verified: the draft policy's choices
         summary["drafts_histogram"] = {str(k): v for k, v in sorted(Counter(drafted).items())}
         summary["mean_drafts"] = sum(drafted) / len(drafted)
+    copied = [
+        (was_copied, length)
+        for record in records
+        for was_copied, length in zip(record.copied or [], record.acceptance_lengths)
+    ]
+    if any(was_copied for was_copied, _ in copied):  # forwards that verified drafts copied from the text
+        copied_lengths = [length for was_copied, length in copied if was_copied]
+        summary["copied_share"] = len(copied_lengths) / len(copied)
+        summary["copied_acceptance_length"] = sum(copied_lengths) / len(copied_lengths)
     baseline = result.records.get("target")
     greedy = result.settings.temperature == 0
     summary |= _against_baseline(records, baseline, greedy) if baseline else _against_baseline([], [], False)
@@ -209,16 +218,18 @@ def markdown_report(result: BenchResult) -> str:
         longest = max(int(k) for s in chosen.values() for k in s["drafts_histogram"])
         lines += [
             "",
-            "Drafts verified per target forward (0 = a plain target step), share of forwards:",
+            "Drafts verified per target forward (0 = a plain target step), share of forwards; copied: the share of "
+            "forwards that verified drafts copied from the text, and the tokens those added:",
             "",
-            "| method | mean | " + " | ".join(str(k) for k in range(longest + 1)) + " |",
-            "|---|---:|" + "---:|" * (longest + 1),
+            "| method | mean | copied | " + " | ".join(str(k) for k in range(longest + 1)) + " |",
+            "|---|---:|---:|" + "---:|" * (longest + 1),
         ]
         for method, s in chosen.items():
             total = sum(s["drafts_histogram"].values())
             shares = [s["drafts_histogram"].get(str(k), 0) / total for k in range(longest + 1)]
             cells = " | ".join("" if not share else f"{share:.0%}" for share in shares)
-            lines.append(f"| {method} | {s['mean_drafts']:.2f} | {cells} |")
+            copied = f"{s['copied_share']:.0%}, {s['copied_acceptance_length']:.2f}" if "copied_share" in s else ""
+            lines.append(f"| {method} | {s['mean_drafts']:.2f} | {copied} | {cells} |")
     if result.policy_verify_ms:
         lines += [
             "",

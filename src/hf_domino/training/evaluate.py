@@ -127,6 +127,7 @@ def evaluate_acceptance(
             assistant_model=drafter,
             draft_policy="fixed",
             num_speculative_tokens=draft_length or drafter.config.num_drafts,
+            domino_lookup=False,  # the drafter's own acceptance, not copies from the text
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=pad_token_id,

@@ -11,6 +11,9 @@
   correction, then `pick`, position by position) or the fused Triton/CUDA-graph rollout of `hf_domino.fused_head`,
   with the same call signature.
 - a `Pick` chooses one token from one position's logits: argmax, or a draw from the processed distribution.
+- `lookup_drafts` is the other source of drafts: tokens copied from the text itself where its last few tokens
+  occurred before (prompt lookup). Free to draft, and right where a small drafter is weakest: code that repeats its
+  identifiers, answers that quote the prompt or themselves.
 
 The candidate generator (`generation_domino`), the benchmark's hand-written loop and the tests all call this ladder.
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
@@ -203,6 +206,29 @@ def eager_rollout(
     return rollout
 
 
+# n-gram sizes tried by `lookup_drafts`, longest first: a single shared token matches too often to predict anything
+# (offline on the target's own answers, 3 then 2, at the earliest occurrence, drafted best; docs/benchmarks.md).
+LOOKUP_NGRAM_SIZES = (3, 2)
+
+
+def lookup_drafts(
+    input_ids: torch.LongTensor, max_drafts: int, ngram_sizes: tuple[int, ...] = LOOKUP_NGRAM_SIZES
+) -> torch.LongTensor | None:
+    """Drafts `[1, <= max_drafts]` copied from `input_ids` `[1, n]`: the tokens that followed the earliest earlier
+    occurrence of its last `n` tokens, for the first size in `ngram_sizes` that occurred; None when none did."""
+    sequence = input_ids[0]
+    for size in ngram_sizes:
+        if max_drafts <= 0 or sequence.shape[0] <= size:
+            continue
+        # Every n-gram that has a token after it (the sequence's own last n-gram has none).
+        windows = sequence[:-1].unfold(0, size, 1)
+        found = (windows == sequence[-size:]).all(dim=1).nonzero()
+        if found.numel():
+            start = int(found[0, 0]) + size
+            return input_ids[:, start : start + max_drafts]
+    return None
+
+
 def processed_pick(logits_processor, do_sample: bool, vocab: torch.Tensor | None, vocab_size: int) -> Pick:
     """A `Pick` from the same processed distribution the assisted-decoding loop will use for the target.
 
@@ -238,6 +264,7 @@ __all__ = [
     "draft_confidence",
     "eager_rollout",
     "greedy_pick",
+    "lookup_drafts",
     "processed_pick",
     "run_backbone",
 ]

@@ -40,12 +40,20 @@ from .drafting_domino import (
     Drafts,
     eager_rollout,
     greedy_pick,
+    lookup_drafts,
     processed_pick,
     run_backbone,
 )
 from .modeling_domino import CACHE_ARGUMENT, TargetModules, context_features
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
-from .policy_domino import AdaptivePolicy, FixedPolicy, drafter_record, measure_verify_cost, verify_cost_for
+from .policy_domino import (
+    AdaptivePolicy,
+    FixedPolicy,
+    LookupPolicy,
+    drafter_record,
+    measure_verify_cost,
+    verify_cost_for,
+)
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
@@ -110,9 +118,13 @@ class DominoCandidateGenerator(CandidateGenerator):
         self.rollout = self._select_rollout()
         self.context = DrafterContext()
         self.policy: AdaptivePolicy | FixedPolicy | None = None  # built at the first drafting step (it measures)
+        # Copied drafts have no distribution to mix with the target's, so the ensemble option turns them off.
+        self.lookup = options.domino_lookup and generation_config.assistant_ensemble_weight is None
+        self.lookup_policy: LookupPolicy | None = None
         self.stats = DominoGenerationStats(timings={} if options.domino_timings else None)
         drafter.last_generation_stats = self.stats
-        self.cycle: dict[str, Any] = {"drafted": False, "verified": 0}
+        self.cycle: dict[str, Any] = {"drafted": False, "verified": 0}  # what the policy learns from
+        self.copied = False  # whether this cycle's drafts were copied from the text
         self._clock = time.perf_counter()
 
     # ---------------------------------------------------------------------------------------------- loop interface
@@ -127,17 +139,26 @@ class DominoCandidateGenerator(CandidateGenerator):
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
         # The first target forward is a plain prefill: there is no context to draft from yet.
         if is_first_iteration:
-            self.cycle = {"drafted": False, "verified": 0}
+            self.cycle, self.copied = {"drafted": False, "verified": 0}, False
             return input_ids, None
         verify_seconds = self._lap("verify", self.cycle["drafted"])
         model_kwargs = model_kwargs or {}
         if self.policy is None:
-            self.policy = self._build_policy(input_ids, model_kwargs)
+            self.policy, self.lookup_policy = self._build_policies(input_ids, model_kwargs)
+        elif self.copied:
+            self.lookup_policy.observe(
+                verified=self.cycle["verified"], accepted=int(n_last_matches), verify_seconds=verify_seconds
+            )
         else:
             self.policy.observe(verify_seconds=verify_seconds, accepted=int(n_last_matches), **self.cycle)
         self.context.append(self._new_context_features(input_ids, model_kwargs, model_outputs, int(n_last_matches)))
-        self.cycle = {"drafted": False, "verified": 0}
+        self.cycle, self.copied = {"drafted": False, "verified": 0}, False
         room = self.max_length - input_ids.shape[1] - 1  # the target adds one token of its own
+        copied = self._copied_drafts(input_ids, min(self.max_drafts, room))
+        if copied is not None:
+            self.cycle["verified"], self.copied = copied.shape[1], True
+            self._lap()
+            return torch.cat([input_ids, copied], dim=-1), None
         num_drafts = self.policy.budget(min(self.max_drafts, room))
         if num_drafts <= 0:
             self._lap()
@@ -159,6 +180,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         if self.policy is not None:
             self.stats.acceptance_lengths.append(int(num_matches) + 1)
             self.stats.drafted.append(self.cycle["verified"])
+            self.stats.copied.append(self.copied)
 
     # ------------------------------------------------------------------------------------------------------ steps
     def _draft(self, input_ids: torch.LongTensor, num_drafts: int) -> Drafts:
@@ -177,6 +199,19 @@ class DominoCandidateGenerator(CandidateGenerator):
             "rollout_seconds": lm_head + head,
         }
         return drafts
+
+    def _copied_drafts(self, input_ids: torch.LongTensor, limit: int) -> torch.LongTensor | None:
+        """Drafts copied from the text (`lookup_drafts`) as many as the lookup policy verifies, cut before a stop;
+        None when lookup is off, found nothing, or its drafts are not worth verifying (the drafter drafts then)."""
+        if not self.lookup:
+            return None
+        found = lookup_drafts(input_ids, limit)
+        keep = 0 if found is None else self.lookup_policy.choose(found.shape[1])
+        if keep == 0:
+            return None
+        found = found[:, :keep]
+        keep = self._stop_free_length(input_ids, found)
+        return found[:, :keep] if keep else None
 
     def _new_context_features(
         self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any], model_outputs: Any, n_last_matches: int
@@ -205,14 +240,18 @@ class DominoCandidateGenerator(CandidateGenerator):
         completes a stop string, we offer only drafts[:j - 1]: the target's own next token then decides whether the
         stop happens, exactly as without a drafter, and nothing is generated past it.
         """
-        if not self.block_stopping_criteria or len(drafts) == 0:
-            return drafts
-        sequence = torch.cat([input_ids, drafts.ids.to(input_ids.device)], dim=-1)
-        for j in range(1, len(drafts) + 1):
+        return drafts.keep(self._stop_free_length(input_ids, drafts.ids))
+
+    def _stop_free_length(self, input_ids: torch.LongTensor, draft_ids: torch.LongTensor) -> int:
+        """How many of `draft_ids` `[1, k]` can be offered without one completing a stop (see `_truncate_at_stop`)."""
+        if not self.block_stopping_criteria or draft_ids.shape[1] == 0:
+            return draft_ids.shape[1]
+        sequence = torch.cat([input_ids, draft_ids.to(input_ids.device)], dim=-1)
+        for j in range(1, draft_ids.shape[1] + 1):
             prefix = sequence[:, : input_ids.shape[1] + j]
             if any(bool(criterion(prefix, None).any()) for criterion in self.block_stopping_criteria):
-                return drafts.keep(j - 1)
-        return drafts
+                return j - 1
+        return draft_ids.shape[1]
 
     # ------------------------------------------------------------------------------------------------------ set-up
     @property
@@ -230,25 +269,32 @@ class DominoCandidateGenerator(CandidateGenerator):
             self.stats.timings.setdefault(name, []).append(seconds)
         return seconds
 
-    def _build_policy(self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any]) -> AdaptivePolicy | FixedPolicy:
+    def _build_policies(
+        self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any]
+    ) -> tuple[AdaptivePolicy | FixedPolicy, LookupPolicy]:
+        """The drafter's policy and the one for copied drafts, which share the target's verify-cost table."""
         options, drafter = self.options, self.drafter
+        sampling = "sample" if self.do_sample else "greedy"
+        lookup_record = drafter_record(drafter, f"lookup+{sampling}", drafter.config.num_drafts)
         if options.draft_policy == "fixed":
-            return FixedPolicy(self.max_drafts, options.assistant_confidence_threshold)
+            policy = FixedPolicy(self.max_drafts, options.assistant_confidence_threshold)
+            return policy, LookupPolicy(lookup_record, None)
         cache = model_kwargs.get(CACHE_ARGUMENT)
         forward_kwargs = {"output_hidden_states": self.model_kwargs_overrides["output_hidden_states"]}
         cost = verify_cost_for(
             self.target_model,
             lambda: measure_verify_cost(self.target_model, cache, input_ids[:, -1:], forward_kwargs),
         )
-        mode = ("sample" if self.do_sample else "greedy") + ("+head" if options.head_enabled(drafter) else "")
+        mode = sampling + ("+head" if options.head_enabled(drafter) else "")
         mode += "+vocab" if self.vocab is not None else ""
-        return AdaptivePolicy(
+        policy = AdaptivePolicy(
             drafter_record(drafter, mode, drafter.config.num_drafts),
             cost,
             cap=self.max_drafts,
             confidence_threshold=options.assistant_confidence_threshold,
             learn_times=self._timing_is_free,
         )
+        return policy, LookupPolicy(lookup_record, cost, learn_times=self._timing_is_free)
 
     def _select_rollout(self) -> Rollout:
         """The fused Triton/CUDA-graph head rollout of `hf_domino.fused_head` when it applies, else the eager one.

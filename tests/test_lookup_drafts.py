@@ -1,0 +1,162 @@
+"""Drafts copied from the text (`domino_lookup`, on by default): found right, verified losslessly, priced well."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
+from test_generation import (
+    VOCAB,
+    chi_square_p_value,
+    exact_sequence_distribution,
+    greedy,
+    letter_tokenizer,
+    successor,
+)
+from transformers import LogitsProcessorList
+
+from hf_domino.drafting_domino import lookup_drafts
+from hf_domino.measure import parse_method
+from hf_domino.policy_domino import INITIAL_ACCEPTANCE, DrafterRecord, LookupPolicy, VerifyCost
+
+
+def found(sequence: list[int], limit: int = 4) -> list[int] | None:
+    drafts = lookup_drafts(torch.tensor([sequence]), limit)
+    return None if drafts is None else drafts[0].tolist()
+
+
+def test_lookup_copies_after_the_earliest_occurrence_of_the_longest_ngram():
+    assert found([7, 1, 2, 3, 9, 8, 6, 5, 1, 2, 3]) == [9, 8, 6, 5]  # the 3-gram 1 2 3
+    assert found([7, 1, 2, 3, 9, 8, 6, 5, 1, 2, 3], limit=2) == [9, 8]
+    assert found([1, 2, 4, 1, 2, 5, 1, 2]) == [4, 1, 2, 5]  # the earliest of two occurrences
+    # A 3-gram occurrence wins over an earlier 2-gram one.
+    assert found([2, 3, 6, 9, 9, 1, 2, 3, 7, 1, 2, 3]) == [7, 1, 2, 3]
+    assert found([1, 2, 3, 1, 2]) == [3, 1, 2]  # copying may run into the tail itself
+    assert found([4, 5, 6, 7]) is None  # nothing repeats
+    assert found([6, 1, 5, 1]) is None  # single tokens do not count
+    assert found([5, 5]) is None and found([5, 5, 5]) == [5]  # the sequence's own last n-gram is not a match
+    assert found([1, 2, 8, 1, 2], limit=0) is None
+
+
+def test_lookup_policy_verifies_what_pays():
+    # Verifying costs little more up to 5 tokens, then 50% more: an acceptance of 0.8 pays up to 4 drafts.
+    cost = VerifyCost({1: 1.0, 2: 1.02, 5: 1.05, 6: 1.5, 17: 1.5})
+    record = DrafterRecord(position_acceptance=[INITIAL_ACCEPTANCE] * 8)
+    policy = LookupPolicy(record, cost, learn_times=False)
+    assert policy.choose(8) == 4 and policy.choose(2) == 2
+    for _ in range(30):  # copied drafts keep failing at the first position
+        policy.observe(verified=4, accepted=0, verify_seconds=1.0)
+    assert record.position_acceptance[0] < 0.01 and policy.choose(8) == 0
+    assert record.position_acceptance[1] == INITIAL_ACCEPTANCE  # never judged past a rejection
+    assert LookupPolicy(record, None).choose(3) == 3  # a fixed policy verifies every draft found
+
+
+def test_greedy_identical_with_copied_drafts(arch):
+    """Random tiny models fall into loops, where copying from the text drafts well."""
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target)
+    prompt = torch.tensor([[5, 17, 9, 33, 5, 17, 40]])
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    for options in (dict(draft_policy="fixed"), dict(), dict(num_speculative_tokens=2)):
+        output = target.generate(prompt, do_sample=False, max_new_tokens=40, assistant_model=drafter, **options)
+        assert torch.equal(output, expected), options
+        stats = drafter.last_generation_stats
+        copied_lengths = [n for n, copied in zip(stats.acceptance_lengths, stats.copied) if copied]
+        assert copied_lengths and max(copied_lengths) > 1, options  # copies were verified, and accepted
+        assert max(stats.drafted) <= options.get("num_speculative_tokens", drafter.config.num_drafts)
+    drafter_only = target.generate(
+        prompt, do_sample=False, max_new_tokens=40, assistant_model=drafter, domino_lookup=False
+    )
+    assert torch.equal(drafter_only, expected) and not any(drafter.last_generation_stats.copied)
+
+
+def test_copied_drafts_stop_at_stop_strings():
+    tokenizer = letter_tokenizer()
+    target = successor_target("llama", VOCAB)  # emits consecutive letters
+    drafter = forcing_drafter(target, successor(2))  # always wrong: every accepted draft is a copied one
+    prompt = torch.tensor([[4, 5, 6, 7, 8, 9, 10, 11, 4, 5]])  # "abcdefghab": "ab" occurred before, then "cdefgh"
+    kwargs = dict(max_new_tokens=20, stop_strings=["ef"], tokenizer=tokenizer)
+    expected = greedy(target, prompt, **kwargs)
+    assert tokenizer.decode(expected[0, prompt.shape[1] :]) == "cdef"
+    assert torch.equal(greedy(target, prompt, assistant_model=drafter, **kwargs), expected)
+    stats = drafter.last_generation_stats
+    # The copy "cdefgh" is offered only up to "e": the target's own "f" completes the stop string.
+    assert stats.copied[0] and stats.acceptance_lengths[0] == 3
+
+
+def test_sampling_with_copied_drafts_preserves_target_distribution():
+    """Copied drafts have no distribution: transformers verifies them by sampling the target at every position and
+    keeping them while they agree, which is exact. Mixed with the drafter's cycles in the same calls."""
+    vocab, num_new, draws = 4, 4, 2500
+    target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=5)
+    with torch.no_grad():  # a peaked law, far from uniform, so that a wrong one shows
+        target.lm_head.weight.mul_(20)
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    prompt = [3, 0, 3, 1, 3, 2, 3, 3]  # every pair "3 t" occurred: whatever t follows, the next cycle copies
+    probs = exact_sequence_distribution(target, prompt, num_new, LogitsProcessorList())
+    torch.manual_seed(99)
+    counts: dict[tuple, int] = {}
+    copied = {"cycles": 0, "accepted": 0, "drafted": 0}
+    for _ in range(draws):
+        out = target.generate(
+            torch.tensor([prompt]), do_sample=True, max_new_tokens=num_new, assistant_model=drafter,
+            pad_token_id=0, draft_policy="fixed", top_k=0,
+        )  # fmt: skip
+        key = tuple(out[0, len(prompt) :].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        stats = drafter.last_generation_stats
+        for length, offered, was_copied in zip(stats.acceptance_lengths, stats.drafted, stats.copied):
+            copied["cycles"] += was_copied
+            copied["accepted"] += (length - 1) * was_copied
+            copied["drafted"] += offered * (not was_copied)
+    assert copied["cycles"] > draws and copied["accepted"] > draws // 10 and copied["drafted"] > draws // 10
+    assert chi_square_p_value(counts, probs, draws) > 1e-3
+    # The test can fail: the same draws are far from the distribution of another prompt's continuations.
+    wrong = exact_sequence_distribution(target, [3, 0, 3, 1, 3, 2, 3, 0], num_new, LogitsProcessorList())
+    assert chi_square_p_value(counts, wrong, draws) < 1e-6
+
+
+def test_ensemble_weight_turns_copying_off():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    prompt = torch.tensor([[5, 17, 9, 33, 5, 17]])
+    target.generate(
+        prompt, do_sample=False, max_new_tokens=10, assistant_model=drafter, draft_policy="fixed",
+        assistant_ensemble_weight=0.5,
+    )  # fmt: skip
+    assert not any(drafter.last_generation_stats.copied)
+
+
+def test_option_is_checked_and_bench_methods_name_it():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    with pytest.raises(ValueError, match="domino_lookup must be True or False, got 'yes'"):
+        target.generate(torch.tensor([[5, 6]]), max_new_tokens=3, assistant_model=drafter, domino_lookup="yes")
+    assert parse_method("domino_vocab_lookup").options["domino_lookup"] is True
+    assert parse_method("domino_vocab_lookup_k4@eager").options == {
+        "domino_head": True,
+        "draft_vocab": True,
+        "domino_lookup": True,
+        "draft_policy": "fixed",
+        "num_speculative_tokens": 4,
+        "domino_rollout": "eager",
+    }
+    assert parse_method("domino_vocab").options["domino_lookup"] is False  # the drafter alone, as always measured
+
+
+def test_bench_reports_copied_drafts():
+    from hf_domino import measure, report
+
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    prompts = [torch.tensor([[7, 7, 8, 9, 10, 11, 12, 7, 7, 8]])]
+    settings = measure.BenchSettings(max_new_tokens=30, warmup_tokens=2)
+    methods = ["target", "domino_lookup_k4", "domino_k4"]
+    result = measure.run_benchmark(target, drafter, prompts, methods, settings, progress=False)
+    summary = report.summarize(result)
+    copying = summary["domino_lookup_k4"]
+    assert copying["greedy_mismatches"] == summary["domino_k4"]["greedy_mismatches"] == 0
+    assert 0 < copying["copied_share"] < 1 and copying["copied_acceptance_length"] >= 1
+    assert "copied_share" not in summary["domino_k4"]
+    row = f"| domino_lookup_k4 | {copying['mean_drafts']:.2f} | {copying['copied_share']:.0%}, "
+    assert row in report.markdown_report(result)
