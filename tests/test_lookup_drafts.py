@@ -17,7 +17,14 @@ from transformers import LogitsProcessorList
 
 from hf_domino.drafting_domino import lookup_drafts
 from hf_domino.measure import parse_method
-from hf_domino.policy_domino import INITIAL_ACCEPTANCE, DrafterRecord, LookupPolicy, VerifyCost
+from hf_domino.policy_domino import (
+    INITIAL_ACCEPTANCE,
+    DrafterRecord,
+    LookupPolicy,
+    VerifyCost,
+    drafter_record,
+    expected_tokens,
+)
 
 
 def found(sequence: list[int], limit: int = 4) -> list[int] | None:
@@ -49,6 +56,24 @@ def test_lookup_policy_verifies_what_pays():
     assert record.position_acceptance[0] < 0.01 and policy.choose(8) == 0
     assert record.position_acceptance[1] == INITIAL_ACCEPTANCE  # never judged past a rejection
     assert LookupPolicy(record, None).choose(3) == 3  # a fixed policy verifies every draft found
+    fresh = LookupPolicy(DrafterRecord(position_acceptance=[INITIAL_ACCEPTANCE] * 8), cost, learn_times=False)
+    rate = float(expected_tokens(torch.tensor([INITIAL_ACCEPTANCE] * 4))[-1]) / 1.05
+    assert fresh.choose(8, rival_rate=rate - 0.01) == 4 and fresh.choose(8, rival_rate=rate + 0.01) == 0
+
+
+def test_declined_copies_are_judged_against_what_was_generated():
+    """A copy source judged poor is not verified, yet keeps being judged: each declined copy is compared with the
+    tokens generated instead. On a looping text the copies then win their place back within the same call."""
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    prompt = torch.tensor([[7, 7, 8, 9, 10, 11, 12, 7, 7, 8]])
+    record = drafter_record(drafter, "lookup+greedy", drafter.config.num_drafts)
+    record.position_acceptance = [0.0] * drafter.config.num_drafts  # copies look worthless to start with
+    output = target.generate(prompt, do_sample=False, max_new_tokens=60, assistant_model=drafter)
+    assert torch.equal(output, target.generate(prompt, do_sample=False, max_new_tokens=60))
+    copied = drafter.last_generation_stats.copied
+    assert not copied[0] and any(copied)
+    assert record.position_acceptance[0] > 0.5
 
 
 def test_greedy_identical_with_copied_drafts(arch):
@@ -68,6 +93,14 @@ def test_greedy_identical_with_copied_drafts(arch):
         prompt, do_sample=False, max_new_tokens=40, assistant_model=drafter, domino_lookup=False
     )
     assert torch.equal(drafter_only, expected) and not any(drafter.last_generation_stats.copied)
+    # transformers' own prompt-lookup length caps the copies.
+    capped = target.generate(
+        prompt, do_sample=False, max_new_tokens=40, assistant_model=drafter, draft_policy="fixed",
+        prompt_lookup_num_tokens=2,
+    )  # fmt: skip
+    stats = drafter.last_generation_stats
+    assert torch.equal(capped, expected) and any(stats.copied)
+    assert max(n for n, copied in zip(stats.drafted, stats.copied) if copied) == 2
 
 
 def test_copied_drafts_stop_at_stop_strings():

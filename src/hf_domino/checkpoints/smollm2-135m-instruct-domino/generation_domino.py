@@ -120,7 +120,10 @@ class DominoCandidateGenerator(CandidateGenerator):
         self.policy: AdaptivePolicy | FixedPolicy | None = None  # built at the first drafting step (it measures)
         # Copied drafts have no distribution to mix with the target's, so the ensemble option turns them off.
         self.lookup = options.domino_lookup and generation_config.assistant_ensemble_weight is None
+        # transformers' own prompt-lookup length, when a call sets it, caps the copies.
+        self.max_copies = min(self.max_drafts, generation_config.prompt_lookup_num_tokens or self.max_drafts)
         self.lookup_policy: LookupPolicy | None = None
+        self.declined_copy: tuple[int, torch.LongTensor] | None = None  # (sequence length, copy) for the next call
         self.stats = DominoGenerationStats(timings={} if options.domino_timings else None)
         drafter.last_generation_stats = self.stats
         self.cycle: dict[str, Any] = {"drafted": False, "verified": 0}  # what the policy learns from
@@ -152,9 +155,10 @@ class DominoCandidateGenerator(CandidateGenerator):
         else:
             self.policy.observe(verify_seconds=verify_seconds, accepted=int(n_last_matches), **self.cycle)
         self.context.append(self._new_context_features(input_ids, model_kwargs, model_outputs, int(n_last_matches)))
+        self._judge_declined_copy(input_ids)
         self.cycle, self.copied = {"drafted": False, "verified": 0}, False
         room = self.max_length - input_ids.shape[1] - 1  # the target adds one token of its own
-        copied = self._copied_drafts(input_ids, min(self.max_drafts, room))
+        copied = self._copied_drafts(input_ids, min(self.max_copies, room))
         if copied is not None:
             self.cycle["verified"], self.copied = copied.shape[1], True
             self._lap()
@@ -202,16 +206,32 @@ class DominoCandidateGenerator(CandidateGenerator):
 
     def _copied_drafts(self, input_ids: torch.LongTensor, limit: int) -> torch.LongTensor | None:
         """Drafts copied from the text (`lookup_drafts`) as many as the lookup policy verifies, cut before a stop;
-        None when lookup is off, found nothing, or its drafts are not worth verifying (the drafter drafts then)."""
+        None when lookup is off, found nothing, or the copies are not expected to beat the drafter (or a plain step)."""
         if not self.lookup:
             return None
         found = lookup_drafts(input_ids, limit)
-        keep = 0 if found is None else self.lookup_policy.choose(found.shape[1])
+        if found is None:
+            return None
+        rival = self.policy.rate_without_copies() if self.policy.adaptive else 0.0
+        keep = self.lookup_policy.choose(found.shape[1], rival)
         if keep == 0:
+            self.declined_copy = (input_ids.shape[1], found[0])
             return None
         found = found[:, :keep]
         keep = self._stop_free_length(input_ids, found)
         return found[:, :keep] if keep else None
+
+    def _judge_declined_copy(self, input_ids: torch.LongTensor) -> None:
+        """The copy declined last cycle against the tokens generated since: what it would have earned."""
+        if self.declined_copy is None:
+            return
+        length, copy = self.declined_copy
+        generated = input_ids[0, length:]
+        offered = min(copy.shape[0], generated.shape[0])
+        mismatches = (copy[:offered] != generated[:offered].to(copy.device)).nonzero()
+        accepted = int(mismatches[0, 0]) if mismatches.numel() else offered
+        self.lookup_policy.observe(verified=offered, accepted=accepted)
+        self.declined_copy = None
 
     def _new_context_features(
         self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any], model_outputs: Any, n_last_matches: int

@@ -345,6 +345,12 @@ class AdaptivePolicy:
         # drafting.
         return self._best_k(self.record.calibration(self.confidence[:limit]), spent=draft_seconds)
 
+    def rate_without_copies(self) -> float:
+        """Tokens per second expected of this block without copied drafts: a drafting cycle's by the acceptance
+        learned per position, or a plain step's, whichever is higher (what copies must beat)."""
+        acceptance = torch.tensor(self.record.position_acceptance[: max(self.cap, 1)])
+        return max(self._expected_rate(acceptance), 1 / self.verify_cost(1))
+
     def keep_rolling(self, confidence: torch.Tensor) -> bool:
         """Whether rolling the head out past the `j` drafts so far (`confidence` `[j]`, or `[rows, j]`) can still pay.
 
@@ -462,22 +468,30 @@ class LookupPolicy:
 
     Copying costs nothing next to a target forward, so there is no drafting time to learn and nothing to pause: of
     the drafts found, verify the k that maximizes `E(k) / T_verify(k)` by the acceptance seen per position of such
-    drafts (learned like a drafter's, in its own record) and the target's verify-cost table. 0 when even the first
-    copied draft is not worth its verification; the drafter then drafts as usual.
+    drafts (learned like a drafter's, in its own record) and the target's verify-cost table. 0 when that rate does
+    not beat the alternative (when sampling, copies are accepted only as often as the target draws them, and the
+    drafter usually does better); the drafter then drafts as usual.
     """
 
     def __init__(self, record: DrafterRecord, verify_cost: VerifyCost | None, learn_times: bool = True):
         self.record, self.verify_cost, self.learn_times = record, verify_cost, learn_times
 
-    def choose(self, num_found: int) -> int:
+    def choose(self, num_found: int, rival_rate: float = 0.0) -> int:
+        """How many of `num_found` copied drafts to verify; 0 where a cycle of them is not expected to earn more
+        tokens per second than `rival_rate` (the drafter's best, or a plain step's)."""
         if self.verify_cost is None:  # a fixed policy: verify every draft found
             return num_found
         tokens = expected_tokens(torch.tensor(self.record.position_acceptance[:num_found]))
         costs = torch.tensor([self.verify_cost(1 + k) for k in range(len(tokens))], dtype=torch.float64)
-        return int(torch.argmax(tokens / costs))
+        rates = tokens / costs
+        best = int(torch.argmax(rates))
+        return best if float(rates[best]) > rival_rate else 0
 
-    def observe(self, *, verified: int, accepted: int, verify_seconds: float) -> None:
-        if self.verify_cost is not None and self.learn_times:
+    def observe(self, *, verified: int, accepted: int, verify_seconds: float | None = None) -> None:
+        """Learns from copies verified in a forward that took `verify_seconds`, or, without it, from copies declined
+        and compared with the tokens generated instead (exact: copies are deterministic, so the first `accepted` of
+        `verified` would have been accepted), so a source once judged poor keeps being judged."""
+        if self.verify_cost is not None and self.learn_times and verify_seconds is not None:
             self.verify_cost.observe(1 + verified, verify_seconds)
         learn_acceptance(self.record, verified, accepted)
 
