@@ -137,9 +137,12 @@ def run(args: argparse.Namespace) -> int:
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     result = run_demo(target, tokenizer, drafter, args.prompt, args.max_new_tokens, streamer=streamer)
     print(f"\n{result.summary()}")
-    drafted = drafter.last_generation_stats.drafted  # still the drafted call's: the target-alone run leaves it
-    if target.device.type == "cpu" and drafted:
-        plain = sum(k == 0 for k in drafted) / len(drafted)
+    stats = drafter.last_generation_stats  # still the drafted call's: the target-alone run leaves it
+    if stats.copied:
+        copied = sum(stats.copied) / len(stats.copied)
+        print(f"{copied:.0%} of the target forwards verified tokens copied from the text where it repeats itself.")
+    if target.device.type == "cpu" and stats.drafted:
+        plain = sum(k == 0 for k in stats.drafted) / len(stats.drafted)
         print(
             f"The adaptive draft policy drafts only where verifying the drafts pays for itself: {plain:.0%} of the "
             "target forwards here were plain steps (docs/usage.md)."
