@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import hf_domino  # noqa: F401  (registers the Auto classes and the generate() hook)
-from hf_domino import DominoConfig, DominoForSpeculation
+from hf_domino import DominoConfig, DominoForSpeculation, generation_domino, policy_domino
+from hf_domino.policy_domino import VerifyCost
 
 # Tiny models gain nothing from intra-op threads, and the suite must not fight other jobs for the 2 cores.
 torch.set_num_threads(1)
@@ -128,3 +129,29 @@ def forcing_drafter(target, next_token: list[int], *, block_size: int = 6, shift
 @pytest.fixture(params=["qwen3", "llama"])
 def arch(request) -> str:
     return request.param
+
+
+# Verify-cost tables shaped like the 2-core CPU's (two tokens cost 1.6 single-token steps) and like a GPU's (a block
+# costs about one step). The fixtures replace the adaptive policy's first-use measurement with one of them and turn
+# online timing off, so its decisions are reproducible on any machine.
+CPU_LIKE = {1: 0.040, 2: 0.064, 3: 0.062, 5: 0.060, 9: 0.058, 17: 0.075}
+GPU_LIKE = {1: 0.010, 17: 0.011}
+
+
+@pytest.fixture
+def cpu_like_costs(monkeypatch):
+    return _fixed_costs(monkeypatch, CPU_LIKE)
+
+
+@pytest.fixture
+def gpu_like_costs(monkeypatch):
+    return _fixed_costs(monkeypatch, GPU_LIKE)
+
+
+def _fixed_costs(monkeypatch, table):
+    for module in (policy_domino, generation_domino):
+        monkeypatch.setattr(module, "measure_verify_cost", lambda *args, **kwargs: VerifyCost(dict(table)))
+    monkeypatch.setattr(policy_domino, "_VERIFY_COSTS", {})
+    monkeypatch.setattr(policy_domino, "_RECORDS", policy_domino.weakref.WeakKeyDictionary())
+    monkeypatch.setattr(generation_domino.DominoCandidateGenerator, "_timing_is_free", property(lambda self: False))
+    return table

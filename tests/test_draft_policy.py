@@ -9,38 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
+from conftest import CPU_LIKE, GPU_LIKE, forcing_drafter, successor_target, tiny_drafter, tiny_target
 from test_generation import chi_square_p_value, exact_sequence_distribution, sample_with_drafter
 from transformers import GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 
 import hf_domino
-from hf_domino import generation_domino, policy_domino
+from hf_domino import policy_domino
 from hf_domino.modeling_domino import cache_argument
 from hf_domino.policy_domino import AcceptanceCalibration, AdaptivePolicy, DrafterRecord, VerifyCost, expected_tokens
 
 VOCAB = 32
-CPU_LIKE = {1: 0.040, 2: 0.064, 3: 0.062, 5: 0.060, 9: 0.058, 17: 0.075}
-GPU_LIKE = {1: 0.010, 17: 0.011}
-
-
-@pytest.fixture
-def cpu_like_costs(monkeypatch):
-    return _fixed_costs(monkeypatch, CPU_LIKE)
-
-
-@pytest.fixture
-def gpu_like_costs(monkeypatch):
-    return _fixed_costs(monkeypatch, GPU_LIKE)
-
-
-def _fixed_costs(monkeypatch, table):
-    for module in (policy_domino, generation_domino):
-        monkeypatch.setattr(module, "measure_verify_cost", lambda *args, **kwargs: VerifyCost(dict(table)))
-    monkeypatch.setattr(policy_domino, "_VERIFY_COSTS", {})
-    monkeypatch.setattr(policy_domino, "_RECORDS", policy_domino.weakref.WeakKeyDictionary())
-    monkeypatch.setattr(generation_domino.DominoCandidateGenerator, "_timing_is_free", property(lambda self: False))
-    return table
 
 
 def greedy(target, prompt, **kwargs):

@@ -61,9 +61,10 @@ def test_lookup_policy_verifies_what_pays():
     assert fresh.choose(8, rival_rate=rate - 0.01) == 4 and fresh.choose(8, rival_rate=rate + 0.01) == 0
 
 
-def test_declined_copies_are_judged_against_what_was_generated():
+def test_declined_copies_are_judged_against_what_was_generated(gpu_like_costs):
     """A copy source judged poor is not verified, yet keeps being judged: each declined copy is compared with the
-    tokens generated instead. On a looping text the copies then win their place back within the same call."""
+    tokens generated instead. On a looping text the copies then win their place back within the same call.
+    (Fixed, GPU-like verify costs: with measured ones, when copies pay again depends on the machine.)"""
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     prompt = torch.tensor([[7, 7, 8, 9, 10, 11, 12, 7, 7, 8]])
@@ -73,11 +74,12 @@ def test_declined_copies_are_judged_against_what_was_generated():
     assert torch.equal(output, target.generate(prompt, do_sample=False, max_new_tokens=60))
     copied = drafter.last_generation_stats.copied
     assert not copied[0] and any(copied)
-    assert record.position_acceptance[0] > 0.5
+    assert record.position_acceptance[0] > 0.4  # learned from 0
 
 
-def test_greedy_identical_with_copied_drafts(arch):
-    """Random tiny models fall into loops, where copying from the text drafts well."""
+def test_greedy_identical_with_copied_drafts(arch, gpu_like_costs):
+    """Random tiny models fall into loops, where copying from the text drafts well. (GPU-like costs: whether the
+    adaptive policy verifies copies must not depend on this machine's timings.)"""
     target = tiny_target(arch)
     drafter = tiny_drafter(target)
     prompt = torch.tensor([[5, 17, 9, 33, 5, 17, 40]])
