@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
+from test_batching import both, left_padded
 from test_generation import (
     VOCAB,
     chi_square_p_value,
@@ -15,8 +16,11 @@ from test_generation import (
 )
 from transformers import LogitsProcessorList
 
+from hf_domino import batching_domino
+from hf_domino.batching_domino import BatchVerifyCost
 from hf_domino.drafting_domino import lookup_drafts
 from hf_domino.measure import parse_method
+from hf_domino.measure_batch import parse_batch_method
 from hf_domino.policy_domino import (
     INITIAL_ACCEPTANCE,
     DrafterRecord,
@@ -59,6 +63,21 @@ def test_lookup_policy_verifies_what_pays():
     fresh = LookupPolicy(DrafterRecord(position_acceptance=[INITIAL_ACCEPTANCE] * 8), cost, learn_times=False)
     rate = float(expected_tokens(torch.tensor([INITIAL_ACCEPTANCE] * 4))[-1]) / 1.05
     assert fresh.choose(8, rival_rate=rate - 0.01) == 4 and fresh.choose(8, rival_rate=rate + 0.01) == 0
+
+
+def test_lookup_policy_prices_a_batchs_copies_together():
+    """Every row of a batch pays for the verified width: copies in one row of four do not pay where verifying two
+    tokens per row costs 1.5 plain steps; the same copies in every row do. One row is the single-sequence rule."""
+    table = VerifyCost({4: 1.0, 8: 1.5, 20: 2.0})  # 4 rows: 1 token each costs 1.0, 2 tokens 1.5, 5 tokens 2.0
+    record = DrafterRecord(position_acceptance=[0.9] * 8)
+    policy = LookupPolicy(record, BatchVerifyCost(table, rows=4), learn_times=False)
+    plain = 1 / 1.0
+    assert policy.choose([4, 0, 0, 0], rival_rate=plain) == 0
+    assert policy.choose([4, 4, 4, 4], rival_rate=plain) == 4
+    assert policy.choose([4, 4, 4, 0], rival_rate=plain) == 4 and policy.choose([1, 0, 0, 0], rival_rate=0.0) == 0
+    single = LookupPolicy(record, VerifyCost({1: 1.0, 2: 1.5, 5: 2.0}), learn_times=False)
+    assert single.choose([4], rival_rate=plain) == single.choose(4, rival_rate=plain) == 4
+    assert LookupPolicy(record, None).choose([3, 0, 5]) == 5  # a fixed policy: the widest row's copies
 
 
 def test_declined_copies_are_judged_against_what_was_generated(gpu_like_costs):
@@ -177,6 +196,12 @@ def test_option_is_checked_and_bench_methods_name_it():
         "domino_rollout": "eager",
     }
     assert parse_method("domino_vocab").options["domino_lookup"] is False  # the drafter alone, as always measured
+    assert parse_batch_method("domino_lookup") == {"domino_lookup": True, "draft_policy": "adaptive"}
+    assert (
+        parse_batch_method("domino_k4_lookup")["domino_lookup"] and not parse_batch_method("domino")["domino_lookup"]
+    )
+    with pytest.raises(ValueError, match="optionally followed by _lookup"):
+        parse_batch_method("domino_lookup_k4")
 
 
 def test_bench_reports_copied_drafts():
@@ -195,3 +220,91 @@ def test_bench_reports_copied_drafts():
     assert "copied_share" not in summary["domino_k4"]
     row = f"| domino_lookup_k4 | {copying['mean_drafts']:.2f} | {copying['copied_share']:.0%}, "
     assert row in report.markdown_report(result)
+
+
+# ------------------------------------------------------------------------------------------------------- batches
+def test_batch_rows_copy_or_draft_each_cycle_and_stay_identical(arch, gpu_like_costs, monkeypatch):
+    """Each row of a batch copies where its own text repeats; the others draft in the same cycle."""
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target)
+    rows = [[7, 7, 8, 9, 10, 11, 12, 7, 7, 8], [40, 41, 3, 22], [5, 17, 9, 33, 5, 17], [3, 9, 22, 3, 9]]
+    cycles = []
+    verify = batching_domino.BatchedDecoding.verify
+
+    def recording_verify(self, anchors, cycle):
+        cycles.append((cycle.copied(len(self.active)), cycle.lengths.tolist()))
+        return verify(self, anchors, cycle)
+
+    monkeypatch.setattr(batching_domino.BatchedDecoding, "verify", recording_verify)
+    for policy in ("fixed", "adaptive"):
+        cycles.clear()
+        expected, output = both(target, drafter, left_padded(rows), max_new_tokens=40, draft_policy=policy)
+        assert torch.equal(output, expected), policy
+        stats = drafter.last_generation_stats
+        copied_lengths = [n for n, copied in zip(stats.acceptance_lengths, stats.copied) if copied]
+        assert copied_lengths and max(copied_lengths) > 1, policy
+        mixed = [
+            (copied, lengths) for copied, lengths in cycles
+            if any(copied) and any(n > 0 and not c for n, c in zip(lengths, copied))
+        ]  # fmt: skip
+        assert mixed, policy  # cycles where some rows verified copies and others drafted blocks
+    expected, output = both(target, drafter, left_padded(rows), max_new_tokens=40, domino_lookup=False)
+    assert torch.equal(output, expected) and not any(drafter.last_generation_stats.copied)
+
+
+def test_batch_copies_stop_at_stop_strings_and_padding_is_never_copied():
+    tokenizer = letter_tokenizer()
+    target = successor_target("llama", VOCAB)  # emits consecutive letters
+    drafter = forcing_drafter(target, successor(2))  # always wrong: every accepted draft is a copied one
+    # Row 0 copies "defgh" after "abc"; row 1 ends in "a", then "b": padded with "a", its "a b" would occur where the
+    # padding meets the text, so a row that copied from its padding would copy "fab...".
+    batch = left_padded([[4, 5, 6, 7, 8, 9, 10, 11, 4, 5], [5, 9, 4]], pad=4)
+    kwargs = dict(max_new_tokens=20, stop_strings=["ef"], tokenizer=tokenizer, pad_token_id=4, draft_policy="fixed")
+    expected, output = both(target, drafter, batch, **kwargs)
+    assert torch.equal(output, expected)
+    stats = drafter.last_generation_stats
+    assert stats.copied[:2] == [True, False] and stats.acceptance_lengths[0] == 3  # "de", then the target's "f"
+
+
+def test_batch_declined_copies_are_judged_and_win_back(gpu_like_costs):
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    record = drafter_record(drafter, "lookup+greedy", drafter.config.num_drafts)
+    record.position_acceptance = [0.0] * drafter.config.num_drafts
+    batch = left_padded([[7, 7, 8, 9, 10, 11, 12, 7, 7, 8], [5, 17, 9, 33, 5, 17]])
+    expected, output = both(target, drafter, batch, max_new_tokens=60)
+    assert torch.equal(output, expected)
+    copied = drafter.last_generation_stats.copied
+    assert not any(copied[:2]) and any(copied)
+    assert record.position_acceptance[0] > 0.4  # learned from 0
+
+
+def test_batch_sampling_with_copied_drafts_keeps_each_rows_law():
+    """Copied rows are verified by the target's own draws, drafted rows by speculative sampling, in the same cycles."""
+    vocab, num_new, per_prompt = 4, 4, 2000
+    target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=5)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(20)
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    prompts = [[3, 0, 3, 1, 3, 2, 3, 3], [1, 2]]  # the first row copies every cycle; the second starts drafting
+    batch = left_padded(prompts)
+    counts: list[dict] = [{}, {}]
+    copied_cycles = drafted_cycles = 0
+    torch.manual_seed(11)
+    for _ in range(per_prompt // 250):
+        out = target.generate(
+            **batch, do_sample=True, max_new_tokens=num_new, num_return_sequences=250, assistant_model=drafter,
+            pad_token_id=0, draft_policy="fixed", top_k=0,
+        )  # fmt: skip
+        for row, sequence in enumerate(out):
+            key = tuple(sequence[-num_new:].tolist())
+            counts[row // 250][key] = counts[row // 250].get(key, 0) + 1
+        stats = drafter.last_generation_stats
+        copied_cycles += sum(stats.copied)
+        drafted_cycles += sum(n > 0 and not c for n, c in zip(stats.drafted, stats.copied))
+    assert copied_cycles > per_prompt and drafted_cycles > per_prompt // 10
+    for prompt, observed in zip(prompts, counts):
+        probs = exact_sequence_distribution(target, prompt, num_new, LogitsProcessorList())
+        assert chi_square_p_value(observed, probs, per_prompt) > 1e-3
+    wrong = exact_sequence_distribution(target, [3, 0, 3, 1, 3, 2, 3, 0], num_new, LogitsProcessorList())
+    assert chi_square_p_value(counts[0], wrong, per_prompt) < 1e-6

@@ -14,6 +14,10 @@ way), rolls the Domino head out for all rows at once, and verifies `[anchor, dra
 forward of `rows x (1 + k)` tokens. k is chosen per batch: verification is a rectangle, so a row offered fewer drafts
 than the widest row saves nothing and can only lose accepted tokens.
 
+Copied drafts work per row as at batch 1: a row whose text repeats offers what followed its last n-gram instead of
+its drafted block, where the lookup policy expects the copies to pay. The drafter runs only when some row still
+wants a drafted block, and copied rows are verified by the rule for drafts without a distribution.
+
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
 """
 
@@ -29,11 +33,13 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput, _speculative_sampling
 
+from .drafting_domino import judge_copy, lookup_drafts
 from .modeling_domino import CACHE_ARGUMENT, TargetModules, cache_argument, context_features
 from .policy_domino import (
     CALIBRATION_LENGTHS,
     AdaptivePolicy,
     FixedPolicy,
+    LookupPolicy,
     below_threshold,
     drafter_record,
     measure_verify_cost,
@@ -188,11 +194,14 @@ def _accept(
     lengths: torch.LongTensor,
     draft_logits: torch.Tensor | None,
     do_sample: bool,
+    copied: list[bool],
 ) -> tuple[list[torch.LongTensor], torch.LongTensor]:
     """Per row: the tokens a verification adds (accepted drafts + the target's own) and how many drafts matched.
 
     Greedy: the longest prefix equal to the target's argmax. Sampling: transformers' `_speculative_sampling` on the
-    row, with the exact processed logits each draft was drawn from, which keeps the target's distribution.
+    row, with the exact processed logits each draft was drawn from, which keeps the target's distribution. Copied
+    rows have no draft distribution: the target draws at every position and the copies stand while they agree with
+    its draws (transformers' rule for such drafts), which is exact too.
     """
     width = candidates.shape[1]
     if not do_sample:
@@ -202,9 +211,11 @@ def _accept(
         return [selected[row, : int(n) + 1] for row, n in enumerate(matches)], matches
     tokens, matches = [], []
     for row, length in enumerate(lengths.tolist()):
-        if length == 0:
-            tokens.append(pick_tokens(processed[row, :1], do_sample=True))
-            matches.append(0)
+        if length == 0 or copied[row]:
+            drawn = pick_tokens(processed[row, : length + 1], do_sample=True)
+            n = int((drawn[:length] == candidates[row, :length]).long().cumprod(dim=-1).sum())
+            tokens.append(drawn[: n + 1])
+            matches.append(n)
             continue
         valid, n = _speculative_sampling(
             candidates[row : row + 1, :length],
@@ -219,15 +230,37 @@ def _accept(
 
 @dataclass
 class CycleDrafts:
-    """What the drafting half of a cycle produced: the drafts, how many each row offers, and what it cost."""
+    """What the drafting half of a cycle produced: the drafts, how many each row offers, and what it cost.
+
+    A row in `copies` offers those copied drafts instead of its drafted block (`lengths` counts them).
+    """
 
     drafts: BatchDrafts | None
     lengths: torch.LongTensor  # [rows]: drafts offered by each row (0: a plain step for that row)
     observed: dict[str, Any] = field(default_factory=dict)  # for the policy's observe()
+    copies: dict[int, torch.LongTensor] = field(default_factory=dict)  # row -> its copied drafts
 
     @property
     def width(self) -> int:
         return int(self.lengths.max()) if self.lengths.numel() else 0
+
+    def take_copies(self, copies: dict[int, torch.LongTensor]) -> None:
+        self.copies = copies
+        for row, copy in copies.items():
+            self.lengths[row] = copy.shape[0]
+
+    def copied(self, rows: int) -> list[bool]:
+        return [row in self.copies for row in range(rows)]
+
+    def candidates(self, anchors: torch.LongTensor) -> torch.LongTensor:
+        """`[rows, width]`: each row's drafted or copied drafts; columns past a row's length are never read."""
+        ids = anchors.new_zeros(anchors.shape[0], self.width)
+        if self.drafts is not None:
+            drafted = self.drafts.ids[:, : self.width].to(ids.device)
+            ids[:, : drafted.shape[1]] = drafted
+        for row, copy in self.copies.items():
+            ids[row, : copy.shape[0]] = copy.to(ids.device)
+        return ids
 
 
 class BatchedDecoding:
@@ -274,6 +307,12 @@ class BatchedDecoding:
         self.target_cache = RaggedCache(cache, self.mask[:, :0])
         self.context = BatchedDrafterContext.empty(rows, drafter.config.context_size, drafter.dtype, drafter.device)
         self.policy: AdaptivePolicy | FixedPolicy | None = None
+        # Copied drafts, as at batch 1: off with the ensemble option, capped by transformers' prompt-lookup length.
+        self.lookup = options.domino_lookup and generation_config.assistant_ensemble_weight is None
+        max_drafts = options.drafts_per_block(drafter)
+        self.max_copies = min(max_drafts, generation_config.prompt_lookup_num_tokens or max_drafts)
+        self.padding = (~self.mask).sum(dim=-1).tolist()  # each row's left padding, never copied from
+        self.lookup_policy: LookupPolicy | None = None
 
     def now(self) -> float:
         """Host time; on CUDA with `domino_timings=True`, after the device finished (the timings' price)."""
@@ -353,21 +392,54 @@ class BatchedDecoding:
         self.context.known = self.mask.sum(dim=-1).to(drafter.device)
         return [self.extend(row, first[row : row + 1]) for row in self.active]
 
-    def build_policy(self, anchors: torch.LongTensor) -> AdaptivePolicy | FixedPolicy:
-        mode = "sample" if self.do_sample else "greedy"
-        mode += ("+head" if self.head else "") + ("+vocab" if self.vocab is not None else "")
+    def build_policies(self, anchors: torch.LongTensor) -> None:
+        """The drafter's policy and the copies' one; the copies' acceptance is the text's, shared with batch 1."""
+        sampling = "sample" if self.do_sample else "greedy"
+        mode = sampling + ("+head" if self.head else "") + ("+vocab" if self.vocab is not None else "")
         forward_kwargs = {"output_hidden_states": self.hidden_layers}
         max_drafts = self.options.drafts_per_block(self.drafter)
-        return batch_policy(
+        self.policy = batch_policy(
             self.target, self.drafter, self.options, mode, self.target_cache, anchors, forward_kwargs, max_drafts
         )
+        record = drafter_record(self.drafter, f"lookup+{sampling}", self.drafter.config.num_drafts)
+        # The drafter's policy learns the verify times (copies share its table and forwards).
+        self.lookup_policy = LookupPolicy(record, self.policy.verify_cost if self.policy.adaptive else None, False)
 
-    def draft(self, anchors: torch.LongTensor, room: list[int]) -> CycleDrafts:
-        """The policy's budget, one block for every active row, and how many drafts each row offers."""
+    def find_copies(self, room: list[int]) -> tuple[dict[int, torch.LongTensor], dict[int, torch.LongTensor]]:
+        """Per active row, the copied drafts it offers this cycle; or, where the lookup policy declined them, the
+        copies found (to be judged against what the row generates instead).
+
+        Rows copy where their text repeats, cut before a stop string as drafts are. The policy prices the copies of
+        all rows together against the batch's verification and a drafting cycle (or a plain step) of this batch.
+        """
+        if not self.lookup:
+            return {}, {}
+        found: dict[int, torch.LongTensor] = {}
+        for i, row in enumerate(self.active):
+            copy = lookup_drafts(self.sequences[row][None, self.padding[row] :], min(self.max_copies, room[i]))
+            if copy is not None:
+                keep = self.stop_free_length(self.sequences[row], copy[0], copy.shape[1])
+                if keep:
+                    found[i] = copy[0, :keep]
+        if not found:
+            return {}, {}
+        rival = self.policy.rate_without_copies() if self.policy.adaptive else 0.0
+        lengths = [found[i].shape[0] if i in found else 0 for i in range(len(self.active))]
+        width = self.lookup_policy.choose(lengths, rival)
+        if width == 0:
+            return {}, found
+        return {i: copy[:width] for i, copy in found.items()}, {}
+
+    def draft(self, anchors: torch.LongTensor, room: list[int], copying: set[int]) -> CycleDrafts:
+        """The policy's budget, one block for every active row, and how many drafts each row offers.
+
+        Rows in `copying` offer copies instead; when every row does, the drafter does not run.
+        """
         start = self.now()
-        budget = self.policy.budget(max(room))
+        rows = len(self.active)
+        budget = 0 if len(copying) == rows else self.policy.budget(max(room))
         if budget <= 0:
-            return CycleDrafts(None, torch.zeros(len(self.active), dtype=torch.long), {"drafted": False})
+            return CycleDrafts(None, torch.zeros(rows, dtype=torch.long), {"drafted": False})
         hidden = run_batched_backbone(self.drafter, self.modules, anchors, self.context, budget)
         backbone_done = self.now()
         base_logits = self.modules.logits(hidden, self.vocab).float()
@@ -378,7 +450,7 @@ class BatchedDecoding:
             keep_rolling=self.policy.keep_rolling if self.policy.adaptive else None,
         )  # fmt: skip
         drafted = self.now()
-        limits = self.row_limits(drafts, room)
+        limits = [0 if i in copying else limit for i, limit in enumerate(self.row_limits(drafts, room))]
         if K_PER_ROW and isinstance(self.policy, AdaptivePolicy):
             lengths = [
                 self.policy.choose(drafts.confidence[i : i + 1], drafted - start, [n]) for i, n in enumerate(limits)
@@ -405,19 +477,26 @@ class BatchedDecoding:
     def row_limits(self, drafts: BatchDrafts, room: list[int]) -> list[int]:
         """Drafts each row may offer: its room, its drafts above the confidence threshold, none past a stop string."""
         threshold = self.options.assistant_confidence_threshold
-        limits = []
-        for i, sequence in enumerate(self.active_sequences()):
-            limit = min(room[i], below_threshold(drafts.confidence[i], threshold))
-            if self.block_criteria:
-                # The target's own next token decides a stop, exactly as without a drafter (see _truncate_at_stop).
-                candidate = torch.cat([sequence, drafts.ids[i].to(sequence.device)])
-                for j in range(1, limit + 1):
-                    prefix = candidate[None, : sequence.shape[0] + j]
-                    if any(bool(criterion(prefix, None).any()) for criterion in self.block_criteria):
-                        limit = j - 1
-                        break
-            limits.append(limit)
-        return limits
+        return [
+            self.stop_free_length(
+                sequence, drafts.ids[i], min(room[i], below_threshold(drafts.confidence[i], threshold))
+            )
+            for i, sequence in enumerate(self.active_sequences())
+        ]
+
+    def stop_free_length(self, sequence: torch.LongTensor, drafts: torch.LongTensor, limit: int) -> int:
+        """How many of the first `limit` drafts can follow `sequence` before a stop string would complete.
+
+        The target's own next token decides a stop, exactly as without a drafter (see `_truncate_at_stop`).
+        """
+        if not self.block_criteria:
+            return limit
+        candidate = torch.cat([sequence, drafts.to(sequence.device)])
+        for j in range(1, limit + 1):
+            prefix = candidate[None, : sequence.shape[0] + j]
+            if any(bool(criterion(prefix, None).any()) for criterion in self.block_criteria):
+                return j - 1
+        return limit
 
     def verify(self, anchors: torch.LongTensor, cycle: CycleDrafts) -> tuple[list[torch.LongTensor], torch.LongTensor]:
         """One target forward over every row's `[anchor, drafts]`; per row, the tokens it adds and drafts matched.
@@ -426,7 +505,7 @@ class BatchedDecoding:
         of rejected drafts (and of shorter rows' padding) become holes.
         """
         width, device = cycle.width, self.device
-        candidates = cycle.drafts.ids[:, :width].to(device) if width else anchors[:, :0].to(device)
+        candidates = cycle.candidates(anchors.to(device))
         lengths = cycle.lengths.to(device)
         new_columns = torch.arange(1 + width, device=device)[None] <= lengths[:, None]
         outputs = _target_forward(
@@ -436,7 +515,8 @@ class BatchedDecoding:
         logits = outputs.logits[:, -(1 + width) :].float()
         processed = torch.stack([self.process(logits[:, i], candidates[:, :i]) for i in range(1 + width)], dim=1)
         draft_logits = None if cycle.drafts is None or cycle.drafts.logits is None else cycle.drafts.logits[:, :width]
-        tokens, matches = _accept(processed, candidates, lengths, draft_logits, self.do_sample)
+        copied = cycle.copied(len(self.active))
+        tokens, matches = _accept(processed, candidates, lengths, draft_logits, self.do_sample, copied)
         self.target_cache.keep_appended(1 + matches)
         self.context.append(
             context_features(outputs.hidden_states, self.layer_ids), (1 + matches).to(self.drafter.device)
@@ -450,22 +530,38 @@ class BatchedDecoding:
         anchors = torch.stack([sequence[-1:] for sequence in sequences]).to(self.drafter.device)
         room = [self.max_length - sequence.shape[0] - 1 for sequence in sequences]  # the target adds one of its own
         if self.policy is None:
-            self.policy = self.build_policy(anchors.to(self.device))
+            self.build_policies(anchors.to(self.device))
         if isinstance(self.policy, AdaptivePolicy):
             self.policy.verify_cost.rows = len(self.active)
-        drafts = self.draft(anchors, room)
+        copies, declined = self.find_copies(room)
+        drafts = self.draft(anchors, room, set(copies))
+        drafts.take_copies(copies)
         verify_start = self.now()
         tokens, matches = self.verify(anchors, drafts)
         verify_seconds = self.now() - verify_start
         if self.stats.timings is not None and drafts.drafts is not None:
             self.stats.timings.setdefault("verify", []).append(verify_seconds)
-        self.policy.observe(
-            verified=drafts.width, accepted=matches.tolist(), row_verified=drafts.lengths.tolist(),
-            verify_seconds=verify_seconds, **drafts.observed,
-        )  # fmt: skip
+        self.learn(drafts, matches.tolist(), verify_seconds)
+        for i, found in declined.items():  # judged against what the row generated instead
+            offered, accepted = judge_copy(found, tokens[i])
+            self.lookup_policy.observe(verified=offered, accepted=accepted)
         self.stats.acceptance_lengths.extend((1 + matches).tolist())
         self.stats.drafted.extend(drafts.lengths.tolist())
+        self.stats.copied.extend(drafts.copied(len(self.active)))
         return [self.extend(row, tokens[i]) for i, row in enumerate(self.active)]
+
+    def learn(self, cycle: CycleDrafts, matches: list[int], verify_seconds: float) -> None:
+        """Copied rows teach the lookup policy; the drafter's policy learns from the rows it drafted for alone (and
+        the forward's time from all of them)."""
+        for row, copy in cycle.copies.items():
+            self.lookup_policy.observe(verified=copy.shape[0], accepted=matches[row])
+        drafted = [row for row in range(len(matches)) if row not in cycle.copies]
+        if cycle.copies and cycle.drafts is not None and self.policy.adaptive:
+            self.policy.confidence = self.policy.confidence[drafted]
+        self.policy.observe(
+            verified=cycle.width, accepted=[matches[row] for row in drafted],
+            row_verified=[int(cycle.lengths[row]) for row in drafted], verify_seconds=verify_seconds, **cycle.observed,
+        )  # fmt: skip
 
     def run(self, input_ids: torch.LongTensor, streamer=None) -> torch.LongTensor:
         finished, emitted = self.prefill(input_ids), 0

@@ -121,8 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-methods",
         default=",".join(BATCH_METHODS),
-        help="with --batch-size: target, domino (adaptive, one k per batch), domino_rowk (adaptive, k per row), "
-        "domino_k<N> (fixed)",
+        help="with --batch-size: target, domino (the drafter alone, adaptive, one k per batch), domino_rowk "
+        "(adaptive, k per row), domino_k<N> (fixed), each optionally with _lookup (copied drafts beside the drafter, "
+        "generate()'s default)",
     )
     parser.add_argument(
         "--repeats",

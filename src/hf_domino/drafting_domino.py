@@ -229,6 +229,15 @@ def lookup_drafts(
     return None
 
 
+def judge_copy(copy: torch.LongTensor, generated: torch.LongTensor) -> tuple[int, int]:
+    """(offered, accepted) of a copy `[n]` that was not verified, against the tokens `[m]` generated in its place:
+    the first `offered` positions can be judged, and the first `accepted` of them agree. Exact, since copies are
+    deterministic: the same copy verified would have been accepted that far."""
+    offered = min(copy.shape[0], generated.shape[0])
+    mismatches = (copy[:offered] != generated[:offered].to(copy.device)).nonzero()
+    return offered, int(mismatches[0, 0]) if mismatches.numel() else offered
+
+
 def processed_pick(logits_processor, do_sample: bool, vocab: torch.Tensor | None, vocab_size: int) -> Pick:
     """A `Pick` from the same processed distribution the assisted-decoding loop will use for the target.
 
@@ -264,6 +273,7 @@ __all__ = [
     "draft_confidence",
     "eager_rollout",
     "greedy_pick",
+    "judge_copy",
     "lookup_drafts",
     "processed_pick",
     "run_backbone",

@@ -9,6 +9,7 @@ group runs N times, methods interleaved, and its median time counts.
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -21,20 +22,26 @@ from . import batching_domino
 from .assets import chat_token_ids, eos_token_ids, pad_token_id
 from .modeling_domino import DominoForSpeculation
 
-BATCH_METHODS = ("target", "domino", "domino_rowk")
+BATCH_METHODS = ("target", "domino", "domino_lookup")
+_BATCH_METHOD = re.compile(r"domino(?:(_rowk)|_k(\d+))?(_lookup)?")
 
 
 def parse_batch_method(method: str) -> dict:
-    """`target`, `domino` (adaptive, one k per batch), `domino_rowk` (adaptive, k per row), `domino_k<N>` (fixed)."""
+    """`target`, `domino` (the drafter alone, adaptive, one k per batch), `domino_rowk` (k per row), `domino_k<N>`
+    (fixed k), each optionally with `_lookup`: copied drafts beside the drafter, what `generate()` does by default."""
     if method == "target":
         return {}
-    if method == "domino":
-        return {"draft_policy": "adaptive"}
-    if method == "domino_rowk":
-        return {"draft_policy": "adaptive", "per_row": True}
-    if method.startswith("domino_k") and method[len("domino_k") :].isdigit():
-        return {"draft_policy": "fixed", "num_speculative_tokens": int(method[len("domino_k") :])}
-    raise ValueError(f"unknown batch method {method!r}: use target, domino, domino_rowk or domino_k<N>")
+    match = _BATCH_METHOD.fullmatch(method)
+    if match is None:
+        raise ValueError(
+            f"unknown batch method {method!r}: use target, domino, domino_rowk or domino_k<N>, optionally followed "
+            "by _lookup (e.g. domino_lookup)"
+        )
+    per_row, fixed, lookup = match.groups()
+    options: dict = {"domino_lookup": lookup is not None}
+    if fixed is not None:
+        return options | {"draft_policy": "fixed", "num_speculative_tokens": int(fixed)}
+    return options | {"draft_policy": "adaptive"} | ({"per_row": True} if per_row else {})
 
 
 def left_padded_batch(

@@ -40,6 +40,7 @@ from .drafting_domino import (
     Drafts,
     eager_rollout,
     greedy_pick,
+    judge_copy,
     lookup_drafts,
     processed_pick,
     run_backbone,
@@ -226,10 +227,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         if self.declined_copy is None:
             return
         length, copy = self.declined_copy
-        generated = input_ids[0, length:]
-        offered = min(copy.shape[0], generated.shape[0])
-        mismatches = (copy[:offered] != generated[:offered].to(copy.device)).nonzero()
-        accepted = int(mismatches[0, 0]) if mismatches.numel() else offered
+        offered, accepted = judge_copy(copy, input_ids[0, length:])
         self.lookup_policy.observe(verified=offered, accepted=accepted)
         self.declined_copy = None
 
