@@ -53,6 +53,7 @@ from .policy_domino import (
     LookupPolicy,
     drafter_record,
     measure_verify_cost,
+    timing_is_free,
     verify_cost_for,
 )
 
@@ -274,8 +275,7 @@ class DominoCandidateGenerator(CandidateGenerator):
     # ------------------------------------------------------------------------------------------------------ set-up
     @property
     def _timing_is_free(self) -> bool:
-        """Host timings are exact without a synchronization everywhere but on CUDA."""
-        return self.drafter.device.type != "cuda"
+        return timing_is_free(self.drafter.device)
 
     def _lap(self, name: str | None = None, record: bool = False) -> float:
         """Seconds since the previous lap; added to `timings[name]` when timings were asked for."""

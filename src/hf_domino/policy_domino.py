@@ -96,6 +96,11 @@ class VerifyCost:
 _VERIFY_COSTS: dict[tuple, VerifyCost] = {}
 
 
+def timing_is_free(device: torch.device) -> bool:
+    """Whether host timings measure the device's work without a synchronization: everywhere but on CUDA."""
+    return device.type != "cuda"
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -521,5 +526,6 @@ __all__ = [
     "expected_tokens",
     "learn_acceptance",
     "measure_verify_cost",
+    "timing_is_free",
     "verify_cost_for",
 ]

@@ -43,6 +43,7 @@ from .policy_domino import (
     below_threshold,
     drafter_record,
     measure_verify_cost,
+    timing_is_free,
     verify_cost_for,
 )
 from .ragged_batch_domino import (
@@ -118,7 +119,7 @@ def batch_policy(
         BatchVerifyCost(cost, rows),
         cap=max_drafts,
         confidence_threshold=options.assistant_confidence_threshold,
-        learn_times=drafter.device.type != "cuda",
+        learn_times=timing_is_free(drafter.device),
     )
 
 
