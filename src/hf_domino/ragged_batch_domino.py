@@ -5,8 +5,9 @@ rectangular tensors with *holes*: a `RaggedCache` is a `DynamicCache` plus a mas
 tokens of each row. A rejected draft's column becomes a hole (masked out of attention, skipped by the position count),
 so no accepted token is ever recomputed and no row waits for another. Positions are per row: the number of real
 columns before a token, exactly as transformers derives them from a left-padded attention mask. When holes waste
-enough of the cache, it is compacted (each row's real columns gathered to the right). `batching_domino` runs the loop
-that uses these pieces.
+enough of the cache, it is compacted (each row's real columns gathered to the right). Also the verification's two
+pieces: a target forward over such a cache (`ragged_forward`) and the acceptance rule per row (`accept_rows`).
+`batching_domino` runs the loop that uses these pieces.
 
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
 """
@@ -14,6 +15,7 @@ This file is also written next to exported checkpoints as remote code (transform
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,11 +29,14 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.generation.utils import _speculative_sampling
 
 from .drafting_domino import to_vocab_ids
-from .modeling_domino import CACHE_ARGUMENT, TargetModules
+from .modeling_domino import CACHE_ARGUMENT, TargetModules, cache_argument
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from .modeling_domino import DominoForSpeculation
 
 # Compact a ragged cache once holes waste this share of its columns (and at least MIN_COMPACT_COLUMNS): a compaction
@@ -307,14 +312,81 @@ def batched_rollout(
     return BatchDrafts(realised[:, 1:], logits if do_sample else None, torch.stack(confidence, dim=-1))
 
 
+# ------------------------------------------------------------------------------------------ verification, per row
+def ragged_forward(
+    target: PreTrainedModel,
+    cache: RaggedCache,
+    input_ids: torch.LongTensor,
+    new_columns: torch.BoolTensor,
+    hidden_layers: list[int],
+    logits_to_keep: int | None = None,
+):
+    """One target forward that appends `input_ids` to every row; holes among them are `new_columns == False`."""
+    takes_logits_to_keep = "logits_to_keep" in inspect.signature(target.forward).parameters
+    kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep is not None and takes_logits_to_keep else {}
+    outputs = target(
+        input_ids=input_ids,
+        attention_mask=cache.attention_mask(new_columns).long(),
+        position_ids=positions_from_mask(new_columns, cache.lengths),
+        use_cache=True,
+        **cache_argument(cache.cache),
+        output_hidden_states=hidden_layers,
+        **kwargs,
+    )
+    cache.appended(new_columns)
+    return outputs
+
+
+def accept_rows(
+    processed: torch.Tensor,
+    candidates: torch.LongTensor,
+    lengths: torch.LongTensor,
+    draft_logits: torch.Tensor | None,
+    do_sample: bool,
+    copied: list[bool],
+) -> tuple[list[torch.LongTensor], torch.LongTensor]:
+    """Per row: the tokens a verification adds (accepted drafts + the target's own) and how many drafts matched.
+
+    Greedy: the longest prefix equal to the target's argmax. Sampling: transformers' `_speculative_sampling` on the
+    row, with the exact processed logits each draft was drawn from, which keeps the target's distribution. Copied
+    rows have no draft distribution: the target draws at every position and the copies stand while they agree with
+    its draws (transformers' rule for such drafts), which is exact too.
+    """
+    width = candidates.shape[1]
+    if not do_sample:
+        selected = processed.argmax(dim=-1)
+        offered = torch.arange(width, device=lengths.device)[None] < lengths[:, None]
+        matches = ((candidates == selected[:, :width]) & offered).long().cumprod(dim=-1).sum(dim=-1)
+        return [selected[row, : int(n) + 1] for row, n in enumerate(matches)], matches
+    tokens, matches = [], []
+    for row, length in enumerate(lengths.tolist()):
+        if length == 0 or copied[row]:
+            drawn = pick_tokens(processed[row, : length + 1], do_sample=True)
+            n = int((drawn[:length] == candidates[row, :length]).long().cumprod(dim=-1).sum())
+            tokens.append(drawn[: n + 1])
+            matches.append(n)
+            continue
+        valid, n = _speculative_sampling(
+            candidates[row : row + 1, :length],
+            draft_logits[row : row + 1, :length].to(processed.device),
+            length,
+            processed[row : row + 1, : length + 1],
+        )
+        tokens.append(valid[0])
+        matches.append(int(n))
+    return tokens, torch.tensor(matches, device=lengths.device)
+
+
 __all__ = [
     "BatchDrafts",
     "BatchedDrafterContext",
     "RaggedCache",
+    "accept_rows",
     "batched_rollout",
     "pick_tokens",
     "positions_from_mask",
     "process_rows",
+    "ragged_forward",
     "row_processors",
     "run_batched_backbone",
     "spread_to_vocabulary",

@@ -23,7 +23,6 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
-from transformers.generation.utils import GenerateDecoderOnlyOutput, _speculative_sampling
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .drafting_domino import judge_copy, lookup_drafts
-from .modeling_domino import CACHE_ARGUMENT, TargetModules, cache_argument, context_features
+from .modeling_domino import CACHE_ARGUMENT, TargetModules, context_features
 from .policy_domino import (
     CALIBRATION_LENGTHS,
     AdaptivePolicy,
@@ -50,10 +49,11 @@ from .ragged_batch_domino import (
     BatchDrafts,
     BatchedDrafterContext,
     RaggedCache,
+    accept_rows,
     batched_rollout,
     pick_tokens,
-    positions_from_mask,
     process_rows,
+    ragged_forward,
     row_processors,
     run_batched_backbone,
     spread_to_vocabulary,
@@ -163,70 +163,6 @@ def _check_batch_call(
             "tokens per forward): drop output_scores/output_logits/output_attentions/output_hidden_states, or "
             "generate one prompt at a time."
         )
-
-
-def _target_forward(
-    target: PreTrainedModel,
-    cache: RaggedCache,
-    input_ids: torch.LongTensor,
-    new_columns: torch.BoolTensor,
-    hidden_layers: list[int],
-    logits_to_keep: int | None = None,
-):
-    """One target forward that appends `input_ids` to every row; holes among them are `new_columns == False`."""
-    takes_logits_to_keep = "logits_to_keep" in inspect.signature(target.forward).parameters
-    kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep is not None and takes_logits_to_keep else {}
-    outputs = target(
-        input_ids=input_ids,
-        attention_mask=cache.attention_mask(new_columns).long(),
-        position_ids=positions_from_mask(new_columns, cache.lengths),
-        use_cache=True,
-        **cache_argument(cache.cache),
-        output_hidden_states=hidden_layers,
-        **kwargs,
-    )
-    cache.appended(new_columns)
-    return outputs
-
-
-def _accept(
-    processed: torch.Tensor,
-    candidates: torch.LongTensor,
-    lengths: torch.LongTensor,
-    draft_logits: torch.Tensor | None,
-    do_sample: bool,
-    copied: list[bool],
-) -> tuple[list[torch.LongTensor], torch.LongTensor]:
-    """Per row: the tokens a verification adds (accepted drafts + the target's own) and how many drafts matched.
-
-    Greedy: the longest prefix equal to the target's argmax. Sampling: transformers' `_speculative_sampling` on the
-    row, with the exact processed logits each draft was drawn from, which keeps the target's distribution. Copied
-    rows have no draft distribution: the target draws at every position and the copies stand while they agree with
-    its draws (transformers' rule for such drafts), which is exact too.
-    """
-    width = candidates.shape[1]
-    if not do_sample:
-        selected = processed.argmax(dim=-1)
-        offered = torch.arange(width, device=lengths.device)[None] < lengths[:, None]
-        matches = ((candidates == selected[:, :width]) & offered).long().cumprod(dim=-1).sum(dim=-1)
-        return [selected[row, : int(n) + 1] for row, n in enumerate(matches)], matches
-    tokens, matches = [], []
-    for row, length in enumerate(lengths.tolist()):
-        if length == 0 or copied[row]:
-            drawn = pick_tokens(processed[row, : length + 1], do_sample=True)
-            n = int((drawn[:length] == candidates[row, :length]).long().cumprod(dim=-1).sum())
-            tokens.append(drawn[: n + 1])
-            matches.append(n)
-            continue
-        valid, n = _speculative_sampling(
-            candidates[row : row + 1, :length],
-            draft_logits[row : row + 1, :length].to(processed.device),
-            length,
-            processed[row : row + 1, : length + 1],
-        )
-        tokens.append(valid[0])
-        matches.append(int(n))
-    return tokens, torch.tensor(matches, device=lengths.device)
 
 
 @dataclass
@@ -383,7 +319,7 @@ class BatchedDecoding:
     # ----------------------------------------------------------------------------------------------------- steps
     def prefill(self, input_ids: torch.LongTensor) -> list[bool]:
         """The prompt through the target: every prompt token becomes drafter context, the first token is picked."""
-        outputs = _target_forward(
+        outputs = ragged_forward(
             self.target, self.target_cache, input_ids, self.mask, self.hidden_layers, logits_to_keep=1
         )
         first = pick_tokens(self.process(outputs.logits[:, -1].float()), self.do_sample)
@@ -509,7 +445,7 @@ class BatchedDecoding:
         candidates = cycle.candidates(anchors.to(device))
         lengths = cycle.lengths.to(device)
         new_columns = torch.arange(1 + width, device=device)[None] <= lengths[:, None]
-        outputs = _target_forward(
+        outputs = ragged_forward(
             self.target, self.target_cache, torch.cat([anchors.to(device), candidates], dim=-1), new_columns,
             self.hidden_layers,
         )  # fmt: skip
@@ -517,7 +453,7 @@ class BatchedDecoding:
         processed = torch.stack([self.process(logits[:, i], candidates[:, :i]) for i in range(1 + width)], dim=1)
         draft_logits = None if cycle.drafts is None or cycle.drafts.logits is None else cycle.drafts.logits[:, :width]
         copied = cycle.copied(len(self.active))
-        tokens, matches = _accept(processed, candidates, lengths, draft_logits, self.do_sample, copied)
+        tokens, matches = accept_rows(processed, candidates, lengths, draft_logits, self.do_sample, copied)
         self.target_cache.keep_appended(1 + matches)
         self.context.append(
             context_features(outputs.hidden_states, self.layer_ids), (1 + matches).to(self.drafter.device)
