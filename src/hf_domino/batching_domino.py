@@ -493,11 +493,10 @@ class BatchedDecoding:
         for row, copy in cycle.copies.items():
             self.lookup_policy.observe(verified=copy.shape[0], accepted=matches[row])
         drafted = [row for row in range(len(matches)) if row not in cycle.copies]
-        if cycle.copies and cycle.drafts is not None and self.policy.adaptive:
-            self.policy.confidence = self.policy.confidence[drafted]
         self.policy.observe(
             verified=cycle.width, accepted=[matches[row] for row in drafted],
-            row_verified=[int(cycle.lengths[row]) for row in drafted], verify_seconds=verify_seconds, **cycle.observed,
+            row_verified=[int(cycle.lengths[row]) for row in drafted], rows=drafted, verify_seconds=verify_seconds,
+            **cycle.observed,
         )  # fmt: skip
 
     def run(self, input_ids: torch.LongTensor, streamer=None) -> torch.LongTensor:

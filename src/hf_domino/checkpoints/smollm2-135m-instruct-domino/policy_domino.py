@@ -396,10 +396,12 @@ class AdaptivePolicy:
         rollout_seconds: float = 0.0,
         positions: int = 0,
         row_verified: list[int] | None = None,
+        rows: list[int] | None = None,
     ) -> None:
         """Learns from one cycle: `verified` drafts were offered, the first `accepted` of them matched.
 
-        For a batch, `accepted` and `row_verified` hold each row's numbers and `verified` is the widest row's.
+        For a batch, `accepted` and `row_verified` hold each row's numbers and `verified` is the widest row's;
+        `rows` says which rows of the block they describe, when not all (rows that verified copies instead).
         """
         record = self.record
         accepted_rows = [accepted] if isinstance(accepted, int) else list(accepted)
@@ -407,6 +409,8 @@ class AdaptivePolicy:
         confidence_rows = (
             self.confidence if self.confidence is None or self.confidence.dim() == 2 else [self.confidence]
         )
+        if rows is not None and confidence_rows is not None:
+            confidence_rows = [confidence_rows[row] for row in rows]
         # A call's first drafting cycle reads the prompt's whole context and, first in a process, pays one-time work
         # (kernel set-up, packing a draft vocabulary's rows: 0.7-1.3 s on a CPU): its times are not the drafter's cost.
         first_draft = drafted and not self.drafted_before
