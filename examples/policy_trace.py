@@ -42,6 +42,18 @@ def traced(policy_class, log: list[str]) -> None:
     policy_class.budget, policy_class.observe = logged_budget, logged_observe
 
 
+def traced_copies(log: list[str]) -> None:
+    """Wraps `LookupPolicy.choose` so that every row's copies found and the width verified are logged."""
+    choose = policy_domino.LookupPolicy.choose
+
+    def logged_choose(self, num_found, rival_rate=0.0):
+        width = choose(self, num_found, rival_rate)
+        log.append(f"  copies found {num_found} -> verify {width} (rival {rival_rate:.1f} tok/s)")
+        return width
+
+    policy_domino.LookupPolicy.choose = logged_choose
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", default="mtbench")
@@ -58,6 +70,7 @@ def main() -> None:
     groups = [prompts[i : i + args.batch_size] for i in range(0, len(prompts) - args.batch_size + 1, args.batch_size)]
     log: list[str] = []
     traced(policy_domino.AdaptivePolicy, log)
+    traced_copies(log)
 
     def seconds(batch, tokens: int, **extra) -> float:
         start = time.perf_counter()

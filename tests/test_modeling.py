@@ -17,6 +17,7 @@ from reference_domino import backbone, gru_cell, head_correction, reference_conf
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, Qwen3Config
+from transformers.cache_utils import DynamicCache
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as hf_logging
 
@@ -151,6 +152,37 @@ def test_published_folder_loads_without_warnings_and_matches_the_method(tmp_path
             correction = drafter.logit_correction(ours[None, 4:5], model_state)[0, 0]
         torch.testing.assert_close(model_state[0, 0], state)
         torch.testing.assert_close(correction, head_correction(tensors, ours[4], state))
+
+
+@pytest.mark.parametrize("domino", [True, False])
+def test_backbone_computes_only_the_positions_asked_for(domino):
+    """`num_outputs` (what drafting k tokens needs) gives the whole block's first outputs, with a cached context and
+    a batch's additive mask; `draft_hidden_states` then lines the drafts up as for the whole block."""
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target, head=domino, shift_label=domino, block_size=8)
+    config = drafter.config
+    generator = torch.Generator().manual_seed(2)
+    rows, cached, pending = 2, 5, 3
+    block = torch.randn(rows, 8, config.hidden_size, generator=generator)
+    context = torch.randn(rows, pending, config.context_size, generator=generator)
+    positions = torch.arange(cached, cached + pending + 8)[None].expand(rows, -1)  # after `cached` context tokens
+    mask = torch.zeros(rows, 1, 8, cached + pending + 8)
+    mask[1, ..., :2] = torch.finfo(mask.dtype).min  # row 1 has two holes in its cached context
+    mask[0, 0, 1, cached] = torch.finfo(mask.dtype).min  # and one mask entry belongs to one query position only
+    outputs = {}
+    with torch.no_grad():
+        for num_outputs in (None, drafter.outputs_for_drafts(3)):
+            cache = DynamicCache()
+            first = torch.arange(cached + 8)[None].expand(rows, -1)
+            drafter(block, torch.ones(rows, cached, config.context_size), first, past_key_values=cache)
+            outputs[num_outputs] = drafter(
+                block, context, positions, attention_mask=mask, past_key_values=cache, num_outputs=num_outputs
+            )
+            assert cache.get_seq_length() == cached + pending  # the block's keys/values dropped either way
+    whole, asked = outputs[None], outputs[drafter.outputs_for_drafts(3)]
+    assert asked.shape[1] == (3 if domino else 4)  # DFlash's first output (the anchor's) drafts nothing
+    torch.testing.assert_close(asked, whole[:, : asked.shape[1]])
+    torch.testing.assert_close(drafter.draft_hidden_states(asked), drafter.draft_hidden_states(whole)[:, :3])
 
 
 def test_default_layer_choice_is_dflash_spacing():

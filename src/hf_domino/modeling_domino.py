@@ -157,20 +157,27 @@ class DominoAttention(Qwen3Attention):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         past_key_values: DynamicCache | None = None,
+        num_queries: int | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`num_queries`: only the block's first positions ask (all of it still answers as keys/values)."""
         batch_size, block_len = hidden_states.shape[:2]
+        num_queries = block_len if num_queries is None else num_queries
         kv_input = torch.cat([context, hidden_states], dim=1)
-        query = self.q_norm(self.q_proj(hidden_states).view(batch_size, block_len, -1, self.head_dim)).transpose(1, 2)
+        query = self.q_proj(hidden_states[:, :num_queries]).view(batch_size, num_queries, -1, self.head_dim)
+        query = self.q_norm(query).transpose(1, 2)
         key = self.k_norm(self.k_proj(kv_input).view(batch_size, kv_input.shape[1], -1, self.head_dim)).transpose(1, 2)
         value = self.v_proj(kv_input).view(batch_size, kv_input.shape[1], -1, self.head_dim).transpose(1, 2)
 
-        # cos/sin cover [new context ; block]; queries are the block, the last `block_len` positions.
+        # cos/sin cover [new context ; block]; queries are the block's first positions, keys all of them.
         cos, sin = position_embeddings
-        query = _apply_rotary(query, cos[:, -block_len:], sin[:, -block_len:])
+        start = cos.shape[1] - block_len
+        query = _apply_rotary(query, cos[:, start : start + num_queries], sin[:, start : start + num_queries])
         key = _apply_rotary(key, cos, sin)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
+        if attention_mask is not None:
+            attention_mask = attention_mask[:, :, :num_queries]
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -187,7 +194,7 @@ class DominoAttention(Qwen3Attention):
             is_causal=False,
             **kwargs,
         )
-        attn_output = attn_output.reshape(batch_size, block_len, -1).contiguous()
+        attn_output = attn_output.reshape(batch_size, num_queries, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
 
@@ -208,15 +215,17 @@ class DominoDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         past_key_values: DynamicCache | None = None,
+        num_queries: int | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        residual = hidden_states
+        residual = hidden_states[:, :num_queries]
         hidden_states, _ = self.self_attn(
             self.input_layernorm(hidden_states),
             context,
             position_embeddings,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
+            num_queries=num_queries,
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -319,6 +328,7 @@ class DominoForSpeculation(DominoPreTrainedModel):
         position_ids: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
         past_key_values: DynamicCache | None = None,
+        num_outputs: int | None = None,
         **kwargs,
     ) -> torch.Tensor:
         """The parallel backbone: returns the normalized hidden states of the block, `[b, block_len, hidden]`.
@@ -332,18 +342,23 @@ class DominoForSpeculation(DominoPreTrainedModel):
                 all the context and the whole block (inference).
             past_key_values: the drafter's context cache. It only ever holds context: the block's own keys/values
                 are dropped after the forward, so the caller never crops.
+            num_outputs: return the block's first `num_outputs` positions only (see `outputs_for_drafts`). The last
+                layer then computes those positions alone; every position still serves as keys/values, so they are
+                the same outputs, at a fraction of the last layer's cost when few drafts are wanted.
         """
         hidden_states = block_embeds.to(self.fc.weight.dtype)
         block_len = hidden_states.shape[1]
         context = self.project_context(context_features)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        for layer in self.layers:
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
             hidden_states = layer(
                 hidden_states,
                 context,
                 position_embeddings,
                 attention_mask=attention_mask,
                 past_key_values=past_key_values,
+                num_queries=num_outputs if index == last else None,
                 **kwargs,
             )
         if past_key_values is not None:
@@ -351,8 +366,13 @@ class DominoForSpeculation(DominoPreTrainedModel):
         return self.norm(hidden_states)
 
     def draft_hidden_states(self, block_hidden: torch.Tensor) -> torch.Tensor:
-        """Backbone outputs of the draft positions, in draft order (`config.num_drafts` of them)."""
-        return block_hidden[:, -self.config.num_drafts :]
+        """Backbone outputs of the draft positions, in draft order: `config.num_drafts` of them for a whole block,
+        the first ones for a forward with `num_outputs`."""
+        return block_hidden[:, self.config.block_size - self.config.num_drafts :]
+
+    def outputs_for_drafts(self, num_drafts: int) -> int:
+        """The block positions whose outputs draft the first `num_drafts` tokens (DFlash skips the anchor's)."""
+        return self.config.block_size - self.config.num_drafts + num_drafts
 
     # -------------------------------------------------------------------------------------------------- Domino head
     def gru_step(self, token_embeds: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:

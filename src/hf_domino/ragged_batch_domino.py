@@ -197,6 +197,7 @@ def run_batched_backbone(
         torch.cat([pending_positions, block_positions], dim=-1),
         attention_mask=additive,
         past_key_values=context.cache.cache,
+        num_outputs=drafter.outputs_for_drafts(num_drafts),
     )
     context.cache.appended(pending_mask)  # the forward already dropped the block's own keys/values
     context.cache.maybe_compact()

@@ -112,7 +112,8 @@ def run_backbone(
 ) -> torch.Tensor:
     """The parallel backbone over `[pending context ; anchor, MASK, ...]`: outputs of the first `num_drafts` drafts.
 
-    The backbone always reads the whole block it was trained on. The context's pending features move into its cache.
+    The backbone always reads the whole block it was trained on, but its last layer computes only the positions asked
+    for. The context's pending features move into its cache.
     """
     device = drafter.device
     pending = context.pending
@@ -121,7 +122,11 @@ def run_backbone(
     anchor_position = context.num_tokens
     position_ids = torch.arange(context.length, anchor_position + drafter.config.block_size, device=device)[None]
     block_hidden = drafter(
-        drafter.embed_block(target, anchor_ids), pending.to(device), position_ids, past_key_values=context.cache
+        drafter.embed_block(target, anchor_ids),
+        pending.to(device),
+        position_ids,
+        past_key_values=context.cache,
+        num_outputs=drafter.outputs_for_drafts(num_drafts),
     )
     context.length, context.pending = anchor_position, None
     return drafter.draft_hidden_states(block_hidden)[:, :num_drafts]
