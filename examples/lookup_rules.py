@@ -9,13 +9,18 @@ tokens per forward of greedy generate() under each rule:
 - drafter: the Domino drafter alone (what `domino_lookup=False` does);
 - copy n=...: drafts copied where the last n tokens occurred before (`lookup_drafts` with those sizes, longest
   first), a plain target step where they did not;
-- copy n=..., else drafter: copies where the text repeats, the drafter elsewhere (generate()'s default, n = 3, 2).
+- copy n=..., else drafter: copies where the text repeats, the drafter elsewhere (n = 3, 2: generate()'s default for
+  a drafter without a datastore);
+- with `--datastore FILE` (a `draft_datastore.safetensors`): datastore alone (retrieved drafts, a plain step where
+  none), and copy n=3,2, else datastore, else drafter (generate()'s default for a drafter with one).
 
 Blocks verify every draft here (the drafter's at most `--drafts`, copies at most `--copies`); in generate() the
 policy verifies fewer where that pays more.
 
     python examples/lookup_rules.py --prompts humaneval --num-prompts 20
     python examples/lookup_rules.py --prompts data/smollm2-regen/heldout_ids.safetensors --num-prompts 30
+    python examples/lookup_rules.py --prompts mtbench --datastore \
+        src/hf_domino/checkpoints/smollm2-135m-instruct-domino/draft_datastore.safetensors
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 
 from hf_domino import TargetModules
 from hf_domino.assets import encode_chat, load_drafter, load_prompts, load_smollm2
-from hf_domino.drafting_domino import lookup_drafts
+from hf_domino.drafting_domino import DraftDatastore, lookup_drafts
 from hf_domino.training import DominoTrainingModule, load_examples, target_context_features
 
 NGRAM_SIZES = ((3, 2), (2,), (2, 1), (3,))
@@ -62,6 +67,19 @@ def copy_tokens(sequence: list[int], anchor: int, sizes: tuple[int, ...], limit:
     return 1 + accepted
 
 
+def retrieved_tokens(datastore: DraftDatastore, sequence: list[int], anchor: int, limit: int) -> int | None:
+    """Tokens a forward adds with drafts retrieved from the datastore at `anchor` (None: nothing retrieved)."""
+    retrieved = datastore.lookup(torch.tensor([sequence[: anchor + 1]]), limit)
+    if retrieved is None:
+        return None
+    accepted = 0
+    for draft, truth in zip(retrieved[0].tolist(), sequence[anchor + 1 :]):
+        if draft != truth:
+            break
+        accepted += 1
+    return 1 + accepted
+
+
 def follow(tokens: dict[int, int], start: int) -> list[tuple[int, int]]:
     """The blocks greedy generate() verifies from `start` on, with `tokens[anchor]` added by a block at each anchor:
     (anchor, tokens added) each."""
@@ -80,8 +98,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=144)
     parser.add_argument("--drafts", type=int, default=4, help="drafter drafts verified per block")
     parser.add_argument("--copies", type=int, default=10, help="copied drafts verified per block")
+    parser.add_argument("--datastore", default=None, help="a draft_datastore.safetensors: also its rules")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    datastore = DraftDatastore.load(args.datastore) if args.datastore else None
     torch.set_num_threads(args.threads)
     target, tokenizer = load_smollm2()
     drafter = load_drafter(args.drafter)
@@ -106,6 +126,13 @@ def main() -> None:
             copied_share.setdefault(f"copy {name}, else drafter", []).extend(
                 copies[p] is not None for p, _ in follow(hybrid, prompt_length)
             )
+        if datastore is not None:
+            retrieved = {p: retrieved_tokens(datastore, sequence, p, args.copies) for p in anchors}
+            copies = {p: copy_tokens(sequence, p, (3, 2), args.copies) for p in anchors}
+            rules["datastore"] = {p: retrieved[p] or 1 for p in anchors}
+            rules["copy n=3,2, else datastore, else drafter"] = {
+                p: copies[p] or retrieved[p] or drafter_tokens[p] for p in anchors
+            }
         for name, tokens in rules.items():
             blocks.setdefault(name, []).extend(added for _, added in follow(tokens, prompt_length))
     print(

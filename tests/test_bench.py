@@ -222,6 +222,7 @@ def test_method_names():
         "domino_head": True,
         "draft_vocab": True,
         "domino_lookup": False,
+        "domino_datastore": False,
         "draft_policy": "fixed",
         "num_speculative_tokens": 16,
         "domino_rollout": "triton+graph",

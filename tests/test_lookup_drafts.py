@@ -191,16 +191,22 @@ def test_option_is_checked_and_bench_methods_name_it():
         "domino_head": True,
         "draft_vocab": True,
         "domino_lookup": True,
+        "domino_datastore": True,
         "draft_policy": "fixed",
         "num_speculative_tokens": 4,
         "domino_rollout": "eager",
     }
     assert parse_method("domino_vocab").options["domino_lookup"] is False  # the drafter alone, as always measured
-    assert parse_batch_method("domino_lookup") == {"domino_lookup": True, "draft_policy": "adaptive"}
+    assert parse_batch_method("domino_lookup") == {
+        "domino_lookup": True,
+        "domino_datastore": True,
+        "draft_policy": "adaptive",
+    }
+    assert parse_batch_method("domino_copies")["domino_datastore"] is False
     assert (
         parse_batch_method("domino_k4_lookup")["domino_lookup"] and not parse_batch_method("domino")["domino_lookup"]
     )
-    with pytest.raises(ValueError, match="optionally followed by _lookup"):
+    with pytest.raises(ValueError, match="optionally followed by _lookup or _copies"):
         parse_batch_method("domino_lookup_k4")
 
 

@@ -15,7 +15,8 @@ forward of `rows x (1 + k)` tokens. k is chosen per batch: verification is a rec
 than the widest row saves nothing and can only lose accepted tokens.
 
 Copied drafts work per row as at batch 1: a row whose text repeats offers what followed its last n-gram instead of
-its drafted block, where the lookup policy expects the copies to pay. The drafter runs only when some row still
+its drafted block (else, with a datastore, what the target's earlier answers continue with), where the lookup policy
+expects the copies to pay. The drafter runs only when some row still
 wants a drafted block, and copied rows are verified by the rule for drafts without a distribution.
 
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
@@ -176,18 +177,20 @@ class CycleDrafts:
     lengths: torch.LongTensor  # [rows]: drafts offered by each row (0: a plain step for that row)
     observed: dict[str, Any] = field(default_factory=dict)  # for the policy's observe()
     copies: dict[int, torch.LongTensor] = field(default_factory=dict)  # row -> its copied drafts
+    sources: dict[int, LookupPolicy] = field(default_factory=dict)  # row -> the policy of its copies' source
 
     @property
     def width(self) -> int:
         return int(self.lengths.max()) if self.lengths.numel() else 0
 
-    def take_copies(self, copies: dict[int, torch.LongTensor]) -> None:
-        self.copies = copies
+    def take_copies(self, copies: dict[int, torch.LongTensor], sources: dict[int, LookupPolicy]) -> None:
+        self.copies, self.sources = copies, sources
         for row, copy in copies.items():
             self.lengths[row] = copy.shape[0]
 
-    def copied(self, rows: int) -> list[bool]:
-        return [row in self.copies for row in range(rows)]
+    def copied(self, rows: int, source: LookupPolicy | None = None) -> list[bool]:
+        """Per row, whether it offers copies (from `source` only, when given)."""
+        return [row in self.copies and source in (None, self.sources[row]) for row in range(rows)]
 
     def candidates(self, anchors: torch.LongTensor) -> torch.LongTensor:
         """`[rows, width]`: each row's drafted or copied drafts; columns past a row's length are never read."""
@@ -250,6 +253,8 @@ class BatchedDecoding:
         self.max_copies = min(max_drafts, generation_config.prompt_lookup_num_tokens or max_drafts)
         self.padding = (~self.mask).sum(dim=-1).tolist()  # each row's left padding, never copied from
         self.lookup_policy: LookupPolicy | None = None
+        self.datastore = drafter.datastore if self.lookup and options.domino_datastore else None
+        self.datastore_policy: LookupPolicy | None = None
 
     def now(self) -> float:
         """Host time; on CUDA with `domino_timings=True`, after the device finished (the timings' price)."""
@@ -330,7 +335,7 @@ class BatchedDecoding:
         return [self.extend(row, first[row : row + 1]) for row in self.active]
 
     def build_policies(self, anchors: torch.LongTensor) -> None:
-        """The drafter's policy and the copies' one; the copies' acceptance is the text's, shared with batch 1."""
+        """The drafter's policy and those of copied and retrieved drafts, whose acceptance is shared with batch 1."""
         sampling = "sample" if self.do_sample else "greedy"
         mode = sampling + ("+head" if self.head else "") + ("+vocab" if self.vocab is not None else "")
         forward_kwargs = {"output_hidden_states": self.hidden_layers}
@@ -340,32 +345,41 @@ class BatchedDecoding:
         )
         record = drafter_record(self.drafter, f"lookup+{sampling}", self.drafter.config.num_drafts)
         # The drafter's policy learns the verify times (copies share its table and forwards).
-        self.lookup_policy = LookupPolicy(record, self.policy.verify_cost if self.policy.adaptive else None, False)
+        cost = self.policy.verify_cost if self.policy.adaptive else None
+        self.lookup_policy = LookupPolicy(record, cost, False)
+        datastore = drafter_record(self.drafter, f"datastore+{sampling}", self.drafter.config.num_drafts)
+        self.datastore_policy = LookupPolicy(datastore, cost, False)
 
-    def find_copies(self, room: list[int]) -> tuple[dict[int, torch.LongTensor], dict[int, torch.LongTensor]]:
+    def find_copies(self, room: list[int]) -> tuple[dict, dict, dict]:
         """Per active row, the copied drafts it offers this cycle; or, where the lookup policy declined them, the
-        copies found (to be judged against what the row generates instead).
+        copies found (to be judged against what the row generates instead); and each row's source (its policy).
 
-        Rows copy where their text repeats, cut before a stop string as drafts are. The policy prices the copies of
-        all rows together against the batch's verification and a drafting cycle (or a plain step) of this batch.
+        Rows copy where their text repeats, else retrieve from the drafter's datastore where it has one, cut before a
+        stop string as drafts are. The policy prices the copies of all rows together against the batch's
+        verification and a drafting cycle (or a plain step) of this batch.
         """
         if not self.lookup:
-            return {}, {}
+            return {}, {}, {}
         found: dict[int, torch.LongTensor] = {}
+        sources: dict[int, LookupPolicy] = {}
         for i, row in enumerate(self.active):
-            copy = lookup_drafts(self.sequences[row][None, self.padding[row] :], min(self.max_copies, room[i]))
+            text, limit = self.sequences[row][None, self.padding[row] :], min(self.max_copies, room[i])
+            copy, source = lookup_drafts(text, limit), self.lookup_policy
+            if copy is None and self.datastore is not None:
+                copy, source = self.datastore.lookup(text, limit), self.datastore_policy
             if copy is not None:
                 keep = self.stop_free_length(self.sequences[row], copy[0], copy.shape[1])
                 if keep:
-                    found[i] = copy[0, :keep]
+                    found[i], sources[i] = copy[0, :keep], source
         if not found:
-            return {}, {}
+            return {}, {}, {}
         rival = self.policy.rate_without_copies() if self.policy.adaptive else 0.0
-        lengths = [found[i].shape[0] if i in found else 0 for i in range(len(self.active))]
-        width = self.lookup_policy.choose(lengths, rival)
+        rows = range(len(self.active))
+        lengths = [found[i].shape[0] if i in found else 0 for i in rows]
+        width = self.lookup_policy.choose(lengths, rival, [sources.get(i, self.lookup_policy) for i in rows])
         if width == 0:
-            return {}, found
-        return {i: copy[:width] for i, copy in found.items()}, {}
+            return {}, found, sources
+        return {i: copy[:width] for i, copy in found.items()}, {}, sources
 
     def draft(self, anchors: torch.LongTensor, room: list[int], copying: set[int]) -> CycleDrafts:
         """The policy's budget, one block for every active row, and how many drafts each row offers.
@@ -470,9 +484,9 @@ class BatchedDecoding:
             self.build_policies(anchors.to(self.device))
         if isinstance(self.policy, AdaptivePolicy):
             self.policy.verify_cost.rows = len(self.active)
-        copies, declined = self.find_copies(room)
+        copies, declined, sources = self.find_copies(room)
         drafts = self.draft(anchors, room, set(copies))
-        drafts.take_copies(copies)
+        drafts.take_copies(copies, sources)
         verify_start = self.now()
         tokens, matches = self.verify(anchors, drafts)
         verify_seconds = self.now() - verify_start
@@ -481,17 +495,18 @@ class BatchedDecoding:
         self.learn(drafts, matches.tolist(), verify_seconds)
         for i, found in declined.items():  # judged against what the row generated instead
             offered, accepted = judge_copy(found, tokens[i])
-            self.lookup_policy.observe(verified=offered, accepted=accepted)
+            sources[i].observe(verified=offered, accepted=accepted)
         self.stats.acceptance_lengths.extend((1 + matches).tolist())
         self.stats.drafted.extend(drafts.lengths.tolist())
-        self.stats.copied.extend(drafts.copied(len(self.active)))
+        self.stats.copied.extend(drafts.copied(len(self.active), self.lookup_policy))
+        self.stats.retrieved.extend(drafts.copied(len(self.active), self.datastore_policy))
         return [self.extend(row, tokens[i]) for i, row in enumerate(self.active)]
 
     def learn(self, cycle: CycleDrafts, matches: list[int], verify_seconds: float) -> None:
         """Copied rows teach the lookup policy; the drafter's policy learns from the rows it drafted for alone (and
         the forward's time from all of them)."""
         for row, copy in cycle.copies.items():
-            self.lookup_policy.observe(verified=copy.shape[0], accepted=matches[row])
+            cycle.sources[row].observe(verified=copy.shape[0], accepted=matches[row])
         drafted = [row for row in range(len(matches)) if row not in cycle.copies]
         self.policy.observe(
             verified=cycle.width, accepted=[matches[row] for row in drafted],

@@ -139,8 +139,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{result.summary()}")
     stats = drafter.last_generation_stats  # still the drafted call's: the target-alone run leaves it
     if stats.copied:
-        copied = sum(stats.copied) / len(stats.copied)
-        print(f"{copied:.0%} of the target forwards verified tokens copied from the text where it repeats itself.")
+        copied, retrieved = sum(stats.copied) / len(stats.copied), sum(stats.retrieved) / len(stats.copied)
+        print(
+            f"{copied:.0%} of the target forwards verified tokens copied from the text where it repeats itself, "
+            f"{retrieved:.0%} tokens retrieved from the drafter's datastore of the target's own earlier answers."
+        )
     if target.device.type == "cpu" and stats.drafted:
         plain = sum(k == 0 for k in stats.drafted) / len(stats.drafted)
         print(

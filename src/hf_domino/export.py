@@ -64,8 +64,9 @@ unnecessary. Options per call: `target.generate(..., assistant_model=drafter, do
 Domino head switched off (DFlash mode, same weights); by default the number of drafts verified per target forward
 is chosen per block from the measured cost of verification and the drafts' confidence (`draft_policy="fixed",
 num_speculative_tokens=16` verifies whole blocks), and where the text repeats (the last 3 or 2 tokens occurred
-before) the tokens that followed are verified instead of a drafted block (`domino_lookup=False`: the drafter's drafts
-only). On a CPU, eager PyTorch makes a forward over 2-3 tokens cost
+before) the tokens that followed are verified instead of a drafted block, else, when the folder has a
+`draft_datastore.safetensors`, the continuation the target's own earlier answers share after the last 4 or 3 tokens
+(`domino_datastore=False`: copies only; `domino_lookup=False`: the drafter's drafts only). On a CPU, eager PyTorch makes a forward over 2-3 tokens cost
 1.6-2x a single token, so that policy takes plain target steps almost everywhere and you get about the target's own
 speed; with `pip install hf-domino`, one line before `generate()`, `hf_domino.prepare_for_cpu_decoding(target,
 drafter)` (oneDNN-prepacked weights; same weights, same output) makes verifying a few drafts cost about one step, and
@@ -96,6 +97,9 @@ def drafter_shape(drafter: DominoForSpeculation, dtype: torch.dtype | None = Non
         shape["pure draft prefix"] = config.pure_draft_prefix_len
     if drafter.draft_vocab is not None:
         shape["draft vocabulary"] = f"{drafter.draft_vocab.numel()} of {config.vocab_size} tokens"
+    if drafter.datastore is not None:
+        tokens = int((drafter.datastore.tokens >= 0).sum())
+        shape["datastore"] = f"{tokens:,} tokens the target wrote (`draft_datastore.safetensors`)"
     shape["parameters"] = f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M"
     shape["dtype"] = str(dtype or drafter.dtype).removeprefix("torch.")
     return shape

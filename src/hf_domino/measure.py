@@ -46,7 +46,9 @@ if TYPE_CHECKING:
 METHODS = ("target", "prompt_lookup", "dflash", "domino", "manual")
 # Per-cycle pieces, in cycle order as plotted: draft (backbone, base logits, head rollout), then target verify.
 TIMING_KEYS = ("backbone", "lm_head", "head", "verify")
-_DRAFTER_METHOD = re.compile(r"^(domino|dflash)(_vocab)?(_lookup)?(?:_k(\d+))?(?:@(eager|triton|triton\+graph))?$")
+_DRAFTER_METHOD = re.compile(
+    r"^(domino|dflash)(_vocab)?(_lookup|_copies)?(?:_k(\d+))?(?:@(eager|triton|triton\+graph))?$"
+)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ class MethodSpec:
 
 
 def parse_method(name: str) -> MethodSpec:
-    """`target`, `prompt_lookup`, `manual`, or `domino`/`dflash`, then optionally `_vocab`, `_lookup`, `_k<N>`,
+    """`target`, `prompt_lookup`, `manual`, or `domino`/`dflash`, then optionally `_vocab`, `_lookup` (copies from the
+    text and the drafter's datastore, as generate() by default) or `_copies` (from the text only), `_k<N>`,
     `@<rollout>`."""
     if name in ("target", "target_eager", "prompt_lookup"):
         return MethodSpec(name)
@@ -69,7 +72,7 @@ def parse_method(name: str) -> MethodSpec:
     if match is None:
         raise ValueError(
             f"Unknown method {name!r}; choose among target, target_eager, prompt_lookup, manual, domino, dflash, domino_vocab, "
-            "domino_k<N>, domino_vocab_k<N>, domino_vocab_lookup (and the same for dflash), each optionally with @eager, @triton or "
+            "domino_k<N>, domino_vocab_k<N>, domino_vocab_lookup, domino_vocab_copies (and the same for dflash), each optionally with @eager, @triton or "
             "@triton+graph (the Domino head's rollout)."
         )
     kind, vocab, lookup, fixed, rollout = match.groups()
@@ -79,6 +82,7 @@ def parse_method(name: str) -> MethodSpec:
         "domino_head": kind == "domino",
         "draft_vocab": vocab is not None,
         "domino_lookup": lookup is not None,
+        "domino_datastore": lookup == "_lookup",
     }
     if fixed is not None:
         options |= {"draft_policy": "fixed", "num_speculative_tokens": int(fixed)}
@@ -105,7 +109,7 @@ class Generation:
     acceptance_lengths: list[int]
     timings: dict[str, list[float]] | None = None
     drafted: list[int] | None = None
-    copied: list[bool] | None = None  # per forward: drafts copied from the text (`domino_lookup`)
+    copied: list[bool] | None = None  # per forward: drafts copied from the text or the datastore (`domino_lookup`)
 
 
 class Stopwatch:
@@ -241,7 +245,8 @@ def run_method(
         seconds = time.perf_counter() - start
     if spec.uses_drafter and method != "manual":
         stats = drafter.last_generation_stats
-        drafted, copied = list(stats.drafted), list(stats.copied)
+        drafted = list(stats.drafted)
+        copied = [text or store for text, store in zip(stats.copied, stats.retrieved)]  # no drafter ran
         if record_timings:
             timings = {key: list(values) for key, values in (stats.timings or {}).items()}
     return Generation(

@@ -23,22 +23,23 @@ from .assets import chat_token_ids, eos_token_ids, pad_token_id
 from .modeling_domino import DominoForSpeculation
 
 BATCH_METHODS = ("target", "domino", "domino_lookup")
-_BATCH_METHOD = re.compile(r"domino(?:(_rowk)|_k(\d+))?(_lookup)?")
+_BATCH_METHOD = re.compile(r"domino(?:(_rowk)|_k(\d+))?(_lookup|_copies)?")
 
 
 def parse_batch_method(method: str) -> dict:
     """`target`, `domino` (the drafter alone, adaptive, one k per batch), `domino_rowk` (k per row), `domino_k<N>`
-    (fixed k), each optionally with `_lookup`: copied drafts beside the drafter, what `generate()` does by default."""
+    (fixed k), each optionally with `_lookup` (copied and retrieved drafts beside the drafter, what `generate()` does
+    by default) or `_copies` (copies from the text only)."""
     if method == "target":
         return {}
     match = _BATCH_METHOD.fullmatch(method)
     if match is None:
         raise ValueError(
             f"unknown batch method {method!r}: use target, domino, domino_rowk or domino_k<N>, optionally followed "
-            "by _lookup (e.g. domino_lookup)"
+            "by _lookup or _copies (e.g. domino_lookup)"
         )
     per_row, fixed, lookup = match.groups()
-    options: dict = {"domino_lookup": lookup is not None}
+    options: dict = {"domino_lookup": lookup is not None, "domino_datastore": lookup == "_lookup"}
     if fixed is not None:
         return options | {"draft_policy": "fixed", "num_speculative_tokens": int(fixed)}
     return options | {"draft_policy": "adaptive"} | ({"per_row": True} if per_row else {})

@@ -50,7 +50,7 @@ def summarize_method(result: BenchResult, method: str) -> dict[str, Any]:
         for record in records
         for was_copied, length in zip(record.copied or [], record.acceptance_lengths)
     ]
-    if any(was_copied for was_copied, _ in copied):  # forwards that verified drafts copied from the text
+    if any(was_copied for was_copied, _ in copied):  # forwards that verified copied or retrieved drafts
         copied_lengths = [length for was_copied, length in copied if was_copied]
         summary["copied_share"] = len(copied_lengths) / len(copied)
         summary["copied_acceptance_length"] = sum(copied_lengths) / len(copied_lengths)
@@ -219,7 +219,8 @@ def markdown_report(result: BenchResult) -> str:
         lines += [
             "",
             "Drafts verified per target forward (0 = a plain target step), share of forwards; copied: the share of "
-            "forwards that verified drafts copied from the text, and the tokens those added:",
+            "forwards that verified drafts copied from the text or retrieved from the drafter's datastore (no "
+            "drafter ran), and the tokens those added:",
             "",
             "| method | mean | copied | " + " | ".join(str(k) for k in range(longest + 1)) + " |",
             "|---|---:|---:|" + "---:|" * (longest + 1),

@@ -234,6 +234,125 @@ def lookup_drafts(
     return None
 
 
+# n-gram sizes a datastore is searched by, longest first (offline, 4 then 3 drafted best on MT-Bench and HumanEval).
+DATASTORE_NGRAM_SIZES = (4, 3)
+# Occurrences read per lookup: the earliest ones of a frequent n-gram are sample enough and keep a lookup cheap.
+DATASTORE_SAMPLE = 512
+DATASTORE_FILE = "draft_datastore.safetensors"
+
+
+class DraftDatastore:
+    """Text the target wrote (its answers to the drafter's training prompts, say), for drafts by retrieval.
+
+    Where the sequence's last n tokens occurred in the store, the drafts are the continuation most of those
+    occurrences share, token by token, while at least `min_count` of them still agree. Like copies from the text,
+    such drafts cost no drafter forward and have no distribution; they serve where the text itself does not repeat
+    but the target's habits do (its phrasing, markdown, code idioms).
+
+    `tokens` is 1-D: the sequences end to end, each followed by -1. The n-gram index is built at the first lookup
+    (a few sorts of the store: 1.4 s for the shipped drafter's 4.1M tokens on 2 CPU cores) and kept.
+    """
+
+    def __init__(self, tokens: torch.Tensor, ngram_sizes: tuple[int, ...] = DATASTORE_NGRAM_SIZES, min_count: int = 2):
+        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.numel() == 0:
+            raise ValueError(
+                f"A datastore is a non-empty 1-D tensor of token ids, got {tokens.dtype} {tuple(tokens.shape)}."
+            )
+        self.tokens = tokens.to(device="cpu", dtype=torch.long)
+        if int(self.tokens[-1]) != -1:
+            self.tokens = torch.cat([self.tokens, self.tokens.new_full((1,), -1)])
+        self.ngram_sizes, self.min_count = tuple(ngram_sizes), min_count
+        self._bits = max(1, int(self.tokens.max()).bit_length())  # per token in a packed sort key
+        self._index: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
+
+    @classmethod
+    def from_sequences(cls, sequences, **kwargs) -> DraftDatastore:
+        """A datastore of token sequences (lists or tensors of ids)."""
+        pieces = []
+        for sequence in sequences:
+            pieces += [torch.as_tensor(sequence, dtype=torch.long).flatten(), torch.full((1,), -1)]
+        return cls(torch.cat(pieces), **kwargs)
+
+    def save(self, path: str) -> None:
+        """Writes the store's tokens to a safetensors file (uint16, -1 as 65535, where every id fits)."""
+        from safetensors.torch import save_file
+
+        tokens = self.tokens
+        if int(tokens.max()) < 65535:
+            tokens = tokens.masked_fill(tokens < 0, 65535).to(torch.uint16)
+        else:
+            tokens = tokens.to(torch.int32)
+        save_file({"tokens": tokens.contiguous()}, path)
+
+    @classmethod
+    def load(cls, path: str, **kwargs) -> DraftDatastore:
+        from safetensors.torch import load_file
+
+        tokens = load_file(path)["tokens"]
+        separators = tokens == 65535 if tokens.dtype == torch.uint16 else tokens < 0
+        return cls(tokens.to(torch.long).masked_fill(separators, -1), **kwargs)
+
+    def _chunks(self, size: int) -> list[range]:
+        """Columns of an n-gram packed together into one int64 sort key (as many as fit in 62 bits)."""
+        per_key = max(1, 62 // self._bits)
+        return [range(start, min(start + per_key, size)) for start in range(0, size, per_key)]
+
+    def _keys(self, grams: torch.Tensor, columns: range) -> torch.Tensor:
+        key = torch.zeros(grams.shape[0], dtype=torch.long)
+        for column in columns:
+            key = (key << self._bits) | grams[:, column]
+        return key
+
+    def _sorted(self, size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The store's n-grams that have a next token, sorted: their packed keys and the next token's position."""
+        if size not in self._index:
+            windows = self.tokens.unfold(0, size + 1, 1)  # each n-gram and the token after it (a view)
+            starts = (windows >= 0).all(dim=1).nonzero().flatten()
+            order = starts
+            chunks = self._chunks(size)
+            for columns in reversed(chunks):  # least significant first; stable sorts keep earlier positions first
+                order = order[torch.sort(self._keys(windows[order], columns), stable=True).indices]
+            grams = windows[order]
+            self._index[size] = ([self._keys(grams, columns) for columns in chunks], order + size)
+        return self._index[size]
+
+    def lookup(self, input_ids: torch.LongTensor, max_drafts: int) -> torch.LongTensor | None:
+        """Drafts `[1, <= max_drafts]` for the sequence `input_ids` `[1, n]`, or None where the store has none."""
+        sequence = input_ids[0].cpu()
+        if not self._index:  # every size at once: the first call pays for the index, not some later one
+            for size in self.ngram_sizes:
+                self._sorted(size)
+        for size in self.ngram_sizes:
+            if max_drafts <= 0 or sequence.shape[0] < size:
+                continue
+            keys, positions = self._sorted(size)
+            query = sequence[-size:][None]
+            low, high = 0, positions.shape[0]
+            for chunk_keys, columns in zip(keys, self._chunks(size)):
+                key = self._keys(query, columns)
+                span = chunk_keys[low:high]
+                low, high = (
+                    low + int(torch.searchsorted(span, key)),
+                    low + int(torch.searchsorted(span, key, right=True)),
+                )
+                if low >= high:
+                    break
+            if high - low < self.min_count:
+                continue
+            at, drafts = positions[low : min(high, low + DATASTORE_SAMPLE)], []
+            while len(drafts) < max_drafts:
+                following = self.tokens[at]
+                values, counts = torch.unique(following, return_counts=True)
+                best = int(counts.argmax())
+                if int(values[best]) < 0 or int(counts[best]) < self.min_count:
+                    break
+                drafts.append(int(values[best]))
+                at = at[following == values[best]] + 1
+            if drafts:
+                return torch.tensor([drafts], dtype=input_ids.dtype, device=input_ids.device)
+        return None
+
+
 def judge_copy(copy: torch.LongTensor, generated: torch.LongTensor) -> tuple[int, int]:
     """(offered, accepted) of a copy `[n]` that was not verified, against the tokens `[m]` generated in its place:
     the first `offered` positions can be judged, and the first `accepted` of them agree. Exact, since copies are
@@ -269,6 +388,7 @@ def processed_pick(logits_processor, do_sample: bool, vocab: torch.Tensor | None
 
 __all__ = [
     "BlockDraft",
+    "DraftDatastore",
     "DrafterContext",
     "Drafts",
     "KeepRolling",

@@ -121,15 +121,19 @@ class DominoCandidateGenerator(CandidateGenerator):
         self.context = DrafterContext()
         self.policy: AdaptivePolicy | FixedPolicy | None = None  # built at the first drafting step (it measures)
         # Copied drafts have no distribution to mix with the target's, so the ensemble option turns them off.
-        self.lookup = options.domino_lookup and generation_config.assistant_ensemble_weight is None
+        self.lookup = options.domino_lookup and self.ensemble_free(generation_config)
         # transformers' own prompt-lookup length, when a call sets it, caps the copies.
         self.max_copies = min(self.max_drafts, generation_config.prompt_lookup_num_tokens or self.max_drafts)
+        self.datastore = drafter.datastore if self.lookup and options.domino_datastore else None
         self.lookup_policy: LookupPolicy | None = None
-        self.declined_copy: tuple[int, torch.LongTensor] | None = None  # (sequence length, copy) for the next call
+        self.datastore_policy: LookupPolicy | None = None
+        # Copies (from the text or the datastore) declined this cycle, judged at the next call: (policy, sequence
+        # length, copy).
+        self.declined: list[tuple[LookupPolicy, int, torch.LongTensor]] = []
         self.stats = DominoGenerationStats(timings={} if options.domino_timings else None)
         drafter.last_generation_stats = self.stats
         self.cycle: dict[str, Any] = {"drafted": False, "verified": 0}  # what the policy learns from
-        self.copied = False  # whether this cycle's drafts were copied from the text
+        self.copy_policy: LookupPolicy | None = None  # the policy of this cycle's copies, when it verifies copies
         self._clock = time.perf_counter()
 
     # ---------------------------------------------------------------------------------------------- loop interface
@@ -144,25 +148,25 @@ class DominoCandidateGenerator(CandidateGenerator):
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
         # The first target forward is a plain prefill: there is no context to draft from yet.
         if is_first_iteration:
-            self.cycle, self.copied = {"drafted": False, "verified": 0}, False
+            self.cycle, self.copy_policy = {"drafted": False, "verified": 0}, None
             return input_ids, None
         verify_seconds = self._lap("verify", self.cycle["drafted"])
         model_kwargs = model_kwargs or {}
         if self.policy is None:
-            self.policy, self.lookup_policy = self._build_policies(input_ids, model_kwargs)
-        elif self.copied:
-            self.lookup_policy.observe(
+            self.policy, self.lookup_policy, self.datastore_policy = self._build_policies(input_ids, model_kwargs)
+        elif self.copy_policy is not None:
+            self.copy_policy.observe(
                 verified=self.cycle["verified"], accepted=int(n_last_matches), verify_seconds=verify_seconds
             )
         else:
             self.policy.observe(verify_seconds=verify_seconds, accepted=int(n_last_matches), **self.cycle)
         self.context.append(self._new_context_features(input_ids, model_kwargs, model_outputs, int(n_last_matches)))
-        self._judge_declined_copy(input_ids)
-        self.cycle, self.copied = {"drafted": False, "verified": 0}, False
+        self._judge_declined_copies(input_ids)
+        self.cycle, self.copy_policy = {"drafted": False, "verified": 0}, None
         room = self.max_length - input_ids.shape[1] - 1  # the target adds one token of its own
         copied = self._copied_drafts(input_ids, min(self.max_copies, room))
         if copied is not None:
-            self.cycle["verified"], self.copied = copied.shape[1], True
+            self.cycle["verified"] = copied.shape[1]
             self._lap()
             return torch.cat([input_ids, copied], dim=-1), None
         num_drafts = self.policy.budget(min(self.max_drafts, room))
@@ -186,7 +190,8 @@ class DominoCandidateGenerator(CandidateGenerator):
         if self.policy is not None:
             self.stats.acceptance_lengths.append(int(num_matches) + 1)
             self.stats.drafted.append(self.cycle["verified"])
-            self.stats.copied.append(self.copied)
+            self.stats.copied.append(self.copy_policy is not None and self.copy_policy is self.lookup_policy)
+            self.stats.retrieved.append(self.copy_policy is not None and self.copy_policy is self.datastore_policy)
 
     # ------------------------------------------------------------------------------------------------------ steps
     def _draft(self, input_ids: torch.LongTensor, num_drafts: int) -> Drafts:
@@ -207,30 +212,39 @@ class DominoCandidateGenerator(CandidateGenerator):
         return drafts
 
     def _copied_drafts(self, input_ids: torch.LongTensor, limit: int) -> torch.LongTensor | None:
-        """Drafts copied from the text (`lookup_drafts`) as many as the lookup policy verifies, cut before a stop;
-        None when lookup is off, found nothing, or the copies are not expected to beat the drafter (or a plain step)."""
+        """Drafts copied from the text (`lookup_drafts`), else retrieved from the datastore, as many as the source's
+        policy verifies, cut before a stop; None when neither found drafts expected to beat the drafter (or a plain
+        step). A source declined is judged against what is generated instead (next call)."""
         if not self.lookup:
             return None
-        found = lookup_drafts(input_ids, limit)
-        if found is None:
+        sources = [(lookup_drafts, self.lookup_policy)]
+        if self.datastore is not None:
+            sources.append((self.datastore.lookup, self.datastore_policy))
+        rival = None
+        for find, policy in sources:
+            found = find(input_ids, limit)
+            if found is None:
+                continue
+            if rival is None:
+                rival = self.policy.rate_without_copies() if self.policy.adaptive else 0.0
+            keep = policy.choose(found.shape[1], rival)
+            if keep == 0:
+                self.declined.append((policy, input_ids.shape[1], found[0]))
+                continue
+            found = found[:, :keep]
+            keep = self._stop_free_length(input_ids, found)
+            if keep:
+                self.copy_policy = policy
+                return found[:, :keep]
             return None
-        rival = self.policy.rate_without_copies() if self.policy.adaptive else 0.0
-        keep = self.lookup_policy.choose(found.shape[1], rival)
-        if keep == 0:
-            self.declined_copy = (input_ids.shape[1], found[0])
-            return None
-        found = found[:, :keep]
-        keep = self._stop_free_length(input_ids, found)
-        return found[:, :keep] if keep else None
+        return None
 
-    def _judge_declined_copy(self, input_ids: torch.LongTensor) -> None:
-        """The copy declined last cycle against the tokens generated since: what it would have earned."""
-        if self.declined_copy is None:
-            return
-        length, copy = self.declined_copy
-        offered, accepted = judge_copy(copy, input_ids[0, length:])
-        self.lookup_policy.observe(verified=offered, accepted=accepted)
-        self.declined_copy = None
+    def _judge_declined_copies(self, input_ids: torch.LongTensor) -> None:
+        """The copies declined last cycle against the tokens generated since: what they would have earned."""
+        for policy, length, declined in self.declined:
+            offered, accepted = judge_copy(declined, input_ids[0, length:])
+            policy.observe(verified=offered, accepted=accepted)
+        self.declined = []
 
     def _new_context_features(
         self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any], model_outputs: Any, n_last_matches: int
@@ -287,16 +301,24 @@ class DominoCandidateGenerator(CandidateGenerator):
             self.stats.timings.setdefault(name, []).append(seconds)
         return seconds
 
+    @staticmethod
+    def ensemble_free(generation_config: GenerationConfig) -> bool:
+        """Copied and retrieved drafts have no distribution to mix with the target's: the ensemble option rules them
+        out."""
+        return generation_config.assistant_ensemble_weight is None
+
     def _build_policies(
         self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any]
-    ) -> tuple[AdaptivePolicy | FixedPolicy, LookupPolicy]:
-        """The drafter's policy and the one for copied drafts, which share the target's verify-cost table."""
+    ) -> tuple[AdaptivePolicy | FixedPolicy, LookupPolicy, LookupPolicy]:
+        """The drafter's policy and those for copied and retrieved drafts, which share the target's verify-cost
+        table; each source learns its own acceptance."""
         options, drafter = self.options, self.drafter
         sampling = "sample" if self.do_sample else "greedy"
         lookup_record = drafter_record(drafter, f"lookup+{sampling}", drafter.config.num_drafts)
+        datastore_record = drafter_record(drafter, f"datastore+{sampling}", drafter.config.num_drafts)
         if options.draft_policy == "fixed":
             policy = FixedPolicy(self.max_drafts, options.assistant_confidence_threshold)
-            return policy, LookupPolicy(lookup_record, None)
+            return policy, LookupPolicy(lookup_record, None), LookupPolicy(datastore_record, None)
         cache = model_kwargs.get(CACHE_ARGUMENT)
         forward_kwargs = {"output_hidden_states": self.model_kwargs_overrides["output_hidden_states"]}
         cost = verify_cost_for(
@@ -312,7 +334,11 @@ class DominoCandidateGenerator(CandidateGenerator):
             confidence_threshold=options.assistant_confidence_threshold,
             learn_times=self._timing_is_free,
         )
-        return policy, LookupPolicy(lookup_record, cost, learn_times=self._timing_is_free)
+        return (
+            policy,
+            LookupPolicy(lookup_record, cost, learn_times=self._timing_is_free),
+            LookupPolicy(datastore_record, cost, learn_times=self._timing_is_free),
+        )
 
     def _select_rollout(self) -> Rollout:
         """The fused Triton/CUDA-graph head rollout of `hf_domino.fused_head` when it applies, else the eager one.

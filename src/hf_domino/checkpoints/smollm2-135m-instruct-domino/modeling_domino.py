@@ -287,6 +287,7 @@ class DominoForSpeculation(DominoPreTrainedModel):
         self.last_generation_stats = None
         # Token ids of the draft vocabulary (FR-Spec), or None for the whole vocabulary; saved in its own file.
         self.register_buffer("draft_vocab", None, persistent=False)
+        self.datastore = None  # a drafting_domino.DraftDatastore: drafts by retrieval, where the drafter has one
         self.post_init()
         # Every way of getting a drafter (this package, remote code, a subclass) builds it here, so this is the one
         # place that installs the generate() hook; the import is local because the hook's module imports this one.
@@ -441,28 +442,40 @@ class DominoForSpeculation(DominoPreTrainedModel):
         if not strict_shapes:
             info = {**info, "mismatched_keys": []}
         _raise_on_loading_problems(info, pretrained_model_name_or_path)
+        from .drafting_domino import DATASTORE_FILE, DraftDatastore
+
+        hub = {key: kwargs[key] for key in ("cache_dir", "revision", "token", "local_files_only") if key in kwargs}
         vocab_file = cached_file(
-            pretrained_model_name_or_path,
-            DRAFT_VOCAB_FILE,
-            _raise_exceptions_for_missing_entries=False,
-            **{key: kwargs[key] for key in ("cache_dir", "revision", "token", "local_files_only") if key in kwargs},
+            pretrained_model_name_or_path, DRAFT_VOCAB_FILE, _raise_exceptions_for_missing_entries=False, **hub
         )
         if vocab_file is not None:
             model.set_draft_vocab(load_file(vocab_file)["draft_vocab"])
+        datastore_file = cached_file(
+            pretrained_model_name_or_path, DATASTORE_FILE, _raise_exceptions_for_missing_entries=False, **hub
+        )
+        if datastore_file is not None:
+            model.datastore = DraftDatastore.load(datastore_file)
         return (model, info) if return_loading_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
-        """`PreTrainedModel.save_pretrained`, plus the draft vocabulary (if any) in its own file.
+        """`PreTrainedModel.save_pretrained`, plus the draft vocabulary and the datastore (if any) in files of their own.
 
         The vocabulary stays out of model.safetensors and config.json, so loaders of the published format, which
         would reject an unknown tensor, read the folder as if it had none.
         """
+        from .drafting_domino import DATASTORE_FILE
+
         super().save_pretrained(save_directory, *args, **kwargs)
         vocab_path = os.path.join(save_directory, DRAFT_VOCAB_FILE)
         if self.draft_vocab is not None:
             save_file({"draft_vocab": self.draft_vocab.cpu().contiguous()}, vocab_path)
         elif os.path.exists(vocab_path):
             os.remove(vocab_path)
+        datastore_path = os.path.join(save_directory, DATASTORE_FILE)
+        if self.datastore is not None:
+            self.datastore.save(datastore_path)
+        elif os.path.exists(datastore_path):
+            os.remove(datastore_path)
 
     def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
         """Drafts over these token ids only (FR-Spec), or over the whole vocabulary with None.

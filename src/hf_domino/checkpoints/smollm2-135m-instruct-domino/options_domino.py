@@ -33,7 +33,8 @@ class DominoGenerationStats:
 
     `acceptance_lengths[i]` is the number of tokens the i-th target forward after the prefill added (accepted drafts
     plus the target's own token); `drafted[i]` how many drafts it verified (0: a plain target step), and
-    `copied[i]` whether they were copied from the text (`domino_lookup`) rather than drafted. `timings`
+    `copied[i]` whether they were copied from the text (`domino_lookup`) and `retrieved[i]` whether from the drafter's
+    datastore (`domino_datastore`) rather than drafted by the drafter. `timings`
     (seconds per drafting cycle, with `domino_timings=True`) splits each cycle into `backbone`, `lm_head` (base
     logits of the drafted positions), `head` (the sequential rollout: Domino head and token picking) and `verify`
     (target forward and acceptance, timed from the end of drafting to the loop's next call).
@@ -42,6 +43,7 @@ class DominoGenerationStats:
     acceptance_lengths: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
     copied: list[bool] = field(default_factory=list)
+    retrieved: list[bool] = field(default_factory=list)
     timings: dict[str, list[float]] | None = None
 
     @property
@@ -78,6 +80,9 @@ class DominoOptions:
         domino_lookup: also draft by copying from the text (prompt lookup, default True): where the sequence's last
             3 or 2 tokens occurred before, the tokens that followed them are verified instead of a drafted block,
             as many as pay by their acceptance so far. Off with `assistant_ensemble_weight`.
+        domino_datastore: with `domino_lookup`, also draft by retrieval from the drafter's datastore when it has one
+            (default True): where the text offers no copy, the continuation that the target's own earlier answers share after the sequence's last 4 or 3
+            tokens (`drafting_domino.DraftDatastore`), priced like copies with an acceptance of its own.
         domino_timings: record per-cycle timings in `drafter.last_generation_stats.timings` (drafted cycles only).
     """
 
@@ -88,6 +93,7 @@ class DominoOptions:
     draft_vocab: bool = True
     domino_rollout: str = "auto"
     domino_lookup: bool = True
+    domino_datastore: bool = True
     domino_timings: bool = False
 
     @classmethod
@@ -131,7 +137,7 @@ class DominoOptions:
                 f"domino_head must be True, False or None (the default: the head when the drafter has one), got "
                 f"{self.domino_head!r}."
             )
-        for name in ("draft_vocab", "domino_lookup", "domino_timings"):
+        for name in ("draft_vocab", "domino_lookup", "domino_datastore", "domino_timings"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}.")

@@ -485,19 +485,23 @@ class LookupPolicy:
     def __init__(self, record: DrafterRecord, verify_cost: VerifyCost | None, learn_times: bool = True):
         self.record, self.verify_cost, self.learn_times = record, verify_cost, learn_times
 
-    def choose(self, num_found: int | list[int], rival_rate: float = 0.0) -> int:
+    def choose(
+        self, num_found: int | list[int], rival_rate: float = 0.0, sources: list[LookupPolicy] | None = None
+    ) -> int:
         """How many of `num_found` copied drafts to verify; 0 where a cycle of them is not expected to earn more
         tokens per second than `rival_rate` (the drafter's best, or a plain step's).
 
         For a batch, `num_found` lists each row's copies (0 for a row without) and the answer is the width W of the
         verified rectangle, each row offering `min(found, W)`: every row pays for the width, so copies in a few rows
-        of a large batch rarely pay, and rows without copies count as plain steps.
+        of a large batch rarely pay, and rows without copies count as plain steps. `sources[row]` is the policy
+        whose acceptance a row's copies have (copied from the text, or retrieved from a datastore); default this one.
         """
         found = [num_found] if isinstance(num_found, int) else num_found
         if self.verify_cost is None:  # a fixed policy: verify every draft found
             return max(found)
         widest = max(found)
-        acceptance = torch.tensor([self.record.position_acceptance[:widest]] * len(found), dtype=torch.float64)
+        records = [source.record for source in sources] if sources is not None else [self.record] * len(found)
+        acceptance = torch.tensor([record.position_acceptance[:widest] for record in records], dtype=torch.float64)
         for row, n in enumerate(found):
             acceptance[row, n:] = 0  # a row's copies end: past them it only adds the target's token
         tokens = expected_tokens(acceptance)  # the mean over rows: per-row tokens, as the rival rate counts them
