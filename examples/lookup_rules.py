@@ -54,30 +54,26 @@ def answers(target, tokenizer, prompts: str, limit: int, max_new_tokens: int) ->
     return pairs
 
 
-def copy_tokens(sequence: list[int], anchor: int, sizes: tuple[int, ...], limit: int) -> int | None:
-    """Tokens a forward adds with drafts copied at `anchor` (None: nothing to copy)."""
-    copied = lookup_drafts(torch.tensor([sequence[: anchor + 1]]), limit, sizes)
-    if copied is None:
+def tokens_added(drafts: torch.LongTensor | None, sequence: list[int], anchor: int) -> int | None:
+    """Tokens a forward at `anchor` adds when it verifies `drafts` `[1, k]` (None: no drafts to verify)."""
+    if drafts is None:
         return None
     accepted = 0
-    for draft, truth in zip(copied[0].tolist(), sequence[anchor + 1 :]):
+    for draft, truth in zip(drafts[0].tolist(), sequence[anchor + 1 :]):
         if draft != truth:
             break
         accepted += 1
     return 1 + accepted
+
+
+def copy_tokens(sequence: list[int], anchor: int, sizes: tuple[int, ...], limit: int) -> int | None:
+    """Tokens a forward adds with drafts copied at `anchor` (None: nothing to copy)."""
+    return tokens_added(lookup_drafts(torch.tensor([sequence[: anchor + 1]]), limit, sizes), sequence, anchor)
 
 
 def retrieved_tokens(datastore: DraftDatastore, sequence: list[int], anchor: int, limit: int) -> int | None:
     """Tokens a forward adds with drafts retrieved from the datastore at `anchor` (None: nothing retrieved)."""
-    retrieved = datastore.lookup(torch.tensor([sequence[: anchor + 1]]), limit)
-    if retrieved is None:
-        return None
-    accepted = 0
-    for draft, truth in zip(retrieved[0].tolist(), sequence[anchor + 1 :]):
-        if draft != truth:
-            break
-        accepted += 1
-    return 1 + accepted
+    return tokens_added(datastore.lookup(torch.tensor([sequence[: anchor + 1]]), limit), sequence, anchor)
 
 
 def follow(tokens: dict[int, int], start: int) -> list[tuple[int, int]]:

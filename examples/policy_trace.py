@@ -43,15 +43,27 @@ def traced(policy_class, log: list[str]) -> None:
 
 
 def traced_copies(log: list[str]) -> None:
-    """Wraps `LookupPolicy.choose` so that every row's copies found and the width verified are logged."""
-    choose = policy_domino.LookupPolicy.choose
+    """Wraps `LookupPolicy.choose` so that every row's copies found (c: from its text, r: retrieved from the
+    datastore) and the width verified are logged."""
+    choose, observe = policy_domino.LookupPolicy.choose, policy_domino.LookupPolicy.observe
+    text_policy: list = []
 
-    def logged_choose(self, num_found, rival_rate=0.0):
-        width = choose(self, num_found, rival_rate)
-        log.append(f"  copies found {num_found} -> verify {width} (rival {rival_rate:.1f} tok/s)")
+    def logged_choose(self, num_found, rival_rate=0.0, sources=None):
+        text_policy[:] = [self]  # the batch loop asks the text's policy; a row's source may be the datastore's
+        width = choose(self, num_found, rival_rate, sources)
+        kinds = (
+            ""
+            if sources is None
+            else " from " + "".join("-" if n == 0 else "c" if s is self else "r" for n, s in zip(num_found, sources))
+        )
+        log.append(f"  copies found {num_found}{kinds} -> verify {width} (rival {rival_rate:.1f} tok/s)")
         return width
 
-    policy_domino.LookupPolicy.choose = logged_choose
+    def logged_observe(self, *, verified, accepted, verify_seconds=None):
+        log.append(f"    {'copies' if self in text_policy else 'retrieved'}: {accepted} of {verified} right")
+        return observe(self, verified=verified, accepted=accepted, verify_seconds=verify_seconds)
+
+    policy_domino.LookupPolicy.choose, policy_domino.LookupPolicy.observe = logged_choose, logged_observe
 
 
 def main() -> None:

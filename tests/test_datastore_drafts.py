@@ -12,7 +12,7 @@ from test_batching import both, left_padded
 from test_generation import chi_square_p_value, exact_sequence_distribution
 from transformers import LogitsProcessorList
 
-from hf_domino import DominoForSpeculation
+from hf_domino import DominoForSpeculation, batching_domino
 from hf_domino.drafting_domino import DATASTORE_FILE, DraftDatastore
 from hf_domino.measure import parse_method
 
@@ -166,7 +166,8 @@ def test_option_is_checked_and_bench_methods_name_it():
 
 
 @pytest.mark.parametrize("options", [dict(draft_policy="fixed"), dict()])
-def test_batch_rows_retrieve_and_stay_identical(options, gpu_like_costs):
+def test_batch_rows_retrieve_and_stay_identical(options, gpu_like_costs, monkeypatch):
+    monkeypatch.setattr(batching_domino, "RETRIEVAL_MAX_ROWS", None)  # every batch retrieves
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     drafter.datastore = own_answers_datastore(target, [[3, 9, 14], [21, 4], [8, 8, 30], [12, 40, 2]])
@@ -179,3 +180,28 @@ def test_batch_rows_retrieve_and_stay_identical(options, gpu_like_costs):
     assert max(retrieved) > 1
     expected, output = both(target, drafter, left_padded(rows), max_new_tokens=30, domino_datastore=False, **options)
     assert torch.equal(output, expected) and not any(drafter.last_generation_stats.retrieved)
+
+
+def test_batches_retrieve_only_while_few_rows_are_active(gpu_like_costs, monkeypatch):
+    """Above `RETRIEVAL_MAX_ROWS` active rows no row retrieves (text copies still count); at or below it rows do. The
+    output stays the target's either way."""
+    monkeypatch.setattr(batching_domino, "RETRIEVAL_MAX_ROWS", 2)
+    cycles: list[tuple[int, bool]] = []  # (active rows, whether a row verified or was offered a retrieval)
+    find_copies = batching_domino.BatchedDecoding.find_copies
+
+    def recorded(self, room):
+        copies, declined, sources = find_copies(self, room)
+        cycles.append((len(self.active), any(source is self.datastore_policy for source in sources.values())))
+        return copies, declined, sources
+
+    monkeypatch.setattr(batching_domino.BatchedDecoding, "find_copies", recorded)
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    drafter.datastore = own_answers_datastore(target, [[3, 9, 14], [21, 4], [8, 8, 30], [12, 40, 2]])
+    rows = [[3, 9, 15], [7, 21, 5], [50, 8, 8, 31, 2]]
+    for batch in (rows, rows[:2]):
+        cycles.clear()
+        expected, output = both(target, drafter, left_padded(batch), max_new_tokens=30)
+        assert torch.equal(output, expected)
+        assert not any(retrieved for active, retrieved in cycles if active > 2)
+    assert any(retrieved for _, retrieved in cycles)  # the batch of two

@@ -70,6 +70,10 @@ if TYPE_CHECKING:
 # The adaptive policy chooses one k for the whole batch; True chooses each row's own k instead (for measuring the
 # choice: `hf-domino bench --batch-size ... --methods target,domino,domino_rowk`; see docs/benchmarks.md).
 K_PER_ROW = False
+# Rows retrieve from the drafter's datastore only while the batch has at most this many active rows. On a 2-core CPU,
+# retrievals in 4 or 8 rows cost more width than they earn (MT-Bench 0.85x against 0.94x with text copies alone at
+# B = 4, in two runs; docs/benchmarks.md, "Copied drafts in batches"); None: in every batch.
+RETRIEVAL_MAX_ROWS: int | None = 2
 
 
 # ------------------------------------------------------------------------------------------------------ the policy
@@ -354,18 +358,20 @@ class BatchedDecoding:
         """Per active row, the copied drafts it offers this cycle; or, where the lookup policy declined them, the
         copies found (to be judged against what the row generates instead); and each row's source (its policy).
 
-        Rows copy where their text repeats, else retrieve from the drafter's datastore where it has one, cut before a
-        stop string as drafts are. The policy prices the copies of all rows together against the batch's
-        verification and a drafting cycle (or a plain step) of this batch.
+        Rows copy where their text repeats, else retrieve from the drafter's datastore where it has one (while at
+        most `RETRIEVAL_MAX_ROWS` rows are active), cut before a stop string as drafts are. The policy prices the
+        copies of all rows together against the batch's verification and a drafting cycle (or a plain step) of this
+        batch.
         """
         if not self.lookup:
             return {}, {}, {}
         found: dict[int, torch.LongTensor] = {}
         sources: dict[int, LookupPolicy] = {}
+        retrieving = RETRIEVAL_MAX_ROWS is None or len(self.active) <= RETRIEVAL_MAX_ROWS
         for i, row in enumerate(self.active):
             text, limit = self.sequences[row][None, self.padding[row] :], min(self.max_copies, room[i])
             copy, source = lookup_drafts(text, limit), self.lookup_policy
-            if copy is None and self.datastore is not None:
+            if copy is None and self.datastore is not None and retrieving:
                 copy, source = self.datastore.lookup(text, limit), self.datastore_policy
             if copy is not None:
                 keep = self.stop_free_length(self.sequences[row], copy[0], copy.shape[1])

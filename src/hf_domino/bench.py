@@ -122,8 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-methods",
         default=",".join(BATCH_METHODS),
         help="with --batch-size: target, domino (the drafter alone, adaptive, one k per batch), domino_rowk "
-        "(adaptive, k per row), domino_k<N> (fixed), each optionally with _lookup (copied drafts beside the drafter, "
-        "generate()'s default)",
+        "(adaptive, k per row), domino_k<N> (fixed), each optionally with _lookup (copied and retrieved drafts beside "
+        "the drafter, generate()'s default) or _copies (copies from the text only)",
     )
     parser.add_argument(
         "--repeats",
