@@ -205,3 +205,21 @@ def test_batches_retrieve_only_while_few_rows_are_active(gpu_like_costs, monkeyp
         assert torch.equal(output, expected)
         assert not any(retrieved for active, retrieved in cycles if active > 2)
     assert any(retrieved for _, retrieved in cycles)  # the batch of two
+
+
+def test_bench_method_lookup_all_retrieves_in_every_batch_for_its_call_only(monkeypatch):
+    from hf_domino import measure_batch
+
+    seen = []  # RETRIEVAL_MAX_ROWS as each cycle's find_copies sees it
+    find_copies = batching_domino.BatchedDecoding.find_copies
+    monkeypatch.setattr(
+        batching_domino.BatchedDecoding,
+        "find_copies",
+        lambda self, room: seen.append(batching_domino.RETRIEVAL_MAX_ROWS) or find_copies(self, room),
+    )
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    default = batching_domino.RETRIEVAL_MAX_ROWS
+    batch = left_padded([[3, 9, 15], [7, 21, 5], [50, 8, 8, 31, 2]])
+    measure_batch._generate(target, drafter, batch, "domino_lookup_all", 6, 0.0)
+    assert seen and set(seen) == {None} and batching_domino.RETRIEVAL_MAX_ROWS == default == 2

@@ -206,7 +206,14 @@ def test_option_is_checked_and_bench_methods_name_it():
     assert (
         parse_batch_method("domino_k4_lookup")["domino_lookup"] and not parse_batch_method("domino")["domino_lookup"]
     )
-    with pytest.raises(ValueError, match="optionally followed by _lookup or _copies"):
+    assert parse_batch_method("domino_lookup_all") == {
+        "domino_lookup": True,
+        "domino_datastore": True,
+        "loop": {"RETRIEVAL_MAX_ROWS": None},
+        "draft_policy": "adaptive",
+    }
+    assert parse_batch_method("domino_rowk")["loop"] == {"K_PER_ROW": True}
+    with pytest.raises(ValueError, match="optionally followed by _lookup, _lookup_all or _copies"):
         parse_batch_method("domino_lookup_k4")
 
 

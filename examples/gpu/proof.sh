@@ -13,7 +13,7 @@ cd $W
 PROMPTS=${PROMPTS:-10}; TOKENS=${TOKENS:-128}; REPEATS=${REPEATS:-3}; COST_SHAPE=${COST_SHAPE:-qwen3-8b}
 MICRO_REPS=${MICRO_REPS:-100}; PYTEST_ARGS=${PYTEST_ARGS:--n 8 --timeout 300}  # xdist, pytest-timeout: on the image
 VOCAB=src/hf_domino/checkpoints/smollm2-135m-instruct-domino/draft_vocab.safetensors
-METHODS=${METHODS:-target,prompt_lookup,manual,dflash_vocab_k16,domino_vocab_k16@eager,domino_vocab_k16@triton+graph,domino_vocab,domino_vocab_lookup,domino}
+METHODS=${METHODS:-target,prompt_lookup,manual,dflash_vocab_k16,domino_vocab_k16@eager,domino_vocab_k16@triton+graph,domino_vocab,domino_vocab_copies,domino_vocab_lookup,domino}
 # fp32 runs last and proves identity more than speed: fewer methods, so that it fits what device time is left.
 FP32_METHODS=${FP32_METHODS:-target,domino_vocab_k16@eager,domino_vocab_k16@triton+graph,domino_vocab,domino_vocab_lookup}
 
@@ -53,10 +53,10 @@ bench() {  # bench DTYPE METHODS: 3. end to end, both prompt sets
   done
 }
 
-batch() {  # issue 20 on the GPU: batches against the batched target alone
+batch() {  # issue 20 on the GPU: batches against the batched target alone; _lookup_all: is RETRIEVAL_MAX_ROWS = 2 right?
   hf-domino bench --target smollm2 --prompts mtbench --num-prompts 8 --max-new-tokens $TOKENS --temperature 0 \
     --threads 8 --seed 0 --no-progress --dtype bfloat16 --batch-size 1,2,4,8 --repeats $REPEATS \
-    --output-dir $R/batch-mtbench
+    --batch-methods target,domino,domino_copies,domino_lookup,domino_lookup_all --output-dir $R/batch-mtbench
 }
 
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__,

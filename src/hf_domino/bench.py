@@ -123,7 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(BATCH_METHODS),
         help="with --batch-size: target, domino (the drafter alone, adaptive, one k per batch), domino_rowk "
         "(adaptive, k per row), domino_k<N> (fixed), each optionally with _lookup (copied and retrieved drafts beside "
-        "the drafter, generate()'s default) or _copies (copies from the text only)",
+        "the drafter, generate()'s default), _lookup_all (retrieving in batches of any size) or _copies (copies from "
+        "the text only)",
     )
     parser.add_argument(
         "--repeats",

@@ -23,26 +23,29 @@ from .assets import chat_token_ids, eos_token_ids, pad_token_id
 from .modeling_domino import DominoForSpeculation
 
 BATCH_METHODS = ("target", "domino", "domino_lookup")
-_BATCH_METHOD = re.compile(r"domino(?:(_rowk)|_k(\d+))?(_lookup|_copies)?")
+_BATCH_METHOD = re.compile(r"domino(?:(_rowk)|_k(\d+))?(_lookup_all|_lookup|_copies)?")
 
 
 def parse_batch_method(method: str) -> dict:
     """`target`, `domino` (the drafter alone, adaptive, one k per batch), `domino_rowk` (k per row), `domino_k<N>`
     (fixed k), each optionally with `_lookup` (copied and retrieved drafts beside the drafter, what `generate()` does
-    by default) or `_copies` (copies from the text only)."""
+    by default), `_lookup_all` (the same, retrieving in batches of any size: `RETRIEVAL_MAX_ROWS = None`) or
+    `_copies` (copies from the text only). Settings of the batch loop itself come back under `loop`."""
     if method == "target":
         return {}
     match = _BATCH_METHOD.fullmatch(method)
     if match is None:
         raise ValueError(
             f"unknown batch method {method!r}: use target, domino, domino_rowk or domino_k<N>, optionally followed "
-            "by _lookup or _copies (e.g. domino_lookup)"
+            "by _lookup, _lookup_all or _copies (e.g. domino_lookup)"
         )
     per_row, fixed, lookup = match.groups()
-    options: dict = {"domino_lookup": lookup is not None, "domino_datastore": lookup == "_lookup"}
+    options: dict = {"domino_lookup": lookup is not None, "domino_datastore": lookup in ("_lookup", "_lookup_all")}
+    loop = ({"K_PER_ROW": True} if per_row else {}) | ({"RETRIEVAL_MAX_ROWS": None} if lookup == "_lookup_all" else {})
+    options |= {"loop": loop} if loop else {}
     if fixed is not None:
         return options | {"draft_policy": "fixed", "num_speculative_tokens": int(fixed)}
-    return options | {"draft_policy": "adaptive"} | ({"per_row": True} if per_row else {})
+    return options | {"draft_policy": "adaptive"}
 
 
 def left_padded_batch(
@@ -89,16 +92,18 @@ class BatchRow:
 
 def _generate(target, drafter, batch, method: str, max_new_tokens: int, temperature: float):
     options = parse_batch_method(method)
-    per_row = options.pop("per_row", False)
+    loop = options.pop("loop", {})  # module settings of the batch loop, for this call only
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     if options:
         options["assistant_model"] = drafter
-    previous = batching_domino.K_PER_ROW
-    batching_domino.K_PER_ROW = per_row
+    previous = {name: getattr(batching_domino, name) for name in loop}
+    for name, value in loop.items():
+        setattr(batching_domino, name, value)
     try:
         return target.generate(**batch, max_new_tokens=max_new_tokens, **sampling, **options)
     finally:
-        batching_domino.K_PER_ROW = previous
+        for name, value in previous.items():
+            setattr(batching_domino, name, value)
 
 
 @torch.no_grad()
