@@ -13,11 +13,13 @@ from test_generation import chi_square_p_value, exact_sequence_distribution
 from transformers import LogitsProcessorList
 
 from hf_domino import DominoForSpeculation, batching_domino
-from hf_domino.drafting_domino import DATASTORE_FILE, DraftDatastore
+from hf_domino.drafting_domino import DATASTORE_FILE, DATASTORE_NGRAM_SIZES, DraftDatastore
 from hf_domino.measure import parse_method
 
 
-def brute_force(sequences: list[list[int]], query: list[int], limit: int, sizes=(4, 3), min_count=2) -> list[int]:
+def brute_force(
+    sequences: list[list[int]], query: list[int], limit: int, sizes=DATASTORE_NGRAM_SIZES, min_count=2
+) -> list[int]:
     """The datastore's rule, written out: the longest n-gram with `min_count` occurrences, then token by token the
     continuation the most of them share (the smallest id on a tie), while `min_count` still agree."""
     for size in sizes:
@@ -53,7 +55,9 @@ def test_datastore_drafts_what_most_occurrences_continue_with():
     assert drafts([1, 2, 3, 4]) == [5]  # "1 2 3 4" twice, then 5 twice; then 6 and 7 once each: not enough
     assert drafts([0, 2, 3, 4]) == [5, 6]  # "0 2 3 4" never occurred: its 3-gram "2 3 4" four times, 5 three times
     assert drafts([0, 2, 3, 4], limit=1) == [5]
-    assert drafts([7, 8, 9]) is None and drafts([3, 4]) is None  # unknown, and shorter than every n-gram size
+    assert drafts([3, 4]) == [5, 6]  # the 2-gram "3 4" three times, 5 each time; then 6 twice
+    assert store.build_index() is store and sorted(store._index) == sorted(DATASTORE_NGRAM_SIZES)  # built once
+    assert drafts([7, 8, 9]) is None and drafts([3]) is None  # unknown, and shorter than every n-gram size
     assert drafts([4, 5, 6]) is None  # at the end of its sequences: nothing follows
 
 

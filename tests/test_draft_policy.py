@@ -32,8 +32,22 @@ def test_expected_tokens_and_cost_interpolation():
     assert expected_tokens(torch.tensor([0.5, 0.5])).tolist() == [1, 1.5, 1.75]
     cost = VerifyCost({1: 1.0, 3: 2.0, 17: 4.0})
     assert cost(2) == pytest.approx(1.5) and cost(10) == pytest.approx(3.0) and cost(30) == 4.0
-    cost.observe(2, 3.5)  # moves the estimate towards the observation, by TIME_RATE
-    assert cost(2) == pytest.approx(1.5 + policy_domino.TIME_RATE * 2.0)
+    cost.observe(2, 2.5)  # moves the estimate towards the observation, by TIME_RATE
+    assert cost(2) == pytest.approx(1.5 + policy_domino.TIME_RATE * 1.0)
+
+
+def test_a_stall_does_not_make_a_length_look_dear_for_good():
+    """A 40x stall counts as twice the estimate: a 5-token verification stays priced near its real cost (and is
+    chosen again); a lasting change is still learned within a few dozen cycles."""
+    cost = VerifyCost({1: 0.020, 5: 0.025, 17: 0.040})
+    cost.observe(5, 1.0)
+    assert cost(5) == pytest.approx(0.025 * (1 + policy_domino.TIME_RATE))
+    for _ in range(30):
+        cost.observe(5, 0.050)
+    assert cost(5) == pytest.approx(0.050, rel=0.01)
+    for _ in range(60):
+        cost.observe(1, 0.001)  # faster too, as far as the observations go
+    assert cost(1) == pytest.approx(0.001, rel=0.05)
 
 
 def test_calibration_learns_what_the_target_accepts():

@@ -86,6 +86,8 @@ def run_demo(
         )
         return output[0, input_ids.shape[1] :], time.perf_counter() - start
 
+    if drafter.datastore is not None:
+        drafter.datastore.build_index()  # once per process, not part of a generation
     generate(warmup_tokens, assistant_model=drafter)
     generate(warmup_tokens)
     drafted, seconds = generate(max_new_tokens, assistant_model=drafter, streamer=streamer)

@@ -65,7 +65,7 @@ Domino head switched off (DFlash mode, same weights); by default the number of d
 is chosen per block from the measured cost of verification and the drafts' confidence (`draft_policy="fixed",
 num_speculative_tokens=16` verifies whole blocks), and where the text repeats (the last 3 or 2 tokens occurred
 before) the tokens that followed are verified instead of a drafted block, else, when the folder has a
-`draft_datastore.safetensors`, the continuation the target's own earlier answers share after the last 4 or 3 tokens
+`draft_datastore.safetensors`, the continuation the target's own earlier answers share after the last 4, 3 or 2 tokens
 (`domino_datastore=False`: copies only; `domino_lookup=False`: the drafter's drafts only). On a CPU, eager PyTorch makes a forward over 2-3 tokens cost
 1.6-2x a single token, so that policy takes plain target steps almost everywhere and you get about the target's own
 speed; with `pip install hf-domino`, one line before `generate()`, `hf_domino.prepare_for_cpu_decoding(target,

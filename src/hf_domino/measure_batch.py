@@ -128,6 +128,8 @@ def run_batch_benchmark(
     pad, eos = pad_token_id(target, tokenizer), eos_token_ids(target, tokenizer)
     prompts = [chat_token_ids(tokenizer, messages) for messages in conversations]
     rows: list[BatchRow] = []
+    if drafter.datastore is not None:
+        drafter.datastore.build_index()  # else whichever generation retrieves first pays for it
     for batch_size in batch_sizes:
         groups = [prompts[i : i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
         results = {method: BatchRow(batch_size, method) for method in methods}

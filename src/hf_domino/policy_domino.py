@@ -87,8 +87,14 @@ class VerifyCost:
         return (1 - weight) * self.seconds[below] + weight * self.seconds[above]
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        """Moves the estimate for `num_tokens` towards a measured cycle (target forward plus the loop's work)."""
+        """Moves the estimate for `num_tokens` towards a measured cycle (target forward plus the loop's work).
+
+        One cycle counts as at most twice (at least half) the current estimate: a stall of the machine (another
+        process, a page fault) must not make a length look dear for good, since a length that looks dear is not
+        chosen and so never measured again. A real change still gets through, over a few cycles.
+        """
         current = self(num_tokens)
+        seconds = min(max(seconds, current / 2), current * 2)
         self.seconds[num_tokens] = current + TIME_RATE * (seconds - current)
         self.seconds = dict(sorted(self.seconds.items()))
 

@@ -81,8 +81,8 @@ class DominoOptions:
             3 or 2 tokens occurred before, the tokens that followed them are verified instead of a drafted block,
             as many as pay by their acceptance so far. Off with `assistant_ensemble_weight`.
         domino_datastore: with `domino_lookup`, also draft by retrieval from the drafter's datastore when it has one
-            (default True): where the text offers no copy, the continuation that the target's own earlier answers share after the sequence's last 4 or 3
-            tokens (`drafting_domino.DraftDatastore`), priced like copies with an acceptance of its own.
+            (default True): where the text offers no copy, the continuation that the target's own earlier answers share after the sequence's last 4, 3 or
+            2 tokens (`drafting_domino.DraftDatastore`), priced like copies with an acceptance of its own.
         domino_timings: record per-cycle timings in `drafter.last_generation_stats.timings` (drafted cycles only).
     """
 
