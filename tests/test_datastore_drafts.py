@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import tiny_drafter, tiny_target
 from test_batching import both, left_padded
-from test_generation import chi_square_p_value, exact_sequence_distribution
+from test_generation import chi_square_p_value, exact_sequence_distribution, sample_with_drafter
 from transformers import LogitsProcessorList
 
 from hf_domino import DominoForSpeculation, batching_domino
@@ -135,17 +135,12 @@ def test_sampling_with_retrieved_drafts_preserves_target_distribution():
     )
     prompt = [1, 2, 1]  # no 0: it is the pad token
     probs = exact_sequence_distribution(target, prompt, num_new, LogitsProcessorList())
-    torch.manual_seed(7)
-    counts: dict[tuple, int] = {}
+    calls = []
+    counts, _, _ = sample_with_drafter(
+        target, drafter, prompt, num_new, draws, seed=7, per_call=calls, draft_policy="fixed", top_k=0
+    )
     cycles = {"retrieved": 0, "accepted": 0, "drafted": 0}
-    for _ in range(draws):
-        out = target.generate(
-            torch.tensor([prompt]), do_sample=True, max_new_tokens=num_new, assistant_model=drafter,
-            pad_token_id=0, draft_policy="fixed", top_k=0,
-        )  # fmt: skip
-        key = tuple(out[0, len(prompt) :].tolist())
-        counts[key] = counts.get(key, 0) + 1
-        stats = drafter.last_generation_stats
+    for stats in calls:
         for length, offered, retrieved, copied in zip(
             stats.acceptance_lengths, stats.drafted, stats.retrieved, stats.copied
         ):

@@ -307,8 +307,9 @@ def chi_square_p_value(counts: dict[tuple, int], probs: dict[tuple, float], draw
     return float(chi2.sf(statistic, df=len(observed) - 1))
 
 
-def sample_with_drafter(target, drafter, prompt, num_new: int, draws: int, seed: int, **kwargs):
-    """`draws` sampled continuations through the drafter: (counts per continuation, drafts offered, drafts accepted)."""
+def sample_with_drafter(target, drafter, prompt, num_new: int, draws: int, seed: int, per_call=None, **kwargs):
+    """`draws` sampled continuations through the drafter: (counts per continuation, drafts offered, drafts accepted).
+    Each call's `last_generation_stats` is appended to the list `per_call` when one is given."""
     torch.manual_seed(seed)
     counts: dict[tuple, int] = {}
     drafted = accepted = 0
@@ -324,6 +325,8 @@ def sample_with_drafter(target, drafter, prompt, num_new: int, draws: int, seed:
         key = tuple(out[0, len(prompt) :].tolist())
         counts[key] = counts.get(key, 0) + 1
         stats = drafter.last_generation_stats
+        if per_call is not None:
+            per_call.append(stats)
         drafted += sum(stats.drafted)
         accepted += sum(stats.acceptance_lengths) - len(stats.acceptance_lengths)
     return counts, drafted, accepted

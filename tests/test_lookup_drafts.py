@@ -12,6 +12,7 @@ from test_generation import (
     exact_sequence_distribution,
     greedy,
     letter_tokenizer,
+    sample_with_drafter,
     successor,
 )
 from transformers import LogitsProcessorList
@@ -148,17 +149,12 @@ def test_sampling_with_copied_drafts_preserves_target_distribution():
     drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
     prompt = [3, 0, 3, 1, 3, 2, 3, 3]  # every pair "3 t" occurred: whatever t follows, the next cycle copies
     probs = exact_sequence_distribution(target, prompt, num_new, LogitsProcessorList())
-    torch.manual_seed(99)
-    counts: dict[tuple, int] = {}
+    calls = []
+    counts, _, _ = sample_with_drafter(
+        target, drafter, prompt, num_new, draws, seed=99, per_call=calls, draft_policy="fixed", top_k=0
+    )
     copied = {"cycles": 0, "accepted": 0, "drafted": 0}
-    for _ in range(draws):
-        out = target.generate(
-            torch.tensor([prompt]), do_sample=True, max_new_tokens=num_new, assistant_model=drafter,
-            pad_token_id=0, draft_policy="fixed", top_k=0,
-        )  # fmt: skip
-        key = tuple(out[0, len(prompt) :].tolist())
-        counts[key] = counts.get(key, 0) + 1
-        stats = drafter.last_generation_stats
+    for stats in calls:
         for length, offered, was_copied in zip(stats.acceptance_lengths, stats.drafted, stats.copied):
             copied["cycles"] += was_copied
             copied["accepted"] += (length - 1) * was_copied

@@ -327,7 +327,7 @@ class DraftDatastore:
 
     def lookup(self, input_ids: torch.LongTensor, max_drafts: int) -> torch.LongTensor | None:
         """Drafts `[1, <= max_drafts]` for the sequence `input_ids` `[1, n]`, or None where the store has none."""
-        sequence = input_ids[0].cpu()
+        sequence = input_ids[0, -max(self.ngram_sizes) :].cpu()  # the last n-gram is all a lookup reads
         if not self._index:  # every size at once: the first call pays for the index, not some later one
             self.build_index()
         for size in self.ngram_sizes:

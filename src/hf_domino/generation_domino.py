@@ -51,6 +51,7 @@ from .policy_domino import (
     AdaptivePolicy,
     FixedPolicy,
     LookupPolicy,
+    copy_records,
     drafter_record,
     measure_verify_cost,
     timing_is_free,
@@ -120,8 +121,8 @@ class DominoCandidateGenerator(CandidateGenerator):
         self.rollout = self._select_rollout()
         self.context = DrafterContext()
         self.policy: AdaptivePolicy | FixedPolicy | None = None  # built at the first drafting step (it measures)
-        # Copied drafts have no distribution to mix with the target's, so the ensemble option turns them off.
-        self.lookup = options.domino_lookup and self.ensemble_free(generation_config)
+        # Copied and retrieved drafts have no distribution to mix with the target's: the ensemble option turns them off.
+        self.lookup = options.domino_lookup and generation_config.assistant_ensemble_weight is None
         # transformers' own prompt-lookup length, when a call sets it, caps the copies.
         self.max_copies = min(self.max_drafts, generation_config.prompt_lookup_num_tokens or self.max_drafts)
         self.datastore = drafter.datastore if self.lookup and options.domino_datastore else None
@@ -190,8 +191,8 @@ class DominoCandidateGenerator(CandidateGenerator):
         if self.policy is not None:
             self.stats.acceptance_lengths.append(int(num_matches) + 1)
             self.stats.drafted.append(self.cycle["verified"])
-            self.stats.copied.append(self.copy_policy is not None and self.copy_policy is self.lookup_policy)
-            self.stats.retrieved.append(self.copy_policy is not None and self.copy_policy is self.datastore_policy)
+            self.stats.copied.append(self.copy_policy is self.lookup_policy)
+            self.stats.retrieved.append(self.copy_policy is self.datastore_policy)
 
     # ------------------------------------------------------------------------------------------------------ steps
     def _draft(self, input_ids: torch.LongTensor, num_drafts: int) -> Drafts:
@@ -301,12 +302,6 @@ class DominoCandidateGenerator(CandidateGenerator):
             self.stats.timings.setdefault(name, []).append(seconds)
         return seconds
 
-    @staticmethod
-    def ensemble_free(generation_config: GenerationConfig) -> bool:
-        """Copied and retrieved drafts have no distribution to mix with the target's: the ensemble option rules them
-        out."""
-        return generation_config.assistant_ensemble_weight is None
-
     def _build_policies(
         self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any]
     ) -> tuple[AdaptivePolicy | FixedPolicy, LookupPolicy, LookupPolicy]:
@@ -314,8 +309,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         table; each source learns its own acceptance."""
         options, drafter = self.options, self.drafter
         sampling = "sample" if self.do_sample else "greedy"
-        lookup_record = drafter_record(drafter, f"lookup+{sampling}", drafter.config.num_drafts)
-        datastore_record = drafter_record(drafter, f"datastore+{sampling}", drafter.config.num_drafts)
+        lookup_record, datastore_record = copy_records(drafter, self.do_sample)
         if options.draft_policy == "fixed":
             policy = FixedPolicy(self.max_drafts, options.assistant_confidence_threshold)
             return policy, LookupPolicy(lookup_record, None), LookupPolicy(datastore_record, None)

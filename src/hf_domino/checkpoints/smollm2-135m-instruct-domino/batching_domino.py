@@ -41,6 +41,7 @@ from .policy_domino import (
     FixedPolicy,
     LookupPolicy,
     below_threshold,
+    copy_records,
     drafter_record,
     measure_verify_cost,
     timing_is_free,
@@ -347,12 +348,11 @@ class BatchedDecoding:
         self.policy = batch_policy(
             self.target, self.drafter, self.options, mode, self.target_cache, anchors, forward_kwargs, max_drafts
         )
-        record = drafter_record(self.drafter, f"lookup+{sampling}", self.drafter.config.num_drafts)
+        lookup_record, datastore_record = copy_records(self.drafter, self.do_sample)
         # The drafter's policy learns the verify times (copies share its table and forwards).
         cost = self.policy.verify_cost if self.policy.adaptive else None
-        self.lookup_policy = LookupPolicy(record, cost, False)
-        datastore = drafter_record(self.drafter, f"datastore+{sampling}", self.drafter.config.num_drafts)
-        self.datastore_policy = LookupPolicy(datastore, cost, False)
+        self.lookup_policy = LookupPolicy(lookup_record, cost, False)
+        self.datastore_policy = LookupPolicy(datastore_record, cost, False)
 
     def find_copies(self, room: list[int]) -> tuple[dict, dict, dict]:
         """Per active row, the copied drafts it offers this cycle; or, where the lookup policy declined them, the

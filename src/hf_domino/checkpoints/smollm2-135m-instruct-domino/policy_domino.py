@@ -228,6 +228,16 @@ def drafter_record(drafter: torch.nn.Module, mode: str, num_drafts: int) -> Draf
     return records[mode]
 
 
+def copy_records(drafter: torch.nn.Module, do_sample: bool) -> tuple[DrafterRecord, DrafterRecord]:
+    """What copies from the text and retrievals from the datastore have earned with `drafter` in this decoding mode:
+    one record each, shared by batch 1 and batches."""
+    sampling = "sample" if do_sample else "greedy"
+    num_drafts = drafter.config.num_drafts
+    return drafter_record(drafter, f"lookup+{sampling}", num_drafts), drafter_record(
+        drafter, f"datastore+{sampling}", num_drafts
+    )
+
+
 class FixedPolicy:
     """Verify `k` drafts every block (0: never draft), cut at the first draft below `confidence_threshold`."""
 
@@ -536,6 +546,7 @@ __all__ = [
     "LookupPolicy",
     "VerifyCost",
     "cached_verify_cost",
+    "copy_records",
     "drafter_record",
     "expected_tokens",
     "learn_acceptance",
