@@ -6,16 +6,26 @@ from __future__ import annotations
 import copy
 import pickle
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
 from torch import nn
 from torch.nn import functional as F
+from transformers import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import hf_domino
 from hf_domino import TargetModules, prepare_for_cpu_decoding
-from hf_domino.cpu_fast_path import PrepackedLinear, eager_linears, is_prepared_for_cpu_decoding, packable_dtypes
+from hf_domino.cpu_fast_path import (
+    GROUPED_KV_ATTENTION,
+    PrepackedLinear,
+    eager_linears,
+    is_prepared_for_cpu_decoding,
+    packable_dtypes,
+    sdpa_grouped_kv_forward,
+)
 
 pytestmark = pytest.mark.skipif(not packable_dtypes(), reason="this torch build has no oneDNN")
 
@@ -139,9 +149,54 @@ def test_save_pretrained_of_prepared_models(tmp_path):
     reloaded = type(target).from_pretrained(tmp_path / "target").eval()
     redrafter = hf_domino.DominoForSpeculation.from_pretrained(tmp_path / "drafter").eval()
     assert not is_prepared_for_cpu_decoding(reloaded) and torch.equal(redrafter.draft_vocab, drafter.draft_vocab)
+    assert reloaded.config._attn_implementation == redrafter.config._attn_implementation == "sdpa"
     for model, copy_ in ((target, reloaded), (drafter, redrafter)):
         for key, value in model.state_dict().items():
             assert torch.equal(value, copy_.state_dict()[key]), key
+
+
+# ----------------------------------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("batch, queries, kv_length", [(1, 2, 9), (1, 5, 40), (1, 17, 300), (3, 4, 50), (2, 1, 20)])
+def test_grouped_kv_attention_is_sdpa_bit_for_bit(batch, queries, kv_length):
+    # What a verification (or a batch) meets: queries at the end of the cache, causal among themselves, rows
+    # left-padded by different amounts.
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+    generator = torch.Generator().manual_seed(queries)
+    query = torch.randn(batch, 9, queries, 16, generator=generator)
+    key, value = (torch.randn(batch, 3, kv_length, 16, generator=generator) for _ in range(2))
+    positions = torch.arange(kv_length)
+    mask = positions[None, :] <= torch.arange(kv_length - queries, kv_length)[:, None]
+    mask = torch.stack([mask & (positions >= 2 * row) for row in range(batch)])[:, None]
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    output, _ = sdpa_grouped_kv_forward(module, query, key, value, mask, scaling=0.25)
+    assert output.shape == expected.shape == (batch, queries, 9, 16)
+    assert torch.equal(output, expected)
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # `cache` is new in 5.24
+def test_prepare_reads_grouped_kv_heads_in_place_and_verification_logits_are_unchanged():
+    target = tiny_target("qwen3", vocab_size=96, hidden_size=64)  # 4 query heads over 2 key/value heads
+    drafter = tiny_drafter(target)
+    report = prepare_for_cpu_decoding(target, drafter)
+    assert report.attention == ["target", "drafter"] and f"{GROUPED_KV_ATTENTION} attention" in str(report)
+    assert target.config._attn_implementation == drafter.config._attn_implementation == GROUPED_KV_ATTENTION
+    assert prepare_for_cpu_decoding(target, drafter).attention == []
+
+    def verification_logits() -> torch.Tensor:
+        cache = DynamicCache(config=target.config)
+        with torch.no_grad():
+            target(prompt(96, length=30), past_key_values=cache)
+            return target(prompt(96, length=6, seed=1), past_key_values=cache).logits
+
+    logits = verification_logits()
+    target.set_attn_implementation("sdpa")
+    assert torch.equal(logits, verification_logits())
+
+    # Nothing to gain where every query head has its own key/value head, or where attention is not sdpa.
+    for model in (tiny_target("llama", num_key_value_heads=4), tiny_target("qwen3", attn_implementation="eager")):
+        implementation = model.config._attn_implementation
+        assert prepare_for_cpu_decoding(model).attention == []
+        assert model.config._attn_implementation == implementation
 
 
 # ------------------------------------------------------------------------------------------------------ drafting
