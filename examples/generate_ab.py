@@ -1,13 +1,18 @@
-"""An A/B of drafting settings in `generate()` itself: which datastore n-gram sizes, which attention for verification.
+"""An A/B of drafting settings in `generate()` itself, one sequence or batches: datastore n-gram sizes, the
+attention verification runs with, or any of the drafter's generate() options.
 
 Each setting gets its own drafter object, so that each learns its own acceptance and verify-cost records (they are
-kept per drafter), and the settings run interleaved prompt by prompt in one process, their order alternating,
-against the prepared target alone on the same prompt. Greedy outputs are asserted identical to the target alone's.
-A setting is `sizes=4,3,2` (the datastore's n-gram sizes) or `attention=sdpa` (the target's attention
-implementation while it verifies). docs/benchmarks.md quotes it:
+kept per drafter), and the settings run interleaved group by group in one process, their order alternating, against
+the prepared target alone on the same group. Greedy outputs are asserted identical to the target alone's. A setting
+is `default`, or `key=value` items joined by `+`: `sizes=4,3,2` (the datastore's n-gram sizes), `attention=sdpa`
+(the target's attention implementation while it verifies), or a generate() option of the drafter
+(`domino_lookup=False`, `num_speculative_tokens=0`, `draft_policy=fixed`, ...). docs/benchmarks.md quotes it:
 
     python examples/generate_ab.py --prompts mtbench --settings sizes=4,3 sizes=4,3,2
     python examples/generate_ab.py --prompts mtbench --settings attention=sdpa attention=sdpa_grouped_kv
+    python examples/generate_ab.py --prompts mtbench --num-prompts 16 --max-new-tokens 64 --batch-size 4 \\
+        --repeats 2 --settings default domino_lookup=False num_speculative_tokens=0 \\
+        domino_lookup=False+draft_policy=fixed+num_speculative_tokens=0
 """
 
 from __future__ import annotations
@@ -17,23 +22,51 @@ import contextlib
 import statistics
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 
 from hf_domino import prepare_for_cpu_decoding
-from hf_domino.assets import chat_token_ids, load_drafter, load_prompts, load_target
+from hf_domino.assets import chat_token_ids, load_drafter, load_prompts, load_target, pad_token_id
 from hf_domino.drafting_domino import DATASTORE_FILE, DraftDatastore
+from hf_domino.measure_batch import left_padded_batch
 
 
-def timed(target, input_ids: list[int], max_new_tokens: int, **extra) -> tuple[torch.Tensor, float]:
-    start = time.perf_counter()
-    output = target.generate(torch.tensor([input_ids]), max_new_tokens=max_new_tokens, do_sample=False, **extra)
-    return output, time.perf_counter() - start
+@dataclass
+class Setting:
+    drafter: object
+    attention: str | None = None  # the target's attention while it verifies (None: as prepared)
+    options: dict = field(default_factory=dict)  # generate() options of the drafter
+
+
+def option_value(text: str):
+    if text in ("True", "False"):
+        return text == "True"
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def setting_for(name: str, target) -> Setting:
+    setting = Setting(load_drafter(None))
+    for item in [] if name == "default" else name.split("+"):
+        key, _, value = item.partition("=")
+        if key == "sizes":
+            sizes = tuple(int(size) for size in value.split(","))
+            path = str(setting.drafter.name_or_path) + "/" + DATASTORE_FILE
+            setting.drafter.datastore = DraftDatastore.load(path, ngram_sizes=sizes)
+        elif key == "attention":
+            setting.attention = value
+        elif value:
+            setting.options[key] = option_value(value)
+        else:
+            raise SystemExit(f"setting {name!r}: {item!r} is not key=value")
+    prepare_for_cpu_decoding(target, setting.drafter)
+    if setting.drafter.datastore is not None:
+        setting.drafter.datastore.build_index()
+    return setting
 
 
 @contextlib.contextmanager
 def target_attention(target, implementation: str | None) -> Iterator[None]:
-    """The target verifies with `implementation` inside the block (None: as prepared)."""
     prepared = target.config._attn_implementation
     if implementation is not None:
         target.set_attn_implementation(implementation)
@@ -43,22 +76,12 @@ def target_attention(target, implementation: str | None) -> Iterator[None]:
         target.set_attn_implementation(prepared)
 
 
-def drafter_for(setting: str, target):
-    """A drafter of its own for `setting`, and the target attention it verifies with."""
-    key, _, value = setting.partition("=")
-    drafter = load_drafter(None)
-    attention = None
-    if key == "sizes":
-        sizes = tuple(int(size) for size in value.split(","))
-        drafter.datastore = DraftDatastore.load(str(drafter.name_or_path) + "/" + DATASTORE_FILE, ngram_sizes=sizes)
-    elif key == "attention":
-        attention = value
-    else:
-        raise SystemExit(f"unknown setting {setting!r}: use sizes=4,3,2 or attention=sdpa")
-    prepare_for_cpu_decoding(target, drafter)
-    if drafter.datastore is not None:
-        drafter.datastore.build_index()
-    return drafter, attention
+def timed(target, batch: dict, max_new_tokens: int, setting: Setting | None = None) -> tuple[torch.Tensor, float]:
+    extra = {} if setting is None else {"assistant_model": setting.drafter, **setting.options}
+    with target_attention(target, None if setting is None else setting.attention):
+        start = time.perf_counter()
+        output = target.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, **extra)
+        return output, time.perf_counter() - start
 
 
 def main() -> None:
@@ -66,30 +89,37 @@ def main() -> None:
     parser.add_argument("--prompts", default="mtbench")
     parser.add_argument("--num-prompts", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--settings", nargs="+", required=True, help="e.g. sizes=4,3 sizes=4,3,2")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer = load_target("smollm2")
-    settings = {setting: drafter_for(setting, target) for setting in args.settings}
+    settings = {name: setting_for(name, target) for name in args.settings}
     prompts = [chat_token_ids(tokenizer, messages) for messages in load_prompts(args.prompts, args.num_prompts)]
-    timed(target, prompts[0][:50], 8)  # warm-up
-    for drafter, attention in settings.values():
-        with target_attention(target, attention):
-            timed(target, prompts[0][:50], 8, assistant_model=drafter)
+    size, pad = args.batch_size, pad_token_id(target, tokenizer)
+    groups = [
+        left_padded_batch(tokenizer, prompts[i : i + size], pad) for i in range(0, len(prompts) - size + 1, size)
+    ]
+    timed(target, groups[0], 8)  # warm-up
+    for setting in settings.values():
+        timed(target, groups[0], 8, setting)
     seconds = {name: [] for name in ["target", *settings]}
     tau = {name: [] for name in settings}
-    for index, input_ids in enumerate(prompts):
-        reference, elapsed = timed(target, input_ids, args.max_new_tokens)
-        seconds["target"].append(elapsed)
-        for name in list(settings) if index % 2 == 0 else list(reversed(settings)):
-            drafter, attention = settings[name]
-            with target_attention(target, attention):
-                output, elapsed = timed(target, input_ids, args.max_new_tokens, assistant_model=drafter)
-            assert torch.equal(output, reference), f"{name}: output differs from the target alone's"
-            seconds[name].append(elapsed)
-            tau[name].append(statistics.fmean(drafter.last_generation_stats.acceptance_lengths))
-    print(f"{args.prompts}: {len(prompts)} prompts x {args.max_new_tokens} tokens, greedy, identical outputs")
+    for repeat in range(args.repeats):
+        for index, batch in enumerate(groups):
+            reference, elapsed = timed(target, batch, args.max_new_tokens)
+            seconds["target"].append(elapsed)
+            for name in list(settings) if (repeat + index) % 2 == 0 else list(reversed(settings)):
+                output, elapsed = timed(target, batch, args.max_new_tokens, settings[name])
+                assert torch.equal(output, reference), f"{name}: output differs from the target alone's"
+                seconds[name].append(elapsed)
+                tau[name].append(statistics.fmean(settings[name].drafter.last_generation_stats.acceptance_lengths))
+    print(
+        f"{args.prompts}: {len(groups)} groups of {size} x {args.repeats} repeats, {args.max_new_tokens} tokens, "
+        "greedy, identical outputs"
+    )
     for name in settings:
         speedup = sum(seconds["target"]) / sum(seconds[name])
         print(f"  {name:28s} {speedup:.3f}x the target alone, tau {statistics.fmean(tau[name]):.2f}")

@@ -15,7 +15,7 @@ from test_generation import (
 )
 from transformers import LogitsProcessorList
 
-from hf_domino import ragged_batch_domino
+from hf_domino import batching_domino, policy_domino, ragged_batch_domino
 from hf_domino.drafting_domino import DrafterContext, run_backbone
 from hf_domino.modeling_domino import TargetModules
 from hf_domino.options_domino import DominoOptions
@@ -53,6 +53,27 @@ def test_greedy_batch_identical_rows_stop_at_different_times(arch, next_token, p
     lengths = drafter.last_generation_stats.acceptance_lengths
     if next_token == PARTIAL and policy == "fixed":
         assert len(set(lengths)) > 2  # ragged acceptance really happened
+
+
+@pytest.mark.parametrize("next_token", [successor(1), PARTIAL], ids=["full", "ragged"])
+def test_greedy_batch_identical_priced_by_its_shortest_row(arch, next_token, monkeypatch, gpu_like_costs):
+    # PRICE_BY_SHORTEST_ROW: the policies see each row's lag behind the shortest row; the output is unchanged.
+    monkeypatch.setattr(batching_domino, "PRICE_BY_SHORTEST_ROW", True)
+    seen = []
+    choose = policy_domino.AdaptivePolicy.choose
+    monkeypatch.setattr(
+        policy_domino.AdaptivePolicy,
+        "choose",
+        lambda self, *args, **kwargs: seen.append(kwargs.get("lags")) or choose(self, *args, **kwargs),
+    )
+    target = successor_target(arch, VOCAB)
+    drafter = forcing_drafter(target, next_token, block_size=6)
+    batch = left_padded([[4, 9, 11], [20], [7, 25, 26, 27, 28], [12, 13]])
+    expected, output = both(target, drafter, batch, max_new_tokens=24)
+    assert torch.equal(output, expected)
+    assert seen and all(lags is not None and min(lags) == 0 for lags in seen)
+    if next_token == PARTIAL:
+        assert any(max(lags) > 0 for lags in seen)  # rows accepted differently and drew apart
 
 
 @pytest.mark.parametrize("head", [True, False])

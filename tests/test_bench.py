@@ -349,7 +349,15 @@ def test_cli_bench_batch_sizes(target, drafter, tokenizer, tmp_path, capsys):
     ]
     assert len(written["rows"]) == 9 and all(r["mismatched_rows"] == 0 for r in written["rows"])
     assert all(r["tokens"] > 0 for r in written["rows"])
-    assert "| 4 | domino_k2 |" in capsys.readouterr().out
+    # The batch's own tau: the longest row's tokens per forward after the prefill; exactly 1 for the target alone,
+    # at least 1 with a drafter (a forward never yields fewer than one token per row).
+    for r in written["rows"]:
+        groups = 4 // r["batch_size"]
+        assert len(r["forwards"]) == len(r["longest_rows"]) == groups
+        batch_tau = (sum(r["longest_rows"]) - groups) / sum(r["forwards"])
+        assert batch_tau == 1.0 if r["method"] == "target" else batch_tau >= 1.0
+    out = capsys.readouterr().out
+    assert "| 4 | domino_k2 |" in out and "batch tau (longest row)" in out
     with pytest.raises(SystemExit, match="batch-methods"):
         cli.main(argv[:-2] + ["--batch-methods", "target,beam"])
 

@@ -188,8 +188,8 @@ def test_batches_retrieve_only_while_few_rows_are_active(gpu_like_costs, monkeyp
     cycles: list[tuple[int, bool]] = []  # (active rows, whether a row verified or was offered a retrieval)
     find_copies = batching_domino.BatchedDecoding.find_copies
 
-    def recorded(self, room):
-        copies, declined, sources = find_copies(self, room)
+    def recorded(self, *args):
+        copies, declined, sources = find_copies(self, *args)
         cycles.append((len(self.active), any(source is self.datastore_policy for source in sources.values())))
         return copies, declined, sources
 
@@ -214,7 +214,7 @@ def test_bench_method_lookup_all_retrieves_in_every_batch_for_its_call_only(monk
     monkeypatch.setattr(
         batching_domino.BatchedDecoding,
         "find_copies",
-        lambda self, room: seen.append(batching_domino.RETRIEVAL_MAX_ROWS) or find_copies(self, room),
+        lambda self, *args: seen.append(batching_domino.RETRIEVAL_MAX_ROWS) or find_copies(self, *args),
     )
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)

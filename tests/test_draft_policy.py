@@ -17,7 +17,14 @@ from transformers.cache_utils import DynamicCache
 import hf_domino
 from hf_domino import policy_domino
 from hf_domino.modeling_domino import cache_argument
-from hf_domino.policy_domino import AcceptanceCalibration, AdaptivePolicy, DrafterRecord, VerifyCost, expected_tokens
+from hf_domino.policy_domino import (
+    AcceptanceCalibration,
+    AdaptivePolicy,
+    DrafterRecord,
+    LookupPolicy,
+    VerifyCost,
+    expected_tokens,
+)
 
 VOCAB = 32
 
@@ -194,6 +201,49 @@ def test_one_failed_cycle_pauses_only_a_drafter_whose_acceptance_says_drafting_d
     assert after_a_failed_cycle(0.6) == 0
     # 15%: the same cycle confirms that it does not.
     assert after_a_failed_cycle(0.15) > 0
+
+
+def test_a_batch_is_priced_by_how_far_its_shortest_row_advances():
+    """With each row's lag behind it, `expected_tokens` is the expected advance of the batch's shortest row: checked
+    against every outcome of three rows written out, for every k."""
+    import itertools
+
+    acceptance = torch.tensor([[0.9, 0.7, 0.5], [0.4, 0.8, 0.6], [0.95, 0.2, 0.9]], dtype=torch.float64)
+    for lags in ([0, 0, 0], [0, 1, 3], [2, 0, 1], [0, 5, 5]):
+        progress = expected_tokens(acceptance, lags)
+        for k in range(4):
+            expected = 0.0
+            for accepted in itertools.product(range(k + 1), repeat=3):  # drafts each row accepts, of k
+                chance = 1.0
+                for row, a in enumerate(accepted):
+                    p = acceptance[row, :k].tolist()
+                    chance *= torch.tensor(p[:a]).prod().item() * (1 - p[a] if a < k else 1)
+                expected += chance * min(lag + 1 + a for lag, a in zip(lags, accepted))
+            assert progress[k].item() == pytest.approx(expected), (lags, k)
+    # One row: the single-sequence value. Rows far ahead do not count; tied rows all must accept.
+    assert torch.allclose(expected_tokens(acceptance[:1], [0]), expected_tokens(acceptance[0]))
+    assert torch.allclose(expected_tokens(acceptance, [0, 9, 9]), expected_tokens(acceptance[0]))
+    assert expected_tokens(acceptance, [0, 0, 0])[3] < expected_tokens(acceptance)[3]
+
+
+def test_drafts_that_only_put_rows_further_ahead_are_not_verified():
+    from hf_domino.batching_domino import BatchVerifyCost
+
+    table = VerifyCost({2: 1.0, 4: 1.3, 6: 1.5, 10: 2.0})  # 2 rows: 1 token each 1.0, 2 tokens 1.3, ...
+    policy = AdaptivePolicy(DrafterRecord([0.9] * 4), BatchVerifyCost(table, rows=2), cap=4, learn_times=False)
+    policy.record.calibration = AcceptanceCalibration(prior_weight=1e9)  # calibrated acceptance = the confidence
+    confidence = torch.tensor([[0.95, 0.95, 0.95, 0.95], [0.05, 0.05, 0.05, 0.05]])
+    # Averaged over the rows, the first row's drafts pay; but the second row is the shortest, and its drafts fail.
+    assert policy.choose(confidence, 0.0, limits=[4, 4]) > 0
+    assert policy.choose(confidence, 0.0, limits=[4, 4], lags=[0, 0]) == 0
+    assert policy.choose(confidence, 0.0, limits=[4, 4], lags=[0, 4]) > 0  # the confident row is now the shortest
+    # Copies likewise: found only in a row ahead of the others, they advance nothing.
+    copies = LookupPolicy(DrafterRecord([0.9] * 4), BatchVerifyCost(table, rows=2), learn_times=False)
+    assert copies.choose([4, 0], rival_rate=1.0) == 4
+    assert copies.choose([4, 0], rival_rate=1.0, lags=[3, 0]) == 0
+    # Copies in the shortest row pay, but only up to where the other row, 3 ahead, becomes the shortest: a 4th copy
+    # would advance the batch no further.
+    assert copies.choose([4, 0], rival_rate=1.0, lags=[0, 3]) == 3
 
 
 def test_a_failed_cycle_over_several_rows_is_evidence_enough_to_pause():

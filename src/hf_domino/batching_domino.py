@@ -75,6 +75,12 @@ K_PER_ROW = False
 # retrievals in 4 or 8 rows cost more width than they earn (MT-Bench 0.85x against 0.94x with text copies alone at
 # B = 4, in two runs; docs/benchmarks.md, "Copied drafts in batches"); None: in every batch.
 RETRIEVAL_MAX_ROWS: int | None = 2
+# True prices a cycle by how far the batch's shortest row is expected to advance (BatchedDecoding.lags), not by the
+# rows' mean tokens: a batch is done when its last row is. On a 2-core CPU it measured +1% to +6% in 4 of 5 cells and
+# -3% in the fifth (docs/benchmarks.md, "The batch finishes with its last row"); but one cycle's view is pessimistic
+# where rows are tied (all must accept), which a GPU's nearly free verification may not forgive: measure it there
+# (`hf-domino bench --batch-methods ...,domino_lookup_shortest`) before making it the default.
+PRICE_BY_SHORTEST_ROW = False
 
 
 # ------------------------------------------------------------------------------------------------------ the policy
@@ -271,6 +277,12 @@ class BatchedDecoding:
     def generated(self, row: int) -> int:
         return self.sequences[row].shape[0] - self.prompt_length
 
+    def lags(self) -> list[int]:
+        """Per active row, the tokens it is ahead of the batch's shortest row: the batch is done when its last row
+        is, so the policies price a cycle by how far the shortest row advances (`policy_domino.expected_tokens`)."""
+        generated = [self.generated(row) for row in self.active]
+        return [n - min(generated) for n in generated]
+
     def active_sequences(self) -> list[torch.LongTensor]:
         return [self.sequences[row] for row in self.active]
 
@@ -354,7 +366,7 @@ class BatchedDecoding:
         self.lookup_policy = LookupPolicy(lookup_record, cost, False)
         self.datastore_policy = LookupPolicy(datastore_record, cost, False)
 
-    def find_copies(self, room: list[int]) -> tuple[dict, dict, dict]:
+    def find_copies(self, room: list[int], lags: list[int] | None) -> tuple[dict, dict, dict]:
         """Per active row, the copied drafts it offers this cycle; or, where the lookup policy declined them, the
         copies found (to be judged against what the row generates instead); and each row's source (its policy).
 
@@ -382,12 +394,14 @@ class BatchedDecoding:
         rival = self.policy.rate_without_copies() if self.policy.adaptive else 0.0
         rows = range(len(self.active))
         lengths = [found[i].shape[0] if i in found else 0 for i in rows]
-        width = self.lookup_policy.choose(lengths, rival, [sources.get(i, self.lookup_policy) for i in rows])
+        width = self.lookup_policy.choose(lengths, rival, [sources.get(i, self.lookup_policy) for i in rows], lags)
         if width == 0:
             return {}, found, sources
         return {i: copy[:width] for i, copy in found.items()}, {}, sources
 
-    def draft(self, anchors: torch.LongTensor, room: list[int], copying: set[int]) -> CycleDrafts:
+    def draft(
+        self, anchors: torch.LongTensor, room: list[int], copying: set[int], lags: list[int] | None
+    ) -> CycleDrafts:
         """The policy's budget, one block for every active row, and how many drafts each row offers.
 
         Rows in `copying` offer copies instead; when every row does, the drafter does not run.
@@ -414,7 +428,7 @@ class BatchedDecoding:
             ]
             self.policy.confidence = drafts.confidence.detach().float().cpu()  # what observe() learns from
         else:
-            width = self.policy.choose(drafts.confidence, drafted - start, limits=limits)
+            width = self.policy.choose(drafts.confidence, drafted - start, limits=limits, lags=lags)
             lengths = [min(width, limit) for limit in limits]
         if self.stats.timings is not None:
             for name, seconds in (
@@ -490,15 +504,16 @@ class BatchedDecoding:
             self.build_policies(anchors.to(self.device))
         if isinstance(self.policy, AdaptivePolicy):
             self.policy.verify_cost.rows = len(self.active)
-        copies, declined, sources = self.find_copies(room)
-        drafts = self.draft(anchors, room, set(copies))
+        lags = self.lags() if PRICE_BY_SHORTEST_ROW else None
+        copies, declined, sources = self.find_copies(room, lags)
+        drafts = self.draft(anchors, room, set(copies), lags)
         drafts.take_copies(copies, sources)
         verify_start = self.now()
         tokens, matches = self.verify(anchors, drafts)
         verify_seconds = self.now() - verify_start
         if self.stats.timings is not None and drafts.drafts is not None:
             self.stats.timings.setdefault("verify", []).append(verify_seconds)
-        self.learn(drafts, matches.tolist(), verify_seconds)
+        self.learn(drafts, matches.tolist(), verify_seconds, lags)
         for i, found in declined.items():  # judged against what the row generated instead
             offered, accepted = judge_copy(found, tokens[i])
             sources[i].observe(verified=offered, accepted=accepted)
@@ -508,15 +523,16 @@ class BatchedDecoding:
         self.stats.retrieved.extend(drafts.copied(len(self.active), self.datastore_policy))
         return [self.extend(row, tokens[i]) for i, row in enumerate(self.active)]
 
-    def learn(self, cycle: CycleDrafts, matches: list[int], verify_seconds: float) -> None:
+    def learn(self, cycle: CycleDrafts, matches: list[int], verify_seconds: float, lags: list[int] | None) -> None:
         """Copied rows teach the lookup policy; the drafter's policy learns from the rows it drafted for alone (and
-        the forward's time from all of them)."""
+        the forward's time, and how far the shortest row advanced, from all of them)."""
         for row, copy in cycle.copies.items():
             cycle.sources[row].observe(verified=copy.shape[0], accepted=matches[row])
         drafted = [row for row in range(len(matches)) if row not in cycle.copies]
         self.policy.observe(
             verified=cycle.width, accepted=[matches[row] for row in drafted],
             row_verified=[int(cycle.lengths[row]) for row in drafted], rows=drafted, verify_seconds=verify_seconds,
+            progress=None if lags is None else min(lag + 1 + match for lag, match in zip(lags, matches)),
             **cycle.observed,
         )  # fmt: skip
 

@@ -191,15 +191,31 @@ class AcceptanceCalibration:
         self.accepted.index_add_(0, index, accepted.double().cpu())
 
 
-def expected_tokens(acceptance: torch.Tensor) -> torch.Tensor:
+def expected_tokens(acceptance: torch.Tensor, lags: list[int] | None = None) -> torch.Tensor:
     """`E(k)` for k = 0..K: one target token plus the drafts accepted in a row.
 
-    `acceptance` is `[K]`, or `[rows, K]` for a batch whose rows all verify k drafts: then the mean over the rows.
+    `acceptance` is `[K]`, or `[rows, K]` for a batch whose rows all verify k drafts: then the mean over the rows, or,
+    given each row's `lags` (tokens it is ahead of the batch's shortest row), how far the shortest row is expected to
+    advance. A batch is done when its last row is, and on a CPU a step costs about the same at 2-4 rows as at one,
+    so tokens that put rows further ahead of the shortest one shorten nothing (docs/benchmarks.md, "Batches").
     """
     rows = acceptance.double()
     survive = torch.cumprod(rows[None] if rows.dim() == 1 else rows, dim=-1)
     ones = torch.ones(survive.shape[0], 1, dtype=torch.float64)
-    return torch.cat([ones, 1 + torch.cumsum(survive, dim=-1)], dim=-1).mean(dim=0)
+    if lags is None:
+        return torch.cat([ones, 1 + torch.cumsum(survive, dim=-1)], dim=-1).mean(dim=0)
+    # at_least[r, m]: P(row r accepts at least m drafts), m = 0..K. The shortest row advances by at least j when
+    # every row r accepts at least j - 1 - lags[r] of the k drafts offered.
+    at_least = torch.cat([ones, survive], dim=-1)
+    width = at_least.shape[1] - 1
+    lag = torch.tensor(lags, dtype=torch.long)
+    progress = []
+    for k in range(width + 1):
+        needed = torch.arange(1, k + 2)[:, None] - 1 - lag[None]  # [j, rows]
+        chance = at_least[torch.arange(len(lags))[None], needed.clamp(0, k)]
+        chance = torch.where(needed <= 0, 1.0, torch.where(needed > k, 0.0, chance))
+        progress.append(chance.prod(dim=1).sum())
+    return torch.stack(progress)
 
 
 # -------------------------------------------------------------------------------------------------------- policies
@@ -249,7 +265,13 @@ class FixedPolicy:
     def budget(self, room: int) -> int:
         return min(self.k, room)
 
-    def choose(self, confidence: torch.Tensor, draft_seconds: float, limits: list[int] | None = None) -> int:
+    def choose(
+        self,
+        confidence: torch.Tensor,
+        draft_seconds: float,
+        limits: list[int] | None = None,
+        lags: list[int] | None = None,
+    ) -> int:
         if limits is not None:  # a batch: the loop already cut each row at the threshold
             return max(limits)
         return below_threshold(confidence, self.confidence_threshold)
@@ -306,12 +328,15 @@ class AdaptivePolicy:
         acceptance = torch.tensor(position_acceptance[: max(self.cap, 1)])
         return self._expected_rate(acceptance) >= 1 / self.verify_cost(1)
 
-    def _best_k(self, acceptance: torch.Tensor, spent: float | None, minimum: int = 0) -> int:
+    def _best_k(
+        self, acceptance: torch.Tensor, spent: float | None, minimum: int = 0, lags: list[int] | None = None
+    ) -> int:
         """argmax over k = minimum..len(acceptance) of E(k) / cost(k).
 
-        `spent`: the drafting already paid for this block; None estimates the drafting cost of each k.
+        `spent`: the drafting already paid for this block; None estimates the drafting cost of each k. `lags`: a
+        batch's rows ahead of its shortest one (see `expected_tokens`).
         """
-        tokens = expected_tokens(acceptance)
+        tokens = expected_tokens(acceptance, lags)
         costs = torch.tensor(
             [
                 (spent if spent is not None else (self._draft_seconds(k) if k else 0.0)) + self.verify_cost(1 + k)
@@ -348,18 +373,25 @@ class AdaptivePolicy:
         # `choose` still verifies nothing when the drafts look poor.
         return self._best_k(acceptance, spent=None, minimum=1)
 
-    def choose(self, confidence: torch.Tensor, draft_seconds: float, limits: list[int] | None = None) -> int:
+    def choose(
+        self,
+        confidence: torch.Tensor,
+        draft_seconds: float,
+        limits: list[int] | None = None,
+        lags: list[int] | None = None,
+    ) -> int:
         """k for this block from the drafts' confidences `[k]`, or `[rows, k]` for a batch with per-row `limits`.
 
         A batch verifies one rectangle of `rows x (1 + k)` tokens, so one k serves every row: a row never offers
-        drafts past its limit (room, threshold, stop strings), which count as certain rejections here.
+        drafts past its limit (room, threshold, stop strings), which count as certain rejections here. With `lags`
+        (each row's tokens ahead of the shortest), k is priced by how far the shortest row advances.
         """
         self.confidence = confidence.detach().float().cpu()
         if limits is not None:
             acceptance = self.record.calibration(self.confidence.flatten()).view(self.confidence.shape).clone()
             for row, limit in enumerate(limits):
                 acceptance[row, limit:] = 0
-            return min(self._best_k(acceptance, spent=draft_seconds), max(limits))
+            return min(self._best_k(acceptance, spent=draft_seconds, lags=lags), max(limits))
         limit = below_threshold(self.confidence, self.confidence_threshold)
         # A probe's drafts are verified only when their calibrated confidence says so, like any block's: the
         # calibration trusts a confident drafter until the target says otherwise, and an unsure one costs only its
@@ -413,11 +445,14 @@ class AdaptivePolicy:
         positions: int = 0,
         row_verified: list[int] | None = None,
         rows: list[int] | None = None,
+        progress: int | None = None,
     ) -> None:
         """Learns from one cycle: `verified` drafts were offered, the first `accepted` of them matched.
 
         For a batch, `accepted` and `row_verified` hold each row's numbers and `verified` is the widest row's;
-        `rows` says which rows of the block they describe, when not all (rows that verified copies instead).
+        `rows` says which rows of the block they describe, when not all (rows that verified copies instead), and
+        `progress` how far the batch's shortest row advanced: the cycle's measured rate counts that, not the rows'
+        mean (see `expected_tokens`).
         """
         record = self.record
         accepted_rows = [accepted] if isinstance(accepted, int) else list(accepted)
@@ -447,7 +482,8 @@ class AdaptivePolicy:
             cycle_seconds = backbone_seconds + rollout_seconds + verify_seconds
         else:  # host timings are not the device's, or not typical: judge the cycle by the cost model
             cycle_seconds = self._draft_seconds(positions) + self.verify_cost(1 + verified)
-        cycle_rate = (sum(accepted_rows) / len(accepted_rows) + 1) / max(cycle_seconds, 1e-9)
+        tokens = sum(accepted_rows) / len(accepted_rows) + 1 if progress is None else progress
+        cycle_rate = tokens / max(cycle_seconds, 1e-9)
         # A probe's own cycle is the freshest evidence there is after a pause: it replaces the stale estimate.
         record.drafting_rate = cycle_rate if self.probing else _moved(record.drafting_rate, cycle_rate, RATE_RATE)
         # One cycle of one sequence is a coin toss (a drafter accepting 40% of first drafts fails most cycles yet pays
@@ -502,7 +538,11 @@ class LookupPolicy:
         self.record, self.verify_cost, self.learn_times = record, verify_cost, learn_times
 
     def choose(
-        self, num_found: int | list[int], rival_rate: float = 0.0, sources: list[LookupPolicy] | None = None
+        self,
+        num_found: int | list[int],
+        rival_rate: float = 0.0,
+        sources: list[LookupPolicy] | None = None,
+        lags: list[int] | None = None,
     ) -> int:
         """How many of `num_found` copied drafts to verify; 0 where a cycle of them is not expected to earn more
         tokens per second than `rival_rate` (the drafter's best, or a plain step's).
@@ -511,6 +551,7 @@ class LookupPolicy:
         verified rectangle, each row offering `min(found, W)`: every row pays for the width, so copies in a few rows
         of a large batch rarely pay, and rows without copies count as plain steps. `sources[row]` is the policy
         whose acceptance a row's copies have (copied from the text, or retrieved from a datastore); default this one.
+        With `lags` (each row's tokens ahead of the shortest), W is priced by how far the shortest row advances.
         """
         found = [num_found] if isinstance(num_found, int) else num_found
         if self.verify_cost is None:  # a fixed policy: verify every draft found
@@ -520,7 +561,7 @@ class LookupPolicy:
         acceptance = torch.tensor([record.position_acceptance[:widest] for record in records], dtype=torch.float64)
         for row, n in enumerate(found):
             acceptance[row, n:] = 0  # a row's copies end: past them it only adds the target's token
-        tokens = expected_tokens(acceptance)  # the mean over rows: per-row tokens, as the rival rate counts them
+        tokens = expected_tokens(acceptance, lags)  # per row, or the shortest row's: as the rival rate counts them
         costs = torch.tensor([self.verify_cost(1 + k) for k in range(len(tokens))], dtype=torch.float64)
         rates = tokens / costs
         best = int(torch.argmax(rates))

@@ -323,8 +323,10 @@ def ragged_forward(
     logits_to_keep: int | None = None,
 ):
     """One target forward that appends `input_ids` to every row; holes among them are `new_columns == False`."""
-    takes_logits_to_keep = "logits_to_keep" in inspect.signature(target.forward).parameters
-    kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep is not None and takes_logits_to_keep else {}
+    kwargs = {}
+    # Asked only when needed (the prefill): reading a signature costs more than the rest of a step's host work.
+    if logits_to_keep is not None and "logits_to_keep" in inspect.signature(target.forward).parameters:
+        kwargs["logits_to_keep"] = logits_to_keep
     outputs = target(
         input_ids=input_ids,
         attention_mask=cache.attention_mask(new_columns).long(),
