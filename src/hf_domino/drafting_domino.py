@@ -21,10 +21,12 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
@@ -325,6 +327,27 @@ class DraftDatastore:
             self._sorted(size)
         return self
 
+    def _agreed_continuation(self, at: torch.Tensor, max_drafts: int) -> list[int]:
+        """From the store positions `at`, token by token, what most occurrences continue with, while at least
+        `min_count` of them agree (ties: the smallest id). On the host in numpy: a dozen steps over a few hundred
+        positions at most, where torch's per-op overhead cost 4x (0.22 against 0.05 ms a lookup)."""
+        tokens, at, drafts = self.tokens.numpy(), at.numpy(), []
+        while len(drafts) < max_drafts:
+            following = tokens[at]
+            if following.shape[0] <= 32:  # most steps, once the occurrences have narrowed
+                counts = Counter(following.tolist())
+                top = max(counts.values())
+                value = min(token for token, count in counts.items() if count == top)
+            else:
+                values, counts = np.unique(following, return_counts=True)
+                best = int(counts.argmax())
+                value, top = int(values[best]), int(counts[best])
+            if value < 0 or top < self.min_count:
+                break
+            drafts.append(value)
+            at = at[following == value] + 1
+        return drafts
+
     def lookup(self, input_ids: torch.LongTensor, max_drafts: int) -> torch.LongTensor | None:
         """Drafts `[1, <= max_drafts]` for the sequence `input_ids` `[1, n]`, or None where the store has none."""
         sequence = input_ids[0, -max(self.ngram_sizes) :].cpu()  # the last n-gram is all a lookup reads
@@ -347,15 +370,7 @@ class DraftDatastore:
                     break
             if high - low < self.min_count:
                 continue
-            at, drafts = positions[low : min(high, low + DATASTORE_SAMPLE)], []
-            while len(drafts) < max_drafts:
-                following = self.tokens[at]
-                values, counts = torch.unique(following, return_counts=True)
-                best = int(counts.argmax())
-                if int(values[best]) < 0 or int(counts[best]) < self.min_count:
-                    break
-                drafts.append(int(values[best]))
-                at = at[following == values[best]] + 1
+            drafts = self._agreed_continuation(positions[low : min(high, low + DATASTORE_SAMPLE)], max_drafts)
             if drafts:
                 return torch.tensor([drafts], dtype=input_ids.dtype, device=input_ids.device)
         return None
