@@ -484,7 +484,10 @@ class BatchedDecoding:
             self.hidden_layers,
         )  # fmt: skip
         logits = outputs.logits[:, -(1 + width) :].float()
-        processed = torch.stack([self.process(logits[:, i], candidates[:, :i]) for i in range(1 + width)], dim=1)
+        if self.per_row is None:  # no processors: the logits as they are, not a copy of [rows, 1 + width, V]
+            processed = logits
+        else:
+            processed = torch.stack([self.process(logits[:, i], candidates[:, :i]) for i in range(1 + width)], dim=1)
         draft_logits = None if cycle.drafts is None or cycle.drafts.logits is None else cycle.drafts.logits[:, :width]
         copied = cycle.copied(len(self.active))
         tokens, matches = accept_rows(processed, candidates, lengths, draft_logits, self.do_sample, copied)
