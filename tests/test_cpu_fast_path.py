@@ -174,7 +174,7 @@ def test_grouped_kv_attention_is_sdpa_bit_for_bit(batch, queries, kv_length):
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # `cache` is new in 5.24
-def test_prepare_reads_grouped_kv_heads_in_place_and_verification_logits_are_unchanged():
+def test_prepare_reads_grouped_kv_heads_in_place_and_verification_logits_are_unchanged(monkeypatch):
     target = tiny_target("qwen3", vocab_size=96, hidden_size=64)  # 4 query heads over 2 key/value heads
     drafter = tiny_drafter(target)
     report = prepare_for_cpu_decoding(target, drafter)
@@ -182,15 +182,29 @@ def test_prepare_reads_grouped_kv_heads_in_place_and_verification_logits_are_unc
     assert target.config._attn_implementation == drafter.config._attn_implementation == GROUPED_KV_ATTENTION
     assert prepare_for_cpu_decoding(target, drafter).attention == []
 
+    in_place = []  # per attention call: whether a masked attention read grouped heads in place
+    attention = F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        F,
+        "scaled_dot_product_attention",
+        lambda *args, **kwargs: (
+            in_place.append(kwargs.get("enable_gqa", False) and kwargs.get("attn_mask") is not None)
+            or attention(*args, **kwargs)
+        ),
+    )
+
     def verification_logits() -> torch.Tensor:
         cache = DynamicCache(config=target.config)
         with torch.no_grad():
             target(prompt(96, length=30), past_key_values=cache)
+            in_place.clear()  # the verification's attention only: 6 tokens after 30, under a mask
             return target(prompt(96, length=6, seed=1), past_key_values=cache).logits
 
     logits = verification_logits()
+    assert in_place and all(in_place)  # every layer read the groups in place
     target.set_attn_implementation("sdpa")
     assert torch.equal(logits, verification_logits())
+    assert in_place and not any(in_place)  # sdpa repeated them
 
     # Nothing to gain where every query head has its own key/value head, or where attention is not sdpa.
     for model in (tiny_target("llama", num_key_value_heads=4), tiny_target("qwen3", attn_implementation="eager")):

@@ -330,7 +330,7 @@ class DraftDatastore:
     def _agreed_continuation(self, at: torch.Tensor, max_drafts: int) -> list[int]:
         """From the store positions `at`, token by token, what most occurrences continue with, while at least
         `min_count` of them agree (ties: the smallest id). On the host in numpy: a dozen steps over a few hundred
-        positions at most, where torch's per-op overhead cost 4x (0.22 against 0.05 ms a lookup)."""
+        positions at most, where torch's per-op overhead dominated (0.33 against 0.094 ms a lookup back to back)."""
         tokens, at, drafts = self.tokens.numpy(), at.numpy(), []
         while len(drafts) < max_drafts:
             following = tokens[at]

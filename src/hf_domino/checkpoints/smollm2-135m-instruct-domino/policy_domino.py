@@ -204,18 +204,16 @@ def expected_tokens(acceptance: torch.Tensor, lags: list[int] | None = None) -> 
     ones = torch.ones(survive.shape[0], 1, dtype=torch.float64)
     if lags is None:
         return torch.cat([ones, 1 + torch.cumsum(survive, dim=-1)], dim=-1).mean(dim=0)
-    # at_least[r, m]: P(row r accepts at least m drafts), m = 0..K. The shortest row advances by at least j when
-    # every row r accepts at least j - 1 - lags[r] of the k drafts offered.
+    # at_least[r, m]: P(row r accepts at least m drafts), m = 0..K. With k drafts offered, the shortest row advances
+    # by at least j = 1..k+1 when every row r accepts at least j - 1 - lags[r] of them: [k, j, rows] at once.
     at_least = torch.cat([ones, survive], dim=-1)
     width = at_least.shape[1] - 1
-    lag = torch.tensor(lags, dtype=torch.long)
-    progress = []
-    for k in range(width + 1):
-        needed = torch.arange(1, k + 2)[:, None] - 1 - lag[None]  # [j, rows]
-        chance = at_least[torch.arange(len(lags))[None], needed.clamp(0, k)]
-        chance = torch.where(needed <= 0, 1.0, torch.where(needed > k, 0.0, chance))
-        progress.append(chance.prod(dim=1).sum())
-    return torch.stack(progress)
+    steps = torch.arange(width + 1)
+    needed = steps[None, :, None] - torch.tensor(lags)[None, None]  # [1, j, rows]: j - 1 - lag
+    chance = at_least[torch.arange(len(lags)), needed.clamp(0, width)]
+    offered = steps[:, None, None]  # k
+    chance = torch.where(needed <= 0, 1.0, torch.where(needed > offered, 0.0, chance))
+    return (chance.prod(dim=-1) * (steps[None, :] <= steps[:, None])).sum(dim=-1)
 
 
 # -------------------------------------------------------------------------------------------------------- policies
