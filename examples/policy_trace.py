@@ -48,9 +48,9 @@ def traced_copies(log: list[str]) -> None:
     choose, observe = policy_domino.LookupPolicy.choose, policy_domino.LookupPolicy.observe
     text_policy: list = []
 
-    def logged_choose(self, num_found, rival_rate=0.0, sources=None):
+    def logged_choose(self, num_found, rival_rate=0.0, sources=None, rooms=None):
         text_policy[:] = [self]  # the batch loop asks the text's policy; a row's source may be the datastore's
-        width = choose(self, num_found, rival_rate, sources)
+        width = choose(self, num_found, rival_rate, sources, rooms)
         kinds = (
             ""
             if sources is None

@@ -55,25 +55,30 @@ def test_greedy_batch_identical_rows_stop_at_different_times(arch, next_token, p
         assert len(set(lengths)) > 2  # ragged acceptance really happened
 
 
+@pytest.mark.parametrize("makespan", [True, False], ids=["makespan", "mean"])
 @pytest.mark.parametrize("next_token", [successor(1), PARTIAL], ids=["full", "ragged"])
-def test_greedy_batch_identical_priced_by_its_shortest_row(arch, next_token, monkeypatch, gpu_like_costs):
-    # PRICE_BY_SHORTEST_ROW: the policies see each row's lag behind the shortest row; the output is unchanged.
-    monkeypatch.setattr(batching_domino, "PRICE_BY_SHORTEST_ROW", True)
+def test_greedy_batch_identical_priced_by_its_last_row(arch, next_token, makespan, monkeypatch, gpu_like_costs):
+    # PRICE_BY_MAKESPAN: the policy sees the tokens each row may still generate; either way the output is the target's.
+    monkeypatch.setattr(batching_domino, "PRICE_BY_MAKESPAN", makespan)
     seen = []
     choose = policy_domino.AdaptivePolicy.choose
     monkeypatch.setattr(
         policy_domino.AdaptivePolicy,
         "choose",
-        lambda self, *args, **kwargs: seen.append(kwargs.get("lags")) or choose(self, *args, **kwargs),
+        lambda self, *args, **kwargs: seen.append(self.rooms) or choose(self, *args, **kwargs),
     )
     target = successor_target(arch, VOCAB)
     drafter = forcing_drafter(target, next_token, block_size=6)
     batch = left_padded([[4, 9, 11], [20], [7, 25, 26, 27, 28], [12, 13]])
     expected, output = both(target, drafter, batch, max_new_tokens=24)
     assert torch.equal(output, expected)
-    assert seen and all(lags is not None and min(lags) == 0 for lags in seen)
+    assert seen
+    if not makespan:
+        assert all(rooms is None for rooms in seen)
+        return
+    assert seen[0] == [24 - 1] * 4  # the prefill's token is generated: 23 left in every row
     if next_token == PARTIAL:
-        assert any(max(lags) > 0 for lags in seen)  # rows accepted differently and drew apart
+        assert any(len(set(rooms)) > 1 for rooms in seen)  # rows accepted differently and drew apart
 
 
 @pytest.mark.parametrize("head", [True, False])
@@ -118,7 +123,7 @@ def test_ragged_drafter_context_matches_one_row_at_a_time():
     torch.manual_seed(2)
     size = drafter.config.context_size
     appends = [[3, 7, 1], [2, 0, 4], [5, 1, 0], [1, 3, 2]]  # rows x cycles: features appended, 0 = a plain step
-    batched = BatchedDrafterContext.empty(3, size, drafter.dtype, drafter.device)
+    batched = BatchedDrafterContext.empty(3, drafter.device)
     single = [DrafterContext() for _ in range(3)]
     for cycle in range(len(appends)):
         counts = torch.tensor([appends[cycle][row] for row in range(3)])

@@ -209,7 +209,7 @@ def test_option_is_checked_and_bench_methods_name_it():
         "draft_policy": "adaptive",
     }
     assert parse_batch_method("domino_rowk")["loop"] == {"K_PER_ROW": True}
-    assert parse_batch_method("domino_lookup_shortest")["loop"] == {"PRICE_BY_SHORTEST_ROW": True}
+    assert parse_batch_method("domino_lookup_makespan")["loop"] == {"PRICE_BY_MAKESPAN": True}
     with pytest.raises(ValueError, match="optionally followed by _lookup, _lookup_all or _copies"):
         parse_batch_method("domino_lookup_k4")
 

@@ -236,7 +236,7 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
     with torch.no_grad():
         for model in (drafter, reloaded):
             block = draft_block(
-                model, modules, torch.tensor([[7, 8]]), DrafterContext(pending=features), model.config.num_drafts
+                model, modules, torch.tensor([[7, 8]]), DrafterContext(pending=[features]), model.config.num_drafts
             )
             drafts.append(eager_rollout(model, modules)(block, torch.tensor([[7, 8]])))
     assert torch.equal(drafts[0].ids, drafts[1].ids) and torch.equal(drafts[0].logits, drafts[1].logits)

@@ -56,7 +56,7 @@ bench() {  # bench DTYPE METHODS: 3. end to end, both prompt sets
 batch() {  # issue 20 on the GPU: batches against the batched target alone; _lookup_all: is RETRIEVAL_MAX_ROWS = 2 right?
   hf-domino bench --target smollm2 --prompts mtbench --num-prompts 8 --max-new-tokens $TOKENS --temperature 0 \
     --threads 8 --seed 0 --no-progress --dtype bfloat16 --batch-size 1,2,4,8 --repeats $REPEATS \
-    --batch-methods target,domino,domino_copies,domino_lookup,domino_lookup_all,domino_lookup_shortest --output-dir $R/batch-mtbench
+    --batch-methods target,domino,domino_copies,domino_lookup,domino_lookup_all,domino_lookup_makespan --output-dir $R/batch-mtbench
 }
 
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__,

@@ -75,12 +75,12 @@ K_PER_ROW = False
 # retrievals in 4 or 8 rows cost more width than they earn (MT-Bench 0.85x against 0.94x with text copies alone at
 # B = 4, in two runs; docs/benchmarks.md, "Copied drafts in batches"); None: in every batch.
 RETRIEVAL_MAX_ROWS: int | None = 2
-# True prices a cycle by how far the batch's shortest row is expected to advance (BatchedDecoding.lags), not by the
-# rows' mean tokens: a batch is done when its last row is. On a 2-core CPU it measured +1% to +6% in 4 of 5 cells and
-# -3% in the fifth (docs/benchmarks.md, "The batch finishes with its last row"); but one cycle's view is pessimistic
-# where rows are tied (all must accept), which a GPU's nearly free verification may not forgive: measure it there
-# (`hf-domino bench --batch-methods ...,domino_lookup_shortest`) before making it the default.
-PRICE_BY_SHORTEST_ROW = False
+# A batch is done when its last row is: True prices drafts and copies by when that is expected to be, given the tokens
+# each row may still generate (`policy_domino.makespan_tokens`), instead of by the rows' mean tokens. Off: on a 2-core
+# CPU it cost 5-7% at 2 rows and gained 0-2% at 4 (docs/benchmarks.md, "The batch finishes with its last row"), since
+# rows that finish early leave the rest to draft on cheaper verifications, which the model does not see. Where a
+# step costs the same for any number of rows (a GPU), that is not so: measure it there (bench suffix `_makespan`).
+PRICE_BY_MAKESPAN = False
 
 
 # ------------------------------------------------------------------------------------------------------ the policy
@@ -256,7 +256,7 @@ class BatchedDecoding:
         self.sequences = list(input_ids)
         self.active = list(range(rows))
         self.target_cache = RaggedCache(cache, self.mask[:, :0])
-        self.context = BatchedDrafterContext.empty(rows, drafter.config.context_size, drafter.dtype, drafter.device)
+        self.context = BatchedDrafterContext.empty(rows, drafter.device)
         self.policy: AdaptivePolicy | FixedPolicy | None = None
         # Copied drafts, as at batch 1: off with the ensemble option, capped by transformers' prompt-lookup length.
         self.lookup = options.domino_lookup and generation_config.assistant_ensemble_weight is None
@@ -276,12 +276,6 @@ class BatchedDecoding:
     # ------------------------------------------------------------------------------------------------------ rows
     def generated(self, row: int) -> int:
         return self.sequences[row].shape[0] - self.prompt_length
-
-    def lags(self) -> list[int]:
-        """Per active row, the tokens it is ahead of the batch's shortest row: the batch is done when its last row
-        is, so the policies price a cycle by how far the shortest row advances (`policy_domino.expected_tokens`)."""
-        generated = [self.generated(row) for row in self.active]
-        return [n - min(generated) for n in generated]
 
     def active_sequences(self) -> list[torch.LongTensor]:
         return [self.sequences[row] for row in self.active]
@@ -347,7 +341,9 @@ class BatchedDecoding:
         first = pick_tokens(self.process(outputs.logits[:, -1].float()), self.do_sample)
         features = context_features(outputs.hidden_states, self.layer_ids)
         drafter = self.drafter
-        self.context.pending = [features[row, self.mask[row]].to(drafter.device, drafter.dtype) for row in self.active]
+        self.context.pending = [
+            [features[row, self.mask[row]].to(drafter.device, drafter.dtype)] for row in self.active
+        ]
         self.context.known = self.mask.sum(dim=-1).to(drafter.device)
         return [self.extend(row, first[row : row + 1]) for row in self.active]
 
@@ -366,14 +362,14 @@ class BatchedDecoding:
         self.lookup_policy = LookupPolicy(lookup_record, cost, False)
         self.datastore_policy = LookupPolicy(datastore_record, cost, False)
 
-    def find_copies(self, room: list[int], lags: list[int] | None) -> tuple[dict, dict, dict]:
+    def find_copies(self, room: list[int], rooms: list[int] | None) -> tuple[dict, dict, dict]:
         """Per active row, the copied drafts it offers this cycle; or, where the lookup policy declined them, the
         copies found (to be judged against what the row generates instead); and each row's source (its policy).
 
         Rows copy where their text repeats, else retrieve from the drafter's datastore where it has one (while at
         most `RETRIEVAL_MAX_ROWS` rows are active), cut before a stop string as drafts are. The policy prices the
         copies of all rows together against the batch's verification and a drafting cycle (or a plain step) of this
-        batch.
+        batch, by when its last row finishes where `rooms` (each row's tokens left) are given.
         """
         if not self.lookup:
             return {}, {}, {}
@@ -394,14 +390,12 @@ class BatchedDecoding:
         rival = self.policy.rate_without_copies() if self.policy.adaptive else 0.0
         rows = range(len(self.active))
         lengths = [found[i].shape[0] if i in found else 0 for i in rows]
-        width = self.lookup_policy.choose(lengths, rival, [sources.get(i, self.lookup_policy) for i in rows], lags)
+        width = self.lookup_policy.choose(lengths, rival, [sources.get(i, self.lookup_policy) for i in rows], rooms)
         if width == 0:
             return {}, found, sources
         return {i: copy[:width] for i, copy in found.items()}, {}, sources
 
-    def draft(
-        self, anchors: torch.LongTensor, room: list[int], copying: set[int], lags: list[int] | None
-    ) -> CycleDrafts:
+    def draft(self, anchors: torch.LongTensor, room: list[int], copying: set[int]) -> CycleDrafts:
         """The policy's budget, one block for every active row, and how many drafts each row offers.
 
         Rows in `copying` offer copies instead; when every row does, the drafter does not run.
@@ -428,7 +422,7 @@ class BatchedDecoding:
             ]
             self.policy.confidence = drafts.confidence.detach().float().cpu()  # what observe() learns from
         else:
-            width = self.policy.choose(drafts.confidence, drafted - start, limits=limits, lags=lags)
+            width = self.policy.choose(drafts.confidence, drafted - start, limits=limits)
             lengths = [min(width, limit) for limit in limits]
         if self.stats.timings is not None:
             for name, seconds in (
@@ -505,18 +499,18 @@ class BatchedDecoding:
         room = [self.max_length - sequence.shape[0] - 1 for sequence in sequences]  # the target adds one of its own
         if self.policy is None:
             self.build_policies(anchors.to(self.device))
+        rooms = [n + 1 for n in room] if PRICE_BY_MAKESPAN else None  # tokens left, the target's own included
         if isinstance(self.policy, AdaptivePolicy):
-            self.policy.verify_cost.rows = len(self.active)
-        lags = self.lags() if PRICE_BY_SHORTEST_ROW else None
-        copies, declined, sources = self.find_copies(room, lags)
-        drafts = self.draft(anchors, room, set(copies), lags)
+            self.policy.verify_cost.rows, self.policy.rooms = len(self.active), rooms
+        copies, declined, sources = self.find_copies(room, rooms)
+        drafts = self.draft(anchors, room, set(copies))
         drafts.take_copies(copies, sources)
         verify_start = self.now()
         tokens, matches = self.verify(anchors, drafts)
         verify_seconds = self.now() - verify_start
         if self.stats.timings is not None and drafts.drafts is not None:
             self.stats.timings.setdefault("verify", []).append(verify_seconds)
-        self.learn(drafts, matches.tolist(), verify_seconds, lags)
+        self.learn(drafts, matches.tolist(), verify_seconds)
         for i, found in declined.items():  # judged against what the row generated instead
             offered, accepted = judge_copy(found, tokens[i])
             sources[i].observe(verified=offered, accepted=accepted)
@@ -526,16 +520,15 @@ class BatchedDecoding:
         self.stats.retrieved.extend(drafts.copied(len(self.active), self.datastore_policy))
         return [self.extend(row, tokens[i]) for i, row in enumerate(self.active)]
 
-    def learn(self, cycle: CycleDrafts, matches: list[int], verify_seconds: float, lags: list[int] | None) -> None:
+    def learn(self, cycle: CycleDrafts, matches: list[int], verify_seconds: float) -> None:
         """Copied rows teach the lookup policy; the drafter's policy learns from the rows it drafted for alone (and
-        the forward's time, and how far the shortest row advanced, from all of them)."""
+        the forward's time from all of them)."""
         for row, copy in cycle.copies.items():
             cycle.sources[row].observe(verified=copy.shape[0], accepted=matches[row])
         drafted = [row for row in range(len(matches)) if row not in cycle.copies]
         self.policy.observe(
             verified=cycle.width, accepted=[matches[row] for row in drafted],
             row_verified=[int(cycle.lengths[row]) for row in drafted], rows=drafted, verify_seconds=verify_seconds,
-            progress=None if lags is None else min(lag + 1 + match for lag, match in zip(lags, matches)),
             **cycle.observed,
         )  # fmt: skip
 

@@ -137,25 +137,26 @@ def positions_from_mask(mask: torch.BoolTensor, first: torch.LongTensor | int = 
 # ----------------------------------------------------------------------------------------------- drafter context
 @dataclass
 class BatchedDrafterContext:
-    """`DrafterContext` for a batch: the drafter's ragged cache and, per row, features it has not read yet."""
+    """`DrafterContext` for a batch: the drafter's ragged cache and, per row, features it has not read yet (in
+    pieces, as at batch 1: joined when the drafter next runs)."""
 
     cache: RaggedCache
-    pending: list[torch.Tensor]  # row b: [p_b, context_size]
+    pending: list[list[torch.Tensor]]  # row b: pieces [p, context_size]
     known: torch.LongTensor  # row b: verified tokens before its anchor (the anchor's position)
 
     @classmethod
-    def empty(cls, rows: int, context_size: int, dtype: torch.dtype, device: torch.device) -> BatchedDrafterContext:
+    def empty(cls, rows: int, device: torch.device) -> BatchedDrafterContext:
         return cls(
             cache=RaggedCache(DynamicCache(), torch.zeros(rows, 0, dtype=torch.bool, device=device)),
-            pending=[torch.zeros(0, context_size, dtype=dtype, device=device) for _ in range(rows)],
+            pending=[[] for _ in range(rows)],
             known=torch.zeros(rows, dtype=torch.long, device=device),
         )
 
     def append(self, features: torch.Tensor, counts: torch.LongTensor) -> None:
         """Row b's next `counts[b]` verified tokens have target features `features[b, :counts[b]]`."""
-        features = features.to(device=self.known.device, dtype=self.pending[0].dtype)
+        features = features.to(self.known.device)
         for row, count in enumerate(counts.tolist()):
-            self.pending[row] = torch.cat([self.pending[row], features[row, :count]])
+            self.pending[row].append(features[row, :count])
         self.known += counts.to(self.known.device)
 
     def select_rows(self, rows: torch.LongTensor) -> None:
@@ -177,11 +178,13 @@ def run_batched_backbone(
     drafter's cache as holes. Returns the outputs of the first `num_drafts` draft positions, `[rows, k, hidden]`.
     """
     device, rows, block_size = drafter.device, anchor_ids.shape[0], drafter.config.block_size
-    counts = torch.tensor([p.shape[0] for p in context.pending], device=device)
+    pending = [torch.cat(pieces) if pieces else None for pieces in context.pending]
+    counts = torch.tensor([0 if p is None else p.shape[0] for p in pending], device=device)
     width = int(counts.max()) if rows else 0
     features = torch.zeros(rows, width, drafter.config.context_size, dtype=drafter.dtype, device=device)
-    for row, pending in enumerate(context.pending):
-        features[row, : pending.shape[0]] = pending
+    for row, piece in enumerate(pending):
+        if piece is not None:
+            features[row, : piece.shape[0]] = piece
     slots = torch.arange(width, device=device)
     pending_mask = slots[None] < counts[:, None]
     pending_positions = (context.known - counts)[:, None] + slots[None]
@@ -201,7 +204,7 @@ def run_batched_backbone(
     )
     context.cache.appended(pending_mask)  # the forward already dropped the block's own keys/values
     context.cache.maybe_compact()
-    context.pending = [p[:0] for p in context.pending]
+    context.pending = [[] for _ in context.pending]
     return drafter.draft_hidden_states(hidden)[:, :num_drafts]
 
 
@@ -360,7 +363,7 @@ def accept_rows(
         selected = processed.argmax(dim=-1)
         offered = torch.arange(width, device=lengths.device)[None] < lengths[:, None]
         matches = ((candidates == selected[:, :width]) & offered).long().cumprod(dim=-1).sum(dim=-1)
-        return [selected[row, : int(n) + 1] for row, n in enumerate(matches)], matches
+        return [selected[row, : n + 1] for row, n in enumerate(matches.tolist())], matches
     tokens, matches = [], []
     for row, length in enumerate(lengths.tolist()):
         if length == 0 or copied[row]:

@@ -39,21 +39,23 @@ class DrafterContext:
     """The drafter's view of the verified tokens before the anchor.
 
     `cache` holds the drafter keys/values of the first `length` of them; `pending` the target features
-    `[1, n, len(target_layer_ids) * hidden]` of the next `n`, which the next `draft_block` reads and caches.
+    `[1, n_i, len(target_layer_ids) * hidden]` of the next ones, in pieces, which the next `draft_block` reads and
+    caches.
     """
 
     cache: DynamicCache = field(default_factory=DynamicCache)
     length: int = 0
-    pending: torch.Tensor | None = None
+    pending: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         """Verified tokens before the anchor, read or pending: the anchor's position."""
-        return self.length + (0 if self.pending is None else self.pending.shape[1])
+        return self.length + sum(piece.shape[1] for piece in self.pending)
 
     def append(self, features: torch.Tensor) -> None:
-        """Adds the features of newly verified tokens; cheap, so a skipped block costs nothing here."""
-        self.pending = features if self.pending is None else torch.cat([self.pending, features], dim=1)
+        """Adds the features of newly verified tokens. Kept in pieces, joined when the drafter next runs: joining at
+        every step would copy the whole backlog (the prompt's features included) once per skipped block."""
+        self.pending.append(features)
 
 
 @dataclass
@@ -118,9 +120,11 @@ def run_backbone(
     for. The context's pending features move into its cache.
     """
     device = drafter.device
-    pending = context.pending
-    if pending is None:
-        pending = torch.zeros(1, 0, drafter.config.context_size, dtype=drafter.dtype, device=device)
+    pending = (
+        torch.cat([piece.to(device) for piece in context.pending], dim=1)
+        if context.pending
+        else torch.zeros(1, 0, drafter.config.context_size, dtype=drafter.dtype, device=device)
+    )
     anchor_position = context.num_tokens
     position_ids = torch.arange(context.length, anchor_position + drafter.config.block_size, device=device)[None]
     block_hidden = drafter(
@@ -130,7 +134,7 @@ def run_backbone(
         past_key_values=context.cache,
         num_outputs=drafter.outputs_for_drafts(num_drafts),
     )
-    context.length, context.pending = anchor_position, None
+    context.length, context.pending = anchor_position, []
     return drafter.draft_hidden_states(block_hidden)[:, :num_drafts]
 
 

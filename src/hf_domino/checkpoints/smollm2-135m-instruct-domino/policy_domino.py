@@ -191,29 +191,55 @@ class AcceptanceCalibration:
         self.accepted.index_add_(0, index, accepted.double().cpu())
 
 
-def expected_tokens(acceptance: torch.Tensor, lags: list[int] | None = None) -> torch.Tensor:
+def expected_tokens(acceptance: torch.Tensor, rooms: list[int] | None = None) -> torch.Tensor:
     """`E(k)` for k = 0..K: one target token plus the drafts accepted in a row.
 
-    `acceptance` is `[K]`, or `[rows, K]` for a batch whose rows all verify k drafts: then the mean over the rows, or,
-    given each row's `lags` (tokens it is ahead of the batch's shortest row), how far the shortest row is expected to
-    advance. A batch is done when its last row is, and on a CPU a step costs about the same at 2-4 rows as at one,
-    so tokens that put rows further ahead of the shortest one shorten nothing (docs/benchmarks.md, "Batches").
+    `acceptance` is `[K]`, or `[rows, K]` for a batch whose rows all verify k drafts: then the rows' mean or, given
+    each row's `rooms` (the tokens it may still generate), what the cycle is worth to the batch's last row
+    (`makespan_tokens`).
     """
     rows = acceptance.double()
     survive = torch.cumprod(rows[None] if rows.dim() == 1 else rows, dim=-1)
-    ones = torch.ones(survive.shape[0], 1, dtype=torch.float64)
-    if lags is None:
-        return torch.cat([ones, 1 + torch.cumsum(survive, dim=-1)], dim=-1).mean(dim=0)
-    # at_least[r, m]: P(row r accepts at least m drafts), m = 0..K. With k drafts offered, the shortest row advances
-    # by at least j = 1..k+1 when every row r accepts at least j - 1 - lags[r] of them: [k, j, rows] at once.
-    at_least = torch.cat([ones, survive], dim=-1)
-    width = at_least.shape[1] - 1
-    steps = torch.arange(width + 1)
-    needed = steps[None, :, None] - torch.tensor(lags)[None, None]  # [1, j, rows]: j - 1 - lag
-    chance = at_least[torch.arange(len(lags)), needed.clamp(0, width)]
-    offered = steps[:, None, None]  # k
-    chance = torch.where(needed <= 0, 1.0, torch.where(needed > offered, 0.0, chance))
-    return (chance.prod(dim=-1) * (steps[None, :] <= steps[:, None])).sum(dim=-1)
+    if rooms is not None:
+        return makespan_tokens(survive, rooms)
+    return 1 + torch.cat([survive.new_zeros(survive.shape[0], 1), torch.cumsum(survive, dim=-1)], dim=-1).mean(dim=0)
+
+
+def makespan_tokens(survive: torch.Tensor, rooms: list[int], points: int = 33) -> torch.Tensor:
+    """What a cycle verifying k = 0..K drafts per row is worth to a batch that is done when its last row is.
+
+    Rows advance by different amounts in each cycle, drift apart, and the batch waits for the one that fell behind.
+    Priced by the rows' mean, drafting is overpriced: at 4 rows, 64 tokens and a first draft accepted 45% of the
+    time, k = 1 advances the rows by 1.45 tokens per cycle, but the batch finishes as if by 1.37 (the more rows, the
+    shorter the generation and the longer the blocks, the wider the gap). Priced by one cycle's advance of the
+    shortest row, it is underpriced: level rows then count only the drafts that all of them accept (1.04 there),
+    though over the next cycles which row lags changes.
+
+    So: the cycles the batch still needs, before and after this one, and their difference in tokens. After this
+    cycle, row r has `rooms[r] - X_r` tokens left (X_r: 1 + its accepted drafts, by `survive[r, j]`, its chance of
+    accepting at least j + 1); later cycles advance every row as the rows' pooled X does, so row r needs about
+    `left / E[X]` of them, with variance `left Var[X] / E[X]^3` (a renewal count). Each row's count is taken as
+    normal, and the expected largest one is integrated numerically. The cycles saved, times the batch's tokens per
+    cycle, is the price: the rows' mean for one row, 1 for a plain step, more for drafts in the row that lags, less
+    for drafts in rows ahead. Checked against simulated batches in tests/test_draft_policy.py. Returns `[K + 1]`.
+    """
+    K = survive.shape[1]
+    at_least = torch.cat([survive.new_ones(survive.shape[0], 1), survive], dim=-1)  # P(X_r >= 1 + j)
+    upto = torch.tril(torch.ones(K + 1, K + 1, dtype=torch.float64)).T  # [j, k]: j <= k
+    row_mean = at_least @ upto  # [rows, k]: E[X_r], and below Var[X_r] from E[X^2] = sum_j (2j + 1) P(X >= 1 + j)
+    row_variance = ((at_least * (2 * torch.arange(K + 1) + 1)) @ upto - row_mean**2).clamp(min=0)
+    mean = row_mean.mean(dim=0)[:, None]  # [k, 1]: the pooled X of later cycles
+    later = (row_variance + row_mean**2).mean(dim=0)[:, None] - mean**2
+    room = torch.tensor(rooms, dtype=torch.float64).clamp(min=1)[None]
+    centre = torch.stack([room / mean, (room - row_mean.T) / mean])  # [before/after, k, rows]: cycles left
+    spread = torch.stack([room * later / mean**3, room * later / mean**3 + row_variance.T / mean**2]).sqrt()
+    spread = spread.clamp(min=1e-6)
+    low = (centre - 6 * spread).amin(dim=(0, 2), keepdim=True)
+    high = (centre + 6 * spread).amax(dim=(0, 2), keepdim=True)
+    cycles = low + (high - low) * torch.linspace(0, 1, points, dtype=torch.float64)  # [1, k, points]
+    below = torch.special.ndtr((cycles[..., None] - centre[:, :, None]) / spread[:, :, None]).prod(dim=-1)
+    longest = low[..., 0] + torch.trapezoid(1 - below, cycles, dim=-1)  # [before/after, k]: E[max_r cycles_r]
+    return ((longest[0] - longest[1]) * mean[:, 0]).clamp(min=1)
 
 
 # -------------------------------------------------------------------------------------------------------- policies
@@ -268,7 +294,6 @@ class FixedPolicy:
         confidence: torch.Tensor,
         draft_seconds: float,
         limits: list[int] | None = None,
-        lags: list[int] | None = None,
     ) -> int:
         if limits is not None:  # a batch: the loop already cut each row at the threshold
             return max(limits)
@@ -306,8 +331,25 @@ class AdaptivePolicy:
         self.confidence: torch.Tensor | None = None
         self.drafted_before = False
         self.block_verify_seconds: list[float] | None = None  # verify_cost(1 + k), k = 0..cap, for this block
+        # For a batch, set by its loop every cycle: the tokens each row may still generate. Cycles are then priced by
+        # when the batch's last row finishes (`expected_tokens`), not by the rows' mean.
+        self.rooms: list[int] | None = None
+        self._priced: tuple[tuple, torch.Tensor] | None = None  # the last shared acceptance priced for `rooms`
 
     # ---------------------------------------------------------------------------------------------- estimates
+    def _tokens(self, acceptance: torch.Tensor) -> torch.Tensor:
+        """`expected_tokens` of this block: per row `[rows, K]`, or `[K]` that every row of a batch shares.
+
+        Pricing by `rooms` costs about 0.1 ms on a CPU, and a cycle prices the acceptance learned per position up to
+        three times (the copies' rival, the budget, the measured rate): that value is kept until either changes.
+        """
+        if self.rooms is None or acceptance.dim() == 2:
+            return expected_tokens(acceptance, self.rooms)
+        key = (tuple(acceptance.tolist()), tuple(self.rooms))
+        if self._priced is None or self._priced[0] != key:
+            self._priced = key, expected_tokens(acceptance.expand(len(self.rooms), -1), self.rooms)
+        return self._priced[1]
+
     def _draft_seconds(self, k: int) -> float:
         one = self.verify_cost(1)
         backbone = self.record.backbone_seconds if self.record.backbone_seconds is not None else 0.15 * one
@@ -316,7 +358,7 @@ class AdaptivePolicy:
 
     def _expected_rate(self, acceptance: torch.Tensor) -> float:
         """Tokens per second of the best drafting cycle (k >= 1) that the cost model and `acceptance` predict."""
-        tokens = expected_tokens(acceptance)
+        tokens = self._tokens(acceptance)
         return max(
             float(tokens[k]) / (self._draft_seconds(k) + self.verify_cost(1 + k)) for k in range(1, len(tokens))
         )
@@ -326,15 +368,12 @@ class AdaptivePolicy:
         acceptance = torch.tensor(position_acceptance[: max(self.cap, 1)])
         return self._expected_rate(acceptance) >= 1 / self.verify_cost(1)
 
-    def _best_k(
-        self, acceptance: torch.Tensor, spent: float | None, minimum: int = 0, lags: list[int] | None = None
-    ) -> int:
+    def _best_k(self, acceptance: torch.Tensor, spent: float | None, minimum: int = 0) -> int:
         """argmax over k = minimum..len(acceptance) of E(k) / cost(k).
 
-        `spent`: the drafting already paid for this block; None estimates the drafting cost of each k. `lags`: a
-        batch's rows ahead of its shortest one (see `expected_tokens`).
+        `spent`: the drafting already paid for this block; None estimates the drafting cost of each k.
         """
-        tokens = expected_tokens(acceptance, lags)
+        tokens = self._tokens(acceptance)
         costs = torch.tensor(
             [
                 (spent if spent is not None else (self._draft_seconds(k) if k else 0.0)) + self.verify_cost(1 + k)
@@ -376,20 +415,18 @@ class AdaptivePolicy:
         confidence: torch.Tensor,
         draft_seconds: float,
         limits: list[int] | None = None,
-        lags: list[int] | None = None,
     ) -> int:
         """k for this block from the drafts' confidences `[k]`, or `[rows, k]` for a batch with per-row `limits`.
 
         A batch verifies one rectangle of `rows x (1 + k)` tokens, so one k serves every row: a row never offers
-        drafts past its limit (room, threshold, stop strings), which count as certain rejections here. With `lags`
-        (each row's tokens ahead of the shortest), k is priced by how far the shortest row advances.
+        drafts past its limit (room, threshold, stop strings), which count as certain rejections here.
         """
         self.confidence = confidence.detach().float().cpu()
         if limits is not None:
             acceptance = self.record.calibration(self.confidence.flatten()).view(self.confidence.shape).clone()
             for row, limit in enumerate(limits):
                 acceptance[row, limit:] = 0
-            return min(self._best_k(acceptance, spent=draft_seconds, lags=lags), max(limits))
+            return min(self._best_k(acceptance, spent=draft_seconds), max(limits))
         limit = below_threshold(self.confidence, self.confidence_threshold)
         # A probe's drafts are verified only when their calibrated confidence says so, like any block's: the
         # calibration trusts a confident drafter until the target says otherwise, and an unsure one costs only its
@@ -408,7 +445,9 @@ class AdaptivePolicy:
         The rollout is sequential, so on a CPU every position costs (about a tenth of a cycle for eight of them) and
         `budget` is an upper bound that `choose` usually cuts. Here each later draft is assumed certain to be accepted
         (calibrated acceptance is never above 1), so the rollout never stops before a draft that `choose` would still
-        have verified. Always True on CUDA, where a decision per position would synchronize with the device.
+        have verified. A batch's blocks are priced here by the rows' mean, which favours long blocks more than
+        pricing by `rooms` does. Always True on CUDA, where a decision per position would synchronize with the
+        device.
         """
         if not self.learn_times:
             return True
@@ -443,16 +482,20 @@ class AdaptivePolicy:
         positions: int = 0,
         row_verified: list[int] | None = None,
         rows: list[int] | None = None,
-        progress: int | None = None,
     ) -> None:
         """Learns from one cycle: `verified` drafts were offered, the first `accepted` of them matched.
 
         For a batch, `accepted` and `row_verified` hold each row's numbers and `verified` is the widest row's;
-        `rows` says which rows of the block they describe, when not all (rows that verified copies instead), and
-        `progress` how far the batch's shortest row advanced: the cycle's measured rate counts that, not the rows'
-        mean (see `expected_tokens`).
+        `rows` says which rows of the block they describe, when not all (rows that verified copies instead). With
+        `rooms` set, the measured tokens are discounted as `expected_tokens` prices them (by when the last row
+        finishes), so that measured and predicted rates compare.
         """
         record = self.record
+        if self.rooms is not None and drafted and verified:  # priced before this cycle's outcome is learned
+            learned = torch.tensor(record.position_acceptance[: max(self.cap, 1)])
+            discount = float(self._tokens(learned)[verified] / expected_tokens(learned)[verified])
+        else:
+            discount = 1.0
         accepted_rows = [accepted] if isinstance(accepted, int) else list(accepted)
         verified_rows = [verified] * len(accepted_rows) if row_verified is None else list(row_verified)
         confidence_rows = (
@@ -480,7 +523,7 @@ class AdaptivePolicy:
             cycle_seconds = backbone_seconds + rollout_seconds + verify_seconds
         else:  # host timings are not the device's, or not typical: judge the cycle by the cost model
             cycle_seconds = self._draft_seconds(positions) + self.verify_cost(1 + verified)
-        tokens = sum(accepted_rows) / len(accepted_rows) + 1 if progress is None else progress
+        tokens = (sum(accepted_rows) / len(accepted_rows) + 1) * discount
         cycle_rate = tokens / max(cycle_seconds, 1e-9)
         # A probe's own cycle is the freshest evidence there is after a pause: it replaces the stale estimate.
         record.drafting_rate = cycle_rate if self.probing else _moved(record.drafting_rate, cycle_rate, RATE_RATE)
@@ -540,7 +583,7 @@ class LookupPolicy:
         num_found: int | list[int],
         rival_rate: float = 0.0,
         sources: list[LookupPolicy] | None = None,
-        lags: list[int] | None = None,
+        rooms: list[int] | None = None,
     ) -> int:
         """How many of `num_found` copied drafts to verify; 0 where a cycle of them is not expected to earn more
         tokens per second than `rival_rate` (the drafter's best, or a plain step's).
@@ -549,7 +592,7 @@ class LookupPolicy:
         verified rectangle, each row offering `min(found, W)`: every row pays for the width, so copies in a few rows
         of a large batch rarely pay, and rows without copies count as plain steps. `sources[row]` is the policy
         whose acceptance a row's copies have (copied from the text, or retrieved from a datastore); default this one.
-        With `lags` (each row's tokens ahead of the shortest), W is priced by how far the shortest row advances.
+        With `rooms` (the tokens each row may still generate), W is priced by when the batch's last row finishes.
         """
         found = [num_found] if isinstance(num_found, int) else num_found
         if self.verify_cost is None:  # a fixed policy: verify every draft found
@@ -559,7 +602,7 @@ class LookupPolicy:
         acceptance = torch.tensor([record.position_acceptance[:widest] for record in records], dtype=torch.float64)
         for row, n in enumerate(found):
             acceptance[row, n:] = 0  # a row's copies end: past them it only adds the target's token
-        tokens = expected_tokens(acceptance, lags)  # per row, or the shortest row's: as the rival rate counts them
+        tokens = expected_tokens(acceptance, rooms)  # counted as the rival rate counts them
         costs = torch.tensor([self.verify_cost(1 + k) for k in range(len(tokens))], dtype=torch.float64)
         rates = tokens / costs
         best = int(torch.argmax(rates))
@@ -589,6 +632,7 @@ __all__ = [
     "drafter_record",
     "expected_tokens",
     "learn_acceptance",
+    "makespan_tokens",
     "measure_verify_cost",
     "timing_is_free",
     "verify_cost_for",
