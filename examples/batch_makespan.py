@@ -19,16 +19,19 @@ from hf_domino.policy_domino import expected_tokens
 ACCEPTANCE = [0.45, 0.6, 0.65, 0.7, 0.7, 0.7, 0.7, 0.7]
 
 
-def cycles(rooms: list[int], first: int, later: int, trials: int = 20000) -> float:
+def cycles(
+    rooms: list[int], first: int, later: int, trials: int = 20000, acceptance: list[float] = ACCEPTANCE
+) -> float:
     """Mean cycles until every row has its `rooms` tokens, the first cycle verifying `first` drafts per row and the
-    others `later`; one seed for every call, so that differences between calls are precise."""
+    others `later`; one seed for every call, so that differences between calls are precise. Also used by
+    tests/test_draft_policy.py."""
     generator = torch.Generator().manual_seed(0)
     target = torch.tensor(rooms, dtype=torch.float64)
     done, count, k = torch.zeros(trials, len(rooms), dtype=torch.float64), torch.zeros(trials), first
     while bool((done < target).any()):
         running = (done < target).any(dim=-1)
-        draws = torch.rand(trials, len(rooms), len(ACCEPTANCE), generator=generator)
-        advance = 1 + (draws[..., :k] < torch.tensor(ACCEPTANCE[:k])).long().cumprod(dim=-1).sum(dim=-1)
+        draws = torch.rand(trials, len(rooms), len(acceptance), generator=generator)
+        advance = 1 + (draws[..., :k] < torch.tensor(acceptance[:k])).long().cumprod(dim=-1).sum(dim=-1)
         done = torch.minimum(done + advance * running[:, None], target)
         count, k = count + running, later
     return float(count.mean())

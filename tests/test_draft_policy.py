@@ -204,19 +204,15 @@ def test_one_failed_cycle_pauses_only_a_drafter_whose_acceptance_says_drafting_d
 
 
 def simulated_cycles(acceptance: list[float], rooms: list[int], first: int, later: int, trials: int) -> float:
-    """Cycles until every row of a batch has its `rooms` tokens, the first cycle verifying `first` drafts per row and
-    the others `later`, each draft accepted in a row with `acceptance` per position: the mean over `trials` batches,
-    drawn from one seed (common numbers make the differences between calls precise)."""
-    generator = torch.Generator().manual_seed(0)
-    rooms_t = torch.tensor(rooms, dtype=torch.float64)
-    done, cycles, k = torch.zeros(trials, len(rooms), dtype=torch.float64), torch.zeros(trials), first
-    while bool((done < rooms_t).any()):
-        running = (done < rooms_t).any(dim=-1)
-        draws = torch.rand(trials, len(rooms), len(acceptance), generator=generator)
-        advance = 1 + (draws[..., :k] < torch.tensor(acceptance[:k])).long().cumprod(dim=-1).sum(dim=-1)
-        done = torch.minimum(done + advance * running[:, None], rooms_t)
-        cycles, k = cycles + running, later
-    return float(cycles.mean())
+    """`examples/batch_makespan.py`'s simulated batches (the figures docs/benchmarks.md quotes)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "batch_makespan.py"
+    spec = importlib.util.spec_from_file_location("batch_makespan", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.cycles(rooms, first, later, trials, acceptance)
 
 
 @pytest.mark.parametrize("rooms", [[64] * 4, [64] * 8, [16] * 4, [64, 60, 58, 64]])
