@@ -77,9 +77,8 @@ K_PER_ROW = False
 RETRIEVAL_MAX_ROWS: int | None = 2
 # A batch is done when its last row is: True prices drafts and copies by when that is expected to be, given the tokens
 # each row may still generate (`policy_domino.makespan_tokens`), instead of by the rows' mean tokens. Off: on a 2-core
-# CPU it cost 5-7% at 2 rows and gained 0-2% at 4 (docs/benchmarks.md, "The batch finishes with its last row"), since
-# rows that finish early leave the rest to draft on cheaper verifications, which the model does not see. Where a
-# step costs the same for any number of rows (a GPU), that is not so: measure it there (bench suffix `_makespan`).
+# CPU it was within 2% of the mean from 4 rows on and 5-7% worse at 2 (docs/benchmarks.md, "The batch finishes with
+# its last row"); measure it on a GPU before choosing (bench suffix `_makespan`).
 PRICE_BY_MAKESPAN = False
 
 
