@@ -1,6 +1,7 @@
 """How far a batch's last row advances per cycle when every row verifies k drafts: simulated batches against the
-rows' mean, one cycle's view of the shortest row, and the price `policy_domino.expected_tokens(acceptance, rooms)`
-gives a cycle (the cycles it saves the batch against a plain step; simulated the same way for comparison).
+rows' mean, one cycle's view of the shortest row, and the price `cost_model_domino.expected_tokens(acceptance, rooms)`
+gives a cycle (the cycles it saves the batch against a plain step; simulated the same way for comparison), and
+what one such pricing costs on this machine (16 draft positions, 1 thread).
 docs/benchmarks.md, "The batch finishes with its last row", quotes it:
 
     python examples/batch_makespan.py --tokens 64
@@ -9,10 +10,11 @@ docs/benchmarks.md, "The batch finishes with its last row", quotes it:
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
-from hf_domino.policy_domino import expected_tokens
+from hf_domino.cost_model_domino import expected_tokens
 
 # Per draft position, the chance a draft is accepted once the ones before it were: the shipped drafter on MT-Bench is
 # near the first figure, and later positions hold better.
@@ -63,6 +65,14 @@ def main() -> None:
             + " |"
         )
         assert plain == args.tokens
+    torch.set_num_threads(1)
+    for rows in map(int, args.rows.split(",")):
+        acceptance, rooms, seconds = torch.rand(rows, 16), [args.tokens] * rows, []
+        for _ in range(300):
+            start = time.perf_counter()
+            expected_tokens(acceptance, rooms)
+            seconds.append(time.perf_counter() - start)
+        print(f"pricing {rows} rows: {sorted(seconds)[150] * 1e3:.3f} ms (median of 300)")
 
 
 if __name__ == "__main__":

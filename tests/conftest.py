@@ -7,8 +7,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import hf_domino  # noqa: F401  (registers the Auto classes and the generate() hook)
-from hf_domino import DominoConfig, DominoForSpeculation, batching_domino, generation_domino, policy_domino
-from hf_domino.policy_domino import VerifyCost
+from hf_domino import (
+    DominoConfig,
+    DominoForSpeculation,
+    batching_domino,
+    cost_model_domino,
+    generation_domino,
+    policy_domino,
+)
+from hf_domino.cost_model_domino import VerifyCost
 
 # Tiny models gain nothing from intra-op threads, and the suite must not fight other jobs for the 2 cores.
 torch.set_num_threads(1)
@@ -149,10 +156,10 @@ def gpu_like_costs(monkeypatch):
 
 
 def _fixed_costs(monkeypatch, table):
-    for module in (policy_domino, generation_domino, batching_domino):
+    for module in (cost_model_domino, generation_domino, batching_domino):
         monkeypatch.setattr(module, "measure_verify_cost", lambda *args, **kwargs: VerifyCost(dict(table)))
     monkeypatch.setattr(batching_domino, "timing_is_free", lambda device: False)
-    monkeypatch.setattr(policy_domino, "_VERIFY_COSTS", {})
+    monkeypatch.setattr(cost_model_domino, "_VERIFY_COSTS", {})
     monkeypatch.setattr(policy_domino, "_RECORDS", policy_domino.weakref.WeakKeyDictionary())
     monkeypatch.setattr(generation_domino.DominoCandidateGenerator, "_timing_is_free", property(lambda self: False))
     return table

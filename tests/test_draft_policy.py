@@ -15,16 +15,10 @@ from transformers import GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 
 import hf_domino
-from hf_domino import policy_domino
+from hf_domino import cost_model_domino, policy_domino
+from hf_domino.cost_model_domino import VerifyCost, expected_tokens
 from hf_domino.modeling_domino import cache_argument
-from hf_domino.policy_domino import (
-    AcceptanceCalibration,
-    AdaptivePolicy,
-    DrafterRecord,
-    LookupPolicy,
-    VerifyCost,
-    expected_tokens,
-)
+from hf_domino.policy_domino import AcceptanceCalibration, AdaptivePolicy, DrafterRecord, LookupPolicy
 
 VOCAB = 32
 
@@ -40,7 +34,7 @@ def test_expected_tokens_and_cost_interpolation():
     cost = VerifyCost({1: 1.0, 3: 2.0, 17: 4.0})
     assert cost(2) == pytest.approx(1.5) and cost(10) == pytest.approx(3.0) and cost(30) == 4.0
     cost.observe(2, 2.5)  # moves the estimate towards the observation, by TIME_RATE
-    assert cost(2) == pytest.approx(1.5 + policy_domino.TIME_RATE * 1.0)
+    assert cost(2) == pytest.approx(1.5 + cost_model_domino.TIME_RATE * 1.0)
 
 
 def test_a_stall_does_not_make_a_length_look_dear_for_good():
@@ -48,7 +42,7 @@ def test_a_stall_does_not_make_a_length_look_dear_for_good():
     chosen again); a lasting change is still learned within a few dozen cycles."""
     cost = VerifyCost({1: 0.020, 5: 0.025, 17: 0.040})
     cost.observe(5, 1.0)
-    assert cost(5) == pytest.approx(0.025 * (1 + policy_domino.TIME_RATE))
+    assert cost(5) == pytest.approx(0.025 * (1 + cost_model_domino.TIME_RATE))
     for _ in range(30):
         cost.observe(5, 0.050)
     assert cost(5) == pytest.approx(0.050, rel=0.01)
@@ -604,7 +598,7 @@ def test_verify_cost_of_a_batch_is_keyed_by_all_its_tokens():
     target = tiny_target("qwen3")
     cache = DynamicCache()
     target(torch.tensor([[5, 6, 7]] * 3), use_cache=True, **cache_argument(cache))
-    cost = policy_domino.measure_verify_cost(target, cache, torch.tensor([[7]] * 3), {}, lengths=(1, 2), repeats=1)
+    cost = cost_model_domino.measure_verify_cost(target, cache, torch.tensor([[7]] * 3), {}, lengths=(1, 2), repeats=1)
     assert sorted(cost.seconds) == [3, 6] and cache.get_seq_length() == 3  # the cache is left as it was
 
 
@@ -627,7 +621,7 @@ def test_a_new_batch_size_starts_from_the_drafters_cost_at_batch_1(monkeypatch):
     from hf_domino.options_domino import DominoOptions
 
     monkeypatch.setattr(batching_domino, "measure_verify_cost", lambda *a, **k: VerifyCost({1: 0.01, 136: 0.3}))
-    monkeypatch.setattr(policy_domino, "_VERIFY_COSTS", {})
+    monkeypatch.setattr(cost_model_domino, "_VERIFY_COSTS", {})
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     shared = policy_domino.drafter_record(drafter, "greedy", drafter.config.num_drafts)

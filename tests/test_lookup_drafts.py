@@ -19,17 +19,11 @@ from transformers import LogitsProcessorList
 
 from hf_domino import batching_domino
 from hf_domino.batching_domino import BatchVerifyCost
+from hf_domino.cost_model_domino import VerifyCost, expected_tokens
 from hf_domino.drafting_domino import lookup_drafts
 from hf_domino.measure import parse_method
 from hf_domino.measure_batch import parse_batch_method
-from hf_domino.policy_domino import (
-    INITIAL_ACCEPTANCE,
-    DrafterRecord,
-    LookupPolicy,
-    VerifyCost,
-    drafter_record,
-    expected_tokens,
-)
+from hf_domino.policy_domino import INITIAL_ACCEPTANCE, DrafterRecord, LookupPolicy, drafter_record
 
 
 def found(sequence: list[int], limit: int = 4) -> list[int] | None:

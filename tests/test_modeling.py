@@ -205,6 +205,7 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
         "batching_domino.py",
         "config.json",
         "configuration_domino.py",
+        "cost_model_domino.py",
         "drafting_domino.py",
         "generation_domino.py",
         "model.safetensors",

@@ -33,20 +33,10 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .cost_model_domino import CALIBRATION_LENGTHS, measure_verify_cost, timing_is_free, verify_cost_for
 from .drafting_domino import judge_copy, lookup_drafts
 from .modeling_domino import CACHE_ARGUMENT, TargetModules, context_features
-from .policy_domino import (
-    CALIBRATION_LENGTHS,
-    AdaptivePolicy,
-    FixedPolicy,
-    LookupPolicy,
-    below_threshold,
-    copy_records,
-    drafter_record,
-    measure_verify_cost,
-    timing_is_free,
-    verify_cost_for,
-)
+from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, below_threshold, copy_records, drafter_record
 from .ragged_batch_domino import (
     BatchDrafts,
     BatchedDrafterContext,
@@ -76,7 +66,7 @@ K_PER_ROW = False
 # B = 4, in two runs; docs/benchmarks.md, "Copied drafts in batches"); None: in every batch.
 RETRIEVAL_MAX_ROWS: int | None = 2
 # A batch is done when its last row is: True prices drafts and copies by when that is expected to be, given the tokens
-# each row may still generate (`policy_domino.makespan_tokens`), instead of by the rows' mean tokens. Off: on a 2-core
+# each row may still generate (`cost_model_domino.makespan_tokens`), instead of by the rows' mean tokens. Off: on a 2-core
 # CPU it was within 2% of the mean from 4 rows on and 5-7% worse at 2 (docs/benchmarks.md, "The batch finishes with
 # its last row"); measure it on a GPU before choosing (bench suffix `_makespan`).
 PRICE_BY_MAKESPAN = False

@@ -34,6 +34,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from .batching_domino import batched_assisted_decoding
+from .cost_model_domino import measure_verify_cost, timing_is_free, verify_cost_for
 from .drafting_domino import (
     BlockDraft,
     DrafterContext,
@@ -47,16 +48,7 @@ from .drafting_domino import (
 )
 from .modeling_domino import CACHE_ARGUMENT, TargetModules, context_features
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
-from .policy_domino import (
-    AdaptivePolicy,
-    FixedPolicy,
-    LookupPolicy,
-    copy_records,
-    drafter_record,
-    measure_verify_cost,
-    timing_is_free,
-    verify_cost_for,
-)
+from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, copy_records, drafter_record
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel

@@ -1,0 +1,187 @@
+"""The draft policy's cost model: what a drafting cycle costs, and what it is expected to earn.
+
+A cycle verifies `1 + k` tokens in one target forward. `VerifyCost` is its time by the number of tokens, measured with
+a few target forwards at first use per (target, device, dtype) (`measure_verify_cost`, `verify_cost_for`) and refined
+from the loops' own timings; a batch reads it by all the forward's tokens. `expected_tokens` is what the cycle earns:
+`E(k) = 1 + sum_{j <= k} prod_{i <= j} a_i` for acceptance `a_j` per draft position, averaged over a batch's rows
+or, for a batch that is done when its last row is, priced by `makespan_tokens`. The policies in `policy_domino` divide
+the one by the other.
+
+This file is also written next to exported checkpoints as remote code (transformers + torch only).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .modeling_domino import cache_argument
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.cache_utils import Cache
+
+# The cost table (and the policy's drafting times) move this far towards each new observation.
+TIME_RATE = 0.2
+# Forward lengths measured at first use; others are interpolated.
+CALIBRATION_LENGTHS = (1, 2, 3, 5, 9, 17)
+
+
+# ------------------------------------------------------------------------------------------------------- cost model
+class VerifyCost:
+    """Seconds of one target forward over n tokens (n = 1 + drafts), interpolated between measured lengths."""
+
+    def __init__(self, seconds_by_length: dict[int, float]):
+        self.seconds = dict(sorted(seconds_by_length.items()))
+
+    def __call__(self, num_tokens: int) -> float:
+        if num_tokens in self.seconds:
+            return self.seconds[num_tokens]
+        lengths = list(self.seconds)
+        below = max((n for n in lengths if n < num_tokens), default=lengths[0])
+        above = min((n for n in lengths if n > num_tokens), default=lengths[-1])
+        if below == above:
+            return self.seconds[below]
+        weight = (num_tokens - below) / (above - below)
+        return (1 - weight) * self.seconds[below] + weight * self.seconds[above]
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Moves the estimate for `num_tokens` towards a measured cycle (target forward plus the loop's work).
+
+        One cycle counts as at most twice (at least half) the current estimate: a stall of the machine (another
+        process, a page fault) must not make a length look dear for good, since a length that looks dear is not
+        chosen and so never measured again. A real change still gets through, over a few cycles.
+        """
+        current = self(num_tokens)
+        seconds = min(max(seconds, current / 2), current * 2)
+        self.seconds[num_tokens] = current + TIME_RATE * (seconds - current)
+        self.seconds = dict(sorted(self.seconds.items()))
+
+
+_VERIFY_COSTS: dict[tuple, VerifyCost] = {}
+
+
+def timing_is_free(device: torch.device) -> bool:
+    """Whether host timings measure the device's work without a synchronization: everywhere but on CUDA."""
+    return device.type != "cuda"
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def measure_verify_cost(
+    target: PreTrainedModel,
+    cache: Cache,
+    last_token: torch.LongTensor,
+    forward_kwargs: dict[str, Any],
+    lengths: tuple[int, ...] = CALIBRATION_LENGTHS,
+    repeats: int = 2,
+) -> VerifyCost:
+    """Times target forwards over 1, 2, 3, 5, ... tokens on top of `cache` (which is left as it was).
+
+    Token values do not change the cost, so the block repeats `last_token`. With a batch (`last_token` of `[rows, 1]`)
+    every row gets the block and the table is keyed by all the forward's tokens, `rows * length`: a batch verifying
+    k drafts per row costs about what one sequence verifying `rows * (1 + k)` tokens does, and the loop's own timings
+    refine the estimate. One unmeasured warm-up forward first.
+    The fastest of `repeats` is kept: other work on the machine only ever adds time, and the loop's own timings
+    refine the table afterwards.
+    """
+    device, rows = last_token.device, last_token.shape[0]
+    seconds: dict[int, float] = {}
+    for length in (lengths[0], *lengths):
+        block = last_token[:, -1:].expand(rows, length)
+        samples = []
+        for _ in range(repeats):
+            _synchronize(device)
+            start = time.perf_counter()
+            target(input_ids=block, use_cache=True, **cache_argument(cache), **forward_kwargs)
+            _synchronize(device)
+            samples.append(time.perf_counter() - start)
+            cache.crop(-length)
+        seconds[rows * length] = min(samples)
+    return VerifyCost(seconds)
+
+
+def _cost_key(target: PreTrainedModel) -> tuple:
+    return (id(target), str(target.device), str(target.dtype), getattr(target.config, "_name_or_path", ""))
+
+
+def verify_cost_for(target: PreTrainedModel, measure) -> VerifyCost:
+    """The process-wide cost table of `target` on its device and dtype, measured with `measure()` on first use."""
+    key = _cost_key(target)
+    if key not in _VERIFY_COSTS:
+        _VERIFY_COSTS[key] = measure()
+    return _VERIFY_COSTS[key]
+
+
+def cached_verify_cost(target: PreTrainedModel) -> VerifyCost | None:
+    """The cost table the adaptive policy uses for `target`, if one was measured in this process."""
+    return _VERIFY_COSTS.get(_cost_key(target))
+
+
+def expected_tokens(acceptance: torch.Tensor, rooms: list[int] | None = None) -> torch.Tensor:
+    """`E(k)` for k = 0..K: one target token plus the drafts accepted in a row.
+
+    `acceptance` is `[K]`, or `[rows, K]` for a batch whose rows all verify k drafts: then the rows' mean or, given
+    each row's `rooms` (the tokens it may still generate), what the cycle is worth to the batch's last row
+    (`makespan_tokens`).
+    """
+    rows = acceptance.double()
+    survive = torch.cumprod(rows[None] if rows.dim() == 1 else rows, dim=-1)
+    if rooms is not None:
+        return makespan_tokens(survive, rooms)
+    return 1 + torch.cat([survive.new_zeros(survive.shape[0], 1), torch.cumsum(survive, dim=-1)], dim=-1).mean(dim=0)
+
+
+def makespan_tokens(survive: torch.Tensor, rooms: list[int], points: int = 33) -> torch.Tensor:
+    """What a cycle verifying k = 0..K drafts per row is worth to a batch that is done when its last row is.
+
+    Rows advance by different amounts in each cycle, drift apart, and the batch waits for the one that fell behind.
+    Priced by the rows' mean, drafting is overpriced: at 4 rows, 64 tokens and a first draft accepted 45% of the
+    time, k = 1 advances the rows by 1.45 tokens per cycle, but the batch finishes as if by 1.37 (the more rows, the
+    shorter the generation and the longer the blocks, the wider the gap). Priced by one cycle's advance of the
+    shortest row, it is underpriced: level rows then count only the drafts that all of them accept (1.04 there),
+    though over the next cycles which row lags changes.
+
+    So: the cycles the batch still needs, before and after this one, and their difference in tokens. After this
+    cycle, row r has `rooms[r] - X_r` tokens left (X_r: 1 + its accepted drafts, by `survive[r, j]`, its chance of
+    accepting at least j + 1); later cycles advance every row as the rows' pooled X does, so row r needs about
+    `left / E[X]` of them, with variance `left Var[X] / E[X]^3` (a renewal count). Each row's count is taken as
+    normal, and the expected largest one is integrated numerically. The cycles saved, times the batch's tokens per
+    cycle, is the price: the rows' mean for one row, 1 for a plain step, more for drafts in the row that lags, less
+    for drafts in rows ahead. Checked against simulated batches in tests/test_draft_policy.py. Returns `[K + 1]`.
+    """
+    K = survive.shape[1]
+    at_least = torch.cat([survive.new_ones(survive.shape[0], 1), survive], dim=-1)  # P(X_r >= 1 + j)
+    upto = torch.tril(torch.ones(K + 1, K + 1, dtype=torch.float64)).T  # [j, k]: j <= k
+    row_mean = at_least @ upto  # [rows, k]: E[X_r], and below Var[X_r] from E[X^2] = sum_j (2j + 1) P(X >= 1 + j)
+    row_variance = ((at_least * (2 * torch.arange(K + 1) + 1)) @ upto - row_mean**2).clamp(min=0)
+    mean = row_mean.mean(dim=0)[:, None]  # [k, 1]: the pooled X of later cycles
+    later = (row_variance + row_mean**2).mean(dim=0)[:, None] - mean**2
+    room = torch.tensor(rooms, dtype=torch.float64).clamp(min=1)[None]
+    centre = torch.stack([room / mean, (room - row_mean.T) / mean])  # [before/after, k, rows]: cycles left
+    spread = torch.stack([room * later / mean**3, room * later / mean**3 + row_variance.T / mean**2]).sqrt()
+    spread = spread.clamp(min=1e-6)
+    low = (centre - 6 * spread).amin(dim=(0, 2), keepdim=True)
+    high = (centre + 6 * spread).amax(dim=(0, 2), keepdim=True)
+    cycles = low + (high - low) * torch.linspace(0, 1, points, dtype=torch.float64)  # [1, k, points]
+    below = torch.special.ndtr((cycles[..., None] - centre[:, :, None]) / spread[:, :, None]).prod(dim=-1)
+    longest = low[..., 0] + torch.trapezoid(1 - below, cycles, dim=-1)  # [before/after, k]: E[max_r cycles_r]
+    return ((longest[0] - longest[1]) * mean[:, 0]).clamp(min=1)
+
+
+__all__ = [
+    "CALIBRATION_LENGTHS",
+    "VerifyCost",
+    "cached_verify_cost",
+    "expected_tokens",
+    "makespan_tokens",
+    "measure_verify_cost",
+    "timing_is_free",
+    "verify_cost_for",
+]
