@@ -5,8 +5,10 @@ Each setting gets its own drafter object, so that each learns its own acceptance
 kept per drafter), and the settings run interleaved group by group in one process, their order alternating, against
 the prepared target alone on the same group. Greedy outputs are asserted identical to the target alone's. A setting
 is `default`, or `key=value` items joined by `+`: `sizes=4,3,2` (the datastore's n-gram sizes), `attention=sdpa`
-(the target's attention implementation while it verifies), or a generate() option of the drafter
-(`domino_lookup=False`, `num_speculative_tokens=0`, `draft_policy=fixed`, ...). docs/benchmarks.md quotes it:
+(the target's attention implementation while it verifies), a generate() option of the drafter
+(`domino_lookup=False`, `num_speculative_tokens=0`, `draft_policy=fixed`, ...), or an upper-case setting of the
+batch loop or the policy module, set for that setting's calls only (`PRICE_BY_MAKESPAN=True`). docs/benchmarks.md
+quotes it:
 
     python examples/generate_ab.py --prompts mtbench --settings sizes=4,3 sizes=4,3,2
     python examples/generate_ab.py --prompts mtbench --settings attention=sdpa attention=sdpa_grouped_kv
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_domino import prepare_for_cpu_decoding
+from hf_domino import batching_domino, policy_domino, prepare_for_cpu_decoding
 from hf_domino.assets import chat_token_ids, load_drafter, load_prompts, load_target, pad_token_id
 from hf_domino.drafting_domino import DATASTORE_FILE, DraftDatastore
 from hf_domino.measure_batch import left_padded_batch
@@ -37,12 +39,18 @@ class Setting:
     drafter: object
     attention: str | None = None  # the target's attention while it verifies (None: as prepared)
     options: dict = field(default_factory=dict)  # generate() options of the drafter
+    modules: dict = field(default_factory=dict)  # (module, name) -> value, set during this setting's calls
 
 
 def option_value(text: str):
     if text in ("True", "False"):
         return text == "True"
-    return int(text) if text.lstrip("-").isdigit() else text
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def setting_for(name: str, target) -> Setting:
@@ -55,6 +63,11 @@ def setting_for(name: str, target) -> Setting:
             setting.drafter.datastore = DraftDatastore.load(path, ngram_sizes=sizes)
         elif key == "attention":
             setting.attention = value
+        elif key.isupper():
+            module = next((m for m in (batching_domino, policy_domino) if hasattr(m, key)), None)
+            if module is None:
+                raise SystemExit(f"setting {name!r}: no module setting {key!r} in batching_domino or policy_domino")
+            setting.modules[module, key] = option_value(value)
         elif value:
             setting.options[key] = option_value(value)
         else:
@@ -66,19 +79,26 @@ def setting_for(name: str, target) -> Setting:
 
 
 @contextlib.contextmanager
-def target_attention(target, implementation: str | None) -> Iterator[None]:
+def applied(target, setting: Setting | None) -> Iterator[None]:
+    """The setting's attention implementation and module settings, for one call."""
     prepared = target.config._attn_implementation
-    if implementation is not None:
-        target.set_attn_implementation(implementation)
+    modules = {} if setting is None else setting.modules
+    previous = {(module, name): getattr(module, name) for module, name in modules}
+    if setting is not None and setting.attention is not None:
+        target.set_attn_implementation(setting.attention)
+    for (module, name), value in modules.items():
+        setattr(module, name, value)
     try:
         yield
     finally:
         target.set_attn_implementation(prepared)
+        for (module, name), value in previous.items():
+            setattr(module, name, value)
 
 
 def timed(target, batch: dict, max_new_tokens: int, setting: Setting | None = None) -> tuple[torch.Tensor, float]:
     extra = {} if setting is None else {"assistant_model": setting.drafter, **setting.options}
-    with target_attention(target, None if setting is None else setting.attention):
+    with applied(target, setting):
         start = time.perf_counter()
         output = target.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, **extra)
         return output, time.perf_counter() - start

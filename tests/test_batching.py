@@ -14,10 +14,11 @@ from test_generation import (
     successor,
 )
 from transformers import LogitsProcessorList
+from transformers.cache_utils import DynamicLayer
 
 from hf_domino import batching_domino, policy_domino, ragged_batch_domino
 from hf_domino.drafting_domino import DrafterContext, run_backbone
-from hf_domino.modeling_domino import TargetModules
+from hf_domino.modeling_domino import BufferedLayer, TargetModules
 from hf_domino.options_domino import DominoOptions
 from hf_domino.ragged_batch_domino import BatchedDrafterContext, RaggedCache, run_batched_backbone
 
@@ -113,6 +114,68 @@ def test_caches_compacted_every_cycle_or_never_give_the_same_output(monkeypatch)
         output = target.generate(**batch, do_sample=False, max_new_tokens=30, assistant_model=drafter)
         assert torch.equal(output, expected)
         assert any(calls) == (minimum == 0)
+
+
+def test_buffered_layer_holds_what_a_dynamic_layer_holds_and_appends_in_place():
+    """Every operation the loops use, on both layers: the same keys/values, and a step writes into the buffers."""
+    torch.manual_seed(0)
+    plain, buffered = DynamicLayer(), BufferedLayer(reserve=12)
+
+    def both_layers(operation) -> None:
+        for layer in (plain, buffered):
+            operation(layer)
+        assert torch.equal(plain.keys, buffered.keys) and torch.equal(plain.values, buffered.values)
+        assert plain.get_seq_length() == buffered.get_seq_length()
+
+    def update(columns: int, rows: int = 3):
+        keys, values = torch.randn(rows, 2, columns, 4), torch.randn(rows, 2, columns, 4)
+        return lambda layer: layer.update(keys, values)
+
+    both_layers(update(5))
+    storage = buffered.buffers[0].data_ptr()
+    both_layers(update(1))
+    both_layers(lambda layer: layer.crop(-2))  # rejected drafts: the next step overwrites their columns
+    both_layers(update(4))
+    assert buffered.buffers[0].data_ptr() == storage and buffered.buffers[0].shape[-2] == 12
+    both_layers(update(9))  # past the reserve: moved once, with room to spare
+    grown = buffered.buffers[0]
+    assert grown.data_ptr() != storage and grown.shape[-2] > 17
+    both_layers(lambda layer: layer.batch_select_indices(torch.tensor([0, 2])))  # rows leave the batch
+    both_layers(update(2, rows=2))
+    order = torch.tensor([[1, 0, 2, 3], [3, 2, 1, 0]])[:, None, :, None].expand(-1, 2, -1, 4)
+
+    def compact(layer) -> None:  # what RaggedCache.maybe_compact does to a layer
+        layer.keys, layer.values = torch.gather(layer.keys, 2, order), torch.gather(layer.values, 2, order)
+
+    both_layers(compact)
+    both_layers(update(3, rows=2))
+    storages = set()
+    for _ in range(20):  # up to the reserve in place, then one move with room for the rest
+        both_layers(update(1, rows=2))
+        storages.add(buffered.buffers[0].data_ptr())
+    assert len(storages) == 2
+
+
+@pytest.mark.parametrize("rows", [[[4, 5, 6]], [[4], [9, 10, 11, 12], [2, 3]]], ids=["batch-1", "batch-3"])
+def test_generate_appends_to_the_targets_cache_in_place(rows, monkeypatch):
+    """generate() with a drafter, transformers' loop (one row) or ours (a batch): the target's keys/values are
+    written into buffers reserved for the call, not concatenated at every step, and the output is unchanged."""
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, PARTIAL, block_size=8)
+    moves, updates = [], []
+    move, update = BufferedLayer._move_to_buffers, BufferedLayer.update
+    monkeypatch.setattr(BufferedLayer, "_move_to_buffers", lambda self, *a: moves.append(self) or move(self, *a))
+    monkeypatch.setattr(BufferedLayer, "update", lambda self, *a, **k: updates.append(self) or update(self, *a, **k))
+    batch = left_padded(rows)
+    expected, output = both(target, drafter, batch, max_new_tokens=30)
+    assert torch.equal(output, expected)
+    target_layers = [layer for layer in set(updates) if layer.reserve]
+    assert len(target_layers) == target.config.num_hidden_layers
+    for layer in target_layers:
+        moved, updated = moves.count(layer), updates.count(layer)
+        # Once at the prefill; in a batch also when rows leave or holes are compacted away, which copy anyway.
+        assert moved == 1 if len(rows) == 1 else moved * 3 <= updated, (moved, updated)
+        assert updated > 5
 
 
 def test_ragged_drafter_context_matches_one_row_at_a_time():

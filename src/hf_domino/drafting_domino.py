@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .modeling_domino import buffer_layers
+
 if TYPE_CHECKING:
     from .modeling_domino import DominoForSpeculation, TargetModules
 
@@ -43,7 +45,7 @@ class DrafterContext:
     caches.
     """
 
-    cache: DynamicCache = field(default_factory=DynamicCache)
+    cache: DynamicCache = field(default_factory=lambda: buffer_layers(DynamicCache()))
     length: int = 0
     pending: list[torch.Tensor] = field(default_factory=list)
 

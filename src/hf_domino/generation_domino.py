@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
+from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
@@ -46,7 +47,7 @@ from .drafting_domino import (
     processed_pick,
     run_backbone,
 )
-from .modeling_domino import CACHE_ARGUMENT, TargetModules, context_features
+from .modeling_domino import CACHE_ARGUMENT, TargetModules, buffer_layers, context_features
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
 from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, copy_records, drafter_record
 
@@ -476,6 +477,11 @@ def _wrap_assisted_decoding(original):
                 attention_mask_given=attention_mask_given,
                 **arguments.get("model_kwargs", {}),
             )
+        cache = arguments.get("model_kwargs", {}).get(CACHE_ARGUMENT)
+        if isinstance(
+            cache, DynamicCache
+        ):  # verified blocks are appended in place, not concatenated (see BufferedLayer)
+            buffer_layers(cache, arguments["generation_config"].max_length + options.drafts_per_block(drafter) + 1)
         token = _CALL.set((options, arguments.get("stopping_criteria")))
         try:
             return original(self, *args, **kwargs)

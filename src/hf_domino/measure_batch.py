@@ -10,6 +10,7 @@ group runs N times, methods interleaved, and its median time counts.
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 import statistics
 import time
@@ -162,12 +163,20 @@ def run_batch_benchmark(
     rows: list[BatchRow] = []
     if drafter.datastore is not None:
         drafter.datastore.build_index()  # else whichever generation retrieves first pays for it
+    # What the adaptive policy learns (acceptance, rates, pauses) is kept per drafter object: a copy per method, so
+    # that one method's decisions never start from another's (e.g. `_makespan` from the mean's discounted rates).
+    drafters = {method: copy.deepcopy(drafter) for method in methods if method != "target"}
     for batch_size in batch_sizes:
         groups = [prompts[i : i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
         results = {method: BatchRow(batch_size, method) for method in methods}
         for method in methods:  # warm-up: kernels, and the adaptive policy's cost table for this batch shape
             _generate(
-                target, drafter, left_padded_batch(tokenizer, groups[0], pad), method, warmup_tokens, temperature
+                target,
+                drafters.get(method),
+                left_padded_batch(tokenizer, groups[0], pad),
+                method,
+                warmup_tokens,
+                temperature,
             )
         for group in groups:
             batch = left_padded_batch(tokenizer, group, pad)
@@ -178,12 +187,15 @@ def run_batch_benchmark(
                     torch.manual_seed(seed)
                     with counting_forwards(target) as forwards:
                         start = time.perf_counter()
-                        outputs[method] = _generate(target, drafter, batch, method, max_new_tokens, temperature)
+                        outputs[method] = _generate(
+                            target, drafters.get(method), batch, method, max_new_tokens, temperature
+                        )
                         seconds[method].append(time.perf_counter() - start)
                     if repeat == 0:
                         results[method].forwards.append(forwards[0] - 1)
                         if method != "target":
-                            results[method].acceptance.append(drafter.last_generation_stats.mean_acceptance_length)
+                            stats = drafters[method].last_generation_stats
+                            results[method].acceptance.append(stats.mean_acceptance_length)
                 if repeat == 0:
                     _count_tokens(results, outputs, batch["input_ids"].shape[1], eos, compare=temperature == 0)
             for method in methods:

@@ -32,7 +32,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.utils import _speculative_sampling
 
 from .drafting_domino import to_vocab_ids
-from .modeling_domino import CACHE_ARGUMENT, TargetModules, cache_argument
+from .modeling_domino import CACHE_ARGUMENT, BufferedLayer, TargetModules, buffer_layers, cache_argument
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -64,7 +64,8 @@ class RaggedCache:
     def check(cache: Any, who: str) -> None:
         """Raises unless every layer is a plain dynamic layer (holes need full-length, croppable keys/values)."""
         layers = getattr(cache, "layers", None)
-        if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in layers or ()):
+        plain = (DynamicLayer, BufferedLayer)
+        if not isinstance(cache, DynamicCache) or any(type(layer) not in plain for layer in layers or ()):
             raise ValueError(
                 f"Batched Domino drafting keeps holes in the {who}'s cache, which needs a DynamicCache of "
                 f"full-attention layers; got {type(cache).__name__}. Drop cache_implementation and {CACHE_ARGUMENT}, "
@@ -147,7 +148,7 @@ class BatchedDrafterContext:
     @classmethod
     def empty(cls, rows: int, device: torch.device) -> BatchedDrafterContext:
         return cls(
-            cache=RaggedCache(DynamicCache(), torch.zeros(rows, 0, dtype=torch.bool, device=device)),
+            cache=RaggedCache(buffer_layers(DynamicCache()), torch.zeros(rows, 0, dtype=torch.bool, device=device)),
             pending=[[] for _ in range(rows)],
             known=torch.zeros(rows, dtype=torch.long, device=device),
         )

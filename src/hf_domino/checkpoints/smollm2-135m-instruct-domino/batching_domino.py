@@ -35,7 +35,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cost_model_domino import CALIBRATION_LENGTHS, measure_verify_cost, timing_is_free, verify_cost_for
 from .drafting_domino import judge_copy, lookup_drafts
-from .modeling_domino import CACHE_ARGUMENT, TargetModules, context_features
+from .modeling_domino import CACHE_ARGUMENT, TargetModules, buffer_layers, context_features
 from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, below_threshold, copy_records, drafter_record
 from .ragged_batch_domino import (
     BatchDrafts,
@@ -244,7 +244,9 @@ class BatchedDecoding:
         self.mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         self.sequences = list(input_ids)
         self.active = list(range(rows))
-        self.target_cache = RaggedCache(cache, self.mask[:, :0])
+        # Room for every column the call can write (its holes aside) up front: no step copies the cache.
+        reserve = self.max_length + options.drafts_per_block(drafter) + 1
+        self.target_cache = RaggedCache(buffer_layers(cache, reserve), self.mask[:, :0])
         self.context = BatchedDrafterContext.empty(rows, drafter.device)
         self.policy: AdaptivePolicy | FixedPolicy | None = None
         # Copied drafts, as at batch 1: off with the ensemble option, capped by transformers' prompt-lookup length.
