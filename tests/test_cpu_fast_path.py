@@ -90,6 +90,7 @@ def test_cuda_models_are_left_untouched():
     assert drafter.dtype == torch.float16 and not is_prepared_for_cpu_decoding(target)
 
 
+@torch.no_grad()  # as in generate(): with autograd on, products fall back to F.linear
 def test_products_match_eager_and_follow_weight_changes():
     torch.manual_seed(0)
     layer = nn.Linear(24, 40)
@@ -98,6 +99,7 @@ def test_products_match_eager_and_follow_weight_changes():
     for shape in [(1, 1, 24), (1, 3, 24), (2, 17, 24), (5, 24), (1, 0, 24)]:
         x = torch.randn(shape)
         assert torch.allclose(layer(x), reference(x), atol=1e-5)
+        assert layer._packed is not None  # the packed product ran
         with eager_linears():
             assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     x = torch.randn(1, 3, 24)
@@ -108,9 +110,8 @@ def test_products_match_eager_and_follow_weight_changes():
     other[0] = 30
     assert torch.allclose(layer.rows_linear(x, other), reference(x)[..., other], atol=1e-5)
     # In-place update, new tensor, load_state_dict: the packed copy follows the weight.
-    with torch.no_grad():
-        layer.weight.mul_(2)
-        reference.weight.mul_(2)
+    layer.weight.mul_(2)
+    reference.weight.mul_(2)
     assert torch.allclose(layer(x), reference(x), atol=1e-5)
     assert torch.allclose(layer.rows_linear(x, rows), reference(x)[..., rows], atol=1e-5)
     layer.weight = nn.Parameter(torch.randn(40, 24))
@@ -118,6 +119,8 @@ def test_products_match_eager_and_follow_weight_changes():
     assert torch.allclose(layer(x), reference(x), atol=1e-5)
     layer.load_state_dict({"weight": torch.zeros(40, 24), "bias": torch.ones(40)})
     assert torch.equal(layer(x), torch.ones(1, 3, 40))
+    layer.weight.data = torch.randn(40, 24)  # new data for the same Parameter, its version unchanged
+    assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5)
 
 
 def test_autograd_dtype_changes_copies_and_pickles_fall_back_or_repack():

@@ -105,12 +105,30 @@ class PrepackedLinear(nn.Linear):
 
     def packed_weight(self) -> torch.Tensor:
         """The weight in oneDNN's packed layout, packed again if the weight changed since."""
-        key = _weight_key(self.weight)
+        weight = self.weight
+        key = _weight_key(weight)
         if self._packed is None or self._packed[0] != key:
-            self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None))
-        return self._packed[1]
+            # Also the Parameter itself, for `forward`'s short check: the same object, storage and version hold the
+            # same values (new data moves the storage, in-place changes the version, assignment the object).
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            self._packed = (key, weight, -1 if weight.is_inference() else weight._version, packed)
+        return self._packed[3]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A decoding step of a small model makes ~200 of these calls, so the usual case reads as few attributes as it
+        # can: the weight packed at this version of this tensor, an input like it, no autograd (`_packs` in short).
+        weight, packed = self._parameters["weight"], self._packed
+        if (
+            packed is not None
+            and packed[1] is weight
+            and packed[2] == (-1 if weight.is_inference() else weight._version)
+            and packed[0][0] == weight.data_ptr()
+            and x.dtype == weight.dtype
+            and x.is_cpu
+            and not _EAGER.get()
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+        ):
+            return torch.ops.mkldnn._linear_pointwise(x, packed[3], self._parameters["bias"], "none", [], "")
         if not self._packs(x):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
