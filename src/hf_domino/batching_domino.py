@@ -67,8 +67,8 @@ K_PER_ROW = False
 RETRIEVAL_MAX_ROWS: int | None = 2
 # A batch is done when its last row is: True prices drafts and copies by when that is expected to be, given the tokens
 # each row may still generate (`cost_model_domino.makespan_tokens`), instead of by the rows' mean tokens. Off: on a 2-core
-# CPU it was within 2% of the mean from 4 rows on and 5-7% worse at 2 (docs/benchmarks.md, "The batch finishes with
-# its last row"); measure it on a GPU before choosing (bench suffix `_makespan`).
+# CPU it was within 2% of the mean at 1-8 rows, better as often as worse (docs/benchmarks.md, "The target's cache grows
+# in place"); measure it on a GPU before choosing (bench suffix `_makespan`).
 PRICE_BY_MAKESPAN = False
 
 
