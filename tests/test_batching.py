@@ -154,6 +154,9 @@ def test_buffered_layer_holds_what_a_dynamic_layer_holds_and_appends_in_place():
         both_layers(update(1, rows=2))
         storages.add(buffered.buffers[0].data_ptr())
     assert len(storages) == 2
+    generous = BufferedLayer(reserve=100_000)  # a long max_length is not taken before it is needed
+    generous.update(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))
+    assert generous.buffers[0].shape[-2] == 5 + 256
 
 
 @pytest.mark.parametrize("rows", [[[4, 5, 6]], [[4], [9, 10, 11, 12], [2, 3]]], ids=["batch-1", "batch-3"])

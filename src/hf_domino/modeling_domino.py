@@ -68,7 +68,7 @@ class BufferedLayer(DynamicLayer):
 
     def __init__(self, reserve: int = 0):
         super().__init__()
-        self.reserve = reserve  # columns to hold at least (the call's max_length), so most calls never regrow
+        self.reserve = reserve  # columns the call may reach (its max_length): room is never taken past it early
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -99,8 +99,11 @@ class BufferedLayer(DynamicLayer):
         )
 
     def _move_to_buffers(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int, end: int) -> None:
-        # Past the reserve, room for 1/16 more: a regrow then costs a step about 1/16 of what concatenating does.
-        columns = self.reserve if end <= self.reserve else end + max(64, end // 16)
+        # Room for a quarter more (at least 256 columns), up to the reserve while within it: a long max_length is not
+        # allocated before it is needed, and a regrow costs a step about 1/4 of a column copy per column cached.
+        columns = end + max(256, end // 4)
+        if end <= self.reserve:
+            columns = min(columns, self.reserve)
         self.buffers = tuple(
             states.new_empty((*states.shape[:-2], columns, states.shape[-1])) for states in (key_states, value_states)
         )

@@ -244,7 +244,7 @@ class BatchedDecoding:
         self.mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         self.sequences = list(input_ids)
         self.active = list(range(rows))
-        # Room for every column the call can write (its holes aside) up front: no step copies the cache.
+        # Every column the call can write (its holes aside): steps append in place, and room is never taken past it.
         reserve = self.max_length + options.drafts_per_block(drafter) + 1
         self.target_cache = RaggedCache(buffer_layers(cache, reserve), self.mask[:, :0])
         self.context = BatchedDrafterContext.empty(rows, drafter.device)

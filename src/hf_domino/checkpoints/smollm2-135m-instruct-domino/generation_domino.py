@@ -478,9 +478,7 @@ def _wrap_assisted_decoding(original):
                 **arguments.get("model_kwargs", {}),
             )
         cache = arguments.get("model_kwargs", {}).get(CACHE_ARGUMENT)
-        if isinstance(
-            cache, DynamicCache
-        ):  # verified blocks are appended in place, not concatenated (see BufferedLayer)
+        if isinstance(cache, DynamicCache):  # verified blocks written in place, not concatenated (BufferedLayer)
             buffer_layers(cache, arguments["generation_config"].max_length + options.drafts_per_block(drafter) + 1)
         token = _CALL.set((options, arguments.get("stopping_criteria")))
         try:
