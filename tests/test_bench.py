@@ -363,9 +363,15 @@ def test_cli_bench_batch_sizes(target, drafter, tokenizer, tmp_path, capsys):
 
 
 def test_cli_bench_batch_repeats_count_each_group_once(target, drafter, tokenizer, tmp_path, monkeypatch):
-    calls = []
+    calls, drafters = [], {}
     generate = measure_batch._generate
-    monkeypatch.setattr(measure_batch, "_generate", lambda *args: calls.append(args[3]) or generate(*args))
+
+    def recorded(*args):
+        calls.append(args[3])
+        drafters.setdefault(args[3], set()).add(id(args[1]))
+        return generate(*args)
+
+    monkeypatch.setattr(measure_batch, "_generate", recorded)
     per_prompt = saved_bench_argv(target, drafter, tokenizer, tmp_path)
     per_prompt += ["--num-prompts", "2", "--max-new-tokens", "5", "--threads", "1", "--warmup-tokens", "2"]
     argv = [
@@ -373,16 +379,20 @@ def test_cli_bench_batch_repeats_count_each_group_once(target, drafter, tokenize
         "--batch-size",
         "2",
         "--batch-methods",
-        "target,domino",
+        "target,domino,domino_makespan",
         "--output-dir",
         str(tmp_path / "out"),
     ]
     assert cli.main(argv) == 0
     once = json.loads((tmp_path / "out" / "batch.json").read_text())["rows"]
-    assert calls == ["target", "domino"] * 2  # a warm-up, then the one group once
+    methods = ["target", "domino", "domino_makespan"]
+    assert calls == methods * 2  # a warm-up, then the one group once
+    # Each drafting method learns with a drafter of its own (the policy's records are kept per drafter object).
+    assert drafters["target"] == {id(None)} and len(drafters["domino"]) == len(drafters["domino_makespan"]) == 1
+    assert drafters["domino"] != drafters["domino_makespan"]
     calls.clear()
     assert cli.main([*argv, "--repeats", "3"]) == 0
-    assert calls == ["target", "domino"] * 4  # a warm-up, then the group three times, methods interleaved
+    assert calls == methods * 4  # a warm-up, then the group three times, methods interleaved
     written = json.loads((tmp_path / "out" / "batch.json").read_text())
     assert "--repeats 3" in written["command"]
     for single, repeated in zip(once, written["rows"]):
