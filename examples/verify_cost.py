@@ -22,7 +22,7 @@ import torch._inductor.config as inductor_config
 from transformers.cache_utils import DynamicCache
 
 from hf_domino import assets, prepare_for_cpu_decoding
-from hf_domino.modeling_domino import cache_argument
+from hf_domino.cache_domino import cache_argument
 
 
 def fastest_ms(fn, repeats: int) -> float:

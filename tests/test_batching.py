@@ -17,8 +17,9 @@ from transformers import LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
 from hf_domino import batching_domino, policy_domino, ragged_batch_domino
+from hf_domino.cache_domino import BufferedLayer
 from hf_domino.drafting_domino import DrafterContext, run_backbone
-from hf_domino.modeling_domino import BufferedLayer, TargetModules
+from hf_domino.modeling_domino import TargetModules
 from hf_domino.options_domino import DominoOptions
 from hf_domino.ragged_batch_domino import BatchedDrafterContext, RaggedCache, run_batched_backbone
 

@@ -16,8 +16,8 @@ from transformers.cache_utils import DynamicCache
 
 import hf_domino
 from hf_domino import cost_model_domino, policy_domino
+from hf_domino.cache_domino import cache_argument
 from hf_domino.cost_model_domino import VerifyCost, expected_tokens
-from hf_domino.modeling_domino import cache_argument
 from hf_domino.policy_domino import AcceptanceCalibration, AdaptivePolicy, DrafterRecord, LookupPolicy
 
 VOCAB = 32

@@ -203,6 +203,7 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
     files = sorted(p.name for p in (tmp_path / "d").iterdir())
     assert files == [
         "batching_domino.py",
+        "cache_domino.py",
         "config.json",
         "configuration_domino.py",
         "cost_model_domino.py",

@@ -27,8 +27,9 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_domino import DominoConfig, DominoForSpeculation, TargetModules
+from hf_domino.cache_domino import CACHE_ARGUMENT, cache_argument
 from hf_domino.drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
-from hf_domino.modeling_domino import CACHE_ARGUMENT, cache_argument, context_features
+from hf_domino.modeling_domino import context_features
 
 SHAPES = {
     # Qwen3-8B, and the published Qwen3-8B Domino drafter (docs/model.md): 5 layers, GRU 1024, rank 256.

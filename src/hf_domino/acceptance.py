@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .modeling_domino import CACHE_ARGUMENT
+from .cache_domino import CACHE_ARGUMENT
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -33,9 +33,10 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .cache_domino import CACHE_ARGUMENT, buffer_layers
 from .cost_model_domino import CALIBRATION_LENGTHS, measure_verify_cost, timing_is_free, verify_cost_for
 from .drafting_domino import judge_copy, lookup_drafts
-from .modeling_domino import CACHE_ARGUMENT, TargetModules, buffer_layers, context_features
+from .modeling_domino import TargetModules, context_features
 from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, below_threshold, copy_records, drafter_record
 from .ragged_batch_domino import (
     BatchDrafts,

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .modeling_domino import buffer_layers
+from .cache_domino import buffer_layers
 
 if TYPE_CHECKING:
     from .modeling_domino import DominoForSpeculation, TargetModules

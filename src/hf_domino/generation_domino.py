@@ -35,6 +35,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from .batching_domino import batched_assisted_decoding
+from .cache_domino import CACHE_ARGUMENT, buffer_layers
 from .cost_model_domino import measure_verify_cost, timing_is_free, verify_cost_for
 from .drafting_domino import (
     BlockDraft,
@@ -47,7 +48,7 @@ from .drafting_domino import (
     processed_pick,
     run_backbone,
 )
-from .modeling_domino import CACHE_ARGUMENT, TargetModules, buffer_layers, context_features
+from .modeling_domino import TargetModules, context_features
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
 from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, copy_records, drafter_record
 

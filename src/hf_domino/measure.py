@@ -35,10 +35,11 @@ from transformers.cache_utils import DynamicCache
 
 from .acceptance import acceptance_from_cache_lengths, record_target_forwards
 from .assets import eos_token_ids, pad_token_id
+from .cache_domino import cache_argument
 from .cost_model_domino import cached_verify_cost
 from .cpu_fast_path import eager_linears
 from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
-from .modeling_domino import DominoForSpeculation, TargetModules, cache_argument, context_features
+from .modeling_domino import DominoForSpeculation, TargetModules, context_features
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

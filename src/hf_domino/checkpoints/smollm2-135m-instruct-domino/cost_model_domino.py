@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .modeling_domino import cache_argument
+from .cache_domino import cache_argument
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -31,8 +31,9 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.utils import _speculative_sampling
 
+from .cache_domino import CACHE_ARGUMENT, BufferedLayer, buffer_layers, cache_argument
 from .drafting_domino import to_vocab_ids
-from .modeling_domino import CACHE_ARGUMENT, BufferedLayer, TargetModules, buffer_layers, cache_argument
+from .modeling_domino import TargetModules
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

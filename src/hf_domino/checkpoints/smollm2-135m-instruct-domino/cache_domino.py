@@ -1,0 +1,96 @@
+"""The target's key/value cache as the drafting loops use it: the name `generate()` passes it under, and a layer
+that grows in place.
+
+This file is also written next to exported checkpoints as remote code (transformers + torch only).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.generation import GenerationMixin
+
+# transformers 5.24 renamed the key/value cache from `past_key_values` to `cache`: in a model's forward() arguments, in
+# generate()'s model_kwargs and in its outputs (the old argument name warns until 5.40). Both releases are supported;
+# the name is read off generate()'s own input preparation, which passes it to every model.
+CACHE_ARGUMENT = (
+    "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    else "past_key_values"
+)  # fmt: skip
+
+
+def cache_argument(cache: DynamicCache | None) -> dict[str, DynamicCache | None]:
+    """`target(..., **cache_argument(cache))`: the cache under the name this transformers release uses."""
+    return {CACHE_ARGUMENT: cache}
+
+
+class BufferedLayer(DynamicLayer):
+    """A `DynamicLayer` that appends into spare room instead of concatenating.
+
+    `DynamicLayer.update` copies the whole layer at every step (`torch.cat`): at 8 rows of a few hundred tokens that
+    is 3-4% of a step of a small model on a CPU, and it grows with the context. Here `keys`/`values` are views of the
+    first columns of larger buffers, and a step writes after them. What replaces them (rows selected, columns
+    gathered, offloading) is moved into new buffers at the next update; `crop`'s shorter view is still a prefix, so
+    the next step overwrites the cropped columns in place. Same values and shapes; only the storage differs.
+    """
+
+    def __init__(self, reserve: int = 0):
+        super().__init__()
+        self.reserve = reserve  # columns the call may reach (its max_length): room is never taken past it early
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.get_seq_length()
+        end = start + key_states.shape[-2]
+        if not self._writes_in_place(key_states, end):
+            self._move_to_buffers(key_states, value_states, start, end)
+        keys, values = self.buffers
+        keys[..., start:end, :] = key_states
+        values[..., start:end, :] = value_states
+        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+        return self.keys, self.values
+
+    def _writes_in_place(self, key_states: torch.Tensor, end: int) -> bool:
+        """Whether the layer is still a prefix view of its buffers, with room for `end` columns."""
+        if self.buffers is None or end > self.buffers[0].shape[-2]:
+            return False
+        if self.get_seq_length() == 0:
+            return self.buffers[0].shape[:-2] == key_states.shape[:-2]
+        return (
+            all(
+                view.data_ptr() == buffer.data_ptr() and view.stride() == buffer.stride()
+                for view, buffer in zip((self.keys, self.values), self.buffers)
+            )
+            and self.keys.shape[:-2] == key_states.shape[:-2]
+        )
+
+    def _move_to_buffers(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int, end: int) -> None:
+        # Room for a quarter more (at least 256 columns), up to the reserve while within it: a long max_length is not
+        # allocated before it is needed, and a regrow costs a step about 1/4 of a column copy per column cached.
+        columns = end + max(256, end // 4)
+        if end <= self.reserve:
+            columns = min(columns, self.reserve)
+        self.buffers = tuple(
+            states.new_empty((*states.shape[:-2], columns, states.shape[-1])) for states in (key_states, value_states)
+        )
+        if start:
+            self.buffers[0][..., :start, :] = self.keys
+            self.buffers[1][..., :start, :] = self.values
+
+
+def buffer_layers(cache: DynamicCache, reserve: int = 0) -> DynamicCache:
+    """Makes the plain dynamic layers of a cache not filled yet `BufferedLayer`s (others are left as they are)."""
+    if cache.layer_class_to_replicate is DynamicLayer:
+        cache.layer_class_to_replicate = lambda: BufferedLayer(reserve)
+    cache.layers = [
+        BufferedLayer(reserve) if type(layer) is DynamicLayer and not layer.is_initialized else layer
+        for layer in cache.layers
+    ]
+    return cache
+
+
+__all__ = ["CACHE_ARGUMENT", "BufferedLayer", "buffer_layers", "cache_argument"]
