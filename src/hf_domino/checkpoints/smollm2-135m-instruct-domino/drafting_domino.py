@@ -131,7 +131,7 @@ def run_backbone(
     position_ids = torch.arange(context.length, anchor_position + drafter.config.block_size, device=device)[None]
     block_hidden = drafter(
         drafter.embed_block(target, anchor_ids),
-        pending.to(device),
+        pending,
         position_ids,
         past_key_values=context.cache,
         num_outputs=drafter.outputs_for_drafts(num_drafts),
