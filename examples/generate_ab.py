@@ -5,16 +5,18 @@ Each setting gets its own drafter object, so that each learns its own acceptance
 kept per drafter), and the settings run interleaved group by group in one process, their order alternating, against
 the prepared target alone on the same group. Greedy outputs are asserted identical to the target alone's. A setting
 is `default`, or `key=value` items joined by `+`: `sizes=4,3,2` (the datastore's n-gram sizes), `attention=sdpa`
-(the target's attention implementation while it verifies), a generate() option of the drafter
-(`domino_lookup=False`, `num_speculative_tokens=0`, `draft_policy=fixed`, ...), or an upper-case setting of the
-batch loop or the policy module, set for that setting's calls only (`PRICE_BY_MAKESPAN=True`). docs/benchmarks.md
-quotes it:
+(the target's attention implementation while it verifies), `drafter_dtype=bfloat16` (the drafter's dtype, instead of
+the target's), a generate() option of the drafter (`domino_lookup=False`, `num_speculative_tokens=0`,
+`draft_policy=fixed`, ...), or an upper-case setting of the batch loop, the policy or the CPU fast path module, set
+for that setting's calls only (`PRICE_BY_MAKESPAN=True`, `MATMUL_MAX_QUERIES=0`). docs/benchmarks.md quotes it:
 
     python examples/generate_ab.py --prompts mtbench --settings sizes=4,3 sizes=4,3,2
     python examples/generate_ab.py --prompts mtbench --settings attention=sdpa attention=sdpa_grouped_kv
     python examples/generate_ab.py --prompts mtbench --num-prompts 16 --max-new-tokens 64 --batch-size 4 \\
         --repeats 2 --settings default domino_lookup=False num_speculative_tokens=0 \\
         domino_lookup=False+draft_policy=fixed+num_speculative_tokens=0
+    python examples/generate_ab.py --prompts mtbench --num-prompts 16 --max-new-tokens 64 --batch-size 4 \\
+        --repeats 2 --settings MATMUL_MAX_QUERIES=0 default
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_domino import batching_domino, policy_domino, prepare_for_cpu_decoding
+from hf_domino import batching_domino, cpu_fast_path, policy_domino, prepare_for_cpu_decoding
 from hf_domino.assets import chat_token_ids, load_drafter, load_prompts, load_target, pad_token_id
 from hf_domino.drafting_domino import DATASTORE_FILE, DraftDatastore
 from hf_domino.measure_batch import left_padded_batch
@@ -55,6 +57,7 @@ def option_value(text: str):
 
 def setting_for(name: str, target) -> Setting:
     setting = Setting(load_drafter(None))
+    match_dtype = True  # the fast path casts the drafter to the target's dtype unless a setting names one
     for item in [] if name == "default" else name.split("+"):
         key, _, value = item.partition("=")
         if key == "sizes":
@@ -63,16 +66,21 @@ def setting_for(name: str, target) -> Setting:
             setting.drafter.datastore = DraftDatastore.load(path, ngram_sizes=sizes)
         elif key == "attention":
             setting.attention = value
+        elif key == "drafter_dtype":
+            setting.drafter.to(getattr(torch, value))
+            match_dtype = False
         elif key.isupper():
-            module = next((m for m in (batching_domino, policy_domino) if hasattr(m, key)), None)
+            module = next((m for m in (batching_domino, policy_domino, cpu_fast_path) if hasattr(m, key)), None)
             if module is None:
-                raise SystemExit(f"setting {name!r}: no module setting {key!r} in batching_domino or policy_domino")
+                raise SystemExit(
+                    f"setting {name!r}: no module setting {key!r} in batching_domino, policy_domino or cpu_fast_path"
+                )
             setting.modules[module, key] = option_value(value)
         elif value:
             setting.options[key] = option_value(value)
         else:
             raise SystemExit(f"setting {name!r}: {item!r} is not key=value")
-    prepare_for_cpu_decoding(target, setting.drafter)
+    prepare_for_cpu_decoding(target, setting.drafter, match_drafter_dtype=match_dtype)
     if setting.drafter.datastore is not None:
         setting.drafter.datastore.build_index()
     return setting

@@ -1,7 +1,8 @@
-"""One layer's masked attention over grouped key/value heads, as transformers' `sdpa` runs it (`repeat_kv`) and as
-`sdpa_grouped_kv` does (`enable_gqa`), at SmolLM2's heads (9 query heads over 3 key/value heads, head dim 64):
-median microseconds and whether the outputs are identical. docs/benchmarks.md, "Verification reads grouped
-key/value heads in place", quotes it:
+"""One layer's masked attention over grouped key/value heads, at SmolLM2's heads (9 query heads over 3 key/value
+heads, head dim 64), three ways: transformers' `sdpa` (`repeat_kv`), torch's fused kernel reading the groups in place
+(`enable_gqa`), and two matmuls per key/value head (`grouped_matmul_attention`). Median microseconds per shape (rows x
+queries x keys), the way `sdpa_grouped_kv` takes for it, and how far each output is from `sdpa`'s. docs/benchmarks.md
+("Verification reads grouped key/value heads in place", "Batched verification's attention") quotes it:
 
     python examples/grouped_kv_attention.py --threads 2
 """
@@ -15,9 +16,16 @@ import time
 from types import SimpleNamespace
 
 import torch
+from torch.nn import functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hf_domino.cpu_fast_path import sdpa_grouped_kv_forward
+from hf_domino import cpu_fast_path
+from hf_domino.cpu_fast_path import grouped_matmul_attention, sdpa_grouped_kv_forward
+
+SHAPES = [  # (rows, queries, keys): one sequence's verifications, then a batch's steps and verifications
+    (1, 2, 304), (1, 4, 304), (1, 8, 304), (1, 4, 1000), (1, 17, 1000),
+    (2, 2, 400), (4, 1, 400), (4, 2, 400), (4, 3, 400), (4, 2, 1200), (8, 1, 400), (8, 2, 400), (8, 5, 400),
+]  # fmt: skip
 
 
 def median_us(function, repeats: int) -> float:
@@ -31,6 +39,21 @@ def median_us(function, repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def path_taken(module, query, key, value, mask) -> str:
+    """Which of the three `sdpa_grouped_kv_forward` runs for these inputs."""
+    taken = []
+    matmul, fused = cpu_fast_path.grouped_matmul_attention, F.scaled_dot_product_attention
+    cpu_fast_path.grouped_matmul_attention = lambda *args: taken.append("matmul") or matmul(*args)
+    F.scaled_dot_product_attention = lambda *args, **kwargs: (
+        taken.append("enable_gqa" if kwargs.get("enable_gqa") else "repeat_kv") or fused(*args, **kwargs)
+    )
+    try:
+        sdpa_grouped_kv_forward(module, query, key, value, mask, scaling=0.125)
+    finally:
+        cpu_fast_path.grouped_matmul_attention, F.scaled_dot_product_attention = matmul, fused
+    return taken[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -38,20 +61,31 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
-    print("| queries x keys | `repeat_kv` + mask (sdpa) | `enable_gqa` + mask | outputs |")
-    print("| ---: | ---: | ---: | --- |")
-    for queries, keys in [(2, 304), (4, 304), (8, 304), (4, 1000), (17, 1000)]:
-        query = torch.randn(1, 9, queries, 64)
-        key, value = torch.randn(1, 3, keys, 64), torch.randn(1, 3, keys, 64)
-        mask = (torch.arange(keys)[None, :] <= torch.arange(keys - queries, keys)[:, None])[None, None]
-        inputs = (module, query, key, value, mask)
+    columns = "`repeat_kv` (sdpa) | `enable_gqa` | matmuls per key/value head | taken | max diff from sdpa"
+    print(f"| rows x queries x keys | {columns} |")
+    print("| ---: | ---: | ---: | ---: | --- | --- |")
+    for rows, queries, keys in SHAPES:
+        query = torch.randn(rows, 9, queries, 64)
+        # The cache as the loops keep it: views of the first columns of larger buffers.
+        key, value = (torch.randn(rows, 3, keys + 256, 64)[:, :, :keys] for _ in range(2))
+        causal = torch.arange(keys)[None, :] <= torch.arange(keys - queries, keys)[:, None]
+        mask = torch.stack([causal & (torch.arange(keys) >= 7 * row) for row in range(rows)])[:, None]  # left padding
         runs = {
-            name: functools.partial(forward, *inputs, scaling=0.125)
-            for name, forward in (("sdpa", sdpa_attention_forward), ("grouped", sdpa_grouped_kv_forward))
+            "sdpa": functools.partial(sdpa_attention_forward, module, query, key, value, mask, scaling=0.125),
+            "enable_gqa": functools.partial(
+                F.scaled_dot_product_attention, query, key, value, attn_mask=mask, scale=0.125, enable_gqa=True
+            ),
+            "matmul": functools.partial(grouped_matmul_attention, query, key, value, mask, 0.125),
         }
-        same = "identical" if torch.equal(runs["sdpa"]()[0], runs["grouped"]()[0]) else "DIFFERENT"
-        timings = [f"{median_us(run, args.repeats):.0f} us" for run in runs.values()]
-        print(f"| {queries} x {keys} | {timings[0]} | {timings[1]} | {same} |")
+        reference = runs["sdpa"]()[0]
+        diffs = {
+            "enable_gqa": (runs["enable_gqa"]().transpose(1, 2) - reference).abs().max(),
+            "matmul": (runs["matmul"]().transpose(1, 2) - reference).abs().max(),
+        }
+        timings = " | ".join(f"{median_us(run, args.repeats):.0f} us" for run in runs.values())
+        taken = path_taken(module, query, key, value, mask)
+        diff = "0 (identical)" if taken == "repeat_kv" or not diffs[taken] else f"{float(diffs[taken]):.0e}"
+        print(f"| {rows} x {queries} x {keys} | {timings} | {taken} | {diff} |")
 
 
 if __name__ == "__main__":

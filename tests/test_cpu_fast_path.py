@@ -17,11 +17,12 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import hf_domino
-from hf_domino import TargetModules, prepare_for_cpu_decoding
+from hf_domino import TargetModules, cpu_fast_path, prepare_for_cpu_decoding
 from hf_domino.cpu_fast_path import (
     GROUPED_KV_ATTENTION,
     PrepackedLinear,
     eager_linears,
+    grouped_matmul_attention,
     is_prepared_for_cpu_decoding,
     packable_dtypes,
     sdpa_grouped_kv_forward,
@@ -159,21 +160,53 @@ def test_save_pretrained_of_prepared_models(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------- attention
-@pytest.mark.parametrize("batch, queries, kv_length", [(1, 2, 9), (1, 5, 40), (1, 17, 300), (3, 4, 50), (2, 1, 20)])
-def test_grouped_kv_attention_is_sdpa_bit_for_bit(batch, queries, kv_length):
-    # What a verification (or a batch) meets: queries at the end of the cache, causal among themselves, rows
-    # left-padded by different amounts.
-    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+def grouped_attention_inputs(batch: int, queries: int, kv_length: int, heads: int = 9, kv_heads: int = 3):
+    """What a verification (or a batch) meets: queries at the end of the cache, causal among themselves, rows
+    left-padded by different amounts."""
     generator = torch.Generator().manual_seed(queries)
-    query = torch.randn(batch, 9, queries, 16, generator=generator)
-    key, value = (torch.randn(batch, 3, kv_length, 16, generator=generator) for _ in range(2))
+    query = torch.randn(batch, heads, queries, 16, generator=generator)
+    key, value = (torch.randn(batch, kv_heads, kv_length, 16, generator=generator) for _ in range(2))
     positions = torch.arange(kv_length)
     mask = positions[None, :] <= torch.arange(kv_length - queries, kv_length)[:, None]
     mask = torch.stack([mask & (positions >= 2 * row) for row in range(batch)])[:, None]
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, training=False)
+    return module, query, key, value, mask
+
+
+@pytest.mark.parametrize(
+    "batch, queries, kv_length, path",
+    [
+        (1, 2, 9, "fused"), (1, 5, 40, "fused"), (1, 17, 300, "fused"), (2, 1, 20, "sdpa"), (8, 9, 60, "fused"),
+        (2, 2, 30, "matmul"), (3, 4, 50, "matmul"), (8, 3, 200, "matmul"),
+    ],
+)  # fmt: skip
+def test_grouped_kv_attention_is_sdpa(batch, queries, kv_length, path):
+    # Bit for bit where sdpa or torch's fused kernel runs (reading the groups in place); to fp32 rounding where a
+    # batch's few queries run as matmuls per key/value head (and exactly what `grouped_matmul_attention` gives: that
+    # path ran).
+    module, query, key, value, mask = grouped_attention_inputs(batch, queries, kv_length)
     expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
     output, _ = sdpa_grouped_kv_forward(module, query, key, value, mask, scaling=0.25)
     assert output.shape == expected.shape == (batch, queries, 9, 16)
-    assert torch.equal(output, expected)
+    if path != "matmul":
+        assert torch.equal(output, expected)
+    else:
+        assert torch.allclose(output, expected, atol=1e-6, rtol=1e-5)
+        assert torch.equal(output, grouped_matmul_attention(query, key, value, mask, 0.25).transpose(1, 2))
+
+
+def test_grouped_matmul_attention_gives_a_query_that_sees_no_key_finite_weights():
+    # A short left-padded prompt: the padding's own queries may see nothing. NaN there would reach every real token
+    # through the values of later layers (weight 0 times NaN).
+    module, query, key, value, mask = grouped_attention_inputs(4, 3, 5)
+    mask[1, :, 0] = False  # rows 1 and 3: the first query sees no key
+    mask = mask[[0, 1, 0, 1]]
+    output, _ = sdpa_grouped_kv_forward(module, query, key, value, mask, scaling=0.25)
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    assert torch.isfinite(output).all()
+    keep = torch.ones(4, 3, dtype=torch.bool)
+    keep[1::2, 0] = False  # what the fused kernel gives a query with no key is its own business
+    assert torch.allclose(output[keep], expected[keep], atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # `cache` is new in 5.24
@@ -185,29 +218,43 @@ def test_prepare_reads_grouped_kv_heads_in_place_and_verification_logits_are_unc
     assert target.config._attn_implementation == drafter.config._attn_implementation == GROUPED_KV_ATTENTION
     assert prepare_for_cpu_decoding(target, drafter).attention == []
 
-    in_place = []  # per attention call: whether a masked attention read grouped heads in place
+    calls = []  # per attention call: "in place" (fused, groups read in place), "matmul", or "repeated"
     attention = F.scaled_dot_product_attention
+    matmul_attention = cpu_fast_path.grouped_matmul_attention
     monkeypatch.setattr(
         F,
         "scaled_dot_product_attention",
         lambda *args, **kwargs: (
-            in_place.append(kwargs.get("enable_gqa", False) and kwargs.get("attn_mask") is not None)
+            calls.append(
+                "in place" if kwargs.get("enable_gqa") and kwargs.get("attn_mask") is not None else "repeated"
+            )
             or attention(*args, **kwargs)
         ),
     )
+    monkeypatch.setattr(
+        cpu_fast_path,
+        "grouped_matmul_attention",
+        lambda *args: calls.append("matmul") or matmul_attention(*args),
+    )
 
-    def verification_logits() -> torch.Tensor:
+    def verification_logits(rows: int) -> torch.Tensor:
         cache = DynamicCache(config=target.config)
         with torch.no_grad():
-            target(prompt(96, length=30), past_key_values=cache)
-            in_place.clear()  # the verification's attention only: 6 tokens after 30, under a mask
-            return target(prompt(96, length=6, seed=1), past_key_values=cache).logits
+            target(prompt(96, length=30).expand(rows, -1), past_key_values=cache)
+            calls.clear()  # the verification's attention only: 6 tokens after 30, under a mask
+            return target(prompt(96, length=6, seed=1).expand(rows, -1), past_key_values=cache).logits
 
-    logits = verification_logits()
-    assert in_place and all(in_place)  # every layer read the groups in place
+    layers = target.config.num_hidden_layers
+    one, batch = verification_logits(1), verification_logits(3)
+    assert calls == ["matmul"] * layers  # a batch's 6 queries per row: matmuls per key/value head
+    verification_logits(1)
+    assert calls == ["in place"] * layers  # one sequence's: the fused kernel, every layer reading the groups in place
     target.set_attn_implementation("sdpa")
-    assert torch.equal(logits, verification_logits())
-    assert in_place and not any(in_place)  # sdpa repeated them
+    assert torch.equal(one, verification_logits(1))
+    assert calls == ["repeated"] * layers  # sdpa repeated them
+    expected = verification_logits(3)
+    assert torch.allclose(batch, expected, atol=1e-5)  # fp32 rounding apart, the same logits
+    assert torch.equal(batch.argmax(-1), expected.argmax(-1))
 
     # Nothing to gain where every query head has its own key/value head, or where attention is not sdpa.
     for model in (tiny_target("llama", num_key_value_heads=4), tiny_target("qwen3", attn_implementation="eager")):

@@ -28,7 +28,10 @@ Attention over grouped key/value heads (SmolLM2: 3 key/value heads for 9 query h
 queries, i.e. a verification of drafts (or a batch). There `sdpa` copies every key/value head of the whole cache
 once per query head of its group (`repeat_kv`) before each layer's attention, because masked grouped attention falls
 back to a slow kernel on CUDA; torch's CPU kernel reads the groups in place (`enable_gqa`) with a bit-identical
-result (tested), 1-2 ms less per verification of the 135M target at a few hundred tokens of context.
+result (tested), 1-2 ms less per verification of the 135M target at a few hundred tokens of context. A batch's
+verification (2 to 8 queries per row, 2 rows or more) runs as two matmuls per key/value head instead
+(`grouped_matmul_attention`), which reads each key/value head once for all its query heads: 1.5-2x faster attention
+there, equal to `sdpa` up to fp32 rounding.
 
 The drafter is also cast to the target's dtype when they differ: an fp16 drafter (the dtype of the shipped
 checkpoint, what `from_pretrained` gives by default) multiplies on a CPU without packed fp16 kernels several times
@@ -204,6 +207,37 @@ class CpuFastPathReport:
 GROUPED_KV_ATTENTION = "sdpa_grouped_kv"
 
 
+# A batch's masked attention over 2 to this many queries per row (its verifications) runs as two matmuls per key/value
+# head (`grouped_matmul_attention`); one sequence's, a prefill's and single-token steps keep torch's fused kernel, which
+# is as fast or faster there (`examples/grouped_kv_attention.py`).
+MATMUL_MAX_QUERIES = 8
+
+
+def grouped_matmul_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Attention of `query` `[rows, heads, q, d]` over grouped `key`/`value` `[rows, kv_heads, n, d]` under a boolean
+    `mask` `[rows, 1, q, n]` (True: attend), as two batched matmuls per key/value head over the queries of all its
+    query heads.
+
+    torch's fused CPU kernel walks the keys once per query block of every query head, so a verification of a few
+    drafts in a batch (2 x 4 rows, a few hundred keys) spends most of its time re-reading them: stacking a group's
+    query heads makes one pass over a key/value head serve all of them (1.5-2x faster attention at 4-8 rows and
+    2-5 queries on this project's CPU; docs/benchmarks.md, "Batched verification's attention"). Same result up to
+    fp32 rounding (the softmax is not the fused kernel's online one).
+    """
+    rows, heads, queries, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    scores = torch.matmul(query.reshape(rows, kv_heads, group * queries, dim), key.transpose(-1, -2))
+    scores = scores.mul_(scaling).view(rows, kv_heads, group, queries, keys)
+    # The lowest finite value, not -inf: a query that may see no key (left padding in a short prompt) gets finite
+    # weights, not NaN that would spread through the values of every later layer.
+    scores.masked_fill_(~mask.unsqueeze(2), torch.finfo(scores.dtype).min)
+    weights = scores.softmax(dim=-1).view(rows, kv_heads, group * queries, keys)
+    return torch.matmul(weights, value).view(rows, heads, queries, dim)
+
+
 def sdpa_grouped_kv_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -215,10 +249,12 @@ def sdpa_grouped_kv_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' `sdpa_attention_forward`, except that on a CPU a masked attention over several queries reads
-    grouped key/value heads in place instead of repeating them (see the module docstring)."""
+    grouped key/value heads in place instead of repeating them (see the module docstring), as matmuls per key/value
+    head (`grouped_matmul_attention`) for a batch's few queries per row (its verifications)."""
+    rows, _, queries, _ = query.shape
     if (
         attention_mask is None
-        or query.shape[2] == 1
+        or queries == 1
         or query.device.type != "cpu"
         or getattr(module, "num_key_value_groups", 1) == 1
         or kwargs.get("position_bias") is not None
@@ -227,6 +263,18 @@ def sdpa_grouped_kv_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    if (
+        rows > 1
+        and queries <= MATMUL_MAX_QUERIES
+        and query.dtype == torch.float32  # a low-precision softmax would round unlike the fused kernel's fp32 one
+        and attention_mask.dtype == torch.bool
+        and attention_mask.dim() == 4
+        and attention_mask.shape[1] == 1
+        and not (dropout and getattr(module, "training", False))
+    ):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        output = grouped_matmul_attention(query, key, value, attention_mask, scale)
+        return output.transpose(1, 2).contiguous(), None
     # With a mask `sdpa` is never causal either: the mask says it all.
     output = F.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
