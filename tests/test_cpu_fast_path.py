@@ -291,6 +291,32 @@ def test_greedy_output_is_the_prepared_targets_own(arch):
         assert torch.equal(greedy(target, input_ids, assistant_model=drafter, **options), expected), options
 
 
+def test_batches_on_the_fast_path_are_the_prepared_targets_own_and_verify_with_matmul_attention(monkeypatch):
+    # Rows of different lengths, left-padded: every row's tokens come out of verifications of 1 + k tokens per row,
+    # whose attention runs as matmuls per key/value head (4 query heads over 2 here).
+    target = tiny_target("qwen3", vocab_size=96, hidden_size=64)
+    drafter = tiny_drafter(target, block_size=5)
+    prepare_for_cpu_decoding(target, drafter)
+    rows = [prompt(96, length=n, seed=n)[0].clamp(min=4) for n in (7, 3, 11)]  # no pad (0) or special tokens
+    width = max(len(row) for row in rows)
+    batch = {
+        "input_ids": torch.stack([F.pad(row, (width - len(row), 0)) for row in rows]),
+        "attention_mask": torch.stack([F.pad(torch.ones_like(row), (width - len(row), 0)) for row in rows]),
+    }
+    expected = target.generate(**batch, max_new_tokens=16, do_sample=False)
+    calls = []
+    matmul_attention = cpu_fast_path.grouped_matmul_attention
+    monkeypatch.setattr(
+        cpu_fast_path, "grouped_matmul_attention", lambda *args: calls.append(args[0].shape) or matmul_attention(*args)
+    )
+    for options in ({"draft_policy": "fixed", "num_speculative_tokens": 2}, {}):
+        calls.clear()
+        output = target.generate(**batch, max_new_tokens=16, do_sample=False, assistant_model=drafter, **options)
+        assert torch.equal(output, expected), options
+        if options:  # the adaptive policy's k depends on measured times
+            assert any(shape[0] == 3 and shape[2] == 3 for shape in calls)  # 3 rows x (1 + 2) queries
+
+
 def test_accepted_drafts_on_the_fast_path_are_lossless():
     # A target that counts up and a drafter forced to draft it: most drafts are accepted, so verification of several
     # tokens at once (the multi-row prepacked products) decides the output.
