@@ -14,7 +14,7 @@ import torch
 
 from hf_domino import assets, policy_domino, prepare_for_cpu_decoding
 from hf_domino.cost_model_domino import expected_tokens
-from hf_domino.measure_batch import left_padded_batch
+from hf_domino.measure_batch import left_padded_groups
 
 
 def recording(log: list[tuple[int, float, int, float]]) -> None:
@@ -58,9 +58,7 @@ def main() -> None:
     pad = assets.pad_token_id(target, tokenizer)
     prompts = [assets.chat_token_ids(tokenizer, m) for m in assets.load_prompts(args.prompts, args.num_prompts)]
     size = args.batch_size
-    groups = [
-        left_padded_batch(tokenizer, prompts[i : i + size], pad) for i in range(0, len(prompts) - size + 1, size)
-    ]
+    groups = left_padded_groups(tokenizer, prompts, size, pad)
     log: list[tuple[int, float, int, float]] = []
     recording(log)
     for _ in range(args.repeats):

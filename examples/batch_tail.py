@@ -14,7 +14,7 @@ import time
 import torch
 
 from hf_domino import assets, batching_domino, prepare_for_cpu_decoding
-from hf_domino.measure_batch import generated_tokens, left_padded_batch
+from hf_domino.measure_batch import generated_tokens, left_padded_groups
 
 
 def recording(cycles: list[tuple[int, int, float]]) -> None:
@@ -44,9 +44,7 @@ def main() -> None:
     prepare_for_cpu_decoding(target, drafter)
     pad, size = assets.pad_token_id(target, tokenizer), args.batch_size
     prompts = [assets.chat_token_ids(tokenizer, m) for m in assets.load_prompts(args.prompts, args.num_prompts)]
-    groups = [
-        left_padded_batch(tokenizer, prompts[i : i + size], pad) for i in range(0, len(prompts) - size + 1, size)
-    ]
+    groups = left_padded_groups(tokenizer, prompts, size, pad)
     cycles: list[tuple[int, int, float]] = []
     recording(cycles)
     options = {"max_new_tokens": args.max_new_tokens, "do_sample": False}

@@ -33,7 +33,7 @@ import torch
 from hf_domino import batching_domino, cpu_fast_path, policy_domino, prepare_for_cpu_decoding
 from hf_domino.assets import chat_token_ids, load_drafter, load_prompts, load_target, pad_token_id
 from hf_domino.drafting_domino import DATASTORE_FILE, DraftDatastore
-from hf_domino.measure_batch import left_padded_batch
+from hf_domino.measure_batch import left_padded_groups
 
 
 @dataclass
@@ -127,9 +127,7 @@ def main() -> None:
     settings = {name: setting_for(name, target) for name in args.settings}
     prompts = [chat_token_ids(tokenizer, messages) for messages in load_prompts(args.prompts, args.num_prompts)]
     size, pad = args.batch_size, pad_token_id(target, tokenizer)
-    groups = [
-        left_padded_batch(tokenizer, prompts[i : i + size], pad) for i in range(0, len(prompts) - size + 1, size)
-    ]
+    groups = left_padded_groups(tokenizer, prompts, size, pad)
     timed(target, groups[0], 8)  # warm-up
     for setting in settings.values():
         timed(target, groups[0], 8, setting)

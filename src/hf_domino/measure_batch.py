@@ -62,6 +62,17 @@ def left_padded_batch(
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
+def left_padded_groups(
+    tokenizer: PreTrainedTokenizerBase, conversations: Sequence[list[int]], size: int, pad: int
+) -> list[dict[str, torch.Tensor]]:
+    """Consecutive groups of `size` token-id prompts, each left-padded (`left_padded_batch`); a last incomplete group
+    is dropped, so that every group is a batch of `size` rows."""
+    return [
+        left_padded_batch(tokenizer, conversations[i : i + size], pad)
+        for i in range(0, len(conversations) - size + 1, size)
+    ]
+
+
 def row_lengths(output: torch.Tensor, prompt_width: int, eos: Sequence[int]) -> list[int]:
     """Tokens each row generated, up to and including its EOS (the padding after it is not work)."""
     lengths = []
