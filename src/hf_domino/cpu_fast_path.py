@@ -30,7 +30,7 @@ once per query head of its group (`repeat_kv`) before each layer's attention, be
 back to a slow kernel on CUDA; torch's CPU kernel reads the groups in place (`enable_gqa`) with a bit-identical
 result (tested), 1-2 ms less per verification of the 135M target at a few hundred tokens of context. A batch's
 verification (2 to 8 queries per row, 2 rows or more) runs as two matmuls per key/value head instead
-(`grouped_matmul_attention`), which reads each key/value head once for all its query heads: 1.5-2x faster attention
+(`grouped_matmul_attention`), which reads each key/value head once for all its query heads: 1.3-1.8x faster attention
 there, equal to `sdpa` up to fp32 rounding.
 
 The drafter is also cast to the target's dtype when they differ: an fp16 drafter (the dtype of the shipped
@@ -221,10 +221,10 @@ def grouped_matmul_attention(
     query heads.
 
     torch's fused CPU kernel walks the keys once per query block of every query head, so a verification of a few
-    drafts in a batch (2 x 4 rows, a few hundred keys) spends most of its time re-reading them: stacking a group's
-    query heads makes one pass over a key/value head serve all of them (1.5-2x faster attention at 4-8 rows and
-    2-5 queries on this project's CPU; docs/benchmarks.md, "Batched verification's attention"). Same result up to
-    fp32 rounding (the softmax is not the fused kernel's online one).
+    drafts in a batch (4 rows x 2 queries over a few hundred keys) spends most of its time re-reading them; stacking
+    a group's query heads makes one pass over a key/value head serve all of them (1.3-1.8x faster attention at 2-8
+    rows and 2-5 queries on this project's CPU; docs/benchmarks.md, "Batched verification's attention"). Same result
+    up to fp32 rounding (the softmax is not the fused kernel's online one).
     """
     rows, heads, queries, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
