@@ -245,8 +245,8 @@ class BatchedDecoding:
         self.mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         self.sequences = list(input_ids)
         self.active = list(range(rows))
-        # Every column the call can write (its holes aside): steps append in place, and room is never taken past it.
-        reserve = self.max_length + options.drafts_per_block(drafter) + 1
+        # Steps append in place, into room never taken past what the call can write (its holes aside).
+        reserve = options.cache_columns(drafter, self.max_length)
         self.target_cache = RaggedCache(buffer_layers(cache, reserve), self.mask[:, :0])
         self.context = BatchedDrafterContext.empty(rows, drafter.device)
         self.policy: AdaptivePolicy | FixedPolicy | None = None

@@ -92,7 +92,7 @@ class PrepackedLinear(nn.Linear):
     remain the module's own dense parameters.
     """
 
-    _packed: tuple[tuple, torch.Tensor] | None = None
+    _packed: tuple[tuple, nn.Parameter, torch.Tensor] | None = None  # (`_weight_key`, the weight, its packed copy)
     _row_sets: dict | None = None
 
     def _packs(self, x: torch.Tensor) -> bool:
@@ -113,9 +113,8 @@ class PrepackedLinear(nn.Linear):
         if self._packed is None or self._packed[0] != key:
             # Also the Parameter itself, for `forward`'s short check: the same object, storage and version hold the
             # same values (new data moves the storage, in-place changes the version, assignment the object).
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-            self._packed = (key, weight, -1 if weight.is_inference() else weight._version, packed)
-        return self._packed[3]
+            self._packed = (key, weight, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+        return self._packed[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A decoding step of a small model makes ~200 of these calls, so the usual case reads as few attributes as it
@@ -124,14 +123,14 @@ class PrepackedLinear(nn.Linear):
         if (
             packed is not None
             and packed[1] is weight
-            and packed[2] == (-1 if weight.is_inference() else weight._version)
+            and packed[0][1] == (-1 if weight.is_inference() else weight._version)  # `_weight_key`'s version
             and packed[0][0] == weight.data_ptr()
             and x.dtype == weight.dtype
             and x.is_cpu
             and not _EAGER.get()
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
         ):
-            return torch.ops.mkldnn._linear_pointwise(x, packed[3], self._parameters["bias"], "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, packed[2], self._parameters["bias"], "none", [], "")
         if not self._packs(x):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")

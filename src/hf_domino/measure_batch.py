@@ -178,19 +178,11 @@ def run_batch_benchmark(
     # that one method's decisions never start from another's (e.g. `_makespan` from the mean's discounted rates).
     drafters = {method: copy.deepcopy(drafter) for method in methods if method != "target"}
     for batch_size in batch_sizes:
-        groups = [prompts[i : i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
+        batches = left_padded_groups(tokenizer, prompts, batch_size, pad)
         results = {method: BatchRow(batch_size, method) for method in methods}
         for method in methods:  # warm-up: kernels, and the adaptive policy's cost table for this batch shape
-            _generate(
-                target,
-                drafters.get(method),
-                left_padded_batch(tokenizer, groups[0], pad),
-                method,
-                warmup_tokens,
-                temperature,
-            )
-        for group in groups:
-            batch = left_padded_batch(tokenizer, group, pad)
+            _generate(target, drafters.get(method), batches[0], method, warmup_tokens, temperature)
+        for batch in batches:
             seconds: dict[str, list[float]] = {method: [] for method in methods}
             for repeat in range(repeats):
                 outputs = {}

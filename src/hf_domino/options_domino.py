@@ -154,6 +154,11 @@ class DominoOptions:
         cap = self.num_speculative_tokens
         return drafter.config.num_drafts if cap is None else cap
 
+    def cache_columns(self, drafter: DominoForSpeculation, max_length: int) -> int:
+        """Columns a call's target cache can reach: its `max_length`, plus a last verification's drafts past it (the
+        room `cache_domino.buffer_layers` reserves, never taken early)."""
+        return max_length + self.drafts_per_block(drafter) + 1
+
 
 # ------------------------------------------------------------------------------------------------ compatibility checks
 STATIC_CACHES = ("static", "hybrid", "sliding_window", "offloaded_static", "offloaded_hybrid")

@@ -46,7 +46,7 @@ class BufferedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         start = self.get_seq_length()
         end = start + key_states.shape[-2]
-        if not self._writes_in_place(key_states, end):
+        if not self._writes_in_place(key_states, start, end):
             self._move_to_buffers(key_states, value_states, start, end)
         keys, values = self.buffers
         keys[..., start:end, :] = key_states
@@ -54,11 +54,11 @@ class BufferedLayer(DynamicLayer):
         self.keys, self.values = keys[..., :end, :], values[..., :end, :]
         return self.keys, self.values
 
-    def _writes_in_place(self, key_states: torch.Tensor, end: int) -> bool:
-        """Whether the layer is still a prefix view of its buffers, with room for `end` columns."""
+    def _writes_in_place(self, key_states: torch.Tensor, start: int, end: int) -> bool:
+        """Whether the layer (`start` columns) is still a prefix view of its buffers, with room for `end` columns."""
         if self.buffers is None or end > self.buffers[0].shape[-2]:
             return False
-        if self.get_seq_length() == 0:
+        if start == 0:
             return self.buffers[0].shape[:-2] == key_states.shape[:-2]
         return (
             all(

@@ -480,7 +480,7 @@ def _wrap_assisted_decoding(original):
             )
         cache = arguments.get("model_kwargs", {}).get(CACHE_ARGUMENT)
         if isinstance(cache, DynamicCache):  # verified blocks written in place, not concatenated (BufferedLayer)
-            buffer_layers(cache, arguments["generation_config"].max_length + options.drafts_per_block(drafter) + 1)
+            buffer_layers(cache, options.cache_columns(drafter, arguments["generation_config"].max_length))
         token = _CALL.set((options, arguments.get("stopping_criteria")))
         try:
             return original(self, *args, **kwargs)
