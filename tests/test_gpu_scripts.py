@@ -1,0 +1,49 @@
+"""The GPU proof's scripts (examples/gpu; docs/fast_path.md, "Proving it on a lent GPU") behave as the device time
+needs: a stage never runs past the call's deadline, and a second call on a fresh machine says what happened.
+
+A lent GPU is rare and its time short, so what can be checked without one is checked here; the whole two-call flow
+runs here at tiny sizes as docs/fast_path.md shows (a few minutes, hence not in the suite).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU = ROOT / "examples" / "gpu"
+
+
+def run(command: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "S": str(tmp_path / "stage"), "W": str(ROOT), "OUT": str(tmp_path / "out"), **env}
+    return subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("script", sorted(GPU.glob("*.sh")), ids=lambda path: path.name)
+def test_scripts_parse(script):
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+
+
+def test_a_stage_past_the_deadline_is_skipped_not_run(tmp_path):
+    result = run(["bash", str(GPU / "proof.sh"), "costs", "nonsense"], tmp_path, DEADLINE=str(int(time.time()) + 5))
+    log = (tmp_path / "stage" / "results" / "proof.log").read_text()
+    assert "costs: skipped" in log and "unknown stage nonsense" in log, result.stdout + result.stderr
+    assert not (tmp_path / "stage" / "results" / "costs.log").exists()
+
+
+def test_a_stage_is_stopped_at_the_deadline(tmp_path):
+    # 22 s left: the stage starts (20 s is the least it starts with), and would take minutes at this length on a CPU.
+    start = time.time()
+    run(["bash", str(GPU / "proof.sh"), "bf16"], tmp_path, DEADLINE=str(int(start) + 22), METHODS="target",
+        PROMPTS="1", TOKENS="4000")  # fmt: skip
+    log = (tmp_path / "stage" / "results" / "proof.log").read_text()
+    assert "bf16: exit 124" in log and time.time() - start < 60, log
+
+
+def test_the_second_call_on_a_fresh_machine_says_so(tmp_path):
+    result = run(["bash", str(GPU / "proof_call.sh"), "2"], tmp_path)
+    assert result.returncode == 3 and "went back between the calls" in result.stderr
