@@ -29,6 +29,11 @@ case $CALL in
     tar xJf .gpu/p1/site.tar.xz -C $S/site && tar xf .gpu/p1/pkgs.tar -C $S && cp .gpu/p1/gguf.* .gpu/p1/mode $S/ || exit 1
     printf '#!/bin/sh\nexec python3 -m hf_domino.cli "$@"\n' > $S/bin/hf-domino && chmod +x $S/bin/hf-domino
     copy_tree && tar xJf .gpu/p1/files.tar.xz -C $W || exit 1
+    source $W/examples/gpu/env.sh
+    if ! python3 -c "import transformers" 2> /dev/null; then  # an older regex than transformers checks for, say
+      python3 -m pip install -q --no-index --no-deps --no-compile --target $S/site .gpu/p1/regex-*.whl
+    fi
+    python3 -c "import transformers, hf_domino; print('transformers', transformers.__version__)" || exit 1
     nvidia-smi -L 2> /dev/null || echo "no nvidia-smi"
     ;;
   2)

@@ -61,6 +61,11 @@ for model in $OUT/site/transformers/models/*/; do
     -o -name "video_processing_*" -o -name "feature_extraction_*" -o -name "processing_*" \) -delete
 done
 tar cf - -C $OUT/site . | xz -T2 -9 > $OUT/site.tar.xz
+# transformers checks regex's version when it is imported; the image's may be older (call.sh installs it then).
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $OUT/whl/regex \
+  "regex==$(python3 -c 'import importlib.metadata as m; print(m.version("regex"))')"
+mv $OUT/whl/regex/*.whl $OUT/
 rm -rf $OUT/whl $OUT/site
 
 tree_bytes() { git ls-files -coz --exclude-standard | du -cb --files0-from=- | tail -1 | cut -f1; }
@@ -78,7 +83,7 @@ if [ "$MODE" != train ]; then
   limit=$(( 64 * 1048576 - 524288 ))  # what one call may send, less some slack
   tree=$(tree_bytes)
   mkdir -p $OUT/p1 $OUT/p2
-  mv $OUT/site.tar.xz $OUT/pkgs.tar $OUT/p1/
+  mv $OUT/site.tar.xz $OUT/pkgs.tar $OUT/regex-*.whl $OUT/p1/
   echo $MODE > $OUT/p1/mode
   tar cf - $files | xz -T2 -6 > $OUT/p1/files.tar.xz
   sha256sum "$gguf" | cut -d' ' -f1 > $OUT/p1/gguf.sha256
@@ -106,7 +111,7 @@ if [ "$MODE" != train ]; then
 fi
 
 mkdir -p $OUT/c1 $OUT/c2
-mv $OUT/site.tar.xz $OUT/pkgs.tar $OUT/c2/
+mv $OUT/site.tar.xz $OUT/pkgs.tar $OUT/regex-*.whl $OUT/c2/
 python3 examples/gpu/trim_sharegpt.py $OUT/sharegpt.json
 xz -T2 -9 -c $OUT/sharegpt.json > $OUT/c1/sharegpt_trim.json.xz
 xz -T2 -6 -c "$gguf" | split -b 47000000 - $OUT/gguf.xz.

