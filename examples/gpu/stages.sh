@@ -6,7 +6,7 @@
 # limit, and never past $DEADLINE (epoch seconds), so that a call ends with its results inside the device's time; a
 # stage with under 20 s left is skipped. Sizes can be shrunk to check the script on a CPU:
 #   S=/tmp/stage W=$PWD PROMPTS=1 TOKENS=8 COST_SHAPE=tiny MICRO_REPS=2 METHODS=target,domino_vocab_k16@eager \
-#     BATCH_PROMPTS=2 BATCH_SIZES=1,2 bash examples/gpu/stages.sh costs bf16 batch
+#     BATCH_PROMPTS=2 BATCH_TOKENS=8 BATCH_SIZES=1,2 bash examples/gpu/stages.sh costs bf16 batch
 set -uo pipefail
 S=${S:-/root/stage}
 source "$(dirname "$0")/env.sh"
@@ -14,7 +14,8 @@ R=$S/results; mkdir -p $R
 cd $W
 DEADLINE=${DEADLINE:-$(( $(date +%s) + 86400 ))}
 PROMPTS=${PROMPTS:-10}; TOKENS=${TOKENS:-128}; COST_SHAPE=${COST_SHAPE:-qwen3-8b}; MICRO_REPS=${MICRO_REPS:-100}
-BATCH_PROMPTS=${BATCH_PROMPTS:-8}; BATCH_SIZES=${BATCH_SIZES:-1,2,4,8}; PYTEST_WORKERS=${PYTEST_WORKERS:-14}  # xdist and pytest-timeout: on the image
+BATCH_PROMPTS=${BATCH_PROMPTS:-8}; BATCH_TOKENS=${BATCH_TOKENS:-64}; BATCH_SIZES=${BATCH_SIZES:-1,2,4,8}
+PYTEST_WORKERS=${PYTEST_WORKERS:-14}  # xdist and pytest-timeout: on the image
 VOCAB=src/hf_domino/checkpoints/smollm2-135m-instruct-domino/draft_vocab.safetensors
 # bf16 is the speed claim: the target alone, prompt lookup, DFlash and Domino with whole blocks (head eager and fused),
 # and the default (adaptive, draft vocabulary, copies and retrieval). fp32 proves identity: fewer methods.
@@ -25,7 +26,8 @@ BATCH_METHODS=${BATCH_METHODS:-target,domino_lookup,domino_lookup_all,domino_loo
 # Part B: continuations of the shipped drafter side by side, anchors drawn uniformly and among generate()'s own blocks;
 # the last FINETUNE_RESERVE seconds of the stage are for their final validation and export.
 FINETUNE_RUNS=${FINETUNE_RUNS:-uniform chain}; FINETUNE_RESERVE=${FINETUNE_RESERVE:-150}
-export S W R PROMPTS TOKENS MICRO_REPS VOCAB BATCH_PROMPTS BATCH_SIZES FINETUNE_RUNS FINETUNE_RESERVE  # for the stage functions, which run under `timeout`
+# for the stage functions, which run under `timeout`
+export S W R PROMPTS TOKENS MICRO_REPS VOCAB BATCH_PROMPTS BATCH_TOKENS BATCH_SIZES FINETUNE_RUNS FINETUNE_RESERVE
 
 stage() {  # stage NAME LIMIT COMMAND...
   local name=$1 limit=$2 left status; shift 2
@@ -56,8 +58,8 @@ bench() {  # bench DTYPE METHODS: end to end with the SmolLM2 target and the shi
   done
 }
 
-batch() {  # batches against the batched target alone, bf16
-  hf-domino bench --target smollm2 --prompts mtbench --num-prompts $BATCH_PROMPTS --max-new-tokens $TOKENS \
+batch() {  # batches against the batched target alone, bf16, 64 tokens as the CPU's batch runs
+  hf-domino bench --target smollm2 --prompts mtbench --num-prompts $BATCH_PROMPTS --max-new-tokens $BATCH_TOKENS \
     --temperature 0 --threads 8 --seed 0 --no-progress --dtype bfloat16 --batch-size $BATCH_SIZES \
     --batch-methods $1 --output-dir $R/batch-mtbench
 }
