@@ -59,8 +59,10 @@ if triton is not None:
         w_hh_ptr,
         w_hh_stride,
         out_ptr,
-        H,
-        G,
+        # The model's sizes are compile-time constants (one kernel per drafter shape): loop bounds are then plain
+        # ints, which Triton 3.6's interpreter needs with numpy 2.4 or later.
+        H: tl.constexpr,
+        G: tl.constexpr,
         ZERO_STATE: tl.constexpr,
         BLOCK_G: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -121,8 +123,8 @@ if triton is not None:
         w1s_ptr,
         w1_stride,
         out_ptr,
-        R,
-        G,
+        R: tl.constexpr,
+        G: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
@@ -162,7 +164,7 @@ if triton is not None:
         vocab_ptr,
         row_offset,
         V,
-        R,
+        R: tl.constexpr,
         num_tiles,
         HAS_CORRECTION: tl.constexpr,
         SAMPLE: tl.constexpr,
