@@ -166,7 +166,7 @@ def test_option_is_checked_and_bench_methods_name_it():
 
 @pytest.mark.parametrize("options", [dict(draft_policy="fixed"), dict()])
 def test_batch_rows_retrieve_and_stay_identical(options, gpu_like_costs, monkeypatch):
-    monkeypatch.setattr(batching_domino, "RETRIEVAL_MAX_ROWS", None)  # every batch retrieves
+    assert batching_domino.RETRIEVAL_MAX_ROWS is None  # the default: every batch retrieves
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     drafter.datastore = own_answers_datastore(target, [[3, 9, 14], [21, 4], [8, 8, 30], [12, 40, 2]])
@@ -206,7 +206,7 @@ def test_batches_retrieve_only_while_few_rows_are_active(gpu_like_costs, monkeyp
     assert any(retrieved for _, retrieved in cycles)  # the batch of two
 
 
-def test_bench_method_lookup_all_retrieves_in_every_batch_for_its_call_only(monkeypatch):
+def test_bench_method_lookup2_retrieves_in_small_batches_for_its_call_only(monkeypatch):
     from hf_domino import measure_batch
 
     seen = []  # RETRIEVAL_MAX_ROWS as each cycle's find_copies sees it
@@ -220,5 +220,5 @@ def test_bench_method_lookup_all_retrieves_in_every_batch_for_its_call_only(monk
     drafter = tiny_drafter(target)
     default = batching_domino.RETRIEVAL_MAX_ROWS
     batch = left_padded([[3, 9, 15], [7, 21, 5], [50, 8, 8, 31, 2]])
-    measure_batch._generate(target, drafter, batch, "domino_lookup_all", 6, 0.0)
-    assert seen and set(seen) == {None} and batching_domino.RETRIEVAL_MAX_ROWS == default == 2
+    measure_batch._generate(target, drafter, batch, "domino_lookup2", 6, 0.0)
+    assert seen and set(seen) == {2} and batching_domino.RETRIEVAL_MAX_ROWS == default is None

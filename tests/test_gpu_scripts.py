@@ -36,12 +36,13 @@ def test_a_stage_past_the_deadline_is_skipped_not_run(tmp_path):
 
 
 def test_a_stage_is_stopped_at_the_deadline(tmp_path):
-    # 22 s left: the stage starts (20 s is the least it starts with), and would take minutes at this length on a CPU.
+    # 35 s left, some of them spent importing torch before the first stage (slowly on a busy machine): the stage
+    # starts (20 s is the least it starts with), and would take minutes at this length on a CPU.
     start = time.time()
-    run(["bash", str(GPU / "stages.sh"), "bf16"], tmp_path, DEADLINE=str(int(start) + 22), METHODS="target",
+    run(["bash", str(GPU / "stages.sh"), "bf16"], tmp_path, DEADLINE=str(int(start) + 35), METHODS="target",
         PROMPTS="1", TOKENS="4000")  # fmt: skip
     log = (tmp_path / "stage" / "results" / "stages.log").read_text()
-    assert "bf16: exit 124" in log and time.time() - start < 60, log
+    assert "bf16: exit 124" in log and time.time() - start < 75, log
 
 
 def test_the_second_call_on_a_fresh_machine_says_so(tmp_path):

@@ -196,15 +196,15 @@ def test_option_is_checked_and_bench_methods_name_it():
     assert (
         parse_batch_method("domino_k4_lookup")["domino_lookup"] and not parse_batch_method("domino")["domino_lookup"]
     )
-    assert parse_batch_method("domino_lookup_all") == {
+    assert parse_batch_method("domino_lookup2") == {
         "domino_lookup": True,
         "domino_datastore": True,
-        "loop": {"RETRIEVAL_MAX_ROWS": None},
+        "loop": {"RETRIEVAL_MAX_ROWS": 2},
         "draft_policy": "adaptive",
     }
     assert parse_batch_method("domino_rowk")["loop"] == {"K_PER_ROW": True}
     assert parse_batch_method("domino_lookup_makespan")["loop"] == {"PRICE_BY_MAKESPAN": True}
-    with pytest.raises(ValueError, match="optionally followed by _lookup, _lookup_all or _copies"):
+    with pytest.raises(ValueError, match="optionally followed by _lookup, _lookup2 or _copies"):
         parse_batch_method("domino_lookup_k4")
 
 

@@ -21,8 +21,9 @@ VOCAB=src/hf_domino/checkpoints/smollm2-135m-instruct-domino/draft_vocab.safeten
 # and the default (adaptive, draft vocabulary, copies and retrieval). fp32 proves identity: fewer methods.
 METHODS=${METHODS:-target,prompt_lookup,dflash_vocab_k16,domino_vocab_k16@eager,domino_vocab_k16@triton+graph,domino_vocab_lookup}
 FP32_METHODS=${FP32_METHODS:-target,domino_vocab_k16@triton+graph,domino_vocab_lookup}
-# issue 20 on a GPU: is RETRIEVAL_MAX_ROWS = 2 right there (_lookup_all), and should PRICE_BY_MAKESPAN be the default?
-BATCH_METHODS=${BATCH_METHODS:-target,domino_lookup,domino_lookup_all,domino_lookup_makespan}
+# issue 20 on a GPU: does retrieving in every batch pay there too (against _lookup2: at most 2 rows, as the CPU once
+# chose), and should PRICE_BY_MAKESPAN be the default?
+BATCH_METHODS=${BATCH_METHODS:-target,domino_lookup,domino_lookup2,domino_lookup_makespan}
 # Part B: continuations of the shipped drafter side by side, anchors drawn uniformly and among generate()'s own blocks;
 # the last FINETUNE_RESERVE seconds of the stage are for their final validation and export.
 FINETUNE_RUNS=${FINETUNE_RUNS:-uniform chain}; FINETUNE_RESERVE=${FINETUNE_RESERVE:-150}

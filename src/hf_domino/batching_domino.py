@@ -62,10 +62,11 @@ if TYPE_CHECKING:
 # The adaptive policy chooses one k for the whole batch; True chooses each row's own k instead (for measuring the
 # choice: `hf-domino bench --batch-size ... --methods target,domino,domino_rowk`; see docs/benchmarks.md).
 K_PER_ROW = False
-# Rows retrieve from the drafter's datastore only while the batch has at most this many active rows. On a 2-core CPU,
-# retrievals in 4 or 8 rows cost more width than they earn (MT-Bench 0.85x against 0.94x with text copies alone at
-# B = 4, in two runs; docs/benchmarks.md, "Copied drafts in batches"); None: in every batch.
-RETRIEVAL_MAX_ROWS: int | None = 2
+# Rows retrieve from the drafter's datastore only while the batch has at most this many active rows (None: in every
+# batch). Once cheaper verification came (the cache growing in place, matmul attention), retrieving in every batch paid
+# on a 2-core CPU at 4 and 8 rows on both prompt sets (docs/benchmarks.md, "Retrieval in batches of any size"); the
+# limit stays for measuring it elsewhere (bench suffix `_lookup2`: at most 2 rows, the previous default).
+RETRIEVAL_MAX_ROWS: int | None = None
 # A batch is done when its last row is: True prices drafts and copies by when that is expected to be, given the tokens
 # each row may still generate (`cost_model_domino.makespan_tokens`), instead of by the rows' mean tokens. Off: on a 2-core
 # CPU it was within 2% of the mean at 1-8 rows, better as often as worse (docs/benchmarks.md, "The target's cache grows

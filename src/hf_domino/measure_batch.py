@@ -25,13 +25,13 @@ from .assets import chat_token_ids, eos_token_ids, pad_token_id
 from .modeling_domino import DominoForSpeculation
 
 BATCH_METHODS = ("target", "domino", "domino_lookup")
-_BATCH_METHOD = re.compile(r"domino(?:(_rowk)|_k(\d+))?(_lookup_all|_lookup|_copies)?(_makespan)?")
+_BATCH_METHOD = re.compile(r"domino(?:(_rowk)|_k(\d+))?(_lookup2|_lookup|_copies)?(_makespan)?")
 
 
 def parse_batch_method(method: str) -> dict:
     """`target`, `domino` (the drafter alone, adaptive, one k per batch), `domino_rowk` (k per row), `domino_k<N>`
     (fixed k), each optionally with `_lookup` (copied and retrieved drafts beside the drafter, what `generate()` does
-    by default), `_lookup_all` (the same, retrieving in batches of any size: `RETRIEVAL_MAX_ROWS = None`) or
+    by default), `_lookup2` (the same, retrieving only while at most 2 rows are active: `RETRIEVAL_MAX_ROWS = 2`) or
     `_copies` (copies from the text only), then optionally `_makespan` (cycles priced by when the batch's last row
     finishes, not by the rows' mean tokens: `PRICE_BY_MAKESPAN = True`). Settings of the batch loop itself come back
     under `loop`."""
@@ -41,11 +41,11 @@ def parse_batch_method(method: str) -> dict:
     if match is None:
         raise ValueError(
             f"unknown batch method {method!r}: use target, domino, domino_rowk or domino_k<N>, optionally followed "
-            "by _lookup, _lookup_all or _copies, then _makespan (e.g. domino_lookup, domino_lookup_makespan)"
+            "by _lookup, _lookup2 or _copies, then _makespan (e.g. domino_lookup, domino_lookup_makespan)"
         )
     per_row, fixed, lookup, makespan = match.groups()
-    options: dict = {"domino_lookup": lookup is not None, "domino_datastore": lookup in ("_lookup", "_lookup_all")}
-    loop = ({"K_PER_ROW": True} if per_row else {}) | ({"RETRIEVAL_MAX_ROWS": None} if lookup == "_lookup_all" else {})
+    options: dict = {"domino_lookup": lookup is not None, "domino_datastore": lookup in ("_lookup", "_lookup2")}
+    loop = ({"K_PER_ROW": True} if per_row else {}) | ({"RETRIEVAL_MAX_ROWS": 2} if lookup == "_lookup2" else {})
     loop |= {"PRICE_BY_MAKESPAN": True} if makespan else {}
     options |= {"loop": loop} if loop else {}
     if fixed is not None:
