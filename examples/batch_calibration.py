@@ -10,11 +10,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import torch
-
-from hf_domino import assets, policy_domino, prepare_for_cpu_decoding
+from hf_domino import policy_domino
 from hf_domino.cost_model_domino import expected_tokens
-from hf_domino.measure_batch import left_padded_groups
+from hf_domino.measure_batch import smollm2_batches
 
 
 def recording(log: list[tuple[int, float, int, float]]) -> None:
@@ -51,14 +49,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(2)
-    target, tokenizer = assets.load_target("smollm2")
-    drafter = assets.load_drafter(None)
-    prepare_for_cpu_decoding(target, drafter)
-    pad = assets.pad_token_id(target, tokenizer)
-    prompts = [assets.chat_token_ids(tokenizer, m) for m in assets.load_prompts(args.prompts, args.num_prompts)]
     size = args.batch_size
-    groups = left_padded_groups(tokenizer, prompts, size, pad)
+    target, tokenizer, drafter, groups = smollm2_batches(args.prompts, args.num_prompts, size)
     log: list[tuple[int, float, int, float]] = []
     recording(log)
     for _ in range(args.repeats):

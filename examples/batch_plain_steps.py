@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
-from hf_domino import assets, policy_domino, prepare_for_cpu_decoding
-from hf_domino.measure_batch import generated_tokens, left_padded_batch
+from hf_domino import assets, policy_domino
+from hf_domino.measure_batch import generated_tokens, smollm2_batches
 
 
 def main() -> None:
@@ -26,14 +24,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(2)
-    target, tokenizer = assets.load_target("smollm2")
-    drafter = assets.load_drafter(None)
-    prepare_for_cpu_decoding(target, drafter)
+    target, tokenizer, drafter, (batch,) = smollm2_batches(args.prompts, args.batch_size, args.batch_size)
     policy_domino.AdaptivePolicy.budget = lambda self, room: 0  # never draft: every cycle is a plain step
-    pad, eos = assets.pad_token_id(target, tokenizer), assets.eos_token_ids(target, tokenizer)
-    prompts = [assets.chat_token_ids(tokenizer, m) for m in assets.load_prompts(args.prompts, args.batch_size)]
-    batch = left_padded_batch(tokenizer, prompts, pad)
+    eos = assets.eos_token_ids(target, tokenizer)
 
     forward = {"calls": 0, "seconds": 0.0}
     untimed = target.forward

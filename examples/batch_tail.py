@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from hf_domino import assets, batching_domino, prepare_for_cpu_decoding
-from hf_domino.measure_batch import generated_tokens, left_padded_groups
+from hf_domino import assets, batching_domino
+from hf_domino.measure_batch import generated_tokens, smollm2_batches
 
 
 def recording(cycles: list[tuple[int, int, float]]) -> None:
@@ -38,13 +38,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(2)
-    target, tokenizer = assets.load_target("smollm2")
-    drafter = assets.load_drafter(None)
-    prepare_for_cpu_decoding(target, drafter)
-    pad, size = assets.pad_token_id(target, tokenizer), args.batch_size
-    prompts = [assets.chat_token_ids(tokenizer, m) for m in assets.load_prompts(args.prompts, args.num_prompts)]
-    groups = left_padded_groups(tokenizer, prompts, size, pad)
+    size = args.batch_size
+    target, tokenizer, drafter, groups = smollm2_batches(args.prompts, args.num_prompts, size)
     cycles: list[tuple[int, int, float]] = []
     recording(cycles)
     options = {"max_new_tokens": args.max_new_tokens, "do_sample": False}

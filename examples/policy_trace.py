@@ -9,10 +9,8 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
-from hf_domino import assets, policy_domino, prepare_for_cpu_decoding
-from hf_domino.measure_batch import left_padded_batch
+from hf_domino import policy_domino
+from hf_domino.measure_batch import smollm2_batches
 
 
 def traced(policy_class, log: list[str]) -> None:
@@ -73,13 +71,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()
-    torch.set_num_threads(2)
-    target, tokenizer = assets.load_target("smollm2")
-    drafter = assets.load_drafter(None)
-    prepare_for_cpu_decoding(target, drafter)
-    pad = assets.pad_token_id(target, tokenizer)
-    prompts = [assets.chat_token_ids(tokenizer, m) for m in assets.load_prompts(args.prompts, args.num_prompts)]
-    groups = [prompts[i : i + args.batch_size] for i in range(0, len(prompts) - args.batch_size + 1, args.batch_size)]
+    target, tokenizer, drafter, groups = smollm2_batches(args.prompts, args.num_prompts, args.batch_size)
     log: list[str] = []
     traced(policy_domino.AdaptivePolicy, log)
     traced_copies(log)
@@ -90,9 +82,8 @@ def main() -> None:
         return time.perf_counter() - start
 
     for extra in ({}, {"assistant_model": drafter}):  # warm-up
-        seconds(left_padded_batch(tokenizer, groups[0], pad), 16, **extra)
-    for number, group in enumerate(groups):
-        batch = left_padded_batch(tokenizer, group, pad)
+        seconds(groups[0], 16, **extra)
+    for number, batch in enumerate(groups):
         alone = seconds(batch, args.max_new_tokens)
         log.clear()
         drafting = seconds(batch, args.max_new_tokens, assistant_model=drafter)

@@ -166,7 +166,7 @@ def test_option_is_checked_and_bench_methods_name_it():
 
 @pytest.mark.parametrize("options", [dict(draft_policy="fixed"), dict()])
 def test_batch_rows_retrieve_and_stay_identical(options, gpu_like_costs, monkeypatch):
-    assert batching_domino.RETRIEVAL_MAX_ROWS is None  # the default: every batch retrieves
+    monkeypatch.setattr(batching_domino, "RETRIEVAL_MAX_ROWS", None)  # every batch retrieves (the default)
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     drafter.datastore = own_answers_datastore(target, [[3, 9, 14], [21, 4], [8, 8, 30], [12, 40, 2]])

@@ -27,15 +27,7 @@ for run in ce kl; do
     THREADS=4 examples/train_smollm2.sh --no-resume --log-every 10 > $S/calib-$run.log 2>&1 &
 done
 wait
-per_step=$(python3 - <<'P'
-import json
-worst = 0.0
-for run in ("ce", "kl"):
-    records = [json.loads(line) for line in open(f"/root/calib-{run}/log.jsonl")]
-    worst = max(worst, (records[-1]["elapsed_s"] - records[0]["elapsed_s"]) / (records[-1]["step"] - records[0]["step"]))
-print(worst)
-P
-)
+per_step=$(seconds_per_step /root/calib-ce/log.jsonl /root/calib-kl/log.jsonl)
 steps=$(python3 -c "print(int($TRAIN_SECONDS / $per_step) // 20 * 20)")
 echo "per step ${per_step}s -> $steps steps"; echo $steps > $S/steps
 stamp train

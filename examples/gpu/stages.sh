@@ -2,7 +2,7 @@
 # The device's work, stage by stage: `stages.sh STAGE ...` runs the named stages in order (issue 22: Part A's proof,
 # docs/fast_path.md, "Proving it on a lent GPU"; Part B's `finetune`, docs/training.md, "A training stage in 15 minutes
 # of device time"; on the device `call.sh` calls it). Each stage's output goes to $S/results/<stage>.log (bench
-# tables to $S/results/<stage>-<prompts>/), its exit status to $S/results/proof.log. Each runs under `timeout`: its own
+# tables to $S/results/<stage>-<prompts>/), its exit status to $S/results/stages.log. Each runs under `timeout`: its own
 # limit, and never past $DEADLINE (epoch seconds), so that a call ends with its results inside the device's time; a
 # stage with under 20 s left is skipped. Sizes can be shrunk to check the script on a CPU:
 #   S=/tmp/stage W=$PWD PROMPTS=1 TOKENS=8 COST_SHAPE=tiny MICRO_REPS=2 METHODS=target,domino_vocab_k16@eager \
@@ -67,17 +67,6 @@ batch() {  # batches against the batched target alone, bf16, 64 tokens as the CP
 
 # One hung test must not take the stage (pytest-timeout is on the image; not necessarily where the script is checked).
 TEST_TIMEOUT=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")
-seconds_per_step() {  # the slowest of the runs' log.jsonl files: seconds per step after the first (warm-up) step
-  python3 - "$@" <<'PY'
-import json, sys
-worst = 0.0
-for path in sys.argv[1:]:
-    records = [json.loads(line) for line in open(path)]
-    worst = max(worst, (records[-1]["elapsed_s"] - records[0]["elapsed_s"]) / (records[-1]["step"] - records[0]["step"]))
-print(worst)
-PY
-}
-
 finetune() {  # each of $FINETUNE_RUNS from the shipped drafter, as many steps as the stage's time allows, exported
   local D=src/hf_domino/checkpoints/smollm2-135m-instruct-domino run steps last
   knobs() { echo "INIT_FROM=$D DRAFT_VOCAB=$D THREADS=4 $([ $1 = chain ] && echo ANCHOR_CHAIN=1)"; }

@@ -67,10 +67,11 @@ K_PER_ROW = False
 # on a 2-core CPU at 4 and 8 rows on both prompt sets (docs/benchmarks.md, "Retrieval in batches of any size"); the
 # limit stays for measuring it elsewhere (bench suffix `_lookup2`: at most 2 rows, the previous default).
 RETRIEVAL_MAX_ROWS: int | None = None
-# A batch is done when its last row is: True prices drafts and copies by when that is expected to be, given the tokens
-# each row may still generate (`cost_model_domino.makespan_tokens`), instead of by the rows' mean tokens. Off: on a 2-core
-# CPU it was within 2% of the mean at 1-8 rows, better as often as worse (docs/benchmarks.md, "The target's cache grows
-# in place"); measure it on a GPU before choosing (bench suffix `_makespan`).
+# A batch is done when its last row is: True prices drafts and copies by when that is expected to be, given the
+# tokens each row may still generate (`cost_model_domino.makespan_tokens`), instead of by the rows' mean tokens. Off:
+# on a 2-core CPU it was within 2% of the mean at 1-8 rows, better as often as worse, before and after batches
+# retrieved at any size (docs/benchmarks.md, "The target's cache grows in place", "Retrieval in batches of any
+# size"); measure it on a GPU before choosing (bench suffix `_makespan`).
 PRICE_BY_MAKESPAN = False
 
 

@@ -124,8 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --batch-size: target, domino (the drafter alone, adaptive, one k per batch), domino_rowk "
         "(adaptive, k per row), domino_k<N> (fixed), each optionally with _lookup (copied and retrieved drafts beside "
         "the drafter, generate()'s default), _lookup2 (retrieving only while at most 2 rows are active) or _copies "
-        "(copies from the text only), then optionally _makespan (cycles priced by when the batch's last row finishes, not by the "
-        "rows' mean tokens)",
+        "(copies from the text only), then optionally _makespan (cycles priced by when the batch's last row "
+        "finishes, not by the rows' mean tokens)",
     )
     parser.add_argument(
         "--repeats",

@@ -21,7 +21,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from . import batching_domino
-from .assets import chat_token_ids, eos_token_ids, pad_token_id
+from .assets import chat_token_ids, eos_token_ids, load_drafter, load_prompts, load_target, pad_token_id
+from .cpu_fast_path import prepare_for_cpu_decoding
 from .modeling_domino import DominoForSpeculation
 
 BATCH_METHODS = ("target", "domino", "domino_lookup")
@@ -71,6 +72,25 @@ def left_padded_groups(
         left_padded_batch(tokenizer, conversations[i : i + size], pad)
         for i in range(0, len(conversations) - size + 1, size)
     ]
+
+
+def smollm2_batches(
+    prompt_set: str, num_prompts: int, batch_size: int, threads: int = 2
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, DominoForSpeculation, list[dict[str, torch.Tensor]]]:
+    """What the batch examples measure: the SmolLM2 target and the shipped drafter on the CPU fast path (`threads`
+    torch threads), and the first `num_prompts` chat prompts of `prompt_set` in left-padded groups of `batch_size`
+    rows (`left_padded_groups`)."""
+    torch.set_num_threads(threads)
+    target, tokenizer = load_target("smollm2")
+    drafter = load_drafter(None)
+    prepare_for_cpu_decoding(target, drafter)
+    prompts = [chat_token_ids(tokenizer, messages) for messages in load_prompts(prompt_set, num_prompts)]
+    return (
+        target,
+        tokenizer,
+        drafter,
+        left_padded_groups(tokenizer, prompts, batch_size, pad_token_id(target, tokenizer)),
+    )
 
 
 def row_lengths(output: torch.Tensor, prompt_width: int, eos: Sequence[int]) -> list[int]:
