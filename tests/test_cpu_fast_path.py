@@ -85,7 +85,7 @@ def test_models_off_the_cpu_are_left_untouched():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_models_are_left_untouched():
     target = tiny_target("qwen3").cuda()
-    drafter = tiny_drafter(target).half()
+    drafter = tiny_drafter(target).cuda().half()
     report = prepare_for_cpu_decoding(target, drafter)
     assert set(report.skipped) == {"target", "drafter"} and not report.changed
     assert drafter.dtype == torch.float16 and not is_prepared_for_cpu_decoding(target)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import requires_sharegpt, sharegpt_installed
 
 from hf_domino import assets, cli, prompt_mix
 from hf_domino.training import regenerate
@@ -294,6 +295,7 @@ def test_load_humaneval():
     assert "def has_close_elements(" in prompts[0][0]["content"]
 
 
+@requires_sharegpt
 def test_load_sharegpt():
     prompts = assets.load_sharegpt(limit=50)
     assert len(prompts) == 50
@@ -348,7 +350,9 @@ def test_load_prompt_file_errors(tmp_path):
 def test_load_prompts_dispatches_by_name():
     assert assets.load_prompts("mtbench", limit=2) == assets.load_mtbench(limit=2)
     assert assets.load_prompts("humaneval", limit=2) == assets.load_humaneval(limit=2)
-    assert assets.load_prompts("sharegpt", limit=2) == assets.load_sharegpt(limit=2)
+
+    if sharegpt_installed():
+        assert assets.load_prompts("sharegpt", limit=2) == assets.load_sharegpt(limit=2)
 
 
 @pytest.mark.parametrize(

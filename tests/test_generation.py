@@ -408,6 +408,10 @@ def test_errors_before_any_generation_work(monkeypatch):
         target.generate(prompt, assistant_model=deep, max_new_tokens=3)
     with pytest.raises(ValueError, match="speculation_type"):
         target.generate(prompt, assistant_model=drafter, max_new_tokens=3, speculation_type="dflash")
+    elsewhere = tiny_drafter(target).to("meta")  # on another device than the target (pipeline() moves only the target)
+    for input_ids in (prompt, prompt.repeat(2, 1)):
+        with pytest.raises(ValueError, match=r"on meta and the target on cpu.*device=target.device"):
+            target.generate(input_ids, assistant_model=elsewhere, max_new_tokens=3)
 
 
 def test_target_without_hidden_states_is_refused():

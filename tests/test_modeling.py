@@ -344,7 +344,7 @@ def test_export_writes_a_hub_ready_folder_atomically(tmp_path):
     assert card.data.base_model == "org/tiny-target" and card.data.library_name == "transformers"
     assert card.data.pipeline_tag == "text-generation" and "speculative-decoding" in card.data.tags
     assert card.data.license == "apache-2.0"
-    assert "assistant_model=drafter" in card.text and 'pipeline("text-generation"' in card.text
+    assert "assistant_model=drafter" in card.text and 'pipeline(\n    "text-generation"' in card.text
     assert (
         "| MT-Bench | 3.1 | 1.6x |" in card.text
         and "| dtype | float16 |" in card.text

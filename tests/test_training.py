@@ -8,6 +8,8 @@ import json
 import math
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -303,6 +305,36 @@ def test_resume_continues_bit_for_bit(target, tmp_path):
     assert sorted(p.name for p in (tmp_path / "staged").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
     for (name, a), (_, b) in zip(straight.state_dict().items(), staged.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+CUDA_RUN = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_training import TrainConfig, tiny_drafter, tiny_target, toy_examples, train
+target = tiny_target()
+config = TrainConfig(total_steps={steps}, batch_size=2, num_anchors=4, learning_rate=1e-2, log_every=1, save_every=12)
+drafter = train(tiny_drafter(target), target, toy_examples(), config, {output!r})
+print("devices", drafter.device.type, target.device.type, "weights", drafter.dtype)
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_training_on_cuda(tmp_path):
+    """What a user's `train()` does on a GPU machine (the suite pins the CPU): bf16 autocast, fp32 weights, losses
+    that fall, and a resumed run that picks up its checkpoint. In a subprocess, since accelerate's state is one per
+    process."""
+    env = {key: value for key, value in os.environ.items() if key != "ACCELERATE_USE_CPU"}
+
+    def run(steps: int) -> str:
+        script = CUDA_RUN.format(tests=os.path.dirname(__file__), steps=steps, output=str(tmp_path))
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    assert "devices cuda cuda weights torch.float32" in run(24)
+    losses = [json.loads(line)["base_loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert all(map(math.isfinite, losses)) and sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
+    assert "Resumed from" in run(27) and (tmp_path / "checkpoint-27").is_dir()
 
 
 def test_feature_cache_matches_in_process_features(target, tmp_path):

@@ -53,7 +53,7 @@ esac
 
 case "$(cat $S/mode) $CALL" in  # STAGES overrides the mode's stages for this call
   "proof 1") STAGES=${STAGES-cuda micro costs} ;;
-  "proof 2") STAGES=${STAGES-bf16 batch fp32 suite} ;;
+  "proof 2") STAGES=${STAGES-batch bf16 suite fp32} ;;
   "finetune 1") STAGES=${STAGES-} ;;
   "finetune 2") STAGES=${STAGES-finetune} ;;
 esac

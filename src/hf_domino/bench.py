@@ -80,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="'smollm2' (the offline SmolLM2-135M-Instruct), or a Hugging Face model id or folder",
     )
     parser.add_argument("--gguf-file", help="GGUF file inside the --target folder to load the target from")
+    parser.add_argument("--device", default=None, help="where to run: cpu, cuda, cuda:1 (default: cuda if available)")
     parser.add_argument("--drafter", default=None, help=f"drafter folder (default: {assets.SHIPPED_DRAFTER})")
     parser.add_argument(
         "--random-weights",
@@ -185,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
             )
     except FileNotFoundError as error:
         raise SystemExit(f"hf-domino bench: {error}") from None
-    target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype)
+    target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
     if drafter is not None:
         drafter.to(target.device)
     fast_path = _cpu_fast_path(args, target, drafter)
@@ -243,7 +244,7 @@ def run_batches(args: argparse.Namespace, metadata: dict[str, Any], dtype: torch
     if max(args.batch_size) > args.num_prompts:
         raise SystemExit(f"hf-domino bench: --batch-size {max(args.batch_size)} needs --num-prompts at least that.")
     drafter = assets.load_drafter(args.drafter, dtype=dtype, random_weights=args.random_weights, seed=args.seed)
-    target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype)
+    target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
     drafter.to(target.device)
     metadata["cpu_fast_path"] = _cpu_fast_path(args, target, drafter)
     conversations = assets.load_prompts(args.prompts, args.num_prompts)

@@ -55,7 +55,10 @@ output = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256, 
 print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
 print("tokens per target forward:", drafter.last_generation_stats.mean_acceptance_length)
 
-generator = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter)
+# device=target.device keeps the target beside the drafter (a pipeline moves its model to a GPU by default)
+generator = pipeline(
+    "text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter, device=target.device
+)
 print(generator(messages, max_new_tokens=256, do_sample=False)[0]["generated_text"][-1]["content"])  # the same text
 ```
 

@@ -97,7 +97,7 @@ def row_lengths(output: torch.Tensor, prompt_width: int, eos: Sequence[int]) -> 
     """Tokens each row generated, up to and including its EOS (the padding after it is not work)."""
     lengths = []
     for row in output[:, prompt_width:]:
-        hits = torch.isin(row, torch.tensor(list(eos), dtype=row.dtype)).nonzero()
+        hits = torch.isin(row, torch.tensor(list(eos), dtype=row.dtype, device=row.device)).nonzero()
         lengths.append(int(hits[0]) + 1 if hits.numel() else row.numel())
     return lengths
 
@@ -163,6 +163,7 @@ def _generate(target, drafter, batch, method: str, max_new_tokens: int, temperat
     previous = {name: getattr(batching_domino, name) for name in loop}
     for name, value in loop.items():
         setattr(batching_domino, name, value)
+    batch = {name: tensor.to(target.device) for name, tensor in batch.items()}
     try:
         return target.generate(**batch, max_new_tokens=max_new_tokens, **sampling, **options)
     finally:
@@ -213,6 +214,8 @@ def run_batch_benchmark(
                         outputs[method] = _generate(
                             target, drafters.get(method), batch, method, max_new_tokens, temperature
                         )
+                        if target.device.type == "cuda":
+                            torch.cuda.synchronize(target.device)
                         seconds[method].append(time.perf_counter() - start)
                     if repeat == 0:
                         results[method].forwards.append(forwards[0] - 1)

@@ -191,6 +191,14 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
             f"target_layer_ids {bad_layers} are outside the target's {num_layers} layers: this drafter was built for "
             f"a deeper target (num_target_layers={config.num_target_layers})."
         )
+    if drafter.device.type != target.device.type:
+        # A pipeline moves its model to the GPU by default and leaves an assistant object where it is. Each block
+        # would carry the target's hidden states across to the drafter, and its drafts through the target's LM head.
+        raise ValueError(
+            f"The drafter is on {drafter.device} and the target on {target.device}: a drafter runs beside its target "
+            "on every block. Move it with drafter.to(target.device, target.dtype); with pipeline(), also pass "
+            "device=target.device, or the pipeline moves the target to the GPU without the drafter."
+        )
     if drafter.device.type == "cpu" and drafter.dtype == torch.float16 and target.dtype != torch.float16:
         # The shipped checkpoint is fp16, so a plain from_pretrained gives this: fp16 products on most CPUs run
         # several times slower than fp32 ones, and every draft casts the target's features.

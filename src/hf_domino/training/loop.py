@@ -227,6 +227,19 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> int:
 
 
 # ============================================================================================================ train
+def default_accelerator() -> Accelerator:
+    """accelerate's own settings where they are given (`accelerate launch`, `ACCELERATE_USE_CPU`,
+    `ACCELERATE_MIXED_PRECISION`); else the GPU under bf16 autocast when there is one, the CPU in fp32 otherwise."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    cpu = parse_flag_from_env("ACCELERATE_USE_CPU")
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if precision is None:
+        precision = "bf16" if PartialState(cpu=cpu).device.type == "cuda" else "no"
+    return Accelerator(cpu=cpu, mixed_precision=precision)
+
+
 def train(
     drafter: DominoForSpeculation,
     target_model: PreTrainedModel,
@@ -249,16 +262,15 @@ def train(
     With `validation_examples` (held out from `examples`), every checkpoint also logs their losses, per-position
     accuracies and teacher-forced acceptance to `output_dir/validation.jsonl` (same fields as `log.jsonl`), with
     fixed anchors and in-process target features, without touching any training randomness.
-    """
-    from accelerate import Accelerator
 
+    Runs where `accelerator` (default: `default_accelerator()`) puts it; `target_model` and `drafter` move there.
+    """
     if config.draft_vocab and drafter.draft_vocab is None:
         raise ValueError(
             "TrainConfig(draft_vocab=True) trains over the drafter's draft vocabulary, but it has none: give it one "
             "with drafter.set_draft_vocab(...) (`hf-domino train --draft-vocab FILE`)."
         )
-    if accelerator is None:
-        accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    accelerator = accelerator or default_accelerator()
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     device = accelerator.device
