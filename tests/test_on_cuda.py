@@ -1,0 +1,72 @@
+"""What only a GPU can show about `generate()` with a drafter, beside the fused head's tests (test_triton_head.py).
+
+The rest of the suite builds its models on the CPU even where there is a GPU, so the batch loop, retrieval and
+sampling never run on CUDA there; these tests put the same tiny models on the GPU. They skip without one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
+from test_batching import PARTIAL, both, left_padded
+from test_datastore_drafts import own_answers_datastore
+from test_generation import VOCAB
+
+from hf_domino import batching_domino
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def on_cuda(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: tensor.cuda() for name, tensor in batch.items()}
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_cuda_batch_is_identical_to_the_target_alone(arch, policy):
+    # Ragged acceptance, rows retiring at different times, both caches with holes: all on the device.
+    target = successor_target(arch, VOCAB).cuda()
+    drafter = forcing_drafter(target, PARTIAL, block_size=6).cuda()
+    batch = on_cuda(left_padded([[4, 9, 11], [20], [7, 25, 26, 27, 28], [12, 13]]))
+    expected, output = both(target, drafter, batch, max_new_tokens=24, draft_policy=policy)
+    assert output.device.type == "cuda" and torch.equal(output, expected)
+    if policy == "fixed":
+        assert len(set(drafter.last_generation_stats.acceptance_lengths)) > 2
+
+
+def test_cuda_batch_retrieves_and_stays_identical(monkeypatch):
+    monkeypatch.setattr(batching_domino, "RETRIEVAL_MAX_ROWS", None)
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    drafter.datastore = own_answers_datastore(target, [[3, 9, 14], [21, 4], [8, 8, 30], [12, 40, 2]])
+    target, drafter = target.cuda(), drafter.cuda()
+    drafter.set_draft_vocab(list(range(0, 64, 2)))
+    for rows in ([[3, 9, 15]], [[3, 9, 15], [7, 21, 5], [50, 8, 8, 31, 2]]):
+        expected, output = both(target, drafter, on_cuda(left_padded(rows)), max_new_tokens=30, draft_policy="fixed")
+        assert torch.equal(output, expected), len(rows)
+        assert any(drafter.last_generation_stats.retrieved), len(rows)
+
+
+def test_cuda_sampling_runs_on_the_device_one_row_and_a_batch():
+    # The law itself is checked on the CPU (chi-square); here the sampled paths (fused head at T = 1, speculative
+    # sampling, several sequences per prompt) run on CUDA and give well-formed outputs.
+    target = tiny_target("qwen3").cuda()
+    drafter = tiny_drafter(target).cuda()
+    torch.manual_seed(0)
+    one = torch.tensor([[5, 17, 42, 8, 9]], device="cuda")
+    output = target.generate(one, assistant_model=drafter, do_sample=True, max_new_tokens=16, draft_policy="fixed")
+    assert output.device.type == "cuda" and output.shape == (1, 21) and torch.equal(output[:, :5], one)
+    batch = on_cuda(left_padded([[5, 17, 42], [8, 9], [30, 31, 32, 33]]))
+    output = target.generate(
+        **batch, assistant_model=drafter, do_sample=True, max_new_tokens=12, num_return_sequences=2
+    )
+    assert output.shape[0] == 6 and output.device.type == "cuda"
+    assert int(output.min()) >= 0 and int(output.max()) < target.config.vocab_size
+
+
+def test_cuda_target_with_a_cpu_drafter_is_refused_before_any_work():
+    # What pipeline(model=target) leaves behind on a GPU machine: the target moved to the GPU, the drafter not.
+    target = tiny_target("qwen3").cuda()
+    drafter = tiny_drafter(target)
+    with pytest.raises(ValueError, match=r"drafter is on cpu and the target on cuda.*device=target.device"):
+        target.generate(torch.tensor([[5, 6, 7]], device="cuda"), assistant_model=drafter, max_new_tokens=3)
