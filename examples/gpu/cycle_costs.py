@@ -140,6 +140,32 @@ def loop_overhead(target, drafter, context_tokens: int, device: torch.device, ne
     return 1000 * statistics.median(verify)
 
 
+@torch.no_grad()
+def profile_loop(target, drafter, context_tokens: int, device: torch.device, new_tokens: int, rows: int) -> str:
+    """Where a short `generate()` with the drafter spends its time: Python functions by own time (the host, where a
+    launch-bound loop's overhead shows), and on CUDA the kernels by device time."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = torch.randint(3, target.config.vocab_size, (1, context_tokens), device=device)
+    kwargs = dict(assistant_model=drafter, draft_policy="fixed", do_sample=False)
+    generate = lambda: target.generate(prompt, max_new_tokens=new_tokens, **kwargs)  # noqa: E731
+    generate()  # warm: the same shapes as the profiled calls
+    host = cProfile.Profile()
+    host.runcall(generate)
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(rows)
+    report = text.getvalue()
+    if device.type == "cuda":
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+            generate()
+        report += "\n" + trace.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows)
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="model shapes")
@@ -147,6 +173,9 @@ def main() -> None:
     parser.add_argument("--context-tokens", type=int, default=512, help="cached context before the block")
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions per cost (median)")
     parser.add_argument("--new-tokens", type=int, default=64, help="generate() length for the loop's overhead")
+    parser.add_argument(
+        "--profile", type=int, default=0, help="also profile a generate() of this many new tokens (0: no profile)"
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -170,6 +199,9 @@ def main() -> None:
     print(f"| **cycle** (fastest head) | {cycle:.2f} |")
     implied = PAPER_TAU * costs["target, 1 token"] / cycle
     print(f"\nImplied (not measured) speedup at the paper's tau {PAPER_TAU}: {implied:.2f}x (head {head / cycle:.1%})")
+    if args.profile:
+        print(f"\ngenerate(max_new_tokens={args.profile}) with the drafter (draft_policy='fixed'), profiled:\n")
+        print(profile_loop(target, drafter, args.context_tokens, device, args.profile, rows=25))
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ for name in "$@"; do
     cuda) stage cuda 120 python3 -m pytest -v -rfEs --tb=short -p no:cacheprovider tests/test_triton_head.py tests/test_cpu_fast_path.py \
       tests/test_on_cuda.py tests/test_training.py -k cuda ;;
     micro) stage micro 90 micro ;;
-    costs) stage costs 120 python3 examples/gpu/cycle_costs.py --shape $COST_SHAPE --dtype bfloat16 ;;
+    costs) stage costs 120 python3 examples/gpu/cycle_costs.py --shape $COST_SHAPE --dtype bfloat16 --profile 16 ;;
     bf16) stage bf16 300 bench bfloat16 $METHODS ;;
     fp32) stage fp32 120 bench float32 $FP32_METHODS ;;
     batch) stage batch 120 batch $BATCH_METHODS ;;
