@@ -303,6 +303,31 @@ def test_cli_bench_end_to_end(fast_path, target, drafter, tokenizer, tmp_path, c
         assert "vs eager target" not in out
 
 
+def test_a_stopped_bench_leaves_the_tables_of_the_prompts_it_finished(
+    target, drafter, tokenizer, tmp_path, monkeypatch
+):
+    argv = saved_bench_argv(target, drafter, tokenizer, tmp_path)
+    argv += ["--num-prompts", "3", "--max-new-tokens", "6", "--threads", "1", "--device", "cpu", "--no-cpu-fast-path"]
+    argv += ["--methods", "target,domino", "--warmup-tokens", "2", "--output-dir", str(tmp_path / "out")]
+    run_method, calls = measure.run_method, []
+
+    def stopped_in_the_second_prompt(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2 + 2 + 1:  # the warm-ups, the first prompt, then the second prompt's first method
+            raise KeyboardInterrupt  # what the GPU stages' timeout sends
+        return run_method(*args, **kwargs)
+
+    monkeypatch.setattr(measure, "run_method", stopped_in_the_second_prompt)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(argv)
+    partial = (tmp_path / "out" / "bench.partial.md").read_text()
+    assert partial.startswith("Partial: 1 of 3 prompts") and "| domino |" in partial and "- command:" in partial
+    assert not (tmp_path / "out" / "bench.json").exists()
+    monkeypatch.setattr(measure, "run_method", run_method)
+    assert cli.main(argv) == 0  # a full run leaves its report, and no partial one
+    assert (tmp_path / "out" / "bench.json").exists() and not (tmp_path / "out" / "bench.partial.md").exists()
+
+
 def test_demo_core(target, drafter, tokenizer):
     stream = io.StringIO()
 

@@ -69,5 +69,8 @@ for name in $STAGES; do  # for the call's reply: the results tables, counts and 
     echo
   fi
 done
+for partial in $S/results/*/bench.partial.md; do  # a bench stopped at its limit: the prompts it finished
+  [ -f "$partial" ] && { echo "----- $partial"; grep -m 1 "^Partial" "$partial"; grep "^| " "$partial" | head -12; }
+done
 mkdir -p $S/results && tar czf - -C $S results | split -b 15000000 - ${OUT:-/tmp}/results.tgz.part-
 ls -la ${OUT:-/tmp}

@@ -20,7 +20,7 @@ import transformers
 
 from . import assets
 from .cpu_fast_path import prepare_for_cpu_decoding
-from .measure import METHODS, BenchSettings, parse_method, run_benchmark
+from .measure import METHODS, BenchResult, BenchSettings, parse_method, run_benchmark
 from .measure_batch import BATCH_METHODS, batch_markdown, parse_batch_method, run_batch_benchmark
 from .report import markdown_report, write_report
 
@@ -203,10 +203,9 @@ def run(args: argparse.Namespace) -> int:
         warmup_tokens=args.warmup_tokens,
         num_speculative_tokens=args.num_speculative_tokens,
     )
-    result = run_benchmark(target, drafter, prompts, methods, settings, progress=args.progress)
     prompt_set = Path(args.prompts).stem if Path(args.prompts).suffix else args.prompts
     mean_prompt = sum(p.shape[1] for p in prompts) / max(len(prompts), 1)
-    result.metadata = {
+    metadata = {
         "command": command_line(args),
         **metadata,
         "target": args.target,
@@ -216,9 +215,19 @@ def run(args: argparse.Namespace) -> int:
         "prompts": f"{prompt_set} ({len(prompts)} prompts, mean {mean_prompt:.0f} prompt tokens, chat template)",
         "speedup": "tokens/s of the method over tokens/s of the target alone, totals over all prompts, same run",
     }
-    result.title = f"({prompt_set}, T={args.temperature:g})"
-    output_dir = args.output_dir or f"runs/bench/{prompt_set}-T{args.temperature:g}"
+    output_dir = Path(args.output_dir or f"runs/bench/{prompt_set}-T{args.temperature:g}")
+    partial = output_dir / "bench.partial.md"
+
+    def save_partial(result: BenchResult) -> None:  # what a stopped run leaves: the tables of the prompts so far
+        result.metadata = metadata
+        done = len(next(iter(result.records.values())))
+        output_dir.mkdir(parents=True, exist_ok=True)
+        partial.write_text(f"Partial: {done} of {len(prompts)} prompts\n\n" + markdown_report(result))
+
+    result = run_benchmark(target, drafter, prompts, methods, settings, progress=args.progress, on_prompt=save_partial)
+    result.metadata, result.title = metadata, f"({prompt_set}, T={args.temperature:g})"
     paths = write_report(result, output_dir)
+    partial.unlink(missing_ok=True)
     print(markdown_report(result))
     print("Wrote " + ", ".join(str(path) for path in paths.values()))
     return 0

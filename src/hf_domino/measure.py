@@ -26,7 +26,7 @@ import contextlib
 import re
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -326,8 +326,10 @@ def run_benchmark(
     methods: Sequence[str],
     settings: BenchSettings | None = None,
     progress: bool = True,
+    on_prompt: Callable[[BenchResult], None] | None = None,
 ) -> BenchResult:
     """Runs every method on every prompt, interleaved per prompt, after one short warm-up generation per method.
+    `on_prompt` sees the result so far after each prompt (the bench saves it, for a run that gets stopped).
 
     The method order rotates from prompt to prompt so that no method always runs right after the same other one
     (caches, CPU frequency). With sampling, each (prompt, method) pair is seeded with the same seed.
@@ -365,7 +367,6 @@ def run_benchmark(
     if "target_eager" in methods:
         with eager_linears():
             result.eager_forward_ms = measure_forward_ms(target, prompts[0], block_lengths, drafter)
-    by_prompt: list[dict[str, Generation]] = []
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen", disable=not progress) as bar:
         for index, input_ids in enumerate(prompts):
             shift = index % len(methods)
@@ -374,9 +375,10 @@ def run_benchmark(
                 bar.set_postfix_str(method)
                 results[method] = generate(method, input_ids, settings.max_new_tokens, settings.seed + index)
                 bar.update()
-            by_prompt.append(results)
-    for method in methods:
-        result.records[method] = [results[method] for results in by_prompt]
+            for method in methods:
+                result.records[method].append(results[method])
+            if on_prompt is not None:
+                on_prompt(result)
     cost = cached_verify_cost(target)
     result.policy_verify_ms = {n: 1000 * seconds for n, seconds in cost.seconds.items()} if cost else {}
     return result
