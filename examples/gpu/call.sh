@@ -52,7 +52,7 @@ case $CALL in
 esac
 
 case "$(cat $S/mode) $CALL" in  # STAGES overrides the mode's stages for this call
-  "proof 1") STAGES=${STAGES-cuda micro costs} ;;
+  "proof 1") STAGES=${STAGES-cuda costs micro} ;;
   "proof 2") STAGES=${STAGES-batch bf16 suite fp32} ;;
   "finetune 1") STAGES=${STAGES-} ;;
   "finetune 2") STAGES=${STAGES-finetune} ;;
