@@ -308,9 +308,10 @@ def test_resume_continues_bit_for_bit(target, tmp_path):
 
 
 CUDA_RUN = """
-import sys, torch
+import os, sys, torch
 sys.path.insert(0, {tests!r})
 from test_training import TrainConfig, tiny_drafter, tiny_target, toy_examples, train
+os.environ.pop("ACCELERATE_USE_CPU")  # set by the suite's conftest, which test_training imports
 target = tiny_target()
 config = TrainConfig(total_steps={steps}, batch_size=2, num_anchors=4, learning_rate=1e-2, log_every=1, save_every=12)
 drafter = train(tiny_drafter(target), target, toy_examples(), config, {output!r})
@@ -323,11 +324,10 @@ def test_training_on_cuda(tmp_path):
     """What a user's `train()` does on a GPU machine (the suite pins the CPU): bf16 autocast, fp32 weights, losses
     that fall, and a resumed run that picks up its checkpoint. In a subprocess, since accelerate's state is one per
     process."""
-    env = {key: value for key, value in os.environ.items() if key != "ACCELERATE_USE_CPU"}
 
     def run(steps: int) -> str:
         script = CUDA_RUN.format(tests=os.path.dirname(__file__), steps=steps, output=str(tmp_path))
-        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout
 
