@@ -416,3 +416,13 @@ def test_shipped_checkpoint_remote_code_is_the_package_source():
     assert sorted(path.name for path in shipped.glob("*.py")) == remote_code
     for name in remote_code:
         assert (shipped / name).read_text() == (package / name).read_text(), f"re-export: {name} is stale"
+
+
+def test_gru_weights_are_packed_after_every_move(monkeypatch):
+    # On CUDA, cuDNN copies an RNN's weights together on every call unless they are packed after .to()
+    # (tests/test_on_cuda.py checks the call itself there); off CUDA packing is a no-op.
+    packed = []
+    monkeypatch.setattr(torch.nn.GRU, "flatten_parameters", lambda self: packed.append(self))
+    drafter = tiny_drafter(tiny_target())
+    drafter.to(torch.float64)
+    assert drafter.prefix_gru in packed and isinstance(drafter.prefix_gru, torch.nn.GRU)

@@ -6,6 +6,8 @@ sampling never run on CUDA there; these tests put the same tiny models on the GP
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
@@ -70,3 +72,12 @@ def test_cuda_target_with_a_cpu_drafter_is_refused_before_any_work():
     drafter = tiny_drafter(target)
     with pytest.raises(ValueError, match=r"drafter is on cpu and the target on cuda.*device=target.device"):
         target.generate(torch.tensor([[5, 6, 7]], device="cuda"), assistant_model=drafter, max_new_tokens=3)
+
+
+def test_cuda_gru_weights_stay_packed_after_to():
+    # torch re-points an RNN's weights after .to() without packing them; cuDNN then warns and copies on every call.
+    drafter = tiny_drafter(tiny_target("qwen3")).cuda().to(torch.bfloat16)
+    tokens = torch.randn(1, 3, drafter.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        drafter.gru_step(tokens, None)

@@ -216,9 +216,20 @@ class DominoDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+class PrefixGRU(nn.GRU):
+    """`nn.GRU` that packs its weights into cuDNN's single buffer after every `.to()` / `.cuda()`. torch only
+    re-points them there, and cuDNN then copies them together on every call (warning that they are "not part of
+    single contiguous chunk of memory"). A no-op off CUDA."""
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        self.flatten_parameters()
+        return module
+
+
 def build_domino_head(config: DominoConfig) -> tuple[nn.GRU, nn.Sequential]:
     """The head's modules, named as in the published checkpoints (`prefix_gru`, `embed_proj.0`, `embed_proj.2`)."""
-    prefix_gru = nn.GRU(config.hidden_size, config.gru_hidden_dim, num_layers=1, bias=False, batch_first=True)
+    prefix_gru = PrefixGRU(config.hidden_size, config.gru_hidden_dim, num_layers=1, bias=False, batch_first=True)
     embed_proj = nn.Sequential(
         nn.Linear(config.hidden_size + config.gru_hidden_dim, config.emb_dim, bias=False),
         nn.SiLU(),
