@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -310,11 +311,17 @@ def test_resume_continues_bit_for_bit(target, tmp_path):
 CUDA_RUN = """
 import os, sys, torch
 sys.path.insert(0, {tests!r})
-from test_training import TrainConfig, tiny_drafter, tiny_target, toy_examples, train
+from test_training import DRAFT_VOCAB, TrainConfig, tiny_drafter, tiny_target, toy_examples, train
 os.environ.pop("ACCELERATE_USE_CPU")  # set by the suite's conftest, which test_training imports
 target = tiny_target()
-config = TrainConfig(total_steps={steps}, batch_size=2, num_anchors=4, learning_rate=1e-2, log_every=1, save_every=12)
-drafter = train(tiny_drafter(target), target, toy_examples(), config, {output!r})
+drafter = tiny_drafter(target)
+options, held_out = {options}, ()
+if options:  # what the GPU fine-tuning stage runs: anchors at generate()'s blocks, a draft vocabulary, validation
+    drafter.set_draft_vocab(DRAFT_VOCAB)
+    held_out = toy_examples(count=10)[8:]
+config = TrainConfig(total_steps={steps}, batch_size=2, num_anchors=4, learning_rate=1e-2, log_every=1, save_every=12,
+                     **options)
+drafter = train(drafter, target, toy_examples(), config, {output!r}, validation_examples=held_out)
 print("devices", drafter.device.type, target.device.type, "weights", drafter.dtype)
 """
 
@@ -325,16 +332,19 @@ def test_training_on_cuda(tmp_path):
     that fall, and a resumed run that picks up its checkpoint. In a subprocess, since accelerate's state is one per
     process."""
 
-    def run(steps: int) -> str:
-        script = CUDA_RUN.format(tests=os.path.dirname(__file__), steps=steps, output=str(tmp_path))
+    def run(steps: int, output: Path, **options) -> str:
+        script = CUDA_RUN.format(tests=os.path.dirname(__file__), steps=steps, output=str(output), options=options)
         result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout
 
-    assert "devices cuda cuda weights torch.float32" in run(24)
+    assert "devices cuda cuda weights torch.float32" in run(24, tmp_path)
     losses = [json.loads(line)["base_loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert all(map(math.isfinite, losses)) and sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
-    assert "Resumed from" in run(27) and (tmp_path / "checkpoint-27").is_dir()
+    assert "Resumed from" in run(27, tmp_path) and (tmp_path / "checkpoint-27").is_dir()
+    finetune = dict(anchor_chain=True, draft_vocab=True, generate_tau=True)
+    assert "devices cuda cuda" in run(4, tmp_path / "finetune", **finetune)
+    assert 1.0 <= read_log(tmp_path / "finetune" / "validation.jsonl")[-1]["generate_tau"] <= BLOCK
 
 
 def test_feature_cache_matches_in_process_features(target, tmp_path):
