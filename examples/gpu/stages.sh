@@ -101,7 +101,7 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 'triton', triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee -a $R/stages.log
 for name in "$@"; do
   case $name in
-    cuda) stage cuda 120 python3 -m pytest -v -rfEs --tb=short -p no:cacheprovider tests/test_triton_head.py tests/test_cpu_fast_path.py \
+    cuda) stage cuda 150 python3 -m pytest -v -rfEs --tb=short -p no:cacheprovider tests/test_triton_head.py tests/test_cpu_fast_path.py \
       tests/test_on_cuda.py tests/test_training.py -k cuda ;;
     micro) stage micro 90 micro ;;
     costs) stage costs 120 python3 examples/gpu/cycle_costs.py --shape $COST_SHAPE --dtype bfloat16 --profile 16 ;;
