@@ -351,7 +351,6 @@ def test_load_prompt_file_errors(tmp_path):
 def test_load_prompts_dispatches_by_name():
     assert assets.load_prompts("mtbench", limit=2) == assets.load_mtbench(limit=2)
     assert assets.load_prompts("humaneval", limit=2) == assets.load_humaneval(limit=2)
-
     if sharegpt_installed():
         assert assets.load_prompts("sharegpt", limit=2) == assets.load_sharegpt(limit=2)
 

@@ -68,7 +68,8 @@ def timing_is_free(device: torch.device) -> bool:
     return device.type != "cuda"
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (CUDA), so that a host clock read next measures it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -97,10 +98,10 @@ def measure_verify_cost(
         block = last_token[:, -1:].expand(rows, length)
         samples = []
         for _ in range(repeats):
-            _synchronize(device)
+            synchronize(device)
             start = time.perf_counter()
             target(input_ids=block, use_cache=True, **cache_argument(cache), **forward_kwargs)
-            _synchronize(device)
+            synchronize(device)
             samples.append(time.perf_counter() - start)
             cache.crop(-length)
         seconds[rows * length] = min(samples)

@@ -36,7 +36,7 @@ from transformers.cache_utils import DynamicCache
 from .acceptance import acceptance_from_cache_lengths, record_target_forwards
 from .assets import eos_token_ids, pad_token_id
 from .cache_domino import cache_argument
-from .cost_model_domino import cached_verify_cost
+from .cost_model_domino import cached_verify_cost, synchronize
 from .cpu_fast_path import eager_linears
 from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
 from .modeling_domino import DominoForSpeculation, TargetModules, context_features
@@ -123,8 +123,7 @@ class Stopwatch:
     def tick(self, name: str | None = None) -> None:
         if self.timings is None:
             return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         now = time.perf_counter()
         if name is not None:
             self.timings.setdefault(name, []).append(now - self.clock)
@@ -241,8 +240,7 @@ def run_method(
                 if num_speculative_tokens is not None and "num_speculative_tokens" not in spec.options:
                     kwargs["num_speculative_tokens"] = num_speculative_tokens
             output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
-        if target.device.type == "cuda":
-            torch.cuda.synchronize(target.device)
+        synchronize(target.device)
         seconds = time.perf_counter() - start
     if spec.uses_drafter and method != "manual":
         stats = drafter.last_generation_stats
@@ -284,8 +282,7 @@ def measure_forward_ms(
         for _ in range(repeats):
             start = time.perf_counter()
             target(block, **cache_argument(cache), output_hidden_states=hidden_states)
-            if target.device.type == "cuda":
-                torch.cuda.synchronize(target.device)
+            synchronize(target.device)
             samples.append(1000 * (time.perf_counter() - start))
             cache.crop(-length)
         costs[length] = statistics.median(samples)

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from . import batching_domino
 from .assets import chat_token_ids, eos_token_ids, load_drafter, load_prompts, load_target, pad_token_id
+from .cost_model_domino import synchronize
 from .cpu_fast_path import prepare_for_cpu_decoding
 from .modeling_domino import DominoForSpeculation
 
@@ -163,7 +164,6 @@ def _generate(target, drafter, batch, method: str, max_new_tokens: int, temperat
     previous = {name: getattr(batching_domino, name) for name in loop}
     for name, value in loop.items():
         setattr(batching_domino, name, value)
-    batch = {name: tensor.to(target.device) for name, tensor in batch.items()}
     try:
         return target.generate(**batch, max_new_tokens=max_new_tokens, **sampling, **options)
     finally:
@@ -199,7 +199,10 @@ def run_batch_benchmark(
     # that one method's decisions never start from another's (e.g. `_makespan` from the mean's discounted rates).
     drafters = {method: copy.deepcopy(drafter) for method in methods if method != "target"}
     for batch_size in batch_sizes:
-        batches = left_padded_groups(tokenizer, prompts, batch_size, pad)
+        batches = [
+            {name: tensor.to(target.device) for name, tensor in batch.items()}
+            for batch in left_padded_groups(tokenizer, prompts, batch_size, pad)
+        ]
         results = {method: BatchRow(batch_size, method) for method in methods}
         for method in methods:  # warm-up: kernels, and the adaptive policy's cost table for this batch shape
             _generate(target, drafters.get(method), batches[0], method, warmup_tokens, temperature)
@@ -214,8 +217,7 @@ def run_batch_benchmark(
                         outputs[method] = _generate(
                             target, drafters.get(method), batch, method, max_new_tokens, temperature
                         )
-                        if target.device.type == "cuda":
-                            torch.cuda.synchronize(target.device)
+                        synchronize(target.device)
                         seconds[method].append(time.perf_counter() - start)
                     if repeat == 0:
                         results[method].forwards.append(forwards[0] - 1)
