@@ -2,11 +2,13 @@
 
 Issue 22, Part A.4. Random weights (acceptance is meaningless there), so this measures costs only:
 
-- one target token, and a 17-token verification (anchor + 16 drafts), on a cached context;
+- one target token, and a 17-token verification (anchor + 16 drafts), on a cached context (and on a cache grown in
+  place, as `generate()` with a drafter grows it);
 - the draft: backbone (5 layers over the block and the new context), LM head on the 16 draft positions, the Domino
   head rollout (eager, and the fused Triton / CUDA-graph rollouts where they run);
 - what transformers' assisted loop adds per cycle: `generate(..., draft_policy="fixed")`'s `verify` timing (target
-  forward plus the loop's own work) against the bare 17-token forward.
+  forward plus the loop's own work) against the bare 17-token forward, with the 17-token forwards inside the loop
+  timed on their own and the arguments the loop passes them printed (what can make them differ from a bare one).
 
 It then prints the speedup these costs imply at the paper's tau of 7.17, labelled as implied. On a GPU:
 
@@ -25,10 +27,10 @@ import statistics
 import time
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
 from hf_domino import DominoConfig, DominoForSpeculation, TargetModules
-from hf_domino.cache_domino import CACHE_ARGUMENT, cache_argument
+from hf_domino.cache_domino import CACHE_ARGUMENT, buffer_layers, cache_argument
 from hf_domino.drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
 from hf_domino.modeling_domino import context_features
 
@@ -95,6 +97,15 @@ def measure(target, drafter, context_tokens: int, device: torch.device, reps: in
 
     costs["target, 1 token"] = median_ms(lambda: forward(1), device, reps=reps)
     costs["target, 17 tokens (verification)"] = median_ms(lambda: forward(17), device, reps=reps)
+    # generate() with a drafter grows the target's cache in place (`buffer_layers`): the same forward on such a cache.
+    buffered = buffer_layers(DynamicCache(config=target.config), reserve=context_tokens + 256)
+    target(prompt, use_cache=True, **cache_argument(buffered))
+
+    def forward_buffered() -> None:
+        target(prompt[:, -17:], use_cache=True, **cache_argument(buffered), output_hidden_states=layers)
+        buffered.crop(-17)
+
+    costs["target, 17 tokens, cache grown in place"] = median_ms(forward_buffered, device, reps=reps)
 
     anchor = prompt[:, -1:]
     # A cycle's backbone reads the block and the few tokens verified since the last one; the rest is cached.
@@ -131,14 +142,56 @@ def measure(target, drafter, context_tokens: int, device: torch.device, reps: in
 
 
 @torch.no_grad()
-def loop_overhead(target, drafter, context_tokens: int, device: torch.device, new_tokens: int) -> float:
-    """ms per cycle that transformers' assisted loop adds over the bare 17-token target forward."""
+def loop_overhead(
+    target, drafter, context_tokens: int, device: torch.device, new_tokens: int
+) -> tuple[float, float, str]:
+    """What a cycle of transformers' assisted loop costs around its verification: the median `verify` timing (the
+    target forward plus the loop's own work), the median of the 17-token target forwards inside that loop, and the
+    arguments the loop passes to them (names and shapes), which is where a forward in the loop can differ from a bare
+    one."""
     prompt = torch.randint(3, target.config.vocab_size, (1, context_tokens), device=device)
     kwargs = dict(assistant_model=drafter, draft_policy="fixed", do_sample=False, domino_timings=True)
     target.generate(prompt, max_new_tokens=8, **kwargs)
-    target.generate(prompt, max_new_tokens=new_tokens, **kwargs)
+    forwards, arguments, started = [], [], []
+
+    def before(module, args, forward_kwargs):
+        synchronize(device)
+        started.append(time.perf_counter())
+        if not arguments and forward_kwargs.get("input_ids", args[0] if args else None).shape[-1] == 17:
+            arguments.append(describe(forward_kwargs))
+
+    def after(module, args, forward_kwargs, output):
+        synchronize(device)
+        seconds = time.perf_counter() - started.pop()
+        if forward_kwargs.get("input_ids", args[0] if args else None).shape[-1] == 17:
+            forwards.append(seconds)
+
+    hooks = [
+        target.register_forward_pre_hook(before, with_kwargs=True),
+        target.register_forward_hook(after, with_kwargs=True),
+    ]
+    try:
+        target.generate(prompt, max_new_tokens=new_tokens, **kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
     verify = drafter.last_generation_stats.timings["verify"]
-    return 1000 * statistics.median(verify)
+    if not forwards:  # every block was cut by max_new_tokens: ask for more new tokens
+        raise ValueError(f"no 17-token verification in generate(max_new_tokens={new_tokens}); pass --new-tokens 64")
+    return 1000 * statistics.median(verify), 1000 * statistics.median(forwards), arguments[0]
+
+
+def describe(forward_kwargs: dict) -> str:
+    """`name: shape` (tensors), `name: type` (caches), `name: value` (the rest), one per argument."""
+    parts = []
+    for name, value in forward_kwargs.items():
+        if isinstance(value, torch.Tensor):
+            parts.append(f"{name}: {tuple(value.shape)} {value.dtype}")
+        elif value is None or isinstance(value, (bool, int, float, str, list, tuple)):
+            parts.append(f"{name}: {value!r}")
+        else:
+            parts.append(f"{name}: {type(value).__name__}")
+    return ", ".join(parts)
 
 
 @torch.no_grad()
@@ -182,7 +235,10 @@ def main() -> None:
     torch.manual_seed(0)
     target, drafter = build(args.shape, getattr(torch, args.dtype), device)
     costs = measure(target, drafter, args.context_tokens, device, args.reps)
-    verify_in_loop = loop_overhead(target, drafter, args.context_tokens, device, args.new_tokens)
+    verify_in_loop, forward_in_loop, loop_arguments = loop_overhead(
+        target, drafter, args.context_tokens, device, args.new_tokens
+    )
+    costs["target, 17 tokens, inside generate()"] = forward_in_loop
     costs["transformers' loop, per cycle (verify timing - bare 17-token forward)"] = (
         verify_in_loop - costs["target, 17 tokens (verification)"]
     )
@@ -199,6 +255,7 @@ def main() -> None:
         print(f"| {key} | {value:.2f} |")
     print(f"| **cycle** (fastest head) | {cycle:.2f} |")
     implied = PAPER_TAU * costs["target, 1 token"] / cycle
+    print(f"\nThe loop's 17-token forward was called with: {loop_arguments}")
     print(f"\nImplied (not measured) speedup at the paper's tau {PAPER_TAU}: {implied:.2f}x (head {head / cycle:.1%})")
     if args.profile:
         print(f"\ngenerate(max_new_tokens={args.profile}) with the drafter (draft_policy='fixed'), profiled:\n")
