@@ -59,7 +59,11 @@ def test_the_costs_stage_runs_here_at_toy_shapes(tmp_path):
     result = run(["bash", str(GPU / "stages.sh"), "costs"], tmp_path, COST_SHAPE="tiny")
     log = (tmp_path / "stage" / "results" / "costs.log").read_text()
     assert "costs: exit 0" in (tmp_path / "stage" / "results" / "stages.log").read_text(), result.stderr + log
-    for row in ("target, 17 tokens, cache grown in place", "target, 17 tokens, inside generate()", "**cycle** (fastest head)"):
+    for row in (
+        "target, 17 tokens, cache grown in place",
+        "target, 17 tokens, inside generate()",
+        "**cycle** (fastest head)",
+    ):
         assert f"| {row} | " in log, log
     assert "The loop's 17-token forward was called with: input_ids: (1, 17)" in log
     assert "Implied (not measured) speedup" in log and "Ordered by: internal time" in log
