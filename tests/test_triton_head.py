@@ -522,8 +522,12 @@ def test_select_rollout_modes(interp, monkeypatch):
     assert isinstance(rollout, fused_head.FusedRollout) and type(rollout.fused) is fused_head.TritonRollout
     with pytest.raises(RuntimeError, match="CUDA"):
         select("triton+graph")
-    with pytest.raises(ValueError, match="logits processors"):
+    with pytest.raises(ValueError, match="logits processors"):  # greedy: top-k would change the argmax
         select("triton", logits_processor=LogitsProcessorList([TopKLogitsWarper(5)]))
+    top_k = TopKLogitsWarper(5)  # sampling: top-k runs fused
+    assert list(select("triton", do_sample=True, logits_processor=LogitsProcessorList([top_k])).fused.warpers) == [
+        top_k
+    ]
     with pytest.raises(ValueError, match="mode must be one of"):
         select("fast")
 
@@ -578,13 +582,124 @@ def test_forcing_triton_on_cpu_without_the_interpreter_raises():
         fused_head.select_rollout(drafter, target, do_sample=False, logits_processor=None, mode="triton")
 
 
-def test_split_temperature():
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+def test_split_processors():
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
-    assert fused_head.split_temperature(None) == (None, False)
-    assert fused_head.split_temperature(LogitsProcessorList([TemperatureLogitsWarper(0.7)])) == (0.7, False)
-    processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(50)])
-    assert fused_head.split_temperature(processors) == (0.7, True)
+    split = fused_head.split_processors
+    assert split(None, do_sample=True) == (None, None, False)
+    assert split(LogitsProcessorList([TemperatureLogitsWarper(0.7)]), do_sample=True) == (0.7, None, False)
+    # What generate() builds for a sampling call with Qwen3's defaults: the temperature, then top-k and top-p.
+    top_k, top_p, min_p = TopKLogitsWarper(20), TopPLogitsWarper(0.95), MinPLogitsWarper(0.05)
+    temperature, warpers, others = split(LogitsProcessorList([TemperatureLogitsWarper(0.6), top_k, top_p]), True)
+    assert (temperature, list(warpers), others) == (0.6, [top_k, top_p], False)
+    assert list(split(LogitsProcessorList([min_p]), True)[1]) == [min_p]
+    # Eager: a processor that reads the sequence, a temperature after a warper, any processor when greedy.
+    penalty = RepetitionPenaltyLogitsProcessor(1.2)
+    assert split(LogitsProcessorList([penalty, TemperatureLogitsWarper(0.7), top_k]), True)[1:] == (None, True)
+    assert split(LogitsProcessorList([top_k, TemperatureLogitsWarper(0.7)]), True) == (None, None, True)
+    assert split(LogitsProcessorList([TemperatureLogitsWarper(0.7)]), do_sample=False) == (0.7, None, False)
+    assert split(LogitsProcessorList([top_k]), do_sample=False) == (None, None, True)
+
+
+# ------------------------------------------------------------------------------------- sampling with top-k/top-p/min-p
+def qwen3_warpers():
+    """What generate() builds for a sampling call with top-k and top-p after the temperature (Qwen3's defaults have
+    this shape), sized to the tiny vocabulary."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    return LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(12), TopPLogitsWarper(0.8)])
+
+
+@pytest.mark.parametrize("vocab_name", [None, *VOCABS])
+def test_fused_rollout_with_top_k_top_p_returns_the_warped_logits_it_drew_from(interp, vocab_name):
+    # Along the drafted path, the logits returned are the eager pick's processed logits (the whole list: temperature,
+    # top-k, top-p), and every draft is a token those logits keep: the draws come from the warped distribution, which
+    # is what speculative sampling needs to stay lossless.
+    from transformers import LogitsProcessorList
+
+    vocab = None if vocab_name is None else VOCABS[vocab_name]
+    if vocab is None:
+        drafter = tiny_drafter()
+        embed, draft_hidden, base_logits, anchor_ids = tiny_inputs(drafter.config.num_drafts)
+        target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
+    else:
+        drafter, target, embed, draft_hidden, base_logits, anchor_ids = vocab_case(vocab)
+    processors = qwen3_warpers()
+    warpers = LogitsProcessorList(processors[1:])
+    options = {"head": True, "pure_draft_prefix_len": 1, "temperature": 0.7, "vocab": vocab, "warpers": warpers}
+    torch.manual_seed(123)
+    draft_ids, logits = triton_rollout.fused_rollout(
+        drafter, draft_hidden, base_logits, anchor_ids, embed.weight, **options
+    )
+    position = iter(range(draft_ids.shape[1]))
+
+    def replay(step_logits: torch.Tensor, realised_ids: torch.LongTensor):
+        step_logits = step_logits.float()
+        if vocab is not None:
+            full = step_logits.new_full((step_logits.shape[0], VOCAB), float("-inf"))
+            step_logits = full.index_copy_(-1, vocab, step_logits)
+        return draft_ids[:, next(position)].reshape(1, 1), processors(realised_ids, step_logits)
+
+    with torch.no_grad():
+        expected = eager_rollout(drafter, target, replay)(BlockDraft(draft_hidden, base_logits, vocab), anchor_ids)
+    assert logits.shape == (1, drafter.config.num_drafts, VOCAB)
+    torch.testing.assert_close(logits, expected.logits, atol=1e-5, rtol=0)
+    kept = torch.isfinite(logits)
+    assert (kept.sum(-1) <= 12).all() and (kept.sum(-1) >= 1).all(), "top-k must leave at most 12 tokens"
+    assert torch.gather(kept, -1, draft_ids[..., None]).all(), "a draft outside what the warpers kept"
+
+    torch.manual_seed(123)
+    again, _ = triton_rollout.fused_rollout(drafter, draft_hidden, base_logits, anchor_ids, embed.weight, **options)
+    assert torch.equal(again, draft_ids), "torch.manual_seed must make sampled drafts reproducible"
+
+
+def test_warped_draws_follow_the_warped_softmax(interp):
+    # 400 independent draws of one position (rows with their own Philox streams): the kept tokens in the proportions
+    # of the warped distribution, the filtered ones never. The power check: without the warpers the counts differ.
+    from transformers import LogitsProcessorList, TopKLogitsWarper
+
+    draws, vocab = 400, 6
+    base = torch.tensor([[1.0, 0.6, 0.3, 0.0, -0.2, -0.3]]).expand(draws, vocab).contiguous()
+    ws = kernels.Workspace(draws, vocab, base.device, None, warped=True)
+    ws.seed.fill_(7)
+    warpers = LogitsProcessorList([TopKLogitsWarper(3)])
+    kernels.launch_logits_pick(ws, slice(0, draws), base, None, None, sample=True)
+    kernels.launch_warped_pick(ws, slice(0, draws), triton_rollout.warp_scores(warpers))
+    tokens = ws.tokens[1:]
+    assert torch.isneginf(ws.logits[:, 3:]).all() and torch.equal(ws.logits[:, :3], base[:, :3])
+    counts = torch.bincount(tokens, minlength=vocab).float()
+    assert counts[3:].sum() == 0, counts
+    assert chi_square(counts[:3], torch.softmax(base[0, :3], -1)) < 13.82, counts  # 2 degrees of freedom, p = 0.001
+    assert chi_square(counts, torch.softmax(base[0], -1)) > 20.52, "the test cannot tell the warped law from the plain"
+
+
+def test_generate_with_top_k_top_p_runs_the_fused_head(interp, monkeypatch):
+    # generate() with a sampling call's warpers takes the fused rollout (no longer eager); the tests above prove the
+    # drafts it offers come with the warped logits they were drawn from, which speculative sampling verifies against
+    # the target's own warped distribution.
+    calls = []
+    original = fused_head.TritonRollout.__call__
+
+    def spy(self, *args, **kwargs):
+        calls.append(self.warpers)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(fused_head.TritonRollout, "__call__", spy)
+    torch.manual_seed(0)
+    target = small_target()
+    drafter = tiny_drafter()
+    prompt = torch.tensor([[5, 17, 42, 8, 9]])
+    options = dict(max_new_tokens=12, do_sample=True, temperature=0.7, top_k=12, top_p=0.8, draft_policy="fixed")
+    output = target.generate(prompt, assistant_model=drafter, domino_rollout="triton", pad_token_id=0, **options)
+    assert prompt.shape[1] < output.shape[1] <= prompt.shape[1] + 12
+    assert calls and all(len(warpers) == 2 for warpers in calls), calls
 
 
 # -------------------------------------------------------------------------------------------------------------- GPU
@@ -706,6 +821,31 @@ def test_cuda_graph_runner_sampling_draws_fresh_noise():
     flat = torch.zeros_like(base_logits)  # near-uniform drafts: repeated draws must differ
     draws = {tuple(runner(draft_hidden, flat, anchor_ids, embed.weight)[0].tolist()[0]) for _ in range(8)}
     assert len(draws) > 1 and runner.num_captures == 1
+
+
+@requires_cuda
+@pytest.mark.parametrize("vocab_name", [None, "without the anchor"])
+def test_cuda_graph_runner_with_top_k_top_p_replays_the_fused_rollout(vocab_name):
+    # The warpers' torch ops are captured with the kernels: each replay (same seed) draws what the fused rollout
+    # launched op by op draws, from the same warped logits, and draws afresh with another seed.
+    from transformers import LogitsProcessorList
+
+    drafter, embed, draft_hidden, base_logits, anchor_ids = cuda_case(torch.float32)
+    vocab = None if vocab_name is None else VOCABS[vocab_name].cuda()
+    base = base_logits if vocab is None else base_logits[..., vocab]
+    warpers = LogitsProcessorList(qwen3_warpers()[1:])
+    runner = fused_head.DominoHeadGraphRunner(drafter, temperature=0.7, warpers=warpers)
+    options = {"head": True, "pure_draft_prefix_len": 1, "temperature": 0.7, "vocab": vocab, "warpers": warpers}
+    for seed in (5, 6):
+        torch.manual_seed(seed)
+        ids, logits = runner(draft_hidden, base, anchor_ids, embed.weight, vocab)
+        torch.manual_seed(seed)
+        expected_ids, expected_logits = triton_rollout.fused_rollout(
+            drafter, draft_hidden, base, anchor_ids, embed.weight, **options
+        )
+        assert torch.equal(ids, expected_ids) and runner.num_captures == 1
+        torch.testing.assert_close(logits, expected_logits)
+        assert (torch.isfinite(logits).sum(-1) <= 12).all()
 
 
 @requires_cuda

@@ -1,8 +1,8 @@
 """The fused Domino head rollout behind the drafting ladder's `Rollout` signature, and when to use it.
 
 `hf_domino.drafting_domino.eager_rollout` is the reference rollout; this module offers two faster ones built on the
-kernels of `hf_domino.triton_kernels`, for greedy decoding and plain temperature sampling, over the whole vocabulary
-or over the drafter's draft vocabulary:
+kernels of `hf_domino.triton_kernels`, for greedy decoding and sampling (temperature, and top-k / top-p / min-p after
+it), over the whole vocabulary or over the drafter's draft vocabulary:
 
 - `TritonRollout`: the fused kernels, launched one by one for every block;
 - `DominoHeadGraphRunner`: the same launches captured once as a CUDA graph and replayed, which removes the launch
@@ -35,6 +35,7 @@ from .triton_rollout import (
     launch_rollout,
     prepare_rollout,
     rows_contiguous,
+    warp_scores,
 )
 
 if TYPE_CHECKING:
@@ -61,12 +62,21 @@ class TritonRollout:
         drafter: the drafter whose head to run.
         temperature: `None` for greedy, else the sampling temperature.
         head: correct the base logits with the Domino head (off: base-logits argmax / sampling, DFlash drafting).
+        warpers: when sampling, the score-only warpers that follow the temperature (`split_processors`).
     """
 
-    def __init__(self, drafter: DominoForSpeculation, *, temperature: float | None, head: bool = True):
+    def __init__(
+        self,
+        drafter: DominoForSpeculation,
+        *,
+        temperature: float | None,
+        head: bool = True,
+        warpers: LogitsProcessorList | None = None,
+    ):
         self.drafter = drafter
         self.temperature = temperature
         self.head = head
+        self.warpers = warpers if temperature is not None and warpers else None
         self._checked_vocab: tuple | None = None
 
     def _check_vocab_once(self, vocab: torch.Tensor | None, embed: torch.Tensor) -> None:
@@ -99,6 +109,7 @@ class TritonRollout:
             temperature=self.temperature,
             vocab=vocab,
             check_vocab=False,
+            warpers=self.warpers,
         )
 
 
@@ -116,7 +127,8 @@ class DominoHeadGraphRunner(TritonRollout):
     which is exact because a draft position never depends on later ones (blocks shrink near `max_length`, and
     re-capturing there would cost more than the few wasted positions). Weights updated in place are picked up without
     re-capture: the graph reads them by address. The temperature and the sampling seed live in device buffers, so
-    neither forces a re-capture.
+    neither forces a re-capture. Top-k / top-p / min-p warpers are torch ops on the workspace's logits, captured with
+    the kernels (their parameters are read at capture: a runner serves one `generate()` call's settings).
 
     Outputs are copied out of the static buffers, so a result stays valid after the next call.
 
@@ -124,6 +136,7 @@ class DominoHeadGraphRunner(TritonRollout):
         drafter: the drafter whose head to run.
         temperature: `None` for greedy, else the sampling temperature.
         head: correct the base logits with the Domino head.
+        warpers: when sampling, the score-only warpers that follow the temperature (`split_processors`).
         fallback_on_capture_error: when capture fails (e.g. inside another capture), warn once and run the fused
             kernels without a graph from then on, instead of raising.
     """
@@ -134,9 +147,10 @@ class DominoHeadGraphRunner(TritonRollout):
         *,
         temperature: float | None,
         head: bool = True,
+        warpers: LogitsProcessorList | None = None,
         fallback_on_capture_error: bool = False,
     ):
-        super().__init__(drafter, temperature=temperature, head=head)
+        super().__init__(drafter, temperature=temperature, head=head, warpers=warpers)
         self.fallback_on_capture_error = fallback_on_capture_error
         self.num_captures = 0
         self._key: tuple | None = None
@@ -235,9 +249,11 @@ class DominoHeadGraphRunner(TritonRollout):
         self._device = base_logits.device
         num_drafts, vocab_size = base_logits.shape[1:]
         spread_size = self.drafter.config.vocab_size if self.temperature is not None else None
+        warp = warp_scores(self.warpers)
         self._workspace = Workspace(
-            num_drafts, vocab_size, self._device, weights, vocab=vocab, spread_size=spread_size
-        )
+            num_drafts, vocab_size, self._device, weights, vocab=vocab, spread_size=spread_size,
+            warped=warp is not None,
+        )  # fmt: skip
         self._draft_hidden = draft_hidden[0].clone()
         self._base_logits = rows_contiguous(base_logits[0]).clone()
         prefix_len = self.drafter.config.pure_draft_prefix_len
@@ -251,6 +267,7 @@ class DominoHeadGraphRunner(TritonRollout):
                 self._workspace,
                 prefix_len=prefix_len,
                 sample=self.temperature is not None,
+                warp=warp,
             )
 
         # Warm up on a side stream (as torch.cuda.graphs recommends): compiles the Triton kernels and settles the
@@ -292,21 +309,33 @@ class FusedRollout:
 
 
 # ----------------------------------------------------------------------------------------------------------- dispatch
-def split_temperature(logits_processor: LogitsProcessorList | None) -> tuple[float | None, bool]:
-    """`(temperature, has_other_processors)` of a logits-processor list, for `select_rollout`.
+def split_processors(
+    logits_processor: LogitsProcessorList | None, do_sample: bool
+) -> tuple[float | None, LogitsProcessorList | None, bool]:
+    """`(temperature, warpers, has_other_processors)` of a call's logits processors, for `select_rollout`.
 
-    The fast path covers an empty list and a lone `TemperatureLogitsWarper`; the temperature is `None` when the list
-    holds none (i.e. 1.0 when sampling).
+    The fused path runs what a plain sampling call holds: a temperature (`None` when there is none, i.e. 1.0), then
+    any of top-k, top-p and min-p, in the list's order (transformers puts the temperature first). They read the
+    scores alone, so a captured graph can apply them. Anything else (penalties, which read the sequence; a
+    temperature after another warper; any processor when decoding greedily) is left to the eager path.
     """
-    from transformers.generation.logits_process import TemperatureLogitsWarper
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
-    temperature, others = None, False
-    for processor in logits_processor or ():
-        if isinstance(processor, TemperatureLogitsWarper) and temperature is None:
-            temperature = float(processor.temperature)
-        else:
-            others = True
-    return temperature, others
+    processors = list(logits_processor or ())
+    temperature = None
+    if processors and isinstance(processors[0], TemperatureLogitsWarper):
+        temperature = float(processors.pop(0).temperature)
+    if not do_sample:  # greedy decoding ignores a temperature; other processors change the argmax
+        return temperature, None, bool(processors)
+    score_only = (TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+    others = any(type(processor) not in score_only for processor in processors)
+    return temperature, (LogitsProcessorList(processors) if processors and not others else None), others
 
 
 def select_rollout(
@@ -326,8 +355,8 @@ def select_rollout(
         drafter: the drafter.
         target: the target's embedding table and LM head; the kernels gather token embeddings from the table.
         do_sample: sampling (`True`) or greedy decoding.
-        logits_processor: the call's logits processors; only an empty list or a lone temperature runs fused (the
-            temperature is ignored for greedy decoding).
+        logits_processor: the call's logits processors; runs fused: none, or a temperature (ignored for greedy
+            decoding), and when sampling top-k / top-p / min-p after it (`split_processors`).
         mode: generate()'s `domino_rollout=` option: `"auto"` (fused kernels + CUDA graph when the drafter is on
             CUDA, Triton imports and nothing above rules it out, else `None`), `"eager"` (`None`), `"triton"` (fused
             kernels, no graph) or `"triton+graph"`. The forced modes raise, saying why, when they cannot run rather
@@ -342,7 +371,7 @@ def select_rollout(
     if mode == "eager":
         return None
     forced = mode != "auto"
-    temperature, has_other_processors = split_temperature(logits_processor)
+    temperature, warpers, has_other_processors = split_processors(logits_processor, do_sample)
     sampling_temperature = (1.0 if temperature is None else temperature) if do_sample else None
     reason = _unsupported_reason(drafter, sampling_temperature, has_other_processors, target.embed_tokens.weight)
     if reason is None and not forced and drafter.device.type != "cuda":
@@ -353,7 +382,9 @@ def select_rollout(
         return None
 
     if mode == "auto":
-        fused = DominoHeadGraphRunner(drafter, temperature=sampling_temperature, fallback_on_capture_error=True)
+        fused = DominoHeadGraphRunner(
+            drafter, temperature=sampling_temperature, warpers=warpers, fallback_on_capture_error=True
+        )
     elif drafter.device.type != "cuda" and not kernels.kernels_interpreted():
         raise RuntimeError(
             f"domino_rollout={mode!r} on {drafter.device} needs Triton's interpreter: set TRITON_INTERPRET=1 before "
@@ -364,9 +395,9 @@ def select_rollout(
             raise RuntimeError(
                 "domino_rollout='triton+graph' needs CUDA (CUDA graphs); use 'triton' under the interpreter."
             )
-        fused = DominoHeadGraphRunner(drafter, temperature=sampling_temperature)
+        fused = DominoHeadGraphRunner(drafter, temperature=sampling_temperature, warpers=warpers)
     else:
-        fused = TritonRollout(drafter, temperature=sampling_temperature)
+        fused = TritonRollout(drafter, temperature=sampling_temperature, warpers=warpers)
     return FusedRollout(fused, target)
 
 
@@ -379,7 +410,10 @@ def _unsupported_reason(
     if kernels.triton is None:
         return "Triton is not installed"
     if has_other_processors:
-        return "logits processors other than temperature (top-k, top-p, penalties, ...) only run on the eager path"
+        return (
+            "logits processors other than temperature, top-k, top-p and min-p (penalties, greedy-decoding "
+            "processors, ...) only run on the eager path"
+        )
     if temperature is not None and not temperature > 0:
         return f"temperature must be positive, got {temperature}"
     if drafter.config.has_domino_head:
@@ -399,5 +433,5 @@ __all__ = [
     "FusedRollout",
     "TritonRollout",
     "select_rollout",
-    "split_temperature",
+    "split_processors",
 ]

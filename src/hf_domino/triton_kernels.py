@@ -36,6 +36,8 @@ except ImportError:  # CPU-only installs: `hf_domino.fused_head.select_rollout()
     triton = tl = None
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .triton_rollout import HeadWeights
 
 
@@ -303,11 +305,13 @@ class Workspace:
         block_v: int = LOGITS_BLOCK_V,
         vocab: torch.Tensor | None = None,
         spread_size: int | None = None,
+        warped: bool = False,
     ):
         """`vocab_size` columns of base logits per draft; with `vocab`, they are those (sorted) token ids.
 
         With `spread_size`, the logits are stored over a whole vocabulary of that size, `-inf` outside `vocab` (what
-        sampling returns); else over the `vocab_size` columns.
+        sampling returns); else over the `vocab_size` columns. `warped`: room for `launch_warped_pick`'s second pick
+        over the stored logits.
         """
         num_tiles = _num_tiles(vocab_size, block_v)
         self.block_v = block_v
@@ -323,6 +327,11 @@ class Workspace:
         self.best_idx = torch.empty(num_drafts, num_tiles, dtype=torch.long, device=device)
         self.seed = torch.zeros(1, dtype=torch.long, device=device)
         self.temperature = torch.ones(1, dtype=torch.float32, device=device)
+        if warped:  # the re-pick reads the stored (already tempered) logits: temperature 1, tiles of a stored row
+            self.unit_temperature = torch.ones(1, dtype=torch.float32, device=device)
+            warped_tiles = _num_tiles(self.logits.shape[1], block_v)
+            self.warped_best = torch.empty(num_drafts, warped_tiles, dtype=torch.float32, device=device)
+            self.warped_best_idx = torch.empty(num_drafts, warped_tiles, dtype=torch.long, device=device)
         if weights is not None:
             gru_size, rank = weights.weight_hh.shape[1], weights.proj_out.shape[1]
             # states[j]: the GRU state after reading tokens[0..j] (the anchor and drafts 0..j-1), which is what
@@ -409,14 +418,60 @@ def launch_logits_pick(
     (`[vocab, R]`; a draft vocabulary's rows are gathered in the kernel). Rows are independent, so one launch covers
     them all.
     """
-    base = base_logits[rows]
+    _launch_pick(
+        ws,
+        rows,
+        base_logits[rows],
+        hidden,
+        proj_out_weight,
+        ws.temperature,
+        ws.best[rows],
+        ws.best_idx[rows],
+        vocab=ws.vocab,
+        spread=ws.spread,
+        sample=sample,
+    )
+
+
+def launch_warped_pick(ws: Workspace, rows: slice, warp: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Draws draft `rows` again, from their stored logits after `warp` (the call's top-k / top-p / min-p warpers).
+
+    `launch_logits_pick(..., sample=True)` stored the rows' tempered logits (over the whole vocabulary when sampling);
+    `warp` (torch ops on `[rows, V]` scores, no host synchronization, so a CUDA graph captures it) filters them in
+    place, and a Gumbel-max draw over the result replaces the tokens picked before: the drafts come from, and the
+    logits returned are, exactly the warped distribution. Needs a `Workspace(..., warped=True)`.
+    """
+    logits = ws.logits[rows]
+    logits.copy_(warp(logits))
+    _launch_pick(
+        ws, rows, logits, None, None, ws.unit_temperature, ws.warped_best[rows], ws.warped_best_idx[rows],
+        vocab=None, spread=False, sample=True,
+    )  # fmt: skip
+
+
+def _launch_pick(
+    ws: Workspace,
+    rows: slice,
+    base: torch.Tensor,
+    hidden: torch.Tensor | None,
+    proj_out_weight: torch.Tensor | None,
+    temperature: torch.Tensor,
+    best: torch.Tensor,
+    best_idx: torch.Tensor,
+    *,
+    vocab: torch.Tensor | None,
+    spread: bool,
+    sample: bool,
+) -> None:
+    """The two kernels of a pick: `base (+ hidden @ W2.T)` of `rows` into `ws.logits[rows]` with each tile's
+    winner, then the winners reduced into `ws.tokens[1 + row]`."""
     num_rows, vocab_size = base.shape
     if num_rows == 0:
         return
     tiles = _num_tiles(vocab_size, ws.block_v)
     has_correction = proj_out_weight is not None
-    has_vocab = ws.vocab is not None
-    vocab = ws.vocab if has_vocab else ws.tokens  # never read without HAS_VOCAB; any valid pointer will do
+    has_vocab = vocab is not None
+    vocab = vocab if has_vocab else ws.tokens  # never read without HAS_VOCAB; any valid pointer will do
     rank = proj_out_weight.shape[1] if has_correction else 1
     _logits_pick_kernel[(tiles, num_rows)](
         hidden if has_correction else base,
@@ -427,10 +482,10 @@ def launch_logits_pick(
         base.stride(0),
         ws.logits[rows],
         ws.logits.stride(0),
-        ws.best[rows],
-        ws.best_idx[rows],
+        best,
+        best_idx,
         ws.seed,
-        ws.temperature,
+        temperature,
         vocab,
         rows.start,  # the Philox counter's row: no two draft positions share noise
         vocab_size,
@@ -439,14 +494,14 @@ def launch_logits_pick(
         HAS_CORRECTION=has_correction,
         SAMPLE=sample,
         HAS_VOCAB=has_vocab,
-        SPREAD=ws.spread,
+        SPREAD=spread,
         BLOCK_V=ws.block_v,
         BLOCK_R=_pow2(rank, LOGITS_BLOCK_R),
         num_warps=4,
     )
     _finalize_pick_kernel[(num_rows,)](
-        ws.best[rows],
-        ws.best_idx[rows],
+        best,
+        best_idx,
         vocab,
         ws.tokens,
         1 + rows.start,
@@ -524,5 +579,6 @@ __all__ = [
     "launch_correction_hidden",
     "launch_gru_cell",
     "launch_logits_pick",
+    "launch_warped_pick",
     "logits_pick",
 ]

@@ -18,9 +18,14 @@ from .triton_kernels import (
     launch_correction_hidden,
     launch_gru_cell,
     launch_logits_pick,
+    launch_warped_pick,
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from transformers import LogitsProcessorList
+
     from .modeling_domino import DominoForSpeculation
 
 
@@ -58,19 +63,26 @@ def launch_rollout(
     *,
     prefix_len: int,
     sample: bool,
+    warp: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Enqueues one block's rollout; no host synchronization, no data-dependent control flow (graph-capturable).
 
     `draft_hidden` `[k, H]` and `base_logits` `[k, V]` are the block's rows (over `workspace.vocab` when the drafter
     has a draft vocabulary); `workspace.tokens[0]` holds the anchor, `workspace.seed`/`workspace.temperature` the
     sampling parameters. Drafts (token ids) land in `workspace.tokens[1:]`, the logits they were picked from in
-    `workspace.logits`.
+    `workspace.logits`. When sampling, `warp` (top-k / top-p / min-p as torch ops, see `warp_scores`) filters each
+    position's tempered logits before its draw.
     """
     ws, num_drafts = workspace, base_logits.shape[0]
     prefix_len = num_drafts if weights is None else min(prefix_len, num_drafts)
 
+    def pick(rows: slice, hidden: torch.Tensor | None, proj_out: torch.Tensor | None) -> None:
+        launch_logits_pick(ws, rows, base_logits, hidden, proj_out, sample=sample)
+        if warp is not None and sample:
+            launch_warped_pick(ws, rows, warp)
+
     # The pure-draft prefix (all drafts, without an active head) reads the base logits alone: one launch for all rows.
-    launch_logits_pick(ws, slice(0, prefix_len), base_logits, None, None, sample=sample)
+    pick(slice(0, prefix_len), None, None)
     if prefix_len == num_drafts:
         return
 
@@ -85,7 +97,7 @@ def launch_rollout(
         launch_gru_cell(*gru, j, ws.states[j - 1], weights.weight_ih, weights.weight_hh, ws.states[j])
     for i in range(prefix_len, num_drafts):
         launch_correction_hidden(ws.proj[i], ws.states[i], weights.proj_in, hidden_size, ws.hidden[i])
-        launch_logits_pick(ws, slice(i, i + 1), base_logits, ws.hidden[i : i + 1], weights.proj_out, sample=sample)
+        pick(slice(i, i + 1), ws.hidden[i : i + 1], weights.proj_out)
         if i + 1 < num_drafts:  # the last draft is never read back
             launch_gru_cell(*gru, i + 1, ws.states[i], weights.weight_ih, weights.weight_hh, ws.states[i + 1])
 
@@ -159,6 +171,14 @@ def rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
+def warp_scores(warpers: LogitsProcessorList | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`scores -> warpers(scores)`, as `launch_rollout` applies them; `None` for no warpers. Only score-only warpers
+    (`fused_head.split_processors` admits them) may be passed: they are called without the sequence's ids."""
+    if not warpers:
+        return None
+    return lambda scores: warpers(None, scores)
+
+
 @torch.no_grad()
 def fused_rollout(
     drafter: DominoForSpeculation,
@@ -172,8 +192,9 @@ def fused_rollout(
     temperature: float | None,
     vocab: torch.Tensor | None = None,
     check_vocab: bool = True,
+    warpers: LogitsProcessorList | None = None,
 ) -> tuple[torch.LongTensor, torch.Tensor]:
-    """`eager_rollout` with the fused kernels, for greedy decoding or plain temperature sampling.
+    """`eager_rollout` with the fused kernels, for greedy decoding or sampling (temperature, top-k, top-p, min-p).
 
     The caller states whether the head is on (`head`), rather than this function reading a default from the drafter:
     head on/off is a per-`generate()` option, and a captured graph must know which one it was captured for.
@@ -192,12 +213,15 @@ def fused_rollout(
             is over them, and the GRU reads the picked token ids.
         check_vocab: check `vocab`'s values (`check_vocab_ids`, one device synchronization); a caller that already
             checked this vocabulary tensor passes `False`.
+        warpers: when sampling, transformers' score-only warpers that follow the temperature in the call's logits
+            processors (`TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`; see `fused_head.split_processors`),
+            applied to each position's tempered logits before its draw.
 
     Returns:
         `(draft_ids [1, k], logits [1, k, V] fp32)`: the drafts (token ids) and the processed logits each was picked
         from, as `eager_rollout` returns them: greedy, over the base logits' `V'` columns; sampling,
-        `logits / temperature` over the whole vocabulary (`config.vocab_size` columns, `-inf` outside `vocab`, as
-        `processed_pick` spreads them so that speculative sampling stays lossless).
+        `logits / temperature` (then warped) over the whole vocabulary (`config.vocab_size` columns, `-inf` outside
+        `vocab`, as `processed_pick` spreads them so that speculative sampling stays lossless).
     """
     weights, device = prepare_rollout(drafter, head, draft_hidden, base_logits, target_embed_weight, vocab)
     if temperature is not None and not temperature > 0:
@@ -209,7 +233,10 @@ def fused_rollout(
         if check_vocab:
             check_vocab_ids(vocab, min(drafter.config.vocab_size, target_embed_weight.shape[0]))
     spread_size = drafter.config.vocab_size if temperature is not None else None
-    workspace = Workspace(num_drafts, vocab_size, device, weights, vocab=vocab, spread_size=spread_size)
+    warp = warp_scores(warpers) if temperature is not None else None
+    workspace = Workspace(
+        num_drafts, vocab_size, device, weights, vocab=vocab, spread_size=spread_size, warped=warp is not None
+    )
     workspace.start(anchor_ids, temperature)
     launch_rollout(
         weights,
@@ -219,5 +246,6 @@ def fused_rollout(
         workspace,
         prefix_len=pure_draft_prefix_len,
         sample=temperature is not None,
+        warp=warp,
     )
     return workspace.tokens[None, 1:].to(anchor_ids.device), workspace.logits[None]
