@@ -10,6 +10,7 @@ called exactly as the candidate generator calls them. Prints a markdown table of
 
     python examples/head_microbench.py                       # greedy
     python examples/head_microbench.py --temperature 1.0     # sampling (Gumbel-max in the fused kernels)
+    python examples/head_microbench.py --temperature 0.6 --top-k 20 --top-p 0.95   # Qwen3's sampling defaults
     python examples/head_microbench.py --shapes smollm2-135m  # the shipped drafter, whole vocabulary
     python examples/head_microbench.py --shapes smollm2-135m \
         --draft-vocab src/hf_domino/checkpoints/smollm2-135m-instruct-domino/draft_vocab.safetensors
@@ -87,20 +88,28 @@ def load_draft_vocab(spec: str | None, vocab_size: int, device: torch.device) ->
     return torch.sort(ids).values.to(device)
 
 
-def logits_processor(temperature: float | None):
-    """The processor list generate() builds for greedy or plain temperature sampling (`None` when empty)."""
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper
+def logits_processor(temperature: float | None, top_k: int | None = None, top_p: float | None = None):
+    """The processor list generate() builds for greedy decoding or sampling (`None` when empty): a temperature,
+    then top-k and top-p."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    if temperature in (None, 1.0):  # transformers adds no warper for temperature 1
-        return None
-    return LogitsProcessorList([TemperatureLogitsWarper(temperature)])
-
-
-def eager_pick(temperature: float | None, vocab_size: int, vocab: torch.Tensor | None) -> Pick:
-    """The pick the candidate generator gives `eager_rollout` for this decoding mode."""
     if temperature is None:
+        return None
+    processors = LogitsProcessorList()
+    if temperature != 1.0:  # transformers adds no warper for temperature 1
+        processors.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        processors.append(TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    return processors or None
+
+
+def eager_pick(processors, do_sample: bool, vocab_size: int, vocab: torch.Tensor | None) -> Pick:
+    """The pick the candidate generator gives `eager_rollout` for this decoding mode."""
+    if not do_sample:
         return greedy_pick
-    return processed_pick(logits_processor(temperature), True, vocab, vocab_size)
+    return processed_pick(processors, True, vocab, vocab_size)
 
 
 def synchronize() -> None:
@@ -125,6 +134,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-drafts", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default greedy)")
+    parser.add_argument("--top-k", type=int, default=None, help="when sampling, top-k after the temperature")
+    parser.add_argument("--top-p", type=float, default=None, help="when sampling, top-p after top-k")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-8b", help="defaults for the four sizes")
@@ -160,11 +171,12 @@ def main() -> None:
     draft_hidden = torch.randn(1, args.num_drafts, args.hidden_size, device=device, dtype=DTYPES[args.dtype])
     block = BlockDraft(draft_hidden, torch.randn(1, args.num_drafts, columns, device=device) * 4, vocab)
     anchor_ids = torch.tensor([[42]], device=device)
-    do_sample, processors = args.temperature is not None, logits_processor(args.temperature)
+    do_sample = args.temperature is not None
+    processors = logits_processor(args.temperature, args.top_k, args.top_p)
 
     eager_name = "eager (`eager_rollout`)"
     rollouts = {
-        eager_name: eager_rollout(drafter, target, eager_pick(args.temperature, args.vocab_size, vocab)),
+        eager_name: eager_rollout(drafter, target, eager_pick(processors, do_sample, args.vocab_size, vocab)),
         "fused Triton": select_rollout(
             drafter, target, do_sample=do_sample, logits_processor=processors, mode="triton"
         ),
@@ -198,6 +210,8 @@ def main() -> None:
         f"Shapes: hidden {args.hidden_size}, GRU {args.gru_hidden_dim}, rank {args.emb_dim}, vocab {args.vocab_size} "
         f"({draft_vocab}), {args.num_drafts} drafts, {args.dtype} weights, "
         f"{'greedy' if args.temperature is None else f'T={args.temperature}'}"
+        f"{f', top-k {args.top_k}' if do_sample and args.top_k else ''}"
+        f"{f', top-p {args.top_p}' if do_sample and args.top_p is not None else ''}"
     )
     print(f"Command: `python {shlex.join(sys.argv)}` (median of {args.reps} blocks after {args.warmup} warm-up)\n")
     print("| path | ms / block | speedup vs eager | drafts equal to eager |")

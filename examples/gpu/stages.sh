@@ -47,10 +47,10 @@ stage() {  # stage NAME LIMIT COMMAND...
 }
 
 micro() {  # the head alone: Qwen3-8B shapes, the shipped drafter's without and with its draft vocabulary
-  for temperature in "" "--temperature 1.0"; do
+  for temperature in "--temperature 0.6 --top-k 20 --top-p 0.95" "" "--temperature 1.0"; do  # Qwen3's defaults first
     python3 examples/head_microbench.py --reps $MICRO_REPS $temperature
-    python3 examples/head_microbench.py --reps $MICRO_REPS --shapes smollm2-135m $temperature
     python3 examples/head_microbench.py --reps $MICRO_REPS --shapes smollm2-135m --draft-vocab $VOCAB $temperature
+    python3 examples/head_microbench.py --reps $MICRO_REPS --shapes smollm2-135m $temperature
   done
 }
 
