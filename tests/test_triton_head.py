@@ -617,8 +617,11 @@ def qwen3_warpers():
     return LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(12), TopPLogitsWarper(0.8)])
 
 
+@pytest.mark.parametrize("pure_draft_prefix_len", [0, 1])
 @pytest.mark.parametrize("vocab_name", [None, *VOCABS])
-def test_fused_rollout_with_top_k_top_p_returns_the_warped_logits_it_drew_from(interp, vocab_name):
+def test_fused_rollout_with_top_k_top_p_returns_the_warped_logits_it_drew_from(
+    interp, vocab_name, pure_draft_prefix_len
+):
     # Along the drafted path, the logits returned are the eager pick's processed logits (the whole list: temperature,
     # top-k, top-p), and every draft is a token those logits keep: the draws come from the warped distribution, which
     # is what speculative sampling needs to stay lossless.
@@ -626,14 +629,15 @@ def test_fused_rollout_with_top_k_top_p_returns_the_warped_logits_it_drew_from(i
 
     vocab = None if vocab_name is None else VOCABS[vocab_name]
     if vocab is None:
-        drafter = tiny_drafter()
+        drafter = tiny_drafter(pure_draft_prefix_len=pure_draft_prefix_len)
         embed, draft_hidden, base_logits, anchor_ids = tiny_inputs(drafter.config.num_drafts)
         target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
     else:
-        drafter, target, embed, draft_hidden, base_logits, anchor_ids = vocab_case(vocab)
+        drafter, target, embed, draft_hidden, base_logits, anchor_ids = vocab_case(vocab, pure_draft_prefix_len)
     processors = qwen3_warpers()
     warpers = LogitsProcessorList(processors[1:])
-    options = {"head": True, "pure_draft_prefix_len": 1, "temperature": 0.7, "vocab": vocab, "warpers": warpers}
+    options = {"head": True, "pure_draft_prefix_len": pure_draft_prefix_len, "temperature": 0.7, "vocab": vocab}
+    options["warpers"] = warpers
     torch.manual_seed(123)
     draft_ids, logits = triton_rollout.fused_rollout(
         drafter, draft_hidden, base_logits, anchor_ids, embed.weight, **options

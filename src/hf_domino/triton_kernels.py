@@ -442,6 +442,8 @@ def launch_warped_pick(ws: Workspace, rows: slice, warp: Callable[[torch.Tensor]
     logits returned are, exactly the warped distribution. Needs a `Workspace(..., warped=True)`.
     """
     logits = ws.logits[rows]
+    if logits.shape[0] == 0:  # an empty pure-draft prefix
+        return
     logits.copy_(warp(logits))
     _launch_pick(
         ws, rows, logits, None, None, ws.unit_temperature, ws.warped_best[rows], ws.warped_best_idx[rows],
