@@ -178,6 +178,7 @@ def _fixed_costs(monkeypatch, table):
     for module in (cost_model_domino, generation_domino, batching_domino):
         monkeypatch.setattr(module, "measure_verify_cost", lambda *args, **kwargs: VerifyCost(dict(table)))
     monkeypatch.setattr(batching_domino, "timing_is_free", lambda device: False)
+    monkeypatch.setattr(policy_domino, "LEARN_TIMES", False)  # the table stays as given
     monkeypatch.setattr(cost_model_domino, "_VERIFY_COSTS", {})
     monkeypatch.setattr(policy_domino, "_RECORDS", policy_domino.weakref.WeakKeyDictionary())
     monkeypatch.setattr(generation_domino.DominoCandidateGenerator, "_timing_is_free", property(lambda self: False))

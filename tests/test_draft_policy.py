@@ -78,6 +78,21 @@ def test_the_rollout_stops_where_no_later_draft_can_pay():
     assert AdaptivePolicy(policy.record, policy.verify_cost, cap=8, learn_times=False).keep_rolling(
         torch.tensor([0.01])
     )
+    # On CUDA the policy learns times but never decides per position.
+    on_cuda = AdaptivePolicy(policy.record, policy.verify_cost, cap=8, learn_times=True, per_position=False)
+    assert on_cuda.learn_times and on_cuda.keep_rolling(torch.tensor([0.95, 0.02]))
+
+
+def test_one_slow_drafting_cycle_moves_the_drafter_times_a_bounded_step():
+    # A CUDA graph captured for a longer block, or a stall, in one cycle: counted as at most twice the estimate.
+    policy = AdaptivePolicy(DrafterRecord([0.8] * 16), VerifyCost(dict(GPU_LIKE)), cap=8)
+    policy.record.backbone_seconds, policy.record.position_seconds = 0.004, 0.0001
+    policy.drafted_before = True
+    common = dict(drafted=True, verified=4, accepted=2, verify_seconds=0.0105, positions=4)
+    policy.observe(backbone_seconds=0.004, rollout_seconds=4 * 0.05, **common)  # 500x the position estimate
+    assert policy.record.position_seconds == pytest.approx(0.0001 * (1 + 0.2))
+    policy.observe(backbone_seconds=0.0005, rollout_seconds=4 * 0.0001, **common)
+    assert policy.record.backbone_seconds == pytest.approx(0.004 - 0.2 * 0.002)
 
 
 def test_a_rollout_stopped_early_is_the_start_of_the_whole_block():
@@ -632,3 +647,37 @@ def test_a_new_batch_size_starts_from_the_drafters_cost_at_batch_1(monkeypatch):
     assert policy.record is not shared and policy.record.position_acceptance is shared.position_acceptance
     assert policy.record.backbone_seconds == pytest.approx(0.032)
     assert policy.record.position_seconds == pytest.approx(0.008)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_where_timing_needs_a_synchronization_the_policy_still_learns(monkeypatch, rows):
+    # CUDA, simulated on the CPU: host timings need the device to finish first (a recorded no-op here). The loops then
+    # wait at their laps, the policy learns the verify table and the drafter's times from them as on a CPU, and it
+    # never decides per drafted position (each decision would wait for the device inside the rollout).
+    from test_batching import left_padded
+
+    from hf_domino import batching_domino, generation_domino
+
+    waits, built = [], []
+    for module in (generation_domino, batching_domino):
+        monkeypatch.setattr(module, "synchronize", waits.append)
+
+        class Spy(module.AdaptivePolicy):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                built.append(self)
+
+        monkeypatch.setattr(module, "AdaptivePolicy", Spy)
+    monkeypatch.setattr(batching_domino, "timing_is_free", lambda device: False)
+    monkeypatch.setattr(generation_domino.DominoCandidateGenerator, "_timing_is_free", property(lambda self: False))
+    monkeypatch.setattr(policy_domino, "_RECORDS", policy_domino.weakref.WeakKeyDictionary())
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, [(t + 1) % VOCAB for t in range(VOCAB)], block_size=8)
+    batch = left_padded([[4, 5], [9], [20, 21, 22]][:rows])
+    expected = target.generate(**batch, max_new_tokens=40, do_sample=False)
+    output = target.generate(**batch, max_new_tokens=40, do_sample=False, assistant_model=drafter)
+    assert torch.equal(output, expected)
+    (policy,) = built
+    assert policy.learn_times and not policy.per_position and waits
+    assert policy.record.backbone_seconds is not None and policy.record.position_seconds is not None
+    assert any(drafter.last_generation_stats.drafted)

@@ -34,7 +34,13 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache_domino import CACHE_ARGUMENT, buffer_layers
-from .cost_model_domino import CALIBRATION_LENGTHS, measure_verify_cost, timing_is_free, verify_cost_for
+from .cost_model_domino import (
+    CALIBRATION_LENGTHS,
+    measure_verify_cost,
+    synchronize,
+    timing_is_free,
+    verify_cost_for,
+)
 from .drafting_domino import judge_copy, lookup_drafts
 from .modeling_domino import TargetModules, context_features
 from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, below_threshold, copy_records, drafter_record
@@ -123,7 +129,7 @@ def batch_policy(
         BatchVerifyCost(cost, rows),
         cap=max_drafts,
         confidence_threshold=options.assistant_confidence_threshold,
-        learn_times=timing_is_free(drafter.device),
+        per_position=timing_is_free(drafter.device),
     )
 
 
@@ -262,9 +268,12 @@ class BatchedDecoding:
         self.datastore_policy: LookupPolicy | None = None
 
     def now(self) -> float:
-        """Host time; on CUDA with `domino_timings=True`, after the device finished (the timings' price)."""
-        if self.stats.timings is not None and self.drafter.device.type == "cuda":
-            torch.cuda.synchronize(self.drafter.device)
+        """Host time; on CUDA, when the time is used (timings asked for, or the adaptive policy learning from them),
+        after the device finished: the cycle reads its results at these points anyway."""
+        if not timing_is_free(self.drafter.device) and (
+            self.stats.timings is not None or self.options.draft_policy != "fixed"
+        ):
+            synchronize(self.drafter.device)
         return time.perf_counter()
 
     # ------------------------------------------------------------------------------------------------------ rows

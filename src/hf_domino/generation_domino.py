@@ -36,7 +36,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from .batching_domino import batched_assisted_decoding
 from .cache_domino import CACHE_ARGUMENT, buffer_layers
-from .cost_model_domino import measure_verify_cost, timing_is_free, verify_cost_for
+from .cost_model_domino import measure_verify_cost, synchronize, timing_is_free, verify_cost_for
 from .drafting_domino import (
     BlockDraft,
     DrafterContext,
@@ -287,9 +287,14 @@ class DominoCandidateGenerator(CandidateGenerator):
         return timing_is_free(self.drafter.device)
 
     def _lap(self, name: str | None = None, record: bool = False) -> float:
-        """Seconds since the previous lap; added to `timings[name]` when timings were asked for."""
-        if self.stats.timings is not None and not self._timing_is_free:
-            torch.cuda.synchronize(self.drafter.device)
+        """Seconds since the previous lap; added to `timings[name]` when timings were asked for.
+
+        On CUDA a lap first waits for the device when its time is used: timings asked for, or the adaptive policy
+        learning from them. The laps sit where the loop reads the device's results anyway (transformers' loop
+        after a verification, the policy reading the drafts' confidence), so the wait costs about nothing.
+        """
+        if not self._timing_is_free and (self.stats.timings is not None or self.options.draft_policy != "fixed"):
+            synchronize(self.drafter.device)
         now = time.perf_counter()
         seconds, self._clock = now - self._clock, now
         if record and self.stats.timings is not None:
@@ -320,13 +325,9 @@ class DominoCandidateGenerator(CandidateGenerator):
             cost,
             cap=self.max_drafts,
             confidence_threshold=options.assistant_confidence_threshold,
-            learn_times=self._timing_is_free,
+            per_position=self._timing_is_free,
         )
-        return (
-            policy,
-            LookupPolicy(lookup_record, cost, learn_times=self._timing_is_free),
-            LookupPolicy(datastore_record, cost, learn_times=self._timing_is_free),
-        )
+        return policy, LookupPolicy(lookup_record, cost), LookupPolicy(datastore_record, cost)
 
     def _select_rollout(self) -> Rollout:
         """The fused Triton/CUDA-graph head rollout of `hf_domino.fused_head` when it applies, else the eager one.

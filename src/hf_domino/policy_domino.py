@@ -59,6 +59,9 @@ BATCH_EVIDENCE_ROWS = 4
 # for a drafter whose acceptance on this text is known).
 PRIOR_SKIP_INTERVAL = 8
 CALIBRATION_BINS = 10
+# Whether the policies refine the verify-cost table and the drafter's times from the loops' timings (on CUDA too, where
+# the loops then synchronize at their laps). Tests that need a fixed cost table turn it off.
+LEARN_TIMES = True
 
 
 # --------------------------------------------------------------------------------------------------- calibration
@@ -164,11 +167,17 @@ class AdaptivePolicy:
         verify_cost: VerifyCost,
         cap: int,
         confidence_threshold: float | None = None,
-        learn_times: bool = True,
+        learn_times: bool | None = None,
+        per_position: bool | None = None,
     ):
         self.record, self.verify_cost, self.cap = record, verify_cost, cap
         self.confidence_threshold = confidence_threshold
-        self.learn_times = learn_times  # False on CUDA: host timings there would need a synchronization
+        # Learn the verify-cost table and the drafter's times from the loop's timings (`LEARN_TIMES` by default; on
+        # CUDA the loops synchronize at their laps for it, where the device is idle or about to be waited on anyway).
+        self.learn_times = LEARN_TIMES if learn_times is None else learn_times
+        # Decide after each drafted position whether to roll on (`keep_rolling`): on a CPU only, where a position
+        # costs; on CUDA each decision would stop the host until the device caught up, inside the rollout.
+        self.per_position = self.learn_times if per_position is None else per_position
         self.probing = False
         self.confidence: torch.Tensor | None = None
         self.drafted_before = False
@@ -283,10 +292,10 @@ class AdaptivePolicy:
         `budget` is an upper bound that `choose` usually cuts. Here each later draft is assumed certain to be accepted
         (calibrated acceptance is never above 1), so the rollout never stops before a draft that `choose` would still
         have verified. A batch's blocks are priced here by the rows' mean, which favours long blocks more than
-        pricing by `rooms` does. Always True on CUDA, where a decision per position would synchronize with the
-        device.
+        pricing by `rooms` does. Always True without `per_position` (on CUDA, where a decision per position would
+        synchronize with the device).
         """
-        if not self.learn_times:
+        if not self.per_position:
             return True
         drafted = confidence.shape[-1]
         if drafted >= self.cap:
@@ -348,9 +357,9 @@ class AdaptivePolicy:
         if self.learn_times:
             self.verify_cost.observe(1 + verified, verify_seconds)
             if drafted and learn_draft_times:
-                record.backbone_seconds = _moved(record.backbone_seconds, backbone_seconds, TIME_RATE)
+                record.backbone_seconds = _learned_time(record.backbone_seconds, backbone_seconds)
                 if positions:
-                    record.position_seconds = _moved(record.position_seconds, rollout_seconds / positions, TIME_RATE)
+                    record.position_seconds = _learned_time(record.position_seconds, rollout_seconds / positions)
         for row, (row_accepted, offered) in enumerate(zip(accepted_rows, verified_rows)):
             confidence = None if confidence_rows is None else confidence_rows[row]
             learn_acceptance(record, offered, row_accepted, confidence)
@@ -412,8 +421,9 @@ class LookupPolicy:
     drafter usually does better); the drafter then drafts as usual.
     """
 
-    def __init__(self, record: DrafterRecord, verify_cost: VerifyCost | None, learn_times: bool = True):
-        self.record, self.verify_cost, self.learn_times = record, verify_cost, learn_times
+    def __init__(self, record: DrafterRecord, verify_cost: VerifyCost | None, learn_times: bool | None = None):
+        self.record, self.verify_cost = record, verify_cost
+        self.learn_times = LEARN_TIMES if learn_times is None else learn_times
 
     def choose(
         self,
@@ -456,6 +466,15 @@ class LookupPolicy:
 
 def _moved(current: float | None, observed: float, rate: float) -> float:
     return observed if current is None else current + rate * (observed - current)
+
+
+def _learned_time(current: float | None, observed: float) -> float:
+    """A drafting time moved towards one cycle's, which counts as at most twice (at least half) the estimate, as
+    `VerifyCost.observe` bounds a verification: a one-off (a CUDA graph captured for a longer block, a stall of the
+    machine) must not price the drafter for many cycles."""
+    if current is not None and current > 0:
+        observed = min(max(observed, current / 2), current * 2)
+    return _moved(current, observed, TIME_RATE)
 
 
 __all__ = [
