@@ -303,6 +303,29 @@ def test_cli_bench_end_to_end(fast_path, target, drafter, tokenizer, tmp_path, c
         assert "vs eager target" not in out
 
 
+def test_cli_bench_samples_with_top_k_and_top_p(target, drafter, tokenizer, tmp_path, monkeypatch):
+    # The warpers reach every method's generate() (a spy on generation_kwargs' result), the run is named by them, and
+    # they are refused where they cannot apply.
+    seen = []
+    original = measure.generation_kwargs
+
+    def spy(*args, **kwargs):
+        seen.append(original(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(measure, "generation_kwargs", spy)
+    argv = saved_bench_argv(target, drafter, tokenizer, tmp_path)
+    argv += ["--num-prompts", "1", "--max-new-tokens", "6", "--threads", "1", "--device", "cpu", "--no-progress"]
+    argv += ["--methods", "target,domino", "--no-cpu-fast-path", "--output-dir", str(tmp_path / "out")]
+    assert cli.main([*argv, "--temperature", "0.7", "--top-k", "5", "--top-p", "0.9"]) == 0
+    assert seen and all(kw["do_sample"] and (kw["top_k"], kw["top_p"]) == (5, 0.9) for kw in seen)
+    assert "--temperature 0.7 --top-k 5 --top-p 0.9" in (tmp_path / "out" / "bench.md").read_text()
+    with pytest.raises(SystemExit, match="pass --temperature > 0"):
+        cli.main([*argv, "--top-k", "5"])
+    with pytest.raises(SystemExit, match="drop them with --batch-size"):
+        cli.main([*argv, "--temperature", "0.7", "--top-p", "0.9", "--batch-size", "2"])
+
+
 def test_a_stopped_bench_leaves_the_tables_of_the_prompts_it_finished(
     target, drafter, tokenizer, tmp_path, monkeypatch
 ):

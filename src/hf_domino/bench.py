@@ -91,6 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=20, help="first prompts of --prompts to run")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt and method")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="with --temperature > 0: top-k sampling (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0: top-p sampling (1: off)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads")
     parser.add_argument(
         "--methods",
@@ -156,6 +158,8 @@ def command_line(args: argparse.Namespace) -> str:
     for key, value in vars(args).items():
         if key in ("module_name", "command", "progress", *unused) or value is None or value is False:
             continue
+        if (key, value) in (("top_k", 0), ("top_p", 1.0)):  # off: the commands in the docs stay as they were
+            continue
         value = ",".join(map(str, value)) if isinstance(value, list) else value
         parts.append(f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}"))
     return " ".join(parts)
@@ -171,6 +175,11 @@ def run(args: argparse.Namespace) -> int:
     if args.temperature > 0 and "manual" in methods:
         print(f"Skipping manual at temperature {args.temperature}: greedy only.")
         methods.remove("manual")
+    warped = args.top_k or args.top_p < 1
+    if warped and args.temperature <= 0:
+        raise SystemExit("hf-domino bench: --top-k/--top-p apply to sampling; pass --temperature > 0 with them.")
+    if warped and args.batch_size:
+        raise SystemExit("hf-domino bench: --top-k/--top-p are for per-prompt runs; drop them with --batch-size.")
     if args.batch_size:
         return run_batches(args, metadata, dtype)
     if args.repeats != 1:
@@ -198,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
         seed=args.seed,
         prompt_lookup_tokens=args.prompt_lookup_tokens,
         warmup_tokens=args.warmup_tokens,
@@ -215,7 +226,12 @@ def run(args: argparse.Namespace) -> int:
         "prompts": f"{prompt_set} ({len(prompts)} prompts, mean {mean_prompt:.0f} prompt tokens, chat template)",
         "speedup": "tokens/s of the method over tokens/s of the target alone, totals over all prompts, same run",
     }
-    output_dir = Path(args.output_dir or f"runs/bench/{prompt_set}-T{args.temperature:g}")
+    sampling = (
+        f"T{args.temperature:g}"
+        + (f"-k{args.top_k}" if args.top_k else "")
+        + (f"-p{args.top_p:g}" if args.top_p < 1 else "")
+    )
+    output_dir = Path(args.output_dir or f"runs/bench/{prompt_set}-{sampling}")
     partial = output_dir / "bench.partial.md"
 
     def save_partial(result: BenchResult) -> None:  # what a stopped run leaves: the tables of the prompts so far
@@ -225,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
         partial.write_text(f"Partial: {done} of {len(prompts)} prompts\n\n" + markdown_report(result))
 
     result = run_benchmark(target, drafter, prompts, methods, settings, progress=args.progress, on_prompt=save_partial)
-    result.metadata, result.title = metadata, f"({prompt_set}, T={args.temperature:g})"
+    warpers = (f", top-k {args.top_k}" if args.top_k else "") + (f", top-p {args.top_p:g}" if args.top_p < 1 else "")
+    result.metadata, result.title = metadata, f"({prompt_set}, T={args.temperature:g}{warpers})"
     paths = write_report(result, output_dir)
     partial.unlink(missing_ok=True)
     print(markdown_report(result))

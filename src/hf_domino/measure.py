@@ -92,11 +92,14 @@ def parse_method(name: str) -> MethodSpec:
     return MethodSpec(name, uses_drafter=True, options=options)
 
 
-def generation_kwargs(target: PreTrainedModel, max_new_tokens: int, temperature: float) -> dict[str, Any]:
-    """The sampling settings shared by every method: plain greedy, or plain temperature sampling (no top-k/p)."""
+def generation_kwargs(
+    target: PreTrainedModel, max_new_tokens: int, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> dict[str, Any]:
+    """The sampling settings shared by every method: greedy, or sampling at `temperature` with top-k / top-p (0 and
+    1.0: off, whatever the target's generation config says)."""
     kwargs = {"max_new_tokens": max_new_tokens, "pad_token_id": pad_token_id(target)}
     if temperature > 0:
-        return kwargs | {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        return kwargs | {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": top_p}
     return kwargs | {"do_sample": False}
 
 
@@ -199,10 +202,13 @@ def run_method(
     prompt_lookup_tokens: int = 10,
     record_timings: bool = True,
     num_speculative_tokens: int | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> Generation:
     """Generates once with `method` and measures it (wall time around the whole call, prefill included).
 
-    `num_speculative_tokens` caps the drafts per forward of every drafter method without a fixed `_k<N>`.
+    `num_speculative_tokens` caps the drafts per forward of every drafter method without a fixed `_k<N>`; `top_k` and
+    `top_p` apply when sampling (`temperature > 0`).
     """
     spec = parse_method(method)
     if spec.uses_drafter and drafter is None:
@@ -232,7 +238,7 @@ def run_method(
                 head,
             )
         else:
-            kwargs = generation_kwargs(target, max_new_tokens, temperature)
+            kwargs = generation_kwargs(target, max_new_tokens, temperature, top_k, top_p)
             if method == "prompt_lookup":
                 kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
             elif spec.uses_drafter:
@@ -294,6 +300,8 @@ def measure_forward_ms(
 class BenchSettings:
     max_new_tokens: int = 128
     temperature: float = 0.0
+    top_k: int = 0  # with temperature > 0; 0: off
+    top_p: float = 1.0  # with temperature > 0; 1.0: off
     seed: int = 0
     prompt_lookup_tokens: int = 10
     warmup_tokens: int = 16
@@ -352,6 +360,8 @@ def run_benchmark(
             temperature=settings.temperature,
             prompt_lookup_tokens=settings.prompt_lookup_tokens,
             num_speculative_tokens=settings.num_speculative_tokens,
+            top_k=settings.top_k,
+            top_p=settings.top_p,
         )
 
     if drafter is not None and drafter.datastore is not None:
