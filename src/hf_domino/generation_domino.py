@@ -36,7 +36,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from .batching_domino import batched_assisted_decoding
 from .cache_domino import CACHE_ARGUMENT, buffer_layers
-from .cost_model_domino import measure_verify_cost, synchronize, timing_is_free, verify_cost_for
+from .cost_model_domino import measure_verify_cost, settle_for_timing, timing_is_free, verify_cost_for
 from .drafting_domino import (
     BlockDraft,
     DrafterContext,
@@ -287,14 +287,10 @@ class DominoCandidateGenerator(CandidateGenerator):
         return timing_is_free(self.drafter.device)
 
     def _lap(self, name: str | None = None, record: bool = False) -> float:
-        """Seconds since the previous lap; added to `timings[name]` when timings were asked for.
-
-        On CUDA a lap first waits for the device when its time is used: timings asked for, or the adaptive policy
-        learning from them. The laps sit where the loop reads the device's results anyway (transformers' loop
-        after a verification, the policy reading the drafts' confidence), so the wait costs about nothing.
-        """
-        if not self._timing_is_free and (self.stats.timings is not None or self.options.draft_policy != "fixed"):
-            synchronize(self.drafter.device)
+        """Seconds since the previous lap; added to `timings[name]` when timings were asked for (the adaptive policy
+        learns from them too: on CUDA the lap then waits for the device, `settle_for_timing`)."""
+        time_is_used = self.stats.timings is not None or self.options.draft_policy != "fixed"
+        settle_for_timing(self.drafter.device, time_is_used)
         now = time.perf_counter()
         seconds, self._clock = now - self._clock, now
         if record and self.stats.timings is not None:

@@ -37,7 +37,7 @@ from .cache_domino import CACHE_ARGUMENT, buffer_layers
 from .cost_model_domino import (
     CALIBRATION_LENGTHS,
     measure_verify_cost,
-    synchronize,
+    settle_for_timing,
     timing_is_free,
     verify_cost_for,
 )
@@ -268,12 +268,9 @@ class BatchedDecoding:
         self.datastore_policy: LookupPolicy | None = None
 
     def now(self) -> float:
-        """Host time; on CUDA, when the time is used (timings asked for, or the adaptive policy learning from them),
-        after the device finished: the cycle reads its results at these points anyway."""
-        if not timing_is_free(self.drafter.device) and (
-            self.stats.timings is not None or self.options.draft_policy != "fixed"
-        ):
-            synchronize(self.drafter.device)
+        """Host time; where it is used (timings asked for, the adaptive policy learning from them), after the device
+        finished (`settle_for_timing`)."""
+        settle_for_timing(self.drafter.device, self.stats.timings is not None or self.options.draft_policy != "fixed")
         return time.perf_counter()
 
     # ------------------------------------------------------------------------------------------------------ rows

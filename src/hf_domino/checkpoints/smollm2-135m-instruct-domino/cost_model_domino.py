@@ -68,6 +68,14 @@ def timing_is_free(device: torch.device) -> bool:
     return device.type != "cuda"
 
 
+def settle_for_timing(device: torch.device, time_is_used: bool) -> None:
+    """Before reading a host clock whose reading is used (timings asked for, a policy learning from them): waits for
+    the device where host time is not device time (CUDA). The loops read the clock where they read the device's
+    results anyway (after a verification, the drafts' confidence), so the wait costs about nothing there."""
+    if time_is_used and not timing_is_free(device):
+        synchronize(device)
+
+
 def synchronize(device: torch.device) -> None:
     """Waits for the device's queued work (CUDA), so that a host clock read next measures it."""
     if device.type == "cuda":
@@ -183,6 +191,8 @@ __all__ = [
     "expected_tokens",
     "makespan_tokens",
     "measure_verify_cost",
+    "settle_for_timing",
+    "synchronize",
     "timing_is_free",
     "verify_cost_for",
 ]
