@@ -17,6 +17,7 @@ It then prints the speedup these costs imply at the paper's tau of 7.17, labelle
 Here (a CPU) the same code runs at toy shapes, to check it end to end:
 
     python examples/gpu/cycle_costs.py --shape tiny --dtype float32
+    python examples/gpu/cycle_costs.py --shape qwen3-8b-6-layers --dtype bfloat16 --reps 3 --new-tokens 40  # a minute
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
 from hf_domino import DominoConfig, DominoForSpeculation, TargetModules
 from hf_domino.cache_domino import CACHE_ARGUMENT, buffer_layers, cache_argument
+from hf_domino.cost_model_domino import synchronize
 from hf_domino.drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
 from hf_domino.modeling_domino import context_features
 
@@ -41,6 +43,12 @@ SHAPES = {
                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
         drafter=dict(num_hidden_layers=5, target_layer_ids=[1, 9, 17, 25, 33], gru_hidden_dim=1024, emb_dim=256),
     ),
+    # Qwen3-8B's widths in 6 layers: a size a CPU runs, to check there what the widths and the vocabulary cost.
+    "qwen3-8b-6-layers": dict(
+        target=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=6, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128, vocab_size=151936),
+        drafter=dict(num_hidden_layers=2, target_layer_ids=[1, 4], gru_hidden_dim=1024, emb_dim=256),
+    ),
     "tiny": dict(
         target=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, vocab_size=1024),
@@ -48,11 +56,6 @@ SHAPES = {
     ),
 }  # fmt: skip
 PAPER_TAU = 7.17
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def median_ms(fn, device: torch.device, warmup: int = 3, reps: int = 10) -> float:
@@ -154,16 +157,19 @@ def loop_overhead(
     target.generate(prompt, max_new_tokens=8, **kwargs)
     forwards, arguments, started = [], [], []
 
+    def verifies_a_block(args, forward_kwargs) -> bool:
+        return forward_kwargs.get("input_ids", args[0] if args else None).shape[-1] == 17
+
     def before(module, args, forward_kwargs):
         synchronize(device)
         started.append(time.perf_counter())
-        if not arguments and forward_kwargs.get("input_ids", args[0] if args else None).shape[-1] == 17:
+        if not arguments and verifies_a_block(args, forward_kwargs):
             arguments.append(describe(forward_kwargs))
 
     def after(module, args, forward_kwargs, output):
         synchronize(device)
         seconds = time.perf_counter() - started.pop()
-        if forward_kwargs.get("input_ids", args[0] if args else None).shape[-1] == 17:
+        if verifies_a_block(args, forward_kwargs):
             forwards.append(seconds)
 
     hooks = [

@@ -165,6 +165,15 @@ def command_line(args: argparse.Namespace) -> str:
     return " ".join(parts)
 
 
+def decoding_names(args: argparse.Namespace) -> tuple[str, str]:
+    """How a run's decoding names its default folder and its title: `T0.6-k20-p0.95`, `T=0.6, top-k 20, top-p 0.95`
+    (top-k and top-p only where they are on)."""
+    parts = [(f"T{args.temperature:g}", f"T={args.temperature:g}")]
+    parts += [(f"k{args.top_k}", f"top-k {args.top_k}")] if args.top_k else []
+    parts += [(f"p{args.top_p:g}", f"top-p {args.top_p:g}")] if args.top_p < 1 else []
+    return "-".join(short for short, _ in parts), ", ".join(long for _, long in parts)
+
+
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     metadata = machine_metadata(args.threads)
@@ -226,12 +235,8 @@ def run(args: argparse.Namespace) -> int:
         "prompts": f"{prompt_set} ({len(prompts)} prompts, mean {mean_prompt:.0f} prompt tokens, chat template)",
         "speedup": "tokens/s of the method over tokens/s of the target alone, totals over all prompts, same run",
     }
-    sampling = (
-        f"T{args.temperature:g}"
-        + (f"-k{args.top_k}" if args.top_k else "")
-        + (f"-p{args.top_p:g}" if args.top_p < 1 else "")
-    )
-    output_dir = Path(args.output_dir or f"runs/bench/{prompt_set}-{sampling}")
+    folder_suffix, decoding = decoding_names(args)
+    output_dir = Path(args.output_dir or f"runs/bench/{prompt_set}-{folder_suffix}")
     partial = output_dir / "bench.partial.md"
 
     def save_partial(result: BenchResult) -> None:  # what a stopped run leaves: the tables of the prompts so far
@@ -241,8 +246,7 @@ def run(args: argparse.Namespace) -> int:
         partial.write_text(f"Partial: {done} of {len(prompts)} prompts\n\n" + markdown_report(result))
 
     result = run_benchmark(target, drafter, prompts, methods, settings, progress=args.progress, on_prompt=save_partial)
-    warpers = (f", top-k {args.top_k}" if args.top_k else "") + (f", top-p {args.top_p:g}" if args.top_p < 1 else "")
-    result.metadata, result.title = metadata, f"({prompt_set}, T={args.temperature:g}{warpers})"
+    result.metadata, result.title = metadata, f"({prompt_set}, {decoding})"
     paths = write_report(result, output_dir)
     partial.unlink(missing_ok=True)
     print(markdown_report(result))

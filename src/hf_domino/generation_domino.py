@@ -288,9 +288,8 @@ class DominoCandidateGenerator(CandidateGenerator):
 
     def _lap(self, name: str | None = None, record: bool = False) -> float:
         """Seconds since the previous lap; added to `timings[name]` when timings were asked for (the adaptive policy
-        learns from them too: on CUDA the lap then waits for the device, `settle_for_timing`)."""
-        time_is_used = self.stats.timings is not None or self.options.draft_policy != "fixed"
-        settle_for_timing(self.drafter.device, time_is_used)
+        learns from them too: on CUDA the lap then waits for the device, `DominoOptions.reads_cycle_times`)."""
+        settle_for_timing(self.drafter.device, self.options.reads_cycle_times)
         now = time.perf_counter()
         seconds, self._clock = now - self._clock, now
         if record and self.stats.timings is not None:

@@ -146,6 +146,12 @@ class DominoOptions:
         if self.domino_rollout not in ROLLOUTS:
             raise ValueError(f"domino_rollout must be one of {ROLLOUTS}, got {self.domino_rollout!r}.")
 
+    @property
+    def reads_cycle_times(self) -> bool:
+        """Whether the loops use their clock readings: timings asked for, or the adaptive policy learning from them
+        (on CUDA each reading then waits for the device, `cost_model_domino.settle_for_timing`)."""
+        return self.domino_timings or self.draft_policy != "fixed"
+
     def head_enabled(self, drafter: DominoForSpeculation) -> bool:
         return drafter.config.has_domino_head and self.domino_head is not False
 

@@ -268,9 +268,8 @@ class BatchedDecoding:
         self.datastore_policy: LookupPolicy | None = None
 
     def now(self) -> float:
-        """Host time; where it is used (timings asked for, the adaptive policy learning from them), after the device
-        finished (`settle_for_timing`)."""
-        settle_for_timing(self.drafter.device, self.stats.timings is not None or self.options.draft_policy != "fixed")
+        """Host time; where the call reads it (`DominoOptions.reads_cycle_times`), after the device finished."""
+        settle_for_timing(self.drafter.device, self.options.reads_cycle_times)
         return time.perf_counter()
 
     # ------------------------------------------------------------------------------------------------------ rows
