@@ -7,11 +7,14 @@ by default (hidden 4096, GRU 1024, rank 256, vocab 151936), or the shipped SmolL
 smollm2-135m`: hidden 576, GRU 256, rank 64, vocab 49152), optionally over a draft vocabulary (`--draft-vocab`: a
 number of token ids drawn at random, or a `draft_vocab.safetensors` file such as the shipped drafter's). All three are
 called exactly as the candidate generator calls them. Prints a markdown table of the median latency per block.
+With `--rows N` (N > 1) the block is drafted for N sequences at once, as the batch loop of `generate()` does: the
+eager reference is then its `batched_rollout`, and the fused paths are `FusedRollout.draft_rows`.
 
     python examples/head_microbench.py                       # greedy
     python examples/head_microbench.py --temperature 1.0     # sampling (Gumbel-max in the fused kernels)
     python examples/head_microbench.py --temperature 0.6 --top-k 20 --top-p 0.95   # Qwen3's sampling defaults
     python examples/head_microbench.py --shapes smollm2-135m  # the shipped drafter, whole vocabulary
+    python examples/head_microbench.py --shapes smollm2-135m --rows 4   # a batch of 4 rows
     python examples/head_microbench.py --shapes smollm2-135m \
         --draft-vocab src/hf_domino/checkpoints/smollm2-135m-instruct-domino/draft_vocab.safetensors
 
@@ -36,6 +39,7 @@ from torch import nn
 
 from hf_domino import DominoConfig, DominoForSpeculation, TargetModules
 from hf_domino.drafting_domino import BlockDraft, Pick, eager_rollout, greedy_pick, processed_pick
+from hf_domino.ragged_batch_domino import batched_rollout, spread_to_vocabulary
 
 QWEN3_8B = {"hidden_size": 4096, "gru_hidden_dim": 1024, "emb_dim": 256, "vocab_size": 151936}
 SHAPES = {
@@ -112,6 +116,38 @@ def eager_pick(processors, do_sample: bool, vocab_size: int, vocab: torch.Tensor
     return processed_pick(processors, True, vocab, vocab_size)
 
 
+def row_drafters(drafter, target, block: BlockDraft, anchor_ids, processors, do_sample: bool, vocab_size: int):
+    """`(eager, fused, fused + graph)` drafting callables `() -> draft ids`, for one row (the ladder's rollouts, as
+    the candidate generator calls them) or for several (as the batch loop calls them); the graph's is None under
+    the interpreter (CUDA graphs need CUDA)."""
+    from hf_domino.fused_head import select_rollout
+
+    def fused(mode: str):
+        rollout = select_rollout(drafter, target, do_sample=do_sample, logits_processor=processors, mode=mode)
+        if block.hidden.shape[0] == 1:
+            return lambda: rollout(block, anchor_ids).ids
+        return lambda: rollout.draft_rows(block.hidden, block.base_logits, block.vocab, anchor_ids)[0]
+
+    if block.hidden.shape[0] == 1:
+        eager = eager_rollout(drafter, target, eager_pick(processors, do_sample, vocab_size, block.vocab))
+
+        def eager_ids():
+            return eager(block, anchor_ids).ids
+    else:
+
+        def pick_logits(logits, drafted):
+            return processors(drafted, spread_to_vocabulary(logits.float(), block.vocab, vocab_size))
+
+        def eager_ids():
+            return batched_rollout(
+                drafter, target, block.hidden, block.base_logits, block.vocab, anchor_ids,
+                head=True, pick_logits=pick_logits if do_sample else None, do_sample=do_sample,
+            ).ids  # fmt: skip
+
+    graph = None if block.hidden.device.type != "cuda" else fused("triton+graph")
+    return eager_ids, fused("triton"), graph
+
+
 def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -133,6 +169,7 @@ def median_ms(fn, warmup: int, reps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-drafts", type=int, default=16)
+    parser.add_argument("--rows", type=int, default=1, help="sequences drafted together (a batch), default 1")
     parser.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default greedy)")
     parser.add_argument("--top-k", type=int, default=None, help="when sampling, top-k after the temperature")
     parser.add_argument("--top-p", type=float, default=None, help="when sampling, top-p after top-k")
@@ -160,40 +197,29 @@ def main() -> None:
         sys.exit(0)
     import triton
 
-    from hf_domino.fused_head import select_rollout
-
     torch.manual_seed(0)
     device = torch.device("cpu" if interpreted else "cuda")
     drafter, embed = build_head(args, device)
     target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
     vocab = load_draft_vocab(args.draft_vocab, args.vocab_size, device)
     columns = args.vocab_size if vocab is None else len(vocab)
-    draft_hidden = torch.randn(1, args.num_drafts, args.hidden_size, device=device, dtype=DTYPES[args.dtype])
-    block = BlockDraft(draft_hidden, torch.randn(1, args.num_drafts, columns, device=device) * 4, vocab)
-    anchor_ids = torch.tensor([[42]], device=device)
+    rows, dtype = args.rows, DTYPES[args.dtype]
+    draft_hidden = torch.randn(rows, args.num_drafts, args.hidden_size, device=device, dtype=dtype)
+    block = BlockDraft(draft_hidden, torch.randn(rows, args.num_drafts, columns, device=device) * 4, vocab)
+    anchor_ids = torch.randint(0, args.vocab_size, (rows, 1), device=device)
     do_sample = args.temperature is not None
     processors = logits_processor(args.temperature, args.top_k, args.top_p)
 
-    eager_name = "eager (`eager_rollout`)"
-    rollouts = {
-        eager_name: eager_rollout(drafter, target, eager_pick(processors, do_sample, args.vocab_size, vocab)),
-        "fused Triton": select_rollout(
-            drafter, target, do_sample=do_sample, logits_processor=processors, mode="triton"
-        ),
-    }
-    if not interpreted:  # CUDA graphs need CUDA
-        rollouts["fused Triton + CUDA graph"] = select_rollout(
-            drafter, target, do_sample=do_sample, logits_processor=processors, mode="triton+graph"
-        )
+    eager_name = "eager (`eager_rollout`)" if rows == 1 else "eager (`batched_rollout`)"
+    eager, fused, graph = row_drafters(drafter, target, block, anchor_ids, processors, do_sample, args.vocab_size)
+    rollouts = {eager_name: eager, "fused Triton": fused}
+    if graph is not None:
+        rollouts["fused Triton + CUDA graph"] = graph
     with torch.no_grad():
-        results = {
-            name: median_ms(lambda r=r: r(block, anchor_ids), args.warmup, args.reps) for name, r in rollouts.items()
-        }
+        results = {name: median_ms(draft, args.warmup, args.reps) for name, draft in rollouts.items()}
         if not do_sample:  # the three paths must agree before their timings mean anything
-            reference = rollouts[eager_name](block, anchor_ids).ids
-            agreement = {
-                name: float((r(block, anchor_ids).ids == reference).float().mean()) for name, r in rollouts.items()
-            }
+            reference = eager()
+            agreement = {name: float((draft() == reference).float().mean()) for name, draft in rollouts.items()}
         else:
             agreement = dict.fromkeys(rollouts)  # sampled drafts are random: nothing to compare
 
@@ -208,7 +234,8 @@ def main() -> None:
     draft_vocab = "whole vocabulary" if vocab is None else f"draft vocabulary of {len(vocab)} tokens"
     print(
         f"Shapes: hidden {args.hidden_size}, GRU {args.gru_hidden_dim}, rank {args.emb_dim}, vocab {args.vocab_size} "
-        f"({draft_vocab}), {args.num_drafts} drafts, {args.dtype} weights, "
+        f"({draft_vocab}), {args.num_drafts} drafts{f' for each of {rows} rows' if rows > 1 else ''}, "
+        f"{args.dtype} weights, "
         f"{'greedy' if args.temperature is None else f'T={args.temperature}'}"
         f"{f', top-k {args.top_k}' if do_sample and args.top_k else ''}"
         f"{f', top-p {args.top_p}' if do_sample and args.top_p is not None else ''}"

@@ -95,6 +95,28 @@ def test_greedy_batch_identical_random_models(arch, head):
         assert torch.equal(output, expected), policy
 
 
+@pytest.mark.parametrize("vocab", [None, torch.tensor([1, 4, 7, 20, 33])], ids=["full-vocab", "draft-vocab"])
+def test_greedy_rollout_without_the_head_is_one_argmax_per_position(vocab):
+    # DFlash drafting (no head), greedy with no processors: nothing is sequential, so the batch's rollout is one
+    # argmax over every row and position, the same drafts and confidence as picking position by position.
+    drafter = tiny_drafter(tiny_target(), head=False)
+    torch.manual_seed(0)
+    columns = VOCAB if vocab is None else len(vocab)
+    base = torch.randn(3, 5, columns)
+    base[1, 2] = 0.0  # a tie: both take the lowest column
+    anchors, hidden = torch.tensor([[3], [8], [11]]), torch.zeros(3, 5, drafter.config.hidden_size)
+    rollout = dict(head=False, do_sample=False)
+    at_once = ragged_batch_domino.batched_rollout(
+        drafter, None, hidden, base, vocab, anchors, pick_logits=None, **rollout
+    )
+    one_by_one = ragged_batch_domino.batched_rollout(
+        drafter, None, hidden, base, vocab, anchors, pick_logits=lambda logits, drafted: logits, **rollout
+    )
+    assert torch.equal(at_once.ids, one_by_one.ids) and at_once.logits is None
+    torch.testing.assert_close(at_once.confidence, one_by_one.confidence)
+    assert vocab is None or torch.isin(at_once.ids, vocab).all()
+
+
 def test_caches_compacted_every_cycle_or_never_give_the_same_output(monkeypatch):
     target = successor_target("qwen3", VOCAB)
     drafter = forcing_drafter(target, PARTIAL, block_size=8)

@@ -204,6 +204,9 @@ def test_option_is_checked_and_bench_methods_name_it():
     }
     assert parse_batch_method("domino_rowk")["loop"] == {"K_PER_ROW": True}
     assert parse_batch_method("domino_lookup_makespan")["loop"] == {"PRICE_BY_MAKESPAN": True}
+    assert parse_batch_method("domino_lookup@eager")["domino_rollout"] == "eager"
+    assert parse_batch_method("domino_k4@triton+graph")["domino_rollout"] == "triton+graph"
+    assert "domino_rollout" not in parse_batch_method("domino_lookup")
     with pytest.raises(ValueError, match="optionally followed by _lookup, _lookup2 or _copies"):
         parse_batch_method("domino_lookup_k4")
 

@@ -665,23 +665,26 @@ def test_fused_rollout_with_top_k_top_p_returns_the_warped_logits_it_drew_from(
 
 
 def test_warped_draws_follow_the_warped_softmax(interp):
-    # 400 independent draws of one position (rows with their own Philox streams): the kept tokens in the proportions
-    # of the warped distribution, the filtered ones never. The power check: without the warpers the counts differ.
+    # 400 independent draws of one position: 200 batch rows of 2 positions, each (row, position) with its own Philox
+    # stream. The kept tokens in the proportions of the warped distribution, the filtered ones never. The power
+    # check: without the warpers the counts differ.
     from transformers import LogitsProcessorList, TopKLogitsWarper
 
-    draws, vocab = 400, 6
-    base = torch.tensor([[1.0, 0.6, 0.3, 0.0, -0.2, -0.3]]).expand(draws, vocab).contiguous()
-    ws = kernels.Workspace(draws, vocab, base.device, None, warped=True)
+    rows, positions, vocab = 200, 2, 6
+    base = torch.tensor([1.0, 0.6, 0.3, 0.0, -0.2, -0.3]).expand(rows, positions, vocab).contiguous()
+    ws = kernels.Workspace(positions, vocab, base.device, None, warped=True, rows=rows)
     ws.seed.fill_(7)
     warpers = LogitsProcessorList([TopKLogitsWarper(3)])
-    kernels.launch_logits_pick(ws, slice(0, draws), base, None, None, sample=True)
-    kernels.launch_warped_pick(ws, slice(0, draws), triton_rollout.warp_scores(warpers))
-    tokens = ws.tokens[1:]
-    assert torch.isneginf(ws.logits[:, 3:]).all() and torch.equal(ws.logits[:, :3], base[:, :3])
+    kernels.launch_logits_pick(ws, slice(0, positions), base, None, None, sample=True)
+    kernels.launch_warped_pick(ws, slice(0, positions), triton_rollout.warp_scores(warpers))
+    tokens = ws.tokens[:, 1:].flatten()
+    assert torch.isneginf(ws.logits[..., 3:]).all() and torch.equal(ws.logits[..., :3], base[..., :3])
     counts = torch.bincount(tokens, minlength=vocab).float()
     assert counts[3:].sum() == 0, counts
-    assert chi_square(counts[:3], torch.softmax(base[0, :3], -1)) < 13.82, counts  # 2 degrees of freedom, p = 0.001
-    assert chi_square(counts, torch.softmax(base[0], -1)) > 20.52, "the test cannot tell the warped law from the plain"
+    assert chi_square(counts[:3], torch.softmax(base[0, 0, :3], -1)) < 13.82, counts  # 2 degrees of freedom, p = 0.001
+    assert chi_square(counts, torch.softmax(base[0, 0], -1)) > 20.52, (
+        "the test can't tell the warped law from the plain"
+    )
 
 
 def test_generate_with_top_k_top_p_runs_the_fused_head(interp, monkeypatch):
@@ -704,6 +707,134 @@ def test_generate_with_top_k_top_p_runs_the_fused_head(interp, monkeypatch):
     output = target.generate(prompt, assistant_model=drafter, domino_rollout="triton", pad_token_id=0, **options)
     assert prompt.shape[1] < output.shape[1] <= prompt.shape[1] + 12
     assert calls and all(len(warpers) == 2 for warpers in calls), calls
+
+
+# ------------------------------------------------------------------------------------------------------------ batches
+# The batch loop drafts a block for every row at once: the same kernels, each launch covering all rows.
+def batch_inputs(drafter, vocab: torch.Tensor | None = None, rows: int = 3, seed: int = 11):
+    """`rows` different blocks (hidden states, base logits over `vocab` or the whole vocabulary, anchors)."""
+    generator = torch.Generator().manual_seed(seed)
+    embed, *_ = tiny_inputs(drafter.config.num_drafts)
+    num_drafts = drafter.config.num_drafts
+    hidden = torch.randn(rows, num_drafts, HIDDEN, generator=generator)
+    base = torch.randn(rows, num_drafts, VOCAB, generator=generator)
+    anchors = torch.tensor([[42], [5], [77], [3]])[:rows]
+    return embed, hidden, base if vocab is None else base[..., vocab], anchors
+
+
+def warped_replay(draft_ids: torch.LongTensor, processors, vocab: torch.Tensor | None):
+    """An eager pick replaying `draft_ids [1, k]` that returns what a generate() call's processors make of the
+    position's logits (spread over the whole vocabulary first, as `processed_pick` does)."""
+    position = iter(range(draft_ids.shape[1]))
+
+    def pick(logits: torch.Tensor, realised_ids: torch.LongTensor):
+        logits = logits.float()
+        if vocab is not None:
+            logits = logits.new_full((logits.shape[0], VOCAB), float("-inf")).index_copy_(-1, vocab, logits)
+        return draft_ids[:, next(position)].reshape(1, 1), processors(realised_ids, logits)
+
+    return pick
+
+
+@pytest.mark.parametrize("vocab_name", [None, "without the anchor"])
+@pytest.mark.parametrize("pure_draft_prefix_len", [0, 1, 2])
+def test_fused_rollout_over_rows_drafts_each_row_as_alone_greedy(interp, vocab_name, pure_draft_prefix_len):
+    vocab = None if vocab_name is None else VOCABS[vocab_name]
+    drafter = tiny_drafter(pure_draft_prefix_len=pure_draft_prefix_len)
+    embed, hidden, base, anchors = batch_inputs(drafter, vocab)
+    target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
+    options = {"head": True, "pure_draft_prefix_len": pure_draft_prefix_len, "temperature": None, "vocab": vocab}
+    draft_ids, logits = triton_rollout.fused_rollout(drafter, hidden, base, anchors, embed.weight, **options)
+
+    assert draft_ids.shape == base.shape[:2] and logits.shape == base.shape
+    for row in range(base.shape[0]):
+        with torch.no_grad():
+            block = BlockDraft(hidden[row : row + 1], base[row : row + 1], vocab)
+            expected = eager_rollout(drafter, target)(block, anchors[row : row + 1])
+        assert torch.equal(draft_ids[row : row + 1], expected.ids), row
+        torch.testing.assert_close(logits[row : row + 1], expected.logits, atol=1e-5, rtol=0)
+    assert len({tuple(ids) for ids in draft_ids.tolist()}) == base.shape[0], "rows must not share their drafts"
+
+
+@pytest.mark.parametrize("vocab_name", [None, "without the anchor"])
+def test_fused_rollout_over_rows_samples_each_row_from_its_warped_logits(interp, vocab_name):
+    from transformers import LogitsProcessorList
+
+    vocab = None if vocab_name is None else VOCABS[vocab_name]
+    drafter = tiny_drafter()
+    embed, hidden, base, anchors = batch_inputs(drafter, vocab)
+    target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
+    processors = qwen3_warpers()
+    options = {"head": True, "pure_draft_prefix_len": 1, "temperature": 0.7, "vocab": vocab}
+    options["warpers"] = LogitsProcessorList(processors[1:])
+    torch.manual_seed(123)
+    draft_ids, logits = triton_rollout.fused_rollout(drafter, hidden, base, anchors, embed.weight, **options)
+
+    assert logits.shape == (*base.shape[:2], VOCAB)
+    for row in range(base.shape[0]):
+        replay = warped_replay(draft_ids[row : row + 1], processors, vocab)
+        with torch.no_grad():
+            block = BlockDraft(hidden[row : row + 1], base[row : row + 1], vocab)
+            expected = eager_rollout(drafter, target, replay)(block, anchors[row : row + 1])
+        torch.testing.assert_close(logits[row : row + 1], expected.logits, atol=1e-5, rtol=0)
+    assert torch.gather(torch.isfinite(logits), -1, draft_ids[..., None]).all(), "a draft outside what was kept"
+    torch.manual_seed(123)
+    again, _ = triton_rollout.fused_rollout(drafter, hidden, base, anchors, embed.weight, **options)
+    assert torch.equal(again, draft_ids), "torch.manual_seed must make sampled drafts reproducible"
+
+
+def test_fused_draft_rows_equal_the_batch_loops_eager_rollout(interp):
+    from hf_domino.ragged_batch_domino import batched_rollout
+
+    vocab = VOCABS["without the anchor"]
+    drafter = tiny_drafter()
+    embed, hidden, base, anchors = batch_inputs(drafter, vocab)
+    target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
+    rollout = fused_head.select_rollout(drafter, target, do_sample=False, logits_processor=None, mode="triton")
+    ids, logits, confidence = rollout.draft_rows(hidden, base, vocab, anchors)
+    with torch.no_grad():
+        expected = batched_rollout(
+            drafter, target, hidden, base, vocab, anchors,
+            head=True, pick_logits=None, do_sample=False,
+        )  # fmt: skip
+    assert torch.equal(ids, expected.ids)
+    torch.testing.assert_close(confidence, expected.confidence, atol=1e-5, rtol=0)
+    assert logits.shape == base.shape
+
+
+def left_padded_batch() -> dict[str, torch.Tensor]:
+    input_ids = torch.tensor([[0, 0, 5, 17, 42], [5, 17, 42, 8, 9], [0, 3, 4, 8, 10]])
+    return {"input_ids": input_ids, "attention_mask": (input_ids != 0).long()}
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_batched_generate_runs_the_fused_head(interp, monkeypatch, do_sample):
+    # A batch's drafting cycles roll the head out fused for all rows at once; greedy output is the target alone's,
+    # row for row. (Sampling: the fused rows return their warped logits, as the eager rows do, above.)
+    rows_seen = []
+    original = fused_head.FusedRollout.draft_rows
+
+    def spy(self, hidden, *args, **kwargs):
+        rows_seen.append((hidden.shape[0], getattr(self.fused, "warpers", None)))
+        return original(self, hidden, *args, **kwargs)
+
+    monkeypatch.setattr(fused_head.FusedRollout, "draft_rows", spy)
+    torch.manual_seed(0)
+    target = small_target()
+    drafter = tiny_drafter()
+    drafter.set_draft_vocab(VOCABS["without the anchor"])
+    batch = left_padded_batch()
+    options = dict(max_new_tokens=10, do_sample=do_sample, draft_policy="fixed")
+    if do_sample:
+        options.update(temperature=0.7, top_k=12, top_p=0.8)
+    output = target.generate(**batch, assistant_model=drafter, domino_rollout="triton", **options)
+    assert any(rows > 1 for rows, _ in rows_seen), "the batch loop did not draft through the fused head"
+    if do_sample:
+        assert all(warpers is not None and len(warpers) == 2 for _, warpers in rows_seen)
+        assert output.shape[0] == 3
+    else:
+        plain = target.generate(**batch, max_new_tokens=10, do_sample=False)
+        assert torch.equal(output, plain)
 
 
 # -------------------------------------------------------------------------------------------------------------- GPU
@@ -886,6 +1017,59 @@ def test_cuda_greedy_generate_is_identical_with_and_without_the_fast_path(monkey
     assert torch.equal(outputs["eager"], plain)
     assert torch.equal(outputs["triton"], plain) and torch.equal(outputs["triton+graph"], plain)
     assert torch.equal(outputs["auto"], plain)
+
+
+@requires_cuda
+@pytest.mark.parametrize("temperature", [None, 0.7])
+def test_cuda_graph_runner_over_rows_replays_for_fewer_rows(temperature):
+    # A batch's rows retire as they finish: the graph captured for 3 rows replays for the 2 left (exact: rows are
+    # independent), and a 4th row re-captures.
+    drafter = tiny_drafter().cuda()
+    embed, hidden, base, anchors = (t.cuda() for t in batch_inputs(drafter, rows=4))
+    runner = fused_head.DominoHeadGraphRunner(drafter, temperature=temperature)
+    options = {"head": True, "pure_draft_prefix_len": 1, "temperature": temperature}
+
+    def both(rows: slice):
+        torch.manual_seed(5)
+        replayed = runner(hidden[rows], base[rows], anchors[rows], embed.weight)
+        torch.manual_seed(5)
+        launched = triton_rollout.fused_rollout(
+            drafter, hidden[rows], base[rows], anchors[rows], embed.weight, **options
+        )
+        return replayed, launched
+
+    (ids, logits), (expected_ids, expected_logits) = both(slice(0, 3))
+    assert runner.num_captures == 1 and ids.shape == (3, drafter.config.num_drafts)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(logits, expected_logits)
+    (ids, logits), (expected_ids, expected_logits) = both(slice(1, 3))
+    assert runner.num_captures == 1 and ids.shape[0] == 2
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(logits, expected_logits)
+    both(slice(0, 4))
+    assert runner.num_captures == 2
+
+
+@requires_cuda
+def test_cuda_batched_greedy_generate_is_identical_with_and_without_the_fast_path(monkeypatch):
+    rows_seen = []
+    original = fused_head.DominoHeadGraphRunner.__call__
+
+    def spy(self, draft_hidden, *args, **kwargs):
+        rows_seen.append(draft_hidden.shape[0])
+        return original(self, draft_hidden, *args, **kwargs)
+
+    monkeypatch.setattr(fused_head.DominoHeadGraphRunner, "__call__", spy)
+    torch.manual_seed(0)
+    target = small_target().cuda()
+    drafter = tiny_drafter().cuda()
+    drafter.set_draft_vocab(VOCABS["without the anchor"])
+    batch = {name: tensor.cuda() for name, tensor in left_padded_batch().items()}
+    options = dict(max_new_tokens=24, do_sample=False, draft_policy="fixed")
+    plain = target.generate(**batch, max_new_tokens=24, do_sample=False)
+    for mode in ("eager", "auto", "triton", "triton+graph"):
+        assert torch.equal(target.generate(**batch, assistant_model=drafter, domino_rollout=mode, **options), plain)
+    assert any(rows > 1 for rows in rows_seen), "the batch loop did not draft through the graph runner"
 
 
 @pytest.mark.slow

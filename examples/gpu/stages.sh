@@ -22,9 +22,10 @@ VOCAB=src/hf_domino/checkpoints/smollm2-135m-instruct-domino/draft_vocab.safeten
 # methods. The first run (2026-11-26) ran out of its 300 s with six methods x 10 prompts: 6 prompts now.
 METHODS=${METHODS:-target,prompt_lookup,dflash_vocab_k16,domino_vocab_k16@triton+graph,domino_vocab_lookup}
 FP32_METHODS=${FP32_METHODS:-target,domino_vocab_k16@triton+graph,domino_vocab_lookup}
-# issue 20 on a GPU: does retrieving in every batch pay there too (against _lookup2: at most 2 rows, as the CPU once
-# chose), and should PRICE_BY_MAKESPAN be the default?
-BATCH_METHODS=${BATCH_METHODS:-target,domino_lookup,domino_lookup2,domino_lookup_makespan}
+# issue 20 on a GPU: the default (the head fused for all rows, with a CUDA graph) against the eager batched head, and
+# should PRICE_BY_MAKESPAN be the default? (`domino_lookup2`, retrieving only while at most 2 rows are active, is
+# the question after those.)
+BATCH_METHODS=${BATCH_METHODS:-target,domino_lookup,domino_lookup@eager,domino_lookup_makespan}
 # Part B: continuations of the shipped drafter side by side, anchors drawn uniformly and among generate()'s own blocks;
 # the last FINETUNE_RESERVE seconds of the stage are for their final validation and export.
 FINETUNE_RUNS=${FINETUNE_RUNS:-uniform chain}; FINETUNE_RESERVE=${FINETUNE_RESERVE:-150}
@@ -46,8 +47,11 @@ stage() {  # stage NAME LIMIT COMMAND...
   echo "=== $(date +%T) $name: exit $status (124: stopped after $limit s)" | tee -a $R/stages.log
 }
 
-micro() {  # the head alone: Qwen3-8B shapes, the shipped drafter's without and with its draft vocabulary
+micro() {  # the head alone: Qwen3-8B shapes, the shipped drafter's without and with its draft vocabulary, a batch
   for temperature in "--temperature 0.6 --top-k 20 --top-p 0.95" "" "--temperature 1.0"; do  # Qwen3's defaults first
+    if [ -z "$temperature" ]; then  # 4 rows drafted together, as the batch loop does (greedy only: new, so early)
+      python3 examples/head_microbench.py --reps $MICRO_REPS --shapes smollm2-135m --draft-vocab $VOCAB --rows 4
+    fi
     python3 examples/head_microbench.py --reps $MICRO_REPS $temperature
     python3 examples/head_microbench.py --reps $MICRO_REPS --shapes smollm2-135m --draft-vocab $VOCAB $temperature
     python3 examples/head_microbench.py --reps $MICRO_REPS --shapes smollm2-135m $temperature

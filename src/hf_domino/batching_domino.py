@@ -41,7 +41,7 @@ from .cost_model_domino import (
     timing_is_free,
     verify_cost_for,
 )
-from .drafting_domino import judge_copy, lookup_drafts
+from .drafting_domino import judge_copy, lookup_drafts, select_fused_rollout
 from .modeling_domino import TargetModules, context_features
 from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, below_threshold, copy_records, drafter_record
 from .ragged_batch_domino import (
@@ -249,6 +249,11 @@ class BatchedDecoding:
         self.per_row = row_processors(logits_processor, rows) if len(logits_processor) else None
         self.head = options.head_enabled(drafter)
         self.vocab = drafter.draft_vocab if options.draft_vocab else None
+        # The fused head (one launch per kernel for all rows, and a CUDA graph) where the call allows it, else None:
+        # the eager `batched_rollout`.
+        self.fused_rollout = select_fused_rollout(
+            drafter, self.modules, options, do_sample=self.do_sample, logits_processor=logits_processor
+        )
         self.device = input_ids.device
         self.mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         self.sequences = list(input_ids)
@@ -285,9 +290,7 @@ class BatchedDecoding:
         return process_rows(processors, self.active_sequences(), logits, extra)
 
     def pick_logits(self, logits: torch.Tensor, drafted: torch.LongTensor) -> torch.Tensor:
-        """The distribution a draft is picked from: base (+ head) logits for plain greedy drafting, else processed."""
-        if not self.do_sample and self.per_row is None:
-            return logits
+        """The distribution a draft is picked from when drafting is not plain greedy: the processed logits."""
         return self.process(spread_to_vocabulary(logits.float(), self.vocab, self.drafter.config.vocab_size), drafted)
 
     def extend(self, row: int, tokens: torch.LongTensor) -> bool:
@@ -408,11 +411,7 @@ class BatchedDecoding:
         backbone_done = self.now()
         base_logits = self.modules.logits(hidden, self.vocab).float()
         lm_head_done = self.now()
-        drafts = batched_rollout(
-            self.drafter, self.modules, hidden, base_logits, self.vocab, anchors,
-            head=self.head, pick_logits=self.pick_logits, do_sample=self.do_sample,
-            keep_rolling=self.policy.keep_rolling if self.policy.adaptive else None,
-        )  # fmt: skip
+        drafts = self.roll_out(hidden, base_logits, anchors)
         drafted = self.now()
         limits = [0 if i in copying else limit for i, limit in enumerate(self.row_limits(drafts, room))]
         if K_PER_ROW and isinstance(self.policy, AdaptivePolicy):
@@ -437,6 +436,18 @@ class BatchedDecoding:
             "rollout_seconds": drafted - backbone_done,
         }
         return CycleDrafts(drafts, torch.tensor(lengths, dtype=torch.long), observed)
+
+    def roll_out(self, hidden: torch.Tensor, base_logits: torch.Tensor, anchors: torch.LongTensor) -> BatchDrafts:
+        """The Domino head over every row's block: fused when `generate()` allows it, else eager."""
+        if self.fused_rollout is not None:
+            ids, logits, confidence = self.fused_rollout.draft_rows(hidden, base_logits, self.vocab, anchors)
+            return BatchDrafts(ids, logits if self.do_sample else None, confidence)
+        plain_greedy = not self.do_sample and self.per_row is None  # the base (+ head) logits themselves
+        return batched_rollout(
+            self.drafter, self.modules, hidden, base_logits, self.vocab, anchors,
+            head=self.head, pick_logits=None if plain_greedy else self.pick_logits, do_sample=self.do_sample,
+            keep_rolling=self.policy.keep_rolling if self.policy.adaptive else None,
+        )  # fmt: skip
 
     def row_limits(self, drafts: BatchDrafts, room: list[int]) -> list[int]:
         """Drafts each row may offer: its room, its drafts above the confidence threshold, none past a stop string."""

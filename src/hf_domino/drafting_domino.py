@@ -21,6 +21,7 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
+import importlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +34,10 @@ from transformers.cache_utils import DynamicCache
 from .cache_domino import buffer_layers
 
 if TYPE_CHECKING:
+    from transformers import LogitsProcessorList
+
     from .modeling_domino import DominoForSpeculation, TargetModules
+    from .options_domino import DominoOptions
 
 
 @dataclass
@@ -217,6 +221,40 @@ def eager_rollout(
         return Drafts(realised[:, prefix_ids.shape[1] :], logits, confidence)
 
     return rollout
+
+
+def select_fused_rollout(
+    drafter: DominoForSpeculation,
+    target: TargetModules,
+    options: DominoOptions,
+    *,
+    do_sample: bool,
+    logits_processor: LogitsProcessorList | None,
+):
+    """The fused Triton/CUDA-graph head rollout for a `generate()` call (`hf_domino.fused_head.FusedRollout`: a
+    ladder `Rollout`, and `draft_rows` for a batch), or `None` where the eager one runs.
+
+    `options.domino_rollout` decides (`fused_head.select_rollout`); the fused rollout needs the Domino head on.
+    Imported by name rather than relatively: remote-code copies of this file must not depend on it, and without
+    `hf_domino` installed they use the eager rollout.
+    """
+    mode = options.domino_rollout
+    if mode == "eager" or not options.head_enabled(drafter):
+        if mode in ("triton", "triton+graph"):
+            raise ValueError(
+                f"domino_rollout={mode!r} fuses the Domino head: it needs the head on (domino_head=True, a drafter "
+                "with a head); use 'auto' or 'eager' without it."
+            )
+        return None
+    try:
+        fused_head = importlib.import_module("hf_domino.fused_head")
+    except ImportError:
+        if mode != "auto":
+            raise
+        return None
+    return fused_head.select_rollout(
+        drafter, target, do_sample=do_sample, logits_processor=logits_processor, mode=mode
+    )
 
 
 # n-gram sizes tried by `lookup_drafts`, longest first: a single shared token matches too often to predict anything
@@ -431,4 +469,5 @@ __all__ = [
     "lookup_drafts",
     "processed_pick",
     "run_backbone",
+    "select_fused_rollout",
 ]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import triton_kernels as kernels
-from .drafting_domino import BlockDraft, Drafts, Rollout, draft_confidence
+from .drafting_domino import BlockDraft, Drafts, Rollout
 
 # The graph runner captures exactly what `fused_rollout` launches.
 from .triton_kernels import Workspace, check_kernel_device
@@ -34,7 +34,6 @@ from .triton_rollout import (
     fused_rollout,
     launch_rollout,
     prepare_rollout,
-    rows_contiguous,
     warp_scores,
 )
 
@@ -120,12 +119,14 @@ class DominoHeadGraphRunner(TritonRollout):
     `fallback_on_capture_error`) it is exactly that `TritonRollout`.
 
     Head on/off and greedy/sampling are fixed at construction. The graph is captured on the first call for the
-    call's configuration: number of drafts, vocabulary size, the draft vocabulary (none, or the address and size of
-    its id tensor), dtypes, device, prefix length, and the address and layout of every weight and of the embedding
-    table. A call with any of those changed drops the graph (after the device has finished with it) and
-    captures a new one; a call with fewer drafts than captured replays the captured graph and keeps the leading rows,
-    which is exact because a draft position never depends on later ones (blocks shrink near `max_length`, and
-    re-capturing there would cost more than the few wasted positions). Weights updated in place are picked up without
+    call's configuration: vocabulary size, the draft vocabulary (none, or the address and size of its id tensor),
+    dtypes, device, prefix length, and the address and layout of every weight and of the embedding table, and for
+    its number of rows (sequences drafted together) and of drafts. A call with any of the configuration changed drops
+    the graph (after the device has finished with it) and captures a new one, as does a call with more rows or
+    drafts than captured. A call with fewer replays the captured graph and keeps the leading rows and positions,
+    which is exact because rows are independent and a draft position never depends on later ones (blocks shrink
+    near `max_length` and a batch's rows retire as they finish; re-capturing there would cost more than the few
+    wasted positions). Weights updated in place are picked up without
     re-capture: the graph reads them by address. The temperature and the sampling seed live in device buffers, so
     neither forces a re-capture. Top-k / top-p / min-p warpers are torch ops on the workspace's logits, captured with
     the kernels (their parameters are read at capture: a runner serves one `generate()` call's settings).
@@ -154,18 +155,19 @@ class DominoHeadGraphRunner(TritonRollout):
         self.fallback_on_capture_error = fallback_on_capture_error
         self.num_captures = 0
         self._key: tuple | None = None
+        self._size: tuple[int, int] = (0, 0)  # (rows, drafts) captured
         self._graph: torch.cuda.CUDAGraph | None = None
         self._capture_failed = False
 
     @property
     def captured_num_drafts(self) -> int | None:
-        return None if self._key is None else self._key[0]
+        return None if self._key is None else self._size[1]
 
     def reset(self) -> None:
         """Drops the captured graph and its buffers (waiting for the device to be done with them first)."""
         if self._graph is not None:
             torch.cuda.synchronize(self._device)
-        self._graph, self._key = None, None
+        self._graph, self._key, self._size = None, None, (0, 0)
 
     def _config_key(
         self,
@@ -176,7 +178,6 @@ class DominoHeadGraphRunner(TritonRollout):
         vocab: torch.Tensor | None,
     ) -> tuple:
         return (
-            base_logits.shape[1],
             base_logits.shape[2],
             base_logits.dtype,
             draft_hidden.dtype,
@@ -208,15 +209,17 @@ class DominoHeadGraphRunner(TritonRollout):
             raise RuntimeError(f"CUDA graphs need CUDA tensors; the Domino head is on {device}.")
         draft_hidden, base_logits = draft_hidden.to(device), base_logits.to(device)
         vocab = None if vocab is None else vocab.to(device)
-        num_drafts = base_logits.shape[1]
+        rows, num_drafts = base_logits.shape[:2]
         key = self._config_key(weights, draft_hidden, base_logits, target_embed_weight, vocab)
-        captured = self._key
-        # Same configuration, or the same one with a shorter block: replay.
-        if captured is None or key[1:] != captured[1:] or num_drafts > captured[0]:
+        # Same configuration, with as many rows and drafts or fewer: replay.
+        if key != self._key or rows > self._size[0] or num_drafts > self._size[1]:
+            size = (rows, num_drafts)
+            if key == self._key:  # grow, never shrink: the next call may have the rows or drafts this one lacks
+                size = (max(rows, self._size[0]), max(num_drafts, self._size[1]))
             self.reset()
             try:
                 self._check_vocab_once(vocab, target_embed_weight)
-                self._capture(key, weights, draft_hidden, base_logits, target_embed_weight, vocab)
+                self._capture(key, size, weights, draft_hidden, base_logits, target_embed_weight, vocab)
             except Exception as error:  # noqa: BLE001 - re-raised unless the caller asked for the fallback
                 self.reset()
                 if not self.fallback_on_capture_error:
@@ -229,16 +232,17 @@ class DominoHeadGraphRunner(TritonRollout):
                 self._capture_failed = True
                 return super().__call__(draft_hidden, base_logits, anchor_ids, target_embed_weight, vocab)
 
-        self._draft_hidden[:num_drafts].copy_(draft_hidden[0])
-        self._base_logits[:num_drafts].copy_(base_logits[0])
+        self._draft_hidden[:rows, :num_drafts].copy_(draft_hidden)
+        self._base_logits[:rows, :num_drafts].copy_(base_logits)
         self._workspace.start(anchor_ids, self.temperature)
         self._graph.replay()
-        draft_ids = self._workspace.tokens[None, 1 : num_drafts + 1].to(anchor_ids.device, copy=True)
-        return draft_ids, self._workspace.logits[None, :num_drafts].clone()
+        draft_ids = self._workspace.tokens[:rows, 1 : num_drafts + 1].to(anchor_ids.device, copy=True)
+        return draft_ids, self._workspace.logits[:rows, :num_drafts].clone()
 
     def _capture(
         self,
         key: tuple,
+        size: tuple[int, int],
         weights: HeadWeights | None,
         draft_hidden: torch.Tensor,
         base_logits: torch.Tensor,
@@ -247,15 +251,19 @@ class DominoHeadGraphRunner(TritonRollout):
     ) -> None:
         check_kernel_device(base_logits.device)
         self._device = base_logits.device
-        num_drafts, vocab_size = base_logits.shape[1:]
+        (rows, num_drafts), vocab_size = size, base_logits.shape[2]
         spread_size = self.drafter.config.vocab_size if self.temperature is not None else None
         warp = warp_scores(self.warpers)
         self._workspace = Workspace(
             num_drafts, vocab_size, self._device, weights, vocab=vocab, spread_size=spread_size,
-            warped=warp is not None,
+            warped=warp is not None, rows=rows,
         )  # fmt: skip
-        self._draft_hidden = draft_hidden[0].clone()
-        self._base_logits = rows_contiguous(base_logits[0]).clone()
+        # Static inputs of the captured size, this call's block in their leading rows and positions (zeros beyond:
+        # rows and positions the graph computes but no call reads).
+        self._draft_hidden = draft_hidden.new_zeros(rows, num_drafts, draft_hidden.shape[2])
+        self._base_logits = base_logits.new_zeros(rows, num_drafts, vocab_size)
+        self._draft_hidden[: draft_hidden.shape[0], : draft_hidden.shape[1]].copy_(draft_hidden)
+        self._base_logits[: base_logits.shape[0], : base_logits.shape[1]].copy_(base_logits)
         prefix_len = self.drafter.config.pure_draft_prefix_len
 
         def launch() -> None:
@@ -281,7 +289,7 @@ class DominoHeadGraphRunner(TritonRollout):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 launch()
-        self._graph, self._key = graph, key
+        self._graph, self._key, self._size = graph, key, size
         self.num_captures += 1
 
 
@@ -291,7 +299,7 @@ class FusedRollout:
     The embedding table is read from `target` on every call (not once), so a target moved or re-tied after
     `select_rollout()` is still the one gathered from. A block drafted over a draft vocabulary (`block.vocab`) comes
     back as `eager_rollout` returns it: token ids, and greedy logits over the vocabulary's columns or sampled logits
-    over the whole vocabulary.
+    over the whole vocabulary. The batch loop calls `draft_rows` with all its rows at once.
     """
 
     def __init__(self, fused: FastRollout, target: TargetModules):
@@ -299,13 +307,26 @@ class FusedRollout:
         self.target = target
 
     def __call__(self, block: BlockDraft, prefix_ids: torch.LongTensor) -> Drafts:
-        embed = self.target.embed_tokens.weight
-        ids, logits = self.fused(block.hidden, block.base_logits, prefix_ids, embed, block.vocab)
-        index = ids.to(logits.device)
-        if block.vocab is not None and logits.shape[-1] == block.base_logits.shape[-1]:
+        ids, logits, confidence = self.draft_rows(block.hidden, block.base_logits, block.vocab, prefix_ids)
+        return Drafts(ids, logits, confidence[0])
+
+    def draft_rows(
+        self,
+        hidden: torch.Tensor,
+        base_logits: torch.Tensor,
+        vocab: torch.Tensor | None,
+        anchor_ids: torch.LongTensor,
+    ) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor]:
+        """One block for each of `rows` sequences (`hidden [rows, k, H]`, `base_logits [rows, k, V']`, each row's
+        anchor the last column of `anchor_ids`): `(draft ids [rows, k], logits, confidence [rows, k])`, the
+        confidence being each draft's probability under the logits it was picked from."""
+        ids, logits = self.fused(hidden, base_logits, anchor_ids, self.target.embed_tokens.weight, vocab)
+        index = ids.to(logits.device).contiguous()
+        if vocab is not None and logits.shape[-1] == base_logits.shape[-1]:
             # Greedy logits are over the vocabulary's columns: the column of each id (the vocabulary is sorted).
-            index = torch.searchsorted(block.vocab.to(logits.device), index)
-        return Drafts(ids, logits, draft_confidence(logits, index))
+            index = torch.searchsorted(vocab.to(logits.device), index)
+        confidence = logits.float().log_softmax(dim=-1).gather(-1, index[..., None])[..., 0].exp()
+        return ids, logits, confidence
 
 
 # ----------------------------------------------------------------------------------------------------------- dispatch

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextvars
 import copy
 import functools
-import importlib
 import inspect
 import time
 from typing import TYPE_CHECKING, Any
@@ -47,6 +46,7 @@ from .drafting_domino import (
     lookup_drafts,
     processed_pick,
     run_backbone,
+    select_fused_rollout,
 )
 from .modeling_domino import TargetModules, context_features
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
@@ -325,13 +325,8 @@ class DominoCandidateGenerator(CandidateGenerator):
         return policy, LookupPolicy(lookup_record, cost), LookupPolicy(datastore_record, cost)
 
     def _select_rollout(self) -> Rollout:
-        """The fused Triton/CUDA-graph head rollout of `hf_domino.fused_head` when it applies, else the eager one.
-
-        Imported by name rather than relatively: remote-code copies of this file must not depend on it, and without
-        `hf_domino` installed they use the eager rollout.
-        """
-        drafter, options, head = self.drafter, self.options, self.options.head_enabled(self.drafter)
-        sequential = head or self.do_sample or self.logits_processor is not None
+        """The fused Triton/CUDA-graph head rollout of `hf_domino.fused_head` when it applies, else the eager one."""
+        drafter, options = self.drafter, self.options
         pick = greedy_pick
         if self.do_sample or self.logits_processor is not None:
             pick = processed_pick(self.logits_processor, self.do_sample, self.vocab, drafter.config.vocab_size)
@@ -339,29 +334,12 @@ class DominoCandidateGenerator(CandidateGenerator):
         keep_rolling = (
             (lambda confidence: self.policy.keep_rolling(confidence)) if options.draft_policy == "adaptive" else None
         )
-        eager = eager_rollout(drafter, self.target, pick, head=head, keep_rolling=keep_rolling)
-        # The fused rollout covers a draft vocabulary too: it reads it from each block, as the eager one does.
-        if options.domino_rollout == "eager" or not sequential or not head:
-            if options.domino_rollout in ("triton", "triton+graph") and not head:
-                raise ValueError(
-                    f"domino_rollout={options.domino_rollout!r} fuses the Domino head: it needs the head on "
-                    "(domino_head=True, a drafter with a head); use 'auto' or 'eager' without it."
-                )
-            return eager
-        try:
-            fused_head = importlib.import_module("hf_domino.fused_head")
-        except ImportError:
-            if options.domino_rollout != "auto":
-                raise
-            return eager
-        fused = fused_head.select_rollout(
-            drafter,
-            self.target,
-            do_sample=self.do_sample,
-            logits_processor=self.logits_processor,
-            mode=options.domino_rollout,
+        fused = select_fused_rollout(
+            drafter, self.target, options, do_sample=self.do_sample, logits_processor=self.logits_processor
         )
-        return eager if fused is None else fused
+        if fused is not None:
+            return fused
+        return eager_rollout(drafter, self.target, pick, head=options.head_enabled(drafter), keep_rolling=keep_rolling)
 
 
 # -------------------------------------------------------------------------------------------------- generate() hook

@@ -27,7 +27,9 @@ from .cpu_fast_path import prepare_for_cpu_decoding
 from .modeling_domino import DominoForSpeculation
 
 BATCH_METHODS = ("target", "domino", "domino_lookup")
-_BATCH_METHOD = re.compile(r"domino(?:(_rowk)|_k(\d+))?(_lookup2|_lookup|_copies)?(_makespan)?")
+_BATCH_METHOD = re.compile(
+    r"domino(?:(_rowk)|_k(\d+))?(_lookup2|_lookup|_copies)?(_makespan)?(?:@(eager|triton|triton\+graph))?"
+)
 
 
 def parse_batch_method(method: str) -> dict:
@@ -35,21 +37,24 @@ def parse_batch_method(method: str) -> dict:
     (fixed k), each optionally with `_lookup` (copied and retrieved drafts beside the drafter, what `generate()` does
     by default), `_lookup2` (the same, retrieving only while at most 2 rows are active: `RETRIEVAL_MAX_ROWS = 2`) or
     `_copies` (copies from the text only), then optionally `_makespan` (cycles priced by when the batch's last row
-    finishes, not by the rows' mean tokens: `PRICE_BY_MAKESPAN = True`). Settings of the batch loop itself come back
-    under `loop`."""
+    finishes, not by the rows' mean tokens: `PRICE_BY_MAKESPAN = True`), and `@eager`, `@triton` or `@triton+graph`
+    to force the Domino head's rollout (`domino_rollout`; by default the head is fused on CUDA). Settings of the
+    batch loop itself come back under `loop`."""
     if method == "target":
         return {}
     match = _BATCH_METHOD.fullmatch(method)
     if match is None:
         raise ValueError(
             f"unknown batch method {method!r}: use target, domino, domino_rowk or domino_k<N>, optionally followed "
-            "by _lookup, _lookup2 or _copies, then _makespan (e.g. domino_lookup, domino_lookup_makespan)"
+            "by _lookup, _lookup2 or _copies, then _makespan, then @eager, @triton or @triton+graph (e.g. "
+            "domino_lookup, domino_lookup_makespan, domino_lookup@eager)"
         )
-    per_row, fixed, lookup, makespan = match.groups()
+    per_row, fixed, lookup, makespan, rollout = match.groups()
     options: dict = {"domino_lookup": lookup is not None, "domino_datastore": lookup in ("_lookup", "_lookup2")}
     loop = ({"K_PER_ROW": True} if per_row else {}) | ({"RETRIEVAL_MAX_ROWS": 2} if lookup == "_lookup2" else {})
     loop |= {"PRICE_BY_MAKESPAN": True} if makespan else {}
     options |= {"loop": loop} if loop else {}
+    options |= {"domino_rollout": rollout} if rollout else {}
     if fixed is not None:
         return options | {"draft_policy": "fixed", "num_speculative_tokens": int(fixed)}
     return options | {"draft_policy": "adaptive"}

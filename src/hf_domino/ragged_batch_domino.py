@@ -290,12 +290,16 @@ def batched_rollout(
 ) -> BatchDrafts:
     """`eager_rollout` for all rows at once: per draft position the Domino head's correction, then one pick per row.
 
-    `pick_logits(logits [rows, V'], drafts so far [rows, i])` returns the distribution to pick from: the base (and
-    corrected) logits themselves for plain greedy drafting, else processed logits over the whole vocabulary.
+    `pick_logits(logits [rows, V'], drafts so far [rows, i])` returns the distribution to pick from: processed
+    logits over the whole vocabulary; `None` for plain greedy drafting (the base, or corrected, logits themselves).
     `keep_rolling(confidence [rows, j])`, asked before each draft after the first, may end the block early.
     """
     config = drafter.config
     use_head = head and config.has_domino_head
+    if not use_head and pick_logits is None:  # nothing sequential left (DFlash drafting, greedy): one argmax
+        index = base_logits.argmax(dim=-1)
+        confidence = base_logits.float().log_softmax(dim=-1).gather(-1, index[..., None])[..., 0].exp()
+        return BatchDrafts(to_vocab_ids(index, vocab), None, confidence)
     realised, picked, chosen, confidence, state = anchor_ids, [], [], [], None
     for i in range(base_logits.shape[1]):
         if keep_rolling is not None and i and not keep_rolling(torch.stack(confidence, dim=-1)):
@@ -307,7 +311,8 @@ def batched_rollout(
             state = drafter.gru_step(target.embed(unread, weight.dtype, weight.device), state)
             correction = drafter.logit_correction(hidden[:, i : i + 1], state, vocab)[:, 0]
             logits = logits + correction.to(device=logits.device, dtype=logits.dtype)
-        logits = pick_logits(logits, realised[:, 1:])
+        if pick_logits is not None:
+            logits = pick_logits(logits, realised[:, 1:])
         index = pick_tokens(logits, do_sample)[:, None]
         token = index if logits.shape[-1] == config.vocab_size else to_vocab_ids(index, vocab)
         picked.append(index)

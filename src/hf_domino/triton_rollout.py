@@ -65,41 +65,43 @@ def launch_rollout(
     sample: bool,
     warp: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
-    """Enqueues one block's rollout; no host synchronization, no data-dependent control flow (graph-capturable).
+    """Enqueues one block's rollout for every row; no host synchronization, no data-dependent control flow
+    (graph-capturable).
 
-    `draft_hidden` `[k, H]` and `base_logits` `[k, V]` are the block's rows (over `workspace.vocab` when the drafter
-    has a draft vocabulary); `workspace.tokens[0]` holds the anchor, `workspace.seed`/`workspace.temperature` the
-    sampling parameters. Drafts (token ids) land in `workspace.tokens[1:]`, the logits they were picked from in
-    `workspace.logits`. When sampling, `warp` (top-k / top-p / min-p as torch ops, see `warp_scores`) filters each
-    position's tempered logits before its draw.
+    `draft_hidden` `[rows, k, H]` and `base_logits` `[rows, k, V]` are the block's positions (over `workspace.vocab`
+    when the drafter has a draft vocabulary), `k` the workspace's number of drafts; `workspace.tokens[:, 0]` holds
+    each row's anchor, `workspace.seed`/`workspace.temperature` the sampling parameters. Drafts (token ids) land in
+    `workspace.tokens[:, 1:]`, the logits they were picked from in `workspace.logits`. When sampling, `warp` (top-k /
+    top-p / min-p as torch ops, see `warp_scores`) filters each position's tempered logits before its draw. Rows
+    are independent: each launch covers all of them, so a batch costs the launches of one sequence.
     """
-    ws, num_drafts = workspace, base_logits.shape[0]
+    ws, num_drafts = workspace, base_logits.shape[1]
     prefix_len = num_drafts if weights is None else min(prefix_len, num_drafts)
 
-    def pick(rows: slice, hidden: torch.Tensor | None, proj_out: torch.Tensor | None) -> None:
-        launch_logits_pick(ws, rows, base_logits, hidden, proj_out, sample=sample)
+    def pick(positions: slice, hidden: torch.Tensor | None, proj_out: torch.Tensor | None) -> None:
+        launch_logits_pick(ws, positions, base_logits, hidden, proj_out, sample=sample)
         if warp is not None and sample:
-            launch_warped_pick(ws, rows, warp)
+            launch_warped_pick(ws, positions, warp)
 
-    # The pure-draft prefix (all drafts, without an active head) reads the base logits alone: one launch for all rows.
+    # The pure-draft prefix (all drafts, without an active head) reads the base logits alone: one launch for all.
     pick(slice(0, prefix_len), None, None)
     if prefix_len == num_drafts:
         return
 
     hidden_size = weights.hidden_size
     # W1[:, :H] z for every corrected position in one matmul; only W1[:, H:] s is left inside the sequential loop.
-    torch.matmul(
-        draft_hidden[prefix_len:].float(), weights.proj_in[:, :hidden_size].float().t(), out=ws.proj[prefix_len:]
+    ws.proj[:, prefix_len:].copy_(
+        torch.matmul(draft_hidden[:, prefix_len:].float(), weights.proj_in[:, :hidden_size].float().t())
     )
     gru = (embed_weight, ws.tokens)
-    launch_gru_cell(*gru, 0, None, weights.weight_ih, weights.weight_hh, ws.states[0])
+    launch_gru_cell(*gru, 0, None, weights.weight_ih, weights.weight_hh, ws.states[:, 0])
     for j in range(1, prefix_len + 1):  # catch the GRU up on the drafts of the pure prefix
-        launch_gru_cell(*gru, j, ws.states[j - 1], weights.weight_ih, weights.weight_hh, ws.states[j])
+        launch_gru_cell(*gru, j, ws.states[:, j - 1], weights.weight_ih, weights.weight_hh, ws.states[:, j])
     for i in range(prefix_len, num_drafts):
-        launch_correction_hidden(ws.proj[i], ws.states[i], weights.proj_in, hidden_size, ws.hidden[i])
-        pick(slice(i, i + 1), ws.hidden[i : i + 1], weights.proj_out)
+        launch_correction_hidden(ws.proj[:, i], ws.states[:, i], weights.proj_in, hidden_size, ws.hidden[:, i])
+        pick(slice(i, i + 1), ws.hidden[:, i : i + 1], weights.proj_out)
         if i + 1 < num_drafts:  # the last draft is never read back
-            launch_gru_cell(*gru, i + 1, ws.states[i], weights.weight_ih, weights.weight_hh, ws.states[i + 1])
+            launch_gru_cell(*gru, i + 1, ws.states[:, i], weights.weight_ih, weights.weight_hh, ws.states[:, i + 1])
 
 
 def _validate_inputs(
@@ -109,9 +111,9 @@ def _validate_inputs(
     embed_weight: torch.Tensor,
     vocab: torch.Tensor | None,
 ) -> None:
-    if base_logits.dim() != 3 or base_logits.shape[0] != 1 or draft_hidden.shape[:2] != base_logits.shape[:2]:
+    if base_logits.dim() != 3 or draft_hidden.shape[:2] != base_logits.shape[:2]:
         raise ValueError(
-            f"Expected draft_hidden [1, k, hidden] and base_logits [1, k, vocab] for one sequence, got "
+            f"Expected draft_hidden [rows, k, hidden] and base_logits [rows, k, vocab], got "
             f"{tuple(draft_hidden.shape)} and {tuple(base_logits.shape)}."
         )
     if vocab is not None:
@@ -194,16 +196,19 @@ def fused_rollout(
     check_vocab: bool = True,
     warpers: LogitsProcessorList | None = None,
 ) -> tuple[torch.LongTensor, torch.Tensor]:
-    """`eager_rollout` with the fused kernels, for greedy decoding or sampling (temperature, top-k, top-p, min-p).
+    """`eager_rollout` with the fused kernels, for greedy decoding or sampling (temperature, top-k, top-p, min-p), for
+    one sequence or a batch of rows drafted together (the batch loop's `batched_rollout`).
 
     The caller states whether the head is on (`head`), rather than this function reading a default from the drafter:
     head on/off is a per-`generate()` option, and a captured graph must know which one it was captured for.
 
     Args:
         drafter: the drafter whose head weights to use.
-        draft_hidden: backbone outputs of the positions to draft, `[1, k, hidden]`.
-        base_logits: the target LM head on `draft_hidden`, `[1, k, V']`: over the whole vocabulary, or over `vocab`.
-        anchor_ids: the tokens realised before the first draft, `[1, n]`; only the last one (the anchor) is read.
+        draft_hidden: backbone outputs of the positions to draft, `[rows, k, hidden]`.
+        base_logits: the target LM head on `draft_hidden`, `[rows, k, V']`: over the whole vocabulary, or over
+            `vocab`.
+        anchor_ids: the tokens realised before the first draft, `[rows, n]`; only the last column (each row's
+            anchor) is read.
         target_embed_weight: the target's input embedding table `[vocab, hidden]`, on the head's device.
         head: correct the base logits with the Domino head (ignored, i.e. off, for a drafter without one).
         pure_draft_prefix_len: leading drafts taken from the base logits alone (`config.pure_draft_prefix_len`).
@@ -218,7 +223,7 @@ def fused_rollout(
             applied to each position's tempered logits before its draw.
 
     Returns:
-        `(draft_ids [1, k], logits [1, k, V] fp32)`: the drafts (token ids) and the processed logits each was picked
+        `(draft_ids [rows, k], logits [rows, k, V] fp32)`: the drafts (token ids) and the processed logits each was picked
         from, as `eager_rollout` returns them: greedy, over the base logits' `V'` columns; sampling,
         `logits / temperature` (then warped) over the whole vocabulary (`config.vocab_size` columns, `-inf` outside
         `vocab`, as `processed_pick` spreads them so that speculative sampling stays lossless).
@@ -227,7 +232,7 @@ def fused_rollout(
     if temperature is not None and not temperature > 0:
         raise ValueError(f"temperature must be positive for sampling (None = greedy), got {temperature}.")
     check_kernel_device(device)
-    num_drafts, vocab_size = base_logits.shape[1:]
+    rows, num_drafts, vocab_size = base_logits.shape
     if vocab is not None:
         vocab = vocab.to(device)
         if check_vocab:
@@ -235,17 +240,18 @@ def fused_rollout(
     spread_size = drafter.config.vocab_size if temperature is not None else None
     warp = warp_scores(warpers) if temperature is not None else None
     workspace = Workspace(
-        num_drafts, vocab_size, device, weights, vocab=vocab, spread_size=spread_size, warped=warp is not None
-    )
+        num_drafts, vocab_size, device, weights, vocab=vocab, spread_size=spread_size, warped=warp is not None,
+        rows=rows,
+    )  # fmt: skip
     workspace.start(anchor_ids, temperature)
     launch_rollout(
         weights,
-        draft_hidden[0].to(device),
-        rows_contiguous(base_logits[0].to(device)),
+        draft_hidden.to(device),
+        rows_contiguous(base_logits.to(device)),
         target_embed_weight,
         workspace,
         prefix_len=pure_draft_prefix_len,
         sample=temperature is not None,
         warp=warp,
     )
-    return workspace.tokens[None, 1:].to(anchor_ids.device), workspace.logits[None]
+    return workspace.tokens[:, 1:].contiguous().to(anchor_ids.device), workspace.logits
