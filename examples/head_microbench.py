@@ -38,8 +38,16 @@ import torch
 from torch import nn
 
 from hf_domino import DominoConfig, DominoForSpeculation, TargetModules
-from hf_domino.drafting_domino import BlockDraft, Pick, eager_rollout, greedy_pick, processed_pick
-from hf_domino.ragged_batch_domino import batched_rollout, spread_to_vocabulary
+from hf_domino.drafting_domino import (
+    BlockDraft,
+    Pick,
+    eager_rollout,
+    greedy_pick,
+    processed_pick,
+    score_only,
+    spread_to_vocabulary,
+)
+from hf_domino.ragged_batch_domino import batched_rollout
 
 QWEN3_8B = {"hidden_size": 4096, "gru_hidden_dim": 1024, "emb_dim": 256, "vocab_size": 151936}
 SHAPES = {
@@ -135,8 +143,10 @@ def row_drafters(drafter, target, block: BlockDraft, anchor_ids, processors, do_
             return eager(block, anchor_ids).ids
     else:
 
-        def pick_logits(logits, drafted):
-            return processors(drafted, spread_to_vocabulary(logits.float(), block.vocab, vocab_size))
+        def pick_logits(logits, drafted):  # as the batch loop's
+            if not score_only(processors):
+                logits = spread_to_vocabulary(logits, block.vocab, vocab_size)
+            return processors(drafted, logits.float())
 
         def eager_ids():
             return batched_rollout(

@@ -332,13 +332,23 @@ def sample_with_drafter(target, drafter, prompt, num_new: int, draws: int, seed:
     return counts, drafted, accepted
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=3)])
-def test_sampling_preserves_target_distribution(sampling):
+@pytest.mark.parametrize(
+    "sampling, draft_vocab",
+    # The draft vocabulary's case warps and draws on its columns (processed_pick): top-k 2 bites there.
+    [
+        (dict(temperature=1.0), None),
+        (dict(temperature=0.7, top_k=3), None),
+        (dict(temperature=0.7, top_k=2), [0, 2, 3]),
+    ],
+    ids=["T=1", "T=0.7,top-k", "T=0.7,top-k,draft-vocab"],
+)
+def test_sampling_preserves_target_distribution(sampling, draft_vocab):
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
     vocab, num_new, draws = 5, 4, 2500
     target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=3)
     drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    drafter.set_draft_vocab(draft_vocab)
     processors = LogitsProcessorList()
     if sampling["temperature"] != 1.0:
         processors.append(TemperatureLogitsWarper(sampling["temperature"]))

@@ -41,7 +41,7 @@ from .cost_model_domino import (
     timing_is_free,
     verify_cost_for,
 )
-from .drafting_domino import judge_copy, lookup_drafts, select_fused_rollout
+from .drafting_domino import judge_copy, lookup_drafts, score_only, select_fused_rollout, spread_to_vocabulary
 from .modeling_domino import TargetModules, context_features
 from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, below_threshold, copy_records, drafter_record
 from .ragged_batch_domino import (
@@ -55,7 +55,6 @@ from .ragged_batch_domino import (
     ragged_forward,
     row_processors,
     run_batched_backbone,
-    spread_to_vocabulary,
 )
 
 if TYPE_CHECKING:
@@ -290,8 +289,11 @@ class BatchedDecoding:
         return process_rows(processors, self.active_sequences(), logits, extra)
 
     def pick_logits(self, logits: torch.Tensor, drafted: torch.LongTensor) -> torch.Tensor:
-        """The distribution a draft is picked from when drafting is not plain greedy: the processed logits."""
-        return self.process(spread_to_vocabulary(logits.float(), self.vocab, self.drafter.config.vocab_size), drafted)
+        """The distribution a draft is picked from when drafting is not plain greedy: the processed logits, over the
+        draft vocabulary's columns where the processors read the scores alone (as `processed_pick` does)."""
+        if self.vocab is None or not score_only(self.per_row[0] if self.per_row else None):
+            logits = spread_to_vocabulary(logits, self.vocab, self.drafter.config.vocab_size)
+        return self.process(logits.float(), drafted)
 
     def extend(self, row: int, tokens: torch.LongTensor) -> bool:
         """Appends tokens to a row, cut at EOS and max_length as the target alone would; True when the row is done."""

@@ -21,18 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 from transformers.generation.utils import _speculative_sampling
 
 from .cache_domino import CACHE_ARGUMENT, BufferedLayer, buffer_layers, cache_argument
-from .drafting_domino import to_vocab_ids
+from .drafting_domino import score_only, spread_to_vocabulary, to_vocab_ids
 from .modeling_domino import TargetModules
 
 if TYPE_CHECKING:
@@ -44,8 +37,6 @@ if TYPE_CHECKING:
 # copies the whole cache, holes only cost attention over masked columns.
 COMPACT_FRACTION = 0.25
 MIN_COMPACT_COLUMNS = 16
-# Logits processors that act on each row of scores alone and never read input_ids: applied to all rows at once.
-ROW_WISE_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
 
 # ---------------------------------------------------------------------------------------------------- ragged caches
@@ -244,8 +235,8 @@ def process_rows(
     """
     if not processors or not len(processors[0]):
         return logits
-    if all(isinstance(processor, ROW_WISE_WARPERS) for processor in processors[0]):
-        return processors[0](sequences[0][None], logits)  # they read the scores only
+    if score_only(processors[0]):
+        return processors[0](sequences[0][None], logits)  # they read the scores only: all rows at once
     rows = []
     for row, sequence in enumerate(sequences):
         ids = sequence if extra is None else torch.cat([sequence, extra[row].to(sequence.device)])
@@ -258,14 +249,6 @@ def pick_tokens(logits: torch.Tensor, do_sample: bool) -> torch.LongTensor:
     if do_sample:
         return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)[:, 0]
     return logits.argmax(dim=-1)
-
-
-def spread_to_vocabulary(logits: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
-    """Draft-vocabulary logits over the whole vocabulary, `-inf` elsewhere (a zero draft probability there)."""
-    if vocab is None:
-        return logits
-    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
-    return full.index_copy_(-1, vocab.to(logits.device), logits)
 
 
 @dataclass
@@ -291,7 +274,9 @@ def batched_rollout(
     """`eager_rollout` for all rows at once: per draft position the Domino head's correction, then one pick per row.
 
     `pick_logits(logits [rows, V'], drafts so far [rows, i])` returns the distribution to pick from: processed
-    logits over the whole vocabulary; `None` for plain greedy drafting (the base, or corrected, logits themselves).
+    logits, over the whole vocabulary or (processors that read the scores alone) over the draft vocabulary's
+    columns; `None` for plain greedy drafting (the base, or corrected, logits themselves). Sampled drafts come back
+    with their logits over the whole vocabulary.
     `keep_rolling(confidence [rows, j])`, asked before each draft after the first, may end the block early.
     """
     config = drafter.config
@@ -300,7 +285,7 @@ def batched_rollout(
         index = base_logits.argmax(dim=-1)
         confidence = base_logits.float().log_softmax(dim=-1).gather(-1, index[..., None])[..., 0].exp()
         return BatchDrafts(to_vocab_ids(index, vocab), None, confidence)
-    realised, picked, chosen, confidence, state = anchor_ids, [], [], [], None
+    realised, chosen, confidence, state = anchor_ids, [], [], None
     for i in range(base_logits.shape[1]):
         if keep_rolling is not None and i and not keep_rolling(torch.stack(confidence, dim=-1)):
             break
@@ -314,13 +299,14 @@ def batched_rollout(
         if pick_logits is not None:
             logits = pick_logits(logits, realised[:, 1:])
         index = pick_tokens(logits, do_sample)[:, None]
-        token = index if logits.shape[-1] == config.vocab_size else to_vocab_ids(index, vocab)
-        picked.append(index)
-        chosen.append(logits)
+        on_columns = logits.shape[-1] != config.vocab_size  # over the draft vocabulary's columns
+        token = to_vocab_ids(index, vocab) if on_columns else index
         confidence.append(logits.float().log_softmax(dim=-1).gather(-1, index)[:, 0].exp())
+        if do_sample:  # verified against the distribution each draft was drawn from, over the whole vocabulary
+            chosen.append(spread_to_vocabulary(logits, vocab, config.vocab_size) if on_columns else logits)
         realised = torch.cat([realised, token.to(realised.device)], dim=-1)
-    logits = torch.stack(chosen, dim=1)
-    return BatchDrafts(realised[:, 1:], logits if do_sample else None, torch.stack(confidence, dim=-1))
+    logits = torch.stack(chosen, dim=1) if do_sample else None
+    return BatchDrafts(realised[:, 1:], logits, torch.stack(confidence, dim=-1))
 
 
 # ------------------------------------------------------------------------------------------ verification, per row
@@ -402,5 +388,4 @@ __all__ = [
     "ragged_forward",
     "row_processors",
     "run_batched_backbone",
-    "spread_to_vocabulary",
 ]
