@@ -757,15 +757,16 @@ def test_fused_rollout_over_rows_drafts_each_row_as_alone_greedy(interp, vocab_n
 
 
 @pytest.mark.parametrize("vocab_name", [None, "without the anchor"])
-def test_fused_rollout_over_rows_samples_each_row_from_its_warped_logits(interp, vocab_name):
+@pytest.mark.parametrize("pure_draft_prefix_len", [1, 2])  # 2: the prefix's rows and positions warped in one call
+def test_fused_rollout_over_rows_samples_each_row_from_its_warped_logits(interp, vocab_name, pure_draft_prefix_len):
     from transformers import LogitsProcessorList
 
     vocab = None if vocab_name is None else VOCABS[vocab_name]
-    drafter = tiny_drafter()
+    drafter = tiny_drafter(pure_draft_prefix_len=pure_draft_prefix_len)
     embed, hidden, base, anchors = batch_inputs(drafter, vocab)
     target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
     processors = qwen3_warpers()
-    options = {"head": True, "pure_draft_prefix_len": 1, "temperature": 0.7, "vocab": vocab}
+    options = {"head": True, "pure_draft_prefix_len": pure_draft_prefix_len, "temperature": 0.7, "vocab": vocab}
     options["warpers"] = LogitsProcessorList(processors[1:])
     torch.manual_seed(123)
     draft_ids, logits = triton_rollout.fused_rollout(drafter, hidden, base, anchors, embed.weight, **options)
