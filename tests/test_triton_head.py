@@ -449,6 +449,10 @@ def test_fused_rollout_refuses_a_bad_draft_vocabulary(interp):
         run(VOCAB_IDS[:-1])  # one id fewer than the base logits' columns
     with pytest.raises(ValueError, match="pass the draft vocabulary"):
         run(None)  # base logits over a subset, but no vocabulary to say which
+    with pytest.raises(ValueError, match="anchor_ids"):  # two rows of anchors for a block of one row
+        triton_rollout.fused_rollout(
+            drafter, draft_hidden, base_logits, anchor_ids.expand(2, -1), embed.weight, vocab=VOCAB_IDS, **options
+        )
 
 
 @pytest.mark.parametrize("do_sample", [False, True])

@@ -203,7 +203,7 @@ class DominoHeadGraphRunner(TritonRollout):
         if self._capture_failed:
             return super().__call__(draft_hidden, base_logits, anchor_ids, target_embed_weight, vocab)
         weights, device = prepare_rollout(
-            self.drafter, self.head, draft_hidden, base_logits, target_embed_weight, vocab
+            self.drafter, self.head, draft_hidden, base_logits, target_embed_weight, vocab, anchor_ids
         )
         if device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need CUDA tensors; the Domino head is on {device}.")

@@ -110,11 +110,17 @@ def _validate_inputs(
     base_logits: torch.Tensor,
     embed_weight: torch.Tensor,
     vocab: torch.Tensor | None,
+    anchor_ids: torch.LongTensor,
 ) -> None:
     if base_logits.dim() != 3 or draft_hidden.shape[:2] != base_logits.shape[:2]:
         raise ValueError(
             f"Expected draft_hidden [rows, k, hidden] and base_logits [rows, k, vocab], got "
             f"{tuple(draft_hidden.shape)} and {tuple(base_logits.shape)}."
+        )
+    if anchor_ids.dim() != 2 or anchor_ids.shape[0] != base_logits.shape[0] or anchor_ids.shape[1] == 0:
+        raise ValueError(
+            f"Expected anchor_ids [rows, n >= 1] for the {base_logits.shape[0]} rows of the block (each row's anchor in "
+            f"its last column), got {tuple(anchor_ids.shape)}."
         )
     if vocab is not None:
         if vocab.dim() != 1 or vocab.numel() != base_logits.shape[-1] or vocab.dtype != torch.long:
@@ -146,7 +152,8 @@ def prepare_rollout(
     draft_hidden: torch.Tensor,
     base_logits: torch.Tensor,
     embed: torch.Tensor,
-    vocab: torch.Tensor | None = None,
+    vocab: torch.Tensor | None,
+    anchor_ids: torch.LongTensor,
 ) -> tuple[HeadWeights | None, torch.device]:
     """Checked head weights (`None` when the head is off or absent) and the device the rollout runs on.
 
@@ -154,7 +161,7 @@ def prepare_rollout(
     values.
     """
     weights = HeadWeights.of(drafter) if head and drafter.config.has_domino_head else None
-    _validate_inputs(weights, draft_hidden, base_logits, embed, vocab)
+    _validate_inputs(weights, draft_hidden, base_logits, embed, vocab, anchor_ids)
     return weights, (base_logits.device if weights is None else weights.weight_ih.device)
 
 
@@ -228,7 +235,7 @@ def fused_rollout(
         `logits / temperature` (then warped) over the whole vocabulary (`config.vocab_size` columns, `-inf` outside
         `vocab`, as `processed_pick` spreads them so that speculative sampling stays lossless).
     """
-    weights, device = prepare_rollout(drafter, head, draft_hidden, base_logits, target_embed_weight, vocab)
+    weights, device = prepare_rollout(drafter, head, draft_hidden, base_logits, target_embed_weight, vocab, anchor_ids)
     if temperature is not None and not temperature > 0:
         raise ValueError(f"temperature must be positive for sampling (None = greedy), got {temperature}.")
     check_kernel_device(device)

@@ -25,7 +25,7 @@ import importlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -113,6 +113,18 @@ Pick = Callable[[torch.Tensor, torch.LongTensor], tuple[torch.LongTensor, torch.
 Rollout = Callable[[BlockDraft, torch.LongTensor], Drafts]
 # (confidence of the drafts rolled out so far [j]) -> whether to roll out the next one (see AdaptivePolicy.keep_rolling)
 KeepRolling = Callable[[torch.Tensor], bool]
+
+
+class RowsRollout(Protocol):
+    """A `Rollout` that also drafts a batch's rows at once (`hf_domino.fused_head.FusedRollout`): `draft_rows(hidden
+    [rows, k, H], base_logits [rows, k, V'], vocab, anchor_ids [rows, n])` returns `(draft ids [rows, k], the logits
+    they were picked from, each draft's probability [rows, k])`."""
+
+    def __call__(self, block: BlockDraft, prefix_ids: torch.LongTensor) -> Drafts: ...
+
+    def draft_rows(
+        self, hidden: torch.Tensor, base_logits: torch.Tensor, vocab: torch.Tensor | None, anchor_ids: torch.LongTensor
+    ) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor]: ...
 
 
 def greedy_pick(logits: torch.Tensor, realised_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor]:
@@ -236,7 +248,7 @@ def select_fused_rollout(
     *,
     do_sample: bool,
     logits_processor: LogitsProcessorList | None,
-):
+) -> RowsRollout | None:
     """The fused Triton/CUDA-graph head rollout for a `generate()` call (`hf_domino.fused_head.FusedRollout`: a
     ladder `Rollout`, and `draft_rows` for a batch), or `None` where the eager one runs.
 
@@ -491,6 +503,7 @@ __all__ = [
     "KeepRolling",
     "Pick",
     "Rollout",
+    "RowsRollout",
     "draft_block",
     "draft_confidence",
     "eager_rollout",
