@@ -406,6 +406,13 @@ def test_cli_bench_batch_sizes(target, drafter, tokenizer, tmp_path, capsys):
         assert batch_tau == 1.0 if r["method"] == "target" else batch_tau >= 1.0
     out = capsys.readouterr().out
     assert "| 4 | domino_k2 |" in out and "batch tau (longest row)" in out
+    # A fixed k drafts every cycle: its drafting cycles are timed piece by piece, and the table says what they cost.
+    k2 = next(r for r in written["rows"] if (r["batch_size"], r["method"]) == (2, "domino_k2"))
+    assert len(k2["timings"]["verify"]) == len(k2["timings"]["head"]) > 0
+    assert "Mean per drafting cycle, ms" in out and any(
+        line.startswith("| 2 | domino_k2 | ") for line in out.split("\n")
+    )
+    assert not next(r for r in written["rows"] if r["method"] == "target")["timings"]
     with pytest.raises(SystemExit, match="batch-methods"):
         cli.main(argv[:-2] + ["--batch-methods", "target,beam"])
 

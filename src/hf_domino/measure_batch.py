@@ -24,6 +24,7 @@ from . import batching_domino
 from .assets import chat_token_ids, eos_token_ids, load_drafter, load_prompts, load_target, pad_token_id
 from .cost_model_domino import synchronize
 from .cpu_fast_path import prepare_for_cpu_decoding
+from .measure import TIMING_KEYS
 from .modeling_domino import DominoForSpeculation
 
 BATCH_METHODS = ("target", "domino", "domino_lookup")
@@ -140,6 +141,7 @@ class BatchRow:
     mismatched_rows: int = 0
     longest_rows: list[int] = field(default_factory=list)  # per group: the longest row's generated tokens
     forwards: list[int] = field(default_factory=list)  # per group: target forwards after the prefill
+    timings: dict[str, list[float]] = field(default_factory=dict)  # seconds per drafting cycle, by piece
 
     @property
     def throughput(self) -> float:
@@ -164,8 +166,8 @@ def _generate(target, drafter, batch, method: str, max_new_tokens: int, temperat
     options = parse_batch_method(method)
     loop = options.pop("loop", {})  # module settings of the batch loop, for this call only
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-    if options:
-        options["assistant_model"] = drafter
+    if options:  # a drafting method: its drafting cycles timed piece by piece (as its adaptive policy times them)
+        options |= {"assistant_model": drafter, "domino_timings": True}
     previous = {name: getattr(batching_domino, name) for name in loop}
     for name, value in loop.items():
         setattr(batching_domino, name, value)
@@ -229,6 +231,8 @@ def run_batch_benchmark(
                         if method != "target":
                             stats = drafters[method].last_generation_stats
                             results[method].acceptance.append(stats.mean_acceptance_length)
+                            for piece, values in (stats.timings or {}).items():
+                                results[method].timings.setdefault(piece, []).extend(values)
                 if repeat == 0:
                     _count_tokens(results, outputs, batch["input_ids"].shape[1], eos, compare=temperature == 0)
             for method in methods:
@@ -249,8 +253,37 @@ def _count_tokens(results: dict[str, BatchRow], outputs: dict, prompt_width: int
 
 
 def batch_markdown(rows: Sequence[BatchRow]) -> str:
-    """The table docs/benchmarks.md shows: throughput, speedup over the target alone at the same batch size, the
-    rows' mean tau and the batch's own (`BatchRow.batch_tau`)."""
+    """The tables docs/benchmarks.md shows: throughput, speedup over the target alone at the same batch size, the
+    rows' mean tau and the batch's own (`BatchRow.batch_tau`); then what a drafting cycle costs, piece by piece."""
+    return "\n".join([_speed_markdown(rows), *_cycle_markdown(rows)])
+
+
+def _cycle_markdown(rows: Sequence[BatchRow]) -> list[str]:
+    """Mean ms per drafting cycle (a cycle where the drafter ran) of each piece, and the head's share."""
+    timed = [row for row in rows if row.timings.get("verify")]
+    if not timed:
+        return []
+    lines = [
+        "",
+        "Mean per drafting cycle, ms (cycles where the drafter ran, over all rows; verify = the batch's target forward "
+        "and the loop's acceptance work):",
+        "",
+        "| batch | method | drafting cycles | draft backbone | LM head (draft block) | Domino head / pick "
+        "| target verify | cycle | head share |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in timed:
+        means = {piece: 1000 * statistics.fmean(row.timings[piece]) for piece in TIMING_KEYS if row.timings.get(piece)}
+        cycle = sum(means.values())
+        cells = " | ".join(f"{means[piece]:.1f}" if piece in means else "" for piece in TIMING_KEYS)
+        lines.append(
+            f"| {row.batch_size} | {row.method} | {len(row.timings['verify'])} | {cells} | {cycle:.1f} "
+            f"| {means.get('head', 0.0) / cycle:.1%} |"
+        )
+    return lines
+
+
+def _speed_markdown(rows: Sequence[BatchRow]) -> str:
     baseline = {row.batch_size: row.throughput for row in rows if row.method == "target"}
     lines = [
         "| batch | method | tokens/s | speedup vs target alone (same batch) | tau (tokens/forward/row) "
