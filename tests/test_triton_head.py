@@ -31,6 +31,7 @@ from hf_domino import (  # noqa: E402
     triton_rollout,
 )
 from hf_domino import triton_kernels as kernels  # noqa: E402
+from hf_domino import triton_launch as launch  # noqa: E402
 from hf_domino.drafting_domino import (  # noqa: E402
     BlockDraft,
     Drafts,
@@ -49,11 +50,11 @@ HIDDEN, GRU, RANK, VOCAB = 32, 16, 8, 100  # VOCAB is deliberately not a multipl
 
 @pytest.fixture
 def interp():
-    """`hf_domino.triton_kernels` with interpreted kernels (the rollout uses them too): only in the child run of
+    """`hf_domino.triton_launch` over interpreted kernels (the rollout uses them too): only in the child run of
     `test_interpreter_suite`."""
     if not INTERPRETED:
         pytest.skip("runs in test_interpreter_suite's child process (TRITON_INTERPRET=1)")
-    return kernels
+    return launch
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child run")
@@ -676,11 +677,11 @@ def test_warped_draws_follow_the_warped_softmax(interp):
 
     rows, positions, vocab = 200, 2, 6
     base = torch.tensor([1.0, 0.6, 0.3, 0.0, -0.2, -0.3]).expand(rows, positions, vocab).contiguous()
-    ws = kernels.Workspace(positions, vocab, base.device, None, warped=True, rows=rows)
+    ws = launch.Workspace(positions, vocab, base.device, None, warped=True, rows=rows)
     ws.seed.fill_(7)
     warpers = LogitsProcessorList([TopKLogitsWarper(3)])
-    kernels.launch_logits_pick(ws, slice(0, positions), base, None, None, sample=True)
-    kernels.launch_warped_pick(ws, slice(0, positions), triton_rollout.warp_scores(warpers))
+    launch.launch_logits_pick(ws, slice(0, positions), base, None, None, sample=True)
+    launch.launch_warped_pick(ws, slice(0, positions), triton_rollout.warp_scores(warpers))
     tokens = ws.tokens[:, 1:].flatten()
     assert torch.isneginf(ws.logits[..., 3:]).all() and torch.equal(ws.logits[..., :3], base[..., :3])
     counts = torch.bincount(tokens, minlength=vocab).float()
@@ -878,7 +879,7 @@ def test_cuda_fused_rollout_matches_eager(dtype):
 @requires_cuda
 def test_cuda_argmax_ties():
     base = tied_logits().cuda()
-    tokens, _ = kernels.logits_pick(base, block_v=16)
+    tokens, _ = launch.logits_pick(base, block_v=16)
     assert tokens.tolist() == base.argmax(-1).tolist() == [37, 40, 0]
 
 

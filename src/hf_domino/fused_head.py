@@ -27,7 +27,8 @@ from . import triton_kernels as kernels
 from .drafting_domino import BlockDraft, Drafts, Rollout
 
 # The graph runner captures exactly what `fused_rollout` launches.
-from .triton_kernels import Workspace, check_kernel_device
+from .triton_kernels import check_kernel_device
+from .triton_launch import Workspace
 from .triton_rollout import (
     HeadWeights,
     check_vocab_ids,

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .triton_kernels import (
+from .triton_kernels import check_kernel_device
+from .triton_launch import (
     Workspace,
-    check_kernel_device,
     launch_correction_hidden,
     launch_gru_cell,
     launch_logits_pick,
