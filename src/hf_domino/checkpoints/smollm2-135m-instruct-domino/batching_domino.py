@@ -248,6 +248,10 @@ class BatchedDecoding:
         self.per_row = row_processors(logits_processor, rows) if len(logits_processor) else None
         self.head = options.head_enabled(drafter)
         self.vocab = drafter.draft_vocab if options.draft_vocab else None
+        # Drafts are picked from the base (+ head) logits themselves when greedy without processors; else from the
+        # processed logits, over the draft vocabulary's columns where the processors read the scores alone.
+        self.plain_greedy = not self.do_sample and self.per_row is None
+        self.pick_on_columns = self.vocab is not None and score_only(logits_processor)
         # The fused head (one launch per kernel for all rows, and a CUDA graph) where the call allows it, else None:
         # the eager `batched_rollout`.
         self.fused_rollout = select_fused_rollout(
@@ -291,7 +295,7 @@ class BatchedDecoding:
     def pick_logits(self, logits: torch.Tensor, drafted: torch.LongTensor) -> torch.Tensor:
         """The distribution a draft is picked from when drafting is not plain greedy: the processed logits, over the
         draft vocabulary's columns where the processors read the scores alone (as `processed_pick` does)."""
-        if self.vocab is None or not score_only(self.per_row[0] if self.per_row else None):
+        if not self.pick_on_columns:
             logits = spread_to_vocabulary(logits, self.vocab, self.drafter.config.vocab_size)
         return self.process(logits.float(), drafted)
 
@@ -444,10 +448,9 @@ class BatchedDecoding:
         if self.fused_rollout is not None:
             ids, logits, confidence = self.fused_rollout.draft_rows(hidden, base_logits, self.vocab, anchors)
             return BatchDrafts(ids, logits if self.do_sample else None, confidence)
-        plain_greedy = not self.do_sample and self.per_row is None  # the base (+ head) logits themselves
         return batched_rollout(
             self.drafter, self.modules, hidden, base_logits, self.vocab, anchors,
-            head=self.head, pick_logits=None if plain_greedy else self.pick_logits, do_sample=self.do_sample,
+            head=self.head, pick_logits=None if self.plain_greedy else self.pick_logits, do_sample=self.do_sample,
             keep_rolling=self.policy.keep_rolling if self.policy.adaptive else None,
         )  # fmt: skip
 
