@@ -179,9 +179,14 @@ def draft_block(
     return BlockDraft.from_hidden(hidden, target, vocab)
 
 
+def picked_probability(logits: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:
+    """Probability of each picked entry under `softmax(logits)` over the last axis: `[..., V']`, `[...]` -> `[...]`."""
+    return logits.float().log_softmax(dim=-1).gather(-1, index[..., None])[..., 0].exp()
+
+
 def draft_confidence(logits: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:
-    """Probability of each picked entry under `softmax(logits)`: `[1, k, V']`, `[1, k]` -> `[k]`."""
-    return logits[0].float().log_softmax(dim=-1).gather(-1, index[0, :, None])[:, 0].exp()
+    """Probability of each draft of one block under its logits: `[1, k, V']`, `[1, k]` -> `[k]`."""
+    return picked_probability(logits, index)[0]
 
 
 def to_vocab_ids(index: torch.LongTensor, vocab: torch.Tensor | None) -> torch.LongTensor:
@@ -510,6 +515,7 @@ __all__ = [
     "greedy_pick",
     "judge_copy",
     "lookup_drafts",
+    "picked_probability",
     "processed_pick",
     "run_backbone",
     "score_only",

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import triton_kernels as kernels
-from .drafting_domino import BlockDraft, Drafts, Rollout
+from .drafting_domino import BlockDraft, Drafts, Rollout, picked_probability
 
 # The graph runner captures exactly what `fused_rollout` launches.
 from .triton_kernels import check_kernel_device
@@ -326,8 +326,7 @@ class FusedRollout:
         if vocab is not None and logits.shape[-1] == base_logits.shape[-1]:
             # Greedy logits are over the vocabulary's columns: the column of each id (the vocabulary is sorted).
             index = torch.searchsorted(vocab.to(logits.device), index)
-        confidence = logits.float().log_softmax(dim=-1).gather(-1, index[..., None])[..., 0].exp()
-        return ids, logits, confidence
+        return ids, logits, picked_probability(logits, index)
 
 
 # ----------------------------------------------------------------------------------------------------------- dispatch

@@ -25,7 +25,7 @@ from transformers.generation.logits_process import LogitsProcessorList, Repetiti
 from transformers.generation.utils import _speculative_sampling
 
 from .cache_domino import CACHE_ARGUMENT, BufferedLayer, buffer_layers, cache_argument
-from .drafting_domino import score_only, spread_to_vocabulary, to_vocab_ids
+from .drafting_domino import picked_probability, score_only, spread_to_vocabulary, to_vocab_ids
 from .modeling_domino import TargetModules
 
 if TYPE_CHECKING:
@@ -283,8 +283,7 @@ def batched_rollout(
     use_head = head and config.has_domino_head
     if not use_head and pick_logits is None:  # nothing sequential left (DFlash drafting, greedy): one argmax
         index = base_logits.argmax(dim=-1)
-        confidence = base_logits.float().log_softmax(dim=-1).gather(-1, index[..., None])[..., 0].exp()
-        return BatchDrafts(to_vocab_ids(index, vocab), None, confidence)
+        return BatchDrafts(to_vocab_ids(index, vocab), None, picked_probability(base_logits, index))
     realised, chosen, confidence, state = anchor_ids, [], [], None
     for i in range(base_logits.shape[1]):
         if keep_rolling is not None and i and not keep_rolling(torch.stack(confidence, dim=-1)):
@@ -301,7 +300,7 @@ def batched_rollout(
         index = pick_tokens(logits, do_sample)[:, None]
         on_columns = logits.shape[-1] != config.vocab_size  # over the draft vocabulary's columns
         token = to_vocab_ids(index, vocab) if on_columns else index
-        confidence.append(logits.float().log_softmax(dim=-1).gather(-1, index)[:, 0].exp())
+        confidence.append(picked_probability(logits, index[:, 0]))
         if do_sample:  # verified against the distribution each draft was drawn from, over the whole vocabulary
             chosen.append(spread_to_vocabulary(logits, vocab, config.vocab_size) if on_columns else logits)
         realised = torch.cat([realised, token.to(realised.device)], dim=-1)
