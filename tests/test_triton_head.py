@@ -680,7 +680,7 @@ def test_warped_draws_follow_the_warped_softmax(interp):
     ws = launch.Workspace(positions, vocab, base.device, None, warped=True, rows=rows)
     ws.seed.fill_(7)
     warpers = LogitsProcessorList([TopKLogitsWarper(3)])
-    launch.launch_logits_pick(ws, slice(0, positions), base, None, None, sample=True)
+    launch.launch_logits_pick(ws, slice(0, positions), base, None, None, sample=True, pick=False)
     launch.launch_warped_pick(ws, slice(0, positions), triton_rollout.warp_scores(warpers))
     tokens = ws.tokens[:, 1:].flatten()
     assert torch.isneginf(ws.logits[..., 3:]).all() and torch.equal(ws.logits[..., :3], base[..., :3])

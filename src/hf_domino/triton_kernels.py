@@ -185,11 +185,12 @@ if triton is not None:
         SAMPLE: tl.constexpr,
         HAS_VOCAB: tl.constexpr,
         SPREAD: tl.constexpr,
+        PICK: tl.constexpr,
         BLOCK_V: tl.constexpr,
         BLOCK_R: tl.constexpr,
     ):
-        """One vocabulary tile (`program_id(0)`) of one (batch row, draft position) pair: logits, stored, and the
-        tile's winner.
+        """One vocabulary tile (`program_id(0)`) of one (batch row, draft position) pair: logits, stored, and (with
+        `PICK`) the tile's winner.
 
         `program_id(1)` enumerates the launch's pairs row-major: batch row `b`, then position
         `first_position + i` for `i < num_positions`. The inputs of pair `(b, i)` are at `ptr + b * stride_b +
@@ -236,6 +237,8 @@ if triton is not None:
         else:
             tl.store(logits_row + cols, logits, mask=col_mask)
 
+        if not PICK:  # the logits alone: a warped pick draws from them once the call's warpers filtered them
+            return
         # The block's (batch row, position) index: where the tile winners go, and the sampling noise's row.
         slot = batch_row * num_drafts + position
         score = logits

@@ -176,13 +176,15 @@ def launch_logits_pick(
     proj_out_weight: torch.Tensor | None,
     *,
     sample: bool,
+    pick: bool = True,
 ) -> None:
     """Picks draft `positions` of every row into `ws.tokens[:, 1 + position]`, their logits into `ws.logits`.
 
     `base_logits` `[rows, k, V]` are the whole block's (over `ws.vocab` when set), `hidden` `[rows, len(positions),
     R]` the correction's hidden vectors of those positions (`None`: base logits alone), `proj_out_weight` the whole
     W2 (`[vocab, R]`; a draft vocabulary's rows are gathered in the kernel). Positions are independent given their
-    hidden vectors, so one launch covers them all, for every row.
+    hidden vectors, so one launch covers them all, for every row. `pick=False` stores the logits only, for
+    `launch_warped_pick` to draw from.
     """
     _launch_pick(
         ws,
@@ -196,6 +198,7 @@ def launch_logits_pick(
         vocab=ws.vocab,
         spread=ws.spread,
         sample=sample,
+        pick=pick,
     )
 
 
@@ -203,7 +206,7 @@ def launch_warped_pick(ws: Workspace, positions: slice, warp: Callable[[torch.Te
     """Draws draft `positions` of every row again, from their stored logits after `warp` (the call's top-k / top-p /
     min-p warpers).
 
-    `launch_logits_pick(..., sample=True)` stored the tempered logits (over the whole vocabulary when sampling);
+    `launch_logits_pick(..., sample=True, pick=False)` stored the tempered logits (over the whole vocabulary when sampling);
     `warp` (torch ops on `[n, V]` scores, row by row, no host synchronization, so a CUDA graph captures it) filters
     them in place, and a Gumbel-max draw over the result replaces the tokens picked before: the drafts come from, and
     the logits returned are, exactly the warped distribution. Needs a `Workspace(..., warped=True)`.
@@ -231,10 +234,11 @@ def _launch_pick(
     vocab: torch.Tensor | None,
     spread: bool,
     sample: bool,
+    pick: bool = True,
 ) -> None:
     """The two kernels of a pick: `base (+ hidden @ W2.T)` (`[rows, P, V]`, P = the positions) into
     `ws.logits[:, positions]` with each tile's winner in `best`/`best_idx` (`[rows, k, tiles]`), then the winners
-    reduced into `ws.tokens[:, 1 + position]`."""
+    reduced into `ws.tokens[:, 1 + position]`; without `pick`, the first kernel's logits alone."""
     rows, num_positions, vocab_size = base.shape
     if rows == 0 or num_positions == 0:
         return
@@ -272,10 +276,13 @@ def _launch_pick(
         SAMPLE=sample,
         HAS_VOCAB=has_vocab,
         SPREAD=spread,
+        PICK=pick,
         BLOCK_V=ws.block_v,
         BLOCK_R=_pow2(rank, LOGITS_BLOCK_R),
         num_warps=4,
     )
+    if not pick:
+        return
     _finalize_pick_kernel[(rows * num_positions,)](
         best,
         best_idx,

@@ -79,8 +79,9 @@ def launch_rollout(
     prefix_len = num_drafts if weights is None else min(prefix_len, num_drafts)
 
     def pick(positions: slice, hidden: torch.Tensor | None, proj_out: torch.Tensor | None) -> None:
-        launch_logits_pick(ws, positions, base_logits, hidden, proj_out, sample=sample)
-        if warp is not None and sample:
+        warped = warp is not None and sample
+        launch_logits_pick(ws, positions, base_logits, hidden, proj_out, sample=sample, pick=not warped)
+        if warped:
             launch_warped_pick(ws, positions, warp)
 
     # The pure-draft prefix (all drafts, without an active head) reads the base logits alone: one launch for all.
