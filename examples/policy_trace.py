@@ -26,7 +26,7 @@ def traced(policy_class, log: list[str]) -> None:
 
     def logged_observe(self, **cycle):
         if cycle.get("drafted"):
-            predicted = self._draft_seconds(cycle["positions"]) + self.verify_cost(1 + cycle["verified"])
+            predicted = self.cycle_seconds(cycle["positions"], cycle["verified"])
             parts = [cycle["backbone_seconds"], cycle["rollout_seconds"], cycle["verify_seconds"]]
             log.append(
                 f"  cycle: verified {cycle['verified']}, accepted {cycle['accepted']}; predicted "

@@ -83,6 +83,63 @@ def test_greedy_batch_identical_priced_by_its_last_row(arch, next_token, makespa
         assert any(len(set(rooms)) > 1 for rooms in seen)  # rows accepted differently and drew apart
 
 
+def test_plain_steps_seconds_counts_the_rows_still_generating():
+    # Rows that still generate 3, 1 and 0 tokens: plain steps of 2 rows, then 1 row, then 1 row.
+    assert batching_domino.plain_steps_seconds([3, 1, 0], lambda rows: 10.0 * rows) == 40.0
+    assert batching_domino.plain_steps_seconds([0, 0], lambda rows: 1.0) == 0
+
+
+def test_calls_losing_on_average_pause_speculation_for_1_2_4_calls(monkeypatch):
+    monkeypatch.setattr(batching_domino, "MAX_PLAIN_CALLS", 4)
+    record = policy_domino.DrafterRecord(position_acceptance=[0.5])
+
+    def calls(gains: list[float]) -> str:
+        pattern = ""
+        for gain in gains:
+            while not batching_domino.call_speculates(record):
+                pattern += "p"
+            pattern += "s"
+            batching_domino.learn_call_gain(record, gain)
+        return pattern
+
+    # One losing call after winning ones is within the calls' spread: no pause.
+    assert calls([1.3, 0.8, 1.2]) == "sss"
+    # Then losing on average: after each losing call a pause of 1, 2, 4, 4 calls; a call that wins enough ends them.
+    assert calls([0.5, 0.6, 0.7, 0.7, 0.7]) == "s" + "ps" + "pps" + "pppps" + "pppps"
+    assert record.call_gain < 1
+    assert calls([3.0, 1.0]) == "pppp" + "s" + "s"
+
+
+def test_a_batch_size_whose_speculation_lost_takes_plain_steps_in_its_next_calls(monkeypatch):
+    # `judge_call` compares a speculating call's cycles with what plain steps would have taken for the same tokens.
+    # Forced to a loss (plain steps estimated free), the batch size takes plain steps only for 1 call, then 2, then 4
+    # (MAX_PLAIN_CALLS); a win (plain steps estimated dear) ends the pauses. Every output is the target's. These calls
+    # are a few cycles long, all judged here (CALL_MIN_CYCLES).
+    monkeypatch.setattr(batching_domino, "MAX_PLAIN_CALLS", 4)
+    monkeypatch.setattr(batching_domino, "CALL_MIN_CYCLES", 1)
+    plain_cost = {"seconds": 0.0}
+    monkeypatch.setattr(
+        batching_domino.BatchedDecoding, "plain_cycle_estimate", lambda self, rows: plain_cost["seconds"]
+    )
+    decided = []
+    speculates = batching_domino.call_speculates
+    monkeypatch.setattr(
+        batching_domino, "call_speculates", lambda record: decided.append(speculates(record)) or decided[-1]
+    )
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, successor(1), block_size=6)
+    batch = left_padded([[4, 9, 11], [20], [12, 13]])
+    expected = target.generate(**batch, do_sample=False, max_new_tokens=12)
+    for call in range(12):
+        if call == 10:
+            plain_cost["seconds"] = 1e9
+        output = target.generate(**batch, do_sample=False, max_new_tokens=12, assistant_model=drafter)
+        assert torch.equal(output, expected)
+        stats = drafter.last_generation_stats
+        assert any(stats.drafted) == decided[-1], call  # a speculating call drafts (every draft is right)
+    assert "".join("s" if s else "p" for s in decided) == "spsppsppppss"
+
+
 @pytest.mark.parametrize("head", [True, False])
 def test_greedy_batch_identical_random_models(arch, head):
     target = tiny_target(arch)

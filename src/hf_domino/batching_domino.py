@@ -24,7 +24,9 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +38,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .cache_domino import CACHE_ARGUMENT, buffer_layers
 from .cost_model_domino import (
     CALIBRATION_LENGTHS,
+    TIME_RATE,
     measure_verify_cost,
     settle_for_timing,
     timing_is_free,
@@ -43,7 +46,15 @@ from .cost_model_domino import (
 )
 from .drafting_domino import judge_copy, lookup_drafts, score_only, select_fused_rollout, spread_to_vocabulary
 from .modeling_domino import TargetModules, context_features
-from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, below_threshold, copy_records, drafter_record
+from .policy_domino import (
+    AdaptivePolicy,
+    DrafterRecord,
+    FixedPolicy,
+    LookupPolicy,
+    below_threshold,
+    copy_records,
+    drafter_record,
+)
 from .ragged_batch_domino import (
     BatchDrafts,
     BatchedDrafterContext,
@@ -78,6 +89,15 @@ RETRIEVAL_MAX_ROWS: int | None = None
 # retrieved at any size (docs/benchmarks.md, "The target's cache grows in place", "Retrieval in batches of any
 # size"); measure it on a GPU before choosing (bench suffix `_makespan`).
 PRICE_BY_MAKESPAN = False
+# A batch size whose speculating calls take clearly longer than plain steps would have (`judge_call`: plain time over
+# the call's time, averaged over calls at CALL_GAIN_RATE, below CALL_GAIN_FLOOR; calls of fewer than CALL_MIN_CYCLES
+# cycles are too short to tell) takes plain steps only in its next calls, then speculates again: after 1 call, then
+# 2, 4, ... at most MAX_PLAIN_CALLS while speculating keeps losing. None: every call speculates (the per-cycle policy
+# alone decides).
+MAX_PLAIN_CALLS: int | None = 4
+CALL_GAIN_RATE = 0.3
+CALL_GAIN_FLOOR = 0.97
+CALL_MIN_CYCLES = 16
 
 
 # ------------------------------------------------------------------------------------------------------ the policy
@@ -274,6 +294,10 @@ class BatchedDecoding:
         self.lookup_policy: LookupPolicy | None = None
         self.datastore = drafter.datastore if self.lookup and options.domino_datastore else None
         self.datastore_policy: LookupPolicy | None = None
+        # Whether this call drafts and copies at all (`call_speculates`), and each cycle's active rows, wall time and
+        # (a plain step) what a plain-steps-only call pays for it, for `judge_call`.
+        self.speculating, self.drafted_in_call = True, False
+        self.cycle_times: list[tuple[int, float, float | None]] = []
 
     def now(self) -> float:
         """Host time; where the call reads it (`DominoOptions.reads_cycle_times`), after the device finished."""
@@ -369,6 +393,10 @@ class BatchedDecoding:
         cost = self.policy.verify_cost if self.policy.adaptive else None
         self.lookup_policy = LookupPolicy(lookup_record, cost, False)
         self.datastore_policy = LookupPolicy(datastore_record, cost, False)
+        if self.policy.adaptive and MAX_PLAIN_CALLS:
+            self.speculating = call_speculates(self.policy.record)
+        if self.datastore is not None and self.speculating:
+            self.datastore.build_index()  # once per datastore: not inside a timed cycle
 
     def find_copies(self, room: list[int], rooms: list[int] | None) -> tuple[dict, dict, dict]:
         """Per active row, the copied drafts it offers this cycle; or, where the lookup policy declined them, the
@@ -508,18 +536,23 @@ class BatchedDecoding:
 
     def cycle(self) -> list[bool]:
         """Draft, verify, learn, extend: one target forward for every active row. Returns which rows finished."""
-        self.target_cache.maybe_compact()
         sequences = self.active_sequences()
         anchors = torch.stack([sequence[-1:] for sequence in sequences]).to(self.drafter.device)
-        room = [self.max_length - sequence.shape[0] - 1 for sequence in sequences]  # the target adds one of its own
-        if self.policy is None:
+        if self.policy is None:  # its first-use measurements are not this cycle's cost
             self.build_policies(anchors.to(self.device))
+        start = self.now()
+        self.target_cache.maybe_compact()
+        room = [self.max_length - sequence.shape[0] - 1 for sequence in sequences]  # the target adds one of its own
         rooms = [n + 1 for n in room] if PRICE_BY_MAKESPAN else None  # tokens left, the target's own included
         if isinstance(self.policy, AdaptivePolicy):
             self.policy.verify_cost.rows, self.policy.rooms = len(self.active), rooms
-        copies, declined, sources = self.find_copies(room, rooms)
-        drafts = self.draft(anchors, room, set(copies))
-        drafts.take_copies(copies, sources)
+        if self.speculating:
+            copies, declined, sources = self.find_copies(room, rooms)
+            drafts = self.draft(anchors, room, set(copies))
+            drafts.take_copies(copies, sources)
+        else:
+            copies, declined, sources = {}, {}, {}
+            drafts = CycleDrafts(None, torch.zeros(len(self.active), dtype=torch.long), {"drafted": False})
         verify_start = self.now()
         tokens, matches = self.verify(anchors, drafts)
         verify_seconds = self.now() - verify_start
@@ -533,7 +566,21 @@ class BatchedDecoding:
         self.stats.drafted.extend(drafts.lengths.tolist())
         self.stats.copied.extend(drafts.copied(len(self.active), self.lookup_policy))
         self.stats.retrieved.extend(drafts.copied(len(self.active), self.datastore_policy))
-        return [self.extend(row, tokens[i]) for i, row in enumerate(self.active)]
+        finished = [self.extend(row, tokens[i]) for i, row in enumerate(self.active)]
+        end = self.now()
+        self.time_cycle(len(self.active), end - start, end - verify_start, drafts)
+        return finished
+
+    def time_cycle(self, rows: int, seconds: float, verified_seconds: float, drafts: CycleDrafts) -> None:
+        """Logs a cycle for `judge_call`: its active rows, its time and, for a plain step, what a call taking plain
+        steps only would have paid for it (from the verification on: no lookups, no policy). The call's first
+        drafting cycle counts at most what the cost model expects: it reads the prompt's whole context, and first in
+        a process pays one-time set-up (see `AdaptivePolicy.observe`)."""
+        if drafts.observed["drafted"] and not self.drafted_in_call:
+            self.drafted_in_call = True
+            if self.policy.adaptive:
+                seconds = min(seconds, self.policy.cycle_seconds(drafts.observed["positions"], drafts.width))
+        self.cycle_times.append((rows, seconds, verified_seconds if drafts.width == 0 else None))
 
     def learn(self, cycle: CycleDrafts, matches: list[int], verify_seconds: float) -> None:
         """Copied rows teach the lookup policy; the drafter's policy learns from the rows it drafted for alone (and
@@ -558,7 +605,69 @@ class BatchedDecoding:
             finished = self.cycle()
         if streamer is not None:
             streamer.end()
+        self.judge_call()
         return self.output()
+
+    def judge_call(self) -> None:
+        """Learns the plain cycles' times by active rows and, when the call speculated, whether that paid: its cycles
+        against what plain steps would have taken for the same tokens (each row's count, so its stops too). A loss
+        makes the next calls of this batch size take plain steps only (`call_speculates`)."""
+        if self.policy is None or not self.policy.adaptive or not self.policy.learn_times or not MAX_PLAIN_CALLS:
+            return
+        record = self.policy.record
+        for rows, _, plain in self.cycle_times:
+            if plain is not None:
+                current = record.plain_cycle_seconds.get(rows)
+                record.plain_cycle_seconds[rows] = (
+                    plain if current is None else current + TIME_RATE * (plain - current)
+                )
+        if not self.speculating or all(plain is not None for _, _, plain in self.cycle_times):
+            return
+        if len(self.cycle_times) < CALL_MIN_CYCLES:
+            return
+        steps = [self.generated(row) - 1 for row in range(len(self.sequences))]  # the prefill picked each first token
+        spent = sum(seconds for _, seconds, _ in self.cycle_times)
+        learn_call_gain(record, plain_steps_seconds(steps, self.plain_cycle_estimate) / max(spent, 1e-9))
+
+    def plain_cycle_estimate(self, rows: int) -> float:
+        """A plain cycle's time with `rows` active rows: as measured, else the verify-cost table's forward scaled as
+        the measured cycles compare with it (the loop's own work)."""
+        known, table = self.policy.record.plain_cycle_seconds, self.policy.verify_cost.table
+        if rows in known:
+            return known[rows]
+        ratios = [seconds / table(n) for n, seconds in known.items()]
+        return table(rows) * (statistics.median(ratios) if ratios else 1.0)
+
+
+def learn_call_gain(record: DrafterRecord, gain: float) -> None:
+    """Learns from one speculating call of a batch size that went `gain` times as fast as plain steps would have:
+    while its calls' average gain is below `CALL_GAIN_FLOOR`, the next calls take plain steps only, 1, then 2, 4, ...
+    at most `MAX_PLAIN_CALLS` of them after each call that lost again.
+
+    Averaged, with a margin, because calls differ (2 chat rows' drafts hold in one call and not in the next, which can
+    run 0.8x where the average is 1.1x): one losing call of a batch size where speculating pays must not pause it.
+    """
+    previous = record.call_gain
+    record.call_gain = gain if previous is None else previous + CALL_GAIN_RATE * (gain - previous)
+    if record.call_gain >= CALL_GAIN_FLOOR:
+        record.plain_calls = record.plain_calls_left = 0
+    else:
+        record.plain_calls = record.plain_calls_left = max(1, min(2 * record.plain_calls, MAX_PLAIN_CALLS))
+
+
+def call_speculates(record: DrafterRecord) -> bool:
+    """Whether a batched call drafts and copies, or takes plain steps only because this batch size's last
+    speculating call lost to them (`BatchedDecoding.judge_call`)."""
+    if record.plain_calls_left > 0:
+        record.plain_calls_left -= 1
+        return False
+    return True
+
+
+def plain_steps_seconds(steps: list[int], seconds_by_rows: Callable[[int], float]) -> float:
+    """What plain steps take to generate `steps[r]` tokens in row r: one token per row per cycle, rows leaving the
+    batch as they finish."""
+    return sum(seconds_by_rows(sum(n > step for n in steps)) for step in range(max(steps, default=0)))
 
 
 @torch.no_grad()

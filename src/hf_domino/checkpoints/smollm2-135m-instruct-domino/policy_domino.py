@@ -106,6 +106,13 @@ class DrafterRecord:
     skip_left: int = 0
     steady_acceptance: list[float] | None = None  # like position_acceptance, learned slowly (STEADY_RATE)
     steady_cycles: int = 0  # drafting cycles behind steady_acceptance
+    # Batches only (`batching_domino.BatchedDecoding.judge_call`): a plain cycle's time by the number of active rows,
+    # what speculating calls gained over plain steps (averaged over calls), and how many of the next calls take plain
+    # steps only (after how many the last time).
+    plain_cycle_seconds: dict[int, float] = field(default_factory=dict)
+    call_gain: float | None = None
+    plain_calls: int = 0
+    plain_calls_left: int = 0
 
 
 _RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -206,6 +213,10 @@ class AdaptivePolicy:
         backbone = self.record.backbone_seconds if self.record.backbone_seconds is not None else 0.15 * one
         position = self.record.position_seconds if self.record.position_seconds is not None else 0.02 * one
         return backbone + k * position
+
+    def cycle_seconds(self, positions: int, verified: int) -> float:
+        """What the cost model expects a drafting cycle to take: `positions` drafted, `verified` of them verified."""
+        return self._draft_seconds(positions) + self.verify_cost(1 + verified)
 
     def _expected_rate(self, acceptance: torch.Tensor) -> float:
         """Tokens per second of the best drafting cycle (k >= 1) that the cost model and `acceptance` predict."""
@@ -366,11 +377,11 @@ class AdaptivePolicy:
         if not drafted:
             return
         if learn_draft_times:
-            cycle_seconds = backbone_seconds + rollout_seconds + verify_seconds
+            elapsed = backbone_seconds + rollout_seconds + verify_seconds
         else:  # host timings are not the device's, or not typical: judge the cycle by the cost model
-            cycle_seconds = self._draft_seconds(positions) + self.verify_cost(1 + verified)
+            elapsed = self.cycle_seconds(positions, verified)
         tokens = (sum(accepted_rows) / len(accepted_rows) + 1) * discount
-        cycle_rate = tokens / max(cycle_seconds, 1e-9)
+        cycle_rate = tokens / max(elapsed, 1e-9)
         # A probe's own cycle is the freshest evidence there is after a pause: it replaces the stale estimate.
         record.drafting_rate = cycle_rate if self.probing else _moved(record.drafting_rate, cycle_rate, RATE_RATE)
         # One cycle of one sequence is a coin toss (a drafter accepting 40% of first drafts fails most cycles yet pays
