@@ -610,8 +610,8 @@ class BatchedDecoding:
 
     def judge_call(self) -> None:
         """Learns the plain cycles' times by active rows and, when the call speculated, whether that paid: its cycles
-        against what plain steps would have taken for the same tokens (each row's count, so its stops too). A loss
-        makes the next calls of this batch size take plain steps only (`call_speculates`)."""
+        against what plain steps would have taken for the same tokens (each row's count, so its stops too), which
+        `learn_call_gain` averages over calls. Calls shorter than `CALL_MIN_CYCLES` are not judged."""
         if self.policy is None or not self.policy.adaptive or not self.policy.learn_times or not MAX_PLAIN_CALLS:
             return
         record = self.policy.record
@@ -656,8 +656,8 @@ def learn_call_gain(record: DrafterRecord, gain: float) -> None:
 
 
 def call_speculates(record: DrafterRecord) -> bool:
-    """Whether a batched call drafts and copies, or takes plain steps only because this batch size's last
-    speculating call lost to them (`BatchedDecoding.judge_call`)."""
+    """Whether a batched call drafts and copies, or takes plain steps only because this batch size's speculating
+    calls have been losing to them (`learn_call_gain`)."""
     if record.plain_calls_left > 0:
         record.plain_calls_left -= 1
         return False
@@ -666,8 +666,12 @@ def call_speculates(record: DrafterRecord) -> bool:
 
 def plain_steps_seconds(steps: list[int], seconds_by_rows: Callable[[int], float]) -> float:
     """What plain steps take to generate `steps[r]` tokens in row r: one token per row per cycle, rows leaving the
-    batch as they finish."""
-    return sum(seconds_by_rows(sum(n > step for n in steps)) for step in range(max(steps, default=0)))
+    batch as they finish (so between the i-th shortest row's end and the next one, `rows - i` rows step)."""
+    total, done = 0.0, 0
+    for index, end in enumerate(sorted(steps)):
+        total += (end - done) * seconds_by_rows(len(steps) - index)
+        done = end
+    return total
 
 
 @torch.no_grad()
