@@ -1,4 +1,4 @@
-"""What the batch loop's judge of whole calls sees (`BatchedDecoding.judge_call`): for each call of the batch size,
+"""What the batch loop's judge of whole calls sees (`batch_policy_domino.judge_call`): for each call of the batch size,
 the gain over plain steps it computed, the average it keeps and how many plain-steps-only calls follow. Runs
 `examples/generate_ab.py` with the given arguments and prints a line per judged call. docs/benchmarks.md, "A batch
 size whose calls lose takes plain steps", quotes it:
@@ -13,7 +13,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from hf_domino import batching_domino
+from hf_domino import batch_policy_domino
 
 
 def logged(learn):
@@ -28,6 +28,6 @@ def logged(learn):
 
 
 if __name__ == "__main__":
-    batching_domino.learn_call_gain = logged(batching_domino.learn_call_gain)
+    batch_policy_domino.learn_call_gain = logged(batch_policy_domino.learn_call_gain)
     sys.argv = ["generate_ab.py", *sys.argv[1:]]
     runpy.run_path(str(Path(__file__).with_name("generate_ab.py")), run_name="__main__")

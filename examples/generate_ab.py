@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_domino import batching_domino, cpu_fast_path, policy_domino, prepare_for_cpu_decoding
+from hf_domino import batch_policy_domino, batching_domino, cpu_fast_path, policy_domino, prepare_for_cpu_decoding
 from hf_domino.assets import chat_token_ids, load_drafter, load_prompts, load_target, pad_token_id
 from hf_domino.drafting_domino import DATASTORE_FILE, DraftDatastore
 from hf_domino.measure_batch import left_padded_groups
@@ -70,10 +70,13 @@ def setting_for(name: str, target) -> Setting:
             setting.drafter.to(getattr(torch, value))
             match_dtype = False
         elif key.isupper():
-            module = next((m for m in (batching_domino, policy_domino, cpu_fast_path) if hasattr(m, key)), None)
+            module = next(
+                (m for m in (batching_domino, batch_policy_domino, policy_domino, cpu_fast_path) if hasattr(m, key)),
+                None,
+            )
             if module is None:
                 raise SystemExit(
-                    f"setting {name!r}: no module setting {key!r} in batching_domino, policy_domino or cpu_fast_path"
+                    f"setting {name!r}: no module setting {key!r} in batching_domino, batch_policy_domino, policy_domino or cpu_fast_path"
                 )
             setting.modules[module, key] = option_value(value)
         elif value:

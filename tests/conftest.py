@@ -12,7 +12,7 @@ import hf_domino  # noqa: F401  (registers the Auto classes and the generate() h
 from hf_domino import (
     DominoConfig,
     DominoForSpeculation,
-    batching_domino,
+    batch_policy_domino,
     cost_model_domino,
     generation_domino,
     policy_domino,
@@ -175,9 +175,9 @@ def gpu_like_costs(monkeypatch):
 
 
 def _fixed_costs(monkeypatch, table):
-    for module in (cost_model_domino, generation_domino, batching_domino):
+    for module in (cost_model_domino, generation_domino, batch_policy_domino):
         monkeypatch.setattr(module, "measure_verify_cost", lambda *args, **kwargs: VerifyCost(dict(table)))
-    monkeypatch.setattr(batching_domino, "timing_is_free", lambda device: False)
+    monkeypatch.setattr(batch_policy_domino, "timing_is_free", lambda device: False)
     monkeypatch.setattr(policy_domino, "LEARN_TIMES", False)  # the table stays as given
     monkeypatch.setattr(cost_model_domino, "_VERIFY_COSTS", {})
     monkeypatch.setattr(policy_domino, "_RECORDS", policy_domino.weakref.WeakKeyDictionary())

@@ -16,7 +16,7 @@ from test_generation import (
 from transformers import LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
-from hf_domino import batching_domino, policy_domino, ragged_batch_domino
+from hf_domino import batch_policy_domino, batching_domino, policy_domino, ragged_batch_domino
 from hf_domino.cache_domino import BufferedLayer
 from hf_domino.drafting_domino import DrafterContext, run_backbone
 from hf_domino.modeling_domino import TargetModules
@@ -85,21 +85,21 @@ def test_greedy_batch_identical_priced_by_its_last_row(arch, next_token, makespa
 
 def test_plain_steps_seconds_counts_the_rows_still_generating():
     # Rows that still generate 3, 1 and 0 tokens: plain steps of 2 rows, then 1 row, then 1 row.
-    assert batching_domino.plain_steps_seconds([3, 1, 0], lambda rows: 10.0 * rows) == 40.0
-    assert batching_domino.plain_steps_seconds([0, 0], lambda rows: 1.0) == 0
+    assert batch_policy_domino.plain_steps_seconds([3, 1, 0], lambda rows: 10.0 * rows) == 40.0
+    assert batch_policy_domino.plain_steps_seconds([0, 0], lambda rows: 1.0) == 0
 
 
 def test_calls_losing_on_average_pause_speculation_for_1_2_4_calls(monkeypatch):
-    monkeypatch.setattr(batching_domino, "MAX_PLAIN_CALLS", 4)
+    monkeypatch.setattr(batch_policy_domino, "MAX_PLAIN_CALLS", 4)
     record = policy_domino.DrafterRecord(position_acceptance=[0.5])
 
     def calls(gains: list[float]) -> str:
         pattern = ""
         for gain in gains:
-            while not batching_domino.call_speculates(record):
+            while not batch_policy_domino.call_speculates(record):
                 pattern += "p"
             pattern += "s"
-            batching_domino.learn_call_gain(record, gain)
+            batch_policy_domino.learn_call_gain(record, gain)
         return pattern
 
     # One losing call after winning ones is within the calls' spread: no pause.
@@ -115,12 +115,10 @@ def test_a_batch_size_whose_speculation_lost_takes_plain_steps_in_its_next_calls
     # Forced to a loss (plain steps estimated free), the batch size takes plain steps only for 1 call, then 2, then 4
     # (MAX_PLAIN_CALLS); a win (plain steps estimated dear) ends the pauses. Every output is the target's. These calls
     # are a few cycles long, all judged here (CALL_MIN_CYCLES).
-    monkeypatch.setattr(batching_domino, "MAX_PLAIN_CALLS", 4)
-    monkeypatch.setattr(batching_domino, "CALL_MIN_CYCLES", 1)
+    monkeypatch.setattr(batch_policy_domino, "MAX_PLAIN_CALLS", 4)
+    monkeypatch.setattr(batch_policy_domino, "CALL_MIN_CYCLES", 1)
     plain_cost = {"seconds": 0.0}
-    monkeypatch.setattr(
-        batching_domino.BatchedDecoding, "plain_cycle_estimate", lambda self, rows: plain_cost["seconds"]
-    )
+    monkeypatch.setattr(batch_policy_domino, "plain_cycle_estimate", lambda policy, rows: plain_cost["seconds"])
     decided = []
     speculates = batching_domino.call_speculates
     monkeypatch.setattr(

@@ -15,7 +15,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 
 import hf_domino
-from hf_domino import cost_model_domino, policy_domino
+from hf_domino import batch_policy_domino, cost_model_domino, policy_domino
 from hf_domino.cache_domino import cache_argument
 from hf_domino.cost_model_domino import VerifyCost, expected_tokens
 from hf_domino.policy_domino import AcceptanceCalibration, AdaptivePolicy, DrafterRecord, LookupPolicy
@@ -254,7 +254,7 @@ def test_one_row_is_priced_as_one_sequence():
 
 
 def test_drafts_that_only_put_rows_further_ahead_are_not_verified():
-    from hf_domino.batching_domino import BatchVerifyCost
+    from hf_domino.batch_policy_domino import BatchVerifyCost
 
     table = VerifyCost({2: 1.0, 4: 1.3, 6: 1.5, 10: 2.0})  # 2 rows: 1 token each 1.0, 2 tokens 1.3, ...
     policy = AdaptivePolicy(DrafterRecord([0.9] * 4), BatchVerifyCost(table, rows=2), cap=4, learn_times=False)
@@ -274,7 +274,7 @@ def test_drafts_that_only_put_rows_further_ahead_are_not_verified():
 
 
 def test_a_failed_cycle_over_several_rows_is_evidence_enough_to_pause():
-    from hf_domino.batching_domino import BatchVerifyCost
+    from hf_domino.batch_policy_domino import BatchVerifyCost
 
     def after_a_failed_batch_cycle(rows: int) -> int:
         table = VerifyCost({n * rows: seconds for n, seconds in PREPACKED.items()})
@@ -294,7 +294,7 @@ def test_a_failed_cycle_over_several_rows_is_evidence_enough_to_pause():
 
 
 def test_a_batchs_pauses_grow_whatever_the_long_run_acceptance_says():
-    from hf_domino.batching_domino import BatchVerifyCost
+    from hf_domino.batch_policy_domino import BatchVerifyCost
 
     def pauses(rows: int) -> list[int]:
         table = VerifyCost({n * rows: seconds for n, seconds in PREPACKED.items()})
@@ -591,7 +591,7 @@ def test_draft_vocab_command_writes_a_loadable_copy(tmp_path):
 
 # --------------------------------------------------------------------------------------------------------- batches
 def test_a_batch_gets_one_k_priced_by_all_its_tokens():
-    from hf_domino.batching_domino import BatchVerifyCost
+    from hf_domino.batch_policy_domino import BatchVerifyCost
 
     assert expected_tokens(torch.tensor([[1.0, 0.0], [1.0, 1.0]])).tolist() == [1, 2, 2.5]  # mean over rows
     table = VerifyCost({1: 0.010, 4: 0.011, 8: 0.012, 16: 0.030, 64: 0.100})  # cheap up to 8 tokens, then dear
@@ -618,7 +618,7 @@ def test_verify_cost_of_a_batch_is_keyed_by_all_its_tokens():
 
 
 def test_a_new_setting_waits_before_probing_when_the_cost_model_says_drafting_will_not_pay():
-    from hf_domino.batching_domino import BatchVerifyCost
+    from hf_domino.batch_policy_domino import BatchVerifyCost
 
     table = VerifyCost({1: 0.010, 8: 0.110, 16: 0.130, 24: 0.150})  # CPU-like at batch 8: 2 tokens per row cost 1.2x
     known_poor = AdaptivePolicy(DrafterRecord([0.1] * 16), BatchVerifyCost(table, rows=8), cap=16, learn_times=False)
@@ -632,10 +632,9 @@ def test_a_new_setting_waits_before_probing_when_the_cost_model_says_drafting_wi
 def test_a_new_batch_size_starts_from_the_drafters_cost_at_batch_1(monkeypatch):
     import types
 
-    from hf_domino import batching_domino
     from hf_domino.options_domino import DominoOptions
 
-    monkeypatch.setattr(batching_domino, "measure_verify_cost", lambda *a, **k: VerifyCost({1: 0.01, 136: 0.3}))
+    monkeypatch.setattr(batch_policy_domino, "measure_verify_cost", lambda *a, **k: VerifyCost({1: 0.01, 136: 0.3}))
     monkeypatch.setattr(cost_model_domino, "_VERIFY_COSTS", {})
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
@@ -643,7 +642,7 @@ def test_a_new_batch_size_starts_from_the_drafters_cost_at_batch_1(monkeypatch):
     shared.backbone_seconds, shared.position_seconds = 0.004, 0.001  # learned at batch 1
     anchors = torch.zeros(8, 1, dtype=torch.long)
     cache = types.SimpleNamespace(cache=None)
-    policy = batching_domino.batch_policy(target, drafter, DominoOptions(), "greedy", cache, anchors, {}, 4)
+    policy = batch_policy_domino.batch_policy(target, drafter, DominoOptions(), "greedy", cache, anchors, {}, 4)
     assert policy.record is not shared and policy.record.position_acceptance is shared.position_acceptance
     assert policy.record.backbone_seconds == pytest.approx(0.032)
     assert policy.record.position_seconds == pytest.approx(0.008)
@@ -656,12 +655,12 @@ def test_where_timing_needs_a_synchronization_the_policy_still_learns(monkeypatc
     # never decides per drafted position (each decision would wait for the device inside the rollout).
     from test_batching import left_padded
 
-    from hf_domino import batching_domino, generation_domino
+    from hf_domino import generation_domino
 
     waits, built = [], []
     monkeypatch.setattr(cost_model_domino, "synchronize", waits.append)
     monkeypatch.setattr(cost_model_domino, "timing_is_free", lambda device: False)
-    for module in (generation_domino, batching_domino):
+    for module in (generation_domino, batch_policy_domino):
 
         class Spy(module.AdaptivePolicy):
             def __init__(self, *args, **kwargs):
@@ -669,7 +668,7 @@ def test_where_timing_needs_a_synchronization_the_policy_still_learns(monkeypatc
                 built.append(self)
 
         monkeypatch.setattr(module, "AdaptivePolicy", Spy)
-    monkeypatch.setattr(batching_domino, "timing_is_free", lambda device: False)
+    monkeypatch.setattr(batch_policy_domino, "timing_is_free", lambda device: False)
     monkeypatch.setattr(generation_domino.DominoCandidateGenerator, "_timing_is_free", property(lambda self: False))
     monkeypatch.setattr(policy_domino, "_RECORDS", policy_domino.weakref.WeakKeyDictionary())
     target = successor_target("qwen3", VOCAB)

@@ -18,7 +18,7 @@ from test_generation import (
 from transformers import LogitsProcessorList
 
 from hf_domino import batching_domino
-from hf_domino.batching_domino import BatchVerifyCost
+from hf_domino.batch_policy_domino import BatchVerifyCost
 from hf_domino.cost_model_domino import VerifyCost, expected_tokens
 from hf_domino.drafting_domino import lookup_drafts
 from hf_domino.measure import parse_method

@@ -24,9 +24,7 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,26 +33,12 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .batch_policy_domino import batch_policy, call_speculates, judge_call
 from .cache_domino import CACHE_ARGUMENT, buffer_layers
-from .cost_model_domino import (
-    CALIBRATION_LENGTHS,
-    TIME_RATE,
-    measure_verify_cost,
-    settle_for_timing,
-    timing_is_free,
-    verify_cost_for,
-)
+from .cost_model_domino import settle_for_timing
 from .drafting_domino import judge_copy, lookup_drafts, score_only, select_fused_rollout, spread_to_vocabulary
 from .modeling_domino import TargetModules, context_features
-from .policy_domino import (
-    AdaptivePolicy,
-    DrafterRecord,
-    FixedPolicy,
-    LookupPolicy,
-    below_threshold,
-    copy_records,
-    drafter_record,
-)
+from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, below_threshold, copy_records
 from .ragged_batch_domino import (
     BatchDrafts,
     BatchedDrafterContext,
@@ -89,67 +73,6 @@ RETRIEVAL_MAX_ROWS: int | None = None
 # retrieved at any size (docs/benchmarks.md, "The target's cache grows in place", "Retrieval in batches of any
 # size"); measure it on a GPU before choosing (bench suffix `_makespan`).
 PRICE_BY_MAKESPAN = False
-# A batch size whose speculating calls take clearly longer than plain steps would have (`judge_call`: plain time over
-# the call's time, averaged over calls at CALL_GAIN_RATE, below CALL_GAIN_FLOOR; calls of fewer than CALL_MIN_CYCLES
-# cycles are too short to tell) takes plain steps only in its next calls, then speculates again: after 1 call, then
-# 2, 4, ... at most MAX_PLAIN_CALLS while speculating keeps losing. None: every call speculates (the per-cycle policy
-# alone decides).
-MAX_PLAIN_CALLS: int | None = 4
-CALL_GAIN_RATE = 0.3
-CALL_GAIN_FLOOR = 0.97
-CALL_MIN_CYCLES = 16
-
-
-# ------------------------------------------------------------------------------------------------------ the policy
-class BatchVerifyCost:
-    """A target's verify-cost table seen from a batch: `rows` sequences of `n` tokens cost what `rows * n` do."""
-
-    def __init__(self, table, rows: int):
-        self.table, self.rows = table, rows
-
-    def __call__(self, num_tokens: int) -> float:
-        return self.table(self.rows * num_tokens)
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        self.table.observe(self.rows * num_tokens, seconds)
-
-
-def batch_policy(
-    target: PreTrainedModel,
-    drafter: DominoForSpeculation,
-    options: DominoOptions,
-    mode: str,
-    cache: RaggedCache,
-    anchor_ids: torch.LongTensor,
-    forward_kwargs: dict[str, Any],
-    max_drafts: int,
-) -> AdaptivePolicy | FixedPolicy:
-    """The call's draft policy; the adaptive one reads a cost table that covers `rows x (1 + k)` token forwards."""
-    if options.draft_policy == "fixed":
-        return FixedPolicy(max_drafts, options.assistant_confidence_threshold)
-    rows = anchor_ids.shape[0]
-    cost = verify_cost_for(target, lambda: measure_verify_cost(target, cache.cache, anchor_ids, forward_kwargs))
-    wanted = [rows * n for n in CALIBRATION_LENGTHS]
-    if max(wanted) > max(cost.seconds):  # measured for smaller batches only: add this batch's shapes
-        cost.seconds.update(measure_verify_cost(target, cache.cache, anchor_ids, forward_kwargs).seconds)
-        cost.seconds = dict(sorted(cost.seconds.items()))
-    # What pays depends on the batch size (verifying rows x (1 + k) tokens), so rates and back-off are learned per
-    # batch size; how far drafts hold on this text is the drafter's, shared with every batch size and with batch 1.
-    shared = drafter_record(drafter, mode, drafter.config.num_drafts)
-    record = drafter_record(drafter, f"{mode}+batch{rows}", drafter.config.num_drafts)
-    record.position_acceptance, record.calibration = shared.position_acceptance, shared.calibration
-    if record.backbone_seconds is None and shared.backbone_seconds is not None:
-        # Before this batch size drafts at all: the drafter's cost measured at batch 1, times the rows. On a CPU it
-        # grows about so; on a GPU this overestimates, which only delays the first probe (then it is measured).
-        record.backbone_seconds = rows * shared.backbone_seconds
-        record.position_seconds = None if shared.position_seconds is None else rows * shared.position_seconds
-    return AdaptivePolicy(
-        record,
-        BatchVerifyCost(cost, rows),
-        cap=max_drafts,
-        confidence_threshold=options.assistant_confidence_threshold,
-        per_position=timing_is_free(drafter.device),
-    )
 
 
 # -------------------------------------------------------------------------------------------------- one batched call
@@ -393,7 +316,7 @@ class BatchedDecoding:
         cost = self.policy.verify_cost if self.policy.adaptive else None
         self.lookup_policy = LookupPolicy(lookup_record, cost, False)
         self.datastore_policy = LookupPolicy(datastore_record, cost, False)
-        if self.policy.adaptive and MAX_PLAIN_CALLS:
+        if self.policy.adaptive:
             self.speculating = call_speculates(self.policy.record)
         if self.datastore is not None and self.speculating:
             self.datastore.build_index()  # once per datastore: not inside a timed cycle
@@ -609,69 +532,10 @@ class BatchedDecoding:
         return self.output()
 
     def judge_call(self) -> None:
-        """Learns the plain cycles' times by active rows and, when the call speculated, whether that paid: its cycles
-        against what plain steps would have taken for the same tokens (each row's count, so its stops too), which
-        `learn_call_gain` averages over calls. Calls shorter than `CALL_MIN_CYCLES` are not judged."""
-        if self.policy is None or not self.policy.adaptive or not self.policy.learn_times or not MAX_PLAIN_CALLS:
-            return
-        record = self.policy.record
-        for rows, _, plain in self.cycle_times:
-            if plain is not None:
-                current = record.plain_cycle_seconds.get(rows)
-                record.plain_cycle_seconds[rows] = (
-                    plain if current is None else current + TIME_RATE * (plain - current)
-                )
-        if not self.speculating or all(plain is not None for _, _, plain in self.cycle_times):
-            return
-        if len(self.cycle_times) < CALL_MIN_CYCLES:
-            return
-        steps = [self.generated(row) - 1 for row in range(len(self.sequences))]  # the prefill picked each first token
-        spent = sum(seconds for _, seconds, _ in self.cycle_times)
-        learn_call_gain(record, plain_steps_seconds(steps, self.plain_cycle_estimate) / max(spent, 1e-9))
-
-    def plain_cycle_estimate(self, rows: int) -> float:
-        """A plain cycle's time with `rows` active rows: as measured, else the verify-cost table's forward scaled as
-        the measured cycles compare with it (the loop's own work)."""
-        known, table = self.policy.record.plain_cycle_seconds, self.policy.verify_cost.table
-        if rows in known:
-            return known[rows]
-        ratios = [seconds / table(n) for n, seconds in known.items()]
-        return table(rows) * (statistics.median(ratios) if ratios else 1.0)
-
-
-def learn_call_gain(record: DrafterRecord, gain: float) -> None:
-    """Learns from one speculating call of a batch size that went `gain` times as fast as plain steps would have:
-    while its calls' average gain is below `CALL_GAIN_FLOOR`, the next calls take plain steps only, 1, then 2, 4, ...
-    at most `MAX_PLAIN_CALLS` of them after each call that lost again.
-
-    Averaged, with a margin, because calls differ (2 chat rows' drafts hold in one call and not in the next, which can
-    run 0.8x where the average is 1.1x): one losing call of a batch size where speculating pays must not pause it.
-    """
-    previous = record.call_gain
-    record.call_gain = gain if previous is None else previous + CALL_GAIN_RATE * (gain - previous)
-    if record.call_gain >= CALL_GAIN_FLOOR:
-        record.plain_calls = record.plain_calls_left = 0
-    else:
-        record.plain_calls = record.plain_calls_left = max(1, min(2 * record.plain_calls, MAX_PLAIN_CALLS))
-
-
-def call_speculates(record: DrafterRecord) -> bool:
-    """Whether a batched call drafts and copies, or takes plain steps only because this batch size's speculating
-    calls have been losing to them (`learn_call_gain`)."""
-    if record.plain_calls_left > 0:
-        record.plain_calls_left -= 1
-        return False
-    return True
-
-
-def plain_steps_seconds(steps: list[int], seconds_by_rows: Callable[[int], float]) -> float:
-    """What plain steps take to generate `steps[r]` tokens in row r: one token per row per cycle, rows leaving the
-    batch as they finish (so between the i-th shortest row's end and the next one, `rows - i` rows step)."""
-    total, done = 0.0, 0
-    for index, end in enumerate(sorted(steps)):
-        total += (end - done) * seconds_by_rows(len(steps) - index)
-        done = end
-    return total
+        """After the call: whether speculating paid, for this batch size's next calls (`batch_policy_domino`)."""
+        if self.policy is not None and self.policy.adaptive and self.policy.learn_times:
+            steps = [self.generated(row) - 1 for row in range(len(self.sequences))]  # the prefill picked the first
+            judge_call(self.policy, self.cycle_times, steps, speculated=self.speculating)
 
 
 @torch.no_grad()

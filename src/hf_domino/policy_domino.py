@@ -106,7 +106,7 @@ class DrafterRecord:
     skip_left: int = 0
     steady_acceptance: list[float] | None = None  # like position_acceptance, learned slowly (STEADY_RATE)
     steady_cycles: int = 0  # drafting cycles behind steady_acceptance
-    # Batches only (`batching_domino.BatchedDecoding.judge_call`): a plain cycle's time by the number of active rows,
+    # Batches only (`batch_policy_domino.judge_call`): a plain cycle's time by the number of active rows,
     # what speculating calls gained over plain steps (averaged over calls), and how many of the next calls take plain
     # steps only (after how many the last time).
     plain_cycle_seconds: dict[int, float] = field(default_factory=dict)

@@ -1,0 +1,167 @@
+"""A batch's draft policy: the adaptive policy priced for `rows x (1 + k)` verifications, and the judge of whole calls.
+
+`batch_policy` builds the policy of one batched call (`batching_domino.BatchedDecoding`): its cost table read by all
+the tokens of a forward (`BatchVerifyCost`) and its records kept per batch size. Within a call the policies price
+each cycle by its rows' mean tokens; a batch finishes with its last row, so after each call `judge_call` compares
+the call with what plain steps would have taken for the same tokens, and `call_speculates` makes a batch size whose
+calls lose on average take plain steps only in its next calls (docs/architecture.md, "Across calls").
+
+This file is also written next to exported checkpoints as remote code (transformers + torch only).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .cost_model_domino import CALIBRATION_LENGTHS, TIME_RATE, measure_verify_cost, timing_is_free, verify_cost_for
+from .policy_domino import AdaptivePolicy, DrafterRecord, FixedPolicy, drafter_record
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from .modeling_domino import DominoForSpeculation
+    from .options_domino import DominoOptions
+    from .ragged_batch_domino import RaggedCache
+
+# A batch size whose speculating calls take clearly longer than plain steps would have (`judge_call`: plain time over
+# the call's time, averaged over calls at CALL_GAIN_RATE, below CALL_GAIN_FLOOR; calls of fewer than CALL_MIN_CYCLES
+# cycles are too short to tell) takes plain steps only in its next calls, then speculates again: after 1 call, then
+# 2, 4, ... at most MAX_PLAIN_CALLS while speculating keeps losing. None: every call speculates (the per-cycle policy
+# alone decides).
+MAX_PLAIN_CALLS: int | None = 4
+CALL_GAIN_RATE = 0.3
+CALL_GAIN_FLOOR = 0.97
+CALL_MIN_CYCLES = 16
+
+
+class BatchVerifyCost:
+    """A target's verify-cost table seen from a batch: `rows` sequences of `n` tokens cost what `rows * n` do."""
+
+    def __init__(self, table, rows: int):
+        self.table, self.rows = table, rows
+
+    def __call__(self, num_tokens: int) -> float:
+        return self.table(self.rows * num_tokens)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        self.table.observe(self.rows * num_tokens, seconds)
+
+
+def batch_policy(
+    target: PreTrainedModel,
+    drafter: DominoForSpeculation,
+    options: DominoOptions,
+    mode: str,
+    cache: RaggedCache,
+    anchor_ids: torch.LongTensor,
+    forward_kwargs: dict[str, Any],
+    max_drafts: int,
+) -> AdaptivePolicy | FixedPolicy:
+    """The call's draft policy; the adaptive one reads a cost table that covers `rows x (1 + k)` token forwards."""
+    if options.draft_policy == "fixed":
+        return FixedPolicy(max_drafts, options.assistant_confidence_threshold)
+    rows = anchor_ids.shape[0]
+    cost = verify_cost_for(target, lambda: measure_verify_cost(target, cache.cache, anchor_ids, forward_kwargs))
+    wanted = [rows * n for n in CALIBRATION_LENGTHS]
+    if max(wanted) > max(cost.seconds):  # measured for smaller batches only: add this batch's shapes
+        cost.seconds.update(measure_verify_cost(target, cache.cache, anchor_ids, forward_kwargs).seconds)
+        cost.seconds = dict(sorted(cost.seconds.items()))
+    # What pays depends on the batch size (verifying rows x (1 + k) tokens), so rates and back-off are learned per
+    # batch size; how far drafts hold on this text is the drafter's, shared with every batch size and with batch 1.
+    shared = drafter_record(drafter, mode, drafter.config.num_drafts)
+    record = drafter_record(drafter, f"{mode}+batch{rows}", drafter.config.num_drafts)
+    record.position_acceptance, record.calibration = shared.position_acceptance, shared.calibration
+    if record.backbone_seconds is None and shared.backbone_seconds is not None:
+        # Before this batch size drafts at all: the drafter's cost measured at batch 1, times the rows. On a CPU it
+        # grows about so; on a GPU this overestimates, which only delays the first probe (then it is measured).
+        record.backbone_seconds = rows * shared.backbone_seconds
+        record.position_seconds = None if shared.position_seconds is None else rows * shared.position_seconds
+    return AdaptivePolicy(
+        record,
+        BatchVerifyCost(cost, rows),
+        cap=max_drafts,
+        confidence_threshold=options.assistant_confidence_threshold,
+        per_position=timing_is_free(drafter.device),
+    )
+
+
+# --------------------------------------------------------------------------------------------- the judge of calls
+def judge_call(
+    policy: AdaptivePolicy, cycle_times: list[tuple[int, float, float | None]], steps: list[int], speculated: bool
+) -> None:
+    """After one batched call: learns its plain cycles' times by active rows (`cycle_times`: per cycle, its rows, its
+    time and, for a plain step, what a plain-steps-only call pays for it) and, when the call speculated, whether that
+    paid: its cycles against what plain steps would have taken for the tokens `steps[r]` each row generated (so its
+    stops too), which `learn_call_gain` averages over calls. Calls shorter than `CALL_MIN_CYCLES` are not judged."""
+    if not MAX_PLAIN_CALLS:
+        return
+    record = policy.record
+    for rows, _, plain in cycle_times:
+        if plain is not None:
+            current = record.plain_cycle_seconds.get(rows)
+            record.plain_cycle_seconds[rows] = plain if current is None else current + TIME_RATE * (plain - current)
+    if not speculated or all(plain is not None for _, _, plain in cycle_times) or len(cycle_times) < CALL_MIN_CYCLES:
+        return
+    spent = sum(seconds for _, seconds, _ in cycle_times)
+    plain = plain_steps_seconds(steps, lambda rows: plain_cycle_estimate(policy, rows))
+    learn_call_gain(record, plain / max(spent, 1e-9))
+
+
+def plain_cycle_estimate(policy: AdaptivePolicy, rows: int) -> float:
+    """A plain cycle's time with `rows` active rows: as measured, else the verify-cost table's forward scaled as the
+    measured cycles compare with it (the loop's own work)."""
+    known, table = policy.record.plain_cycle_seconds, policy.verify_cost.table
+    if rows in known:
+        return known[rows]
+    ratios = [seconds / table(n) for n, seconds in known.items()]
+    return table(rows) * (statistics.median(ratios) if ratios else 1.0)
+
+
+def learn_call_gain(record: DrafterRecord, gain: float) -> None:
+    """Learns from one speculating call of a batch size that went `gain` times as fast as plain steps would have:
+    while its calls' average gain is below `CALL_GAIN_FLOOR`, the next calls take plain steps only, 1, then 2, 4, ...
+    at most `MAX_PLAIN_CALLS` of them after each call that lost again.
+
+    Averaged, with a margin, because calls differ (2 chat rows' drafts hold in one call and not in the next, which can
+    run 0.8x where the average is 1.1x): one losing call of a batch size where speculating pays must not pause it.
+    """
+    previous = record.call_gain
+    record.call_gain = gain if previous is None else previous + CALL_GAIN_RATE * (gain - previous)
+    if record.call_gain >= CALL_GAIN_FLOOR:
+        record.plain_calls = record.plain_calls_left = 0
+    else:
+        record.plain_calls = record.plain_calls_left = max(1, min(2 * record.plain_calls, MAX_PLAIN_CALLS))
+
+
+def call_speculates(record: DrafterRecord) -> bool:
+    """Whether a batched call drafts and copies, or takes plain steps only because this batch size's speculating
+    calls have been losing to them (`learn_call_gain`). Always True with `MAX_PLAIN_CALLS = None`."""
+    if MAX_PLAIN_CALLS and record.plain_calls_left > 0:
+        record.plain_calls_left -= 1
+        return False
+    return True
+
+
+def plain_steps_seconds(steps: list[int], seconds_by_rows: Callable[[int], float]) -> float:
+    """What plain steps take to generate `steps[r]` tokens in row r: one token per row per cycle, rows leaving the
+    batch as they finish (so between the i-th shortest row's end and the next one, `rows - i` rows step)."""
+    total, done = 0.0, 0
+    for index, end in enumerate(sorted(steps)):
+        total += (end - done) * seconds_by_rows(len(steps) - index)
+        done = end
+    return total
+
+
+__all__ = [
+    "BatchVerifyCost",
+    "batch_policy",
+    "call_speculates",
+    "judge_call",
+    "learn_call_gain",
+    "plain_cycle_estimate",
+    "plain_steps_seconds",
+]
