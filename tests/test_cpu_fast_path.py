@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import hf_domino
-from hf_domino import TargetModules, cpu_fast_path, prepare_for_cpu_decoding
+from hf_domino import TargetModules, cost_model_domino, cpu_fast_path, generation_domino, prepare_for_cpu_decoding
 from hf_domino.cpu_fast_path import (
     GROUPED_KV_ATTENTION,
     PrepackedLinear,
@@ -46,7 +46,7 @@ def prompt(vocab_size: int, length: int = 7, seed: int = 0) -> torch.LongTensor:
 
 
 # ------------------------------------------------------------------------------------------------- what it changes
-def test_prepare_replaces_every_linear_keeps_the_weights_and_is_idempotent():
+def test_prepare_replaces_every_linear_keeps_the_weights_and_is_idempotent(monkeypatch):
     target = tiny_target("llama", tie_word_embeddings=True)
     drafter = tiny_drafter(target)
     drafter.set_draft_vocab(torch.arange(10, 40))
@@ -67,8 +67,19 @@ def test_prepare_replaces_every_linear_keeps_the_weights_and_is_idempotent():
     assert target.state_dict().keys() == state.keys()
     assert all(torch.equal(value, state[key]) for key, value in target.state_dict().items())
 
-    again = prepare_for_cpu_decoding(target, drafter)
-    assert not again.changed and again.packed_bytes == 0
+    # The adaptive policy's verify costs are measured here, once per target: not in the first generate().
+    assert (
+        cost_model_domino.cached_verify_cost(target).seconds.keys()
+        == report.verify_ms.keys()
+        == set(cost_model_domino.CALIBRATION_LENGTHS)
+    )
+    assert "verifying 1/2/3/5/9/17 tokens costs" in str(report)
+    for module in (cost_model_domino, generation_domino):
+        monkeypatch.setattr(module, "measure_verify_cost", lambda *args, **kwargs: pytest.fail("measured again"))
+    greedy(target, prompt(target.config.vocab_size), assistant_model=drafter)
+
+    again = prepare_for_cpu_decoding(target, drafter)  # not measured again either
+    assert not again.changed and again.packed_bytes == 0 and again.verify_ms
     assert again.already == {"target": len(linears(target)), "drafter": len(linears(drafter))}
     assert is_prepared_for_cpu_decoding(target) and is_prepared_for_cpu_decoding(drafter)
 

@@ -84,6 +84,7 @@ def test_datastore_is_saved_with_its_drafter_and_checked(tmp_path):
     drafter.save_pretrained(tmp_path)
     loaded = DominoForSpeculation.from_pretrained(tmp_path)
     assert torch.equal(loaded.datastore.tokens, drafter.datastore.tokens)
+    assert sorted(loaded.datastore._index) == sorted(DATASTORE_NGRAM_SIZES)  # indexed at load: no generate() pays
     drafter.datastore = None  # saving without one removes a stale file
     drafter.save_pretrained(tmp_path)
     assert (
