@@ -1,9 +1,11 @@
 """A process's first `generate()` call, as a user's script makes it: the README's steps (load the SmolLM2 target and
 the shipped drafter, `prepare_for_cpu_decoding`), then one call, timed, in a fresh process per call. Each case runs
-the target alone and with the drafter in alternating order, `--repeats` times; prints the medians and their ratio,
-and (`--setup`) what loading and preparing took. docs/benchmarks.md, "A process's first call", quotes it:
+the target alone and with the drafter in alternating order, `--repeats` times; prints the medians, their ratio and
+what loading and preparing took. `--batch-size N`: the set's first N prompts as one left-padded batch (the haiku N
+times). docs/benchmarks.md, "A process's first call", quotes it:
 
     python examples/first_call.py --repeats 3
+    python examples/first_call.py --repeats 3 --batch-size 8 --cases mtbench humaneval
 
 Later calls in a process are what `hf-domino bench` and `examples/generate_ab.py` measure (after a warm-up).
 """
@@ -20,12 +22,13 @@ CASES = {"haiku": 64, "mtbench": 128, "humaneval": 128}  # prompt -> max_new_tok
 HAIKU = [{"role": "user", "content": "Write a haiku about dominoes."}]  # the README's prompt
 
 
-def one_call(prompt: str, with_drafter: bool, threads: int) -> None:
+def one_call(prompt: str, with_drafter: bool, threads: int, rows: int) -> None:
     """In a fresh process: the README's set-up, then one greedy call; prints its seconds and the set-up's."""
     import torch
 
     import hf_domino
-    from hf_domino.assets import chat_token_ids, load_drafter, load_prompts, load_target
+    from hf_domino.assets import chat_token_ids, load_drafter, load_prompts, load_target, pad_token_id
+    from hf_domino.measure_batch import left_padded_batch
 
     torch.set_num_threads(threads)
     start = time.perf_counter()
@@ -33,18 +36,17 @@ def one_call(prompt: str, with_drafter: bool, threads: int) -> None:
     drafter = load_drafter()
     hf_domino.prepare_for_cpu_decoding(target, drafter)
     setup = time.perf_counter() - start
-    messages = HAIKU if prompt == "haiku" else load_prompts(prompt, 1)[0]
-    input_ids = torch.tensor([chat_token_ids(tokenizer, messages)])
+    conversations = [HAIKU] * rows if prompt == "haiku" else load_prompts(prompt, rows)
+    prompts = [chat_token_ids(tokenizer, messages) for messages in conversations]
+    batch = left_padded_batch(tokenizer, prompts, pad_token_id(target, tokenizer))
     extra = {"assistant_model": drafter} if with_drafter else {}
     start = time.perf_counter()
-    target.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=CASES[prompt], do_sample=False, **extra
-    )
+    target.generate(**batch, max_new_tokens=CASES[prompt], do_sample=False, **extra)
     print(f"{time.perf_counter() - start:.4f} {setup:.4f}")
 
 
-def timed_in_fresh_process(prompt: str, with_drafter: bool, threads: int) -> tuple[float, float]:
-    command = [sys.executable, __file__, "--child", prompt, "--threads", str(threads)]
+def timed_in_fresh_process(prompt: str, with_drafter: bool, threads: int, rows: int) -> tuple[float, float]:
+    command = [sys.executable, __file__, "--child", prompt, "--threads", str(threads), "--batch-size", str(rows)]
     output = subprocess.run(
         command + (["--with-drafter"] if with_drafter else []), capture_output=True, text=True, check=True
     ).stdout
@@ -56,24 +58,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--child", choices=list(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--with-drafter", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        one_call(args.child, args.with_drafter, args.threads)
+        one_call(args.child, args.with_drafter, args.threads, args.batch_size)
         return
     for prompt in args.cases:
         seconds: dict[bool, list[float]] = {False: [], True: []}
         setups: dict[bool, list[float]] = {False: [], True: []}
         for repeat in range(args.repeats):
             for with_drafter in (False, True) if repeat % 2 == 0 else (True, False):
-                call, setup = timed_in_fresh_process(prompt, with_drafter, args.threads)
+                call, setup = timed_in_fresh_process(prompt, with_drafter, args.threads, args.batch_size)
                 seconds[with_drafter].append(call)
                 setups[with_drafter].append(setup)
         alone, drafted = statistics.median(seconds[False]), statistics.median(seconds[True])
         print(
-            f"{prompt} ({CASES[prompt]} tokens): target alone {alone:.2f} s, with the drafter {drafted:.2f} s "
+            f"{prompt} ({args.batch_size} x {CASES[prompt]} tokens): target alone {alone:.2f} s, with the drafter {drafted:.2f} s "
             f"({', '.join(f'{s:.2f}' for s in seconds[True])}): {alone / drafted:.2f}x; load and prepare "
             f"{statistics.median(setups[True]):.1f} s"
         )
