@@ -234,7 +234,7 @@ def markdown_report(result: BenchResult) -> str:
     if result.policy_verify_ms:
         lines += [
             "",
-            "The adaptive policy's verify cost model at the end of the run (calibrated at first use, refined online; "
+            "The adaptive policy's verify cost model at the end of the run (measured when the models were prepared, else at first use, refined online; "
             "ms per cycle by tokens verified):",
             "",
             "| tokens | " + " | ".join(str(n) for n in result.policy_verify_ms) + " |",
