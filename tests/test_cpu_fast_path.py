@@ -80,6 +80,11 @@ def test_prepare_replaces_every_linear_keeps_the_weights_and_is_idempotent(monke
 
     again = prepare_for_cpu_decoding(target, drafter)  # not measured again either
     assert not again.changed and again.packed_bytes == 0 and again.verify_ms
+    monkeypatch.undo()
+
+    # A drafter built for another target: preparing still works; generate() refuses the pair, naming the fix.
+    deep = tiny_drafter(tiny_target("llama", num_layers=12), target_layer_ids=[2, 10])
+    assert not prepare_for_cpu_decoding(tiny_target("llama"), deep).verify_ms
     assert again.already == {"target": len(linears(target)), "drafter": len(linears(drafter))}
     assert is_prepared_for_cpu_decoding(target) and is_prepared_for_cpu_decoding(drafter)
 
