@@ -2,7 +2,8 @@
 the shipped drafter, `prepare_for_cpu_decoding`), then one call, timed, in a fresh process per call. Each case runs
 the target alone and with the drafter in alternating order, `--repeats` times; prints the medians, their ratio and
 what loading and preparing took. `--batch-size N`: the set's first N prompts as one left-padded batch (the haiku N
-times). docs/benchmarks.md, "A process's first call", quotes it:
+times). `--device cuda`: the same on a GPU (where preparing changes nothing, so the first call measures the verify
+costs and captures the fused head's CUDA graph). docs/benchmarks.md, "A process's first call", quotes it:
 
     python examples/first_call.py --repeats 3
     python examples/first_call.py --repeats 3 --batch-size 8 --cases mtbench humaneval
@@ -22,7 +23,7 @@ CASES = {"haiku": 64, "mtbench": 128, "humaneval": 128}  # prompt -> max_new_tok
 HAIKU = [{"role": "user", "content": "Write a haiku about dominoes."}]  # the README's prompt
 
 
-def one_call(prompt: str, with_drafter: bool, threads: int, rows: int) -> None:
+def one_call(prompt: str, with_drafter: bool, threads: int, rows: int, device: str) -> None:
     """In a fresh process: the README's set-up, then one greedy call; prints its seconds and the set-up's."""
     import torch
 
@@ -32,21 +33,25 @@ def one_call(prompt: str, with_drafter: bool, threads: int, rows: int) -> None:
 
     torch.set_num_threads(threads)
     start = time.perf_counter()
-    target, tokenizer = load_target("smollm2", device="cpu")
-    drafter = load_drafter()
-    hf_domino.prepare_for_cpu_decoding(target, drafter)
+    target, tokenizer = load_target("smollm2", device=device)
+    drafter = load_drafter().to(target.device, target.dtype)
+    hf_domino.prepare_for_cpu_decoding(target, drafter)  # on a GPU: changes nothing
     setup = time.perf_counter() - start
     conversations = [HAIKU] * rows if prompt == "haiku" else load_prompts(prompt, rows)
     prompts = [chat_token_ids(tokenizer, messages) for messages in conversations]
-    batch = left_padded_batch(tokenizer, prompts, pad_token_id(target, tokenizer))
+    pad = pad_token_id(target, tokenizer)
+    batch = {name: tensor.to(target.device) for name, tensor in left_padded_batch(tokenizer, prompts, pad).items()}
     extra = {"assistant_model": drafter} if with_drafter else {}
     start = time.perf_counter()
     target.generate(**batch, max_new_tokens=CASES[prompt], do_sample=False, **extra)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
     print(f"{time.perf_counter() - start:.4f} {setup:.4f}")
 
 
-def timed_in_fresh_process(prompt: str, with_drafter: bool, threads: int, rows: int) -> tuple[float, float]:
-    command = [sys.executable, __file__, "--child", prompt, "--threads", str(threads), "--batch-size", str(rows)]
+def timed_in_fresh_process(prompt: str, with_drafter: bool, args: argparse.Namespace) -> tuple[float, float]:
+    command = [sys.executable, __file__, "--child", prompt, "--threads", str(args.threads)]
+    command += ["--batch-size", str(args.batch_size), "--device", args.device]
     output = subprocess.run(
         command + (["--with-drafter"] if with_drafter else []), capture_output=True, text=True, check=True
     ).stdout
@@ -59,19 +64,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--child", choices=list(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--with-drafter", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        one_call(args.child, args.with_drafter, args.threads, args.batch_size)
+        one_call(args.child, args.with_drafter, args.threads, args.batch_size, args.device)
         return
     for prompt in args.cases:
         seconds: dict[bool, list[float]] = {False: [], True: []}
         setups: dict[bool, list[float]] = {False: [], True: []}
         for repeat in range(args.repeats):
             for with_drafter in (False, True) if repeat % 2 == 0 else (True, False):
-                call, setup = timed_in_fresh_process(prompt, with_drafter, args.threads, args.batch_size)
+                call, setup = timed_in_fresh_process(prompt, with_drafter, args)
                 seconds[with_drafter].append(call)
                 setups[with_drafter].append(setup)
         alone, drafted = statistics.median(seconds[False]), statistics.median(seconds[True])
