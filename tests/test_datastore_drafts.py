@@ -59,6 +59,8 @@ def test_datastore_drafts_what_most_occurrences_continue_with():
     assert store.build_index() is store and sorted(store._index) == sorted(DATASTORE_NGRAM_SIZES)  # built once
     assert drafts([7, 8, 9]) is None and drafts([3]) is None  # unknown, and shorter than every n-gram size
     assert drafts([4, 5, 6]) is None  # at the end of its sequences: nothing follows
+    short = DraftDatastore.from_sequences([[5, 6]]).build_index()  # shorter than an n-gram and its next token
+    assert short.lookup(torch.tensor([[5, 6]]), 4) is None and short.lookup(torch.tensor([[1, 5]]), 4) is None
 
 
 def test_datastore_lookup_matches_the_rule_written_out():

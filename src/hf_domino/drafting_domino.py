@@ -380,9 +380,9 @@ class DraftDatastore:
 
         Keys are gathered from the 1-D store at each start (never from an `[n-grams, size + 1]` copy of it), and each
         sort's values are kept as that chunk's keys: 0.6 s for the shipped 4.1M tokens on 2 CPU cores, against 1.3 s
-        for the sorts of such copies, and a fifth of the memory."""
+        for the sorts of such copies, and a lower peak of memory (0.5 GB above the store, against 0.67)."""
         if size not in self._index:
-            count = self.tokens.shape[0] - size  # starts whose n-gram and next token lie inside the store
+            count = max(0, self.tokens.shape[0] - size)  # starts whose n-gram and next token lie inside the store
             separators = self.tokens < 0
             crossing = separators[:count].clone()
             for offset in range(1, size + 1):
