@@ -37,7 +37,7 @@ from .batch_policy_domino import batch_policy, call_speculates, judge_call
 from .cache_domino import CACHE_ARGUMENT, buffer_layers
 from .cost_model_domino import settle_for_timing
 from .drafting_domino import judge_copy, lookup_drafts, score_only, select_fused_rollout, spread_to_vocabulary
-from .modeling_domino import TargetModules, context_features
+from .modeling_domino import TargetModules, context_features, hidden_state_indices
 from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, below_threshold, copy_records
 from .ragged_batch_domino import (
     BatchDrafts,
@@ -130,6 +130,11 @@ class CycleDrafts:
     copies: dict[int, torch.LongTensor] = field(default_factory=dict)  # row -> its copied drafts
     sources: dict[int, LookupPolicy] = field(default_factory=dict)  # row -> the policy of its copies' source
 
+    @classmethod
+    def plain(cls, rows: int) -> CycleDrafts:
+        """A plain target step for every row: nothing drafted, nothing copied."""
+        return cls(None, torch.zeros(rows, dtype=torch.long), {"drafted": False})
+
     @property
     def width(self) -> int:
         return int(self.lengths.max()) if self.lengths.numel() else 0
@@ -178,7 +183,7 @@ class BatchedDecoding:
         self.target, self.drafter, self.options, self.stats = target, drafter, options, stats
         self.modules = TargetModules.from_target(target)
         self.layer_ids = drafter.config.target_layer_ids
-        self.hidden_layers = [i + 1 for i in self.layer_ids]  # hidden_states[0] is the embedding output
+        self.hidden_layers = hidden_state_indices(self.layer_ids)
         self.do_sample, self.max_length = bool(generation_config.do_sample), generation_config.max_length
         self.pad = int(generation_config._pad_token_tensor.flatten()[0])
         self.eos = generation_config._eos_token_tensor
@@ -363,7 +368,7 @@ class BatchedDecoding:
         rows = len(self.active)
         budget = 0 if len(copying) == rows else self.policy.budget(max(room))
         if budget <= 0:
-            return CycleDrafts(None, torch.zeros(rows, dtype=torch.long), {"drafted": False})
+            return CycleDrafts.plain(rows)
         hidden = run_batched_backbone(self.drafter, self.modules, anchors, self.context, budget)
         backbone_done = self.now()
         base_logits = self.modules.logits(hidden, self.vocab).float()
@@ -475,7 +480,7 @@ class BatchedDecoding:
             drafts.take_copies(copies, sources)
         else:
             copies, declined, sources = {}, {}, {}
-            drafts = CycleDrafts(None, torch.zeros(len(self.active), dtype=torch.long), {"drafted": False})
+            drafts = CycleDrafts.plain(len(self.active))
         verify_start = self.now()
         tokens, matches = self.verify(anchors, drafts)
         verify_seconds = self.now() - verify_start

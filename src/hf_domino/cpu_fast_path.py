@@ -355,13 +355,14 @@ def _measure_verify_cost(target: nn.Module, drafter: nn.Module, report: CpuFastP
 
     from . import cost_model_domino
     from .cache_domino import cache_argument
+    from .modeling_domino import hidden_state_indices
     from .options_domino import check_drafter_for_target
 
     try:
         check_drafter_for_target(drafter, target)
     except ValueError:  # not a pair that can draft: generate() names the problem and the fix, not preparing
         return
-    layers = [i + 1 for i in drafter.config.target_layer_ids]  # what generate() asks of every forward
+    layers = hidden_state_indices(drafter.config.target_layer_ids)  # what generate() asks of every forward
     context = torch.zeros(1, CALIBRATION_CONTEXT, dtype=torch.long)
     cache = DynamicCache(config=target.config)
     with torch.no_grad():

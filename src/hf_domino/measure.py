@@ -39,7 +39,7 @@ from .cache_domino import cache_argument
 from .cost_model_domino import cached_verify_cost, synchronize
 from .cpu_fast_path import eager_linears
 from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
-from .modeling_domino import DominoForSpeculation, TargetModules, context_features
+from .modeling_domino import DominoForSpeculation, TargetModules, context_features, hidden_state_indices
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -154,7 +154,7 @@ def manual_generate(
     """
     config, modules = drafter.config, TargetModules.from_target(target)
     rollout = eager_rollout(drafter, modules, head=head)
-    keep_layers = [i + 1 for i in config.target_layer_ids]  # only these hidden states are returned
+    keep_layers = hidden_state_indices(config.target_layer_ids)  # only these hidden states are returned
     max_length = input_ids.shape[1] + max_new_tokens
     eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=input_ids.device)
     target_cache, context = DynamicCache(config=target.config), DrafterContext()
@@ -278,7 +278,7 @@ def measure_forward_ms(
     selection when a drafter is given; it decides how many tokens per forward a drafter must reach to pay off.
     """
     input_ids = input_ids.to(target.device)
-    hidden_states = [i + 1 for i in drafter.config.target_layer_ids] if drafter is not None else False
+    hidden_states = hidden_state_indices(drafter.config.target_layer_ids) if drafter is not None else False
     cache = DynamicCache(config=target.config)
     target(input_ids, **cache_argument(cache), logits_to_keep=1)
     costs = {}

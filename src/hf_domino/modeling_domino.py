@@ -113,13 +113,19 @@ def _version(tensor: torch.Tensor) -> int:
     return -1 if tensor.is_inference() else tensor._version
 
 
+def hidden_state_indices(layer_ids: Sequence[int]) -> list[int]:
+    """Where the target layers `layer_ids` sit in the `hidden_states` a transformers model returns: index 0 is the
+    embedding output, so layer i is `hidden_states[i + 1]` (what `output_hidden_states` asks for)."""
+    return [i + 1 for i in layer_ids]
+
+
 def context_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
     """A drafter's context input: the target's hidden states after each layer in `layer_ids`, concatenated.
 
     `hidden_states` is the tuple a transformers model returns with `output_hidden_states` (index 0 is the embedding
     output, so layer i is `hidden_states[i + 1]`): `[b, n, hidden]` each -> `[b, n, len(layer_ids) * hidden]`.
     """
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+    return torch.cat([hidden_states[i] for i in hidden_state_indices(layer_ids)], dim=-1)
 
 
 def _apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -539,4 +545,10 @@ def _raise_on_loading_problems(info: dict, path) -> None:
 # save_pretrained then writes this file (and the files it imports) next to the weights, with `auto_map` in config.json.
 DominoForSpeculation.register_for_auto_class("AutoModel")
 
-__all__ = ["DominoForSpeculation", "DominoPreTrainedModel", "TargetModules", "context_features"]
+__all__ = [
+    "DominoForSpeculation",
+    "DominoPreTrainedModel",
+    "TargetModules",
+    "context_features",
+    "hidden_state_indices",
+]

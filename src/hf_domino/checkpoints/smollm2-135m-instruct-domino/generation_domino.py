@@ -48,7 +48,7 @@ from .drafting_domino import (
     run_backbone,
     select_fused_rollout,
 )
-from .modeling_domino import TargetModules, context_features
+from .modeling_domino import TargetModules, context_features, hidden_state_indices
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
 from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, copy_records, drafter_record
 
@@ -107,7 +107,7 @@ class DominoCandidateGenerator(CandidateGenerator):
             for criterion in (stopping_criteria or [])
             if not isinstance(criterion, (MaxLengthCriteria, EosTokenCriteria))
         ]
-        layers = [i + 1 for i in drafter.config.target_layer_ids]  # hidden_states[0] is the embedding output
+        layers = hidden_state_indices(drafter.config.target_layer_ids)
         # A user asking for all hidden states in the output needs them all from every forward.
         self.model_kwargs_overrides = {
             "output_hidden_states": True if generation_config.output_hidden_states else layers
