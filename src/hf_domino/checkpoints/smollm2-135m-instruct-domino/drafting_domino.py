@@ -320,7 +320,7 @@ class DraftDatastore:
     but the target's habits do (its phrasing, markdown, code idioms).
 
     `tokens` is 1-D: the sequences end to end, each followed by -1. The n-gram index (a few sorts of the store:
-    0.6-0.9 s and 215 MB kept for the shipped drafter's 4.1M tokens on 2 CPU cores) is built by `build_index()`,
+    0.7-0.8 s and 215 MB kept for the shipped drafter's 4.1M tokens on 2 CPU cores) is built by `build_index()`,
     which `DominoForSpeculation.from_pretrained` calls, else at the first lookup, and kept.
     """
 
@@ -379,8 +379,8 @@ class DraftDatastore:
         """The store's n-grams that have a next token, sorted: their packed keys and the next token's position.
 
         Keys are gathered from the 1-D store at each start (never from an `[n-grams, size + 1]` copy of it), and each
-        sort's values are kept as that chunk's keys: 0.6 s for the shipped 4.1M tokens on 2 CPU cores, against 1.3 s
-        for the sorts of such copies, and a lower peak of memory (0.5 GB above the store, against 0.67)."""
+        sort's values are kept as that chunk's keys: 0.7-0.8 s for the shipped 4.1M tokens on 2 CPU cores, against
+        1.4 s for the sorts of such copies (docs/benchmarks.md, "A process's first call")."""
         if size not in self._index:
             count = max(0, self.tokens.shape[0] - size)  # starts whose n-gram and next token lie inside the store
             separators = self.tokens < 0
@@ -395,7 +395,7 @@ class DraftDatastore:
         return self._index[size]
 
     def build_index(self) -> DraftDatastore:
-        """Builds the n-gram index now rather than at the first lookup, inside some `generate()` call (0.6-0.9 s for
+        """Builds the n-gram index now rather than at the first lookup, inside some `generate()` call (0.7-0.8 s for
         the shipped drafter's datastore on 2 CPU cores). Builds once; returns the datastore."""
         for size in self.ngram_sizes:
             self._sorted(size)
