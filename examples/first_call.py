@@ -35,7 +35,7 @@ def one_call(prompt: str, with_drafter: bool, threads: int, rows: int, device: s
     start = time.perf_counter()
     target, tokenizer = load_target("smollm2", device=device)
     drafter = load_drafter().to(target.device, target.dtype)
-    hf_domino.prepare_for_cpu_decoding(target, drafter)  # on a GPU: changes nothing
+    hf_domino.prepare_for_cpu_decoding(target, drafter, batch_size=rows)  # on a GPU: changes nothing
     setup = time.perf_counter() - start
     conversations = [HAIKU] * rows if prompt == "haiku" else load_prompts(prompt, rows)
     prompts = [chat_token_ids(tokenizer, messages) for messages in conversations]

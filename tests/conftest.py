@@ -179,7 +179,7 @@ def _fixed_costs(monkeypatch, table):
         monkeypatch.setattr(module, "measure_verify_cost", lambda *args, **kwargs: VerifyCost(dict(table)))
     monkeypatch.setattr(batch_policy_domino, "timing_is_free", lambda device: False)
     monkeypatch.setattr(policy_domino, "LEARN_TIMES", False)  # the table stays as given
-    monkeypatch.setattr(cost_model_domino, "_VERIFY_COSTS", {})
+    monkeypatch.setattr(cost_model_domino, "_VERIFY_COSTS", cost_model_domino.weakref.WeakKeyDictionary())
     monkeypatch.setattr(policy_domino, "_RECORDS", policy_domino.weakref.WeakKeyDictionary())
     monkeypatch.setattr(generation_domino.DominoCandidateGenerator, "_timing_is_free", property(lambda self: False))
     return table

@@ -17,7 +17,14 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import hf_domino
-from hf_domino import TargetModules, cost_model_domino, cpu_fast_path, generation_domino, prepare_for_cpu_decoding
+from hf_domino import (
+    TargetModules,
+    batch_policy_domino,
+    cost_model_domino,
+    cpu_fast_path,
+    generation_domino,
+    prepare_for_cpu_decoding,
+)
 from hf_domino.cpu_fast_path import (
     GROUPED_KV_ATTENTION,
     PrepackedLinear,
@@ -87,6 +94,38 @@ def test_prepare_replaces_every_linear_keeps_the_weights_and_is_idempotent(monke
     assert not prepare_for_cpu_decoding(tiny_target("llama"), deep).verify_ms
     assert again.already == {"target": len(linears(target)), "drafter": len(linears(drafter))}
     assert is_prepared_for_cpu_decoding(target) and is_prepared_for_cpu_decoding(drafter)
+
+
+def test_prepare_for_a_batch_size_measures_its_shapes_so_no_batched_call_does(monkeypatch):
+    target = tiny_target("qwen3", vocab_size=96, hidden_size=64)
+    drafter = tiny_drafter(target, block_size=5)
+    with pytest.raises(ValueError, match="batch_size=0: pass the largest number of sequences"):
+        prepare_for_cpu_decoding(target, drafter, batch_size=0)
+    assert not is_prepared_for_cpu_decoding(target)  # refused before anything changed
+
+    report = prepare_for_cpu_decoding(target, drafter, batch_size=3)
+
+    # Batch 1's lengths and 3 rows x each length: what a call of 1 to 3 rows verifies, read between the two.
+    lengths = cost_model_domino.CALIBRATION_LENGTHS
+    assert sorted(report.verify_ms) == sorted({*lengths, *(3 * n for n in lengths)})
+    assert cost_model_domino.cached_verify_cost(target).seconds.keys() == report.verify_ms.keys()
+    for module in (cost_model_domino, batch_policy_domino):
+        monkeypatch.setattr(module, "measure_verify_cost", lambda *args, **kwargs: pytest.fail("measured again"))
+    rows = [prompt(96, length=n, seed=n)[0].clamp(min=4) for n in (7, 3, 11)]
+    width = max(len(row) for row in rows)
+    for count in (3, 2):
+        batch = {
+            "input_ids": torch.stack([F.pad(row, (width - len(row), 0)) for row in rows[:count]]),
+            "attention_mask": torch.stack(
+                [F.pad(torch.ones_like(row), (width - len(row), 0)) for row in rows[:count]]
+            ),
+        }
+        expected = target.generate(**batch, max_new_tokens=12, do_sample=False)
+        output = target.generate(**batch, max_new_tokens=12, do_sample=False, assistant_model=drafter)
+        assert torch.equal(output, expected)
+    # A larger batch than prepared for measures its own shapes at its first call, as without preparing.
+    monkeypatch.undo()
+    assert prepare_for_cpu_decoding(target, drafter, batch_size=4).verify_ms.keys() >= {4 * n for n in lengths}
 
 
 def test_models_off_the_cpu_are_left_untouched():

@@ -617,6 +617,28 @@ def test_verify_cost_of_a_batch_is_keyed_by_all_its_tokens():
     assert sorted(cost.seconds) == [3, 6] and cache.get_seq_length() == 3  # the cache is left as it was
 
 
+def test_a_table_covers_a_batch_that_verifies_whole_blocks_within_it():
+    table = VerifyCost({n: 0.01 * n for n in cost_model_domino.CALIBRATION_LENGTHS})
+    assert table.covers(1) and not table.covers(2)
+    table.update(VerifyCost({2: 0.5, 34: 0.9}))  # a batch of 2's own measurements replace batch 1's at shared lengths
+    assert table.covers(2) and not table.covers(3)
+    assert list(table.seconds) == [1, 2, 3, 5, 9, 17, 34] and table(2) == 0.5 and table(34) == 0.9
+
+
+def test_a_cost_table_belongs_to_its_model_and_goes_with_it(monkeypatch):
+    # Keyed by the model itself, not its address: a model created where a freed one was gets no stale table.
+    import gc
+
+    monkeypatch.setattr(cost_model_domino, "_VERIFY_COSTS", cost_model_domino.weakref.WeakKeyDictionary())
+    target = tiny_target("qwen3")
+    table = cost_model_domino.verify_cost_for(target, lambda: VerifyCost({1: 0.01}))
+    assert cost_model_domino.verify_cost_for(target, lambda: pytest.fail("measured again")) is table
+    assert cost_model_domino.cached_verify_cost(tiny_target("qwen3")) is None
+    del target
+    gc.collect()
+    assert len(cost_model_domino._VERIFY_COSTS) == 0
+
+
 def test_a_new_setting_waits_before_probing_when_the_cost_model_says_drafting_will_not_pay():
     from hf_domino.batch_policy_domino import BatchVerifyCost
 
@@ -635,7 +657,7 @@ def test_a_new_batch_size_starts_from_the_drafters_cost_at_batch_1(monkeypatch):
     from hf_domino.options_domino import DominoOptions
 
     monkeypatch.setattr(batch_policy_domino, "measure_verify_cost", lambda *a, **k: VerifyCost({1: 0.01, 136: 0.3}))
-    monkeypatch.setattr(cost_model_domino, "_VERIFY_COSTS", {})
+    monkeypatch.setattr(cost_model_domino, "_VERIFY_COSTS", cost_model_domino.weakref.WeakKeyDictionary())
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     shared = policy_domino.drafter_record(drafter, "greedy", drafter.config.num_drafts)

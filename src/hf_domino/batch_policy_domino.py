@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .cost_model_domino import CALIBRATION_LENGTHS, TIME_RATE, measure_verify_cost, timing_is_free, verify_cost_for
+from .cost_model_domino import TIME_RATE, VerifyCost, measure_verify_cost, timing_is_free, verify_cost_for
 from .policy_domino import AdaptivePolicy, DrafterRecord, FixedPolicy, drafter_record
 
 if TYPE_CHECKING:
@@ -65,11 +65,14 @@ def batch_policy(
     if options.draft_policy == "fixed":
         return FixedPolicy(max_drafts, options.assistant_confidence_threshold)
     rows = anchor_ids.shape[0]
-    cost = verify_cost_for(target, lambda: measure_verify_cost(target, cache.cache, anchor_ids, forward_kwargs))
-    wanted = [rows * n for n in CALIBRATION_LENGTHS]
-    if max(wanted) > max(cost.seconds):  # measured for smaller batches only: add this batch's shapes
-        cost.seconds.update(measure_verify_cost(target, cache.cache, anchor_ids, forward_kwargs).seconds)
-        cost.seconds = dict(sorted(cost.seconds.items()))
+    # Measured here only where neither an earlier call nor `prepare_for_cpu_decoding(..., batch_size=)` did.
+
+    def measure() -> VerifyCost:
+        return measure_verify_cost(target, cache.cache, anchor_ids, forward_kwargs)
+
+    cost = verify_cost_for(target, measure)
+    if not cost.covers(rows):
+        cost.update(measure())
     # What pays depends on the batch size (verifying rows x (1 + k) tokens), so rates and back-off are learned per
     # batch size; how far drafts hold on this text is the drafter's, shared with every batch size and with batch 1.
     shared = drafter_record(drafter, mode, drafter.config.num_drafts)

@@ -258,7 +258,7 @@ def _cpu_fast_path(args: argparse.Namespace, target, drafter) -> str:
     """Prepares both models for CPU decoding unless `--no-cpu-fast-path` or not on a CPU; says what it did."""
     if args.no_cpu_fast_path or target.device.type != "cpu":
         return "off"
-    report = prepare_for_cpu_decoding(target, drafter)
+    report = prepare_for_cpu_decoding(target, drafter, batch_size=max(args.batch_size or [1]))
     print(f"CPU fast path (--no-cpu-fast-path to turn it off): {report}")
     return str(report)
 

@@ -53,7 +53,7 @@ import contextvars
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -61,6 +61,9 @@ from torch.nn import functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+if TYPE_CHECKING:
+    from .cost_model_domino import VerifyCost
 
 logger = logging.getLogger(__name__)
 
@@ -348,13 +351,26 @@ def _pack_draft_vocabulary(target: nn.Module, drafter: nn.Module) -> None:
 CALIBRATION_CONTEXT = 32
 
 
-def _measure_verify_cost(target: nn.Module, drafter: nn.Module, report: CpuFastPathReport) -> None:
-    """The prepared target's verify-cost table, which the adaptive policy reads, measured now rather than in the first
-    generate() with the drafter: 0.4 s of it on 2 cores for the 135M target, a tenth of a first 128-token answer."""
+@torch.no_grad()
+def _time_forwards(target: nn.Module, rows: int, layers: list[int]) -> VerifyCost:
+    """`measure_verify_cost` over a `CALIBRATION_CONTEXT`-token context in each of `rows` rows."""
     from transformers import DynamicCache
 
-    from . import cost_model_domino
     from .cache_domino import cache_argument
+    from .cost_model_domino import measure_verify_cost
+
+    context = torch.zeros(rows, CALIBRATION_CONTEXT, dtype=torch.long)
+    cache = DynamicCache(config=target.config)
+    target(input_ids=context, use_cache=True, **cache_argument(cache))
+    return measure_verify_cost(target, cache, context[:, -1:], {"output_hidden_states": layers})
+
+
+def _measure_verify_cost(target: nn.Module, drafter: nn.Module, batch_size: int, report: CpuFastPathReport) -> None:
+    """The prepared target's verify-cost table, which the adaptive policy reads, measured now rather than in the first
+    generate() with the drafter: 0.4 s of it on 2 cores for the 135M target, a tenth of a first 128-token answer.
+    With `batch_size` > 1 also the `rows x (1 + k)` forwards of that batch (0.8 s at 8 rows), which a batch's first
+    call would measure otherwise; smaller batches read between the two."""
+    from . import cost_model_domino
     from .modeling_domino import hidden_state_indices
     from .options_domino import check_drafter_for_target
 
@@ -363,21 +379,14 @@ def _measure_verify_cost(target: nn.Module, drafter: nn.Module, report: CpuFastP
     except ValueError:  # not a pair that can draft: generate() names the problem and the fix, not preparing
         return
     layers = hidden_state_indices(drafter.config.target_layer_ids)  # what generate() asks of every forward
-    context = torch.zeros(1, CALIBRATION_CONTEXT, dtype=torch.long)
-    cache = DynamicCache(config=target.config)
-    with torch.no_grad():
-        target(input_ids=context, use_cache=True, **cache_argument(cache))
-        cost = cost_model_domino.verify_cost_for(
-            target,
-            lambda: cost_model_domino.measure_verify_cost(
-                target, cache, context[:, -1:], {"output_hidden_states": layers}
-            ),
-        )
+    cost = cost_model_domino.verify_cost_for(target, lambda: _time_forwards(target, 1, layers))
+    if not cost.covers(batch_size):
+        cost.update(_time_forwards(target, batch_size, layers))
     report.verify_ms = {tokens: 1000 * seconds for tokens, seconds in cost.seconds.items()}
 
 
 def prepare_for_cpu_decoding(
-    target: nn.Module, drafter: nn.Module | None = None, *, match_drafter_dtype: bool = True
+    target: nn.Module, drafter: nn.Module | None = None, *, match_drafter_dtype: bool = True, batch_size: int = 1
 ) -> CpuFastPathReport:
     """Makes decoding on a CPU fast: oneDNN-prepacked linear layers in `target` and `drafter`, in place.
 
@@ -390,9 +399,15 @@ def prepare_for_cpu_decoding(
     the weights work as before, and multiplies by a packed copy instead (see the module docstring for when it falls
     back to `F.linear`). With `match_drafter_dtype` (default), a drafter on the CPU whose dtype differs from the
     target's is cast to it first (fp16 products are slow on most CPUs). With a Domino drafter, the target's
-    verify costs are measured here too (once per target, dtype and process), not in the first `generate()`. Returns
-    what was changed (also logged).
+    verify costs are measured here too (once per target, dtype and process), not in the first `generate()`; pass the
+    largest `batch_size` you will give one `generate()` call, and a batch's first call does not measure them either.
+    Returns what was changed (also logged).
     """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(
+            f"batch_size={batch_size!r}: pass the largest number of sequences you will give one generate() call with "
+            "the drafter, a positive int (1 for one prompt at a time)."
+        )
     report = CpuFastPathReport()
     if drafter is not None and match_drafter_dtype and _on_cpu(drafter) and _on_cpu(target):
         target_dtype = next(target.parameters()).dtype
@@ -405,7 +420,7 @@ def prepare_for_cpu_decoding(
         _prepare(drafter, "drafter", report)
         _pack_draft_vocabulary(target, drafter)
         if "target" not in report.skipped and hasattr(getattr(drafter, "config", None), "target_layer_ids"):
-            _measure_verify_cost(target, drafter, report)
+            _measure_verify_cost(target, drafter, batch_size, report)
     logger.info("CPU fast path: %s", report)
     return report
 

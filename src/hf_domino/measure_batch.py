@@ -90,7 +90,7 @@ def smollm2_batches(
     torch.set_num_threads(threads)
     target, tokenizer = load_target("smollm2")
     drafter = load_drafter(None)
-    prepare_for_cpu_decoding(target, drafter)
+    prepare_for_cpu_decoding(target, drafter, batch_size=batch_size)
     prompts = [chat_token_ids(tokenizer, messages) for messages in load_prompts(prompt_set, num_prompts)]
     return (
         target,

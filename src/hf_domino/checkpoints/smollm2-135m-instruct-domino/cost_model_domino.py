@@ -13,6 +13,7 @@ This file is also written next to exported checkpoints as remote code (transform
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +48,15 @@ class VerifyCost:
         weight = (num_tokens - below) / (above - below)
         return (1 - weight) * self.seconds[below] + weight * self.seconds[above]
 
+    def covers(self, rows: int) -> bool:
+        """Whether the table reaches a batch of `rows` verifying whole blocks (`rows x 17` tokens); a table measured
+        for smaller batches only would price this one's larger forwards by extrapolation."""
+        return rows * CALIBRATION_LENGTHS[-1] <= max(self.seconds)
+
+    def update(self, other: VerifyCost) -> None:
+        """Adds the lengths `other` measured (a larger batch's `rows x (1 + k)` shapes) to this table."""
+        self.seconds = dict(sorted({**self.seconds, **other.seconds}.items()))
+
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Moves the estimate for `num_tokens` towards a measured cycle (target forward plus the loop's work).
 
@@ -60,7 +70,9 @@ class VerifyCost:
         self.seconds = dict(sorted(self.seconds.items()))
 
 
-_VERIFY_COSTS: dict[tuple, VerifyCost] = {}
+# Per target module (held weakly: a table must not outlive its model, nor pass to a new one at the same address),
+# then per device and dtype.
+_VERIFY_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def timing_is_free(device: torch.device) -> bool:
@@ -116,21 +128,17 @@ def measure_verify_cost(
     return VerifyCost(seconds)
 
 
-def _cost_key(target: PreTrainedModel) -> tuple:
-    return (id(target), str(target.device), str(target.dtype), getattr(target.config, "_name_or_path", ""))
-
-
 def verify_cost_for(target: PreTrainedModel, measure) -> VerifyCost:
     """The process-wide cost table of `target` on its device and dtype, measured with `measure()` on first use."""
-    key = _cost_key(target)
-    if key not in _VERIFY_COSTS:
-        _VERIFY_COSTS[key] = measure()
-    return _VERIFY_COSTS[key]
+    costs, key = _VERIFY_COSTS.setdefault(target, {}), (str(target.device), str(target.dtype))
+    if key not in costs:
+        costs[key] = measure()
+    return costs[key]
 
 
 def cached_verify_cost(target: PreTrainedModel) -> VerifyCost | None:
     """The cost table the adaptive policy uses for `target`, if one was measured in this process."""
-    return _VERIFY_COSTS.get(_cost_key(target))
+    return _VERIFY_COSTS.get(target, {}).get((str(target.device), str(target.dtype)))
 
 
 def expected_tokens(acceptance: torch.Tensor, rooms: list[int] | None = None) -> torch.Tensor:
