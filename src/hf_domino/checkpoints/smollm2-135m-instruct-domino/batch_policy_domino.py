@@ -65,11 +65,11 @@ def batch_policy(
     if options.draft_policy == "fixed":
         return FixedPolicy(max_drafts, options.assistant_confidence_threshold)
     rows = anchor_ids.shape[0]
-    # Measured here only where neither an earlier call nor `prepare_for_cpu_decoding(..., batch_size=)` did.
 
     def measure() -> VerifyCost:
         return measure_verify_cost(target, cache.cache, anchor_ids, forward_kwargs)
 
+    # Measured here only where neither an earlier call nor `prepare_for_cpu_decoding(..., batch_size=)` did.
     cost = verify_cost_for(target, measure)
     if not cost.covers(rows):
         cost.update(measure())
