@@ -8,7 +8,9 @@ is `default`, or `key=value` items joined by `+`: `sizes=4,3,2` (the datastore's
 (the target's attention implementation while it verifies), `drafter_dtype=bfloat16` (the drafter's dtype, instead of
 the target's), a generate() option of the drafter (`domino_lookup=False`, `num_speculative_tokens=0`,
 `draft_policy=fixed`, ...), or an upper-case setting of the batch loop, the policy or the CPU fast path module, set
-for that setting's calls only (`PRICE_BY_MAKESPAN=True`, `MATMUL_MAX_QUERIES=0`). docs/benchmarks.md quotes it:
+for that setting's calls only (`PRICE_BY_MAKESPAN=True`, `MATMUL_MAX_QUERIES=0`). `--first-calls`: each call with a
+drafter starts from nothing learned (`policy_domino.forget_records`), as a process's first call does. docs/benchmarks.md
+quotes it:
 
     python examples/generate_ab.py --prompts mtbench --settings sizes=4,3 sizes=4,3,2
     python examples/generate_ab.py --prompts mtbench --settings attention=sdpa attention=sdpa_grouped_kv
@@ -17,6 +19,8 @@ for that setting's calls only (`PRICE_BY_MAKESPAN=True`, `MATMUL_MAX_QUERIES=0`)
         domino_lookup=False+draft_policy=fixed+num_speculative_tokens=0
     python examples/generate_ab.py --prompts mtbench --num-prompts 16 --max-new-tokens 64 --batch-size 4 \\
         --repeats 2 --settings MATMUL_MAX_QUERIES=0 default
+    python examples/generate_ab.py --prompts mtbench --num-prompts 48 --max-new-tokens 128 --batch-size 8 \\
+        --first-calls --settings default PRICE_BY_MAKESPAN=True+ROW_PACES=True PRICE_BY_MAKESPAN=True
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def option_value(text: str):
     return text
 
 
-def setting_for(name: str, target) -> Setting:
+def setting_for(name: str, target, batch_size: int = 1) -> Setting:
     setting = Setting(load_drafter(None))
     match_dtype = True  # the fast path casts the drafter to the target's dtype unless a setting names one
     for item in [] if name == "default" else name.split("+"):
@@ -83,7 +87,7 @@ def setting_for(name: str, target) -> Setting:
             setting.options[key] = option_value(value)
         else:
             raise SystemExit(f"setting {name!r}: {item!r} is not key=value")
-    prepare_for_cpu_decoding(target, setting.drafter, match_drafter_dtype=match_dtype)
+    prepare_for_cpu_decoding(target, setting.drafter, match_drafter_dtype=match_dtype, batch_size=batch_size)
     if setting.drafter.datastore is not None:
         setting.drafter.datastore.build_index()
     return setting
@@ -124,10 +128,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--settings", nargs="+", required=True, help="e.g. sizes=4,3 sizes=4,3,2")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--first-calls",
+        action="store_true",
+        help="every call with a drafter is its first: what the drafter's policies learned is forgotten before it",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer = load_target("smollm2")
-    settings = {name: setting_for(name, target) for name in args.settings}
+    settings = {name: setting_for(name, target, args.batch_size) for name in args.settings}
     prompts = [chat_token_ids(tokenizer, messages) for messages in load_prompts(args.prompts, args.num_prompts)]
     size, pad = args.batch_size, pad_token_id(target, tokenizer)
     groups = left_padded_groups(tokenizer, prompts, size, pad)
@@ -141,6 +150,8 @@ def main() -> None:
             reference, elapsed = timed(target, batch, args.max_new_tokens)
             seconds["target"].append(elapsed)
             for name in list(settings) if (repeat + index) % 2 == 0 else list(reversed(settings)):
+                if args.first_calls:
+                    policy_domino.forget_records(settings[name].drafter)
                 output, elapsed = timed(target, batch, args.max_new_tokens, settings[name])
                 assert torch.equal(output, reference), f"{name}: output differs from the target alone's"
                 seconds[name].append(elapsed)

@@ -57,17 +57,19 @@ def test_greedy_batch_identical_rows_stop_at_different_times(arch, next_token, p
         assert len(set(lengths)) > 2  # ragged acceptance really happened
 
 
-@pytest.mark.parametrize("makespan", [True, False], ids=["makespan", "mean"])
+@pytest.mark.parametrize("pricing", ["makespan", "makespan_pooled", "mean"])
 @pytest.mark.parametrize("next_token", [successor(1), PARTIAL], ids=["full", "ragged"])
-def test_greedy_batch_identical_priced_by_its_last_row(arch, next_token, makespan, monkeypatch, gpu_like_costs):
-    # PRICE_BY_MAKESPAN: the policy sees the tokens each row may still generate; either way the output is the target's.
-    monkeypatch.setattr(batching_domino, "PRICE_BY_MAKESPAN", makespan)
+def test_greedy_batch_identical_priced_by_its_last_row(arch, next_token, pricing, monkeypatch, gpu_like_costs):
+    # PRICE_BY_MAKESPAN: the policy sees the tokens each row may still generate and (ROW_PACES) how well each row's
+    # drafts have held; however priced, the output is the target's.
+    monkeypatch.setattr(batching_domino, "PRICE_BY_MAKESPAN", pricing != "mean")
+    monkeypatch.setattr(batching_domino, "ROW_PACES", pricing == "makespan")
     seen = []
     choose = policy_domino.AdaptivePolicy.choose
     monkeypatch.setattr(
         policy_domino.AdaptivePolicy,
         "choose",
-        lambda self, *args, **kwargs: seen.append(self.rooms) or choose(self, *args, **kwargs),
+        lambda self, *args, **kwargs: seen.append((self.rooms, self.paces)) or choose(self, *args, **kwargs),
     )
     target = successor_target(arch, VOCAB)
     drafter = forcing_drafter(target, next_token, block_size=6)
@@ -75,12 +77,19 @@ def test_greedy_batch_identical_priced_by_its_last_row(arch, next_token, makespa
     expected, output = both(target, drafter, batch, max_new_tokens=24)
     assert torch.equal(output, expected)
     assert seen
-    if not makespan:
-        assert all(rooms is None for rooms in seen)
+    if pricing == "mean":
+        assert all(rooms is None and paces is None for rooms, paces in seen)
         return
-    assert seen[0] == [24 - 1] * 4  # the prefill's token is generated: 23 left in every row
+    assert seen[0][0] == [24 - 1] * 4  # the prefill's token is generated: 23 left in every row
+    if pricing == "makespan_pooled":
+        assert all(paces is None for _, paces in seen)
+    else:
+        assert seen[0][1] == [1.0] * 4  # nothing verified yet: every row at the pooled pace
+        assert all(len(paces) == len(rooms) for rooms, paces in seen)
     if next_token == PARTIAL:
-        assert any(len(set(rooms)) > 1 for rooms in seen)  # rows accepted differently and drew apart
+        assert any(len(set(rooms)) > 1 for rooms, _ in seen)  # rows accepted differently and drew apart
+        if pricing == "makespan":
+            assert any(max(paces) - min(paces) > 0.05 for _, paces in seen)
 
 
 def test_plain_steps_seconds_counts_the_rows_still_generating():

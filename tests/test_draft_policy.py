@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicCache
 import hf_domino
 from hf_domino import batch_policy_domino, cost_model_domino, policy_domino
 from hf_domino.cache_domino import cache_argument
-from hf_domino.cost_model_domino import VerifyCost, expected_tokens
+from hf_domino.cost_model_domino import VerifyCost, expected_tokens, row_paces
 from hf_domino.policy_domino import AcceptanceCalibration, AdaptivePolicy, DrafterRecord, LookupPolicy
 
 VOCAB = 32
@@ -212,8 +212,12 @@ def test_one_failed_cycle_pauses_only_a_drafter_whose_acceptance_says_drafting_d
     assert after_a_failed_cycle(0.15) > 0
 
 
-def simulated_cycles(acceptance: list[float], rooms: list[int], first: int, later: int, trials: int) -> float:
-    """`examples/batch_makespan.py`'s simulated batches (the figures docs/benchmarks.md quotes)."""
+# Per draft position, the chance a draft is accepted once the ones before it were (examples/batch_makespan.py's).
+ACCEPTANCE = [0.45, 0.6, 0.65, 0.7, 0.7, 0.7, 0.7, 0.7]
+
+
+def batch_makespan_example():
+    """`examples/batch_makespan.py`: its simulated batches (the figures docs/benchmarks.md quotes)."""
     import importlib.util
     from pathlib import Path
 
@@ -221,7 +225,7 @@ def simulated_cycles(acceptance: list[float], rooms: list[int], first: int, late
     spec = importlib.util.spec_from_file_location("batch_makespan", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    return example.cycles(rooms, first, later, trials, acceptance)
+    return example
 
 
 @pytest.mark.parametrize("rooms", [[64] * 4, [64] * 8, [16] * 4, [64, 60, 58, 64]])
@@ -234,17 +238,79 @@ def test_a_batch_is_priced_by_when_its_last_row_finishes(rooms):
     batch = torch.tensor([acceptance] * len(rooms))
     priced, mean = expected_tokens(batch, rooms), expected_tokens(batch)
     assert priced[0].item() == pytest.approx(1.0)  # a plain step advances every row by one
+    example = batch_makespan_example()
     for k in (1, 4):
-        plain_first = simulated_cycles(acceptance, rooms, 0, k, 4000)
-        saved = simulated_cycles(acceptance, [n + 1 for n in rooms], 0, k, 4000) - plain_first  # by a plain step
-        drafting_first = simulated_cycles(acceptance, rooms, k, k, 4000)
-        assert priced[k].item() == pytest.approx(1 + (plain_first - drafting_first) / saved, rel=0.03), k
+        assert priced[k].item() == pytest.approx(example.first_cycle_worth(rooms, k, trials=4000), rel=0.03), k
         assert priced[k].item() < mean[k].item()
         every_row = 1 + sum(torch.tensor(acceptance[: j + 1]).prod().item() ** len(rooms) for j in range(k))
         assert priced[k].item() > every_row + 0.3
     rows = batch[:1]
     assert expected_tokens(rows.expand(8, -1), [64] * 8)[4] < expected_tokens(rows.expand(4, -1), [64] * 4)[4]
     assert expected_tokens(rows.expand(4, -1), [16] * 4)[4] < expected_tokens(rows.expand(4, -1), [64] * 4)[4]
+
+
+@pytest.mark.parametrize(
+    "acceptance",
+    [
+        [[0.2] * 8, [0.45, 0.6, 0.65, 0.7, 0.7, 0.7, 0.7, 0.7], [0.7] * 8, [0.8] * 8],
+        [[0.3] * 8] + [[0.7] + [0.8] * 7] * 3,
+        [[0.5] * 8] * 2 + [[0.9] * 8] * 2,
+    ],
+    ids=["spread", "one-lags", "two-and-two"],
+)
+def test_a_row_that_lags_is_priced_by_its_own_pace(acceptance):
+    """Rows whose drafts hold differently all along: the one whose drafts fail most sets when the batch finishes.
+    Given each row's pace (its accepted drafts per cycle over the pooled rows'), a first cycle is priced as simulated
+    batches of such rows show it is worth, within 3%; priced as if every row held like the pooled ones, drafting is
+    overpriced by 20% or more."""
+    rooms, batch, example = [64] * len(acceptance), torch.tensor(acceptance), batch_makespan_example()
+    for k in (1, 2, 4):
+        paces, worth = example.kept_paces(acceptance, k), example.first_cycle_worth(rooms, k, acceptance, trials=4000)
+        assert expected_tokens(batch, rooms, paces)[k].item() == pytest.approx(worth, rel=0.03), k
+        assert expected_tokens(batch, rooms)[k].item() > 1.1 * worth, k
+    assert torch.equal(expected_tokens(batch, rooms, [1.0] * len(rooms)), expected_tokens(batch, rooms))
+
+
+@pytest.mark.parametrize("fixed_share", [0.2, 0.6])
+@pytest.mark.parametrize(
+    "acceptance", [[ACCEPTANCE] * 4, [[0.3] * 8] + [[0.7] + [0.8] * 7] * 3], ids=["level", "lags"]
+)
+def test_a_cycle_saves_time_as_the_batch_and_its_rows_pay_for_later_cycles(acceptance, fixed_share):
+    """Where a cycle costs a share whatever its rows and the rest per row still generating (a CPU's forward grows with
+    the rows), a cycle is worth the time it saves: the batch's cycles to its last row, for the fixed share, and each
+    row's own cycles, for the rest. Priced so, a first cycle is worth what simulated batches of such costs show, within
+    3%; the rows' mean misses a row that lags, the last row's cycles alone miss the rows' costs."""
+    rooms, batch, example = [64] * len(acceptance), torch.tensor(acceptance), batch_makespan_example()
+    for k in (1, 4):
+        paces = example.kept_paces(acceptance, k)
+        worth = example.first_cycle_worth(rooms, k, acceptance, fixed_share, trials=4000)
+        priced = expected_tokens(batch, rooms, paces, lambda num_tokens: fixed_share)[k].item()
+        assert priced == pytest.approx(worth, rel=0.03), k
+        if acceptance[0] != acceptance[1]:
+            assert abs(expected_tokens(batch)[k].item() - worth) > 0.05 * worth, k
+            assert abs(expected_tokens(batch, rooms, paces)[k].item() - worth) > 0.05 * worth, k
+    # No share paid per cycle: a row's cycles alone count, and level rows are priced by the rows' mean.
+    level = torch.tensor([ACCEPTANCE] * 4)
+    assert torch.allclose(expected_tokens(level, rooms, None, lambda n: 0.0), expected_tokens(level), rtol=1e-6)
+
+
+def test_a_batch_reads_the_share_of_its_forward_that_does_not_grow_with_its_rows():
+    from hf_domino.batch_policy_domino import BatchVerifyCost
+
+    table = VerifyCost({1: 0.030, 2: 0.033, 4: 0.039, 8: 0.051})  # 27 ms whatever the rows, then 3 ms per token
+    assert BatchVerifyCost(table, rows=4).fixed_share(1) == pytest.approx(27 / 39)
+    assert BatchVerifyCost(table, rows=4).fixed_share(2) == pytest.approx(27 / 51)
+    assert BatchVerifyCost(table, rows=1).fixed_share(2) == table.fixed_share(2) == 1.0
+    flat = VerifyCost({1: 0.01, 8: 0.01})  # a GPU's small forwards: every row free
+    assert BatchVerifyCost(flat, rows=8).fixed_share(1) == 1.0
+
+
+def test_a_row_pace_is_its_accepted_drafts_per_cycle_over_the_rows_pulled_towards_theirs():
+    # Pooled: 12 accepted drafts over 12 row-cycles, 1 per cycle; 4 prior cycles at that rate.
+    assert row_paces([9, 3, 0], [4, 4, 4]) == pytest.approx([13 / 8, 7 / 8, 4 / 8])
+    assert row_paces([0, 5], [0, 5]) == pytest.approx([1.0, 1.0])  # a row not yet verified keeps the pooled pace
+    assert row_paces([0, 0], [3, 3]) == [1.0, 1.0]  # nothing accepted yet: no row is known to lag
+    assert row_paces([40, 0], [20, 20])[1] < 0.2  # the longer a row lags, the surer
 
 
 def test_one_row_is_priced_as_one_sequence():
@@ -256,8 +322,15 @@ def test_one_row_is_priced_as_one_sequence():
 def test_drafts_that_only_put_rows_further_ahead_are_not_verified():
     from hf_domino.batch_policy_domino import BatchVerifyCost
 
+    class SameCostForAnyRows(BatchVerifyCost):
+        """A device whose forward costs the same for 1 row or 2 (a GPU): the batch pays every cycle until its last
+        row finishes, and a row that finishes early saves nothing."""
+
+        def fixed_share(self, num_tokens: int) -> float:
+            return 1.0
+
     table = VerifyCost({2: 1.0, 4: 1.3, 6: 1.5, 10: 2.0})  # 2 rows: 1 token each 1.0, 2 tokens 1.3, ...
-    policy = AdaptivePolicy(DrafterRecord([0.9] * 4), BatchVerifyCost(table, rows=2), cap=4, learn_times=False)
+    policy = AdaptivePolicy(DrafterRecord([0.9] * 4), SameCostForAnyRows(table, rows=2), cap=4, learn_times=False)
     policy.record.calibration = AcceptanceCalibration(prior_weight=1e9)  # calibrated acceptance = the confidence
     confidence = torch.tensor([[0.95, 0.95, 0.95, 0.95], [0.05, 0.05, 0.05, 0.05]])
     # Averaged over the rows, the first row's drafts pay; but it is 30 tokens ahead of the second, whose drafts fail.
@@ -267,10 +340,15 @@ def test_drafts_that_only_put_rows_further_ahead_are_not_verified():
     policy.rooms = [60, 30]  # the confident row is the one behind
     assert policy.choose(confidence, 0.0, limits=[4, 4]) > 0
     # Copies likewise: found only in a row far ahead of the other, they advance nothing; in the row behind, they do.
-    copies = LookupPolicy(DrafterRecord([0.9] * 4), BatchVerifyCost(table, rows=2), learn_times=False)
+    copies = LookupPolicy(DrafterRecord([0.9] * 4), SameCostForAnyRows(table, rows=2), learn_times=False)
     assert copies.choose([4, 0], rival_rate=1.0) == 4
     assert copies.choose([4, 0], rival_rate=1.0, rooms=[30, 60]) == 0
     assert copies.choose([4, 0], rival_rate=1.0, rooms=[60, 30]) == 4
+    # Where a verification grows with its rows (this table read as `fixed + rows x per_row`), a row that finishes
+    # early saves its own share of every later cycle: the row ahead's sure drafts pay again.
+    policy.verify_cost = BatchVerifyCost(table, rows=2)
+    policy.rooms = [30, 60]
+    assert policy.choose(confidence, 0.0, limits=[4, 4]) > 0
 
 
 def test_a_failed_cycle_over_several_rows_is_evidence_enough_to_pause():
@@ -703,3 +781,15 @@ def test_where_timing_needs_a_synchronization_the_policy_still_learns(monkeypatc
     assert policy.learn_times and not policy.per_position and waits
     assert policy.record.backbone_seconds is not None and policy.record.position_seconds is not None
     assert any(drafter.last_generation_stats.drafted)
+
+
+def test_forgetting_a_drafter_records_starts_its_next_call_from_nothing_learned():
+    drafter = torch.nn.Linear(1, 1)
+    record = policy_domino.drafter_record(drafter, "greedy", 4)
+    record.position_acceptance[0], record.skip_left = 0.1, 3
+    assert policy_domino.drafter_record(drafter, "greedy", 4) is record  # kept across calls
+    policy_domino.forget_records(drafter)
+    fresh = policy_domino.drafter_record(drafter, "greedy", 4)
+    assert fresh is not record and fresh.position_acceptance == [policy_domino.INITIAL_ACCEPTANCE] * 4
+    assert fresh.skip_left == 0
+    policy_domino.forget_records(torch.nn.Linear(1, 1))  # a drafter that never ran: nothing to forget

@@ -50,6 +50,17 @@ class BatchVerifyCost:
     def observe(self, num_tokens: int, seconds: float) -> None:
         self.table.observe(self.rows * num_tokens, seconds)
 
+    def fixed_share(self, num_tokens: int) -> float:
+        """The share of verifying `num_tokens` per row that does not grow with the rows (reading the weights, the
+        loop's own work), read from the table as a cost `fixed + rows x per_row`: a batch pays it every cycle until
+        its last row finishes, and the rest only for the rows still generating (`cost_model_domino.makespan_tokens`).
+        """
+        whole, one = self(num_tokens), self.table(num_tokens)
+        if self.rows == 1 or whole <= 0:
+            return 1.0
+        per_row = max(whole - one, 0.0) / (self.rows - 1)
+        return min(max(one - per_row, 0.0) / whole, 1.0)
+
 
 def batch_policy(
     target: PreTrainedModel,

@@ -35,7 +35,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch_policy_domino import batch_policy, call_speculates, judge_call
 from .cache_domino import CACHE_ARGUMENT, buffer_layers
-from .cost_model_domino import settle_for_timing
+from .cost_model_domino import row_paces, settle_for_timing
 from .drafting_domino import judge_copy, lookup_drafts, score_only, select_fused_rollout, spread_to_vocabulary
 from .modeling_domino import TargetModules, context_features, hidden_state_indices
 from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, below_threshold, copy_records
@@ -67,12 +67,18 @@ K_PER_ROW = False
 # on a 2-core CPU at 4 and 8 rows on both prompt sets (docs/benchmarks.md, "Retrieval in batches of any size"); the
 # limit stays for measuring it elsewhere (bench suffix `_lookup2`: at most 2 rows, the previous default).
 RETRIEVAL_MAX_ROWS: int | None = None
-# A batch is done when its last row is: True prices drafts and copies by when that is expected to be, given the
-# tokens each row may still generate (`cost_model_domino.makespan_tokens`), instead of by the rows' mean tokens. Off:
-# on a 2-core CPU it was within 2% of the mean at 1-8 rows, better as often as worse, before and after batches
-# retrieved at any size (docs/benchmarks.md, "The target's cache grows in place", "Retrieval in batches of any
-# size"); measure it on a GPU before choosing (bench suffix `_makespan`).
+# A batch is done when its last row is: True prices drafts and copies by the time they save, given the tokens each row
+# may still generate and the share of a verification that the batch pays per cycle until its last row finishes
+# rather than per row (`cost_model_domino.makespan_tokens`, `BatchVerifyCost.fixed_share`), instead of by the rows'
+# mean tokens. Off: on a 2-core CPU, where a forward grows with its rows, it was within noise of the mean at 2-8 rows
+# and a few per cent slower on code (docs/benchmarks.md, "A batch's first call", and before it "The target's cache
+# grows in place"); measure it on a GPU before choosing (bench suffix `_makespan`).
 PRICE_BY_MAKESPAN = False
+# With PRICE_BY_MAKESPAN, True prices each row's drafts by its own pace in the call so far (`cost_model_domino.
+# row_paces`: a row whose drafts rarely hold will lag, and the batch waits for it) instead of as the pooled rows'. Off:
+# the model matches simulated batches of rows that keep their pace, but real rows' paces within a call misled it
+# (slower in 7 of 9 first-call comparisons on a 2-core CPU, docs/benchmarks.md, "A batch's first call").
+ROW_PACES = False
 
 
 # -------------------------------------------------------------------------------------------------- one batched call
@@ -226,6 +232,8 @@ class BatchedDecoding:
         # (a plain step) what a plain-steps-only call pays for it, for `judge_call`.
         self.speculating, self.drafted_in_call = True, False
         self.cycle_times: list[tuple[int, float, float | None]] = []
+        # Per row, the drafts and copies accepted and the cycles that verified some (any row's), for `row_paces`.
+        self.row_accepted, self.row_cycles = [0] * rows, [0] * rows
 
     def now(self) -> float:
         """Host time; where the call reads it (`DominoOptions.reads_cycle_times`), after the device finished."""
@@ -326,14 +334,16 @@ class BatchedDecoding:
         if self.datastore is not None and self.speculating:
             self.datastore.build_index()  # once per datastore: not inside a timed cycle
 
-    def find_copies(self, room: list[int], rooms: list[int] | None) -> tuple[dict, dict, dict]:
+    def find_copies(
+        self, room: list[int], rooms: list[int] | None, paces: list[float] | None
+    ) -> tuple[dict, dict, dict]:
         """Per active row, the copied drafts it offers this cycle; or, where the lookup policy declined them, the
         copies found (to be judged against what the row generates instead); and each row's source (its policy).
 
         Rows copy where their text repeats, else retrieve from the drafter's datastore where it has one (while at
         most `RETRIEVAL_MAX_ROWS` rows are active), cut before a stop string as drafts are. The policy prices the
         copies of all rows together against the batch's verification and a drafting cycle (or a plain step) of this
-        batch, by when its last row finishes where `rooms` (each row's tokens left) are given.
+        batch, by when its last row finishes where `rooms` (each row's tokens left, and `paces`) are given.
         """
         if not self.lookup:
             return {}, {}, {}
@@ -354,7 +364,8 @@ class BatchedDecoding:
         rival = self.policy.rate_without_copies() if self.policy.adaptive else 0.0
         rows = range(len(self.active))
         lengths = [found[i].shape[0] if i in found else 0 for i in rows]
-        width = self.lookup_policy.choose(lengths, rival, [sources.get(i, self.lookup_policy) for i in rows], rooms)
+        sources_by_row = [sources.get(i, self.lookup_policy) for i in rows]
+        width = self.lookup_policy.choose(lengths, rival, sources_by_row, rooms, paces)
         if width == 0:
             return {}, found, sources
         return {i: copy[:width] for i, copy in found.items()}, {}, sources
@@ -472,10 +483,11 @@ class BatchedDecoding:
         self.target_cache.maybe_compact()
         room = [self.max_length - sequence.shape[0] - 1 for sequence in sequences]  # the target adds one of its own
         rooms = [n + 1 for n in room] if PRICE_BY_MAKESPAN else None  # tokens left, the target's own included
+        paces = self.paces() if PRICE_BY_MAKESPAN and ROW_PACES else None
         if isinstance(self.policy, AdaptivePolicy):
-            self.policy.verify_cost.rows, self.policy.rooms = len(self.active), rooms
+            self.policy.verify_cost.rows, self.policy.rooms, self.policy.paces = len(self.active), rooms, paces
         if self.speculating:
-            copies, declined, sources = self.find_copies(room, rooms)
+            copies, declined, sources = self.find_copies(room, rooms, paces)
             drafts = self.draft(anchors, room, set(copies))
             drafts.take_copies(copies, sources)
         else:
@@ -512,7 +524,7 @@ class BatchedDecoding:
 
     def learn(self, cycle: CycleDrafts, matches: list[int], verify_seconds: float) -> None:
         """Copied rows teach the lookup policy; the drafter's policy learns from the rows it drafted for alone (and
-        the forward's time from all of them)."""
+        the forward's time from all of them); each row's pace counts the cycles that verified drafts or copies."""
         for row, copy in cycle.copies.items():
             cycle.sources[row].observe(verified=copy.shape[0], accepted=matches[row])
         drafted = [row for row in range(len(matches)) if row not in cycle.copies]
@@ -521,6 +533,15 @@ class BatchedDecoding:
             row_verified=[int(cycle.lengths[row]) for row in drafted], rows=drafted, verify_seconds=verify_seconds,
             **cycle.observed,
         )  # fmt: skip
+        if cycle.width:
+            for i, row in enumerate(self.active):
+                self.row_accepted[row] += matches[i]
+                self.row_cycles[row] += 1
+
+    def paces(self) -> list[float]:
+        """The active rows' paces: how well each one's drafts and copies have held in this call against all rows'."""
+        paces = row_paces(self.row_accepted, self.row_cycles)
+        return [paces[row] for row in self.active]
 
     def run(self, input_ids: torch.LongTensor, streamer=None) -> torch.LongTensor:
         finished, emitted = self.prefill(input_ids), 0

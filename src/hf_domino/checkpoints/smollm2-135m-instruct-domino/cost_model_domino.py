@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +48,11 @@ class VerifyCost:
             return self.seconds[below]
         weight = (num_tokens - below) / (above - below)
         return (1 - weight) * self.seconds[below] + weight * self.seconds[above]
+
+    def fixed_share(self, num_tokens: int) -> float:
+        """The share of a cycle's cost paid per cycle rather than per row: all of it for one sequence (see
+        `batch_policy_domino.BatchVerifyCost.fixed_share`)."""
+        return 1.0
 
     def covers(self, rows: int) -> bool:
         """Whether the table reaches a batch of `rows` verifying whole blocks (`rows x 17` tokens); a table measured
@@ -141,22 +147,33 @@ def cached_verify_cost(target: PreTrainedModel) -> VerifyCost | None:
     return _VERIFY_COSTS.get(target, {}).get((str(target.device), str(target.dtype)))
 
 
-def expected_tokens(acceptance: torch.Tensor, rooms: list[int] | None = None) -> torch.Tensor:
+def expected_tokens(
+    acceptance: torch.Tensor,
+    rooms: list[int] | None = None,
+    paces: list[float] | None = None,
+    fixed_share: Callable[[int], float] | None = None,
+) -> torch.Tensor:
     """`E(k)` for k = 0..K: one target token plus the drafts accepted in a row.
 
     `acceptance` is `[K]`, or `[rows, K]` for a batch whose rows all verify k drafts: then the rows' mean or, given
-    each row's `rooms` (the tokens it may still generate), what the cycle is worth to the batch's last row
-    (`makespan_tokens`).
+    each row's `rooms` (the tokens it may still generate) and optionally its `paces` (`row_paces`) and the share of a
+    cycle's cost that the batch pays until its last row finishes, what the cycle saves (`makespan_tokens`).
     """
     rows = acceptance.double()
     survive = torch.cumprod(rows[None] if rows.dim() == 1 else rows, dim=-1)
     if rooms is not None:
-        return makespan_tokens(survive, rooms)
+        return makespan_tokens(survive, rooms, paces, fixed_share)
     return 1 + torch.cat([survive.new_zeros(survive.shape[0], 1), torch.cumsum(survive, dim=-1)], dim=-1).mean(dim=0)
 
 
-def makespan_tokens(survive: torch.Tensor, rooms: list[int], points: int = 33) -> torch.Tensor:
-    """What a cycle verifying k = 0..K drafts per row is worth to a batch that is done when its last row is.
+def makespan_tokens(
+    survive: torch.Tensor,
+    rooms: list[int],
+    paces: list[float] | None = None,
+    fixed_share: Callable[[int], float] | None = None,
+    points: int = 33,
+) -> torch.Tensor:
+    """What a cycle verifying k = 0..K drafts per row saves a batch that is done when its last row is.
 
     Rows advance by different amounts in each cycle, drift apart, and the batch waits for the one that fell behind.
     Priced by the rows' mean, drafting is overpriced: at 4 rows, 64 tokens and a first draft accepted 45% of the
@@ -165,13 +182,19 @@ def makespan_tokens(survive: torch.Tensor, rooms: list[int], points: int = 33) -
     shortest row, it is underpriced: level rows then count only the drafts that all of them accept (1.04 there),
     though over the next cycles which row lags changes.
 
-    So: the cycles the batch still needs, before and after this one, and their difference in tokens. After this
-    cycle, row r has `rooms[r] - X_r` tokens left (X_r: 1 + its accepted drafts, by `survive[r, j]`, its chance of
-    accepting at least j + 1); later cycles advance every row as the rows' pooled X does, so row r needs about
-    `left / E[X]` of them, with variance `left Var[X] / E[X]^3` (a renewal count). Each row's count is taken as
-    normal, and the expected largest one is integrated numerically. The cycles saved, times the batch's tokens per
-    cycle, is the price: the rows' mean for one row, 1 for a plain step, more for drafts in the row that lags, less
-    for drafts in rows ahead. Checked against simulated batches in tests/test_draft_policy.py. Returns `[K + 1]`.
+    So: the cycles the batch still needs, before and after this one, and their difference. After this cycle, row r
+    has `rooms[r] - X_r` tokens left (X_r: 1 + its accepted drafts, by `survive[r, j]`, its chance of accepting at
+    least j + 1). Later cycles verify k drafts too; a row's drafts hold as the rows' pooled ones do, times its pace
+    (`paces[r]`, default 1): row r advances by `1 + pace (E[X] - 1)` per cycle, so it needs `left / that` more
+    cycles, with the variance of a renewal count. Each row's count is taken as normal, and the expected largest one
+    is integrated numerically. Priced as what this cycle saves over what a plain step saves (1 token per row): the
+    rows' mean for one row, 1 for a plain step, more for drafts in the row that lags, less for drafts in rows ahead.
+    Checked against simulated batches in tests/test_draft_policy.py. Returns `[K + 1]`.
+
+    What it saves is time. A later cycle costs a share (`fixed_share(1 + k)`, default all of it) whatever its rows,
+    paid until the last row finishes, and the rest by the rows still generating, each until it finishes: the saving
+    weighs the batch's cycles and the rows' cycles so. Where a forward costs the same for 1 row or 8 (a GPU), that is
+    the last row's cycles; where it grows with the rows (a CPU), the rows' mean counts for much of it.
     """
     K = survive.shape[1]
     at_least = torch.cat([survive.new_ones(survive.shape[0], 1), survive], dim=-1)  # P(X_r >= 1 + j)
@@ -180,16 +203,35 @@ def makespan_tokens(survive: torch.Tensor, rooms: list[int], points: int = 33) -
     row_variance = ((at_least * (2 * torch.arange(K + 1) + 1)) @ upto - row_mean**2).clamp(min=0)
     mean = row_mean.mean(dim=0)[:, None]  # [k, 1]: the pooled X of later cycles
     later = (row_variance + row_mean**2).mean(dim=0)[:, None] - mean**2
+    pace = torch.ones(len(rooms), dtype=torch.float64) if paces is None else torch.tensor(paces, dtype=torch.float64)
+    advance = 1 + pace[None] * (mean - 1)  # [k, rows]: a row's tokens per later cycle
+    count_variance = pace[None] ** 2 * later / advance**3  # a later cycle's, per token left
     room = torch.tensor(rooms, dtype=torch.float64).clamp(min=1)[None]
-    centre = torch.stack([room / mean, (room - row_mean.T) / mean])  # [before/after, k, rows]: cycles left
-    spread = torch.stack([room * later / mean**3, room * later / mean**3 + row_variance.T / mean**2]).sqrt()
-    spread = spread.clamp(min=1e-6)
+    # [now / after this cycle / after a plain step, k, rows]: the cycles each row still needs
+    centre = torch.stack([room.expand_as(advance), room - row_mean.T, (room - 1).expand_as(advance)]) / advance
+    spread = torch.stack([room * count_variance, room * count_variance + row_variance.T / advance**2])  # [2, k, rows]
+    spread = torch.cat([spread, spread[:1]]).sqrt().clamp(min=1e-6)
     low = (centre - 6 * spread).amin(dim=(0, 2), keepdim=True)
     high = (centre + 6 * spread).amax(dim=(0, 2), keepdim=True)
     cycles = low + (high - low) * torch.linspace(0, 1, points, dtype=torch.float64)  # [1, k, points]
     below = torch.special.ndtr((cycles[..., None] - centre[:, :, None]) / spread[:, :, None]).prod(dim=-1)
-    longest = low[..., 0] + torch.trapezoid(1 - below, cycles, dim=-1)  # [before/after, k]: E[max_r cycles_r]
-    return ((longest[0] - longest[1]) * mean[:, 0]).clamp(min=1)
+    longest = low[..., 0] + torch.trapezoid(1 - below, cycles, dim=-1)  # [3, k]: E[max_r cycles_r]
+    share = torch.tensor([1.0 if fixed_share is None else fixed_share(1 + k) for k in range(K + 1)])
+    cycles_left = share.double() * longest + (1 - share.double()) * centre.mean(dim=-1)  # [3, k], in batch cycles
+    return ((cycles_left[0] - cycles_left[1]) / (cycles_left[0] - cycles_left[2])).clamp(min=1)
+
+
+def row_paces(accepted: list[int], cycles: list[int], prior_cycles: float = 4.0) -> list[float]:
+    """How well each row's drafts hold against all rows': its drafts (and copies) accepted per cycle so far, over
+    the rows' pooled rate, pulled towards 1 as if it had started with `prior_cycles` cycles at that rate.
+
+    Rows keep their character over a call (one answer copies itself, another's drafts rarely hold), so the row
+    that lags now is likely to lag later: `makespan_tokens` prices its drafts by how long it will take.
+    """
+    pooled = sum(accepted) / max(sum(cycles), 1)
+    if pooled <= 0:
+        return [1.0] * len(accepted)
+    return [(n + prior_cycles * pooled) / ((c + prior_cycles) * pooled) for n, c in zip(accepted, cycles)]
 
 
 __all__ = [
@@ -199,6 +241,7 @@ __all__ = [
     "expected_tokens",
     "makespan_tokens",
     "measure_verify_cost",
+    "row_paces",
     "settle_for_timing",
     "synchronize",
     "timing_is_free",

@@ -125,6 +125,12 @@ def drafter_record(drafter: torch.nn.Module, mode: str, num_drafts: int) -> Draf
     return records[mode]
 
 
+def forget_records(drafter: torch.nn.Module) -> None:
+    """Forgets what the policies learned with `drafter` (acceptance, times, pauses): its next call starts as its first
+    (the target's verify-cost table stays)."""
+    _RECORDS.pop(drafter, None)
+
+
 def copy_records(drafter: torch.nn.Module, do_sample: bool) -> tuple[DrafterRecord, DrafterRecord]:
     """What copies from the text and retrievals from the datastore have earned with `drafter` in this decoding mode:
     one record each, shared by batch 1 and batches."""
@@ -189,9 +195,11 @@ class AdaptivePolicy:
         self.confidence: torch.Tensor | None = None
         self.drafted_before = False
         self.block_verify_seconds: list[float] | None = None  # verify_cost(1 + k), k = 0..cap, for this block
-        # For a batch, set by its loop every cycle: the tokens each row may still generate. Cycles are then priced by
-        # when the batch's last row finishes (`expected_tokens`), not by the rows' mean.
+        # For a batch, set by its loop every cycle: the tokens each row may still generate, and how well its drafts
+        # have held against the other rows' (`cost_model_domino.row_paces`; None: as well). Cycles are then priced
+        # by when the batch's last row finishes (`expected_tokens`), not by the rows' mean.
         self.rooms: list[int] | None = None
+        self.paces: list[float] | None = None
         self._priced: tuple[tuple, torch.Tensor] | None = None  # the last shared acceptance priced for `rooms`
 
     # ---------------------------------------------------------------------------------------------- estimates
@@ -202,10 +210,11 @@ class AdaptivePolicy:
         three times (the copies' rival, the budget, the measured rate): that value is kept until either changes.
         """
         if self.rooms is None or acceptance.dim() == 2:
-            return expected_tokens(acceptance, self.rooms)
-        key = (tuple(acceptance.tolist()), tuple(self.rooms))
+            return expected_tokens(acceptance, self.rooms, self.paces, self.verify_cost.fixed_share)
+        key = (tuple(acceptance.tolist()), tuple(self.rooms), None if self.paces is None else tuple(self.paces))
         if self._priced is None or self._priced[0] != key:
-            self._priced = key, expected_tokens(acceptance.expand(len(self.rooms), -1), self.rooms)
+            rows = acceptance.expand(len(self.rooms), -1)
+            self._priced = key, expected_tokens(rows, self.rooms, self.paces, self.verify_cost.fixed_share)
         return self._priced[1]
 
     def _draft_seconds(self, k: int) -> float:
@@ -442,6 +451,7 @@ class LookupPolicy:
         rival_rate: float = 0.0,
         sources: list[LookupPolicy] | None = None,
         rooms: list[int] | None = None,
+        paces: list[float] | None = None,
     ) -> int:
         """How many of `num_found` copied drafts to verify; 0 where a cycle of them is not expected to earn more
         tokens per second than `rival_rate` (the drafter's best, or a plain step's).
@@ -450,7 +460,8 @@ class LookupPolicy:
         verified rectangle, each row offering `min(found, W)`: every row pays for the width, so copies in a few rows
         of a large batch rarely pay, and rows without copies count as plain steps. `sources[row]` is the policy
         whose acceptance a row's copies have (copied from the text, or retrieved from a datastore); default this one.
-        With `rooms` (the tokens each row may still generate), W is priced by when the batch's last row finishes.
+        With `rooms` (the tokens each row may still generate) and `paces`, W is priced by when the batch's last row
+        finishes.
         """
         found = [num_found] if isinstance(num_found, int) else num_found
         if self.verify_cost is None:  # a fixed policy: verify every draft found
@@ -460,7 +471,7 @@ class LookupPolicy:
         acceptance = torch.tensor([record.position_acceptance[:widest] for record in records], dtype=torch.float64)
         for row, n in enumerate(found):
             acceptance[row, n:] = 0  # a row's copies end: past them it only adds the target's token
-        tokens = expected_tokens(acceptance, rooms)  # counted as the rival rate counts them
+        tokens = expected_tokens(acceptance, rooms, paces, self.verify_cost.fixed_share)  # as the rival counts them
         costs = torch.tensor([self.verify_cost(1 + k) for k in range(len(tokens))], dtype=torch.float64)
         rates = tokens / costs
         best = int(torch.argmax(rates))
@@ -495,5 +506,6 @@ __all__ = [
     "LookupPolicy",
     "copy_records",
     "drafter_record",
+    "forget_records",
     "learn_acceptance",
 ]
