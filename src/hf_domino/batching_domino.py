@@ -343,7 +343,7 @@ class BatchedDecoding:
         Rows copy where their text repeats, else retrieve from the drafter's datastore where it has one (while at
         most `RETRIEVAL_MAX_ROWS` rows are active), cut before a stop string as drafts are. The policy prices the
         copies of all rows together against the batch's verification and a drafting cycle (or a plain step) of this
-        batch, by when its last row finishes where `rooms` (each row's tokens left, and `paces`) are given.
+        batch, by the time they save it where `rooms` (each row's tokens left, and `paces`) are given.
         """
         if not self.lookup:
             return {}, {}, {}

@@ -216,8 +216,12 @@ def makespan_tokens(
     cycles = low + (high - low) * torch.linspace(0, 1, points, dtype=torch.float64)  # [1, k, points]
     below = torch.special.ndtr((cycles[..., None] - centre[:, :, None]) / spread[:, :, None]).prod(dim=-1)
     longest = low[..., 0] + torch.trapezoid(1 - below, cycles, dim=-1)  # [3, k]: E[max_r cycles_r]
-    share = torch.tensor([1.0 if fixed_share is None else fixed_share(1 + k) for k in range(K + 1)])
-    cycles_left = share.double() * longest + (1 - share.double()) * centre.mean(dim=-1)  # [3, k], in batch cycles
+    share = torch.tensor(
+        [1.0 if fixed_share is None else fixed_share(1 + k) for k in range(K + 1)], dtype=torch.float64
+    )
+    cycles_left = share * longest + (1 - share) * centre.mean(
+        dim=-1
+    )  # [3, k]: what later cycles cost, in batch cycles
     return ((cycles_left[0] - cycles_left[1]) / (cycles_left[0] - cycles_left[2])).clamp(min=1)
 
 
@@ -225,8 +229,9 @@ def row_paces(accepted: list[int], cycles: list[int], prior_cycles: float = 4.0)
     """How well each row's drafts hold against all rows': its drafts (and copies) accepted per cycle so far, over
     the rows' pooled rate, pulled towards 1 as if it had started with `prior_cycles` cycles at that rate.
 
-    Rows keep their character over a call (one answer copies itself, another's drafts rarely hold), so the row
-    that lags now is likely to lag later: `makespan_tokens` prices its drafts by how long it will take.
+    Where rows keep their character over a call (one answer copies itself, another's drafts rarely hold), the row
+    that lags now lags later, and `makespan_tokens` prices its drafts by how long it will take. In real calls on a
+    2-core CPU a row's past said less than that (`batching_domino.ROW_PACES`, off).
     """
     pooled = sum(accepted) / max(sum(cycles), 1)
     if pooled <= 0:

@@ -197,7 +197,7 @@ class AdaptivePolicy:
         self.block_verify_seconds: list[float] | None = None  # verify_cost(1 + k), k = 0..cap, for this block
         # For a batch, set by its loop every cycle: the tokens each row may still generate, and how well its drafts
         # have held against the other rows' (`cost_model_domino.row_paces`; None: as well). Cycles are then priced
-        # by when the batch's last row finishes (`expected_tokens`), not by the rows' mean.
+        # by the time they save a batch that is done when its last row is (`expected_tokens`), not by the rows' mean.
         self.rooms: list[int] | None = None
         self.paces: list[float] | None = None
         self._priced: tuple[tuple, torch.Tensor] | None = None  # the last shared acceptance priced for `rooms`
@@ -460,8 +460,8 @@ class LookupPolicy:
         verified rectangle, each row offering `min(found, W)`: every row pays for the width, so copies in a few rows
         of a large batch rarely pay, and rows without copies count as plain steps. `sources[row]` is the policy
         whose acceptance a row's copies have (copied from the text, or retrieved from a datastore); default this one.
-        With `rooms` (the tokens each row may still generate) and `paces`, W is priced by when the batch's last row
-        finishes.
+        With `rooms` (the tokens each row may still generate) and `paces`, W is priced by the time it saves a batch
+        that is done when its last row is.
         """
         found = [num_found] if isinstance(num_found, int) else num_found
         if self.verify_cost is None:  # a fixed policy: verify every draft found
