@@ -533,7 +533,7 @@ class BatchedDecoding:
             row_verified=[int(cycle.lengths[row]) for row in drafted], rows=drafted, verify_seconds=verify_seconds,
             **cycle.observed,
         )  # fmt: skip
-        if cycle.width:
+        if cycle.width and PRICE_BY_MAKESPAN and ROW_PACES:  # counted only where `paces` reads them
             for i, row in enumerate(self.active):
                 self.row_accepted[row] += matches[i]
                 self.row_cycles[row] += 1
