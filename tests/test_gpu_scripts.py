@@ -67,3 +67,15 @@ def test_the_costs_stage_runs_here_at_toy_shapes(tmp_path):
         assert f"| {row} | " in log, log
     assert "The loop's 17-token forward was called with: input_ids: (1, 17)" in log
     assert "Implied (not measured) speedup" in log and "Ordered by: internal time" in log
+
+
+def test_the_stalls_stage_runs_here_at_toy_shapes(tmp_path):
+    # The stage that asks why whole calls ran slow on the second GPU run: both thread counts, every kind of work,
+    # and the columns that tell the host from the device (n/a here, where there is no device or clock to read).
+    result = run(["bash", str(GPU / "stages.sh"), "stalls"], tmp_path, STALL_SHAPE="tiny")
+    log = (tmp_path / "stage" / "results" / "stalls.log").read_text()
+    assert "stalls: exit 0" in (tmp_path / "stage" / "results" / "stages.log").read_text(), result.stderr + log
+    assert "torch threads: 8" in log and "torch threads: 1" in log, log
+    for work in ("bare forwards", "generate(), target alone", "generate(), with the drafter"):
+        assert log.count(f"| {work} | ") == 10, log  # 5 repeats x 2 thread counts
+    assert "| device ms / forward | involuntary switches | throttled ms | cudaMalloc / retries | SM clock MHz |" in log

@@ -38,7 +38,8 @@ case $CALL in
     ;;
   2)
     if [ ! -f $S/gguf.xz.1 ]; then
-      echo "No first part in $S: the machine went back between the calls. Run call 1 again, then call 2 at once." >&2
+      echo "No first part in $S: the machine went back between the calls. Run call 1 again without its stages" \
+        "(STAGES= bash examples/gpu/call.sh 1: about 25 s), then call 2 at once." >&2
       exit 3
     fi
     cat $S/gguf.xz.1 .gpu/p2/gguf.xz.2 | xz -dc -T4 > $GGUF.tmp
@@ -52,8 +53,8 @@ case $CALL in
 esac
 
 case "$(cat $S/mode) $CALL" in  # STAGES overrides the mode's stages for this call
-  "proof 1") STAGES=${STAGES-cuda costs micro} ;;
-  "proof 2") STAGES=${STAGES-batch bf16 suite fp32} ;;
+  "proof 1") STAGES=${STAGES-cuda stalls costs micro} ;;
+  "proof 2") STAGES=${STAGES-bf16 batch fp32 suite} ;;
   "finetune 1") STAGES=${STAGES-} ;;
   "finetune 2") STAGES=${STAGES-finetune} ;;
 esac

@@ -49,6 +49,13 @@ SHAPES = {
                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
         drafter=dict(num_hidden_layers=2, target_layer_ids=[1, 4], gru_hidden_dim=1024, emb_dim=256),
     ),
+    # SmolLM2-135M's sizes (a Llama; Qwen3 adds only the q/k norms) and the shipped drafter's: the end-to-end
+    # benches' model, at random weights, for the first call of a GPU session (the real one comes with the second).
+    "smollm2-135m": dict(
+        target=dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, vocab_size=49152),
+        drafter=dict(num_hidden_layers=2, target_layer_ids=[1, 14, 27], gru_hidden_dim=256, emb_dim=64),
+    ),
     "tiny": dict(
         target=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, vocab_size=1024),
@@ -226,10 +233,16 @@ def profile_loop(target, drafter, context_tokens: int, device: torch.device, new
     return report
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="model shapes")
+def model_parser(description: str, shape: str) -> argparse.ArgumentParser:
+    """A script's parser with the models' `--shape` (default `shape`) and `--dtype`, which `build` takes."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=shape, help="model shapes")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="weights")
+    return parser
+
+
+def main() -> None:
+    parser = model_parser(__doc__, "qwen3-8b")
     parser.add_argument("--context-tokens", type=int, default=512, help="cached context before the block")
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions per cost (median)")
     parser.add_argument("--new-tokens", type=int, default=64, help="generate() length for the loop's overhead")

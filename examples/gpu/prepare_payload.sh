@@ -54,12 +54,14 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   "gguf==$(python3 -c 'import importlib.metadata as m; print(m.version("gguf"))')"
 python3 -m pip install -q --no-index --no-deps --no-compile --target $OUT/site $OUT/whl/*.whl
 # Every model's configuration and tokenizer stay (transformers' auto classes import them by name while they look one
-# up); the modeling code stays for the models the project and its tests load.
+# up); the modeling code stays for the models the project and its tests load, and for bloom: the GPU image's peft
+# imports BloomPreTrainedModel when transformers imports peft (trainer_utils, which training's schedule imports).
 for model in $OUT/site/transformers/models/*/; do
-  case " auto encoder_decoder gpt2 llama qwen2 qwen3 " in *" $(basename $model) "*) continue ;; esac
+  case " auto bloom encoder_decoder gpt2 llama qwen2 qwen3 " in *" $(basename $model) "*) continue ;; esac
   find $model -type f \( -name "modeling_*" -o -name "modular_*" -o -name "convert_*" -o -name "image_processing_*" \
     -o -name "video_processing_*" -o -name "feature_extraction_*" -o -name "processing_*" \) -delete
 done
+PYTHONPATH=$OUT/site python3 -c "from transformers import BloomPreTrainedModel" || exit 1  # what peft imports first
 tar cf - -C $OUT/site . | xz -T2 -9 > $OUT/site.tar.xz
 # transformers checks regex's version when it is imported; the image's may be older (call.sh installs it then).
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

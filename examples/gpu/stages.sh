@@ -5,7 +5,7 @@
 # tables to $S/results/<stage>-<prompts>/), its exit status to $S/results/stages.log. Each runs under `timeout`: its own
 # limit, and never past $DEADLINE (epoch seconds), so that a call ends with its results inside the device's time; a
 # stage with under 20 s left is skipped. Sizes can be shrunk to check the script on a CPU:
-#   S=/tmp/stage W=$PWD PROMPTS=1 TOKENS=8 COST_SHAPE=tiny MICRO_REPS=2 METHODS=target,domino_vocab_k16@eager \
+#   S=/tmp/stage W=$PWD PROMPTS=1 TOKENS=8 COST_SHAPE=tiny STALL_SHAPE=tiny MICRO_REPS=2 METHODS=target,domino_vocab_k16@eager \
 #     BATCH_PROMPTS=2 BATCH_TOKENS=8 BATCH_SIZES=1,2 bash examples/gpu/stages.sh costs bf16 batch
 set -uo pipefail
 S=${S:-/root/stage}
@@ -13,19 +13,21 @@ source "$(dirname "$0")/env.sh"
 R=$S/results; mkdir -p $R
 cd $W
 DEADLINE=${DEADLINE:-$(( $(date +%s) + 86400 ))}
-PROMPTS=${PROMPTS:-6}; TOKENS=${TOKENS:-128}; COST_SHAPE=${COST_SHAPE:-qwen3-8b}; MICRO_REPS=${MICRO_REPS:-100}
-BATCH_PROMPTS=${BATCH_PROMPTS:-8}; BATCH_TOKENS=${BATCH_TOKENS:-64}; BATCH_SIZES=${BATCH_SIZES:-1,2,4,8}
+PROMPTS=${PROMPTS:-4}; TOKENS=${TOKENS:-128}; COST_SHAPE=${COST_SHAPE:-qwen3-8b}; MICRO_REPS=${MICRO_REPS:-100}
+STALL_SHAPE=${STALL_SHAPE:-smollm2-135m}
+BATCH_PROMPTS=${BATCH_PROMPTS:-8}; BATCH_TOKENS=${BATCH_TOKENS:-32}; BATCH_SIZES=${BATCH_SIZES:-1,8}
 PYTEST_WORKERS=${PYTEST_WORKERS:-14}  # xdist and pytest-timeout: on the image
 VOCAB=src/hf_domino/checkpoints/smollm2-135m-instruct-domino/draft_vocab.safetensors
-# bf16 is the speed claim: the target alone, prompt lookup, DFlash and Domino (head fused) with whole blocks, and the
-# default (adaptive, draft vocabulary, copies and retrieval); the eager head is `micro`'s. fp32 proves identity: fewer
-# methods. The first run (2026-11-26) ran out of its 300 s with six methods x 10 prompts: 6 prompts now.
-METHODS=${METHODS:-target,prompt_lookup,dflash_vocab_k16,domino_vocab_k16@triton+graph,domino_vocab_lookup}
+# bf16 is the speed claim: the target alone, Domino (head fused) with whole blocks, and the default (adaptive, draft
+# vocabulary, copies and retrieval); the eager head is `micro`'s. fp32 proves identity. The first run (2026-11-26) ran
+# out of its 300 s with six methods x 10 prompts; the second measured prompt lookup and DFlash too (5 methods x 6
+# MT-Bench prompts in 258 s, HumanEval's first prompt only): 3 methods x 4 prompts per set now.
+METHODS=${METHODS:-target,domino_vocab_k16@triton+graph,domino_vocab_lookup}
 FP32_METHODS=${FP32_METHODS:-target,domino_vocab_k16@triton+graph,domino_vocab_lookup}
-# issue 20 on a GPU: the default (the head fused for all rows, with a CUDA graph) against the eager batched head, and
-# should PRICE_BY_MAKESPAN be the default? (`domino_lookup2`, retrieving only while at most 2 rows are active, is
-# the question after those.)
-BATCH_METHODS=${BATCH_METHODS:-target,domino_lookup,domino_lookup@eager,domino_lookup_makespan}
+# issue 20 on a GPU: the default (the head fused for all rows, with a CUDA graph) against the batched target alone,
+# at 1 and 8 rows. The second run's stage (also `domino_lookup@eager` and `domino_lookup_makespan`, sizes 1, 2, 4, 8,
+# 8 prompts x 64 tokens) wrote nothing in its 120 s; those questions come after this one.
+BATCH_METHODS=${BATCH_METHODS:-target,domino_lookup}
 # Part B: continuations of the shipped drafter side by side, anchors drawn uniformly and among generate()'s own blocks;
 # the last FINETUNE_RESERVE seconds of the stage are for their final validation and export.
 FINETUNE_RUNS=${FINETUNE_RUNS:-uniform chain}; FINETUNE_RESERVE=${FINETUNE_RESERVE:-150}
@@ -108,10 +110,12 @@ for name in "$@"; do
     cuda) stage cuda 150 python3 -m pytest -v -rfEs --tb=short -p no:cacheprovider tests/test_triton_head.py tests/test_cpu_fast_path.py \
       tests/test_on_cuda.py tests/test_training.py -k cuda ;;
     micro) stage micro 90 micro ;;
+    stalls) stage stalls 100 bash -c "for threads in 8 1; do python3 examples/gpu/stall_probe.py --shape $STALL_SHAPE \
+      --dtype bfloat16 --repeats 5 --threads \$threads; done" ;;
     costs) stage costs 120 python3 examples/gpu/cycle_costs.py --shape $COST_SHAPE --dtype bfloat16 --profile 16 ;;
-    bf16) stage bf16 300 bench bfloat16 $METHODS ;;
+    bf16) stage bf16 240 bench bfloat16 $METHODS ;;
     fp32) stage fp32 120 bench float32 $FP32_METHODS ;;
-    batch) stage batch 120 batch $BATCH_METHODS ;;
+    batch) stage batch 100 batch $BATCH_METHODS ;;
     finetune) stage finetune 600 finetune ;;
     suite) stage suite 600 python3 -m pytest -v -rfEs --tb=short -p no:cacheprovider -n $PYTEST_WORKERS $TEST_TIMEOUT ;;
     *) echo "unknown stage $name" | tee -a $R/stages.log ;;

@@ -225,12 +225,21 @@ class DominoDecoderLayer(GradientCheckpointingLayer):
 class PrefixGRU(nn.GRU):
     """`nn.GRU` that packs its weights into cuDNN's single buffer after every `.to()` / `.cuda()`. torch only
     re-points them there, and cuDNN then copies them together on every call (warning that they are "not part of
-    single contiguous chunk of memory"). A no-op off CUDA."""
+    single contiguous chunk of memory"). torch packs float32 and float16 weights only, so bfloat16 weights on CUDA
+    run torch's own GRU kernels instead of cuDNN's copying path (the first GPU run found that warning on every eager
+    bf16 call). A no-op off CUDA."""
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
         self.flatten_parameters()
         return module
+
+    def forward(self, input, hx=None):
+        weight = self.weight_ih_l0
+        if weight.is_cuda and not torch.backends.cudnn.is_acceptable(weight):
+            with torch.backends.cudnn.flags(enabled=False):
+                return super().forward(input, hx)
+        return super().forward(input, hx)
 
 
 def build_domino_head(config: DominoConfig) -> tuple[nn.GRU, nn.Sequential]:
