@@ -147,6 +147,35 @@ def test_a_batch_size_whose_speculation_lost_takes_plain_steps_in_its_next_calls
     assert "".join("s" if s else "p" for s in decided) == "spsppsppppss"
 
 
+def test_a_call_whose_speculation_loses_takes_plain_steps_for_the_rest_of_it(monkeypatch):
+    # Checked every 3 cycles (CALL_CHECK_CYCLES), a call whose cycles so far lost to plain steps (forced: plain steps
+    # estimated free) stops drafting at the first check and takes plain steps to its end; it still counts as a
+    # speculating call that lost, so the next call of its batch size takes plain steps only; once plain steps are
+    # estimated dear, a call drafts past its checks. Every output is the target's.
+    monkeypatch.setattr(batch_policy_domino, "CALL_CHECK_CYCLES", 3)
+    monkeypatch.setattr(batch_policy_domino, "MAX_PLAIN_CALLS", 4)
+    monkeypatch.setattr(batch_policy_domino, "CALL_MIN_CYCLES", 1)
+    plain_cost = {"seconds": 0.0}
+    monkeypatch.setattr(batch_policy_domino, "plain_cycle_estimate", lambda policy, rows: plain_cost["seconds"])
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, successor(1), block_size=4)  # 3 drafts per block, all right
+    batch = left_padded([[4, 9, 11], [20], [12, 13]])
+    expected = target.generate(**batch, do_sample=False, max_new_tokens=24)
+
+    def drafted_per_cycle() -> list[bool]:
+        output = target.generate(**batch, do_sample=False, max_new_tokens=24, assistant_model=drafter)
+        assert torch.equal(output, expected)
+        drafted = drafter.last_generation_stats.drafted  # one entry per row and cycle; the 3 rows end together
+        return [any(drafted[i : i + 3]) for i in range(0, len(drafted), 3)]
+
+    losing = drafted_per_cycle()
+    assert any(losing[:3]) and not any(losing[3:]) and len(losing) > 6, losing
+    assert not any(drafted_per_cycle())  # the pause after a losing call
+    plain_cost["seconds"] = 1e9
+    winning = drafted_per_cycle()
+    assert any(winning[3:]) and len(winning) < len(losing), winning
+
+
 @pytest.mark.parametrize("head", [True, False])
 def test_greedy_batch_identical_random_models(arch, head):
     target = tiny_target(arch)

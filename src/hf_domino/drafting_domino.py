@@ -459,6 +459,25 @@ def judge_copy(copy: torch.LongTensor, generated: torch.LongTensor) -> tuple[int
     return offered, int(mismatches[0, 0]) if mismatches.numel() else offered
 
 
+def stop_free_length(criteria, sequence: torch.LongTensor, drafts: torch.LongTensor, limit: int | None = None) -> int:
+    """How many of the first `limit` (default: all) of `drafts` `[k]` can follow `sequence` `[n]` before one of the
+    stopping `criteria` (those that must not fire inside a block: stop strings, not EOS or max_length) would.
+
+    transformers' loop checks stopping criteria once per cycle, after the whole accepted block. If the sequence plus
+    drafts[:j] completes a stop, only drafts[:j - 1] are offered: the target's own next token then decides whether
+    the stop happens, exactly as without a drafter, and nothing is generated past it.
+    """
+    limit = drafts.shape[0] if limit is None else limit
+    if not criteria or limit == 0:
+        return limit
+    candidate = torch.cat([sequence, drafts[:limit].to(sequence.device)])
+    for j in range(1, limit + 1):
+        prefix = candidate[None, : sequence.shape[0] + j]
+        if any(bool(criterion(prefix, None).any()) for criterion in criteria):
+            return j - 1
+    return limit
+
+
 # Logits processors that read one row of scores and nothing else (not input_ids): they can run on all rows of a batch
 # at once, and on a draft vocabulary's columns alone (the tokens outside it have probability zero either way).
 SCORE_ONLY_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
@@ -528,4 +547,5 @@ __all__ = [
     "score_only",
     "select_fused_rollout",
     "spread_to_vocabulary",
+    "stop_free_length",
 ]

@@ -4,7 +4,8 @@
 the tokens of a forward (`BatchVerifyCost`) and its records kept per batch size. Within a call the policies price
 each cycle by its rows' mean tokens; a batch finishes with its last row, so after each call `judge_call` compares
 the call with what plain steps would have taken for the same tokens, and `call_speculates` makes a batch size whose
-calls lose on average take plain steps only in its next calls (docs/architecture.md, "Across calls").
+calls lose on average take plain steps only in its next calls (docs/architecture.md, "Across calls");
+`stops_speculating` can make the same comparison within a call (off: `CALL_CHECK_CYCLES`).
 
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
 """
@@ -36,6 +37,11 @@ MAX_PLAIN_CALLS: int | None = 4
 CALL_GAIN_RATE = 0.3
 CALL_GAIN_FLOOR = 0.97
 CALL_MIN_CYCLES = 16
+# Within a call (a batch size's first calls have nothing to go by): every CALL_CHECK_CYCLES cycles a speculating call
+# compares its cycles so far with what plain steps would have taken for its rows' tokens so far, and below
+# CALL_STOP_GAIN takes plain steps for the rest of the call (`stops_speculating`). None: whole calls only.
+CALL_CHECK_CYCLES: int | None = None
+CALL_STOP_GAIN = 0.9
 
 
 class BatchVerifyCost:
@@ -120,9 +126,25 @@ def judge_call(
             record.plain_cycle_seconds[rows] = plain if current is None else current + TIME_RATE * (plain - current)
     if not speculated or all(plain is not None for _, _, plain in cycle_times) or len(cycle_times) < CALL_MIN_CYCLES:
         return
+    learn_call_gain(record, call_gain(policy, cycle_times, steps))
+
+
+def call_gain(policy: AdaptivePolicy, cycle_times: list[tuple[int, float, float | None]], steps: list[int]) -> float:
+    """How many times as fast as plain steps the cycles `cycle_times` went: plain steps' time for the tokens `steps[r]`
+    each row generated in them, over their time."""
     spent = sum(seconds for _, seconds, _ in cycle_times)
     plain = plain_steps_seconds(steps, lambda rows: plain_cycle_estimate(policy, rows))
-    learn_call_gain(record, plain / max(spent, 1e-9))
+    return plain / max(spent, 1e-9)
+
+
+def stops_speculating(
+    policy: AdaptivePolicy, cycle_times: list[tuple[int, float, float | None]], steps: list[int]
+) -> bool:
+    """Whether a speculating call takes plain steps from here on: at every `CALL_CHECK_CYCLES`-th cycle, when its
+    cycles so far went below `CALL_STOP_GAIN` times as fast as plain steps (`call_gain`)."""
+    if not CALL_CHECK_CYCLES or not cycle_times or len(cycle_times) % CALL_CHECK_CYCLES:
+        return False
+    return call_gain(policy, cycle_times, steps) < CALL_STOP_GAIN
 
 
 def plain_cycle_estimate(policy: AdaptivePolicy, rows: int) -> float:
@@ -173,9 +195,11 @@ def plain_steps_seconds(steps: list[int], seconds_by_rows: Callable[[int], float
 __all__ = [
     "BatchVerifyCost",
     "batch_policy",
+    "call_gain",
     "call_speculates",
     "judge_call",
     "learn_call_gain",
     "plain_cycle_estimate",
     "plain_steps_seconds",
+    "stops_speculating",
 ]

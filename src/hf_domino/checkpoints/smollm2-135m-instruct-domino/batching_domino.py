@@ -25,7 +25,6 @@ This file is also written next to exported checkpoints as remote code (transform
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,12 +32,13 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .batch_policy_domino import batch_policy, call_speculates, judge_call
+from .batch_drafts_domino import CycleDrafts, RowCopies, row_limits
+from .batch_policy_domino import batch_policy, call_speculates, judge_call, stops_speculating
 from .cache_domino import CACHE_ARGUMENT, buffer_layers
 from .cost_model_domino import row_paces, settle_for_timing
-from .drafting_domino import judge_copy, lookup_drafts, score_only, select_fused_rollout, spread_to_vocabulary
+from .drafting_domino import judge_copy, score_only, select_fused_rollout, spread_to_vocabulary
 from .modeling_domino import TargetModules, context_features, hidden_state_indices
-from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, below_threshold, copy_records
+from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, copy_records
 from .ragged_batch_domino import (
     BatchDrafts,
     BatchedDrafterContext,
@@ -123,48 +123,6 @@ def _check_batch_call(
         )
 
 
-@dataclass
-class CycleDrafts:
-    """What the drafting half of a cycle produced: the drafts, how many each row offers, and what it cost.
-
-    A row in `copies` offers those copied drafts instead of its drafted block (`lengths` counts them).
-    """
-
-    drafts: BatchDrafts | None
-    lengths: torch.LongTensor  # [rows]: drafts offered by each row (0: a plain step for that row)
-    observed: dict[str, Any] = field(default_factory=dict)  # for the policy's observe()
-    copies: dict[int, torch.LongTensor] = field(default_factory=dict)  # row -> its copied drafts
-    sources: dict[int, LookupPolicy] = field(default_factory=dict)  # row -> the policy of its copies' source
-
-    @classmethod
-    def plain(cls, rows: int) -> CycleDrafts:
-        """A plain target step for every row: nothing drafted, nothing copied."""
-        return cls(None, torch.zeros(rows, dtype=torch.long), {"drafted": False})
-
-    @property
-    def width(self) -> int:
-        return int(self.lengths.max()) if self.lengths.numel() else 0
-
-    def take_copies(self, copies: dict[int, torch.LongTensor], sources: dict[int, LookupPolicy]) -> None:
-        self.copies, self.sources = copies, sources
-        for row, copy in copies.items():
-            self.lengths[row] = copy.shape[0]
-
-    def copied(self, rows: int, source: LookupPolicy | None = None) -> list[bool]:
-        """Per row, whether it offers copies (from `source` only, when given)."""
-        return [row in self.copies and source in (None, self.sources[row]) for row in range(rows)]
-
-    def candidates(self, anchors: torch.LongTensor) -> torch.LongTensor:
-        """`[rows, width]`: each row's drafted or copied drafts; columns past a row's length are never read."""
-        ids = anchors.new_zeros(anchors.shape[0], self.width)
-        if self.drafts is not None:
-            drafted = self.drafts.ids[:, : self.width].to(ids.device)
-            ids[:, : drafted.shape[1]] = drafted
-        for row, copy in self.copies.items():
-            ids[row, : copy.shape[0]] = copy.to(ids.device)
-        return ids
-
-
 class BatchedDecoding:
     """One batched `generate()` call: its rows, both ragged caches, the draft policy, and the steps of a cycle.
 
@@ -228,9 +186,11 @@ class BatchedDecoding:
         self.lookup_policy: LookupPolicy | None = None
         self.datastore = drafter.datastore if self.lookup and options.domino_datastore else None
         self.datastore_policy: LookupPolicy | None = None
-        # Whether this call drafts and copies at all (`call_speculates`), and each cycle's active rows, wall time and
-        # (a plain step) what a plain-steps-only call pays for it, for `judge_call`.
-        self.speculating, self.drafted_in_call = True, False
+        self.copies: RowCopies | None = None  # where the call copies: built with the policies
+        # Whether this call drafts and copies at all (`call_speculates`), and still (`stops_speculating`), and each
+        # cycle's active rows, wall time and (a plain step) what a plain-steps-only call pays for it, for `judge_call`.
+        self.speculated = self.speculating = True
+        self.drafted_in_call = False
         self.cycle_times: list[tuple[int, float, float | None]] = []
         # Per row, the drafts and copies accepted and the cycles that verified some (any row's), for `row_paces`.
         self.row_accepted, self.row_cycles = [0] * rows, [0] * rows
@@ -329,46 +289,25 @@ class BatchedDecoding:
         cost = self.policy.verify_cost if self.policy.adaptive else None
         self.lookup_policy = LookupPolicy(lookup_record, cost, False)
         self.datastore_policy = LookupPolicy(datastore_record, cost, False)
+        if self.lookup:
+            self.copies = RowCopies(
+                self.lookup_policy, self.datastore_policy, self.datastore, self.max_copies, self.padding,
+                self.block_criteria,
+            )  # fmt: skip
         if self.policy.adaptive:
-            self.speculating = call_speculates(self.policy.record)
+            self.speculated = self.speculating = call_speculates(self.policy.record)
         if self.datastore is not None and self.speculating:
             self.datastore.build_index()  # once per datastore: not inside a timed cycle
 
     def find_copies(
         self, room: list[int], rooms: list[int] | None, paces: list[float] | None
     ) -> tuple[dict, dict, dict]:
-        """Per active row, the copied drafts it offers this cycle; or, where the lookup policy declined them, the
-        copies found (to be judged against what the row generates instead); and each row's source (its policy).
-
-        Rows copy where their text repeats, else retrieve from the drafter's datastore where it has one (while at
-        most `RETRIEVAL_MAX_ROWS` rows are active), cut before a stop string as drafts are. The policy prices the
-        copies of all rows together against the batch's verification and a drafting cycle (or a plain step) of this
-        batch, by the time they save it where `rooms` (each row's tokens left, and `paces`) are given.
-        """
-        if not self.lookup:
+        """Per active row, the copied drafts it offers this cycle, the copies the lookup policy declined, and each
+        row's source (`RowCopies.find`); rows retrieve while at most `RETRIEVAL_MAX_ROWS` rows are active."""
+        if self.copies is None:
             return {}, {}, {}
-        found: dict[int, torch.LongTensor] = {}
-        sources: dict[int, LookupPolicy] = {}
         retrieving = RETRIEVAL_MAX_ROWS is None or len(self.active) <= RETRIEVAL_MAX_ROWS
-        for i, row in enumerate(self.active):
-            text, limit = self.sequences[row][None, self.padding[row] :], min(self.max_copies, room[i])
-            copy, source = lookup_drafts(text, limit), self.lookup_policy
-            if copy is None and self.datastore is not None and retrieving:
-                copy, source = self.datastore.lookup(text, limit), self.datastore_policy
-            if copy is not None:
-                keep = self.stop_free_length(self.sequences[row], copy[0], copy.shape[1])
-                if keep:
-                    found[i], sources[i] = copy[0, :keep], source
-        if not found:
-            return {}, {}, {}
-        rival = self.policy.rate_without_copies() if self.policy.adaptive else 0.0
-        rows = range(len(self.active))
-        lengths = [found[i].shape[0] if i in found else 0 for i in rows]
-        sources_by_row = [sources.get(i, self.lookup_policy) for i in rows]
-        width = self.lookup_policy.choose(lengths, rival, sources_by_row, rooms, paces)
-        if width == 0:
-            return {}, found, sources
-        return {i: copy[:width] for i, copy in found.items()}, {}, sources
+        return self.copies.find(self.sequences, self.active, room, self.policy, retrieving, rooms, paces)
 
     def draft(self, anchors: torch.LongTensor, room: list[int], copying: set[int]) -> CycleDrafts:
         """The policy's budget, one block for every active row, and how many drafts each row offers.
@@ -386,7 +325,9 @@ class BatchedDecoding:
         lm_head_done = self.now()
         drafts = self.roll_out(hidden, base_logits, anchors)
         drafted = self.now()
-        limits = [0 if i in copying else limit for i, limit in enumerate(self.row_limits(drafts, room))]
+        threshold = self.options.assistant_confidence_threshold
+        limits = row_limits(drafts, self.active_sequences(), room, threshold, self.block_criteria)
+        limits = [0 if i in copying else limit for i, limit in enumerate(limits)]
         if K_PER_ROW and isinstance(self.policy, AdaptivePolicy):
             lengths = [
                 self.policy.choose(drafts.confidence[i : i + 1], drafted - start, [n]) for i, n in enumerate(limits)
@@ -420,30 +361,6 @@ class BatchedDecoding:
             head=self.head, pick_logits=None if self.plain_greedy else self.pick_logits, do_sample=self.do_sample,
             keep_rolling=self.policy.keep_rolling if self.policy.adaptive else None,
         )  # fmt: skip
-
-    def row_limits(self, drafts: BatchDrafts, room: list[int]) -> list[int]:
-        """Drafts each row may offer: its room, its drafts above the confidence threshold, none past a stop string."""
-        threshold = self.options.assistant_confidence_threshold
-        return [
-            self.stop_free_length(
-                sequence, drafts.ids[i], min(room[i], below_threshold(drafts.confidence[i], threshold))
-            )
-            for i, sequence in enumerate(self.active_sequences())
-        ]
-
-    def stop_free_length(self, sequence: torch.LongTensor, drafts: torch.LongTensor, limit: int) -> int:
-        """How many of the first `limit` drafts can follow `sequence` before a stop string would complete.
-
-        The target's own next token decides a stop, exactly as without a drafter (see `_truncate_at_stop`).
-        """
-        if not self.block_criteria:
-            return limit
-        candidate = torch.cat([sequence, drafts.to(sequence.device)])
-        for j in range(1, limit + 1):
-            prefix = candidate[None, : sequence.shape[0] + j]
-            if any(bool(criterion(prefix, None).any()) for criterion in self.block_criteria):
-                return j - 1
-        return limit
 
     def verify(self, anchors: torch.LongTensor, cycle: CycleDrafts) -> tuple[list[torch.LongTensor], torch.LongTensor]:
         """One target forward over every row's `[anchor, drafts]`; per row, the tokens it adds and drafts matched.
@@ -552,16 +469,30 @@ class BatchedDecoding:
             if not self.active:
                 break
             finished = self.cycle()
+            self.speculating = self.speculating and not self.losing()
         if streamer is not None:
             streamer.end()
         self.judge_call()
         return self.output()
 
+    @property
+    def judges_calls(self) -> bool:
+        """Whether the call's cycles are weighed against plain steps: with the adaptive policy, learning times."""
+        return self.policy is not None and self.policy.adaptive and self.policy.learn_times
+
+    def losing(self) -> bool:
+        """Whether the call's cycles so far lost to plain steps, at a check (`stops_speculating`): then it takes
+        plain steps for the rest of the call."""
+        return self.judges_calls and stops_speculating(self.policy, self.cycle_times, self.steps())
+
+    def steps(self) -> list[int]:
+        """Per row, the tokens its cycles generated so far (the prefill picked the first)."""
+        return [self.generated(row) - 1 for row in range(len(self.sequences))]
+
     def judge_call(self) -> None:
         """After the call: whether speculating paid, for this batch size's next calls (`batch_policy_domino`)."""
-        if self.policy is not None and self.policy.adaptive and self.policy.learn_times:
-            steps = [self.generated(row) - 1 for row in range(len(self.sequences))]  # the prefill picked the first
-            judge_call(self.policy, self.cycle_times, steps, speculated=self.speculating)
+        if self.judges_calls:
+            judge_call(self.policy, self.cycle_times, self.steps(), speculated=self.speculated)
 
 
 @torch.no_grad()

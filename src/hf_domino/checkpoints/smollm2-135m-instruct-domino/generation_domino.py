@@ -47,6 +47,7 @@ from .drafting_domino import (
     processed_pick,
     run_backbone,
     select_fused_rollout,
+    stop_free_length,
 )
 from .modeling_domino import TargetModules, context_features, hidden_state_indices
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
@@ -262,24 +263,12 @@ class DominoCandidateGenerator(CandidateGenerator):
         return features.to(self.drafter.device)
 
     def _truncate_at_stop(self, input_ids: torch.LongTensor, drafts: Drafts) -> Drafts:
-        """Keeps drafts only up to the one before a stopping criterion would fire.
-
-        The loop checks stopping criteria once per iteration, after the whole accepted block. If prefix + drafts[:j]
-        completes a stop string, we offer only drafts[:j - 1]: the target's own next token then decides whether the
-        stop happens, exactly as without a drafter, and nothing is generated past it.
-        """
+        """Keeps drafts only up to the one before a stopping criterion would fire (`stop_free_length`)."""
         return drafts.keep(self._stop_free_length(input_ids, drafts.ids))
 
     def _stop_free_length(self, input_ids: torch.LongTensor, draft_ids: torch.LongTensor) -> int:
-        """How many of `draft_ids` `[1, k]` can be offered without one completing a stop (see `_truncate_at_stop`)."""
-        if not self.block_stopping_criteria or draft_ids.shape[1] == 0:
-            return draft_ids.shape[1]
-        sequence = torch.cat([input_ids, draft_ids.to(input_ids.device)], dim=-1)
-        for j in range(1, draft_ids.shape[1] + 1):
-            prefix = sequence[:, : input_ids.shape[1] + j]
-            if any(bool(criterion(prefix, None).any()) for criterion in self.block_stopping_criteria):
-                return j - 1
-        return draft_ids.shape[1]
+        """How many of `draft_ids` `[1, k]` can be offered without one completing a stop."""
+        return stop_free_length(self.block_stopping_criteria, input_ids[0], draft_ids[0])
 
     # ------------------------------------------------------------------------------------------------------ set-up
     @property

@@ -1,0 +1,141 @@
+"""What one cycle of a batch offers for verification: per row, its drafted block or copied drafts, and how many.
+
+`batching_domino.BatchedDecoding` drafts one block for every active row; `row_limits` says how many drafts each row
+may offer (its room, its confident drafts, none past a stop string). A row whose text repeats offers copies instead,
+as at batch 1 (`RowCopies`: what followed its last n-gram, else what the drafter's datastore continues it with),
+priced for all rows together. `CycleDrafts` holds the result for the verification.
+
+This file is also written next to exported checkpoints as remote code (transformers + torch only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .drafting_domino import lookup_drafts, stop_free_length
+from .policy_domino import below_threshold
+
+if TYPE_CHECKING:
+    from .drafting_domino import DraftDatastore
+    from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy
+    from .ragged_batch_domino import BatchDrafts
+
+
+@dataclass
+class CycleDrafts:
+    """What the drafting half of a cycle produced: the drafts, how many each row offers, and what it cost.
+
+    A row in `copies` offers those copied drafts instead of its drafted block (`lengths` counts them).
+    """
+
+    drafts: BatchDrafts | None
+    lengths: torch.LongTensor  # [rows]: drafts offered by each row (0: a plain step for that row)
+    observed: dict[str, Any] = field(default_factory=dict)  # for the policy's observe()
+    copies: dict[int, torch.LongTensor] = field(default_factory=dict)  # row -> its copied drafts
+    sources: dict[int, LookupPolicy] = field(default_factory=dict)  # row -> the policy of its copies' source
+
+    @classmethod
+    def plain(cls, rows: int) -> CycleDrafts:
+        """A plain target step for every row: nothing drafted, nothing copied."""
+        return cls(None, torch.zeros(rows, dtype=torch.long), {"drafted": False})
+
+    @property
+    def width(self) -> int:
+        return int(self.lengths.max()) if self.lengths.numel() else 0
+
+    def take_copies(self, copies: dict[int, torch.LongTensor], sources: dict[int, LookupPolicy]) -> None:
+        self.copies, self.sources = copies, sources
+        for row, copy in copies.items():
+            self.lengths[row] = copy.shape[0]
+
+    def copied(self, rows: int, source: LookupPolicy | None = None) -> list[bool]:
+        """Per row, whether it offers copies (from `source` only, when given)."""
+        return [row in self.copies and source in (None, self.sources[row]) for row in range(rows)]
+
+    def candidates(self, anchors: torch.LongTensor) -> torch.LongTensor:
+        """`[rows, width]`: each row's drafted or copied drafts; columns past a row's length are never read."""
+        ids = anchors.new_zeros(anchors.shape[0], self.width)
+        if self.drafts is not None:
+            drafted = self.drafts.ids[:, : self.width].to(ids.device)
+            ids[:, : drafted.shape[1]] = drafted
+        for row, copy in self.copies.items():
+            ids[row, : copy.shape[0]] = copy.to(ids.device)
+        return ids
+
+
+def row_limits(
+    drafts: BatchDrafts, sequences: list[torch.LongTensor], room: list[int], threshold: float | None, criteria: list
+) -> list[int]:
+    """Drafts each active row (`sequences`, in the batch's order) may offer: its room, its drafts above the confidence
+    threshold, none past a stop string (`criteria`: the stopping criteria that must not fire inside a block)."""
+    return [
+        stop_free_length(
+            criteria, sequence, drafts.ids[i], min(room[i], below_threshold(drafts.confidence[i], threshold))
+        )
+        for i, sequence in enumerate(sequences)
+    ]
+
+
+class RowCopies:
+    """Copied drafts for a batch's rows, as at batch 1: where a row's text repeats, what followed its last n-gram;
+    else, with a datastore, what the target's earlier answers continue it with. `padding[row]` is each row's left
+    padding, never copied from; `criteria` the stopping criteria that must not fire inside a block."""
+
+    def __init__(
+        self,
+        lookup_policy: LookupPolicy,
+        datastore_policy: LookupPolicy,
+        datastore: DraftDatastore | None,
+        max_copies: int,
+        padding: list[int],
+        criteria: list,
+    ):
+        self.lookup_policy, self.datastore_policy, self.datastore = lookup_policy, datastore_policy, datastore
+        self.max_copies, self.padding, self.criteria = max_copies, padding, criteria
+
+    def find(
+        self,
+        sequences: list[torch.LongTensor],
+        active: list[int],
+        room: list[int],
+        policy: AdaptivePolicy | FixedPolicy,
+        retrieving: bool,
+        rooms: list[int] | None = None,
+        paces: list[float] | None = None,
+    ) -> tuple[dict, dict, dict]:
+        """Per active row (by its place in `active`), the copied drafts it offers this cycle; or, where the lookup
+        policy declined them, the copies found (to be judged against what the row generates instead); and each row's
+        source (its policy).
+
+        Rows copy where their text repeats, else retrieve where `retrieving`, cut before a stop string as drafts are.
+        The lookup policy prices the copies of all rows together against the batch's verification and a drafting
+        cycle of `policy` (or a plain step), by the time they save it where `rooms` (each row's tokens left, and
+        `paces`) are given.
+        """
+        found: dict[int, torch.LongTensor] = {}
+        sources: dict[int, LookupPolicy] = {}
+        for i, row in enumerate(active):
+            text, limit = sequences[row][None, self.padding[row] :], min(self.max_copies, room[i])
+            copy, source = lookup_drafts(text, limit), self.lookup_policy
+            if copy is None and self.datastore is not None and retrieving:
+                copy, source = self.datastore.lookup(text, limit), self.datastore_policy
+            if copy is not None:
+                keep = stop_free_length(self.criteria, sequences[row], copy[0])
+                if keep:
+                    found[i], sources[i] = copy[0, :keep], source
+        if not found:
+            return {}, {}, {}
+        rival = policy.rate_without_copies() if policy.adaptive else 0.0
+        rows = range(len(active))
+        lengths = [found[i].shape[0] if i in found else 0 for i in rows]
+        sources_by_row = [sources.get(i, self.lookup_policy) for i in rows]
+        width = self.lookup_policy.choose(lengths, rival, sources_by_row, rooms, paces)
+        if width == 0:
+            return {}, found, sources
+        return {i: copy[:width] for i, copy in found.items()}, {}, sources
+
+
+__all__ = ["CycleDrafts", "RowCopies", "row_limits"]
