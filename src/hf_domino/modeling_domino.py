@@ -236,10 +236,9 @@ class PrefixGRU(nn.GRU):
 
     def forward(self, input, hx=None):
         weight = self.weight_ih_l0
-        if weight.is_cuda and not torch.backends.cudnn.is_acceptable(weight):
-            with torch.backends.cudnn.flags(enabled=False):
-                return super().forward(input, hx)
-        return super().forward(input, hx)
+        packed = not weight.is_cuda or torch.backends.cudnn.is_acceptable(weight)
+        with contextlib.nullcontext() if packed else torch.backends.cudnn.flags(enabled=False):
+            return super().forward(input, hx)
 
 
 def build_domino_head(config: DominoConfig) -> tuple[nn.GRU, nn.Sequential]:

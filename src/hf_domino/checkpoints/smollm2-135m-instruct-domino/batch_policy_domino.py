@@ -137,13 +137,17 @@ def call_gain(policy: AdaptivePolicy, cycle_times: list[tuple[int, float, float 
     return plain / max(spent, 1e-9)
 
 
+def checks_call(cycles: int) -> bool:
+    """Whether a speculating call is judged after its `cycles`-th cycle: every `CALL_CHECK_CYCLES`-th (never when
+    None), so that other cycles pay nothing for it."""
+    return bool(CALL_CHECK_CYCLES) and cycles > 0 and cycles % CALL_CHECK_CYCLES == 0
+
+
 def stops_speculating(
     policy: AdaptivePolicy, cycle_times: list[tuple[int, float, float | None]], steps: list[int]
 ) -> bool:
-    """Whether a speculating call takes plain steps from here on: at every `CALL_CHECK_CYCLES`-th cycle, when its
+    """Whether a speculating call judged at this cycle (`checks_call`) takes plain steps from here on: when its
     cycles so far went below `CALL_STOP_GAIN` times as fast as plain steps (`call_gain`)."""
-    if not CALL_CHECK_CYCLES or not cycle_times or len(cycle_times) % CALL_CHECK_CYCLES:
-        return False
     return call_gain(policy, cycle_times, steps) < CALL_STOP_GAIN
 
 
@@ -197,6 +201,7 @@ __all__ = [
     "batch_policy",
     "call_gain",
     "call_speculates",
+    "checks_call",
     "judge_call",
     "learn_call_gain",
     "plain_cycle_estimate",

@@ -33,7 +33,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch_drafts_domino import CycleDrafts, RowCopies, row_limits
-from .batch_policy_domino import batch_policy, call_speculates, judge_call, stops_speculating
+from .batch_policy_domino import batch_policy, call_speculates, checks_call, judge_call, stops_speculating
 from .cache_domino import CACHE_ARGUMENT, buffer_layers
 from .cost_model_domino import row_paces, settle_for_timing
 from .drafting_domino import judge_copy, score_only, select_fused_rollout, spread_to_vocabulary
@@ -481,9 +481,13 @@ class BatchedDecoding:
         return self.policy is not None and self.policy.adaptive and self.policy.learn_times
 
     def losing(self) -> bool:
-        """Whether the call's cycles so far lost to plain steps, at a check (`stops_speculating`): then it takes
-        plain steps for the rest of the call."""
-        return self.judges_calls and stops_speculating(self.policy, self.cycle_times, self.steps())
+        """Whether the call's cycles so far lost to plain steps, at a check (`checks_call`, `stops_speculating`):
+        then it takes plain steps for the rest of the call."""
+        return (
+            checks_call(len(self.cycle_times))
+            and self.judges_calls
+            and stops_speculating(self.policy, self.cycle_times, self.steps())
+        )
 
     def steps(self) -> list[int]:
         """Per row, the tokens its cycles generated so far (the prefill picked the first)."""
