@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
@@ -13,7 +15,7 @@ from test_generation import (
     letter_tokenizer,
     successor,
 )
-from transformers import LogitsProcessorList
+from transformers import DynamicCache, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
 from hf_domino import batch_policy_domino, batching_domino, policy_domino, ragged_batch_domino
@@ -461,3 +463,35 @@ def test_timings_and_stats_per_row():
     assert set(stats.timings) == {"backbone", "lm_head", "head", "verify"}
     assert len(stats.acceptance_lengths) == len(stats.drafted) >= 3 * 2  # one entry per row per forward
     assert all(seconds > 0 for values in stats.timings.values() for seconds in values)
+
+
+# -------------------------------------------------------------------------------- continuing a filled cache (chat)
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_a_batch_continuing_a_filled_cache_is_identical_to_the_target_alone(arch, policy):
+    # Each row's second turn: the whole padded sequences with their mask, the first turn's cache passed back. The
+    # prefill reads only the new columns, and the drafter starts from them.
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target)
+    torch.manual_seed(6)
+    first = left_padded([torch.randint(4, 64, (n,)).tolist() for n in (7, 3, 5)])
+    cache = DynamicCache(config=target.config)
+    answered = target.generate(**first, do_sample=False, max_new_tokens=6, min_new_tokens=6, cache=cache)
+    turn = torch.randint(4, 64, (3, 4))
+    batch = {
+        "input_ids": torch.cat([answered, turn], dim=-1),
+        "attention_mask": torch.cat([first["attention_mask"], torch.ones(3, 6 + 4, dtype=torch.long)], dim=-1),
+    }
+    fresh = target.generate(**batch, do_sample=False, max_new_tokens=13)
+    expected = target.generate(**batch, do_sample=False, max_new_tokens=13, cache=copy.deepcopy(cache))
+    output = target.generate(
+        **batch, do_sample=False, max_new_tokens=13, cache=copy.deepcopy(cache), assistant_model=drafter,
+        draft_policy=policy,
+    )  # fmt: skip
+    assert torch.equal(expected, fresh)
+    assert torch.equal(output, expected)
+    with pytest.raises(ValueError, match="the whole sequences"):  # new columns only: the rows' padding is unknown
+        target.generate(turn, attention_mask=batch["attention_mask"], max_new_tokens=4, cache=copy.deepcopy(cache),
+                        assistant_model=drafter)  # fmt: skip
+    with pytest.raises(ValueError, match="holds 3 rows and the batch has 6"):
+        target.generate(**batch, max_new_tokens=4, do_sample=True, num_return_sequences=2,
+                        cache=copy.deepcopy(cache), assistant_model=drafter)  # fmt: skip

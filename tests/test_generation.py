@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
 from reference_domino import draft_greedy, reference_config
-from transformers import GenerationMixin, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    DynamicCache,
+    GenerationMixin,
+    LogitsProcessorList,
+    Qwen3ForCausalLM,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.generation.streamers import BaseStreamer
 
 from hf_domino import generation_domino
@@ -506,3 +515,78 @@ def test_num_speculative_tokens_caps_the_verified_drafts():
     for bad in (-1, 9, 2.5, True):  # the block has 8 drafts (shift_label)
         with pytest.raises(ValueError, match="num_speculative_tokens"):
             greedy(target, prompt, max_new_tokens=5, assistant_model=drafter, num_speculative_tokens=bad)
+
+
+# -------------------------------------------------------------------------------- continuing a filled cache (chat)
+def first_turn(target, prompt: torch.Tensor, new_tokens: int = 7) -> tuple[torch.Tensor, DynamicCache]:
+    """The target alone answers `prompt` into a fresh cache, as a chat's first turn does."""
+    cache = DynamicCache(config=target.config)
+    return target.generate(prompt, do_sample=False, max_new_tokens=new_tokens, cache=cache), cache
+
+
+def prefill_lengths(target) -> list[int]:
+    """Records how many tokens each target forward reads (the first one is the prefill)."""
+    lengths = []
+    target.register_forward_pre_hook(lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]),
+                                     with_kwargs=True)  # fmt: skip
+    return lengths
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+@pytest.mark.parametrize("mask", [True, False], ids=["with-mask", "no-mask"])
+def test_a_call_continuing_a_filled_cache_reads_only_the_new_tokens(arch, policy, mask):
+    # A chat's second turn: the whole conversation as input_ids, the first turn's cache passed back. transformers'
+    # assisted loop would read the cached tokens a second time; the target alone (and now the drafter) does not.
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target)
+    torch.manual_seed(3)
+    answered, cache = first_turn(target, torch.randint(4, 64, (1, 9)))
+    conversation = torch.cat([answered, torch.randint(4, 64, (1, 5))], dim=-1)
+    kwargs = dict(attention_mask=torch.ones_like(conversation)) if mask else {}
+    fresh = greedy(target, conversation, max_new_tokens=15, **kwargs)
+    alone = greedy(target, conversation, max_new_tokens=15, cache=copy.deepcopy(cache), **kwargs)
+    read = prefill_lengths(target)
+    output = greedy(
+        target, conversation, max_new_tokens=15, cache=copy.deepcopy(cache), assistant_model=drafter,
+        draft_policy=policy, **kwargs,
+    )  # fmt: skip
+    assert torch.equal(output, alone)
+    if mask:  # without a mask transformers reads the whole prompt again for the target alone too (its rule)
+        assert torch.equal(alone, fresh)
+        assert read[0] == conversation.shape[1] - cache.get_seq_length()
+    assert len(drafter.last_generation_stats.acceptance_lengths) > 0
+
+
+def test_a_cache_continued_with_new_tokens_only_or_holding_the_whole_prompt():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    torch.manual_seed(4)
+    answered, cache = first_turn(target, torch.randint(4, 64, (1, 8)))
+    new = torch.cat([answered[:, -1:], torch.randint(4, 64, (1, 4))], dim=-1)  # the token the cache lacks, then more
+    mask = torch.ones(1, cache.get_seq_length() + new.shape[1], dtype=torch.long)
+    alone = greedy(target, new, attention_mask=mask, max_new_tokens=12, cache=copy.deepcopy(cache))
+    output = greedy(
+        target, new, attention_mask=mask, max_new_tokens=12, cache=copy.deepcopy(cache), assistant_model=drafter
+    )
+    assert torch.equal(output, alone)
+    with pytest.raises(ValueError, match="already holds 14 tokens"):  # 8 prompt + 7 new, the last not cached yet
+        greedy(target, answered[:, :-1], max_new_tokens=4, cache=copy.deepcopy(cache), assistant_model=drafter)
+
+
+def test_a_target_whose_prefill_skips_the_hook_is_stopped_before_drafting():
+    # A model overriding prepare_inputs_for_generation without calling GenerationMixin's: the cached tokens are read
+    # twice, and the generator says so instead of drafting from a wrong context.
+    unhooked = GenerationMixin.prepare_inputs_for_generation.__wrapped__
+
+    class OwnPrepare(Qwen3ForCausalLM):
+        def prepare_inputs_for_generation(self, *args, **kwargs):
+            return unhooked(self, *args, **kwargs)
+
+    target = tiny_target("qwen3")
+    own = OwnPrepare(target.config).eval()
+    own.load_state_dict(target.state_dict())
+    drafter = tiny_drafter(own)
+    answered, cache = first_turn(own, torch.randint(4, 64, (1, 6), generator=torch.Generator().manual_seed(5)))
+    conversation = torch.cat([answered, torch.tensor([[9, 10, 11]])], dim=-1)
+    with pytest.raises(RuntimeError, match="does not call GenerationMixin's"):
+        greedy(own, conversation, max_new_tokens=6, cache=cache, assistant_model=drafter)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from hf_domino import DominoForSpeculation, TargetModules
 from hf_domino.acceptance import block_anchors, generate_with_acceptance
@@ -111,6 +112,30 @@ def test_shipped_drafter_greedy_identical_on_mtbench(smollm2, shipped_drafter, h
         with shipped_drafter.domino_head(head):
             output = target.generate(input_ids, max_new_tokens=96, do_sample=False, assistant_model=shipped_drafter)
         assert torch.equal(output, expected)
+
+
+def test_a_chat_passing_its_cache_back_gets_the_target_alones_answers(smollm2, shipped_drafter):
+    """Two turns of a chat, each generate() with the drafter continuing the cache of the turn before (the second
+    turn's prefill reads only the new messages): every answer is the target alone's, computed without a cache."""
+    target, tokenizer = smollm2
+    messages = list(load_mtbench(limit=1)[0])
+    cache, output = DynamicCache(config=target.config), None
+    for follow_up in ("Now say it in two sentences.", None):
+        inputs = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        cached = cache.get_seq_length()  # the tokens the turn before ended with must open this turn's prompt
+        assert output is None or torch.equal(inputs["input_ids"][0, :cached], output[0, :cached])
+        expected = target.generate(**inputs, max_new_tokens=40, do_sample=False)
+        output = target.generate(
+            **inputs, max_new_tokens=40, do_sample=False, cache=cache, assistant_model=shipped_drafter
+        )
+        assert torch.equal(output, expected)
+        answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        messages += [{"role": "assistant", "content": answer}] + (
+            [{"role": "user", "content": follow_up}] if follow_up else []
+        )
+    assert cache.get_seq_length() == output.shape[1] - 1
 
 
 def test_shipped_drafter_serves_a_padded_batch_losslessly(smollm2, shipped_drafter):

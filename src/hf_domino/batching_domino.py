@@ -34,7 +34,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch_drafts_domino import CycleDrafts, RowCopies, row_limits
 from .batch_policy_domino import batch_policy, call_speculates, checks_call, judge_call, stops_speculating
-from .cache_domino import CACHE_ARGUMENT, buffer_layers
+from .cache_domino import CACHE_ARGUMENT, buffer_layers, uncached_prompt_length
 from .cost_model_domino import row_paces, settle_for_timing
 from .drafting_domino import judge_copy, score_only, select_fused_rollout, spread_to_vocabulary
 from .modeling_domino import TargetModules, context_features, hidden_state_indices
@@ -123,12 +123,40 @@ def _check_batch_call(
         )
 
 
+def _cached_columns(
+    cache: DynamicCache | None,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None,
+    generation_config: GenerationConfig,
+) -> int:
+    """How many of the batch's prompt columns a cache passed to generate() already holds (0: a fresh cache). A batch
+    continues a filled cache as the target alone does when input_ids are the whole sequences (the cached columns, then
+    the new ones) with their attention mask; new tokens alone are refused, since the rows' padding is in the mask."""
+    cached = cache.get_seq_length() if cache is not None else 0
+    if not cached:
+        return 0
+    if uncached_prompt_length(cache, input_ids, attention_mask, generation_config) is None:
+        raise ValueError(
+            f"The cache passed to generate() holds {cached} columns, and input_ids ({input_ids.shape[1]} columns) are "
+            "shorter than the attention mask: a batch continuing a cache needs the whole sequences, the cached "
+            "columns included, with an attention mask of the same length."
+        )
+    rows = next((layer.keys.shape[0] for layer in cache.layers if layer.is_initialized), input_ids.shape[0])
+    if rows != input_ids.shape[0]:
+        raise ValueError(
+            f"The cache passed to generate() holds {rows} rows and the batch has {input_ids.shape[0]}: continue a "
+            "cache with the same rows it was filled with (num_return_sequences > 1 repeats the rows, not the cache)."
+        )
+    return cached
+
+
 class BatchedDecoding:
     """One batched `generate()` call: its rows, both ragged caches, the draft policy, and the steps of a cycle.
 
     `sequences[row]` is the row's left-padded prompt plus its tokens so far: exactly the input_ids the target alone
     would hand to logits processors and stopping criteria for that row. `active` lists the rows still generating;
-    the caches hold those rows only, in that order.
+    the caches hold those rows only, in that order. A call continuing a filled cache (`cached` columns of the prompt)
+    reads the rest of the prompt only, and the drafter starts from there.
     """
 
     def __init__(
@@ -175,7 +203,8 @@ class BatchedDecoding:
         self.active = list(range(rows))
         # Steps append in place, into room never taken past what the call can write (its holes aside).
         reserve = options.cache_columns(drafter, self.max_length)
-        self.target_cache = RaggedCache(buffer_layers(cache, reserve), self.mask[:, :0])
+        self.cached = _cached_columns(cache, input_ids, attention_mask, generation_config)
+        self.target_cache = RaggedCache(buffer_layers(cache, reserve), self.mask[:, : self.cached])
         self.context = BatchedDrafterContext.empty(rows, drafter.device)
         self.policy: AdaptivePolicy | FixedPolicy | None = None
         # Copied drafts, as at batch 1: off with the ensemble option, capped by transformers' prompt-lookup length.
@@ -262,16 +291,16 @@ class BatchedDecoding:
 
     # ----------------------------------------------------------------------------------------------------- steps
     def prefill(self, input_ids: torch.LongTensor) -> list[bool]:
-        """The prompt through the target: every prompt token becomes drafter context, the first token is picked."""
+        """The prompt through the target (its columns after those a filled cache holds): every token it reads becomes
+        drafter context, the first token is picked."""
+        new = self.mask[:, self.cached :]
         outputs = ragged_forward(
-            self.target, self.target_cache, input_ids, self.mask, self.hidden_layers, logits_to_keep=1
+            self.target, self.target_cache, input_ids[:, self.cached :], new, self.hidden_layers, logits_to_keep=1
         )
         first = pick_tokens(self.process(outputs.logits[:, -1].float()), self.do_sample)
         features = context_features(outputs.hidden_states, self.layer_ids)
         drafter = self.drafter
-        self.context.pending = [
-            [features[row, self.mask[row]].to(drafter.device, drafter.dtype)] for row in self.active
-        ]
+        self.context.pending = [[features[row, new[row]].to(drafter.device, drafter.dtype)] for row in self.active]
         self.context.known = self.mask.sum(dim=-1).to(drafter.device)
         return [self.extend(row, first[row : row + 1]) for row in self.active]
 

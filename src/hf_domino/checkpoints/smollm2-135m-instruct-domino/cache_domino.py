@@ -1,5 +1,5 @@
-"""The target's key/value cache as the drafting loops use it: the name `generate()` passes it under, and a layer
-that grows in place.
+"""The target's key/value cache as the drafting loops use it: the name `generate()` passes it under, a layer that
+grows in place, and how much of a prompt a call that continues a filled cache still has to read.
 
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.generation import GenerationMixin
 
 # transformers 5.24 renamed the key/value cache from `past_key_values` to `cache`: in a model's forward() arguments, in
@@ -93,4 +93,33 @@ def buffer_layers(cache: DynamicCache, reserve: int = 0) -> DynamicCache:
     return cache
 
 
-__all__ = ["CACHE_ARGUMENT", "BufferedLayer", "buffer_layers", "cache_argument"]
+def uncached_prompt_length(
+    cache: Cache | None, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, generation_config
+) -> int | None:
+    """How many of `input_ids` the prefill reads when a call continues a filled `cache` (a multi-turn chat reusing the
+    previous turn's cache, a cached system prompt); None when it reads them all.
+
+    transformers' rule for the target alone (`GenerationMixin._prefill`): input_ids as long as the attention mask (or
+    as the all-ones mask generate() dropped, `_mask_length`) repeat the cached tokens, and only the rest is read;
+    shorter ones are the new tokens alone. Its assisted loop misses this and reads the cached tokens a second time
+    (transformers 5.23-5.24, prompt lookup included), so the generate() hook applies the rule for a Domino drafter,
+    and the batch loop starts its ragged cache after the cached columns.
+    """
+    cached = cache.get_seq_length() if cache is not None else 0
+    if not cached:
+        return None
+    mask_length = (
+        attention_mask.shape[1] if attention_mask is not None else getattr(generation_config, "_mask_length", -1)
+    )
+    if mask_length != input_ids.shape[1]:
+        return None
+    if cached >= input_ids.shape[1]:
+        raise ValueError(
+            f"The cache passed to generate() already holds {cached} tokens, as many as the prompt has or more "
+            f"({input_ids.shape[1]}): nothing is left for the first forward to read. Pass the whole conversation "
+            "so far plus at least one new token, or drop the cache's last tokens first (cache.crop(-n))."
+        )
+    return input_ids.shape[1] - cached
+
+
+__all__ = ["CACHE_ARGUMENT", "BufferedLayer", "buffer_layers", "cache_argument", "uncached_prompt_length"]

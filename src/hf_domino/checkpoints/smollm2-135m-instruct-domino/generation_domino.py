@@ -1,12 +1,15 @@
 """Domino drafting inside transformers' own assisted-decoding loop.
 
 `target.generate(..., assistant_model=drafter)` with a `DominoForSpeculation` drafter must pick our candidate
-generator, but transformers 5.x has no public way to plug one in. `install_assisted_generation_hook()` wraps four
+generator, but transformers 5.x has no public way to plug one in. `install_assisted_generation_hook()` wraps five
 `GenerationMixin` methods; each wrapper hands over to the original unchanged unless the assistant is a Domino drafter:
 
 - `_extract_generation_mode_kwargs`: takes this call's Domino options (`DominoOptions`) out of generate()'s kwargs;
 - `_validate_generation_mode`: validates them and the drafter/target pair, once, before any generation work;
-- `_assisted_decoding`: remembers the call's options and stopping criteria for the generator;
+- `_assisted_decoding`: remembers the call's options and stopping criteria for the generator, and how much of the
+  prompt the prefill reads when the call continues a filled cache (`uncached_prompt_length`);
+- `prepare_inputs_for_generation`: makes the loop's prefill read only that much, as the target alone's does
+  (transformers' assisted loop reads the cached tokens again);
 - `_get_candidate_generator`: returns `drafter.build_candidate_generator(...)`.
 
 `DominoCandidateGenerator` is a thin adapter between transformers' `CandidateGenerator` interface and the drafting
@@ -24,7 +27,7 @@ import copy
 import functools
 import inspect
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import transformers
@@ -34,7 +37,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from .batching_domino import batched_assisted_decoding
-from .cache_domino import CACHE_ARGUMENT, buffer_layers
+from .cache_domino import CACHE_ARGUMENT, buffer_layers, uncached_prompt_length
 from .cost_model_domino import measure_verify_cost, settle_for_timing, timing_is_free, verify_cost_for
 from .drafting_domino import (
     BlockDraft,
@@ -81,6 +84,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         input_ids: torch.LongTensor | None = None,
         stopping_criteria: StoppingCriteriaList | None = None,
         options: DominoOptions | None = None,
+        prefill_length: int | None = None,
         **kwargs: Any,
     ):
         if options is None:  # built directly rather than through generate(): validate here
@@ -94,6 +98,8 @@ class DominoCandidateGenerator(CandidateGenerator):
                 "assistant_model=drafter), which serves it through hf_domino.batching_domino."
             )
         self.drafter, self.target_model, self.options = drafter, target, options
+        # The prompt tokens the prefill reads when the call continues a filled cache (None: the whole prompt).
+        self.prefill_length = prefill_length
         self.target = TargetModules.from_target(target)
         self.max_length = generation_config.max_length
         self.max_drafts = options.drafts_per_block(drafter)
@@ -252,15 +258,31 @@ class DominoCandidateGenerator(CandidateGenerator):
                 "The target returned no hidden_states although output_hidden_states was requested; a Domino drafter "
                 "needs a target whose forward supports output_hidden_states."
             )
-        # After the prefill every prompt token but the anchor is new context; later, the accepted drafts plus the
-        # previous anchor.
+        # After the prefill every prompt token it read is new context (all of them, or those after a cache the call
+        # continues: the drafter then reads from there); later, the accepted drafts plus the previous anchor.
         first = self.context.num_tokens == 0
         num_new = input_ids.shape[1] - 1 if first else n_last_matches + 1
         features = context_features(hidden_states, self.drafter.config.target_layer_ids)[:, :num_new]
-        attention_mask = model_kwargs.get("attention_mask")
-        if first and attention_mask is not None and not bool(attention_mask[0, :num_new].all()):
-            features = features[:, attention_mask[0, :num_new].bool().to(features.device)]
+        if first:
+            read = features.shape[1]
+            self._check_prefill(read)
+            # The mask covers any cached columns, the prompt and the first token picked: `read` columns before that.
+            attention_mask = model_kwargs.get("attention_mask")
+            mask = None if attention_mask is None else attention_mask[0, -read - 1 : -1]
+            if mask is not None and not bool(mask.all()):
+                features = features[:, mask.bool().to(features.device)]
         return features.to(self.drafter.device)
+
+    def _check_prefill(self, read: int) -> None:
+        """Raises when a call continuing a filled cache had its prefill read the cached tokens again (a target whose
+        own `prepare_inputs_for_generation` skips transformers', which the hook corrects)."""
+        if self.prefill_length is not None and read != self.prefill_length:
+            raise RuntimeError(
+                f"The target's prefill read {read} tokens where the cache passed to generate() left "
+                f"{self.prefill_length} to read: {type(self.target_model).__name__}.prepare_inputs_for_generation "
+                "does not call GenerationMixin's, so the cached tokens were read twice. Generate without the cache "
+                "(pass the whole prompt), or without the drafter."
+            )
 
     def _truncate_at_stop(self, input_ids: torch.LongTensor, drafts: Drafts) -> Drafts:
         """Keeps drafts only up to the one before a stopping criterion would fire (`stop_free_length`)."""
@@ -332,9 +354,15 @@ class DominoCandidateGenerator(CandidateGenerator):
 
 
 # -------------------------------------------------------------------------------------------------- generate() hook
-_CALL: contextvars.ContextVar[tuple[DominoOptions, StoppingCriteriaList | None] | None] = contextvars.ContextVar(
-    "domino_call", default=None
-)
+class _DominoCall(NamedTuple):
+    """What `_assisted_decoding` knows of a batch-1 call that the candidate generator and the prefill need."""
+
+    options: DominoOptions
+    stopping_criteria: StoppingCriteriaList | None
+    prefill_length: int | None  # `uncached_prompt_length`: None when the prefill reads the whole prompt
+
+
+_CALL: contextvars.ContextVar[_DominoCall | None] = contextvars.ContextVar("domino_call", default=None)
 # The parameters each wrapped method must still have for the hook to be correct.
 _REQUIRED_PARAMETERS = {
     "_extract_generation_mode_kwargs": ("kwargs", "assistant_model"),
@@ -353,6 +381,7 @@ _REQUIRED_PARAMETERS = {
         "model_kwargs",
         "assistant_model",
     ),
+    "prepare_inputs_for_generation": ("input_ids", "next_sequence_length", "is_first_iteration"),
 }
 # Where the options travel from `_extract_generation_mode_kwargs` to `_assisted_decoding`, and whether the call
 # passed an attention mask (a padded batch without one is refused).
@@ -441,10 +470,14 @@ def _wrap_assisted_decoding(original):
                 attention_mask_given=attention_mask_given,
                 **arguments.get("model_kwargs", {}),
             )
-        cache = arguments.get("model_kwargs", {}).get(CACHE_ARGUMENT)
+        model_kwargs, generation_config = arguments.get("model_kwargs", {}), arguments["generation_config"]
+        cache = model_kwargs.get(CACHE_ARGUMENT)
+        prefill_length = uncached_prompt_length(
+            cache, arguments["input_ids"], model_kwargs.get("attention_mask"), generation_config
+        )
         if isinstance(cache, DynamicCache):  # verified blocks written in place, not concatenated (BufferedLayer)
-            buffer_layers(cache, options.cache_columns(drafter, arguments["generation_config"].max_length))
-        token = _CALL.set((options, arguments.get("stopping_criteria")))
+            buffer_layers(cache, options.cache_columns(drafter, generation_config.max_length))
+        token = _CALL.set(_DominoCall(options, arguments.get("stopping_criteria"), prefill_length))
         try:
             return original(self, *args, **kwargs)
         finally:
@@ -460,17 +493,36 @@ def _wrap_get_candidate_generator(original):
         assistant = arguments.get("assistant_model")
         if not is_domino_drafter(assistant):
             return original(self, *args, **kwargs)
-        options, stopping_criteria = _CALL.get() or (None, None)
+        call = _CALL.get() or _DominoCall(None, None, None)
         return assistant.build_candidate_generator(
             target=self,
             generation_config=arguments["generation_config"],
             logits_processor=arguments["logits_processor"],
             input_ids=arguments["input_ids"],
-            stopping_criteria=stopping_criteria,
-            options=options,
+            stopping_criteria=call.stopping_criteria,
+            options=call.options,
+            prefill_length=call.prefill_length,
         )
 
     return _get_candidate_generator
+
+
+def _wrap_prepare_inputs_for_generation(original):
+    @functools.wraps(original)
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        # transformers' assisted loop asks its first forward (the prefill) for the whole prompt, also when the call
+        # continues a filled cache: inside a Domino call, read only what the cache does not hold, as `_prefill` does.
+        call = _CALL.get()
+        if (
+            call is not None
+            and call.prefill_length is not None
+            and kwargs.get("is_first_iteration")
+            and kwargs.get("next_sequence_length") is None
+        ):
+            kwargs["next_sequence_length"] = call.prefill_length
+        return original(self, *args, **kwargs)
+
+    return prepare_inputs_for_generation
 
 
 _WRAPPERS = {
@@ -478,6 +530,7 @@ _WRAPPERS = {
     "_validate_generation_mode": _wrap_validate_generation_mode,
     "_assisted_decoding": _wrap_assisted_decoding,
     "_get_candidate_generator": _wrap_get_candidate_generator,
+    "prepare_inputs_for_generation": _wrap_prepare_inputs_for_generation,
 }
 
 
