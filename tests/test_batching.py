@@ -19,7 +19,7 @@ from transformers import DynamicCache, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
 from hf_domino import batch_policy_domino, batching_domino, policy_domino, ragged_batch_domino
-from hf_domino.cache_domino import BufferedLayer
+from hf_domino.cache_domino import BufferedLayer, buffer_layers
 from hf_domino.drafting_domino import DrafterContext, run_backbone
 from hf_domino.modeling_domino import TargetModules
 from hf_domino.options_domino import DominoOptions
@@ -297,6 +297,27 @@ def test_generate_appends_to_the_targets_cache_in_place(rows, monkeypatch):
         # Once at the prefill; in a batch also when rows leave or holes are compacted away, which copy anyway.
         assert moved == 1 if len(rows) == 1 else moved * 3 <= updated, (moved, updated)
         assert updated > 5
+
+
+def test_a_filled_layer_is_buffered_with_its_keys_and_moved_once():
+    """A cache passed back for a chat's next turn: `buffer_layers` keeps a filled layer's keys/values, moves them into
+    buffers at the first update, and later steps write in place, as for an empty layer."""
+    torch.manual_seed(1)
+    cache = DynamicCache()
+    for layer in range(2):
+        cache.update(torch.randn(1, 2, 7, 4), torch.randn(1, 2, 7, 4), layer)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    buffer_layers(cache, reserve=20)
+    assert all(type(layer) is BufferedLayer and layer.get_seq_length() == 7 for layer in cache.layers)
+    new = [(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)) for _ in range(2)]
+    for index, (keys, values) in enumerate(new):
+        cache.update(keys, values, index)
+    storage = cache.layers[0].buffers[0].data_ptr()
+    cache.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), 0)
+    assert cache.layers[0].buffers[0].data_ptr() == storage  # in place from the second update on
+    for layer, (keys, values), (new_keys, new_values) in zip(cache.layers, before, new):
+        assert torch.equal(layer.keys[..., :10, :], torch.cat([keys, new_keys], dim=-2))
+        assert torch.equal(layer.values[..., :10, :], torch.cat([values, new_values], dim=-2))
 
 
 def test_ragged_drafter_context_matches_one_row_at_a_time():

@@ -82,19 +82,13 @@ def row_limits(
 class RowCopies:
     """Copied drafts for a batch's rows, as at batch 1: where a row's text repeats, what followed its last n-gram;
     else, with a datastore, what the target's earlier answers continue it with. `padding[row]` is each row's left
-    padding, never copied from; `criteria` the stopping criteria that must not fire inside a block."""
+    padding, never copied from; `criteria` the stopping criteria that must not fire inside a block. The two sources'
+    policies are set once the call has built them (they share the drafter policy's verify-cost table)."""
 
-    def __init__(
-        self,
-        lookup_policy: LookupPolicy,
-        datastore_policy: LookupPolicy,
-        datastore: DraftDatastore | None,
-        max_copies: int,
-        padding: list[int],
-        criteria: list,
-    ):
-        self.lookup_policy, self.datastore_policy, self.datastore = lookup_policy, datastore_policy, datastore
-        self.max_copies, self.padding, self.criteria = max_copies, padding, criteria
+    def __init__(self, datastore: DraftDatastore | None, max_copies: int, padding: list[int], criteria: list):
+        self.datastore, self.max_copies, self.padding, self.criteria = datastore, max_copies, padding, criteria
+        self.lookup_policy: LookupPolicy | None = None
+        self.datastore_policy: LookupPolicy | None = None
 
     def find(
         self,

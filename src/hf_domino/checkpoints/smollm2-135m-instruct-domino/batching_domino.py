@@ -207,15 +207,19 @@ class BatchedDecoding:
         self.target_cache = RaggedCache(buffer_layers(cache, reserve), self.mask[:, : self.cached])
         self.context = BatchedDrafterContext.empty(rows, drafter.device)
         self.policy: AdaptivePolicy | FixedPolicy | None = None
-        # Copied drafts, as at batch 1: off with the ensemble option, capped by transformers' prompt-lookup length.
-        self.lookup = options.domino_lookup and generation_config.assistant_ensemble_weight is None
-        max_drafts = options.drafts_per_block(drafter)
-        self.max_copies = min(max_drafts, generation_config.prompt_lookup_num_tokens or max_drafts)
-        self.padding = (~self.mask).sum(dim=-1).tolist()  # each row's left padding, never copied from
+        # Copied drafts, as at batch 1: off with the ensemble option, capped by transformers' prompt-lookup length
+        # (their policies are built with the drafter's, `build_policies`).
         self.lookup_policy: LookupPolicy | None = None
-        self.datastore = drafter.datastore if self.lookup and options.domino_datastore else None
         self.datastore_policy: LookupPolicy | None = None
-        self.copies: RowCopies | None = None  # where the call copies: built with the policies
+        self.copies: RowCopies | None = None
+        if options.domino_lookup and generation_config.assistant_ensemble_weight is None:
+            max_drafts = options.drafts_per_block(drafter)
+            self.copies = RowCopies(
+                datastore=drafter.datastore if options.domino_datastore else None,
+                max_copies=min(max_drafts, generation_config.prompt_lookup_num_tokens or max_drafts),
+                padding=(~self.mask).sum(dim=-1).tolist(),  # each row's left padding, never copied from
+                criteria=self.block_criteria,
+            )
         # Whether this call drafts and copies at all (`call_speculates`), and still (`stops_speculating`), and each
         # cycle's active rows, wall time and (a plain step) what a plain-steps-only call pays for it, for `judge_call`.
         self.speculated = self.speculating = True
@@ -318,15 +322,12 @@ class BatchedDecoding:
         cost = self.policy.verify_cost if self.policy.adaptive else None
         self.lookup_policy = LookupPolicy(lookup_record, cost, False)
         self.datastore_policy = LookupPolicy(datastore_record, cost, False)
-        if self.lookup:
-            self.copies = RowCopies(
-                self.lookup_policy, self.datastore_policy, self.datastore, self.max_copies, self.padding,
-                self.block_criteria,
-            )  # fmt: skip
         if self.policy.adaptive:
             self.speculated = self.speculating = call_speculates(self.policy.record)
-        if self.datastore is not None and self.speculating:
-            self.datastore.build_index()  # once per datastore: not inside a timed cycle
+        if self.copies is not None:
+            self.copies.lookup_policy, self.copies.datastore_policy = self.lookup_policy, self.datastore_policy
+            if self.copies.datastore is not None and self.speculating:
+                self.copies.datastore.build_index()  # once per datastore: not inside a timed cycle
 
     def find_copies(
         self, room: list[int], rooms: list[int] | None, paces: list[float] | None

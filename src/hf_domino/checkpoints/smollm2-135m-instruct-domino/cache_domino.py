@@ -83,14 +83,20 @@ class BufferedLayer(DynamicLayer):
 
 
 def buffer_layers(cache: DynamicCache, reserve: int = 0) -> DynamicCache:
-    """Makes the plain dynamic layers of a cache not filled yet `BufferedLayer`s (others are left as they are)."""
+    """Makes the plain dynamic layers of a cache `BufferedLayer`s (others are left as they are). A filled layer (a
+    cache passed back for a chat's next turn) keeps its keys and values, moved into buffers at its next update: one
+    copy, where concatenating would copy the whole layer at every step of the call."""
     if cache.layer_class_to_replicate is DynamicLayer:
         cache.layer_class_to_replicate = lambda: BufferedLayer(reserve)
-    cache.layers = [
-        BufferedLayer(reserve) if type(layer) is DynamicLayer and not layer.is_initialized else layer
-        for layer in cache.layers
-    ]
+    cache.layers = [_buffered(layer, reserve) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def _buffered(layer: DynamicLayer, reserve: int) -> BufferedLayer:
+    buffered = BufferedLayer(reserve)
+    if layer.is_initialized:
+        buffered.__dict__.update({**layer.__dict__, "reserve": reserve, "buffers": None})
+    return buffered
 
 
 def uncached_prompt_length(
