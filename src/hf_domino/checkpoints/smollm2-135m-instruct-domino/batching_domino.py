@@ -138,8 +138,8 @@ def _cached_columns(
     if uncached_prompt_length(cache, input_ids, attention_mask, generation_config) is None:
         raise ValueError(
             f"The cache passed to generate() holds {cached} columns, and input_ids ({input_ids.shape[1]} columns) are "
-            "shorter than the attention mask: a batch continuing a cache needs the whole sequences, the cached "
-            "columns included, with an attention mask of the same length."
+            "not the whole sequences the attention mask covers: a batch continuing a cache needs the whole padded "
+            "sequences, the cached columns included, with an attention mask of the same length."
         )
     rows = next((layer.keys.shape[0] for layer in cache.layers if layer.is_initialized), input_ids.shape[0])
     if rows != input_ids.shape[0]:
