@@ -510,6 +510,14 @@ def test_a_batch_continuing_a_filled_cache_is_identical_to_the_target_alone(arch
     )  # fmt: skip
     assert torch.equal(expected, fresh)
     assert torch.equal(output, expected)
+    # A batch's own cache ends empty (rows leave it as they finish, and all-hole columns are cropped): continuing it
+    # reads every column again, which is still exact.
+    emptied = DynamicCache(config=target.config)
+    output = target.generate(**first, do_sample=False, max_new_tokens=6, min_new_tokens=6, cache=emptied,
+                             assistant_model=drafter, draft_policy=policy)  # fmt: skip
+    assert torch.equal(output, answered) and emptied.get_seq_length() == 0
+    assert torch.equal(target.generate(**batch, do_sample=False, max_new_tokens=13, cache=emptied,
+                                       assistant_model=drafter, draft_policy=policy), fresh)  # fmt: skip
     with pytest.raises(ValueError, match="the whole sequences"):  # new columns only: the rows' padding is unknown
         target.generate(turn, attention_mask=batch["attention_mask"], max_new_tokens=4, cache=copy.deepcopy(cache),
                         assistant_model=drafter)  # fmt: skip

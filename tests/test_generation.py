@@ -380,6 +380,20 @@ def test_sampling_preserves_target_distribution(sampling, draft_vocab):
 
 
 # ------------------------------------------------------------------------------------------------------ pipeline
+def test_seeded_sampling_with_the_fixed_policy_repeats_exactly():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    prompt = torch.randint(4, 64, (1, 7), generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for _ in range(3):
+        torch.manual_seed(1)
+        outputs.append(
+            target.generate(prompt, max_new_tokens=20, do_sample=True, assistant_model=drafter, draft_policy="fixed")
+        )
+    assert all(torch.equal(output, outputs[0]) for output in outputs)
+    assert max(drafter.last_generation_stats.acceptance_lengths) > 1  # drafts were verified, not plain steps only
+
+
 def test_pipeline_with_drafter_object_and_path(tmp_path):
     from transformers import pipeline
 
@@ -408,6 +422,8 @@ def test_errors_before_any_generation_work(monkeypatch):
     cases = [
         (dict(input_ids=prompt.repeat(2, 1), attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]])), "padding_side"),
         (dict(input_ids=prompt, num_beams=2), "beam search"),
+        (dict(input_ids=prompt, use_cache=False), "use_cache=False"),
+        (dict(input_ids=prompt.repeat(2, 1), use_cache=False), "use_cache=False"),
         (dict(input_ids=prompt, cache_implementation="static"), "dynamic cache"),
         (dict(input_ids=prompt.repeat(2, 1), cache_implementation="static"), "dynamic cache"),
     ]

@@ -220,6 +220,11 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
             f"num_beams={generation_config.num_beams}: beam search cannot be verified with a drafter (transformers "
             "would silently ignore it). Use num_beams=1 with the drafter, or drop assistant_model for beam search."
         )
+    if generation_config.use_cache is False:
+        raise ValueError(
+            "use_cache=False: a drafter's blocks are verified against the target's key/value cache and rolled back "
+            "in it on rejection. Drop use_cache=False (the output is the same), or drop assistant_model."
+        )
     if generation_config.cache_implementation in STATIC_CACHES:
         raise ValueError(
             f"cache_implementation={generation_config.cache_implementation!r} cannot be rolled back after a "
