@@ -570,7 +570,8 @@ def test_a_call_continuing_a_filled_cache_reads_only_the_new_tokens(arch, policy
     if mask:  # without a mask transformers reads the whole prompt again for the target alone too (its rule)
         assert torch.equal(alone, fresh)
         assert read[0] == conversation.shape[1] - cache.get_seq_length()
-    assert len(drafter.last_generation_stats.acceptance_lengths) > 0
+    if policy == "fixed":  # the drafter drafted from the context the prefill gave it
+        assert max(drafter.last_generation_stats.drafted) > 0
 
 
 def test_a_cache_continued_with_new_tokens_only_or_holding_the_whole_prompt():

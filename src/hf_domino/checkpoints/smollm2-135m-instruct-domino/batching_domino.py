@@ -209,8 +209,6 @@ class BatchedDecoding:
         self.policy: AdaptivePolicy | FixedPolicy | None = None
         # Copied drafts, as at batch 1: off with the ensemble option, capped by transformers' prompt-lookup length
         # (their policies are built with the drafter's, `build_policies`).
-        self.lookup_policy: LookupPolicy | None = None
-        self.datastore_policy: LookupPolicy | None = None
         self.copies: RowCopies | None = None
         if options.domino_lookup and generation_config.assistant_ensemble_weight is None:
             max_drafts = options.drafts_per_block(drafter)
@@ -317,17 +315,26 @@ class BatchedDecoding:
         self.policy = batch_policy(
             self.target, self.drafter, self.options, mode, self.target_cache, anchors, forward_kwargs, max_drafts
         )
-        lookup_record, datastore_record = copy_records(self.drafter, self.do_sample)
-        # The drafter's policy learns the verify times (copies share its table and forwards).
-        cost = self.policy.verify_cost if self.policy.adaptive else None
-        self.lookup_policy = LookupPolicy(lookup_record, cost, False)
-        self.datastore_policy = LookupPolicy(datastore_record, cost, False)
         if self.policy.adaptive:
             self.speculated = self.speculating = call_speculates(self.policy.record)
         if self.copies is not None:
-            self.copies.lookup_policy, self.copies.datastore_policy = self.lookup_policy, self.datastore_policy
+            lookup_record, datastore_record = copy_records(self.drafter, self.do_sample)
+            # The drafter's policy learns the verify times (copies share its table and forwards).
+            cost = self.policy.verify_cost if self.policy.adaptive else None
+            self.copies.lookup_policy = LookupPolicy(lookup_record, cost, False)
+            self.copies.datastore_policy = LookupPolicy(datastore_record, cost, False)
             if self.copies.datastore is not None and self.speculating:
                 self.copies.datastore.build_index()  # once per datastore: not inside a timed cycle
+
+    @property
+    def lookup_policy(self) -> LookupPolicy | None:
+        """The policy of copied drafts (None: the call does not copy)."""
+        return None if self.copies is None else self.copies.lookup_policy
+
+    @property
+    def datastore_policy(self) -> LookupPolicy | None:
+        """The policy of drafts retrieved from the datastore (None: the call does not copy)."""
+        return None if self.copies is None else self.copies.datastore_policy
 
     def find_copies(
         self, room: list[int], rooms: list[int] | None, paces: list[float] | None
