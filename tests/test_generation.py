@@ -400,8 +400,14 @@ def test_pipeline_with_drafter_object_and_path(tmp_path):
     tokenizer = letter_tokenizer()
     target = successor_target("qwen3", VOCAB)
     drafter = forcing_drafter(target, successor(1))
-    generator = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter)
-    expected = pipeline("text-generation", model=target, tokenizer=tokenizer)("ab", max_new_tokens=8, do_sample=False)
+    # device=target.device, as docs/usage.md says: else on a GPU machine the pipeline moves the target away from
+    # the drafter object, and generate() refuses the pair.
+    generator = pipeline(
+        "text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter, device=target.device
+    )
+    expected = pipeline("text-generation", model=target, tokenizer=tokenizer, device=target.device)(
+        "ab", max_new_tokens=8, do_sample=False
+    )
     # Domino options pass through the pipeline call to generate() like any generation argument.
     assert generator("ab", max_new_tokens=8, do_sample=False, draft_policy="fixed") == expected
     assert drafter.last_generation_stats.mean_acceptance_length > 2

@@ -79,3 +79,18 @@ def test_the_stalls_stage_runs_here_at_toy_shapes(tmp_path):
     for work in ("bare forwards", "generate(), target alone", "generate(), with the drafter"):
         assert log.count(f"| {work} | ") == 10, log  # 5 repeats x 2 thread counts
     assert "| device ms / forward | involuntary switches | throttled ms | cudaMalloc / retries | SM clock MHz |" in log
+
+
+def test_the_laps_stage_runs_here_with_the_real_models(tmp_path):
+    # The stage that asks where a bf16 drafting cycle's extra 40 ms go (third GPU run), with the bench's real target,
+    # drafter and prompt: every call a row (warm-ups included), then the profile of one call. Off CUDA it runs the
+    # eager head in fp32, small, and has no telemetry to print.
+    result = run(["bash", str(GPU / "stages.sh"), "laps"], tmp_path,
+                 LAPS_DTYPES="float32", LAPS_ARGS="--new-tokens 4 --warmup-tokens 2 --rounds 1 --rows 5")  # fmt: skip
+    log = (tmp_path / "stage" / "results" / "laps.log").read_text()
+    assert "laps: exit 0" in (tmp_path / "stage" / "results" / "stages.log").read_text(), result.stderr + log
+    rows = [line for line in log.splitlines() if line.startswith("| ") and "(warm-up)" not in line]
+    assert len(rows) == 2 + 5, log  # the header, its rule, and the five variants once
+    # one warm-up per distinct call: off CUDA the bench's method runs the eager head, as the second variant does
+    assert sum("(warm-up) |" in line for line in log.splitlines()) == 3, log
+    assert "one call profiled" in log and "Ordered by: internal time" in log and "Self CPU time total" in log, log

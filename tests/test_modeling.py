@@ -280,7 +280,10 @@ def test_remote_code_works_without_hf_domino(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        # A bare environment (no caches, no hub), but the same transformers as the suite: where PYTHONPATH supplies it
+        # (the GPU machine's pinned copy), keep it; `BlockHfDomino` keeps hf_domino out either way.
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+        | ({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("TOKENS"))

@@ -176,8 +176,8 @@ target, tokenizer = load_smollm2()
 tokenizer.padding_side = "left"
 drafter = DominoForSpeculation.from_pretrained(SHIPPED_DRAFTER).to(target.dtype)
 prompts = [[{"role": "user", "content": c}] for c in ("What is 2+2?", "Name three colours, please.", "Say hi.")]
-plain = pipeline("text-generation", model=target, tokenizer=tokenizer)
-assisted = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter)
+plain = pipeline("text-generation", model=target, tokenizer=tokenizer, device=target.device)
+assisted = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter, device=target.device)
 expected = plain(prompts, batch_size=3, max_new_tokens=16, do_sample=False)
 output = assisted(prompts, batch_size=3, max_new_tokens=16, do_sample=False)
 assert output == expected, (output, expected)

@@ -397,7 +397,10 @@ def _ddp_worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
     accelerator.end_training()
 
 
-def test_two_processes_agree_on_weights(tmp_path):
+def test_two_processes_agree_on_weights(tmp_path, monkeypatch):
+    # CPU processes (gloo): accelerate's barrier names the process's GPU (`device_ids=[local rank]`) whenever CUDA is
+    # visible, even with cpu=True, so on a one-GPU machine rank 1 would name a GPU that is not there.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)

@@ -884,6 +884,25 @@ def test_cuda_argmax_ties():
 
 
 @requires_cuda
+def test_cuda_graph_runner_captures_room_for_the_calls_most_drafts():
+    # A call's first block may be short (an adaptive policy's first budget, a warm-up near max_length): told the
+    # call's cap, the runner captures room for it at once, and a later full block replays the same graph.
+    drafter, embed, draft_hidden, base_logits, anchor_ids = cuda_case(torch.float32)
+    num_drafts = draft_hidden.shape[1]
+    runner = fused_head.DominoHeadGraphRunner(drafter, temperature=None, capture_drafts=num_drafts)
+    short = runner(draft_hidden[:, :3], base_logits[:, :3], anchor_ids, embed.weight)
+    full = runner(draft_hidden, base_logits, anchor_ids, embed.weight)
+    assert runner.num_captures == 1 and runner.captured_num_drafts == num_drafts
+    eager = fused_head.TritonRollout(drafter, temperature=None)
+    assert torch.equal(short[0], eager(draft_hidden[:, :3], base_logits[:, :3], anchor_ids, embed.weight)[0])
+    assert torch.equal(full[0], eager(draft_hidden, base_logits, anchor_ids, embed.weight)[0])
+    sized_by_its_block = fused_head.DominoHeadGraphRunner(drafter, temperature=None)
+    sized_by_its_block(draft_hidden[:, :3], base_logits[:, :3], anchor_ids, embed.weight)
+    sized_by_its_block(draft_hidden, base_logits, anchor_ids, embed.weight)
+    assert sized_by_its_block.num_captures == 2
+
+
+@requires_cuda
 def test_cuda_graph_runner_reuses_and_recaptures():
     drafter, embed, draft_hidden, base_logits, anchor_ids = cuda_case(torch.float32)
     runner = fused_head.DominoHeadGraphRunner(drafter, temperature=None)

@@ -53,8 +53,8 @@ case $CALL in
 esac
 
 case "$(cat $S/mode) $CALL" in  # STAGES overrides the mode's stages for this call
-  "proof 1") STAGES=${STAGES-cuda stalls costs micro} ;;
-  "proof 2") STAGES=${STAGES-bf16 batch fp32 suite} ;;
+  "proof 1") STAGES=${STAGES-cuda costs micro} ;;
+  "proof 2") STAGES=${STAGES-laps suite bf16 fp32 batch} ;;
   "finetune 1") STAGES=${STAGES-} ;;
   "finetune 2") STAGES=${STAGES-finetune} ;;
 esac
@@ -62,8 +62,8 @@ esac
 for name in $STAGES; do  # for the call's reply: the results tables, counts and errors; the parts have everything
   [ -f $S/results/$name.log ] || continue
   echo "----- $name"
-  awk '/^\| (method \| (acceptance|draft)|(path|cost|batch) \|)/ { table = 1 } /^\|/ && table { print; next }
-       { table = 0 } / passed| failed|skipped|Error|error:|Implied|^Command|^validation| (FAILED|ERROR) /' \
+  awk '/^\| (method \| (acceptance|draft)|(path|cost|batch|s since start) \|)/ { table = 1 } /^\|/ && table { print; next }
+       { table = 0 } / passed| failed|skipped|Error|error:|Implied|^Command|^validation| (FAILED|ERROR) |^power draw/' \
     $S/results/$name.log | head -80
   if [ $name = suite ]; then  # counted from the verbose lines, so that a suite stopped at the deadline counts too
     for outcome in PASSED FAILED SKIPPED ERROR; do printf '%s %s  ' $outcome "$(grep -c " $outcome " $S/results/suite.log)"; done

@@ -1,6 +1,8 @@
 S=${S:-/root/stage}
 W=${W:-/root/work}
-export PATH=$S/bin:$PATH PYTHONPATH=$S/site:$S/pkgs:$W/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# The caller's PYTHONPATH stays behind ours: the suite runs these scripts inside a stage, whose pinned transformers
+# and prompt sources are only there.
+export PATH=$S/bin:$PATH PYTHONPATH=$S/site:$S/pkgs:$W/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 # A training calibration's speed (pipeline.sh, stages.sh `finetune`): the slowest of the runs' log.jsonl files, in
 # seconds per step after the first (warm-up) step.

@@ -6,7 +6,8 @@
 # limit, and never past $DEADLINE (epoch seconds), so that a call ends with its results inside the device's time; a
 # stage with under 20 s left is skipped. Sizes can be shrunk to check the script on a CPU:
 #   S=/tmp/stage W=$PWD PROMPTS=1 TOKENS=8 COST_SHAPE=tiny STALL_SHAPE=tiny MICRO_REPS=2 METHODS=target,domino_vocab_k16@eager \
-#     BATCH_PROMPTS=2 BATCH_TOKENS=8 BATCH_SIZES=1,2 bash examples/gpu/stages.sh costs bf16 batch
+#     BATCH_PROMPTS=2 BATCH_TOKENS=8 BATCH_SIZES=1,2 LAPS_DTYPES=float32 LAPS_ARGS="--new-tokens 4 --warmup-tokens 2 --rounds 1" \
+#     bash examples/gpu/stages.sh costs bf16 batch laps
 set -uo pipefail
 S=${S:-/root/stage}
 source "$(dirname "$0")/env.sh"
@@ -15,6 +16,8 @@ cd $W
 DEADLINE=${DEADLINE:-$(( $(date +%s) + 86400 ))}
 PROMPTS=${PROMPTS:-4}; TOKENS=${TOKENS:-128}; COST_SHAPE=${COST_SHAPE:-qwen3-8b}; MICRO_REPS=${MICRO_REPS:-100}
 STALL_SHAPE=${STALL_SHAPE:-smollm2-135m}
+# the bf16 slow state, then fp32 beside it (two processes); LAPS_ARGS adds options (smaller calls to check it on a CPU)
+LAPS_DTYPES=${LAPS_DTYPES:-bfloat16 float32}; LAPS_ARGS=${LAPS_ARGS:-}
 BATCH_PROMPTS=${BATCH_PROMPTS:-8}; BATCH_TOKENS=${BATCH_TOKENS:-32}; BATCH_SIZES=${BATCH_SIZES:-1,8}
 PYTEST_WORKERS=${PYTEST_WORKERS:-14}  # xdist and pytest-timeout: on the image
 VOCAB=src/hf_domino/checkpoints/smollm2-135m-instruct-domino/draft_vocab.safetensors
@@ -110,6 +113,8 @@ for name in "$@"; do
     cuda) stage cuda 150 python3 -m pytest -v -rfEs --tb=short -p no:cacheprovider tests/test_triton_head.py tests/test_cpu_fast_path.py \
       tests/test_on_cuda.py tests/test_training.py -k cuda ;;
     micro) stage micro 90 micro ;;
+    laps) stage laps 150 bash -c "for dtype in $LAPS_DTYPES; do python3 examples/gpu/lap_probe.py --dtype \$dtype \
+      --new-tokens 48 --rounds \$([ \$dtype = bfloat16 ] && echo 2 || echo 1) $LAPS_ARGS; done" ;;
     stalls) stage stalls 100 bash -c "for threads in 8 1; do python3 examples/gpu/stall_probe.py --shape $STALL_SHAPE \
       --dtype bfloat16 --repeats 5 --threads \$threads; done" ;;
     costs) stage costs 120 python3 examples/gpu/cycle_costs.py --shape $COST_SHAPE --dtype bfloat16 --profile 16 ;;

@@ -141,6 +141,9 @@ class DominoConfig(Qwen3Config):
     """
 
     model_type = "domino"
+    # No drafter without its target layers, so no default instance: older transformers 5 releases (5.17, say) build
+    # one to diff against in `to_diff_dict` (every `repr`, so every load of remote code) unless this says so.
+    has_no_defaults_at_init = True
 
     block_size: int = 16
     num_target_layers: int | None = None

@@ -127,7 +127,10 @@ class DominoHeadGraphRunner(TritonRollout):
     drafts than captured. A call with fewer replays the captured graph and keeps the leading rows and positions,
     which is exact because rows are independent and a draft position never depends on later ones (blocks shrink
     near `max_length` and a batch's rows retire as they finish; re-capturing there would cost more than the few
-    wasted positions). Weights updated in place are picked up without
+    wasted positions). A runner told the call's most drafts per block (`capture_drafts`) captures room for them from
+    its first block: a call's blocks then replay one graph, and the kernels compile for one shape (Triton specializes
+    an integer argument that is 1 or a multiple of 16, so a block of 16 drafts after one of 12 compiled anew, 0.3-1 s
+    each on the third GPU run). Weights updated in place are picked up without
     re-capture: the graph reads them by address. The temperature and the sampling seed live in device buffers, so
     neither forces a re-capture. Top-k / top-p / min-p warpers are torch ops on the workspace's logits, captured with
     the kernels (their parameters are read at capture: a runner serves one `generate()` call's settings).
@@ -141,6 +144,7 @@ class DominoHeadGraphRunner(TritonRollout):
         warpers: when sampling, the score-only warpers that follow the temperature (`split_processors`).
         fallback_on_capture_error: when capture fails (e.g. inside another capture), warn once and run the fused
             kernels without a graph from then on, instead of raising.
+        capture_drafts: the drafts per block a capture makes room for at least (the call's cap; 0: the block's own).
     """
 
     def __init__(
@@ -151,9 +155,11 @@ class DominoHeadGraphRunner(TritonRollout):
         head: bool = True,
         warpers: LogitsProcessorList | None = None,
         fallback_on_capture_error: bool = False,
+        capture_drafts: int = 0,
     ):
         super().__init__(drafter, temperature=temperature, head=head, warpers=warpers)
         self.fallback_on_capture_error = fallback_on_capture_error
+        self.capture_drafts = capture_drafts
         self.num_captures = 0
         self._key: tuple | None = None
         self._size: tuple[int, int] = (0, 0)  # (rows, drafts) captured
@@ -214,7 +220,7 @@ class DominoHeadGraphRunner(TritonRollout):
         key = self._config_key(weights, draft_hidden, base_logits, target_embed_weight, vocab)
         # Same configuration, with as many rows and drafts or fewer: replay.
         if key != self._key or rows > self._size[0] or num_drafts > self._size[1]:
-            size = (rows, num_drafts)
+            size = (rows, max(num_drafts, self.capture_drafts))
             if key == self._key:  # grow, never shrink: the next call may have the rows or drafts this one lacks
                 size = (max(rows, self._size[0]), max(num_drafts, self._size[1]))
             self.reset()
@@ -366,6 +372,7 @@ def select_rollout(
     do_sample: bool,
     logits_processor: LogitsProcessorList | None,
     mode: str = "auto",
+    max_drafts: int = 0,
 ) -> Rollout | None:
     """Chooses how a `generate()` call rolls the Domino head out: a fused ladder `Rollout`, or `None` for eager.
 
@@ -382,6 +389,8 @@ def select_rollout(
             CUDA, Triton imports and nothing above rules it out, else `None`), `"eager"` (`None`), `"triton"` (fused
             kernels, no graph) or `"triton+graph"`. The forced modes raise, saying why, when they cannot run rather
             than falling back.
+        max_drafts: the call's most drafts per block, which a CUDA graph captures room for from its first block
+            (`DominoHeadGraphRunner`'s `capture_drafts`; 0: each capture sized by its block).
 
     Returns:
         A `FusedRollout` (`(block, prefix_ids) -> Drafts`) wrapping a `DominoHeadGraphRunner` or a `TritonRollout`,
@@ -404,7 +413,11 @@ def select_rollout(
 
     if mode == "auto":
         fused = DominoHeadGraphRunner(
-            drafter, temperature=sampling_temperature, warpers=warpers, fallback_on_capture_error=True
+            drafter,
+            temperature=sampling_temperature,
+            warpers=warpers,
+            fallback_on_capture_error=True,
+            capture_drafts=max_drafts,
         )
     elif drafter.device.type != "cuda" and not kernels.kernels_interpreted():
         raise RuntimeError(
@@ -416,7 +429,9 @@ def select_rollout(
             raise RuntimeError(
                 "domino_rollout='triton+graph' needs CUDA (CUDA graphs); use 'triton' under the interpreter."
             )
-        fused = DominoHeadGraphRunner(drafter, temperature=sampling_temperature, warpers=warpers)
+        fused = DominoHeadGraphRunner(
+            drafter, temperature=sampling_temperature, warpers=warpers, capture_drafts=max_drafts
+        )
     else:
         fused = TritonRollout(drafter, temperature=sampling_temperature, warpers=warpers)
     return FusedRollout(fused, target)

@@ -195,7 +195,12 @@ class BatchedDecoding:
         # The fused head (one launch per kernel for all rows, and a CUDA graph) where the call allows it, else None:
         # the eager `batched_rollout`.
         self.fused_rollout = select_fused_rollout(
-            drafter, self.modules, options, do_sample=self.do_sample, logits_processor=logits_processor
+            drafter,
+            self.modules,
+            options,
+            do_sample=self.do_sample,
+            logits_processor=logits_processor,
+            max_drafts=options.drafts_per_block(drafter),
         )
         self.device = input_ids.device
         self.mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()

@@ -253,6 +253,7 @@ def select_fused_rollout(
     *,
     do_sample: bool,
     logits_processor: LogitsProcessorList | None,
+    max_drafts: int = 0,
 ) -> RowsRollout | None:
     """The fused Triton/CUDA-graph head rollout for a `generate()` call (`hf_domino.fused_head.FusedRollout`: a
     ladder `Rollout`, and `draft_rows` for a batch), or `None` where the eager one runs.
@@ -276,7 +277,7 @@ def select_fused_rollout(
             raise
         return None
     return fused_head.select_rollout(
-        drafter, target, do_sample=do_sample, logits_processor=logits_processor, mode=mode
+        drafter, target, do_sample=do_sample, logits_processor=logits_processor, mode=mode, max_drafts=max_drafts
     )
 
 

@@ -346,7 +346,12 @@ class DominoCandidateGenerator(CandidateGenerator):
             (lambda confidence: self.policy.keep_rolling(confidence)) if options.draft_policy == "adaptive" else None
         )
         fused = select_fused_rollout(
-            drafter, self.target, options, do_sample=self.do_sample, logits_processor=self.logits_processor
+            drafter,
+            self.target,
+            options,
+            do_sample=self.do_sample,
+            logits_processor=self.logits_processor,
+            max_drafts=self.max_drafts,
         )
         if fused is not None:
             return fused
