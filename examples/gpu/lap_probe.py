@@ -2,7 +2,7 @@
 
 The third GPU run (2026-11-27, docs/benchmarks.md, "Third run on a GPU") found the bf16 slowness of the second one
 again, and sharper: inside each `hf-domino bench` process, every drafting cycle's `backbone` lap took 3-5 ms for the
-first 8-12 cycles, then 40-45 ms for every later cycle of every later call, and verifications jumped between ~27 and
+first 8-12 cycles, then 40-49 ms for every later cycle of every later call, and verifications jumped between ~27 and
 ~70 ms; fp32 stayed at 3 ms. The random-weight Qwen3 of `stall_probe.py` never entered that state. This runs the
 bench's method on the first MT-Bench prompt with the real SmolLM2 target and the shipped drafter (`run_method`, the
 bench's own call), call after call in one process, and prints for each call its laps: the first cycles' and the
@@ -41,23 +41,30 @@ from hf_domino.measure import run_method
 
 BENCH_METHOD = "domino_vocab_k16@triton+graph"  # the bf16 stage's whole blocks, the head fused with its graph
 VARIANTS = (BENCH_METHOD, "domino_vocab_k16@eager", "domino_k16@triton+graph", "target", BENCH_METHOD)
-TELEMETRY = "timestamp,pstate,clocks.sm,clocks.mem,power.draw,utilization.gpu,clocks_throttle_reasons.active"
+# Why the clocks are below their maximum is `clocks_event_reasons` in newer drivers, `clocks_throttle_reasons` before.
+TELEMETRY = tuple(
+    f"timestamp,pstate,clocks.sm,clocks.mem,power.draw,utilization.gpu,clocks_{reasons}_reasons.active"
+    for reasons in ("event", "throttle")
+)
 
 
-def start_telemetry(path: str) -> subprocess.Popen | None:
-    """`nvidia-smi` sampling the GPU every 200 ms into `path`, or None where there is no nvidia-smi."""
+def start_telemetry(path: str) -> tuple[subprocess.Popen, str] | None:
+    """`nvidia-smi` sampling the GPU every 200 ms into `path`, with the fields this driver knows; None where there is
+    no nvidia-smi or it knows neither field list."""
     if shutil.which("nvidia-smi") is None:
         return None
-    with open(path, "w") as out:
-        return subprocess.Popen(
-            ["nvidia-smi", f"--query-gpu={TELEMETRY}", "--format=csv,noheader", "-lms", "200"], stdout=out
-        )
+    for fields in TELEMETRY:
+        query = ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"]
+        if subprocess.run(query, capture_output=True).returncode == 0:
+            with open(path, "w") as out:
+                return subprocess.Popen([*query, "-lms", "200"], stdout=out), fields
+    return None
 
 
-def summarize_telemetry(samples: list[str]) -> str:
-    """The samples where the GPU's P-state, clocks or throttle reasons changed, and the range of its power and
+def summarize_telemetry(samples: list[str], fields: str) -> str:
+    """The samples where the GPU's P-state, clocks or clock event reasons changed, and the range of its power and
     utilization over the whole run."""
-    lines = [f"\nGPU telemetry ({len(samples)} samples, every 200 ms: {TELEMETRY}); where the state changed:"]
+    lines = [f"\nGPU telemetry ({len(samples)} samples, every 200 ms: {fields}); where the state changed:"]
     previous, power, busy = None, [], []
     for sample in samples:
         fields = [field.strip() for field in sample.split(",")]
@@ -67,11 +74,20 @@ def summarize_telemetry(samples: list[str]) -> str:
         if state != previous:
             lines.append(sample)
             previous = state
-        power.append(fields[4])
-        busy.append(fields[5])
-    if power:
-        lines.append(f"power draw {min(power)} .. {max(power)}; utilization {min(busy)} .. {max(busy)}")
+        power.append(leading_number(fields[4]))
+        busy.append(leading_number(fields[5]))
+    power, busy = [x for x in power if x is not None], [x for x in busy if x is not None]
+    if power and busy:
+        lines.append(f"power draw {min(power):.0f}-{max(power):.0f} W; utilization {min(busy):.0f}-{max(busy):.0f}%")
     return "\n".join(lines)
+
+
+def leading_number(field: str) -> float | None:
+    """`"123.45 W"` -> 123.45; None for what nvidia-smi could not read (`[N/A]`)."""
+    try:
+        return float(field.split()[0])
+    except (IndexError, ValueError):
+        return None
 
 
 def median_ms(values: list[float]) -> str:
@@ -148,10 +164,13 @@ def main() -> None:
         print(describe_call(method + label, generation, cpu_seconds, began), flush=True)
     print(f"\n{variants[0]}, one call profiled:\n")
     print(profile_call(lambda: run_method(variants[0], target, drafter, prompt, args.new_tokens), args.rows, on_cuda))
+    if telemetry is None and on_cuda:
+        print("\nNo GPU telemetry: nvidia-smi is missing or knows neither list of fields.")
     if telemetry is not None:
-        telemetry.terminate()
-        telemetry.wait()
-        print(summarize_telemetry(open(telemetry_path).read().splitlines()))
+        sampler, fields = telemetry
+        sampler.terminate()
+        sampler.wait()
+        print(summarize_telemetry(open(telemetry_path).read().splitlines(), fields))
         apps = subprocess.run(
             ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv"],
             capture_output=True, text=True,
