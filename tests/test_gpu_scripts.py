@@ -90,7 +90,8 @@ def test_the_laps_stage_runs_here_with_the_real_models(tmp_path):
     log = (tmp_path / "stage" / "results" / "laps.log").read_text()
     assert "laps: exit 0" in (tmp_path / "stage" / "results" / "stages.log").read_text(), result.stderr + log
     rows = [line for line in log.splitlines() if line.startswith("| ") and "(warm-up)" not in line]
-    assert len(rows) == 2 + 5, log  # the header, its rule, and the five variants once
+    assert len(rows) == 2 + 6, log  # the header, its rule, and the six variants once
+    assert sum(" (no timings) |" in line for line in rows) == 1, log
     # one warm-up per distinct call: off CUDA the bench's method runs the eager head, as the second variant does
-    assert sum("(warm-up) |" in line for line in log.splitlines()) == 3, log
+    assert sum("(warm-up) |" in line for line in log.splitlines()) == 4, log
     assert "one call profiled" in log and "Ordered by: internal time" in log and "Self CPU time total" in log, log

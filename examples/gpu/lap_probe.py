@@ -7,7 +7,7 @@ first 8-12 cycles, then 40-49 ms for every later cycle of every later call, and 
 bench's method on the first MT-Bench prompt with the real SmolLM2 target and the shipped drafter (`run_method`, the
 bench's own call), call after call in one process, and prints for each call its laps: the first cycles' and the
 later ones' median backbone lap, the verify lap, the process's CPU time against wall time, and its thread count. Variants
-(eager head, no draft vocabulary, the target alone) follow one another, so a state that sets in once and stays
+(eager head, no draft vocabulary, no timings, the target alone) follow one another, so a state that sets in once and stays
 shows as such. Beside it, the GPU's P-state, clocks, power and throttle reasons, and the compute processes on it, are
 sampled (`nvidia-smi`); at the end one call of the bench's method is profiled: host Python functions by own time,
 and torch ops by host and by device time. On a GPU:
@@ -40,7 +40,16 @@ from hf_domino.assets import encode_chat, load_drafter, load_mtbench, load_targe
 from hf_domino.measure import run_method
 
 BENCH_METHOD = "domino_vocab_k16@triton+graph"  # the bf16 stage's whole blocks, the head fused with its graph
-VARIANTS = (BENCH_METHOD, "domino_vocab_k16@eager", "domino_k16@triton+graph", "target", BENCH_METHOD)
+# (method, timings): the bench reads a clock after each step of a cycle, waiting for the device each time; the
+# random-weight probe, which never slowed down, read none. Its wall time per forward says whether the waits matter.
+VARIANTS = (
+    (BENCH_METHOD, True),
+    ("domino_vocab_k16@eager", True),
+    ("domino_k16@triton+graph", True),
+    (BENCH_METHOD, False),
+    ("target", True),
+    (BENCH_METHOD, True),
+)
 # Why the clocks are below their maximum is `clocks_event_reasons` in newer drivers, `clocks_throttle_reasons` before.
 TELEMETRY = tuple(
     f"timestamp,pstate,clocks.sm,clocks.mem,power.draw,utilization.gpu,clocks_{reasons}_reasons.active"
@@ -145,7 +154,9 @@ def main() -> None:
     print(f"{args.dtype}, {torch.cuda.get_device_name() if on_cuda else 'cpu'}, torch {torch.__version__}, "
           f"{args.threads} torch threads, {prompt.shape[1]} prompt tokens, {args.new_tokens} new tokens per call\n")  # fmt: skip
     # Off CUDA the fused head does not run (without Triton's interpreter): the same calls with the eager head.
-    variants = VARIANTS if on_cuda else tuple(method.replace("@triton+graph", "@eager") for method in VARIANTS)
+    variants = [
+        (method if on_cuda else method.replace("@triton+graph", "@eager"), timed) for method, timed in VARIANTS
+    ]
     print(
         "| s since start | method | target forwards | wall ms / forward | CPU ms / forward | backbone, first 8 "
         "| backbone, later | backbone > 20 ms | verify | Python / OS threads |"
@@ -153,17 +164,19 @@ def main() -> None:
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     # The warm-up (kernels compiled, graphs captured, as the bench warms up) is printed too: the second run's state
     # set in within a process's first calls.
-    calls = [(method, args.warmup_tokens, " (warm-up)") for method in dict.fromkeys(variants)]
-    calls += [(method, args.new_tokens, "") for _ in range(args.rounds) for method in variants]
+    calls = [(method, timed, args.warmup_tokens, " (warm-up)") for method, timed in dict.fromkeys(variants)]
+    calls += [(method, timed, args.new_tokens, "") for _ in range(args.rounds) for method, timed in variants]
     start = time.perf_counter()
-    for method, new_tokens, label in calls:
+    for method, timed, new_tokens, label in calls:
         began, cpu = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
-        generation = run_method(method, target, drafter, prompt, new_tokens)
+        generation = run_method(method, target, drafter, prompt, new_tokens, record_timings=timed)
         after = resource.getrusage(resource.RUSAGE_SELF)
         cpu_seconds = after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
-        print(describe_call(method + label, generation, cpu_seconds, began), flush=True)
-    print(f"\n{variants[0]}, one call profiled:\n")
-    print(profile_call(lambda: run_method(variants[0], target, drafter, prompt, args.new_tokens), args.rows, on_cuda))
+        name = method + ("" if timed or method == "target" else " (no timings)") + label
+        print(describe_call(name, generation, cpu_seconds, began), flush=True)
+    method = variants[0][0]
+    print(f"\n{method}, one call profiled:\n")
+    print(profile_call(lambda: run_method(method, target, drafter, prompt, args.new_tokens), args.rows, on_cuda))
     if telemetry is None and on_cuda:
         print("\nNo GPU telemetry: nvidia-smi is missing or knows neither list of fields.")
     if telemetry is not None:
