@@ -222,7 +222,7 @@ class DominoHeadGraphRunner(TritonRollout):
         if key != self._key or rows > self._size[0] or num_drafts > self._size[1]:
             size = (rows, max(num_drafts, self.capture_drafts))
             if key == self._key:  # grow, never shrink: the next call may have the rows or drafts this one lacks
-                size = (max(rows, self._size[0]), max(num_drafts, self._size[1]))
+                size = (max(size[0], self._size[0]), max(size[1], self._size[1]))
             self.reset()
             try:
                 self._check_vocab_once(vocab, target_embed_weight)

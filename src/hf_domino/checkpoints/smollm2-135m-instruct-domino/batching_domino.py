@@ -135,7 +135,8 @@ def _cached_columns(
     cached = cache.get_seq_length() if cache is not None else 0
     if not cached:
         return 0
-    if uncached_prompt_length(cache, input_ids, attention_mask, generation_config) is None:
+    uncached = uncached_prompt_length(cache, input_ids, attention_mask, generation_config)
+    if uncached is None:
         raise ValueError(
             f"The cache passed to generate() holds {cached} columns, and input_ids ({input_ids.shape[1]} columns) are "
             "not the whole sequences the attention mask covers: a batch continuing a cache needs the whole padded "
@@ -147,7 +148,7 @@ def _cached_columns(
             f"The cache passed to generate() holds {rows} rows and the batch has {input_ids.shape[0]}: continue a "
             "cache with the same rows it was filled with (num_return_sequences > 1 repeats the rows, not the cache)."
         )
-    return cached
+    return input_ids.shape[1] - uncached
 
 
 class BatchedDecoding:
