@@ -326,6 +326,34 @@ def test_cli_bench_samples_with_top_k_and_top_p(target, drafter, tokenizer, tmp_
         cli.main([*argv, "--temperature", "0.7", "--top-p", "0.9", "--batch-size", "2"])
 
 
+def test_cli_bench_on_a_static_cache(target, drafter, tokenizer, tmp_path, monkeypatch):
+    # Every generate() method runs on a static cache (the target alone too: the speedup is against what a user who
+    # compiles gets); transformers decides whether to compile (a GPU), and the report says what it did.
+    from hf_domino.options_domino import static_caches_roll_back
+
+    seen = []
+    original = measure.compile_kwargs
+    monkeypatch.setattr(measure, "compile_kwargs", lambda *args: seen.append(original(*args)) or seen[-1])
+    argv = saved_bench_argv(target, drafter, tokenizer, tmp_path)
+    argv += ["--num-prompts", "1", "--max-new-tokens", "6", "--threads", "1", "--device", "cpu", "--no-progress"]
+    argv += ["--methods", "target,domino", "--no-cpu-fast-path", "--output-dir", str(tmp_path / "out")]
+    if static_caches_roll_back():
+        assert cli.main([*argv, "--static-cache"]) == 0
+        written = json.loads((tmp_path / "out" / "bench.json").read_text())
+        assert seen and all(kw == {"cache_implementation": "static"} for kw in seen)
+        assert written["metadata"]["cache"] == "static" and written["metadata"]["target_forward"] == "not compiled"
+        assert all(s["greedy_mismatches"] == 0 for s in written["summary"].values())
+        assert "--static-cache" in written["metadata"]["command"]
+    assert measure.compile_kwargs(None, "off") == {"disable_compile": True}
+    assert measure.compile_kwargs("static", "on")["compile_config"]._compile_all_devices
+    with pytest.raises(SystemExit, match="batches and the manual loop keep a dynamic cache"):
+        cli.main([*argv, "--static-cache", "--batch-size", "1"])
+    with pytest.raises(SystemExit, match="--compile applies to --static-cache runs"):
+        cli.main([*argv, "--compile", "on"])
+    with pytest.raises(SystemExit, match="prompt lookup overflows a static cache"):
+        cli.main([*argv, "--static-cache", "--methods", "target,prompt_lookup"])
+
+
 def test_a_stopped_bench_leaves_the_tables_of_the_prompts_it_finished(
     target, drafter, tokenizer, tmp_path, monkeypatch
 ):

@@ -96,3 +96,27 @@ def test_cuda_adaptive_policy_learns_its_times_on_the_device():
     assert torch.equal(output, expected) and any(drafter.last_generation_stats.drafted)
     records = policy_domino._RECORDS[drafter]
     assert any(record.backbone_seconds is not None for record in records.values()), records.keys()
+
+
+def test_cuda_static_cache_runs_the_compiled_forward_and_stays_identical():
+    # On a GPU transformers compiles the verifying forward by itself once the cache is static (inductor, CUDA graphs);
+    # the drafter's blocks go through it unchanged (test_static_cache.py checks the same on the CPU's eager backend).
+    from hf_domino.options_domino import static_caches_roll_back
+
+    if not static_caches_roll_back():
+        pytest.skip("static caches roll back from transformers 5.24")
+    target = tiny_target("qwen3").cuda()
+    drafter = tiny_drafter(target).cuda()
+    prompt = torch.tensor([[5, 17, 42, 8, 9]], device="cuda")
+    try:
+        for policy in ("fixed", "adaptive"):
+            expected = target.generate(prompt, max_new_tokens=24, do_sample=False)
+            output = target.generate(
+                prompt, max_new_tokens=24, do_sample=False, cache_implementation="static", assistant_model=drafter,
+                draft_policy=policy,
+            )  # fmt: skip
+            assert torch.equal(output, expected), policy
+        assert hasattr(target, "_compiled_call")
+        assert sum(drafter.last_generation_stats.drafted) > 0
+    finally:
+        torch._dynamo.reset()

@@ -27,6 +27,9 @@ VOCAB=src/hf_domino/checkpoints/smollm2-135m-instruct-domino/draft_vocab.safeten
 # MT-Bench prompts in 258 s, HumanEval's first prompt only): 3 methods x 4 prompts per set now.
 METHODS=${METHODS:-target,domino_vocab_k16@triton+graph,domino_vocab_lookup}
 FP32_METHODS=${FP32_METHODS:-target,domino_vocab_k16@triton+graph,domino_vocab_lookup}
+# A static cache, where transformers compiles the target's forward (CUDA graphs) for the target alone and for the
+# loop verifying the drafts alike: what a GPU user who compiles gets (transformers 5.24; docs/usage.md).
+STATIC_METHODS=${STATIC_METHODS:-target,domino_vocab_lookup,domino_vocab_k16@triton+graph}
 # issue 20 on a GPU: the default (the head fused for all rows, with a CUDA graph) against the batched target alone,
 # at 1 and 8 rows. The second run's stage (also `domino_lookup@eager` and `domino_lookup_makespan`, sizes 1, 2, 4, 8,
 # 8 prompts x 64 tokens) wrote nothing in its 120 s; those questions come after this one.
@@ -63,10 +66,10 @@ micro() {  # the head alone: Qwen3-8B shapes, the shipped drafter's without and 
   done
 }
 
-bench() {  # bench DTYPE METHODS: end to end with the SmolLM2 target and the shipped drafter, both prompt sets
-  for prompts in mtbench humaneval; do
+bench() {  # bench DTYPE METHODS [PROMPT SETS [EXTRA FLAGS]]: the SmolLM2 target and the shipped drafter, end to end
+  for prompts in ${3:-mtbench humaneval}; do
     hf-domino bench --target smollm2 --prompts $prompts --num-prompts $PROMPTS --max-new-tokens $TOKENS \
-      --temperature 0 --threads 8 --seed 0 --dtype $1 --methods $2 --output-dir $R/$1-$prompts
+      --temperature 0 --threads 8 --seed 0 --dtype $1 --methods $2 --output-dir $R/$1${4:+-static}-$prompts ${4:-}
   done
 }
 
@@ -119,6 +122,7 @@ for name in "$@"; do
       --dtype bfloat16 --repeats 5 --threads \$threads; done" ;;
     costs) stage costs 120 python3 examples/gpu/cycle_costs.py --shape $COST_SHAPE --dtype bfloat16 --profile 16 ;;
     bf16) stage bf16 240 bench bfloat16 $METHODS ;;
+    static) stage static 180 bench bfloat16 $STATIC_METHODS mtbench --static-cache ;;
     fp32) stage fp32 120 bench float32 $FP32_METHODS ;;
     batch) stage batch 100 batch $BATCH_METHODS ;;
     finetune) stage finetune 600 finetune ;;

@@ -20,7 +20,7 @@ import transformers
 
 from . import assets
 from .cpu_fast_path import prepare_for_cpu_decoding
-from .measure import METHODS, BenchResult, BenchSettings, parse_method, run_benchmark
+from .measure import COMPILE_MODES, METHODS, BenchResult, BenchSettings, parse_method, run_benchmark
 from .measure_batch import BATCH_METHODS, batch_markdown, parse_batch_method, run_batch_benchmark
 from .report import markdown_report, write_report
 
@@ -140,6 +140,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="dtype of both models"
     )
     parser.add_argument(
+        "--static-cache",
+        action="store_true",
+        help="every method generates on a static cache (cache_implementation='static', transformers>=5.24), the "
+        "target alone included; on a GPU transformers then compiles the target's forward (see --compile)",
+    )
+    parser.add_argument(
+        "--compile",
+        choices=COMPILE_MODES,
+        default="auto",
+        help="with --static-cache: auto compiles the target's forward where transformers does (a GPU), on also on a "
+        "CPU (minutes of compiling), off never",
+    )
+    parser.add_argument(
         "--no-cpu-fast-path",
         action="store_true",
         help="on a CPU, keep eager linear layers (default: hf_domino.prepare_for_cpu_decoding on both models, and "
@@ -158,7 +171,7 @@ def command_line(args: argparse.Namespace) -> str:
     for key, value in vars(args).items():
         if key in ("module_name", "command", "progress", *unused) or value is None or value is False:
             continue
-        if (key, value) in (("top_k", 0), ("top_p", 1.0)):  # off: the commands in the docs stay as they were
+        if (key, value) in (("top_k", 0), ("top_p", 1.0), ("compile", "auto")):  # defaults: the docs' commands stay
             continue
         value = ",".join(map(str, value)) if isinstance(value, list) else value
         parts.append(f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}"))
@@ -189,6 +202,16 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("hf-domino bench: --top-k/--top-p apply to sampling; pass --temperature > 0 with them.")
     if warped and args.batch_size:
         raise SystemExit("hf-domino bench: --top-k/--top-p are for per-prompt runs; drop them with --batch-size.")
+    if args.static_cache and (args.batch_size or "manual" in methods):
+        raise SystemExit(
+            "hf-domino bench: --static-cache is for generate() one prompt at a time: batches and the manual loop keep "
+            "a dynamic cache. Drop --batch-size or the manual method."
+        )
+    if args.static_cache and "prompt_lookup" in methods:
+        # transformers 5.24's own candidates run past the static cache's last column near max_length (IndexError).
+        raise SystemExit("hf-domino bench: transformers' prompt lookup overflows a static cache; drop prompt_lookup.")
+    if args.compile != "auto" and not args.static_cache:
+        raise SystemExit("hf-domino bench: --compile applies to --static-cache runs (transformers compiles no other).")
     if args.batch_size:
         return run_batches(args, metadata, dtype)
     if args.repeats != 1:
@@ -222,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
         prompt_lookup_tokens=args.prompt_lookup_tokens,
         warmup_tokens=args.warmup_tokens,
         num_speculative_tokens=args.num_speculative_tokens,
+        cache_implementation="static" if args.static_cache else None,
+        compile=args.compile,
     )
     prompt_set = Path(args.prompts).stem if Path(args.prompts).suffix else args.prompts
     mean_prompt = sum(p.shape[1] for p in prompts) / max(len(prompts), 1)
@@ -232,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
         "drafter": str(args.drafter or assets.SHIPPED_DRAFTER) + (" (random weights)" if args.random_weights else ""),
         "dtype": args.dtype,
         "cpu_fast_path": fast_path,
+        "cache": "static" if args.static_cache else "dynamic",
         "prompts": f"{prompt_set} ({len(prompts)} prompts, mean {mean_prompt:.0f} prompt tokens, chat template)",
         "speedup": "tokens/s of the method over tokens/s of the target alone, totals over all prompts, same run",
     }
@@ -246,6 +272,8 @@ def run(args: argparse.Namespace) -> int:
         partial.write_text(f"Partial: {done} of {len(prompts)} prompts\n\n" + markdown_report(result))
 
     result = run_benchmark(target, drafter, prompts, methods, settings, progress=args.progress, on_prompt=save_partial)
+    if args.static_cache:  # whether transformers compiled it is its own decision (--compile auto): say which it took
+        metadata["target_forward"] = "compiled" if hasattr(target, "_compiled_call") else "not compiled"
     result.metadata, result.title = metadata, f"({prompt_set}, {decoding})"
     paths = write_report(result, output_dir)
     partial.unlink(missing_ok=True)

@@ -134,6 +134,25 @@ def measure_verify_cost(
     return VerifyCost(seconds)
 
 
+# Tokens of context under a table measured on a scratch cache (ids do not change a cost).
+CALIBRATION_CONTEXT = 32
+
+
+@torch.no_grad()
+def measure_verify_cost_on_scratch(
+    target: PreTrainedModel, forward_kwargs: dict[str, Any], rows: int = 1, device: torch.device | None = None
+) -> VerifyCost:
+    """`measure_verify_cost` on a dynamic cache of its own, `CALIBRATION_CONTEXT` tokens in each of `rows` rows: before
+    any call (`prepare_for_cpu_decoding`), or where the call's cache cannot take a 17-token block and give it back (a
+    static cache holds the call's `max_length` only)."""
+    from transformers import DynamicCache
+
+    context = torch.zeros(rows, CALIBRATION_CONTEXT, dtype=torch.long, device=device or target.device)
+    cache = DynamicCache(config=target.config)
+    target(input_ids=context, use_cache=True, **cache_argument(cache))
+    return measure_verify_cost(target, cache, context[:, -1:], forward_kwargs)
+
+
 def verify_cost_for(target: PreTrainedModel, measure) -> VerifyCost:
     """The process-wide cost table of `target` on its device and dtype, measured with `measure()` on first use."""
     costs, key = _VERIFY_COSTS.setdefault(target, {}), (str(target.device), str(target.dtype))
@@ -248,6 +267,7 @@ __all__ = [
     "measure_verify_cost",
     "row_paces",
     "settle_for_timing",
+    "measure_verify_cost_on_scratch",
     "synchronize",
     "timing_is_free",
     "verify_cost_for",

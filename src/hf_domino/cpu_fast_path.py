@@ -53,7 +53,7 @@ import contextvars
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,9 +61,6 @@ from torch.nn import functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-if TYPE_CHECKING:
-    from .cost_model_domino import VerifyCost
 
 logger = logging.getLogger(__name__)
 
@@ -347,24 +344,6 @@ def _pack_draft_vocabulary(target: nn.Module, drafter: nn.Module) -> None:
                 head.rows_linear(head.weight.new_zeros(1, 1, head.in_features), vocab)
 
 
-# Tokens of context under the verify-cost table measured by `prepare_for_cpu_decoding` (ids do not change a cost).
-CALIBRATION_CONTEXT = 32
-
-
-@torch.no_grad()
-def _time_forwards(target: nn.Module, rows: int, layers: list[int]) -> VerifyCost:
-    """`measure_verify_cost` over a `CALIBRATION_CONTEXT`-token context in each of `rows` rows."""
-    from transformers import DynamicCache
-
-    from .cache_domino import cache_argument
-    from .cost_model_domino import measure_verify_cost
-
-    context = torch.zeros(rows, CALIBRATION_CONTEXT, dtype=torch.long)
-    cache = DynamicCache(config=target.config)
-    target(input_ids=context, use_cache=True, **cache_argument(cache))
-    return measure_verify_cost(target, cache, context[:, -1:], {"output_hidden_states": layers})
-
-
 def _measure_verify_cost(target: nn.Module, drafter: nn.Module, batch_size: int, report: CpuFastPathReport) -> None:
     """The prepared target's verify-cost table, which the adaptive policy reads, measured now rather than in the first
     generate() with the drafter: 0.4 s of it on 2 cores for the 135M target, a tenth of a first 128-token answer.
@@ -379,9 +358,12 @@ def _measure_verify_cost(target: nn.Module, drafter: nn.Module, batch_size: int,
     except ValueError:  # not a pair that can draft: generate() names the problem and the fix, not preparing
         return
     layers = hidden_state_indices(drafter.config.target_layer_ids)  # what generate() asks of every forward
-    cost = cost_model_domino.verify_cost_for(target, lambda: _time_forwards(target, 1, layers))
+    forward_kwargs = {"output_hidden_states": layers}
+    cost = cost_model_domino.verify_cost_for(
+        target, lambda: cost_model_domino.measure_verify_cost_on_scratch(target, forward_kwargs)
+    )
     if not cost.covers(batch_size):
-        cost.update(_time_forwards(target, batch_size, layers))
+        cost.update(cost_model_domino.measure_verify_cost_on_scratch(target, forward_kwargs, rows=batch_size))
     report.verify_ms = {tokens: 1000 * seconds for tokens, seconds in cost.seconds.items()}
 
 

@@ -16,7 +16,9 @@ Methods (`parse_method`):
 - `manual`: a minimal hand-written greedy draft/verify loop (`manual_generate`) over the same drafting ladder and
   the target's `DynamicCache`, to price what transformers' assisted-decoding loop costs around the same work.
 
-Acceptance is measured for every method by `hf_domino.acceptance`, from the target's own forward calls.
+Every generate() method can run on a static cache (`BenchSettings.cache_implementation`), where transformers compiles
+the target's forward as it does the target alone's on a GPU (`compile_kwargs`). Acceptance is measured for every
+method by `hf_domino.acceptance`, from the target's own forward calls.
 `hf_domino.report` turns the records into tables and plots; `hf-domino bench` (bench.py) is the command.
 """
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import CompileConfig
 from transformers.cache_utils import DynamicCache
 
 from .acceptance import acceptance_from_cache_lengths, record_target_forwards
@@ -90,6 +93,24 @@ def parse_method(name: str) -> MethodSpec:
     if rollout is not None:
         options["domino_rollout"] = rollout
     return MethodSpec(name, uses_drafter=True, options=options)
+
+
+COMPILE_MODES = ("auto", "on", "off")
+
+
+def compile_kwargs(cache_implementation: str | None, compile: str = "auto") -> dict[str, Any]:
+    """generate() arguments for the cache and the compiled forward: `cache_implementation` (None: the dynamic cache);
+    `compile` "auto" (transformers' rule: it compiles the forward with a static cache on a GPU), "on" (on any device,
+    `CompileConfig._compile_all_devices`) or "off" (`disable_compile`)."""
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile={compile!r}: choose among {', '.join(COMPILE_MODES)}.")
+    kwargs: dict[str, Any] = {} if cache_implementation is None else {"cache_implementation": cache_implementation}
+    if compile == "off":
+        kwargs["disable_compile"] = True
+    elif compile == "on":
+        kwargs["compile_config"] = CompileConfig()
+        kwargs["compile_config"]._compile_all_devices = True
+    return kwargs
 
 
 def generation_kwargs(
@@ -204,13 +225,17 @@ def run_method(
     num_speculative_tokens: int | None = None,
     top_k: int = 0,
     top_p: float = 1.0,
+    cache_implementation: str | None = None,
+    compile: str = "auto",
 ) -> Generation:
     """Generates once with `method` and measures it (wall time around the whole call, prefill included).
 
     `num_speculative_tokens` caps the drafts per forward of every drafter method without a fixed `_k<N>`; `top_k` and
-    `top_p` apply when sampling (`temperature > 0`).
+    `top_p` apply when sampling (`temperature > 0`); `cache_implementation` and `compile` as `compile_kwargs`.
     """
     spec = parse_method(method)
+    if method == "manual" and cache_implementation is not None:
+        raise ValueError(f"Method {method!r} runs its own loop on a dynamic cache; drop it with a static cache.")
     if spec.uses_drafter and drafter is None:
         raise ValueError(f"Method {method!r} needs a drafter.")
     if method == "manual" and temperature > 0:
@@ -239,6 +264,7 @@ def run_method(
             )
         else:
             kwargs = generation_kwargs(target, max_new_tokens, temperature, top_k, top_p)
+            kwargs |= compile_kwargs(cache_implementation, compile)
             if method == "prompt_lookup":
                 kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
             elif spec.uses_drafter:
@@ -306,6 +332,8 @@ class BenchSettings:
     prompt_lookup_tokens: int = 10
     warmup_tokens: int = 16
     num_speculative_tokens: int | None = None
+    cache_implementation: str | None = None  # "static": every generate() method on a static cache
+    compile: str = "auto"  # see compile_kwargs
 
 
 @dataclass
@@ -362,6 +390,8 @@ def run_benchmark(
             num_speculative_tokens=settings.num_speculative_tokens,
             top_k=settings.top_k,
             top_p=settings.top_p,
+            cache_implementation=settings.cache_implementation,
+            compile=settings.compile,
         )
 
     if drafter is not None and drafter.datastore is not None:

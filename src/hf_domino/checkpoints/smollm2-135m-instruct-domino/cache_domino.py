@@ -111,7 +111,7 @@ def uncached_prompt_length(
     (transformers 5.23-5.24, prompt lookup included), so the generate() hook applies the rule for a Domino drafter,
     and the batch loop starts its ragged cache after the cached columns.
     """
-    cached = cache.get_seq_length() if cache is not None else 0
+    cached = int(cache.get_seq_length()) if cache is not None else 0  # a static cache's is a tensor
     if not cached:
         return None
     mask_length = (

@@ -38,7 +38,14 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from .batching_domino import batched_assisted_decoding
 from .cache_domino import CACHE_ARGUMENT, buffer_layers, uncached_prompt_length
-from .cost_model_domino import measure_verify_cost, settle_for_timing, timing_is_free, verify_cost_for
+from .cost_model_domino import (
+    VerifyCost,
+    measure_verify_cost,
+    measure_verify_cost_on_scratch,
+    settle_for_timing,
+    timing_is_free,
+    verify_cost_for,
+)
 from .drafting_domino import (
     BlockDraft,
     DrafterContext,
@@ -318,12 +325,15 @@ class DominoCandidateGenerator(CandidateGenerator):
         if options.draft_policy == "fixed":
             policy = FixedPolicy(self.max_drafts, options.assistant_confidence_threshold)
             return policy, LookupPolicy(lookup_record, None), LookupPolicy(datastore_record, None)
-        cache = model_kwargs.get(CACHE_ARGUMENT)
+        cache, target = model_kwargs.get(CACHE_ARGUMENT), self.target_model
         forward_kwargs = {"output_hidden_states": self.model_kwargs_overrides["output_hidden_states"]}
-        cost = verify_cost_for(
-            self.target_model,
-            lambda: measure_verify_cost(self.target_model, cache, input_ids[:, -1:], forward_kwargs),
-        )
+
+        def measure() -> VerifyCost:
+            if isinstance(cache, DynamicCache):  # on the call's own context, given back after each forward
+                return measure_verify_cost(target, cache, input_ids[:, -1:], forward_kwargs)
+            return measure_verify_cost_on_scratch(target, forward_kwargs)  # a static cache has no room to spare
+
+        cost = verify_cost_for(target, measure)
         mode = sampling + ("+head" if options.head_enabled(drafter) else "")
         mode += "+vocab" if self.vocab is not None else ""
         policy = AdaptivePolicy(

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers.cache_utils import StaticLayer
 
 from .modeling_domino import DOMINO_HEAD_DEFAULT
 
@@ -167,7 +168,14 @@ class DominoOptions:
 
 
 # ------------------------------------------------------------------------------------------------ compatibility checks
-STATIC_CACHES = ("static", "hybrid", "sliding_window", "offloaded_static", "offloaded_hybrid")
+STATIC_CACHES = ("static", "offloaded_static", "hybrid", "sliding_window", "offloaded_hybrid", "hybrid_chunked")
+
+
+def static_caches_roll_back() -> bool:
+    """Whether this transformers release rolls a static cache back after a rejected draft: 5.24 gave `StaticLayer` a
+    `crop`, and its assisted loop then keeps the static cache (and compiles the target's forward where it compiles
+    the target alone's); 5.23's static layers cannot be cropped."""
+    return bool(getattr(StaticLayer, "is_croppable", False))
 
 
 def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedModel, generation_config=None) -> None:
@@ -225,10 +233,11 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
             "use_cache=False: a drafter's blocks are verified against the target's key/value cache and rolled back "
             "in it on rejection. Drop use_cache=False (the output is the same), or drop assistant_model."
         )
-    if generation_config.cache_implementation in STATIC_CACHES:
+    if generation_config.cache_implementation in STATIC_CACHES and not static_caches_roll_back():
         raise ValueError(
-            f"cache_implementation={generation_config.cache_implementation!r} cannot be rolled back after a "
-            "rejected draft; Domino drafting needs the default dynamic cache. Drop cache_implementation."
+            f"cache_implementation={generation_config.cache_implementation!r} with a drafter needs transformers>=5.24: "
+            "earlier releases cannot roll a static cache back after a rejected draft. Upgrade transformers, or drop "
+            "cache_implementation (the default dynamic cache gives the same output)."
         )
     if getattr(generation_config, "speculation_type", None) is not None:
         raise ValueError(

@@ -1,0 +1,137 @@
+"""A static key/value cache, and the compiled forward transformers runs on one, with a Domino drafter.
+
+transformers 5.24 rolls a static cache back after a rejected draft (`StaticLayer.crop`), and its assisted loop then
+compiles the target's forward wherever generate() compiles the target alone's (a static cache on a GPU, or any
+device with `CompileConfig._compile_all_devices`). The drafter reads the same hidden states either way, so every
+output must be the target alone's, and sampling must draw exactly what it draws with the default dynamic cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_drafter, tiny_target
+from transformers import CompileConfig, StaticCache
+from transformers.cache_utils import StaticLayer
+
+from hf_domino.cache_domino import CACHE_ARGUMENT
+from hf_domino.options_domino import static_caches_roll_back
+
+rolls_back = pytest.mark.skipif(
+    not static_caches_roll_back(),
+    reason="static caches roll back from transformers 5.24 (the refusal is tested below)",
+)
+
+
+def prompts(count: int = 3) -> list[torch.LongTensor]:
+    return [torch.randint(4, 64, (1, 5 + i), generator=torch.Generator().manual_seed(i)) for i in range(count)]
+
+
+def caches_seen(target) -> tuple[list[type], object]:
+    """The cache class of every target forward (to prove the static cache is the one verifying)."""
+    seen: list[type] = []
+    handle = target.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(type(kwargs.get(CACHE_ARGUMENT))), with_kwargs=True
+    )
+    return seen, handle
+
+
+@rolls_back
+@pytest.mark.parametrize("policy", [{}, {"draft_policy": "fixed"}], ids=["adaptive", "fixed"])
+def test_static_cache_greedy_is_the_target_alones(arch, policy):
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target)
+    # The adaptive policy's first call measures verify costs on a scratch dynamic cache (a static one has no room for
+    # a 17-token block past max_length): once per process, so before the forwards below are watched.
+    target.generate(prompts(1)[0], max_new_tokens=2, cache_implementation="static", assistant_model=drafter, **policy)
+    for prompt in prompts():
+        expected = target.generate(prompt, max_new_tokens=24, do_sample=False)
+        assert torch.equal(
+            target.generate(prompt, max_new_tokens=24, do_sample=False, cache_implementation="static"), expected
+        )
+        seen, handle = caches_seen(target)
+        try:
+            output = target.generate(
+                prompt, max_new_tokens=24, do_sample=False, cache_implementation="static", assistant_model=drafter,
+                **policy,
+            )  # fmt: skip
+        finally:
+            handle.remove()
+        assert torch.equal(output, expected)
+        assert set(seen) == {StaticCache}
+        assert sum(drafter.last_generation_stats.drafted) > 0  # blocks were verified, and rejections rolled back
+
+
+@rolls_back
+def test_static_cache_sampling_draws_what_the_dynamic_cache_draws(arch):
+    # Same seed, same draws: the static cache changes where keys and values live, not one logit, so the sampling law
+    # (checked by chi-square with the dynamic cache, test_generation.py) holds here too.
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target)
+    for seed, prompt in enumerate(prompts(4)):
+        outputs = []
+        for cache_implementation in (None, "static"):
+            torch.manual_seed(seed)
+            outputs.append(
+                target.generate(
+                    prompt,
+                    max_new_tokens=24,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    assistant_model=drafter,
+                    draft_policy="fixed",
+                    cache_implementation=cache_implementation,
+                )  # fmt: skip
+            )
+        assert torch.equal(*outputs)
+        assert sum(drafter.last_generation_stats.drafted) > 0
+
+
+@rolls_back
+def test_a_static_cache_passed_back_continues_a_chat():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    cache = StaticCache(config=target.config, max_cache_len=128)
+    conversation = prompts(1)[0]
+    for turn in range(3):
+        expected = target.generate(conversation, max_new_tokens=12, do_sample=False)
+        output = target.generate(
+            conversation, max_new_tokens=12, do_sample=False, cache=cache, assistant_model=drafter
+        )
+        assert torch.equal(output, expected), f"turn {turn}"
+        user = torch.randint(4, 64, (1, 4), generator=torch.Generator().manual_seed(100 + turn))
+        conversation = torch.cat([output, user], dim=1)
+
+
+@rolls_back
+def test_the_compiled_forward_verifies_the_blocks():
+    # transformers compiles the verifying forward with a static cache on GPUs; `_compile_all_devices` does it here
+    # (the `eager` backend: dynamo's graphs without inductor's minutes of C++ compilation on a CPU).
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    compile_config = CompileConfig(backend="eager")
+    compile_config._compile_all_devices = True
+    try:
+        for prompt in prompts(2):
+            expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
+            output = target.generate(
+                prompt, max_new_tokens=20, do_sample=False, cache_implementation="static",
+                compile_config=compile_config, assistant_model=drafter, draft_policy="fixed",
+            )  # fmt: skip
+            assert torch.equal(output, expected)
+        assert hasattr(target, "_compiled_call")  # the loop ran the compiled forward
+        assert max(drafter.last_generation_stats.acceptance_lengths) > 1
+    finally:
+        torch._dynamo.reset()
+
+
+def test_releases_that_cannot_roll_a_static_cache_back_say_to_upgrade(monkeypatch):
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    monkeypatch.setattr(StaticLayer, "is_croppable", False)  # transformers 5.23
+    forwards = []
+    target.register_forward_pre_hook(lambda *args: forwards.append(1))
+    with pytest.raises(ValueError, match=r"transformers>=5\.24.*drop cache_implementation"):
+        target.generate(prompts(1)[0], max_new_tokens=5, cache_implementation="static", assistant_model=drafter)
+    assert forwards == []
