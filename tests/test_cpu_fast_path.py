@@ -146,6 +146,68 @@ def test_cuda_models_are_left_untouched():
     assert drafter.dtype == torch.float16 and not is_prepared_for_cpu_decoding(target)
 
 
+@torch.no_grad()
+def test_products_over_few_rows_stay_eager_where_they_measured_faster(monkeypatch):
+    # Which product is faster depends on the CPU and the shape (docs/benchmarks.md, "Packed or not, per row count");
+    # here a CPU is made up where F.linear wins at 1-3 and 6-8 rows (7 unmeasured, between two that won) and at 17.
+    eager_wins = {1, 2, 3, 6, 8, 17}
+    monkeypatch.setattr(
+        PrepackedLinear, "_product_seconds", lambda self, rows: (1.0, 2.0) if rows in eager_wins else (2.0, 2.0)
+    )
+    torch.manual_seed(0)
+    layer, other_shape = nn.Linear(64, 96), nn.Linear(96, 64)
+    report = prepare_for_cpu_decoding(nn.Sequential(layer, other_shape))
+    assert layer._eager_rows == other_shape._eager_rows == {1, 2, 3, 6, 7, 8, 17}
+    assert report.eager_rows["target"] == {
+        (96, 64, torch.float32): layer._eager_rows,
+        (64, 96, torch.float32): layer._eager_rows,
+    }
+    assert "2 of 2 weight shapes multiply up to 17 rows with F.linear" in str(report)
+    packed = layer.packed_weight()
+    for rows, eager in ((1, True), (2, True), (4, False), (7, True), (12, False), (17, True), (34, False)):
+        x = torch.randn(1, rows, 64)
+        expected = F.linear(x, layer.weight, layer.bias) if eager else cpu_fast_path.torch.ops.mkldnn._linear_pointwise(
+            x, packed, layer.bias, "none", [], ""
+        )  # fmt: skip
+        assert torch.equal(layer(x), expected), rows  # bit for bit the product chosen
+    batch = torch.randn(2, 3, 64)  # rows are tokens x sequences: 6, eager
+    assert torch.equal(layer(batch), F.linear(batch, layer.weight, layer.bias))
+    # Measured for float32: another dtype goes back to packed products until measured again.
+    if torch.bfloat16 in packable_dtypes():
+        layer.to(torch.bfloat16)
+        x = torch.randn(1, 2, 64, dtype=torch.bfloat16)
+        layer(x)
+        assert layer._eager_rows == frozenset()
+    # Not measuring leaves every product packed.
+    plain = nn.Linear(64, 96)
+    assert not prepare_for_cpu_decoding(plain, measure_products=False).eager_rows and not plain._eager_rows
+
+
+def test_measured_dispatch_times_each_weight_shape_once_and_is_real():
+    # The real timings, at tiny shapes: each shape's decision is a set of the measured row counts (or those between).
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 8))
+    second = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))  # a drafter: one shape of the target's, one new
+    calls = []
+    original = PrepackedLinear._product_seconds
+
+    def spy(self, rows):
+        calls.append((self.out_features, rows))
+        return original(self, rows)
+
+    PrepackedLinear._product_seconds, restore = spy, original
+    try:
+        report = prepare_for_cpu_decoding(model, second)
+    finally:
+        PrepackedLinear._product_seconds = restore
+    assert sorted(calls) == sorted((out, rows) for out in (32, 8, 16) for rows in cpu_fast_path.DISPATCH_ROWS)
+    assert second[0]._eager_rows == model[0]._eager_rows
+    assert model[0]._eager_rows == model[1]._eager_rows and set(report.eager_rows["target"]) == {
+        (32, 32, torch.float32),
+        (8, 32, torch.float32),
+    }
+    assert all(rows <= max(cpu_fast_path.DISPATCH_ROWS) for rows in model[0]._eager_rows)
+
+
 @torch.no_grad()  # as in generate(): with autograd on, products fall back to F.linear
 def test_products_match_eager_and_follow_weight_changes():
     torch.manual_seed(0)

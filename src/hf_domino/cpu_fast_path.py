@@ -9,6 +9,11 @@ number of rows by it (`torch.ops.mkldnn._linear_pointwise`). Measured on this pr
 forward over 2-3 tokens cost about 1.1x a single one, and the 8192-row draft-vocabulary LM head over 3 positions
 0.2 ms instead of 1.8.
 
+Not on every CPU, though: where MKL multiplies a few rows without packing again (a later machine of this project, AMX
+and torch 2.13: `F.linear` faster at 1-3 rows for every weight shape, up to 17 for some), packing everything made the
+target alone slower than not preparing it. So preparing also times both products per weight shape at 1-17 rows and
+keeps `F.linear` where it measured faster (`measure_linear_dispatch`).
+
 What `prepare_for_cpu_decoding` changes, on models whose parameters are all on the CPU (a CUDA model is left as it
 is): every module of exact type `nn.Linear` (the LM head included) becomes a `PrepackedLinear`, in place (its class
 is swapped, its parameters are the same objects). So:
@@ -17,9 +22,9 @@ is swapped, its parameters are the same objects). So:
   and loading are unchanged, and the drafter still reads the target's LM head and embedding table;
 - the packed copy is derived data, rebuilt whenever the weight changes (assignment, in-place update, `.to()`), never
   saved or copied (deep copies and pickles drop it), and costs a second copy of each weight in memory;
-- the product falls back to `F.linear` where the packed one does not apply: inputs not on the CPU, autograd
-  (training), an input dtype unlike the weight's, dtypes oneDNN cannot pack on this CPU (fp16 without avx512_fp16),
-  and inside `eager_linears()`;
+- the product is `F.linear` at the row counts where that measured faster here, and where the packed one does not
+  apply: inputs not on the CPU, autograd (training), an input dtype unlike the weight's, dtypes oneDNN cannot pack on
+  this CPU (fp16 without avx512_fp16), and inside `eager_linears()`;
 - `rows_linear(x, rows)` multiplies by the rows `rows` of the weight only, packed once per row set: the drafter's
   draft-vocabulary LM head (`TargetModules.logits`) and head correction use it when the module offers it.
 
@@ -51,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,6 +104,10 @@ class PrepackedLinear(nn.Linear):
 
     _packed: tuple[tuple, nn.Parameter, torch.Tensor] | None = None  # (`_weight_key`, the weight, its packed copy)
     _row_sets: dict | None = None
+    # Row counts (tokens x sequences) that `F.linear` multiplies faster than the packed product on this CPU, and the
+    # weight dtype and shape they were measured for (`measure_linear_dispatch`); empty: always packed.
+    _eager_rows: frozenset[int] = frozenset()
+    _eager_rows_for: tuple | None = None
 
     def _packs(self, x: torch.Tensor) -> bool:
         weight = self.weight
@@ -118,6 +128,8 @@ class PrepackedLinear(nn.Linear):
             # Also the Parameter itself, for `forward`'s short check: the same object, storage and version hold the
             # same values (new data moves the storage, in-place changes the version, assignment the object).
             self._packed = (key, weight, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+            if self._eager_rows and self._eager_rows_for != (weight.dtype, tuple(weight.shape)):
+                self._eager_rows = frozenset()  # measured for another dtype or shape: packed until measured again
         return self._packed[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,10 +146,25 @@ class PrepackedLinear(nn.Linear):
             and not _EAGER.get()
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
         ):
+            if x.numel() // x.shape[-1] in self._eager_rows:
+                return F.linear(x, weight, self._parameters["bias"])
             return torch.ops.mkldnn._linear_pointwise(x, packed[2], self._parameters["bias"], "none", [], "")
         if not self._packs(x):
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
+        packed_weight = self.packed_weight()
+        if x.numel() // x.shape[-1] in self._eager_rows:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, self.bias, "none", [], "")
+
+    def _product_seconds(self, rows: int) -> tuple[float, float]:
+        """The fastest of a few `F.linear` and packed products over `rows` rows: (eager, packed) seconds."""
+        weight, bias = self.weight, self.bias
+        x = torch.randn(1, rows, self.in_features, dtype=weight.dtype)
+        packed = self.packed_weight()
+        return (
+            _fastest(lambda: F.linear(x, weight, bias)),
+            _fastest(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")),
+        )
 
     def rows_linear(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """`F.linear(x, weight[rows], bias[rows])`: the outputs `rows` only (a draft vocabulary's logits)."""
@@ -173,6 +200,67 @@ class PrepackedLinear(nn.Linear):
 
 _PACKABLE = packable_dtypes()
 
+# Row counts at which `measure_linear_dispatch` times both products of each weight shape: a decoding step's single
+# token and a verification's 1 + k, up to a whole block. Larger products stay packed (where packing pays most).
+DISPATCH_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 17)
+# `F.linear` keeps a row count only where it measured at least this much faster (near-ties stay packed).
+EAGER_MARGIN = 0.9
+# Seconds of repeats per timing; at least 3 repeats, the fastest kept (other work only ever adds time).
+TIMING_BUDGET = 0.004
+
+
+def _fastest(product) -> float:
+    product()  # warm-up: first-touch allocations, kernel selection
+    start = time.perf_counter()
+    product()
+    repeats = max(3, min(20, int(TIMING_BUDGET / max(time.perf_counter() - start, 1e-6))))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        product()
+        samples.append(time.perf_counter() - start)
+    return min(samples)
+
+
+@torch.no_grad()
+def measure_linear_dispatch(
+    modules: list[PrepackedLinear], measured: dict[tuple, frozenset[int]] | None = None
+) -> dict[tuple, frozenset[int]]:
+    """Times `F.linear` against the packed product once per weight shape among `modules`, at each of `DISPATCH_ROWS`
+    rows (at this process's thread count), and lets each module multiply eagerly at the row counts where that
+    measured faster. Returns the eager row counts by `(out_features, in_features, dtype)`.
+
+    Which is faster depends on the CPU and the shape: on the 2-core machines of docs/benchmarks.md, MKL's sgemm packed
+    the weight again for every product over 2-3 rows (1.6-2x a single row), and packing once won everywhere; on a
+    later one (AMX, torch 2.13) `F.linear` was faster up to 3-17 rows depending on the shape, and the packed LM head
+    still won. Row counts between two that measured eager are eager too; others stay packed. Shapes already in
+    `measured` (a drafter sharing its target's) take that decision without timing it again.
+    """
+    by_shape: dict[tuple, list[PrepackedLinear]] = {}
+    for module in modules:
+        by_shape.setdefault((module.out_features, module.in_features, module.weight.dtype), []).append(module)
+    dispatch = {}
+    for shape, group in by_shape.items():
+        if measured is not None and shape in measured:
+            dispatch[shape] = measured[shape]
+        else:
+            eager = [rows for rows in DISPATCH_ROWS if _is_faster(*group[0]._product_seconds(rows))]
+            filled = {r for low, high in zip(eager, eager[1:]) if _adjacent(low, high) for r in range(low, high + 1)}
+            dispatch[shape] = frozenset(eager) | frozenset(filled)
+        for module in group:
+            module._eager_rows = dispatch[shape]
+            module._eager_rows_for = (module.weight.dtype, tuple(module.weight.shape))
+    return dispatch
+
+
+def _is_faster(eager_seconds: float, packed_seconds: float) -> bool:
+    return eager_seconds < EAGER_MARGIN * packed_seconds
+
+
+def _adjacent(low: int, high: int) -> bool:
+    """Whether no measured row count lies between `low` and `high` (both measured)."""
+    return DISPATCH_ROWS.index(high) == DISPATCH_ROWS.index(low) + 1
+
 
 @dataclass
 class CpuFastPathReport:
@@ -185,6 +273,8 @@ class CpuFastPathReport:
     attention: list[str] = field(default_factory=list)  # models switched to GROUPED_KV_ATTENTION by this call
     packed_bytes: int = 0  # memory taken by the packed copies made by this call
     verify_ms: dict[int, float] = field(default_factory=dict)  # the prepared target's forward over n tokens, in ms
+    # model -> weight shape -> row counts multiplied with F.linear, where it measured faster (`measure_linear_dispatch`)
+    eager_rows: dict[str, dict[tuple, frozenset[int]]] = field(default_factory=dict)
 
     @property
     def changed(self) -> bool:
@@ -200,6 +290,7 @@ class CpuFastPathReport:
             part = f"{name}: {new} nn.Linear prepacked for oneDNN" + (f" ({old} already were)" if old else "")
             if name in self.attention:
                 part += f", {GROUPED_KV_ATTENTION} attention"
+            part += _dispatch_summary(self.eager_rows.get(name))
             parts.append(part)
         parts += self.casts
         if self.packed_bytes:
@@ -208,6 +299,18 @@ class CpuFastPathReport:
             tokens, ms = "/".join(map(str, self.verify_ms)), "/".join(f"{t:.1f}" for t in self.verify_ms.values())
             parts.append(f"verifying {tokens} tokens costs {ms} ms")
         return "; ".join(parts) if parts else "nothing to prepare"
+
+
+def _dispatch_summary(dispatch: dict[tuple, frozenset[int]] | None) -> str:
+    if not dispatch:
+        return ""
+    eager = [rows for rows in dispatch.values() if rows]
+    if not eager:
+        return " (every product measured faster packed)"
+    return (
+        f" ({len(eager)} of {len(dispatch)} weight shapes multiply up to {max(map(max, eager))} rows with F.linear, "
+        "measured faster here)"
+    )
 
 
 # The attention implementation `prepare_for_cpu_decoding` gives models with grouped key/value heads on the CPU.
@@ -307,7 +410,7 @@ def _on_cpu(model: nn.Module) -> bool:
     return all(tensor.device.type == "cpu" for tensor in model.parameters())
 
 
-def _prepare(model: nn.Module, name: str, report: CpuFastPathReport) -> None:
+def _prepare(model: nn.Module, name: str, report: CpuFastPathReport, measure_products: bool) -> None:
     if not _PACKABLE:
         report.skipped[name] = "this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"
         return
@@ -326,6 +429,10 @@ def _prepare(model: nn.Module, name: str, report: CpuFastPathReport) -> None:
             report.packed_bytes += module.packed_bytes()
             prepared.append(module_name)
     report.prepacked[name], report.already[name] = prepared, already
+    if prepared and measure_products:
+        modules = dict(model.named_modules())
+        measured = {shape: rows for dispatch in report.eager_rows.values() for shape, rows in dispatch.items()}
+        report.eager_rows[name] = measure_linear_dispatch([modules[n] for n in prepared], measured)
     if not prepared and not already:
         report.skipped[name] = f"no nn.Linear of a dtype oneDNN packs here ({', '.join(map(str, _PACKABLE))})"
 
@@ -368,7 +475,12 @@ def _measure_verify_cost(target: nn.Module, drafter: nn.Module, batch_size: int,
 
 
 def prepare_for_cpu_decoding(
-    target: nn.Module, drafter: nn.Module | None = None, *, match_drafter_dtype: bool = True, batch_size: int = 1
+    target: nn.Module,
+    drafter: nn.Module | None = None,
+    *,
+    match_drafter_dtype: bool = True,
+    batch_size: int = 1,
+    measure_products: bool = True,
 ) -> CpuFastPathReport:
     """Makes decoding on a CPU fast: oneDNN-prepacked linear layers in `target` and `drafter`, in place.
 
@@ -379,7 +491,8 @@ def prepare_for_cpu_decoding(
 
     Every `nn.Linear` (the LM head included) keeps its dense `weight`, so saving, loading and everything that reads
     the weights work as before, and multiplies by a packed copy instead (see the module docstring for when it falls
-    back to `F.linear`). With `match_drafter_dtype` (default), a drafter on the CPU whose dtype differs from the
+    back to `F.linear`), except at the few-row products where `F.linear` measures faster on this CPU
+    (`measure_products`, default; about a second: `measure_linear_dispatch`). With `match_drafter_dtype` (default), a drafter on the CPU whose dtype differs from the
     target's is cast to it first (fp16 products are slow on most CPUs). With a Domino drafter, the target's
     verify costs are measured here too (once per target, dtype and process), not in the first `generate()`; pass the
     largest `batch_size` you will give one `generate()` call, and a batch's first call does not measure them either.
@@ -397,9 +510,9 @@ def prepare_for_cpu_decoding(
         if drafter_dtype != target_dtype:
             drafter.to(target_dtype)
             report.casts.append(f"drafter cast from {drafter_dtype} to the target's {target_dtype}")
-    _prepare(target, "target", report)
+    _prepare(target, "target", report, measure_products)
     if drafter is not None:
-        _prepare(drafter, "drafter", report)
+        _prepare(drafter, "drafter", report, measure_products)
         _pack_draft_vocabulary(target, drafter)
         if "target" not in report.skipped and hasattr(getattr(drafter, "config", None), "target_layer_ids"):
             _measure_verify_cost(target, drafter, batch_size, report)
@@ -428,6 +541,7 @@ __all__ = [
     "PrepackedLinear",
     "eager_linears",
     "is_prepared_for_cpu_decoding",
+    "measure_linear_dispatch",
     "packable_dtypes",
     "prepare_for_cpu_decoding",
     "sdpa_grouped_kv_forward",
