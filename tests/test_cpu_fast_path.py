@@ -166,7 +166,7 @@ def test_products_over_few_rows_stay_eager_where_they_measured_faster(monkeypatc
     packed = layer.packed_weight()
     for rows, eager in ((1, True), (2, True), (4, False), (7, True), (12, False), (17, True), (34, False)):
         x = torch.randn(1, rows, 64)
-        expected = F.linear(x, layer.weight, layer.bias) if eager else cpu_fast_path.torch.ops.mkldnn._linear_pointwise(
+        expected = F.linear(x, layer.weight, layer.bias) if eager else torch.ops.mkldnn._linear_pointwise(
             x, packed, layer.bias, "none", [], ""
         )  # fmt: skip
         assert torch.equal(layer(x), expected), rows  # bit for bit the product chosen

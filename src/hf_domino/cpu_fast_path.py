@@ -146,13 +146,13 @@ class PrepackedLinear(nn.Linear):
             and not _EAGER.get()
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
         ):
-            if x.numel() // x.shape[-1] in self._eager_rows:
+            if self._eager_rows and x.numel() // x.shape[-1] in self._eager_rows:
                 return F.linear(x, weight, self._parameters["bias"])
             return torch.ops.mkldnn._linear_pointwise(x, packed[2], self._parameters["bias"], "none", [], "")
         if not self._packs(x):
             return F.linear(x, self.weight, self.bias)
-        packed_weight = self.packed_weight()
-        if x.numel() // x.shape[-1] in self._eager_rows:
+        packed_weight = self.packed_weight()  # first: a weight of a new dtype or shape drops the measured rows
+        if self._eager_rows and x.numel() // x.shape[-1] in self._eager_rows:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight, self.bias, "none", [], "")
 
@@ -161,10 +161,11 @@ class PrepackedLinear(nn.Linear):
         weight, bias = self.weight, self.bias
         x = torch.randn(1, rows, self.in_features, dtype=weight.dtype)
         packed = self.packed_weight()
-        return (
-            _fastest(lambda: F.linear(x, weight, bias)),
-            _fastest(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")),
+        eager, packed_product = _fastest_of_each(
+            lambda: F.linear(x, weight, bias),
+            lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
         )
+        return eager, packed_product
 
     def rows_linear(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """`F.linear(x, weight[rows], bias[rows])`: the outputs `rows` only (a draft vocabulary's logits)."""
@@ -205,21 +206,26 @@ _PACKABLE = packable_dtypes()
 DISPATCH_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 17)
 # `F.linear` keeps a row count only where it measured at least this much faster (near-ties stay packed).
 EAGER_MARGIN = 0.9
-# Seconds of repeats per timing; at least 3 repeats, the fastest kept (other work only ever adds time).
+# Seconds of repeats per product timed; at least 3 rounds, the fastest kept (other work only ever adds time).
 TIMING_BUDGET = 0.004
 
 
-def _fastest(product) -> float:
-    product()  # warm-up: first-touch allocations, kernel selection
+def _fastest_of_each(*products) -> list[float]:
+    """The fastest of a few runs of each product, interleaved round by round so that other work on the machine slows
+    them alike (a burst during one product's runs only would decide for the other)."""
+    for product in products:
+        product()  # warm-up: first-touch allocations, kernel selection
     start = time.perf_counter()
-    product()
-    repeats = max(3, min(20, int(TIMING_BUDGET / max(time.perf_counter() - start, 1e-6))))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    for product in products:
         product()
-        samples.append(time.perf_counter() - start)
-    return min(samples)
+    rounds = max(3, min(20, int(TIMING_BUDGET * len(products) / max(time.perf_counter() - start, 1e-6))))
+    fastest = [float("inf")] * len(products)
+    for _ in range(rounds):
+        for index, product in enumerate(products):
+            start = time.perf_counter()
+            product()
+            fastest[index] = min(fastest[index], time.perf_counter() - start)
+    return fastest
 
 
 @torch.no_grad()
@@ -492,10 +498,11 @@ def prepare_for_cpu_decoding(
     Every `nn.Linear` (the LM head included) keeps its dense `weight`, so saving, loading and everything that reads
     the weights work as before, and multiplies by a packed copy instead (see the module docstring for when it falls
     back to `F.linear`), except at the few-row products where `F.linear` measures faster on this CPU
-    (`measure_products`, default; about a second: `measure_linear_dispatch`). With `match_drafter_dtype` (default), a drafter on the CPU whose dtype differs from the
-    target's is cast to it first (fp16 products are slow on most CPUs). With a Domino drafter, the target's
-    verify costs are measured here too (once per target, dtype and process), not in the first `generate()`; pass the
-    largest `batch_size` you will give one `generate()` call, and a batch's first call does not measure them either.
+    (`measure_products`, default; a second or two: `measure_linear_dispatch`). With `match_drafter_dtype` (default),
+    a drafter on the CPU whose dtype differs from the target's is cast to it first (fp16 products are slow on most
+    CPUs). With a Domino drafter, the target's verify costs are measured here too (once per target, dtype and
+    process), not in the first `generate()`; pass the largest `batch_size` you will give one `generate()` call, and a
+    batch's first call does not measure them either.
     Returns what was changed (also logged).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:

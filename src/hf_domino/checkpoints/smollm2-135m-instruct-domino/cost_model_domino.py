@@ -140,14 +140,14 @@ CALIBRATION_CONTEXT = 32
 
 @torch.no_grad()
 def measure_verify_cost_on_scratch(
-    target: PreTrainedModel, forward_kwargs: dict[str, Any], rows: int = 1, device: torch.device | None = None
+    target: PreTrainedModel, forward_kwargs: dict[str, Any], rows: int = 1
 ) -> VerifyCost:
     """`measure_verify_cost` on a dynamic cache of its own, `CALIBRATION_CONTEXT` tokens in each of `rows` rows: before
     any call (`prepare_for_cpu_decoding`), or where the call's cache cannot take a 17-token block and give it back (a
     static cache holds the call's `max_length` only)."""
     from transformers import DynamicCache
 
-    context = torch.zeros(rows, CALIBRATION_CONTEXT, dtype=torch.long, device=device or target.device)
+    context = torch.zeros(rows, CALIBRATION_CONTEXT, dtype=torch.long, device=target.device)
     cache = DynamicCache(config=target.config)
     target(input_ids=context, use_cache=True, **cache_argument(cache))
     return measure_verify_cost(target, cache, context[:, -1:], forward_kwargs)
@@ -265,9 +265,9 @@ __all__ = [
     "expected_tokens",
     "makespan_tokens",
     "measure_verify_cost",
+    "measure_verify_cost_on_scratch",
     "row_paces",
     "settle_for_timing",
-    "measure_verify_cost_on_scratch",
     "synchronize",
     "timing_is_free",
     "verify_cost_for",

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import StaticLayer
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
 from .modeling_domino import DOMINO_HEAD_DEFAULT
 
@@ -168,9 +169,6 @@ class DominoOptions:
 
 
 # ------------------------------------------------------------------------------------------------ compatibility checks
-STATIC_CACHES = ("static", "offloaded_static", "hybrid", "sliding_window", "offloaded_hybrid", "hybrid_chunked")
-
-
 def static_caches_roll_back() -> bool:
     """Whether this transformers release rolls a static cache back after a rejected draft: 5.24 gave `StaticLayer` a
     `crop`, and its assisted loop then keeps the static cache (and compiles the target's forward where it compiles
@@ -233,7 +231,7 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
             "use_cache=False: a drafter's blocks are verified against the target's key/value cache and rolled back "
             "in it on rejection. Drop use_cache=False (the output is the same), or drop assistant_model."
         )
-    if generation_config.cache_implementation in STATIC_CACHES and not static_caches_roll_back():
+    if generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS and not static_caches_roll_back():
         raise ValueError(
             f"cache_implementation={generation_config.cache_implementation!r} with a drafter needs transformers>=5.24: "
             "earlier releases cannot roll a static cache back after a rejected draft. Upgrade transformers, or drop "
