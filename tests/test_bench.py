@@ -354,6 +354,53 @@ def test_cli_bench_on_a_static_cache(target, drafter, tokenizer, tmp_path, monke
         cli.main([*argv, "--static-cache", "--methods", "target,prompt_lookup"])
 
 
+def test_cli_bench_compiled_on_a_static_cache_compiles_only_while_warming_up(
+    target, drafter, tokenizer, tmp_path, monkeypatch
+):
+    # `--compile on` compiles with inductor; the eager backend keeps dynamo's graphs and guards (what decides a
+    # recompilation) without minutes of C++ compiling. Once warmed up, no timed generation may compile again: the
+    # first run on a GPU's static stage, and on a CPU, had timed each new cache length's compilation and a
+    # recompilation per forward (the acceptance record's list, traced).
+    from torch._dynamo.utils import counters
+
+    from hf_domino.options_domino import static_caches_roll_back
+
+    if not static_caches_roll_back():
+        pytest.skip("static caches roll back from transformers 5.24")
+    original, run_method = measure.compile_kwargs, measure.run_method
+
+    def eager_backend(*args):
+        kwargs = original(*args)
+        kwargs["compile_config"].backend = "eager"
+        return kwargs
+
+    frames = []
+
+    def counting(*args, **kwargs):
+        before = counters["frames"]["total"]
+        output = run_method(*args, **kwargs)
+        frames.append(counters["frames"]["total"] - before)
+        return output
+
+    monkeypatch.setattr(measure, "compile_kwargs", eager_backend)
+    monkeypatch.setattr(measure, "run_method", counting)
+    argv = saved_bench_argv(target, drafter, tokenizer, tmp_path)
+    argv += ["--num-prompts", "3", "--max-new-tokens", "8", "--threads", "1", "--device", "cpu", "--no-progress"]
+    argv += ["--methods", "target,domino", "--warmup-tokens", "4", "--output-dir", str(tmp_path / "out")]
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        assert cli.main([*argv, "--static-cache", "--compile", "on"]) == 0
+    finally:
+        torch._dynamo.reset()
+    written = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert written["metadata"]["target_forward"] == "compiled"
+    assert all(s["greedy_mismatches"] == 0 for s in written["summary"].values())
+    # target, target_eager (the CPU's baseline) and domino: two warm-ups each, then three prompts each
+    assert len(frames) == 3 * 2 + 3 * 3 and sum(frames[:6]) > 0, frames
+    assert frames[6:] == [0] * 9, frames
+
+
 def test_a_stopped_bench_leaves_the_tables_of_the_prompts_it_finished(
     target, drafter, tokenizer, tmp_path, monkeypatch
 ):

@@ -126,6 +126,35 @@ def test_the_compiled_forward_verifies_the_blocks():
         torch._dynamo.reset()
 
 
+@rolls_back
+def test_a_target_prepared_for_cpu_decoding_compiles_whole():
+    # The fast path's packed products are for eager forwards; traced, their checks broke the graph in every layer and
+    # recompiled it per module (a compiled SmolLM2 ran 0.7x its eager self). Compiled, they are plain linears.
+    from torch._dynamo.utils import counters
+
+    from hf_domino import prepare_for_cpu_decoding
+
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    prompt = prompts(1)[0]
+    expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    prepare_for_cpu_decoding(target, drafter)
+    compile_config = CompileConfig(backend="eager")
+    compile_config._compile_all_devices = True
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        output = target.generate(
+            prompt, max_new_tokens=20, do_sample=False, cache_implementation="static",
+            compile_config=compile_config, assistant_model=drafter, draft_policy="fixed",
+        )  # fmt: skip
+        assert torch.equal(output, expected)
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert max(drafter.last_generation_stats.acceptance_lengths) > 1
+    finally:
+        torch._dynamo.reset()
+
+
 def test_releases_that_cannot_roll_a_static_cache_back_say_to_upgrade(monkeypatch):
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)

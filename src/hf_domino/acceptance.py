@@ -29,6 +29,9 @@ def record_target_forwards(target: PreTrainedModel) -> Iterator[list[int]]:
     """
     cache_lengths: list[int] = []
 
+    # A compiled forward (a static cache with a compile config) runs the hook outside its graph: traced, the list's
+    # length became a guard, and the forward was compiled again at every call.
+    @torch.compiler.disable
     def pre_hook(module, args, kwargs):
         cache = kwargs.get(CACHE_ARGUMENT)
         cache_lengths.append(int(cache.get_seq_length()) if cache is not None else 0)

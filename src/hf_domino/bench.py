@@ -156,7 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-cpu-fast-path",
         action="store_true",
         help="on a CPU, keep eager linear layers (default: hf_domino.prepare_for_cpu_decoding on both models, and "
-        "the target alone is also timed eagerly, as method target_eager)",
+        "the target alone is also timed eagerly, as method target_eager: eager linear layers on the dynamic cache)",
     )
     parser.add_argument("--output-dir", default=None, help="default: runs/bench/<prompts>-T<temperature>")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

@@ -24,7 +24,8 @@ is swapped, its parameters are the same objects). So:
   saved or copied (deep copies and pickles drop it), and costs a second copy of each weight in memory;
 - the product is `F.linear` at the row counts where that measured faster here, and where the packed one does not
   apply: inputs not on the CPU, autograd (training), an input dtype unlike the weight's, dtypes oneDNN cannot pack on
-  this CPU (fp16 without avx512_fp16), and inside `eager_linears()`;
+  this CPU (fp16 without avx512_fp16), inside `eager_linears()`, and inside a compiled forward (generate() on a
+  static cache with a compile config), whose products inductor chooses;
 - `rows_linear(x, rows)` multiplies by the rows `rows` of the weight only, packed once per row set: the drafter's
   draft-vocabulary LM head (`TargetModules.logits`) and head correction use it when the module offers it.
 
@@ -133,6 +134,10 @@ class PrepackedLinear(nn.Linear):
         return self._packed[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # A compiled forward (generate() on a static cache with a compile config) is inductor's to plan: tracing
+            # the checks below would break its graph in every layer and recompile it for every module.
+            return F.linear(x, self.weight, self.bias)
         # A decoding step of a small model makes ~200 of these calls, so the usual case reads as few attributes as it
         # can: the weight packed at this version of this tensor, an input like it, no autograd (`_packs` in short).
         weight, packed = self._parameters["weight"], self._packed

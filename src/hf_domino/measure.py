@@ -3,8 +3,9 @@
 Methods (`parse_method`):
 
 - `target`: the target's own `generate()` (greedy or sampling), the baseline every speedup is measured against;
-- `target_eager`: the same with every linear layer multiplying eagerly (`hf_domino.cpu_fast_path.eager_linears`):
-  the target alone without the CPU fast path, when the models were prepared with it;
+- `target_eager`: the same with every linear layer multiplying eagerly (`hf_domino.cpu_fast_path.eager_linears`),
+  always on the default dynamic cache: the target alone as it runs without the CPU fast path, and without the
+  compiled forward of a static cache, when the run has them;
 - `prompt_lookup`: transformers' n-gram prompt lookup (`prompt_lookup_num_tokens`), a drafter-free peer;
 - `domino`: `generate(assistant_model=drafter)` with the default (adaptive) draft policy, whole vocabulary, drafts
   from the drafter only; `domino_vocab`: the same over the drafter's draft vocabulary; `domino_k<N>`
@@ -264,7 +265,8 @@ def run_method(
             )
         else:
             kwargs = generation_kwargs(target, max_new_tokens, temperature, top_k, top_p)
-            kwargs |= compile_kwargs(cache_implementation, compile)
+            if method != "target_eager":  # the target as it runs by default: no compiled forward to compare with
+                kwargs |= compile_kwargs(cache_implementation, compile)
             if method == "prompt_lookup":
                 kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
             elif spec.uses_drafter:
@@ -352,6 +354,18 @@ class BenchResult:
     policy_verify_ms: dict[int, float] = field(default_factory=dict)
 
 
+def warmup_lengths(settings: BenchSettings) -> list[int]:
+    """New tokens of each warm-up generation: one, and on a static cache a second one token longer.
+
+    A compiled forward is compiled for its static cache's length, then once more, for any length, at the next length
+    (dynamo's automatic dynamic shapes). generate() keeps a static cache that is long enough for the next call, so
+    only a longer one is new: the second warm-up pays that recompilation, not the first timed generation.
+    """
+    if settings.cache_implementation is None:
+        return [settings.warmup_tokens]
+    return [settings.warmup_tokens, settings.warmup_tokens + 1]
+
+
 def run_benchmark(
     target: PreTrainedModel,
     drafter: DominoForSpeculation | None,
@@ -397,7 +411,8 @@ def run_benchmark(
     if drafter is not None and drafter.datastore is not None:
         drafter.datastore.build_index()  # else whichever generation retrieves first pays for it
     for method in methods:  # warm-up: allocator, kernels, lazy imports, the draft policy's cost calibration
-        generate(method, prompts[0], settings.warmup_tokens, settings.seed)
+        for warmup_tokens in warmup_lengths(settings):
+            generate(method, prompts[0], warmup_tokens, settings.seed)
     drafts = [drafter.config.num_drafts] if drafter is not None else []
     block_lengths = sorted({1, 2, 3, 4, 5, 8, *(n + 1 for n in drafts)})
     result.forward_ms = measure_forward_ms(target, prompts[0], block_lengths, drafter)

@@ -193,9 +193,12 @@ def markdown_report(result: BenchResult) -> str:
             )
     if result.forward_ms:
         one = result.forward_ms.get(1)
+        compiled = result.metadata.get("target_forward") == "compiled"
         lines += [
             "",
-            "Target forward cost by tokens per forward (prompt 0 cached; verify of k drafts = k + 1 tokens):",
+            "Target forward cost by tokens per forward (prompt 0 cached; verify of k drafts = k + 1 tokens"
+            + ("; the forward called directly, not generate()'s compiled one" if compiled else "")
+            + "):",
             "",
             "| tokens | " + " | ".join(str(n) for n in result.forward_ms) + " |",
             "|---|" + "---:|" * len(result.forward_ms),
