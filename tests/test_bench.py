@@ -358,9 +358,9 @@ def test_cli_bench_compiled_on_a_static_cache_compiles_only_while_warming_up(
     target, drafter, tokenizer, tmp_path, monkeypatch
 ):
     # `--compile on` compiles with inductor; the eager backend keeps dynamo's graphs and guards (what decides a
-    # recompilation) without minutes of C++ compiling. Once warmed up, no timed generation may compile again: the
-    # first run on a GPU's static stage, and on a CPU, had timed each new cache length's compilation and a
-    # recompilation per forward (the acceptance record's list, traced).
+    # recompilation) without minutes of C++ compiling. Once warmed up, no timed generation may compile again: a CPU
+    # run had timed the recompilation a longer static cache brings, and one per forward (the acceptance record's list,
+    # traced), which the GPU's `static` stage would have timed too.
     from torch._dynamo.utils import counters
 
     from hf_domino.options_domino import static_caches_roll_back

@@ -355,7 +355,8 @@ class BenchResult:
 
 
 def warmup_lengths(settings: BenchSettings) -> list[int]:
-    """New tokens of each warm-up generation: one, and on a static cache a second one token longer.
+    """How many new tokens each warm-up generation makes: `warmup_tokens`, and on a static cache a second generation
+    one token longer.
 
     A compiled forward is compiled for its static cache's length, then once more, for any length, at the next length
     (dynamo's automatic dynamic shapes). generate() keeps a static cache that is long enough for the next call, so
