@@ -440,15 +440,66 @@ def test_demo_core(target, drafter, tokenizer):
     assert result.mean_acceptance_length >= 1
     assert stream.getvalue().strip() == result.text.strip()
     assert "tokens per target forward" in result.summary()
-    assert result.eager_target_seconds is None  # eager models: nothing else to compare with
+    assert result.default_target_seconds is None  # eager models: nothing else to compare with
 
 
 def test_demo_core_on_the_cpu_fast_path(target, drafter, tokenizer):
     target, drafter = copy.deepcopy(target), copy.deepcopy(drafter)
     prepare_for_cpu_decoding(target, drafter)
     result = demo.run_demo(target, tokenizer, drafter, "hello world", max_new_tokens=12)
-    assert result.identical_to_target and result.eager_target_seconds > 0
-    assert "eager linear layers" in result.summary()
+    assert result.identical_to_target and result.default_target_seconds > 0
+    assert "CPU fast path on both; the target alone as it runs by default" in result.summary()
+
+
+def test_demo_core_compiled(target, drafter, tokenizer, monkeypatch):
+    # `--compile`: both runs on a static cache with the target's forward compiled (the eager backend here: dynamo's
+    # graphs and guards without inductor's C++), which the warm-ups compile, not the timed runs.
+    from torch._dynamo.utils import counters
+
+    from hf_domino.options_domino import static_caches_roll_back
+
+    if not static_caches_roll_back():
+        pytest.skip("static caches roll back from transformers 5.24")
+    original, generate_calls = measure.compile_kwargs, []
+
+    def eager_backend(*args):
+        kwargs = original(*args)
+        kwargs["compile_config"].backend = "eager"
+        return kwargs
+
+    monkeypatch.setattr(measure, "compile_kwargs", eager_backend)
+    target = copy.deepcopy(target)
+    generate = target.generate
+
+    def counting(*args, **kwargs):
+        before = counters["frames"]["total"]
+        output = generate(*args, **kwargs)
+        generate_calls.append(
+            (kwargs["max_new_tokens"], kwargs.get("cache_implementation"), counters["frames"]["total"] - before)
+        )
+        return output
+
+    monkeypatch.setattr(target, "generate", counting)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        result = demo.run_demo(target, tokenizer, drafter, "hello world", max_new_tokens=12, compile=True)
+    finally:
+        torch._dynamo.reset()
+    assert result.identical_to_target and result.compiled and result.default_target_seconds > 0
+    assert "compiled on a static cache; the target alone as it runs by default" in result.summary()
+    assert [(tokens, cache) for tokens, cache, _ in generate_calls] == [
+        (8, "static"),
+        (9, "static"),
+        (8, "static"),
+        (9, "static"),
+        (12, "static"),
+        (12, "static"),
+        (8, None),
+        (12, None),
+    ]
+    assert sum(frames for *_, frames in generate_calls[:4]) > 0
+    assert [frames for *_, frames in generate_calls[4:]] == [0, 0, 0, 0], generate_calls
 
 
 def test_missing_drafter_is_a_clear_error(tmp_path):

