@@ -502,6 +502,12 @@ def test_demo_core_compiled(target, drafter, tokenizer, monkeypatch):
     assert [frames for *_, frames in generate_calls[4:]] == [0, 0, 0, 0], generate_calls
 
 
+def test_demo_compile_on_a_transformers_that_cannot_roll_a_static_cache_back_says_to_upgrade(monkeypatch):
+    monkeypatch.setattr(demo, "static_caches_roll_back", lambda: False)
+    with pytest.raises(SystemExit, match="from transformers 5.24 .* upgrade transformers or drop --compile"):
+        cli.main(["demo", "--compile"])
+
+
 def test_missing_drafter_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="No drafter checkpoint"):
         assets.load_drafter(tmp_path / "missing")
