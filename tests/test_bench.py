@@ -354,27 +354,32 @@ def test_cli_bench_on_a_static_cache(target, drafter, tokenizer, tmp_path, monke
         cli.main([*argv, "--static-cache", "--methods", "target,prompt_lookup"])
 
 
-def test_cli_bench_compiled_on_a_static_cache_compiles_only_while_warming_up(
-    target, drafter, tokenizer, tmp_path, monkeypatch
-):
-    # `--compile on` compiles with inductor; the eager backend keeps dynamo's graphs and guards (what decides a
-    # recompilation) without minutes of C++ compiling. Once warmed up, no timed generation may compile again: a CPU
-    # run had timed the recompilation a longer static cache brings, and one per forward (the acceptance record's list,
-    # traced), which the GPU's `static` stage would have timed too.
-    from torch._dynamo.utils import counters
-
-    from hf_domino.options_domino import static_caches_roll_back
-
-    if not static_caches_roll_back():
-        pytest.skip("static caches roll back from transformers 5.24")
-    original, run_method = measure.compile_kwargs, measure.run_method
+def compile_with_the_eager_backend(monkeypatch) -> None:
+    """`measure.compile_kwargs` with dynamo's eager backend: its graphs and guards (what decides a recompilation)
+    without inductor's minutes of C++ compiling."""
+    original = measure.compile_kwargs
 
     def eager_backend(*args):
         kwargs = original(*args)
         kwargs["compile_config"].backend = "eager"
         return kwargs
 
-    frames = []
+    monkeypatch.setattr(measure, "compile_kwargs", eager_backend)
+
+
+def test_cli_bench_compiled_on_a_static_cache_compiles_only_while_warming_up(
+    target, drafter, tokenizer, tmp_path, monkeypatch
+):
+    # `--compile on` compiles with inductor, here with the eager backend. Once warmed up, no timed generation may
+    # compile again: a CPU run had timed the recompilation a longer static cache brings, and one per forward (the
+    # acceptance record's list, traced), which the GPU's `static` stage would have timed too.
+    from torch._dynamo.utils import counters
+
+    from hf_domino.options_domino import static_caches_roll_back
+
+    if not static_caches_roll_back():
+        pytest.skip("static caches roll back from transformers 5.24")
+    run_method, frames = measure.run_method, []
 
     def counting(*args, **kwargs):
         before = counters["frames"]["total"]
@@ -382,7 +387,7 @@ def test_cli_bench_compiled_on_a_static_cache_compiles_only_while_warming_up(
         frames.append(counters["frames"]["total"] - before)
         return output
 
-    monkeypatch.setattr(measure, "compile_kwargs", eager_backend)
+    compile_with_the_eager_backend(monkeypatch)
     monkeypatch.setattr(measure, "run_method", counting)
     argv = saved_bench_argv(target, drafter, tokenizer, tmp_path)
     argv += ["--num-prompts", "3", "--max-new-tokens", "8", "--threads", "1", "--device", "cpu", "--no-progress"]
@@ -452,23 +457,16 @@ def test_demo_core_on_the_cpu_fast_path(target, drafter, tokenizer):
 
 
 def test_demo_core_compiled(target, drafter, tokenizer, monkeypatch):
-    # `--compile`: both runs on a static cache with the target's forward compiled (the eager backend here: dynamo's
-    # graphs and guards without inductor's C++), which the warm-ups compile, not the timed runs.
+    # `--compile`: both runs on a static cache with the target's forward compiled (the eager backend here), which the
+    # warm-ups compile, not the timed runs.
     from torch._dynamo.utils import counters
 
     from hf_domino.options_domino import static_caches_roll_back
 
     if not static_caches_roll_back():
         pytest.skip("static caches roll back from transformers 5.24")
-    original, generate_calls = measure.compile_kwargs, []
-
-    def eager_backend(*args):
-        kwargs = original(*args)
-        kwargs["compile_config"].backend = "eager"
-        return kwargs
-
-    monkeypatch.setattr(measure, "compile_kwargs", eager_backend)
-    target = copy.deepcopy(target)
+    compile_with_the_eager_backend(monkeypatch)
+    target, generate_calls = copy.deepcopy(target), []
     generate = target.generate
 
     def counting(*args, **kwargs):
