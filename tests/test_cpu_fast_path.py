@@ -183,7 +183,7 @@ def test_products_over_few_rows_stay_eager_where_they_measured_faster(monkeypatc
     assert not prepare_for_cpu_decoding(plain, measure_products=False).eager_rows and not plain._eager_rows
 
 
-def test_measured_dispatch_times_each_weight_shape_once_and_is_real():
+def test_measured_dispatch_times_each_weight_shape_once_and_is_real(monkeypatch):
     # The real timings, at tiny shapes: each shape's decision is a set of the measured row counts (or those between).
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 8))
     second = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))  # a drafter: one shape of the target's, one new
@@ -194,11 +194,8 @@ def test_measured_dispatch_times_each_weight_shape_once_and_is_real():
         calls.append((self.out_features, rows))
         return original(self, rows)
 
-    PrepackedLinear._product_seconds, restore = spy, original
-    try:
-        report = prepare_for_cpu_decoding(model, second)
-    finally:
-        PrepackedLinear._product_seconds = restore
+    monkeypatch.setattr(PrepackedLinear, "_product_seconds", spy)
+    report = prepare_for_cpu_decoding(model, second)
     assert sorted(calls) == sorted((out, rows) for out in (32, 8, 16) for rows in cpu_fast_path.DISPATCH_ROWS)
     assert second[0]._eager_rows == model[0]._eager_rows
     assert model[0]._eager_rows == model[1]._eager_rows and set(report.eager_rows["target"]) == {

@@ -36,6 +36,14 @@ def caches_seen(target) -> tuple[list[type], object]:
     return seen, handle
 
 
+def compiling_here() -> CompileConfig:
+    """A compile config that makes generate() compile on the CPU (transformers' `_compile_all_devices`), with dynamo's
+    `eager` backend: its graphs and guards without inductor's minutes of C++ compilation."""
+    compile_config = CompileConfig(backend="eager")
+    compile_config._compile_all_devices = True
+    return compile_config
+
+
 @rolls_back
 @pytest.mark.parametrize("policy", [{}, {"draft_policy": "fixed"}], ids=["adaptive", "fixed"])
 def test_static_cache_greedy_is_the_target_alones(arch, policy):
@@ -106,12 +114,10 @@ def test_a_static_cache_passed_back_continues_a_chat():
 
 @rolls_back
 def test_the_compiled_forward_verifies_the_blocks():
-    # transformers compiles the verifying forward with a static cache on GPUs; `_compile_all_devices` does it here
-    # (the `eager` backend: dynamo's graphs without inductor's minutes of C++ compilation on a CPU).
+    # transformers compiles the verifying forward with a static cache on GPUs; `_compile_all_devices` does it here.
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
-    compile_config = CompileConfig(backend="eager")
-    compile_config._compile_all_devices = True
+    compile_config = compiling_here()
     try:
         for prompt in prompts(2):
             expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
@@ -139,8 +145,7 @@ def test_a_target_prepared_for_cpu_decoding_compiles_whole():
     prompt = prompts(1)[0]
     expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
     prepare_for_cpu_decoding(target, drafter)
-    compile_config = CompileConfig(backend="eager")
-    compile_config._compile_all_devices = True
+    compile_config = compiling_here()
     torch._dynamo.reset()
     counters.clear()
     try:

@@ -50,16 +50,16 @@ class DemoResult:
 
     def summary(self) -> str:
         same = "identical to" if self.identical_to_target else "DIFFERENT from"
-        eager = ""
+        baseline = ""
         if self.default_target_seconds is not None:
             how = "the target's forward compiled on a static cache" if self.compiled else "CPU fast path on both"
-            eager = (
+            baseline = (
                 f" ({how}; the target alone as it runs by default took {self.default_target_seconds:.2f} s: "
                 f"{self.default_target_seconds / self.seconds:.2f}x)"
             )
         return (
             f"{self.new_tokens} tokens in {self.seconds:.2f} s ({self.new_tokens / self.seconds:.1f} tokens/s) with the "
-            f"drafter, {self.target_seconds:.2f} s for the target alone: {self.speedup:.2f}x{eager}, "
+            f"drafter, {self.target_seconds:.2f} s for the target alone: {self.speedup:.2f}x{baseline}, "
             f"{self.mean_acceptance_length:.2f} tokens per target forward; output {same} the target's own."
         )
 
@@ -87,7 +87,7 @@ def run_demo(
     attention_mask = torch.ones_like(input_ids)
     default_kwargs = measure.generation_kwargs(target, max_new_tokens, temperature=0.0)
     kwargs = default_kwargs | (measure.compile_kwargs("static", "on") if compile else {})
-    warmups = [warmup_tokens, warmup_tokens + 1] if compile else [warmup_tokens]
+    warmups = measure.warmup_lengths(warmup_tokens, static_cache=compile)
 
     def generate(max_tokens: int, settings: dict | None = None, **extra) -> tuple[torch.LongTensor, float]:
         start = time.perf_counter()

@@ -354,17 +354,15 @@ class BenchResult:
     policy_verify_ms: dict[int, float] = field(default_factory=dict)
 
 
-def warmup_lengths(settings: BenchSettings) -> list[int]:
+def warmup_lengths(warmup_tokens: int, static_cache: bool) -> list[int]:
     """How many new tokens each warm-up generation makes: `warmup_tokens`, and on a static cache a second generation
-    one token longer.
+    one token longer (the bench's and the demo's warm-ups).
 
     A compiled forward is compiled for its static cache's length, then once more, for any length, at the next length
     (dynamo's automatic dynamic shapes). generate() keeps a static cache that is long enough for the next call, so
     only a longer one is new: the second warm-up pays that recompilation, not the first timed generation.
     """
-    if settings.cache_implementation is None:
-        return [settings.warmup_tokens]
-    return [settings.warmup_tokens, settings.warmup_tokens + 1]
+    return [warmup_tokens, warmup_tokens + 1] if static_cache else [warmup_tokens]
 
 
 def run_benchmark(
@@ -412,7 +410,7 @@ def run_benchmark(
     if drafter is not None and drafter.datastore is not None:
         drafter.datastore.build_index()  # else whichever generation retrieves first pays for it
     for method in methods:  # warm-up: allocator, kernels, lazy imports, the draft policy's cost calibration
-        for warmup_tokens in warmup_lengths(settings):
+        for warmup_tokens in warmup_lengths(settings.warmup_tokens, settings.cache_implementation is not None):
             generate(method, prompts[0], warmup_tokens, settings.seed)
     drafts = [drafter.config.num_drafts] if drafter is not None else []
     block_lengths = sorted({1, 2, 3, 4, 5, 8, *(n + 1 for n in drafts)})
