@@ -3,10 +3,13 @@ the shipped drafter, `prepare_for_cpu_decoding`), then one call, timed, in a fre
 the target alone and with the drafter in alternating order, `--repeats` times; prints the medians, their ratio and
 what loading and preparing took. `--batch-size N`: the set's first N prompts as one left-padded batch (the haiku N
 times). `--device cuda`: the same on a GPU (where preparing changes nothing, so the first call measures the verify
-costs and captures the fused head's CUDA graph). docs/benchmarks.md, "A process's first call", quotes it:
+costs and captures the fused head's CUDA graph). `--compile`: `prepare_for_cpu_decoding(..., compile=True)`, so the
+first call also compiles the target's forward (set TORCHINDUCTOR_CACHE_DIR to an empty folder for a machine that never
+compiled it). docs/benchmarks.md, "A process's first call" and "Compiled on a CPU", quotes it:
 
     python examples/first_call.py --repeats 3
     python examples/first_call.py --repeats 3 --batch-size 8 --cases mtbench humaneval
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python examples/first_call.py --repeats 1 --cases mtbench --compile
 
 Later calls in a process are what `hf-domino bench` and `examples/generate_ab.py` measure (after a warm-up).
 """
@@ -23,7 +26,7 @@ CASES = {"haiku": 64, "mtbench": 128, "humaneval": 128}  # prompt -> max_new_tok
 HAIKU = [{"role": "user", "content": "Write a haiku about dominoes."}]  # the README's prompt
 
 
-def one_call(prompt: str, with_drafter: bool, threads: int, rows: int, device: str) -> None:
+def one_call(prompt: str, with_drafter: bool, threads: int, rows: int, device: str, compile: bool) -> None:
     """In a fresh process: the README's set-up, then one greedy call; prints its seconds and the set-up's."""
     import torch
 
@@ -35,7 +38,7 @@ def one_call(prompt: str, with_drafter: bool, threads: int, rows: int, device: s
     start = time.perf_counter()
     target, tokenizer = load_target("smollm2", device=device)
     drafter = load_drafter().to(target.device, target.dtype)
-    hf_domino.prepare_for_cpu_decoding(target, drafter, batch_size=rows)  # on a GPU: changes nothing
+    hf_domino.prepare_for_cpu_decoding(target, drafter, batch_size=rows, compile=compile)  # on a GPU: changes nothing
     setup = time.perf_counter() - start
     conversations = [HAIKU] * rows if prompt == "haiku" else load_prompts(prompt, rows)
     prompts = [chat_token_ids(tokenizer, messages) for messages in conversations]
@@ -51,7 +54,9 @@ def one_call(prompt: str, with_drafter: bool, threads: int, rows: int, device: s
 
 def timed_in_fresh_process(prompt: str, with_drafter: bool, args: argparse.Namespace) -> tuple[float, float]:
     command = [sys.executable, __file__, "--child", prompt, "--threads", str(args.threads)]
-    command += ["--batch-size", str(args.batch_size), "--device", args.device]
+    command += ["--batch-size", str(args.batch_size), "--device", args.device] + (
+        ["--compile"] if args.compile else []
+    )
     output = subprocess.run(
         command + (["--with-drafter"] if with_drafter else []), capture_output=True, text=True, check=True
     ).stdout
@@ -66,11 +71,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--compile", action="store_true", help="prepare_for_cpu_decoding(..., compile=True)")
     parser.add_argument("--child", choices=list(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--with-drafter", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        one_call(args.child, args.with_drafter, args.threads, args.batch_size, args.device)
+        one_call(args.child, args.with_drafter, args.threads, args.batch_size, args.device, args.compile)
         return
     for prompt in args.cases:
         seconds: dict[bool, list[float]] = {False: [], True: []}

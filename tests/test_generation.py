@@ -430,8 +430,6 @@ def test_errors_before_any_generation_work(monkeypatch):
         (dict(input_ids=prompt, num_beams=2), "beam search"),
         (dict(input_ids=prompt, use_cache=False), "use_cache=False"),
         (dict(input_ids=prompt.repeat(2, 1), use_cache=False), "use_cache=False"),
-        # One sequence verifies on a static cache too (test_static_cache.py); a batch keeps holes in a dynamic one.
-        (dict(input_ids=prompt.repeat(2, 1), cache_implementation="static"), "DynamicCache of full-attention"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):

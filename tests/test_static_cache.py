@@ -39,9 +39,9 @@ def caches_seen(target) -> tuple[list[type], object]:
 def compiling_here() -> CompileConfig:
     """A compile config that makes generate() compile on the CPU (transformers' `_compile_all_devices`), with dynamo's
     `eager` backend: its graphs and guards without inductor's minutes of C++ compilation."""
-    compile_config = CompileConfig(backend="eager")
-    compile_config._compile_all_devices = True
-    return compile_config
+    from hf_domino.cpu_fast_path import compiling_on_any_device
+
+    return compiling_on_any_device(CompileConfig(backend="eager"))
 
 
 @rolls_back
@@ -169,3 +169,93 @@ def test_releases_that_cannot_roll_a_static_cache_back_say_to_upgrade(monkeypatc
     with pytest.raises(ValueError, match=r"transformers>=5\.24.*drop cache_implementation"):
         target.generate(prompts(1)[0], max_new_tokens=5, cache_implementation="static", assistant_model=drafter)
     assert forwards == []
+
+
+# ------------------------------------------------------------------------------ prepare_for_cpu_decoding(compile=True)
+@rolls_back
+def test_prepare_with_compile_makes_plain_generate_compile_on_the_cpu():
+    # One argument instead of a private flag in the user's code: plain generate() then verifies on a static cache with
+    # the compiled forward, and the target alone compiles alike. A compile config the user set keeps its settings.
+    from hf_domino import prepare_for_cpu_decoding
+
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    prompt = prompts(1)[0]
+    expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    conversation = torch.cat([expected, torch.tensor([[7, 8, 9]])], dim=1)  # a chat's next turn
+    expected_next = target.generate(conversation, max_new_tokens=12, do_sample=False)
+    target.generation_config.compile_config = CompileConfig(backend="eager")  # the user's (no inductor minutes here)
+    report = prepare_for_cpu_decoding(target, drafter, compile=True)
+    assert report.compiled and "compiles the target's forward on a static cache" in str(report)
+    assert target.generation_config.cache_implementation == "static"
+    assert target.generation_config.compile_config.backend == "eager"
+    assert not prepare_for_cpu_decoding(target, drafter, compile=True).changed
+    torch._dynamo.reset()
+    try:
+        output = target.generate(
+            prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, draft_policy="fixed",
+            return_dict_in_generate=True,
+        )  # fmt: skip
+        assert hasattr(target, "_compiled_call")  # the loop ran the compiled forward
+        assert max(drafter.last_generation_stats.acceptance_lengths) > 1
+        alone = target.generate(prompt, max_new_tokens=20, do_sample=False)
+        assert type(getattr(output, CACHE_ARGUMENT)) is StaticCache
+        # A chat passes its own cache, long enough for every turn, and cache_implementation=None: transformers refuses
+        # a cache beside a cache_implementation, the default one included.
+        chat = {
+            CACHE_ARGUMENT: StaticCache(config=target.config, max_cache_len=128),
+            "cache_implementation": None,
+            "draft_policy": "fixed",
+        }
+        first_turn = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, **chat)
+        next_turn = target.generate(conversation, max_new_tokens=12, do_sample=False, assistant_model=drafter, **chat)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(output.sequences, expected) and torch.equal(alone, expected)
+    assert torch.equal(first_turn, expected) and torch.equal(next_turn, expected_next)
+
+
+@rolls_back
+def test_a_batch_after_compile_keeps_a_dynamic_cache_and_the_target_alones_output():
+    # The batch loop keeps holes in a dynamic cache: the empty static cache generate() makes from the default that
+    # compile=True set is swapped for one, with a warning, where it had refused the call. A filled one is still refused.
+    from test_batching import left_padded
+
+    from hf_domino import prepare_for_cpu_decoding
+
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    batch = left_padded([[5, 6, 7, 8, 9], [11, 12, 13]])
+    expected = target.generate(**batch, max_new_tokens=16, do_sample=False)
+    target.generation_config.compile_config = CompileConfig(backend="eager")
+    prepare_for_cpu_decoding(target, drafter, compile=True)
+    try:
+        with pytest.warns(UserWarning, match="keeps holes in a dynamic cache"):
+            output = target.generate(**batch, max_new_tokens=16, do_sample=False, assistant_model=drafter)
+        assert torch.equal(output, expected)
+        filled = StaticCache(config=target.config, max_cache_len=64)
+        target(**batch, **{CACHE_ARGUMENT: filled})
+        with pytest.raises(ValueError, match="DynamicCache of full-attention layers"):
+            target.generate(  # a cache passed with a default cache_implementation: transformers asks for None
+                **batch,
+                **{CACHE_ARGUMENT: filled},
+                cache_implementation=None,
+                max_new_tokens=4,
+                assistant_model=drafter,
+            )
+    finally:
+        torch._dynamo.reset()
+
+
+def test_prepare_with_compile_names_what_it_needs(monkeypatch):
+    from hf_domino import prepare_for_cpu_decoding
+    from hf_domino.cpu_fast_path import is_prepared_for_cpu_decoding
+
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    with pytest.raises(ValueError, match="no generation_config.*drop compile=True"):
+        prepare_for_cpu_decoding(target.model, compile=True)
+    monkeypatch.setattr(StaticLayer, "is_croppable", False)  # transformers 5.23
+    with pytest.raises(ValueError, match=r"transformers 5\.24.*upgrade transformers, or drop compile=True"):
+        prepare_for_cpu_decoding(target, drafter, compile=True)
+    assert not is_prepared_for_cpu_decoding(target) and target.generation_config.cache_implementation is None

@@ -25,9 +25,11 @@ This file is also written next to exported checkpoints as remote code (transform
 from __future__ import annotations
 
 import time
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -54,7 +56,6 @@ from .ragged_batch_domino import (
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
-    from transformers.cache_utils import DynamicCache
 
     from .modeling_domino import DominoForSpeculation
     from .options_domino import DominoOptions
@@ -542,6 +543,23 @@ class BatchedDecoding:
             judge_call(self.policy, self.cycle_times, self.steps(), speculated=self.speculated)
 
 
+def _dynamic_if_unused(cache: Any, target: PreTrainedModel) -> Any:
+    """The batch's holes need a dynamic cache: an empty compileable one (what generate() makes for
+    `cache_implementation="static"`, which `prepare_for_cpu_decoding(..., compile=True)` sets as the target's default)
+    is swapped for a `DynamicCache`, with a warning; the output is the same. A filled one is left to be refused."""
+    if cache is None or type(cache) is DynamicCache or not getattr(cache, "is_compileable", False):
+        return cache
+    if int(cache.get_seq_length()):
+        return cache
+    warnings.warn(
+        f"A batch drafted with a Domino drafter keeps holes in a dynamic cache: the empty {type(cache).__name__} "
+        "generate() was given or made (cache_implementation) is not used, nor a compiled forward; the output is the "
+        "same. One sequence at a time verifies on the static cache.",
+        stacklevel=2,
+    )
+    return DynamicCache(config=target.config)
+
+
 @torch.no_grad()
 def batched_assisted_decoding(
     target: PreTrainedModel,
@@ -564,7 +582,7 @@ def batched_assisted_decoding(
     """
     attention_mask = model_kwargs.get("attention_mask")
     _check_batch_call(target, input_ids, attention_mask, logits_processor, generation_config, attention_mask_given)
-    cache = model_kwargs.get(CACHE_ARGUMENT)
+    cache = _dynamic_if_unused(model_kwargs.get(CACHE_ARGUMENT), target)
     RaggedCache.check(cache, "target")
     decoding = BatchedDecoding(
         target, drafter, options, generation_config, logits_processor, stopping_criteria, stats, input_ids,

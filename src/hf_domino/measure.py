@@ -34,14 +34,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import CompileConfig
 from transformers.cache_utils import DynamicCache
 
 from .acceptance import acceptance_from_cache_lengths, record_target_forwards
 from .assets import eos_token_ids, pad_token_id
 from .cache_domino import cache_argument
 from .cost_model_domino import cached_verify_cost, synchronize
-from .cpu_fast_path import eager_linears
+from .cpu_fast_path import compiling_on_any_device, eager_linears
 from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
 from .modeling_domino import DominoForSpeculation, TargetModules, context_features, hidden_state_indices
 
@@ -102,15 +101,14 @@ COMPILE_MODES = ("auto", "on", "off")
 def compile_kwargs(cache_implementation: str | None, compile: str = "auto") -> dict[str, Any]:
     """generate() arguments for the cache and the compiled forward: `cache_implementation` (None: the dynamic cache);
     `compile` "auto" (transformers' rule: it compiles the forward with a static cache on a GPU), "on" (on any device,
-    `CompileConfig._compile_all_devices`) or "off" (`disable_compile`)."""
+    `compiling_on_any_device`) or "off" (`disable_compile`)."""
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile={compile!r}: choose among {', '.join(COMPILE_MODES)}.")
     kwargs: dict[str, Any] = {} if cache_implementation is None else {"cache_implementation": cache_implementation}
     if compile == "off":
         kwargs["disable_compile"] = True
     elif compile == "on":
-        kwargs["compile_config"] = CompileConfig()
-        kwargs["compile_config"]._compile_all_devices = True
+        kwargs["compile_config"] = compiling_on_any_device()
     return kwargs
 
 
