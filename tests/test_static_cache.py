@@ -216,9 +216,10 @@ def test_prepare_with_compile_makes_plain_generate_compile_on_the_cpu():
 
 
 @rolls_back
-def test_a_batch_after_compile_keeps_a_dynamic_cache_and_the_target_alones_output():
-    # The batch loop keeps holes in a dynamic cache: the empty static cache generate() makes from the default that
-    # compile=True set is swapped for one, with a warning, where it had refused the call. A filled one is still refused.
+def test_a_batch_where_generate_compiles_takes_compiled_plain_steps():
+    # The batch loop cannot use the compiled forward (holes in a dynamic cache, eager), and without it drafting
+    # measured slower than the compiled target alone: such a batch takes transformers' own compiled steps, greedy and
+    # sampling exactly the target alone's, with a warning naming how to draft it anyway.
     from test_batching import left_padded
 
     from hf_domino import prepare_for_cpu_decoding
@@ -226,25 +227,41 @@ def test_a_batch_after_compile_keeps_a_dynamic_cache_and_the_target_alones_outpu
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     batch = left_padded([[5, 6, 7, 8, 9], [11, 12, 13]])
-    expected = target.generate(**batch, max_new_tokens=16, do_sample=False)
     target.generation_config.compile_config = CompileConfig(backend="eager")
     prepare_for_cpu_decoding(target, drafter, compile=True)
+    torch._dynamo.reset()
     try:
-        with pytest.warns(UserWarning, match="keeps holes in a dynamic cache"):
-            output = target.generate(**batch, max_new_tokens=16, do_sample=False, assistant_model=drafter)
-        assert torch.equal(output, expected)
-        filled = StaticCache(config=target.config, max_cache_len=64)
-        target(**batch, **{CACHE_ARGUMENT: filled})
-        with pytest.raises(ValueError, match="DynamicCache of full-attention layers"):
-            target.generate(  # a cache passed with a default cache_implementation: transformers asks for None
-                **batch,
-                **{CACHE_ARGUMENT: filled},
-                cache_implementation=None,
-                max_new_tokens=4,
-                assistant_model=drafter,
-            )
+        for sampling in ({"do_sample": False}, {"do_sample": True, "top_k": 0}):
+            torch.manual_seed(0)
+            expected = target.generate(**batch, max_new_tokens=16, **sampling)
+            torch.manual_seed(0)
+            with pytest.warns(UserWarning, match="decodes without drafting.*cache_implementation='dynamic'"):
+                output = target.generate(**batch, max_new_tokens=16, assistant_model=drafter, **sampling)
+            assert torch.equal(output, expected)
+            assert drafter.last_generation_stats.acceptance_lengths == []  # no drafting cycle, nothing stale
+        assert hasattr(target, "_compiled_call")
     finally:
         torch._dynamo.reset()
+
+
+@rolls_back
+def test_a_batch_on_a_static_cache_that_is_not_compiled_drafts_on_a_dynamic_one():
+    # Where generate() does not compile (here disable_compile=True), the empty static cache it makes for a batch is
+    # swapped for a dynamic one, where it had refused the call. A filled one is still refused.
+    from test_batching import left_padded
+
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    batch = left_padded([[5, 6, 7, 8, 9], [11, 12, 13]])
+    expected = target.generate(**batch, max_new_tokens=16, do_sample=False)
+    static = {"cache_implementation": "static", "disable_compile": True}
+    with pytest.warns(UserWarning, match="keeps holes in a dynamic cache"):
+        output = target.generate(**batch, max_new_tokens=16, do_sample=False, assistant_model=drafter, **static)
+    assert torch.equal(output, expected) and drafter.last_generation_stats.drafted
+    filled = StaticCache(config=target.config, max_cache_len=64)
+    target(**batch, **{CACHE_ARGUMENT: filled})
+    with pytest.raises(ValueError, match="DynamicCache of full-attention layers"):
+        target.generate(**batch, **{CACHE_ARGUMENT: filled}, max_new_tokens=4, assistant_model=drafter)
 
 
 def test_prepare_with_compile_names_what_it_needs(monkeypatch):
