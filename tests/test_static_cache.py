@@ -44,6 +44,14 @@ def compiling_here() -> CompileConfig:
     return compiling_on_any_device(CompileConfig(backend="eager"))
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Compiled tests start and end with no compiled code or counters from elsewhere (recompile limits, guards)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @rolls_back
 @pytest.mark.parametrize("policy", [{}, {"draft_policy": "fixed"}], ids=["adaptive", "fixed"])
 def test_static_cache_greedy_is_the_target_alones(arch, policy):
@@ -113,27 +121,24 @@ def test_a_static_cache_passed_back_continues_a_chat():
 
 
 @rolls_back
-def test_the_compiled_forward_verifies_the_blocks():
+def test_the_compiled_forward_verifies_the_blocks(fresh_dynamo):
     # transformers compiles the verifying forward with a static cache on GPUs; `_compile_all_devices` does it here.
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     compile_config = compiling_here()
-    try:
-        for prompt in prompts(2):
-            expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
-            output = target.generate(
-                prompt, max_new_tokens=20, do_sample=False, cache_implementation="static",
-                compile_config=compile_config, assistant_model=drafter, draft_policy="fixed",
-            )  # fmt: skip
-            assert torch.equal(output, expected)
-        assert hasattr(target, "_compiled_call")  # the loop ran the compiled forward
-        assert max(drafter.last_generation_stats.acceptance_lengths) > 1
-    finally:
-        torch._dynamo.reset()
+    for prompt in prompts(2):
+        expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
+        output = target.generate(
+            prompt, max_new_tokens=20, do_sample=False, cache_implementation="static",
+            compile_config=compile_config, assistant_model=drafter, draft_policy="fixed",
+        )  # fmt: skip
+        assert torch.equal(output, expected)
+    assert hasattr(target, "_compiled_call")  # the loop ran the compiled forward
+    assert max(drafter.last_generation_stats.acceptance_lengths) > 1
 
 
 @rolls_back
-def test_a_target_prepared_for_cpu_decoding_compiles_whole():
+def test_a_target_prepared_for_cpu_decoding_compiles_whole(fresh_dynamo):
     # The fast path's packed products are for eager forwards; traced, their checks broke the graph in every layer and
     # recompiled it per module (a compiled SmolLM2 ran 0.7x its eager self). Compiled, they are plain linears.
     from torch._dynamo.utils import counters
@@ -146,18 +151,14 @@ def test_a_target_prepared_for_cpu_decoding_compiles_whole():
     expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
     prepare_for_cpu_decoding(target, drafter)
     compile_config = compiling_here()
-    torch._dynamo.reset()
     counters.clear()
-    try:
-        output = target.generate(
-            prompt, max_new_tokens=20, do_sample=False, cache_implementation="static",
-            compile_config=compile_config, assistant_model=drafter, draft_policy="fixed",
-        )  # fmt: skip
-        assert torch.equal(output, expected)
-        assert not counters["graph_break"], dict(counters["graph_break"])
-        assert max(drafter.last_generation_stats.acceptance_lengths) > 1
-    finally:
-        torch._dynamo.reset()
+    output = target.generate(
+        prompt, max_new_tokens=20, do_sample=False, cache_implementation="static",
+        compile_config=compile_config, assistant_model=drafter, draft_policy="fixed",
+    )  # fmt: skip
+    assert torch.equal(output, expected)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert max(drafter.last_generation_stats.acceptance_lengths) > 1
 
 
 def test_releases_that_cannot_roll_a_static_cache_back_say_to_upgrade(monkeypatch):
@@ -173,7 +174,7 @@ def test_releases_that_cannot_roll_a_static_cache_back_say_to_upgrade(monkeypatc
 
 # ------------------------------------------------------------------------------ prepare_for_cpu_decoding(compile=True)
 @rolls_back
-def test_prepare_with_compile_makes_plain_generate_compile_on_the_cpu():
+def test_prepare_with_compile_makes_plain_generate_compile_on_the_cpu(fresh_dynamo):
     # One argument instead of a private flag in the user's code: plain generate() then verifies on a static cache with
     # the compiled forward, and the target alone compiles alike. A compile config the user set keeps its settings.
     from hf_domino import prepare_for_cpu_decoding
@@ -190,33 +191,29 @@ def test_prepare_with_compile_makes_plain_generate_compile_on_the_cpu():
     assert target.generation_config.cache_implementation == "static"
     assert target.generation_config.compile_config.backend == "eager"
     assert not prepare_for_cpu_decoding(target, drafter, compile=True).changed
-    torch._dynamo.reset()
-    try:
-        output = target.generate(
-            prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, draft_policy="fixed",
-            return_dict_in_generate=True,
-        )  # fmt: skip
-        assert hasattr(target, "_compiled_call")  # the loop ran the compiled forward
-        assert max(drafter.last_generation_stats.acceptance_lengths) > 1
-        alone = target.generate(prompt, max_new_tokens=20, do_sample=False)
-        assert type(getattr(output, CACHE_ARGUMENT)) is StaticCache
-        # A chat passes its own cache, long enough for every turn, and cache_implementation=None: transformers refuses
-        # a cache beside a cache_implementation, the default one included.
-        chat = {
-            CACHE_ARGUMENT: StaticCache(config=target.config, max_cache_len=128),
-            "cache_implementation": None,
-            "draft_policy": "fixed",
-        }
-        first_turn = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, **chat)
-        next_turn = target.generate(conversation, max_new_tokens=12, do_sample=False, assistant_model=drafter, **chat)
-    finally:
-        torch._dynamo.reset()
+    output = target.generate(
+        prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, draft_policy="fixed",
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert hasattr(target, "_compiled_call")  # the loop ran the compiled forward
+    assert max(drafter.last_generation_stats.acceptance_lengths) > 1
+    alone = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    assert type(getattr(output, CACHE_ARGUMENT)) is StaticCache
+    # A chat passes its own cache, long enough for every turn, and cache_implementation=None: transformers refuses
+    # a cache beside a cache_implementation, the default one included.
+    chat = {
+        CACHE_ARGUMENT: StaticCache(config=target.config, max_cache_len=128),
+        "cache_implementation": None,
+        "draft_policy": "fixed",
+    }
+    first_turn = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter, **chat)
+    next_turn = target.generate(conversation, max_new_tokens=12, do_sample=False, assistant_model=drafter, **chat)
     assert torch.equal(output.sequences, expected) and torch.equal(alone, expected)
     assert torch.equal(first_turn, expected) and torch.equal(next_turn, expected_next)
 
 
 @rolls_back
-def test_a_batch_where_generate_compiles_takes_compiled_plain_steps():
+def test_a_batch_where_generate_compiles_takes_compiled_plain_steps(fresh_dynamo):
     # The batch loop cannot use the compiled forward (holes in a dynamic cache, eager), and without it drafting
     # measured slower than the compiled target alone: such a batch takes transformers' own compiled steps, greedy and
     # sampling exactly the target alone's, with a warning naming how to draft it anyway.
@@ -229,19 +226,15 @@ def test_a_batch_where_generate_compiles_takes_compiled_plain_steps():
     batch = left_padded([[5, 6, 7, 8, 9], [11, 12, 13]])
     target.generation_config.compile_config = CompileConfig(backend="eager")
     prepare_for_cpu_decoding(target, drafter, compile=True)
-    torch._dynamo.reset()
-    try:
-        for sampling in ({"do_sample": False}, {"do_sample": True, "top_k": 0}):
-            torch.manual_seed(0)
-            expected = target.generate(**batch, max_new_tokens=16, **sampling)
-            torch.manual_seed(0)
-            with pytest.warns(UserWarning, match="decodes without drafting.*cache_implementation='dynamic'"):
-                output = target.generate(**batch, max_new_tokens=16, assistant_model=drafter, **sampling)
-            assert torch.equal(output, expected)
-            assert drafter.last_generation_stats.acceptance_lengths == []  # no drafting cycle, nothing stale
-        assert hasattr(target, "_compiled_call")
-    finally:
-        torch._dynamo.reset()
+    for sampling in ({"do_sample": False}, {"do_sample": True, "top_k": 0}):
+        torch.manual_seed(0)
+        expected = target.generate(**batch, max_new_tokens=16, **sampling)
+        torch.manual_seed(0)
+        with pytest.warns(UserWarning, match="decodes without drafting.*cache_implementation='dynamic'"):
+            output = target.generate(**batch, max_new_tokens=16, assistant_model=drafter, **sampling)
+        assert torch.equal(output, expected)
+        assert drafter.last_generation_stats.acceptance_lengths == []  # no drafting cycle, nothing stale
+    assert hasattr(target, "_compiled_call")
 
 
 @rolls_back
