@@ -555,7 +555,8 @@ def _compiled_plain_steps(
     """A batch where generate() compiles the target's forward on a static cache: transformers' own decoding, compiled.
 
     The batch loop keeps holes in a dynamic cache and runs the forward eagerly; against the compiled target alone it
-    measured slower (a CPU, 2 and 4 rows: 0.64x and 0.79x; docs/benchmarks.md), so the batch takes the compiled plain steps instead."""
+    measured slower (a CPU, 2 and 4 rows: 0.64x and 0.79x; docs/benchmarks.md), so the batch takes the compiled plain
+    steps instead."""
     warnings.warn(
         "This batch decodes without drafting: generate() compiles the target's forward on its static cache, which a "
         "Domino drafter's batch loop cannot use, and drafting without it measured slower than the compiled target "
@@ -570,8 +571,8 @@ def _compiled_plain_steps(
 
 def _dynamic_if_unused(cache: Any, target: PreTrainedModel) -> Any:
     """The batch's holes need a dynamic cache: an empty compileable one (what generate() makes for
-    `cache_implementation="static"`; where it would also compile the forward, the generate() hook takes compiled plain
-    steps instead) is swapped for a `DynamicCache`, with a warning; the output is the same. A filled one is left to be
+    `cache_implementation="static"` where it does not compile the forward; where it does, `_compiled_plain_steps`
+    runs instead) is swapped for a `DynamicCache`, with a warning; the output is the same. A filled one is left to be
     refused."""
     if cache is None or type(cache) is DynamicCache or not getattr(cache, "is_compileable", False):
         return cache
