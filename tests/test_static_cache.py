@@ -226,7 +226,7 @@ def test_a_batch_where_generate_compiles_takes_compiled_plain_steps(fresh_dynamo
     batch = left_padded([[5, 6, 7, 8, 9], [11, 12, 13]])
     target.generation_config.compile_config = CompileConfig(backend="eager")
     prepare_for_cpu_decoding(target, drafter, compile=True)
-    for sampling in ({"do_sample": False}, {"do_sample": True, "top_k": 0}):
+    for sampling in ({"do_sample": False}, {"do_sample": True, "top_k": 0, "num_return_sequences": 2}):
         torch.manual_seed(0)
         expected = target.generate(**batch, max_new_tokens=16, **sampling)
         torch.manual_seed(0)
