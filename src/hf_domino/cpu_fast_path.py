@@ -50,7 +50,7 @@ with the datastore's index built at load, a process's first call pays nothing it
 `compile=True` goes one step further: the target's generate() then compiles its forward on a static cache, on the CPU
 too (transformers compiles only on GPUs unless told), and the packed products inside that forward are plain linears
 for inductor to plan. On this project's CPU that made the default drafter 1.32-1.37x the compiled target alone and
-1.71-1.76x the target as it runs by default, after minutes of compiling (docs/benchmarks.md, "Compiled on a CPU").
+1.71-1.85x the target as it runs by default, after minutes of compiling (docs/benchmarks.md, "Compiled on a CPU").
 
 Calling it again changes nothing (already prepared modules are counted, not repacked). Greedy output is the prepared
 target's own, token for token: speculative decoding verifies every draft with the same (prepared) target. Against
@@ -560,8 +560,10 @@ def prepare_for_cpu_decoding(
     `compile=True` also makes the target's `generate()` run on a static cache with its forward compiled, on the CPU
     too (its `generation_config`: `cache_implementation="static"` and a `compile_config` told to compile on any
     device), so that plain `target.generate(**inputs, assistant_model=drafter)` runs the fastest CPU setup measured
-    here (docs/usage.md, "A static cache"). The first calls compile, for minutes; batches keep a dynamic cache (and
-    an eager forward). Needs transformers>=5.24, where a static cache rolls back after a rejected draft.
+    here (docs/usage.md, "A static cache"). The first calls compile, for minutes (repaid after about 5,000-23,000
+    generated tokens on this project's CPU); a batch with the drafter takes the compiled target alone's steps, faster
+    there than drafting on the batch loop's eager forward. Needs transformers>=5.24, where a static cache rolls back
+    after a rejected draft.
     Returns what was changed (also logged).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
