@@ -1,7 +1,7 @@
 """Packed or not, per row count: what `prepare_for_cpu_decoding` measured on this CPU, and what it buys end to end.
 
 `prepare_for_cpu_decoding` times `F.linear` against the oneDNN-packed product for each weight shape at 1-17 rows and
-keeps `F.linear` where it measured faster (`hf_domino.cpu_fast_path.measure_linear_dispatch`). This prints those
+keeps `F.linear` where it measured faster (`hf_domino.prepacked_linear.measure_linear_dispatch`). This prints those
 decisions for the offline SmolLM2 target and the shipped drafter, both products' times per target weight shape, then
 times `generate()` three ways on the same
 prepared models, interleaved per prompt: every product packed (the fast path before the measurement), the measured
@@ -20,7 +20,7 @@ import time
 import torch
 
 from hf_domino import assets, prepare_for_cpu_decoding
-from hf_domino.cpu_fast_path import PrepackedLinear, eager_linears
+from hf_domino.prepacked_linear import PrepackedLinear, eager_linears
 
 MODES = ("packed", "measured", "eager")
 PRODUCT_ROWS = (1, 2, 3, 5, 9, 17)  # the products' table: F.linear / packed microseconds

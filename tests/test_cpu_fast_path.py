@@ -23,6 +23,7 @@ from hf_domino import (
     cost_model_domino,
     cpu_fast_path,
     generation_domino,
+    prepacked_linear,
     prepare_for_cpu_decoding,
 )
 from hf_domino.cpu_fast_path import (
@@ -196,13 +197,13 @@ def test_measured_dispatch_times_each_weight_shape_once_and_is_real(monkeypatch)
 
     monkeypatch.setattr(PrepackedLinear, "_product_seconds", spy)
     report = prepare_for_cpu_decoding(model, second)
-    assert sorted(calls) == sorted((out, rows) for out in (32, 8, 16) for rows in cpu_fast_path.DISPATCH_ROWS)
+    assert sorted(calls) == sorted((out, rows) for out in (32, 8, 16) for rows in prepacked_linear.DISPATCH_ROWS)
     assert second[0]._eager_rows == model[0]._eager_rows
     assert model[0]._eager_rows == model[1]._eager_rows and set(report.eager_rows["target"]) == {
         (32, 32, torch.float32),
         (8, 32, torch.float32),
     }
-    assert all(rows <= max(cpu_fast_path.DISPATCH_ROWS) for rows in model[0]._eager_rows)
+    assert all(rows <= max(prepacked_linear.DISPATCH_ROWS) for rows in model[0]._eager_rows)
 
 
 @torch.no_grad()  # as in generate(): with autograd on, products fall back to F.linear

@@ -19,8 +19,9 @@ import torch
 
 from . import measure
 from .assets import SHIPPED_DRAFTER, encode_chat, load_drafter, load_smollm2
-from .cpu_fast_path import eager_linears, is_prepared_for_cpu_decoding, prepare_for_cpu_decoding
+from .cpu_fast_path import is_prepared_for_cpu_decoding, prepare_for_cpu_decoding
 from .options_domino import static_caches_roll_back
+from .prepacked_linear import eager_linears
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -3,7 +3,7 @@
 Methods (`parse_method`):
 
 - `target`: the target's own `generate()` (greedy or sampling), the baseline every speedup is measured against;
-- `target_eager`: the same with every linear layer multiplying eagerly (`hf_domino.cpu_fast_path.eager_linears`),
+- `target_eager`: the same with every linear layer multiplying eagerly (`hf_domino.prepacked_linear.eager_linears`),
   always on the default dynamic cache: the target alone as it runs without the CPU fast path, and without the
   compiled forward of a static cache, when the run has them;
 - `prompt_lookup`: transformers' n-gram prompt lookup (`prompt_lookup_num_tokens`), a drafter-free peer;
@@ -40,9 +40,10 @@ from .acceptance import acceptance_from_cache_lengths, record_target_forwards
 from .assets import eos_token_ids, pad_token_id
 from .cache_domino import cache_argument
 from .cost_model_domino import cached_verify_cost, synchronize
-from .cpu_fast_path import compiling_on_any_device, eager_linears
+from .cpu_fast_path import compiling_on_any_device
 from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
 from .modeling_domino import DominoForSpeculation, TargetModules, context_features, hidden_state_indices
+from .prepacked_linear import eager_linears
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

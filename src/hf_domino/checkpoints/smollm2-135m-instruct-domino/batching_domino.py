@@ -29,14 +29,13 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch_drafts_domino import CycleDrafts, RowCopies, row_limits
 from .batch_policy_domino import batch_policy, call_speculates, checks_call, judge_call, stops_speculating
-from .cache_domino import CACHE_ARGUMENT, buffer_layers, uncached_prompt_length
+from .cache_domino import CACHE_ARGUMENT, buffer_layers
 from .cost_model_domino import row_paces, settle_for_timing
 from .drafting_domino import judge_copy, score_only, select_fused_rollout, spread_to_vocabulary
 from .modeling_domino import TargetModules, context_features, hidden_state_indices
@@ -46,7 +45,9 @@ from .ragged_batch_domino import (
     BatchedDrafterContext,
     RaggedCache,
     accept_rows,
+    batch_cache,
     batched_rollout,
+    cached_columns,
     pick_tokens,
     process_rows,
     ragged_forward,
@@ -56,6 +57,7 @@ from .ragged_batch_domino import (
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
+    from transformers.cache_utils import DynamicCache
 
     from .modeling_domino import DominoForSpeculation
     from .options_domino import DominoOptions
@@ -124,34 +126,6 @@ def _check_batch_call(
         )
 
 
-def _cached_columns(
-    cache: DynamicCache | None,
-    input_ids: torch.LongTensor,
-    attention_mask: torch.Tensor | None,
-    generation_config: GenerationConfig,
-) -> int:
-    """How many of the batch's prompt columns a cache passed to generate() already holds (0: a fresh cache). A batch
-    continues a filled cache as the target alone does when input_ids are the whole sequences (the cached columns, then
-    the new ones) with their attention mask; new tokens alone are refused, since the rows' padding is in the mask."""
-    cached = cache.get_seq_length() if cache is not None else 0
-    if not cached:
-        return 0
-    uncached = uncached_prompt_length(cache, input_ids, attention_mask, generation_config)
-    if uncached is None:
-        raise ValueError(
-            f"The cache passed to generate() holds {cached} columns, and input_ids ({input_ids.shape[1]} columns) are "
-            "not the whole sequences the attention mask covers: a batch continuing a cache needs the whole padded "
-            "sequences, the cached columns included, with an attention mask of the same length."
-        )
-    rows = next((layer.keys.shape[0] for layer in cache.layers if layer.is_initialized), input_ids.shape[0])
-    if rows != input_ids.shape[0]:
-        raise ValueError(
-            f"The cache passed to generate() holds {rows} rows and the batch has {input_ids.shape[0]}: continue a "
-            "cache with the same rows it was filled with (num_return_sequences > 1 repeats the rows, not the cache)."
-        )
-    return input_ids.shape[1] - uncached
-
-
 class BatchedDecoding:
     """One batched `generate()` call: its rows, both ragged caches, the draft policy, and the steps of a cycle.
 
@@ -210,7 +184,7 @@ class BatchedDecoding:
         self.active = list(range(rows))
         # Steps append in place, into room never taken past what the call can write (its holes aside).
         reserve = options.cache_columns(drafter, self.max_length)
-        self.cached = _cached_columns(cache, input_ids, attention_mask, generation_config)
+        self.cached = cached_columns(cache, input_ids, attention_mask, generation_config)
         self.target_cache = RaggedCache(buffer_layers(cache, reserve), self.mask[:, : self.cached])
         self.context = BatchedDrafterContext.empty(rows, drafter.device)
         self.policy: AdaptivePolicy | FixedPolicy | None = None
@@ -569,24 +543,6 @@ def _compiled_plain_steps(
     )
 
 
-def _dynamic_if_unused(cache: Any, target: PreTrainedModel) -> Any:
-    """The batch's holes need a dynamic cache: an empty compileable one (what generate() makes for
-    `cache_implementation="static"` where it does not compile the forward; where it does, `_compiled_plain_steps`
-    runs instead) is swapped for a `DynamicCache`, with a warning; the output is the same. A filled one is left to be
-    refused."""
-    if cache is None or type(cache) is DynamicCache or not getattr(cache, "is_compileable", False):
-        return cache
-    if int(cache.get_seq_length()):
-        return cache
-    warnings.warn(
-        f"A batch drafted with a Domino drafter keeps holes in a dynamic cache: the empty {type(cache).__name__} "
-        "generate() was given or made (cache_implementation) is not used; the output is the same. One sequence at a "
-        "time verifies on the static cache.",
-        stacklevel=2,
-    )
-    return DynamicCache(config=target.config)
-
-
 @torch.no_grad()
 def batched_assisted_decoding(
     target: PreTrainedModel,
@@ -613,8 +569,7 @@ def batched_assisted_decoding(
         return _compiled_plain_steps(
             target, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs
         )
-    cache = _dynamic_if_unused(model_kwargs.get(CACHE_ARGUMENT), target)
-    RaggedCache.check(cache, "target")
+    cache = batch_cache(model_kwargs.get(CACHE_ARGUMENT), target)
     decoding = BatchedDecoding(
         target, drafter, options, generation_config, logits_processor, stopping_criteria, stats, input_ids,
         attention_mask, cache,

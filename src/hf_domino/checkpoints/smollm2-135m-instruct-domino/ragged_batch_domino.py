@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,12 +25,12 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 from transformers.generation.utils import _speculative_sampling
 
-from .cache_domino import CACHE_ARGUMENT, BufferedLayer, buffer_layers, cache_argument
+from .cache_domino import CACHE_ARGUMENT, BufferedLayer, buffer_layers, cache_argument, uncached_prompt_length
 from .drafting_domino import picked_probability, score_only, spread_to_vocabulary, to_vocab_ids
 from .modeling_domino import TargetModules
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import GenerationConfig, PreTrainedModel
 
     from .modeling_domino import DominoForSpeculation
 
@@ -125,6 +126,56 @@ def positions_from_mask(mask: torch.BoolTensor, first: torch.LongTensor | int = 
     """Position of each column: real columns before it (plus `first`); holes get 1, as transformers does for pads."""
     positions = mask.long().cumsum(dim=-1) - 1 + (first[:, None] if torch.is_tensor(first) else first)
     return positions.masked_fill(~mask, 1)
+
+
+def cached_columns(
+    cache: DynamicCache | None,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None,
+    generation_config: GenerationConfig,
+) -> int:
+    """How many of the batch's prompt columns a cache passed to generate() already holds (0: a fresh cache). A batch
+    continues a filled cache as the target alone does when input_ids are the whole sequences (the cached columns, then
+    the new ones) with their attention mask; new tokens alone are refused, since the rows' padding is in the mask."""
+    cached = cache.get_seq_length() if cache is not None else 0
+    if not cached:
+        return 0
+    uncached = uncached_prompt_length(cache, input_ids, attention_mask, generation_config)
+    if uncached is None:
+        raise ValueError(
+            f"The cache passed to generate() holds {cached} columns, and input_ids ({input_ids.shape[1]} columns) are "
+            "not the whole sequences the attention mask covers: a batch continuing a cache needs the whole padded "
+            "sequences, the cached columns included, with an attention mask of the same length."
+        )
+    rows = next((layer.keys.shape[0] for layer in cache.layers if layer.is_initialized), input_ids.shape[0])
+    if rows != input_ids.shape[0]:
+        raise ValueError(
+            f"The cache passed to generate() holds {rows} rows and the batch has {input_ids.shape[0]}: continue a "
+            "cache with the same rows it was filled with (num_return_sequences > 1 repeats the rows, not the cache)."
+        )
+    return input_ids.shape[1] - uncached
+
+
+def batch_cache(cache: Any, target: PreTrainedModel) -> DynamicCache | None:
+    """The target's cache a batch starts from. The holes need a dynamic cache: an empty compileable one (what
+    generate() makes for `cache_implementation="static"` where it does not compile the forward; where it does, the
+    batch takes compiled plain steps instead) is swapped for a `DynamicCache`, with a warning, the output being the
+    same; any other cache but a plain dynamic one is refused (`RaggedCache.check`)."""
+    if (
+        cache is not None
+        and type(cache) is not DynamicCache
+        and getattr(cache, "is_compileable", False)
+        and not int(cache.get_seq_length())
+    ):
+        warnings.warn(
+            f"A batch drafted with a Domino drafter keeps holes in a dynamic cache: the empty {type(cache).__name__} "
+            "generate() was given or made (cache_implementation) is not used; the output is the same. One sequence "
+            "at a time verifies on the static cache.",
+            stacklevel=3,
+        )
+        cache = DynamicCache(config=target.config)
+    RaggedCache.check(cache, "target")
+    return cache
 
 
 # ----------------------------------------------------------------------------------------------- drafter context
