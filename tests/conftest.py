@@ -165,6 +165,14 @@ GPU_LIKE = {1: 0.010, 17: 0.011}
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """Compiled tests start and end with no compiled code from elsewhere (recompile limits, guards)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def cpu_like_costs(monkeypatch):
     return _fixed_costs(monkeypatch, CPU_LIKE)
 

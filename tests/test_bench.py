@@ -368,7 +368,7 @@ def compile_with_the_eager_backend(monkeypatch) -> None:
 
 
 def test_cli_bench_compiled_on_a_static_cache_compiles_only_while_warming_up(
-    target, drafter, tokenizer, tmp_path, monkeypatch
+    target, drafter, tokenizer, tmp_path, monkeypatch, fresh_dynamo
 ):
     # `--compile on` compiles with inductor, here with the eager backend. Once warmed up, no timed generation may
     # compile again: a CPU run had timed the recompilation a longer static cache brings, and one per forward (the
@@ -392,12 +392,8 @@ def test_cli_bench_compiled_on_a_static_cache_compiles_only_while_warming_up(
     argv = saved_bench_argv(target, drafter, tokenizer, tmp_path)
     argv += ["--num-prompts", "3", "--max-new-tokens", "8", "--threads", "1", "--device", "cpu", "--no-progress"]
     argv += ["--methods", "target,domino", "--warmup-tokens", "4", "--output-dir", str(tmp_path / "out")]
-    torch._dynamo.reset()
     counters.clear()
-    try:
-        assert cli.main([*argv, "--static-cache", "--compile", "on"]) == 0
-    finally:
-        torch._dynamo.reset()
+    assert cli.main([*argv, "--static-cache", "--compile", "on"]) == 0
     written = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert written["metadata"]["target_forward"] == "compiled"
     assert all(s["greedy_mismatches"] == 0 for s in written["summary"].values())
@@ -456,7 +452,7 @@ def test_demo_core_on_the_cpu_fast_path(target, drafter, tokenizer):
     assert "CPU fast path on both; the target alone as it runs by default" in result.summary()
 
 
-def test_demo_core_compiled(target, drafter, tokenizer, monkeypatch):
+def test_demo_core_compiled(target, drafter, tokenizer, monkeypatch, fresh_dynamo):
     # `--compile`: both runs on a static cache with the target's forward compiled (the eager backend here), which the
     # warm-ups compile, not the timed runs.
     from torch._dynamo.utils import counters
@@ -478,12 +474,8 @@ def test_demo_core_compiled(target, drafter, tokenizer, monkeypatch):
         return output
 
     monkeypatch.setattr(target, "generate", counting)
-    torch._dynamo.reset()
     counters.clear()
-    try:
-        result = demo.run_demo(target, tokenizer, drafter, "hello world", max_new_tokens=12, compile=True)
-    finally:
-        torch._dynamo.reset()
+    result = demo.run_demo(target, tokenizer, drafter, "hello world", max_new_tokens=12, compile=True)
     assert result.identical_to_target and result.compiled and result.default_target_seconds > 0
     assert "compiled on a static cache; the target alone as it runs by default" in result.summary()
     assert [(tokens, cache) for tokens, cache, _ in generate_calls] == [

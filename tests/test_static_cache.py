@@ -44,14 +44,6 @@ def compiling_here() -> CompileConfig:
     return compiling_on_any_device(CompileConfig(backend="eager"))
 
 
-@pytest.fixture
-def fresh_dynamo():
-    """Compiled tests start and end with no compiled code or counters from elsewhere (recompile limits, guards)."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @rolls_back
 @pytest.mark.parametrize("policy", [{}, {"draft_policy": "fixed"}], ids=["adaptive", "fixed"])
 def test_static_cache_greedy_is_the_target_alones(arch, policy):
