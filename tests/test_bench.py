@@ -283,24 +283,37 @@ def saved_bench_argv(target, drafter, tokenizer, tmp_path) -> list[str]:
 def test_cli_bench_end_to_end(fast_path, target, drafter, tokenizer, tmp_path, capsys):
     argv = saved_bench_argv(target, drafter, tokenizer, tmp_path)
     argv += ["--num-prompts", "2", "--max-new-tokens", "8", "--threads", "1", "--device", "cpu"]  # not a GPU's
-    argv += ["--methods", "target,prompt_lookup,domino,manual", "--output-dir", str(tmp_path / "out"), "--no-progress"]
+    argv += ["--methods", "target,target_no_cudnn,prompt_lookup,domino,manual", "--output-dir", str(tmp_path / "out")]
+    argv += ["--no-progress"]
     assert cli.main(argv + ([] if fast_path else ["--no-cpu-fast-path"])) == 0
     written = json.loads((tmp_path / "out" / "bench.json").read_text())
     summary, out = written["summary"], capsys.readouterr().out
     assert all(s["greedy_mismatches"] == 0 for s in summary.values())
     assert written["metadata"]["torch_threads"] == 1
     assert written["metadata"]["command"].startswith("hf-domino bench --target")
-    assert "| manual |" in out
+    assert "| manual |" in out and "| target_no_cudnn |" in out  # on a CPU, the target alone's own kernels
+    assert "cudnn_attention" not in written["metadata"]  # said on CUDA only
     if fast_path:  # on a CPU, by default: both models prepared, and the target alone also timed without it
-        assert written["methods"] == ["target", "target_eager", "prompt_lookup", "domino", "manual"]
+        assert written["methods"] == ["target", "target_eager", "target_no_cudnn", "prompt_lookup", "domino", "manual"]
         assert "nn.Linear prepacked" in written["metadata"]["cpu_fast_path"] and "CPU fast path" in out
         assert summary["target_eager"]["greedy_mismatches"] == 0  # fp32 rounding only, on these prompts
         assert summary["domino"]["speedup_vs_eager_target"] > 0 and "vs eager target" in out
         assert sorted(written["eager_target_forward_ms_by_tokens"]) == sorted(written["target_forward_ms_by_tokens"])
     else:
-        assert written["methods"] == ["target", "prompt_lookup", "domino", "manual"]
+        assert written["methods"] == ["target", "target_no_cudnn", "prompt_lookup", "domino", "manual"]
         assert written["metadata"]["cpu_fast_path"] == "off" and "speedup_vs_eager_target" not in summary["domino"]
         assert "vs eager target" not in out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cli_bench_on_cuda_in_bf16_also_times_the_target_without_cudnn(target, drafter, tokenizer, tmp_path):
+    argv = saved_bench_argv(target, drafter, tokenizer, tmp_path)
+    argv += ["--num-prompts", "1", "--max-new-tokens", "8", "--device", "cuda", "--dtype", "bfloat16"]
+    argv += ["--methods", "target,domino", "--output-dir", str(tmp_path / "out"), "--no-progress"]
+    assert cli.main(argv) == 0
+    written = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert written["methods"] == ["target", "target_no_cudnn", "domino"]
+    assert "its SDPA kernels enabled for the process" in written["metadata"]["cudnn_attention"]
 
 
 def test_cli_bench_samples_with_top_k_and_top_p(target, drafter, tokenizer, tmp_path, monkeypatch):

@@ -42,7 +42,7 @@ def test_domino_head_option_must_be_a_bool_or_none(models, value):
         generate(target, drafter, domino_head=value)
 
 
-@pytest.mark.parametrize("name", ["draft_vocab", "domino_timings"])
+@pytest.mark.parametrize("name", ["draft_vocab", "domino_timings", "domino_cudnn_attention"])
 def test_switches_must_be_bools(models, name):
     target, drafter = models
     with pytest.raises(ValueError, match=f"{name} must be True or False, got None"):

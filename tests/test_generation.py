@@ -480,6 +480,70 @@ def test_drafter_in_another_dtype_stays_lossless():
     )
 
 
+# ------------------------------------------------------------------------------------- attention kernels of a call
+SDPA_SWITCHES = {
+    "cudnn": torch.backends.cuda.cudnn_sdp_enabled,
+    "flash": torch.backends.cuda.flash_sdp_enabled,
+    "efficient": torch.backends.cuda.mem_efficient_sdp_enabled,
+    "math": torch.backends.cuda.math_sdp_enabled,
+}
+
+
+def sdpa_switches() -> dict[str, bool]:
+    return {name: enabled() for name, enabled in SDPA_SWITCHES.items()}
+
+
+def test_drafting_attention_kernels_leave_out_cudnn_on_cuda_in_half_precision():
+    # The switches are process-wide settings, readable and settable on any build: only the device named matters.
+    before = sdpa_switches()
+    assert before["cudnn"]
+    cuda = torch.device("cuda")
+    for dtype in (torch.bfloat16, torch.float16):
+        with generation_domino.drafting_attention_kernels(cuda, dtype):
+            assert sdpa_switches() == before | {"cudnn": False}
+        assert sdpa_switches() == before
+    unchanged = [
+        (cuda, torch.float32, False),
+        (torch.device("cpu"), torch.bfloat16, False),
+        (cuda, torch.bfloat16, True),
+    ]
+    for device, dtype, allow_cudnn in unchanged:
+        with generation_domino.drafting_attention_kernels(device, dtype, allow_cudnn):
+            assert sdpa_switches() == before, (device, dtype, allow_cudnn)
+
+
+def test_drafting_attention_kernels_never_enable_what_the_user_disabled():
+    torch.backends.cuda.enable_flash_sdp(False)
+    try:
+        with generation_domino.drafting_attention_kernels(torch.device("cuda"), torch.bfloat16):
+            assert sdpa_switches() == {"cudnn": False, "flash": False, "efficient": True, "math": True}
+        assert not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+
+
+def attention_switches_seen_by(target, **generate_kwargs) -> list[dict[str, bool]]:
+    """The SDPA switches at every target forward of `target.generate(**generate_kwargs)`."""
+    seen = []
+    handle = target.register_forward_pre_hook(lambda module, args: seen.append(sdpa_switches()))
+    try:
+        target.generate(do_sample=False, **generate_kwargs)
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_a_call_on_a_cpu_keeps_the_attention_switches():
+    # Leaving cuDNN out is for CUDA in half precision; a CPU call, bf16 included, runs with the process's settings.
+    target = tiny_target("qwen3").to(torch.bfloat16)
+    drafter = tiny_drafter(target).to(torch.bfloat16)
+    before = sdpa_switches()
+    seen = attention_switches_seen_by(
+        target, input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=8, assistant_model=drafter
+    )
+    assert len(seen) > 1 and all(switches == before for switches in seen)
+
+
 # ----------------------------------------------------------------------------------------------- the hook itself
 def test_hook_is_idempotent_and_leaves_other_paths_alone(monkeypatch):
     names = list(generation_domino._WRAPPERS)

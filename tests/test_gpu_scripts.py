@@ -82,9 +82,9 @@ def test_the_stalls_stage_runs_here_at_toy_shapes(tmp_path):
 
 
 def test_the_laps_stage_runs_here_with_the_real_models(tmp_path):
-    # The stage that asks where a bf16 drafting cycle's extra 40 ms go (third GPU run), with the bench's real target,
-    # drafter and prompt: every call a row (warm-ups included), then the profile of one call. Off CUDA it runs the
-    # eager head in fp32, small, and has no telemetry to print.
+    # The stage that asks whether a bf16 drafting cycle's extra 40 ms (third GPU run) are cuDNN's attention plans, with
+    # the bench's real target, drafter and prompts: every call a row (warm-ups included), then profiles of the two
+    # whole-block variants. Off CUDA it runs the eager head in fp32, small, and has no telemetry to print.
     result = run(["bash", str(GPU / "stages.sh"), "laps"], tmp_path,
                  LAPS_DTYPES="float32", LAPS_ARGS="--new-tokens 4 --warmup-tokens 2 --rounds 1 --rows 5")  # fmt: skip
     log = (tmp_path / "stage" / "results" / "laps.log").read_text()
@@ -92,6 +92,8 @@ def test_the_laps_stage_runs_here_with_the_real_models(tmp_path):
     rows = [line for line in log.splitlines() if line.startswith("| ") and "(warm-up)" not in line]
     assert len(rows) == 2 + 6, log  # the header, its rule, and the six variants once
     assert sum(" (no timings) |" in line for line in rows) == 1, log
-    # one warm-up per distinct call: off CUDA the bench's method runs the eager head, as the second variant does
-    assert sum("(warm-up) |" in line for line in log.splitlines()) == 4, log
-    assert "one call profiled" in log and "Ordered by: internal time" in log and "Self CPU time total" in log, log
+    assert sum(" (cuDNN allowed) |" in line for line in rows) == 1, log
+    assert {line.split(" | ")[1] for line in rows[2:]} == {"1"}, log  # one round: the first new prompt
+    assert sum("(warm-up) |" in line for line in log.splitlines()) == 6, log  # one per variant, on prompt 0
+    assert log.count("profiled on prompts no call has met") == 2, log
+    assert log.count("Ordered by: internal time") == 2 and log.count("Self CPU time total") == 2, log

@@ -13,7 +13,7 @@ import torch
 from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
 from test_batching import PARTIAL, both, left_padded
 from test_datastore_drafts import own_answers_datastore
-from test_generation import VOCAB
+from test_generation import VOCAB, attention_switches_seen_by, sdpa_switches
 
 from hf_domino import batching_domino
 
@@ -120,3 +120,21 @@ def test_cuda_static_cache_runs_the_compiled_forward_and_stays_identical():
         assert sum(drafter.last_generation_stats.drafted) > 0
     finally:
         torch._dynamo.reset()
+
+
+def test_cuda_half_precision_calls_run_without_cudnn_attention():
+    # cuDNN plans every new (query, key) length; a drafting call meets new ones at every cycle (third GPU run's bf16
+    # slow state). Both loops run without its kernels, unless asked, and give the switches back afterwards.
+    target = tiny_target("qwen3").cuda().to(torch.bfloat16)
+    drafter = tiny_drafter(target).cuda().to(torch.bfloat16)
+    before = sdpa_switches()
+    one = torch.tensor([[5, 17, 42, 8, 9]], device="cuda")
+    batch = on_cuda(left_padded([[5, 17, 42], [8, 9]]))
+    for inputs in ({"input_ids": one}, batch):
+        seen = attention_switches_seen_by(target, **inputs, assistant_model=drafter, max_new_tokens=12)
+        assert seen and all(switches == before | {"cudnn": False} for switches in seen)
+        assert sdpa_switches() == before
+        seen = attention_switches_seen_by(
+            target, **inputs, assistant_model=drafter, max_new_tokens=6, domino_cudnn_attention=True
+        )
+        assert seen and all(switches == before for switches in seen)

@@ -1,20 +1,25 @@
-"""Where a drafting cycle's time goes on the GPU, with the bench's own target, drafter, prompt and options.
+"""Where a drafting cycle's time goes on the GPU, with the bench's own target, drafter, prompts and options: is the
+bf16 slow state cuDNN's attention planning every new shape?
 
 The third GPU run (2026-11-27, docs/benchmarks.md, "Third run on a GPU") found the bf16 slowness of the second one
-again, and sharper: inside each `hf-domino bench` process, every drafting cycle's `backbone` lap took 3-5 ms for the
-first 8-12 cycles, then 40-49 ms for every later cycle of every later call, and verifications jumped between ~27 and
-~70 ms; fp32 stayed at 3 ms. The random-weight Qwen3 of `stall_probe.py` never entered that state. This runs the
-bench's method on the first MT-Bench prompt with the real SmolLM2 target and the shipped drafter (`run_method`, the
-bench's own call), call after call in one process, and prints for each call its laps: the first cycles' and the
-later ones' median backbone lap, the verify lap, the process's CPU time against wall time, and its thread count. Variants
-(eager head, no draft vocabulary, no timings, the target alone) follow one another, so a state that sets in once and stays
-shows as such. Beside it, the GPU's P-state, clocks, power and throttle reasons, and the compute processes on it, are
-sampled (`nvidia-smi`); at the end one call of the bench's method is profiled: host Python functions by own time,
-and torch ops by host and by device time. On a GPU:
+again: inside each `hf-domino bench` process, every drafting cycle's `backbone` lap took 3-5 ms for the first 8-12
+cycles (the lengths the warm-up had met), then 40-49 ms, and the target alone's first call ran 56 ms per token, its
+later ones 26-29; fp32 never slowed, nor did `stall_probe.py`, which repeats one prompt. That run's profile shows
+bf16 attention running cuDNN's kernels (`aten::_cudnn_attention_forward`): PyTorch's CUDA 13 builds try cuDNN first
+on Hopper, and cuDNN builds an execution plan for every new (query length, key length) before it runs it. A
+drafting call meets a new pair at every cycle, which is why `generate()` with a drafter now leaves cuDNN out in half
+precision (`generation_domino.drafting_attention_kernels`). This checks that, A against B on the same prompts: each
+round takes a new MT-Bench prompt (new lengths) through whole blocks with cuDNN left out (the default) and allowed
+(`domino_cudnn_attention=True`, what the third run did), the user's default method, and the target alone with and
+without cuDNN; for each call, its laps (the first cycles' and the later ones' median backbone lap, the verify lap),
+the process's CPU time against wall time, and its thread count. Then one call of each whole-block variant, on a
+prompt none has seen, is profiled (host Python functions by own time, torch ops by host and by device time: plans
+built show as host time in `aten::_cudnn_attention_forward`). Beside it, the GPU's P-state, clocks, power and throttle
+reasons, and the compute processes on it, are sampled (`nvidia-smi`). On a GPU:
 
     python examples/gpu/lap_probe.py --dtype bfloat16
 
-Here (a CPU) it runs the same calls, small, to check it end to end (no device telemetry):
+Here (a CPU) it runs the same calls, small, to check it end to end (no device telemetry; no cuDNN to leave out):
 
     python examples/gpu/lap_probe.py --dtype float32 --new-tokens 4 --warmup-tokens 2 --rounds 1 --rows 8
 """
@@ -33,6 +38,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -40,15 +46,21 @@ from hf_domino.assets import encode_chat, load_drafter, load_mtbench, load_targe
 from hf_domino.measure import run_method
 
 BENCH_METHOD = "domino_vocab_k16@triton+graph"  # the bf16 stage's whole blocks, the head fused with its graph
-# (method, timings): the bench reads a clock after each step of a cycle, waiting for the device each time; the
-# random-weight probe, which never slowed down, read none. Its wall time per forward says whether the waits matter.
+
+
+class Variant(NamedTuple):
+    method: str  # a bench method (`hf_domino.measure.parse_method`)
+    cudnn: bool = False  # a drafting call with cuDNN's attention allowed (`domino_cudnn_attention=True`)
+    timed: bool = True  # per-cycle laps: a clock read after each step, waiting for the device each time
+
+
 VARIANTS = (
-    (BENCH_METHOD, True),
-    ("domino_vocab_k16@eager", True),
-    ("domino_k16@triton+graph", True),
-    (BENCH_METHOD, False),
-    ("target", True),
-    (BENCH_METHOD, True),
+    Variant(BENCH_METHOD),
+    Variant(BENCH_METHOD, cudnn=True),
+    Variant("domino_vocab_lookup"),
+    Variant("target"),  # the process's own kernels: cuDNN's first where PyTorch prefers them
+    Variant("target_no_cudnn"),
+    Variant(BENCH_METHOD, timed=False),
 )
 # Why the clocks are below their maximum is `clocks_event_reasons` in newer drivers, `clocks_throttle_reasons` before.
 TELEMETRY = tuple(
@@ -103,30 +115,31 @@ def median_ms(values: list[float]) -> str:
     return f"{1000 * statistics.median(values):.1f}" if values else "-"
 
 
-def describe_call(method: str, generation, cpu_seconds: float, started: float) -> str:
-    """One row: when the call started, its wall and CPU time per target forward, and its laps."""
+def describe_call(method: str, generation, cpu_seconds: float, started: float, prompt: int) -> str:
+    """One row: when the call started, its prompt, its wall and CPU time per target forward, and its laps."""
     forwards = max(1, len(generation.acceptance_lengths))
     laps = generation.timings or {}
     backbone, verify = laps.get("backbone", []), laps.get("verify", [])
     slow = sum(lap > 0.02 for lap in backbone)
     return (
-        f"| {started:.1f} | {method} | {forwards} | {1000 * generation.seconds / forwards:.1f} "
+        f"| {started:.1f} | {prompt} | {method} | {forwards} | {1000 * generation.seconds / forwards:.1f} "
         f"| {1000 * cpu_seconds / forwards:.1f} | {median_ms(backbone[:8])} | {median_ms(backbone[8:])} "
         f"| {slow}/{len(backbone)} | {median_ms(verify)} | {threading.active_count()}/{len(os.listdir('/proc/self/task'))} |"
     )
 
 
-def profile_call(call, rows: int, on_cuda: bool) -> str:
-    """Host Python functions by own time, then torch ops by host time and (on CUDA) by device time, for one call."""
+def profile_calls(host_call, op_call, rows: int, on_cuda: bool) -> str:
+    """Host Python functions by own time in `host_call()`, then torch ops by host time and (on CUDA) by device time in
+    `op_call()`: two calls, so that each can meet lengths the process has not met before."""
     from torch.profiler import ProfilerActivity, profile
 
     host = cProfile.Profile()
-    host.runcall(call)
+    host.runcall(host_call)
     text = io.StringIO()
     pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(rows)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=activities) as trace:
-        call()
+        op_call()
     events = trace.key_averages()
     report = text.getvalue() + "\n" + events.table(sort_by="self_cpu_time_total", row_limit=rows)
     if on_cuda:
@@ -149,34 +162,48 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     target, tokenizer = load_target("smollm2", dtype=dtype)
     drafter = load_drafter(dtype=dtype).to(target.device)
-    prompt = encode_chat(tokenizer, load_mtbench(1)[0])
+    # prompt 0 warms every variant up, then one new prompt per round, and the last two for the profiles
+    prompts = [encode_chat(tokenizer, messages) for messages in load_mtbench(args.rounds + 3)]
     on_cuda = target.device.type == "cuda"
     print(f"{args.dtype}, {torch.cuda.get_device_name() if on_cuda else 'cpu'}, torch {torch.__version__}, "
-          f"{args.threads} torch threads, {prompt.shape[1]} prompt tokens, {args.new_tokens} new tokens per call\n")  # fmt: skip
+          f"cuDNN {torch.backends.cudnn.version()}, {args.threads} torch threads, prompts of "
+          f"{[p.shape[1] for p in prompts]} tokens, {args.new_tokens} new tokens per call\n")  # fmt: skip
     # Off CUDA the fused head does not run (without Triton's interpreter): the same calls with the eager head.
     variants = [
-        (method if on_cuda else method.replace("@triton+graph", "@eager"), timed) for method, timed in VARIANTS
+        v._replace(method=v.method if on_cuda else v.method.replace("@triton+graph", "@eager")) for v in VARIANTS
     ]
+
+    def call(variant: Variant, prompt: torch.Tensor, new_tokens: int):
+        if variant.cudnn:  # read by generate() with a drafter, as a keyword argument would be
+            target.generation_config.domino_cudnn_attention = True
+        try:
+            return run_method(variant.method, target, drafter, prompt, new_tokens, record_timings=variant.timed)
+        finally:
+            vars(target.generation_config).pop("domino_cudnn_attention", None)
+
     print(
-        "| s since start | method | target forwards | wall ms / forward | CPU ms / forward | backbone, first 8 "
+        "| s since start | prompt | method | target forwards | wall ms / forward | CPU ms / forward | backbone, first 8 "
         "| backbone, later | backbone > 20 ms | verify | Python / OS threads |"
     )
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    # The warm-up (kernels compiled, graphs captured, as the bench warms up) is printed too: the second run's state
-    # set in within a process's first calls.
-    calls = [(method, timed, args.warmup_tokens, " (warm-up)") for method, timed in dict.fromkeys(variants)]
-    calls += [(method, timed, args.new_tokens, "") for _ in range(args.rounds) for method, timed in variants]
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    calls = [(variant, 0, args.warmup_tokens, " (warm-up)") for variant in dict.fromkeys(variants)]
+    calls += [(variant, r, args.new_tokens, "") for r in range(1, args.rounds + 1) for variant in variants]
     start = time.perf_counter()
-    for method, timed, new_tokens, label in calls:
+    for variant, p, new_tokens, label in calls:
         began, cpu = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
-        generation = run_method(method, target, drafter, prompt, new_tokens, record_timings=timed)
+        generation = call(variant, prompts[p], new_tokens)
         after = resource.getrusage(resource.RUSAGE_SELF)
         cpu_seconds = after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
-        name = method + ("" if timed or method == "target" else " (no timings)") + label
-        print(describe_call(name, generation, cpu_seconds, began), flush=True)
-    method = variants[0][0]
-    print(f"\n{method}, one call profiled:\n")
-    print(profile_call(lambda: run_method(method, target, drafter, prompt, args.new_tokens), args.rows, on_cuda))
+        name = variant.method + (" (cuDNN allowed)" if variant.cudnn else "")
+        name += (
+            "" if variant.timed or not variant.method.startswith(("domino", "dflash")) else " (no timings)"
+        ) + label
+        print(describe_call(name, generation, cpu_seconds, began, p), flush=True)
+    for variant in variants[:2]:
+        name = variant.method + (" (cuDNN allowed)" if variant.cudnn else "")
+        print(f"\n{name}, profiled on prompts no call has met:\n")
+        host_call, op_call = (lambda v=variant, p=p: call(v, p, args.new_tokens) for p in prompts[-2:])
+        print(profile_calls(host_call, op_call, args.rows, on_cuda))
     if telemetry is None and on_cuda:
         print("\nNo GPU telemetry: nvidia-smi is missing or knows neither list of fields.")
     if telemetry is not None:

@@ -20,6 +20,7 @@ import transformers
 
 from . import assets
 from .cpu_fast_path import prepare_for_cpu_decoding
+from .generation_domino import cudnn_attention_applies
 from .measure import COMPILE_MODES, METHODS, BenchResult, BenchSettings, parse_method, run_benchmark
 from .measure_batch import BATCH_METHODS, batch_markdown, parse_batch_method, run_batch_benchmark
 from .report import markdown_report, write_report
@@ -99,7 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_methods,
         default=list(METHODS),
         help=f"comma-separated (default {','.join(METHODS)}); also domino_vocab, domino_k<N>, dflash_k<N>, and "
-        "domino...@eager|@triton|@triton+graph (the head's rollout)",
+        "domino...@eager|@triton|@triton+graph (the head's rollout), target_no_cudnn (the target alone with a drafting "
+        "call's attention kernels: no cuDNN; added beside target on CUDA in half precision)",
     )
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
     parser.add_argument(
@@ -231,8 +233,10 @@ def run(args: argparse.Namespace) -> int:
     if drafter is not None:
         drafter.to(target.device)
     fast_path = _cpu_fast_path(args, target, drafter)
-    if fast_path != "off" and "target" in methods and "target_eager" not in methods:
-        methods.insert(methods.index("target") + 1, "target_eager")
+    if fast_path != "off":  # the CPU's baseline without the fast path
+        _add_baseline(methods, "target_eager")
+    if cudnn_attention_applies(target.device, target.dtype):  # the target alone with a drafting call's kernels
+        _add_baseline(methods, "target_no_cudnn")
     prompts = [
         assets.encode_chat(tokenizer, messages) for messages in assets.load_prompts(args.prompts, args.num_prompts)
     ]
@@ -261,6 +265,12 @@ def run(args: argparse.Namespace) -> int:
         "prompts": f"{prompt_set} ({len(prompts)} prompts, mean {mean_prompt:.0f} prompt tokens, chat template)",
         "speedup": "tokens/s of the method over tokens/s of the target alone, totals over all prompts, same run",
     }
+    if target.device.type == "cuda":  # cuDNN's attention is left out of drafting calls in half precision: say so
+        metadata["cudnn_attention"] = (
+            f"cuDNN {torch.backends.cudnn.version()}, its SDPA kernels "
+            f"{'enabled' if torch.backends.cuda.cudnn_sdp_enabled() else 'disabled'} for the process; generate() with "
+            "the drafter and target_no_cudnn run without them in float16/bfloat16 (domino_cudnn_attention=False)"
+        )
     folder_suffix, decoding = decoding_names(args)
     output_dir = Path(args.output_dir or f"runs/bench/{prompt_set}-{folder_suffix}")
     partial = output_dir / "bench.partial.md"
@@ -280,6 +290,12 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_report(result))
     print("Wrote " + ", ".join(str(path) for path in paths.values()))
     return 0
+
+
+def _add_baseline(methods: list[str], baseline: str) -> None:
+    """Times the target alone a second way, right after `target`, when the run has `target` and not that one."""
+    if "target" in methods and baseline not in methods:
+        methods.insert(methods.index("target") + 1, baseline)
 
 
 def _cpu_fast_path(args: argparse.Namespace, target, drafter) -> str:

@@ -6,6 +6,10 @@ Methods (`parse_method`):
 - `target_eager`: the same with every linear layer multiplying eagerly (`hf_domino.prepacked_linear.eager_linears`),
   always on the default dynamic cache: the target alone as it runs without the CPU fast path, and without the
   compiled forward of a static cache, when the run has them;
+- `target_no_cudnn`: the target alone with the attention kernels a drafting call runs with
+  (`generation_domino.drafting_attention_kernels`: cuDNN's left out on CUDA in float16/bfloat16; elsewhere the same
+  as `target`; the bench adds it beside `target` where it differs), so that a drafter's speedup can be read apart
+  from the kernel choice;
 - `prompt_lookup`: transformers' n-gram prompt lookup (`prompt_lookup_num_tokens`), a drafter-free peer;
 - `domino`: `generate(assistant_model=drafter)` with the default (adaptive) draft policy, whole vocabulary, drafts
   from the drafter only; `domino_vocab`: the same over the drafter's draft vocabulary; `domino_k<N>`
@@ -42,6 +46,7 @@ from .cache_domino import cache_argument
 from .cost_model_domino import cached_verify_cost, synchronize
 from .cpu_fast_path import compiling_on_any_device
 from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
+from .generation_domino import drafting_attention_kernels
 from .modeling_domino import DominoForSpeculation, TargetModules, context_features, hidden_state_indices
 from .prepacked_linear import eager_linears
 
@@ -69,14 +74,14 @@ def parse_method(name: str) -> MethodSpec:
     """`target`, `prompt_lookup`, `manual`, or `domino`/`dflash`, then optionally `_vocab`, `_lookup` (copies from the
     text and the drafter's datastore, as generate() by default) or `_copies` (from the text only), `_k<N>`,
     `@<rollout>`."""
-    if name in ("target", "target_eager", "prompt_lookup"):
+    if name in ("target", "target_eager", "target_no_cudnn", "prompt_lookup"):
         return MethodSpec(name)
     if name == "manual":
         return MethodSpec(name, uses_drafter=True)
     match = _DRAFTER_METHOD.match(name)
     if match is None:
         raise ValueError(
-            f"Unknown method {name!r}; choose among target, target_eager, prompt_lookup, manual, domino, dflash, domino_vocab, "
+            f"Unknown method {name!r}; choose among target, target_eager, target_no_cudnn, prompt_lookup, manual, domino, dflash, domino_vocab, "
             "domino_k<N>, domino_vocab_k<N>, domino_vocab_lookup, domino_vocab_copies (and the same for dflash), each optionally with @eager, @triton or "
             "@triton+graph (the Domino head's rollout)."
         )
@@ -213,6 +218,17 @@ def manual_generate(
 
 
 # ---------------------------------------------------------------------------------------------------- one method
+def _method_context(method: str, target: PreTrainedModel) -> contextlib.AbstractContextManager:
+    """What a method runs inside besides its generation: eager linear layers for `target_eager`; a drafting call's
+    attention kernels for `target_no_cudnn` and for the hand-written `manual` loop (generate() with a drafter picks
+    them itself)."""
+    if method == "target_eager":
+        return eager_linears()
+    if method in ("target_no_cudnn", "manual"):
+        return drafting_attention_kernels(target.device, target.dtype)
+    return contextlib.nullcontext()
+
+
 def run_method(
     method: str,
     target: PreTrainedModel,
@@ -247,8 +263,7 @@ def run_method(
     input_ids = input_ids.to(target.device)
     timings = {} if record_timings and spec.uses_drafter else None
     drafted = copied = None
-    eager = eager_linears() if method == "target_eager" else contextlib.nullcontext()
-    with record_target_forwards(target) as cache_lengths, eager:
+    with record_target_forwards(target) as cache_lengths, _method_context(method, target):
         start = time.perf_counter()
         if method == "manual":
             head = drafter.config.has_domino_head

@@ -86,6 +86,10 @@ class DominoOptions:
             (default True): where the text offers no copy, the continuation that the target's own earlier answers share after the sequence's last 4, 3 or
             2 tokens (`drafting_domino.DraftDatastore`), priced like copies with an acceptance of its own.
         domino_timings: record per-cycle timings in `drafter.last_generation_stats.timings` (drafted cycles only).
+        domino_cudnn_attention: let scaled_dot_product_attention pick cuDNN's kernels during the call (default
+            False: on CUDA in float16/bfloat16 the call runs with every other enabled SDPA kernel; on a CPU, or in
+            float32, nothing changes). cuDNN builds an execution plan for each new pair of query and key lengths,
+            and a drafting cycle meets a new pair at every forward (`generation_domino.drafting_attention_kernels`).
     """
 
     draft_policy: str = "adaptive"
@@ -97,6 +101,7 @@ class DominoOptions:
     domino_lookup: bool = True
     domino_datastore: bool = True
     domino_timings: bool = False
+    domino_cudnn_attention: bool = False
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -139,7 +144,7 @@ class DominoOptions:
                 f"domino_head must be True, False or None (the default: the head when the drafter has one), got "
                 f"{self.domino_head!r}."
             )
-        for name in ("draft_vocab", "domino_lookup", "domino_datastore", "domino_timings"):
+        for name in ("draft_vocab", "domino_lookup", "domino_datastore", "domino_timings", "domino_cudnn_attention"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}.")

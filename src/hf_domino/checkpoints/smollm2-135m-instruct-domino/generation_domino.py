@@ -7,7 +7,8 @@ generator, but transformers 5.x has no public way to plug one in. `install_assis
 - `_extract_generation_mode_kwargs`: takes this call's Domino options (`DominoOptions`) out of generate()'s kwargs;
 - `_validate_generation_mode`: validates them and the drafter/target pair, once, before any generation work;
 - `_assisted_decoding`: remembers the call's options and stopping criteria for the generator, and how much of the
-  prompt the prefill reads when the call continues a filled cache (`uncached_prompt_length`);
+  prompt the prefill reads when the call continues a filled cache (`uncached_prompt_length`), and runs the loop with
+  the call's attention kernels (`drafting_attention_kernels`);
 - `prepare_inputs_for_generation`: makes the loop's prefill read only that much, as the target alone's does
   (transformers' assisted loop reads the cached tokens again);
 - `_get_candidate_generator`: returns `drafter.build_candidate_generator(...)`.
@@ -22,6 +23,7 @@ This file is also written next to exported checkpoints as remote code, so it imp
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
 import functools
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import transformers
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -457,6 +460,41 @@ def _wrap_validate_generation_mode(original):
     return _validate_generation_mode
 
 
+# The SDPA kernels other than cuDNN's, each with the switch that says whether it is enabled.
+_NON_CUDNN_KERNELS = (
+    (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
+    (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled),
+    (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled),
+)
+
+
+def cudnn_attention_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether scaled_dot_product_attention may pick cuDNN's kernels for tensors on `device` in `dtype`: CUDA, half
+    precision, and the process's cuDNN switch on."""
+    return (
+        device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and torch.backends.cuda.cudnn_sdp_enabled()
+    )
+
+
+def drafting_attention_kernels(
+    device: torch.device, dtype: torch.dtype, allow_cudnn: bool = False
+) -> contextlib.AbstractContextManager:
+    """The scaled_dot_product_attention kernels a drafting call runs with: on CUDA in float16/bfloat16, every enabled
+    kernel but cuDNN's (restored on exit); elsewhere, or with `allow_cudnn`, the process's own choice.
+
+    PyTorch builds with a cuDNN newer than 9.15 (its CUDA 13 wheels) try cuDNN's attention first on Hopper and
+    Blackwell GPUs, and cuDNN builds an execution plan for each new shape (query length, key length) before it runs
+    it, which costs milliseconds where the kernel costs microseconds. Plain decoding meets each key length once per call and the next call finds most of them
+    planned, but a drafting call verifies a new (drafts, context) pair at every cycle and the drafter attends from its
+    block to a new context length, so each cycle pays for new plans. The switches are process-wide: another thread's
+    attention runs without cuDNN too while the call lasts.
+    """
+    if allow_cudnn or not cudnn_attention_applies(device, dtype):
+        return contextlib.nullcontext()
+    others = [kernel for kernel, enabled in _NON_CUDNN_KERNELS if enabled()]
+    return sdpa_kernel(others) if others else contextlib.nullcontext()
+
+
 def _wrap_assisted_decoding(original):
     @functools.wraps(original)
     def _assisted_decoding(self, *args, **kwargs):
@@ -469,22 +507,24 @@ def _wrap_assisted_decoding(original):
         if not isinstance(options, DominoOptions):  # reached without generate()'s validation
             options = DominoOptions.resolve(options or {}, arguments["generation_config"])
             options.validate(drafter)
+        kernels = drafting_attention_kernels(self.device, self.dtype, options.domino_cudnn_attention)
         if arguments["input_ids"].shape[0] > 1:  # transformers' loop verifies one sequence: a batch is ours
             stats = DominoGenerationStats(timings={} if options.domino_timings else None)
             drafter.last_generation_stats = stats
-            return batched_assisted_decoding(
-                self,
-                arguments["input_ids"],
-                arguments["logits_processor"],
-                arguments["stopping_criteria"],
-                arguments["generation_config"],
-                drafter,
-                options,
-                stats,
-                streamer=arguments.get("streamer"),
-                attention_mask_given=attention_mask_given,
-                **arguments.get("model_kwargs", {}),
-            )
+            with kernels:
+                return batched_assisted_decoding(
+                    self,
+                    arguments["input_ids"],
+                    arguments["logits_processor"],
+                    arguments["stopping_criteria"],
+                    arguments["generation_config"],
+                    drafter,
+                    options,
+                    stats,
+                    streamer=arguments.get("streamer"),
+                    attention_mask_given=attention_mask_given,
+                    **arguments.get("model_kwargs", {}),
+                )
         model_kwargs, generation_config = arguments.get("model_kwargs", {}), arguments["generation_config"]
         cache = model_kwargs.get(CACHE_ARGUMENT)
         prefill_length = uncached_prompt_length(
@@ -494,7 +534,8 @@ def _wrap_assisted_decoding(original):
             buffer_layers(cache, options.cache_columns(drafter, generation_config.max_length))
         token = _CALL.set(_DominoCall(options, arguments.get("stopping_criteria"), prefill_length))
         try:
-            return original(self, *args, **kwargs)
+            with kernels:
+                return original(self, *args, **kwargs)
         finally:
             _CALL.reset(token)
 
