@@ -54,7 +54,7 @@ esac
 
 case "$(cat $S/mode) $CALL" in  # STAGES overrides the mode's stages for this call
   "proof 1") STAGES=${STAGES-cuda costs micro} ;;
-  "proof 2") STAGES=${STAGES-laps static suite bf16 fp32 batch} ;;
+  "proof 2") STAGES=${STAGES-laps bf16 static batch suite fp32} ;;
   "finetune 1") STAGES=${STAGES-} ;;
   "finetune 2") STAGES=${STAGES-finetune} ;;
 esac
