@@ -513,13 +513,32 @@ def test_drafting_attention_kernels_leave_out_cudnn_on_cuda_in_half_precision():
 
 
 def test_drafting_attention_kernels_never_enable_what_the_user_disabled():
-    torch.backends.cuda.enable_flash_sdp(False)
-    try:
-        with generation_domino.drafting_attention_kernels(torch.device("cuda"), torch.bfloat16):
-            assert sdpa_switches() == {"cudnn": False, "flash": False, "efficient": True, "math": True}
-        assert not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.cudnn_sdp_enabled()
-    finally:
-        torch.backends.cuda.enable_flash_sdp(True)
+    cuda = torch.device("cuda")
+    for switch, enable in (
+        ("flash", torch.backends.cuda.enable_flash_sdp),
+        ("cudnn", torch.backends.cuda.enable_cudnn_sdp),
+    ):
+        enable(False)
+        try:
+            with generation_domino.drafting_attention_kernels(cuda, torch.bfloat16):
+                assert not sdpa_switches()["cudnn"] and not sdpa_switches()[switch]
+            assert not sdpa_switches()[switch], switch
+        finally:
+            enable(True)
+
+
+def test_overlapping_calls_share_one_switch_and_the_last_one_restores_it():
+    # Threads serving requests (or a streamer's generation thread) overlap their calls: the first call to finish must
+    # not turn cuDNN back on under the other, nor may the other then leave it off for good.
+    cuda = torch.device("cuda")
+    first = generation_domino.drafting_attention_kernels(cuda, torch.bfloat16)
+    second = generation_domino.drafting_attention_kernels(cuda, torch.float16)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    second.__exit__(None, None, None)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def attention_switches_seen_by(target, **generate_kwargs) -> list[dict[str, bool]]:

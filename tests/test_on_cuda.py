@@ -124,7 +124,7 @@ def test_cuda_static_cache_runs_the_compiled_forward_and_stays_identical():
 
 def test_cuda_half_precision_calls_run_without_cudnn_attention():
     # cuDNN plans every new (query, key) length; a drafting call meets new ones at every cycle (third GPU run's bf16
-    # slow state). Both loops run without its kernels, unless asked, and give the switches back afterwards.
+    # slow state). Both loops run without its kernels, unless asked, and put the switch back afterwards.
     target = tiny_target("qwen3").cuda().to(torch.bfloat16)
     drafter = tiny_drafter(target).cuda().to(torch.bfloat16)
     before = sdpa_switches()

@@ -28,12 +28,12 @@ import contextvars
 import copy
 import functools
 import inspect
+import threading
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import transformers
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -460,17 +460,9 @@ def _wrap_validate_generation_mode(original):
     return _validate_generation_mode
 
 
-# The SDPA kernels other than cuDNN's, each with the switch that says whether it is enabled.
-_NON_CUDNN_KERNELS = (
-    (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
-    (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled),
-    (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled),
-)
-
-
 def cudnn_attention_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether scaled_dot_product_attention may pick cuDNN's kernels for tensors on `device` in `dtype`: CUDA, half
-    precision, and the process's cuDNN switch on."""
+    """Whether scaled_dot_product_attention may pick cuDNN's kernels for tensors on `device` in `dtype` now: CUDA,
+    half precision, and the process's cuDNN switch on (a drafting call turns it off while it runs)."""
     return (
         device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and torch.backends.cuda.cudnn_sdp_enabled()
     )
@@ -480,19 +472,41 @@ def drafting_attention_kernels(
     device: torch.device, dtype: torch.dtype, allow_cudnn: bool = False
 ) -> contextlib.AbstractContextManager:
     """The scaled_dot_product_attention kernels a drafting call runs with: on CUDA in float16/bfloat16, every enabled
-    kernel but cuDNN's (restored on exit); elsewhere, or with `allow_cudnn`, the process's own choice.
+    kernel but cuDNN's; elsewhere, or with `allow_cudnn`, the process's own choice.
 
     PyTorch builds with a cuDNN newer than 9.15 (its CUDA 13 wheels) try cuDNN's attention first on Hopper and
     Blackwell GPUs, and cuDNN builds an execution plan for each new shape (query length, key length) before it runs
-    it, which costs milliseconds where the kernel costs microseconds. Plain decoding meets each key length once per call and the next call finds most of them
-    planned, but a drafting call verifies a new (drafts, context) pair at every cycle and the drafter attends from its
-    block to a new context length, so each cycle pays for new plans. The switches are process-wide: another thread's
-    attention runs without cuDNN too while the call lasts.
+    it, which costs milliseconds where the kernel costs microseconds. Plain decoding meets each key length once per
+    call and the next call finds most of them planned, but a drafting call verifies a new (drafts, context) pair at
+    every cycle and the drafter attends from its block to a new context length, so each cycle pays for new plans.
     """
-    if allow_cudnn or not cudnn_attention_applies(device, dtype):
+    if allow_cudnn or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return contextlib.nullcontext()
-    others = [kernel for kernel, enabled in _NON_CUDNN_KERNELS if enabled()]
-    return sdpa_kernel(others) if others else contextlib.nullcontext()
+    return _cudnn_attention_off()
+
+
+# cuDNN's SDPA switch is process-wide: calls that overlap (threads serving requests, a streamer's generation thread)
+# share one "off", and the last one to finish puts back what the first one found.
+_CUDNN_SWITCH_LOCK = threading.Lock()
+_calls_without_cudnn = 0
+_cudnn_switch_found = True
+
+
+@contextlib.contextmanager
+def _cudnn_attention_off():
+    global _calls_without_cudnn, _cudnn_switch_found
+    with _CUDNN_SWITCH_LOCK:
+        if _calls_without_cudnn == 0:
+            _cudnn_switch_found = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        _calls_without_cudnn += 1
+    try:
+        yield
+    finally:
+        with _CUDNN_SWITCH_LOCK:
+            _calls_without_cudnn -= 1
+            if _calls_without_cudnn == 0:
+                torch.backends.cuda.enable_cudnn_sdp(_cudnn_switch_found)
 
 
 def _wrap_assisted_decoding(original):
