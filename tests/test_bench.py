@@ -314,6 +314,10 @@ def test_cli_bench_on_cuda_in_bf16_also_times_the_target_without_cudnn(target, d
     written = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert written["methods"] == ["target", "target_no_cudnn", "domino"]
     assert "its SDPA kernels enabled for the process" in written["metadata"]["cudnn_attention"]
+    argv = [*argv[:-5], "--num-prompts", "2", "--batch-size", "2", "--batch-methods", "target,domino"]
+    assert cli.main([*argv, "--output-dir", str(tmp_path / "batch"), "--no-progress"]) == 0
+    written = json.loads((tmp_path / "batch" / "batch.json").read_text())
+    assert [r["method"] for r in written["rows"]] == ["target", "target_no_cudnn", "domino"]
 
 
 def test_cli_bench_samples_with_top_k_and_top_p(target, drafter, tokenizer, tmp_path, monkeypatch):
@@ -521,16 +525,17 @@ def test_missing_drafter_is_a_clear_error(tmp_path):
 def test_cli_bench_batch_sizes(target, drafter, tokenizer, tmp_path, capsys):
     argv = saved_bench_argv(target, drafter, tokenizer, tmp_path)
     argv += ["--num-prompts", "4", "--max-new-tokens", "6", "--threads", "1"]
-    argv += ["--batch-size", "1,2,4", "--batch-methods", "target,domino,domino_k2", "--warmup-tokens", "2"]
-    argv += ["--output-dir", str(tmp_path / "out")]
+    argv += ["--batch-size", "1,2,4", "--batch-methods", "target,target_no_cudnn,domino,domino_k2"]
+    argv += ["--warmup-tokens", "2", "--output-dir", str(tmp_path / "out")]
     assert cli.main(argv) == 0
     written = json.loads((tmp_path / "out" / "batch.json").read_text())
-    assert [(r["batch_size"], r["method"]) for r in written["rows"]][:3] == [
+    assert [(r["batch_size"], r["method"]) for r in written["rows"]][:4] == [
         (1, "target"),
+        (1, "target_no_cudnn"),  # on a CPU the target alone's own kernels: the same rows
         (1, "domino"),
         (1, "domino_k2"),
     ]
-    assert len(written["rows"]) == 9 and all(r["mismatched_rows"] == 0 for r in written["rows"])
+    assert len(written["rows"]) == 12 and all(r["mismatched_rows"] == 0 for r in written["rows"])
     assert all(r["tokens"] > 0 for r in written["rows"])
     # The batch's own tau: the longest row's tokens per forward after the prefill; exactly 1 for the target alone,
     # at least 1 with a drafter (a forward never yields fewer than one token per row).
@@ -538,7 +543,7 @@ def test_cli_bench_batch_sizes(target, drafter, tokenizer, tmp_path, capsys):
         groups = 4 // r["batch_size"]
         assert len(r["forwards"]) == len(r["longest_rows"]) == groups
         batch_tau = (sum(r["longest_rows"]) - groups) / sum(r["forwards"])
-        assert batch_tau == 1.0 if r["method"] == "target" else batch_tau >= 1.0
+        assert batch_tau == 1.0 if r["method"].startswith("target") else batch_tau >= 1.0
     out = capsys.readouterr().out
     assert "| 4 | domino_k2 |" in out and "batch tau (longest row)" in out
     # A fixed k drafts every cycle: its drafting cycles are timed piece by piece, and the table says what they cost.
@@ -547,7 +552,7 @@ def test_cli_bench_batch_sizes(target, drafter, tokenizer, tmp_path, capsys):
     assert "Mean per drafting cycle, ms" in out and any(
         line.startswith("| 2 | domino_k2 | ") for line in out.split("\n")
     )
-    assert not next(r for r in written["rows"] if r["method"] == "target")["timings"]
+    assert not any(r["timings"] or r["acceptance"] for r in written["rows"] if r["method"].startswith("target"))
     with pytest.raises(SystemExit, match="batch-methods"):
         cli.main(argv[:-2] + ["--batch-methods", "target,beam"])
 

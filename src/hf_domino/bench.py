@@ -126,7 +126,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-methods",
         default=",".join(BATCH_METHODS),
-        help="with --batch-size: target, domino (the drafter alone, adaptive, one k per batch), domino_rowk "
+        help="with --batch-size: target, target_no_cudnn (added beside target on CUDA in half precision), domino (the "
+        "drafter alone, adaptive, one k per batch), domino_rowk "
         "(adaptive, k per row), domino_k<N> (fixed), each optionally with _lookup (copied and retrieved drafts beside "
         "the drafter, generate()'s default), _lookup2 (retrieving only while at most 2 rows are active) or _copies "
         "(copies from the text only), then optionally _makespan (cycles priced by when the batch's last row "
@@ -321,6 +322,8 @@ def run_batches(args: argparse.Namespace, metadata: dict[str, Any], dtype: torch
     target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
     drafter.to(target.device)
     metadata["cpu_fast_path"] = _cpu_fast_path(args, target, drafter)
+    if cudnn_attention_applies(target.device, target.dtype):  # the batched target alone with a drafting call's kernels
+        _add_baseline(methods, "target_no_cudnn")
     conversations = assets.load_prompts(args.prompts, args.num_prompts)
     rows = run_batch_benchmark(
         target,
