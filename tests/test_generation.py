@@ -535,9 +535,11 @@ def test_overlapping_calls_share_one_switch_and_the_last_one_restores_it():
     second = generation_domino.drafting_attention_kernels(cuda, torch.float16)
     first.__enter__()
     second.__enter__()
-    first.__exit__(None, None, None)
-    assert not torch.backends.cuda.cudnn_sdp_enabled()
-    second.__exit__(None, None, None)
+    try:
+        first.__exit__(None, None, None)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:  # never leave the process's switch off for the tests after this one
+        second.__exit__(None, None, None)
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
