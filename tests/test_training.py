@@ -43,6 +43,7 @@ from hf_domino.training import (
     target_next_token_probs,
     train,
 )
+from hf_domino.training.loop import example_indices
 
 VOCAB = 64
 BLOCK = 4
@@ -465,6 +466,18 @@ def test_plot_loss_curves_one_or_several_keys(trained_run, tmp_path):
         plot_loss_curves({"run": log}, tmp_path / "bad.png", key="no_such_loss")
 
 
+def test_each_log_record_says_its_batch_padded_length(target, tmp_path):
+    # On a GPU, attention kernels may plan each new shape: the per-step log shows which steps met a new length.
+    config = TrainConfig(total_steps=6, batch_size=2, num_anchors=4, learning_rate=1e-2, log_every=1, save_every=6)
+    examples = [*toy_examples(count=3, response_len=12), *toy_examples(count=3, response_len=20)]
+    train(tiny_drafter(target), target, examples, config, tmp_path)
+    lengths = [
+        max(len(examples[i].input_ids) for i in example_indices(s, 0, 0, config=config, world_size=1, num_examples=6))
+        for s in range(6)
+    ]
+    assert [r["seq_len"] for r in read_log(tmp_path / "log.jsonl")] == lengths and len(set(lengths)) == 2
+
+
 def test_validation_is_logged_and_leaves_training_untouched(target, tmp_path):
     config = TrainConfig(total_steps=20, batch_size=2, num_anchors=4, learning_rate=1e-2, log_every=10, save_every=10)
     examples = toy_examples(count=10)
@@ -477,7 +490,7 @@ def test_validation_is_logged_and_leaves_training_untouched(target, tmp_path):
     records = read_log(tmp_path / "val" / "validation.jsonl")
     assert [r["step"] for r in records] == [10, 20]
     train_keys = set(read_log(tmp_path / "val" / "log.jsonl")[0])
-    assert set(records[0]) == train_keys - {"lr", "grad_norm"}
+    assert set(records[0]) == train_keys - {"lr", "grad_norm", "seq_len"}
     assert records[-1]["final_loss"] < records[0]["final_loss"]  # held-out toy sequences follow the same rule
     assert not (tmp_path / "plain" / "validation.jsonl").exists()
 

@@ -93,6 +93,7 @@ finetune() {  # each of $FINETUNE_RUNS from the shipped drafter, as many steps a
   done
   wait
   per_step=$(seconds_per_step /root/calib-*/log.jsonl) || return 1
+  for run in $FINETUNE_RUNS; do cp /root/calib-$run/log.jsonl $R/calib-$run.jsonl; done  # each step's time and length
   steps=$(python3 -c "print(max(int(($STAGE_END - $(date +%s) - $FINETUNE_RESERVE) / $per_step), 2))")
   echo "$per_step s per step side by side: $steps steps each"
   for run in $FINETUNE_RUNS; do

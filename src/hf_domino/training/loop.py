@@ -363,6 +363,8 @@ def train(
 
         if step % config.log_every == 0 or step == config.total_steps:
             record = metrics_record(accelerator, window, step, lam, lr, grad_norm, start_time)
+            # The last batch's padded length: on a GPU, attention kernels may plan each new shape (docs/training.md).
+            record["seq_len"] = int(input_ids.shape[1])
             window = {}
             _append_record(accelerator, output_dir / LOG_FILE, record, _console_line(record))
         out_of_time = _agree(accelerator, config.stop_after_seconds, time.perf_counter() - start_time)
@@ -430,7 +432,7 @@ def metrics_record(
             if "generate_blocks" in totals
             else {}
         ),
-        "elapsed_s": round(time.perf_counter() - start_time, 1),
+        "elapsed_s": round(time.perf_counter() - start_time, 3),
     }
 
 
