@@ -17,7 +17,10 @@ drafter, and reports per target forward:
 - the GPU's SM clock before and after (through NVML, where `pynvml` imports).
 
 A slow repetition whose device time is small points at the host, one whose device time grows with it at the GPU.
-Random weights (times do not depend on them), the shapes of examples/gpu/cycle_costs.py. On a GPU:
+Random weights (times do not depend on them), the shapes of examples/gpu/cycle_costs.py. (The third run's repetitions
+never slowed down: each repeats one prompt, so every attention shape after the first repetition is one cuDNN has
+planned already, the cause the records point to since: docs/benchmarks.md, "The bf16 slow state"; lap_probe.py
+measures it.) On a GPU:
 
     python examples/gpu/stall_probe.py --shape smollm2-135m --dtype bfloat16 --repeats 6
 
