@@ -18,7 +18,7 @@ from transformers import (
 )
 from transformers.generation.streamers import BaseStreamer
 
-from hf_domino import generation_domino
+from hf_domino import generate_hook_domino
 from hf_domino.modeling_domino import DOMINO_HEAD_DEFAULT
 
 VOCAB = 32
@@ -31,7 +31,7 @@ def successor(step: int = 1) -> list[int]:
 def greedy(target, input_ids, **kwargs):
     # These tests exercise whole blocks (EOS inside a block, stop strings, ...), so they fix the draft length; the
     # adaptive policy, which may skip drafting on models this small, has its own tests in test_draft_policy.py.
-    if generation_domino.is_domino_drafter(kwargs.get("assistant_model")):
+    if generate_hook_domino.is_domino_drafter(kwargs.get("assistant_model")):
         kwargs.setdefault("draft_policy", "fixed")
     return target.generate(input_ids, do_sample=False, **kwargs)
 
@@ -499,7 +499,7 @@ def test_drafting_attention_kernels_leave_out_cudnn_on_cuda_in_half_precision():
     assert before["cudnn"]
     cuda = torch.device("cuda")
     for dtype in (torch.bfloat16, torch.float16):
-        with generation_domino.drafting_attention_kernels(cuda, dtype):
+        with generate_hook_domino.drafting_attention_kernels(cuda, dtype):
             assert sdpa_switches() == before | {"cudnn": False}
         assert sdpa_switches() == before
     unchanged = [
@@ -508,7 +508,7 @@ def test_drafting_attention_kernels_leave_out_cudnn_on_cuda_in_half_precision():
         (cuda, torch.bfloat16, True),
     ]
     for device, dtype, allow_cudnn in unchanged:
-        with generation_domino.drafting_attention_kernels(device, dtype, allow_cudnn):
+        with generate_hook_domino.drafting_attention_kernels(device, dtype, allow_cudnn):
             assert sdpa_switches() == before, (device, dtype, allow_cudnn)
 
 
@@ -520,7 +520,7 @@ def test_drafting_attention_kernels_never_enable_what_the_user_disabled():
     ):
         enable(False)
         try:
-            with generation_domino.drafting_attention_kernels(cuda, torch.bfloat16):
+            with generate_hook_domino.drafting_attention_kernels(cuda, torch.bfloat16):
                 assert not sdpa_switches()["cudnn"] and not sdpa_switches()[switch]
             assert not sdpa_switches()[switch], switch
         finally:
@@ -531,8 +531,8 @@ def test_overlapping_calls_share_one_switch_and_the_last_one_restores_it():
     # Threads serving requests (or a streamer's generation thread) overlap their calls: the first call to finish must
     # not turn cuDNN back on under the other, nor may the other then leave it off for good.
     cuda = torch.device("cuda")
-    first = generation_domino.drafting_attention_kernels(cuda, torch.bfloat16)
-    second = generation_domino.drafting_attention_kernels(cuda, torch.float16)
+    first = generate_hook_domino.drafting_attention_kernels(cuda, torch.bfloat16)
+    second = generate_hook_domino.drafting_attention_kernels(cuda, torch.float16)
     first.__enter__()
     second.__enter__()
     try:
@@ -567,9 +567,9 @@ def test_a_call_on_a_cpu_keeps_the_attention_switches():
 
 # ----------------------------------------------------------------------------------------------- the hook itself
 def test_hook_is_idempotent_and_leaves_other_paths_alone(monkeypatch):
-    names = list(generation_domino._WRAPPERS)
+    names = list(generate_hook_domino._WRAPPERS)
     before = {name: getattr(GenerationMixin, name) for name in names}
-    generation_domino.install_assisted_generation_hook()
+    generate_hook_domino.install_assisted_generation_hook()
     assert {name: getattr(GenerationMixin, name) for name in names} == before
     for name in names:
         assert before[name].__domino_hook__ and before[name].__wrapped__ is not None
@@ -603,7 +603,7 @@ def test_hook_refuses_a_changed_transformers(monkeypatch):
 
     monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", changed)
     with pytest.raises(ImportError, match="GenerationMixin._get_candidate_generator"):
-        generation_domino.install_assisted_generation_hook()
+        generate_hook_domino.install_assisted_generation_hook()
 
 
 def test_num_speculative_tokens_caps_the_verified_drafts():

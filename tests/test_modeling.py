@@ -210,6 +210,7 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
         "configuration_domino.py",
         "cost_model_domino.py",
         "drafting_domino.py",
+        "generate_hook_domino.py",
         "generation_domino.py",
         "model.safetensors",
         "modeling_domino.py",

@@ -164,13 +164,13 @@ def test_shipped_drafter_serves_a_padded_batch_losslessly(smollm2, shipped_draft
 PIPELINE_SCRIPT = """
 import torch
 import hf_domino
-from hf_domino import DominoForSpeculation, generation_domino
+from hf_domino import DominoForSpeculation, generate_hook_domino
 from hf_domino.assets import SHIPPED_DRAFTER, load_smollm2
 from transformers import pipeline
 
 batched_calls = []
-original = generation_domino.batched_assisted_decoding
-generation_domino.batched_assisted_decoding = lambda *a, **k: batched_calls.append(a[1].shape) or original(*a, **k)
+original = generate_hook_domino.batched_assisted_decoding
+generate_hook_domino.batched_assisted_decoding = lambda *a, **k: batched_calls.append(a[1].shape) or original(*a, **k)
 
 target, tokenizer = load_smollm2()
 tokenizer.padding_side = "left"

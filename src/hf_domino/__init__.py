@@ -1,7 +1,7 @@
 """hf-domino: Domino speculative-decoding drafters for Hugging Face transformers.
 
 Importing this package registers `DominoConfig`/`DominoForSpeculation` with the Auto classes and installs the
-`generate(assistant_model=drafter)` hook (see `hf_domino.generation_domino`).
+`generate(assistant_model=drafter)` hook (see `hf_domino.generate_hook_domino`).
 """
 
 import importlib
@@ -10,7 +10,8 @@ from transformers import AutoConfig, AutoModel
 
 from .configuration_domino import DominoConfig, default_target_layer_ids
 from .cpu_fast_path import CpuFastPathReport, prepare_for_cpu_decoding
-from .generation_domino import DominoCandidateGenerator, install_assisted_generation_hook
+from .generate_hook_domino import install_assisted_generation_hook
+from .generation_domino import DominoCandidateGenerator
 from .modeling_domino import DominoForSpeculation, TargetModules
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
 

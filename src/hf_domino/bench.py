@@ -20,7 +20,7 @@ import transformers
 
 from . import assets
 from .cpu_fast_path import prepare_for_cpu_decoding
-from .generation_domino import cudnn_attention_applies
+from .generate_hook_domino import cudnn_attention_applies
 from .measure import COMPILE_MODES, METHODS, BenchResult, BenchSettings, parse_method, run_benchmark
 from .measure_batch import BATCH_METHODS, batch_markdown, parse_batch_method, run_batch_benchmark
 from .report import markdown_report, write_report

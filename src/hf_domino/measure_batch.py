@@ -24,13 +24,13 @@ from . import batching_domino
 from .assets import chat_token_ids, eos_token_ids, load_drafter, load_prompts, load_target, pad_token_id
 from .cost_model_domino import synchronize
 from .cpu_fast_path import prepare_for_cpu_decoding
-from .generation_domino import drafting_attention_kernels
+from .generate_hook_domino import drafting_attention_kernels
 from .measure import TIMING_KEYS
 from .modeling_domino import DominoForSpeculation
 
 BATCH_METHODS = ("target", "domino", "domino_lookup")
 # The batched target alone: as it runs by default, and with a drafting call's attention kernels (no cuDNN on CUDA in
-# half precision: `generation_domino.drafting_attention_kernels`).
+# half precision: `generate_hook_domino.drafting_attention_kernels`).
 TARGET_METHODS = ("target", "target_no_cudnn")
 _BATCH_METHOD = re.compile(
     r"domino(?:(_rowk)|_k(\d+))?(_lookup2|_lookup|_copies)?(_makespan)?(?:@(eager|triton|triton\+graph))?"

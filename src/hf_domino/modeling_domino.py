@@ -300,7 +300,7 @@ class DominoForSpeculation(DominoPreTrainedModel):
         self.post_init()
         # Every way of getting a drafter (this package, remote code, a subclass) builds it here, so this is the one
         # place that installs the generate() hook; the import is local because the hook's module imports this one.
-        from .generation_domino import install_assisted_generation_hook
+        from .generate_hook_domino import install_assisted_generation_hook
 
         install_assisted_generation_hook()
 

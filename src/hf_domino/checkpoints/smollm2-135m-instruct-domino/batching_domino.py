@@ -1,7 +1,7 @@
 """Batched speculative decoding: one Domino drafter serves a whole left-padded batch inside `generate()`.
 
 transformers' assisted-decoding loop verifies one sequence per target forward. For a batch, `generate()` hands over
-to `batched_assisted_decoding` (see the hook in `generation_domino`), a loop of ours built from transformers' pieces
+to `batched_assisted_decoding` (see the hook in `generate_hook_domino`), a loop of ours built from transformers' pieces
 (logits processors, stopping criteria, the streamer protocol, `_speculative_sampling`) and our drafting ladder.
 
 Rows accept different numbers of drafts in a cycle; both caches stay rectangular with holes where rejected drafts

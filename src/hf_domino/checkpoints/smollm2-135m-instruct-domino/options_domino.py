@@ -89,7 +89,7 @@ class DominoOptions:
         domino_cudnn_attention: let scaled_dot_product_attention pick cuDNN's kernels during the call (default
             False: on CUDA in float16/bfloat16 the call runs with every other enabled SDPA kernel; on a CPU, or in
             float32, nothing changes). cuDNN builds an execution plan for each new pair of query and key lengths,
-            and a drafting cycle meets a new pair at every forward (`generation_domino.drafting_attention_kernels`).
+            and a drafting cycle meets a new pair at every forward (`generate_hook_domino.drafting_attention_kernels`).
     """
 
     draft_policy: str = "adaptive"

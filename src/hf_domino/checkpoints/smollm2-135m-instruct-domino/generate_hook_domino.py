@@ -1,0 +1,295 @@
+"""The generate() hook: how `target.generate(..., assistant_model=drafter)` reaches Domino drafting.
+
+`target.generate(..., assistant_model=drafter)` with a `DominoForSpeculation` drafter must pick our candidate
+generator (`generation_domino.DominoCandidateGenerator`), but transformers 5.x has no public way to plug one in.
+`install_assisted_generation_hook()` wraps five `GenerationMixin` methods; each wrapper hands over to the original
+unchanged unless the assistant is a Domino drafter:
+
+- `_extract_generation_mode_kwargs`: takes this call's Domino options (`DominoOptions`) out of generate()'s kwargs;
+- `_validate_generation_mode`: validates them and the drafter/target pair, once, before any generation work;
+- `_assisted_decoding`: remembers the call's options and stopping criteria for the generator, and how much of the
+  prompt the prefill reads when the call continues a filled cache (`uncached_prompt_length`), hands a batch to
+  `batching_domino`, and runs either loop with the call's attention kernels (`drafting_attention_kernels`);
+- `prepare_inputs_for_generation`: makes the loop's prefill read only that much, as the target alone's does
+  (transformers' assisted loop reads the cached tokens again);
+- `_get_candidate_generator`: returns `drafter.build_candidate_generator(...)`.
+
+The hook is installed when a drafter is built (see `DominoForSpeculation.__init__`) or `hf_domino` is imported; it
+is idempotent, and refuses to install on a transformers whose methods no longer have the parameters it relies on.
+This file is also written next to exported checkpoints as remote code, so it imports only transformers and torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy
+import functools
+import inspect
+import threading
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import transformers
+from transformers.cache_utils import DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+from .batching_domino import batched_assisted_decoding
+from .cache_domino import CACHE_ARGUMENT, buffer_layers, uncached_prompt_length
+from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
+
+
+class _DominoCall(NamedTuple):
+    """What `_assisted_decoding` knows of a batch-1 call that the candidate generator and the prefill need."""
+
+    options: DominoOptions
+    stopping_criteria: StoppingCriteriaList | None
+    prefill_length: int | None  # `uncached_prompt_length`: None when the prefill reads the whole prompt
+
+
+_CALL: contextvars.ContextVar[_DominoCall | None] = contextvars.ContextVar("domino_call", default=None)
+# The parameters each wrapped method must still have for the hook to be correct.
+_REQUIRED_PARAMETERS = {
+    "_extract_generation_mode_kwargs": ("kwargs", "assistant_model"),
+    "_validate_generation_mode": ("generation_mode", "generation_config", "generation_mode_kwargs"),
+    "_assisted_decoding": (
+        "input_ids",
+        "logits_processor",
+        "stopping_criteria",
+        "generation_config",
+        "assistant_model",
+    ),
+    "_get_candidate_generator": (
+        "generation_config",
+        "input_ids",
+        "logits_processor",
+        "model_kwargs",
+        "assistant_model",
+    ),
+    "prepare_inputs_for_generation": ("input_ids", "next_sequence_length", "is_first_iteration"),
+}
+# Where the options travel from `_extract_generation_mode_kwargs` to `_assisted_decoding`, and whether the call
+# passed an attention mask (a padded batch without one is refused).
+_OPTIONS_KEY = "domino_options"
+_MASK_GIVEN_KEY = "domino_attention_mask_given"
+
+
+def is_domino_drafter(model: Any) -> bool:
+    return bool(getattr(model, "_is_domino_drafter", False))
+
+
+def _bound_arguments(method, self, args, kwargs) -> dict[str, Any]:
+    return inspect.signature(method).bind(self, *args, **kwargs).arguments
+
+
+def _wrap_extract_generation_mode_kwargs(original):
+    @functools.wraps(original)
+    def _extract_generation_mode_kwargs(self, *args, **kwargs):
+        arguments = _bound_arguments(original, self, args, kwargs)
+        mode_kwargs = original(self, *args, **kwargs)
+        if is_domino_drafter(arguments.get("assistant_model")):
+            # generate()'s own kwargs dict: what we pop here never reaches the model as an unknown model kwarg.
+            call_kwargs = arguments["kwargs"]
+            mode_kwargs[_OPTIONS_KEY] = {
+                name: call_kwargs.pop(name) for name in DominoOptions.names() if name in call_kwargs
+            }
+            mode_kwargs[_MASK_GIVEN_KEY] = call_kwargs.get("attention_mask") is not None
+        return mode_kwargs
+
+    return _extract_generation_mode_kwargs
+
+
+def _single_sequence_view(generation_config: GenerationConfig) -> GenerationConfig:
+    """A copy with num_return_sequences=1, for transformers' own checks of an assisted call."""
+    view = copy.copy(generation_config)
+    view.num_return_sequences = 1
+    return view
+
+
+def _wrap_validate_generation_mode(original):
+    @functools.wraps(original)
+    def _validate_generation_mode(self, *args, **kwargs):
+        arguments = _bound_arguments(original, self, args, kwargs)
+        mode_kwargs = arguments.get("generation_mode_kwargs") or {}
+        assistant = mode_kwargs.get("assistant_model")
+        if is_domino_drafter(assistant):
+            check_drafter_for_target(assistant, self, arguments["generation_config"])
+            options = DominoOptions.resolve(mode_kwargs.get(_OPTIONS_KEY, {}), arguments["generation_config"])
+            options.validate(assistant)
+            mode_kwargs[_OPTIONS_KEY] = options  # validated once; the generator takes it as is
+            if arguments["generation_config"].num_return_sequences > 1:
+                # transformers refuses several sequences per prompt for an assistant; ours serves them as a batch.
+                bound = inspect.signature(original).bind(self, *args, **kwargs)
+                bound.arguments["generation_config"] = _single_sequence_view(arguments["generation_config"])
+                return original(*bound.args, **bound.kwargs)
+        return original(self, *args, **kwargs)
+
+    return _validate_generation_mode
+
+
+def cudnn_attention_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether scaled_dot_product_attention may pick cuDNN's kernels for tensors on `device` in `dtype` now: CUDA,
+    half precision, and the process's cuDNN switch on (a drafting call turns it off while it runs)."""
+    return (
+        device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and torch.backends.cuda.cudnn_sdp_enabled()
+    )
+
+
+def drafting_attention_kernels(
+    device: torch.device, dtype: torch.dtype, allow_cudnn: bool = False
+) -> contextlib.AbstractContextManager:
+    """The scaled_dot_product_attention kernels a drafting call runs with: on CUDA in float16/bfloat16, every enabled
+    kernel but cuDNN's; elsewhere, or with `allow_cudnn`, the process's own choice.
+
+    PyTorch builds with a cuDNN newer than 9.15 (its CUDA 13 wheels) try cuDNN's attention first on Hopper and
+    Blackwell GPUs, and cuDNN builds an execution plan for each new shape (query length, key length) before it runs
+    it, which costs milliseconds where the kernel costs microseconds. Plain decoding meets each key length once per
+    call and the next call finds most of them planned, but a drafting call verifies a new (drafts, context) pair at
+    every cycle and the drafter attends from its block to a new context length, so each cycle pays for new plans.
+    """
+    if allow_cudnn or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return contextlib.nullcontext()
+    return _cudnn_attention_off()
+
+
+# cuDNN's SDPA switch is process-wide: calls that overlap (threads serving requests, a streamer's generation thread)
+# share one "off", and the last one to finish puts back what the first one found.
+_CUDNN_SWITCH_LOCK = threading.Lock()
+_calls_without_cudnn = 0
+_cudnn_switch_found = True
+
+
+@contextlib.contextmanager
+def _cudnn_attention_off():
+    global _calls_without_cudnn, _cudnn_switch_found
+    with _CUDNN_SWITCH_LOCK:
+        if _calls_without_cudnn == 0:
+            _cudnn_switch_found = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        _calls_without_cudnn += 1
+    try:
+        yield
+    finally:
+        with _CUDNN_SWITCH_LOCK:
+            _calls_without_cudnn -= 1
+            if _calls_without_cudnn == 0:
+                torch.backends.cuda.enable_cudnn_sdp(_cudnn_switch_found)
+
+
+def _wrap_assisted_decoding(original):
+    @functools.wraps(original)
+    def _assisted_decoding(self, *args, **kwargs):
+        options = kwargs.pop(_OPTIONS_KEY, None)
+        attention_mask_given = kwargs.pop(_MASK_GIVEN_KEY, True)
+        arguments = _bound_arguments(original, self, args, kwargs)
+        drafter = arguments.get("assistant_model")
+        if not is_domino_drafter(drafter):
+            return original(self, *args, **kwargs)
+        if not isinstance(options, DominoOptions):  # reached without generate()'s validation
+            options = DominoOptions.resolve(options or {}, arguments["generation_config"])
+            options.validate(drafter)
+        kernels = drafting_attention_kernels(self.device, self.dtype, options.domino_cudnn_attention)
+        if arguments["input_ids"].shape[0] > 1:  # transformers' loop verifies one sequence: a batch is ours
+            stats = DominoGenerationStats(timings={} if options.domino_timings else None)
+            drafter.last_generation_stats = stats
+            with kernels:
+                return batched_assisted_decoding(
+                    self,
+                    arguments["input_ids"],
+                    arguments["logits_processor"],
+                    arguments["stopping_criteria"],
+                    arguments["generation_config"],
+                    drafter,
+                    options,
+                    stats,
+                    streamer=arguments.get("streamer"),
+                    attention_mask_given=attention_mask_given,
+                    **arguments.get("model_kwargs", {}),
+                )
+        model_kwargs, generation_config = arguments.get("model_kwargs", {}), arguments["generation_config"]
+        cache = model_kwargs.get(CACHE_ARGUMENT)
+        prefill_length = uncached_prompt_length(
+            cache, arguments["input_ids"], model_kwargs.get("attention_mask"), generation_config
+        )
+        if isinstance(cache, DynamicCache):  # verified blocks written in place, not concatenated (BufferedLayer)
+            buffer_layers(cache, options.cache_columns(drafter, generation_config.max_length))
+        token = _CALL.set(_DominoCall(options, arguments.get("stopping_criteria"), prefill_length))
+        try:
+            with kernels:
+                return original(self, *args, **kwargs)
+        finally:
+            _CALL.reset(token)
+
+    return _assisted_decoding
+
+
+def _wrap_get_candidate_generator(original):
+    @functools.wraps(original)
+    def _get_candidate_generator(self, *args, **kwargs):
+        arguments = _bound_arguments(original, self, args, kwargs)
+        assistant = arguments.get("assistant_model")
+        if not is_domino_drafter(assistant):
+            return original(self, *args, **kwargs)
+        call = _CALL.get() or _DominoCall(None, None, None)
+        return assistant.build_candidate_generator(
+            target=self,
+            generation_config=arguments["generation_config"],
+            logits_processor=arguments["logits_processor"],
+            input_ids=arguments["input_ids"],
+            stopping_criteria=call.stopping_criteria,
+            options=call.options,
+            prefill_length=call.prefill_length,
+        )
+
+    return _get_candidate_generator
+
+
+def _wrap_prepare_inputs_for_generation(original):
+    @functools.wraps(original)
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        # transformers' assisted loop asks its first forward (the prefill) for the whole prompt, also when the call
+        # continues a filled cache: inside a Domino call, read only what the cache does not hold, as `_prefill` does.
+        call = _CALL.get()
+        if (
+            call is not None
+            and call.prefill_length is not None
+            and kwargs.get("is_first_iteration")
+            and kwargs.get("next_sequence_length") is None
+        ):
+            kwargs["next_sequence_length"] = call.prefill_length
+        return original(self, *args, **kwargs)
+
+    return prepare_inputs_for_generation
+
+
+_WRAPPERS = {
+    "_extract_generation_mode_kwargs": _wrap_extract_generation_mode_kwargs,
+    "_validate_generation_mode": _wrap_validate_generation_mode,
+    "_assisted_decoding": _wrap_assisted_decoding,
+    "_get_candidate_generator": _wrap_get_candidate_generator,
+    "prepare_inputs_for_generation": _wrap_prepare_inputs_for_generation,
+}
+
+
+def install_assisted_generation_hook() -> None:
+    """Lets `generate(assistant_model=<Domino drafter>)` use `DominoCandidateGenerator`; other calls are untouched."""
+    for name, wrap in _WRAPPERS.items():
+        current = getattr(GenerationMixin, name, None)
+        if getattr(current, "__domino_hook__", False):
+            continue  # already installed (by this module or by another copy of it, e.g. remote code)
+        parameters = inspect.signature(current).parameters if current is not None else {}
+        missing = [p for p in _REQUIRED_PARAMETERS[name] if p not in parameters]
+        if current is None or missing or not hasattr(CandidateGenerator, "requires_model_outputs"):
+            raise ImportError(
+                f"Domino's generate() integration relies on transformers' GenerationMixin.{name} "
+                f"(parameters {list(_REQUIRED_PARAMETERS[name])}) and CandidateGenerator.requires_model_outputs, "
+                f"which transformers {transformers.__version__} changed. Install transformers>=5.23,<6."
+            )
+        wrapper = wrap(current)
+        wrapper.__domino_hook__ = True
+        setattr(GenerationMixin, name, wrapper)
