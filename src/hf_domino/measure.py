@@ -218,10 +218,10 @@ def manual_generate(
 
 
 # ---------------------------------------------------------------------------------------------------- one method
-def _method_context(method: str, target: PreTrainedModel) -> contextlib.AbstractContextManager:
+def method_context(method: str, target: PreTrainedModel) -> contextlib.AbstractContextManager:
     """What a method runs inside besides its generation: eager linear layers for `target_eager`; a drafting call's
     attention kernels for `target_no_cudnn` and for the hand-written `manual` loop (generate() with a drafter picks
-    them itself)."""
+    them itself); nothing for the rest (the batch bench's methods too)."""
     if method == "target_eager":
         return eager_linears()
     if method in ("target_no_cudnn", "manual"):
@@ -263,7 +263,7 @@ def run_method(
     input_ids = input_ids.to(target.device)
     timings = {} if record_timings and spec.uses_drafter else None
     drafted = copied = None
-    with record_target_forwards(target) as cache_lengths, _method_context(method, target):
+    with record_target_forwards(target) as cache_lengths, method_context(method, target):
         start = time.perf_counter()
         if method == "manual":
             head = drafter.config.has_domino_head

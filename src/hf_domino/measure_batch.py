@@ -24,8 +24,7 @@ from . import batching_domino
 from .assets import chat_token_ids, eos_token_ids, load_drafter, load_prompts, load_target, pad_token_id
 from .cost_model_domino import synchronize
 from .cpu_fast_path import prepare_for_cpu_decoding
-from .generate_hook_domino import drafting_attention_kernels
-from .measure import TIMING_KEYS
+from .measure import TIMING_KEYS, method_context
 from .modeling_domino import DominoForSpeculation
 
 BATCH_METHODS = ("target", "domino", "domino_lookup")
@@ -38,22 +37,22 @@ _BATCH_METHOD = re.compile(
 
 
 def parse_batch_method(method: str) -> dict:
-    """`target`, `target_no_cudnn` (see `TARGET_METHODS`), `domino` (the drafter alone, adaptive, one k per batch), `domino_rowk` (k per row), `domino_k<N>`
-    (fixed k), each optionally with `_lookup` (copied and retrieved drafts beside the drafter, what `generate()` does
-    by default), `_lookup2` (the same, retrieving only while at most 2 rows are active: `RETRIEVAL_MAX_ROWS = 2`) or
-    `_copies` (copies from the text only), then optionally `_makespan` (cycles priced by when the batch's last row
-    finishes, not by the rows' mean tokens: `PRICE_BY_MAKESPAN = True`), and `@eager`, `@triton` or `@triton+graph`
-    to force the Domino head's rollout (`domino_rollout`; by default the head is fused on CUDA). Settings of the
-    batch loop itself come back under `loop`."""
+    """`target`, `target_no_cudnn` (see `TARGET_METHODS`), `domino` (the drafter alone, adaptive, one k per
+    batch), `domino_rowk` (k per row), `domino_k<N>` (fixed k), each optionally with `_lookup` (copied and
+    retrieved drafts beside the drafter, what `generate()` does by default), `_lookup2` (the same, retrieving only
+    while at most 2 rows are active: `RETRIEVAL_MAX_ROWS = 2`) or `_copies` (copies from the text only), then
+    optionally `_makespan` (cycles priced by when the batch's last row finishes, not by the rows' mean tokens:
+    `PRICE_BY_MAKESPAN = True`), and `@eager`, `@triton` or `@triton+graph` to force the Domino head's rollout
+    (`domino_rollout`; by default the head is fused on CUDA). Settings of the batch loop itself come back under
+    `loop`."""
     if method in TARGET_METHODS:
         return {}
     match = _BATCH_METHOD.fullmatch(method)
     if match is None:
         raise ValueError(
             f"unknown batch method {method!r}: use target, target_no_cudnn, domino, domino_rowk or domino_k<N>, "
-            "optionally followed "
-            "by _lookup, _lookup2 or _copies, then _makespan, then @eager, @triton or @triton+graph (e.g. "
-            "domino_lookup, domino_lookup_makespan, domino_lookup@eager)"
+            "optionally followed by _lookup, _lookup2 or _copies, then _makespan, then @eager, @triton or "
+            "@triton+graph (e.g. domino_lookup, domino_lookup_makespan, domino_lookup@eager)"
         )
     per_row, fixed, lookup, makespan, rollout = match.groups()
     options: dict = {"domino_lookup": lookup is not None, "domino_datastore": lookup in ("_lookup", "_lookup2")}
@@ -173,12 +172,11 @@ def _generate(target, drafter, batch, method: str, max_new_tokens: int, temperat
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     if options:  # a drafting method: its drafting cycles timed piece by piece (as its adaptive policy times them)
         options |= {"assistant_model": drafter, "domino_timings": True}
-    kernels = drafting_attention_kernels(target.device, target.dtype, allow_cudnn=method != "target_no_cudnn")
     previous = {name: getattr(batching_domino, name) for name in loop}
     for name, value in loop.items():
         setattr(batching_domino, name, value)
     try:
-        with kernels:  # target_no_cudnn's; generate() with a drafter picks its kernels itself
+        with method_context(method, target):
             return target.generate(**batch, max_new_tokens=max_new_tokens, **sampling, **options)
     finally:
         for name, value in previous.items():

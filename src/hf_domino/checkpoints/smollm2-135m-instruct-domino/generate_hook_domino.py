@@ -132,12 +132,15 @@ def _wrap_validate_generation_mode(original):
     return _validate_generation_mode
 
 
+def _cudnn_eligible(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether cuDNN's attention can serve tensors on `device` in `dtype` at all: CUDA, half precision."""
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+
 def cudnn_attention_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether scaled_dot_product_attention may pick cuDNN's kernels for tensors on `device` in `dtype` now: CUDA,
-    half precision, and the process's cuDNN switch on (a drafting call turns it off while it runs)."""
-    return (
-        device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and torch.backends.cuda.cudnn_sdp_enabled()
-    )
+    """Whether scaled_dot_product_attention may pick cuDNN's kernels for tensors on `device` in `dtype` now: eligible,
+    and the process's cuDNN switch on (a drafting call turns it off while it runs)."""
+    return _cudnn_eligible(device, dtype) and torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def drafting_attention_kernels(
@@ -152,7 +155,7 @@ def drafting_attention_kernels(
     call and the next call finds most of them planned, but a drafting call verifies a new (drafts, context) pair at
     every cycle and the drafter attends from its block to a new context length, so each cycle pays for new plans.
     """
-    if allow_cudnn or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+    if allow_cudnn or not _cudnn_eligible(device, dtype):
         return contextlib.nullcontext()
     return _cudnn_attention_off()
 
