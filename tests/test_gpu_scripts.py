@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -97,3 +98,31 @@ def test_the_laps_stage_runs_here_with_the_real_models(tmp_path):
     assert sum("(warm-up) |" in line for line in log.splitlines()) == 6, log  # one per variant, on prompt 0
     assert log.count("profiled on prompts no call has met") == 2, log
     assert log.count("Ordered by: internal time") == 2 and log.count("Self CPU time total") == 2, log
+
+
+def laps_table(run: str) -> list[list[str]]:
+    """`examples/gpu/laps_from_records.py` on a GPU run's committed bf16 MT-Bench record: its rows, cell by cell."""
+    record = ROOT / "docs" / "gpu-runs" / run / "bfloat16-mtbench.json"
+    out = subprocess.run(
+        [sys.executable, str(GPU / "laps_from_records.py"), str(record)], capture_output=True, text=True, check=True
+    ).stdout
+    return [
+        [cell.strip() for cell in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")
+    ]
+
+
+DFLASH_DOMINO = ("dflash_vocab_k16", "domino_vocab_k16@triton+graph")
+
+
+def test_the_laps_behind_the_slow_state_section_come_from_the_committed_records():
+    # docs/benchmarks.md, "The bf16 slow state", quotes these rows of the third and second GPU runs' records.
+    third = laps_table("2026-11-27-h200")
+    first_call = ["domino_vocab_k16@triton+graph", "0", "", "75/87", "12", "2.9-5.1", "41.8-486.5", "80.1-153.5"]
+    assert first_call in third
+    assert [row[2] for row in third if row[0] == "target"] == ["56.2", "29.5", "28.7", "25.8"]
+    rows = laps_table("2026-11-26-h200")
+    second = {method: [row[3] for row in rows if row[0] == method] for method in DFLASH_DOMINO}
+    assert second == {
+        "dflash_vocab_k16": ["80/93", "85/85", "96/96", "6/88", "81/81", "98/98"],
+        "domino_vocab_k16@triton+graph": ["0/87", "3/80", "2/95", "82/82", "1/74", "0/97"],
+    }
