@@ -245,7 +245,7 @@ def test_a_batch_on_a_static_cache_that_is_not_compiled_drafts_on_a_dynamic_one(
     assert torch.equal(output, expected) and drafter.last_generation_stats.drafted
     filled = StaticCache(config=target.config, max_cache_len=64)
     target(**batch, **{CACHE_ARGUMENT: filled})
-    with pytest.raises(ValueError, match="DynamicCache of full-attention layers"):
+    with pytest.raises(ValueError, match="DynamicCache of full-attention"):
         target.generate(**batch, **{CACHE_ARGUMENT: filled}, max_new_tokens=4, assistant_model=drafter)
 
 

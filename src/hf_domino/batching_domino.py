@@ -44,6 +44,7 @@ from .ragged_batch_domino import (
     BatchDrafts,
     BatchedDrafterContext,
     RaggedCache,
+    SlidingWindow,
     accept_rows,
     batch_cache,
     batched_rollout,
@@ -147,6 +148,7 @@ class BatchedDecoding:
         input_ids: torch.LongTensor,
         attention_mask: torch.Tensor | None,
         cache: DynamicCache,
+        window: SlidingWindow | None = None,
     ):
         self.target, self.drafter, self.options, self.stats = target, drafter, options, stats
         self.modules = TargetModules.from_target(target)
@@ -185,7 +187,7 @@ class BatchedDecoding:
         # Steps append in place, into room never taken past what the call can write (its holes aside).
         reserve = options.cache_columns(drafter, self.max_length)
         self.cached = cached_columns(cache, input_ids, attention_mask, generation_config)
-        self.target_cache = RaggedCache(buffer_layers(cache, reserve), self.mask[:, : self.cached])
+        self.target_cache = RaggedCache(buffer_layers(cache, reserve), self.mask[:, : self.cached], window=window)
         self.context = BatchedDrafterContext.empty(rows, drafter.device)
         self.policy: AdaptivePolicy | FixedPolicy | None = None
         # Copied drafts, as at batch 1: off with the ensemble option, capped by transformers' prompt-lookup length
@@ -569,10 +571,10 @@ def batched_assisted_decoding(
         return _compiled_plain_steps(
             target, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs
         )
-    cache = batch_cache(model_kwargs.get(CACHE_ARGUMENT), target)
+    cache, window = batch_cache(model_kwargs.get(CACHE_ARGUMENT), target)
     decoding = BatchedDecoding(
         target, drafter, options, generation_config, logits_processor, stopping_criteria, stats, input_ids,
-        attention_mask, cache,
+        attention_mask, cache, window,
     )  # fmt: skip
     sequences = decoding.run(input_ids, streamer)
     if generation_config.return_dict_in_generate:

@@ -252,7 +252,7 @@ class DominoConfig(Qwen3Config):
             "head_dim": getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads,
             "rms_norm_eps": getattr(text_config, "rms_norm_eps", 1e-6),
             "max_position_embeddings": text_config.max_position_embeddings,
-            "rope_parameters": getattr(text_config, "rope_parameters", None),
+            "rope_parameters": _full_attention_rope(text_config),
             "vocab_size": text_config.vocab_size,
             "eos_token_id": text_config.eos_token_id,
             "pad_token_id": text_config.pad_token_id,
@@ -272,6 +272,14 @@ class DominoConfig(Qwen3Config):
             shift_label=with_domino_head if shift_label is None else shift_label,
             **backbone,
         )
+
+
+def _full_attention_rope(text_config: PretrainedConfig) -> dict | None:
+    # Hybrid targets (Gemma 3) keep one set of rotary parameters per layer type; the drafter's attention is full.
+    rope = getattr(text_config, "rope_parameters", None)
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+        return dict(rope["full_attention"])
+    return rope
 
 
 def _default_mask_token_id(text_config: PretrainedConfig) -> int:

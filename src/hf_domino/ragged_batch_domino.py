@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 from transformers.generation.utils import _speculative_sampling
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
 from .cache_domino import CACHE_ARGUMENT, BufferedLayer, buffer_layers, cache_argument, uncached_prompt_length
 from .drafting_domino import picked_probability, score_only, spread_to_vocabulary, to_vocab_ids
@@ -52,17 +53,22 @@ class RaggedCache:
     cache: DynamicCache
     mask: torch.BoolTensor  # [rows, columns]
     last_width: int = 0  # columns the latest forward appended
+    window: SlidingWindow | None = None  # the target's sliding-window attention, if it has any
 
     @staticmethod
     def check(cache: Any, who: str) -> None:
         """Raises unless every layer is a plain dynamic layer (holes need full-length, croppable keys/values)."""
-        layers = getattr(cache, "layers", None)
         plain = (DynamicLayer, BufferedLayer)
-        if not isinstance(cache, DynamicCache) or any(type(layer) not in plain for layer in layers or ()):
+        if not isinstance(cache, DynamicCache):
+            what = type(cache).__name__
+        else:
+            what = next((type(layer).__name__ for layer in cache.layers if type(layer) not in plain), None)
+            what = what and f"a DynamicCache with {what} layers"
+        if what is not None:
             raise ValueError(
                 f"Batched Domino drafting keeps holes in the {who}'s cache, which needs a DynamicCache of "
-                f"full-attention layers; got {type(cache).__name__}. Drop cache_implementation and {CACHE_ARGUMENT}, "
-                "or generate one prompt at a time."
+                f"full-attention (or sliding-window) layers; got {what}. Drop cache_implementation and "
+                f"{CACHE_ARGUMENT}, or generate one prompt at a time."
             )
 
     @property
@@ -156,11 +162,13 @@ def cached_columns(
     return input_ids.shape[1] - uncached
 
 
-def batch_cache(cache: Any, target: PreTrainedModel) -> DynamicCache | None:
-    """The target's cache a batch starts from. The holes need a dynamic cache: an empty compileable one (what
-    generate() makes for `cache_implementation="static"` where it does not compile the forward; where it does, the
-    batch takes compiled plain steps instead) is swapped for a `DynamicCache`, with a warning, the output being the
-    same; any other cache but a plain dynamic one is refused (`RaggedCache.check`)."""
+def batch_cache(cache: Any, target: PreTrainedModel) -> tuple[DynamicCache, SlidingWindow | None]:
+    """The target's cache a batch starts from, and its sliding window if it has one (`SlidingWindow.take_over`).
+
+    The holes need a dynamic cache: an empty compileable one (what generate() makes for
+    `cache_implementation="static"` where it does not compile the forward; where it does, the batch takes compiled
+    plain steps instead) is swapped for a `DynamicCache`, with a warning, the output being the same; any other cache
+    but a dynamic one of full-attention and sliding-window layers is refused (`RaggedCache.check`)."""
     if (
         cache is not None
         and type(cache) is not DynamicCache
@@ -174,8 +182,97 @@ def batch_cache(cache: Any, target: PreTrainedModel) -> DynamicCache | None:
             stacklevel=3,
         )
         cache = DynamicCache(config=target.config)
+    window = SlidingWindow.take_over(cache, target) if isinstance(cache, DynamicCache) else None
     RaggedCache.check(cache, "target")
-    return cache
+    return cache, window
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """A target's sliding-window attention over a ragged cache: a token sees the `size` tokens up to itself.
+
+    transformers counts a window in cache columns, which in a left-padded batch are each row's tokens. Holes break
+    that (a row's rejected drafts take columns but are no tokens), so over a ragged cache the window is counted in
+    each row's own positions, in 4D masks built here (`masks`), and the sliding layers keep every column for the call
+    (a sliding layer keeps only its last `size - 1` columns, which holes would make fewer tokens than the window).
+    """
+
+    size: int
+    every_layer: bool  # all layers slide (one mask for all); else a dict of masks by layer type, as hybrids take
+    additive: bool  # the attention implementation adds its mask (eager) rather than selecting by it (sdpa)
+
+    @classmethod
+    def take_over(cls, cache: DynamicCache, target: PreTrainedModel) -> SlidingWindow | None:
+        """Makes the sliding layers of `cache` plain dynamic layers and returns their window (None: none slides).
+
+        Raises where the window cannot be kept exactly: a filled sliding layer that already dropped tokens, layers of
+        different windows, layer types other than full and sliding attention, or an attention implementation that
+        takes no prepared 4D mask (flash attention, flex attention)."""
+        sliding = [isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers]
+        if not any(sliding):
+            return None
+        windows = {layer.sliding_window for layer in cache.layers if isinstance(layer, DynamicSlidingWindowLayer)}
+        layer_types = set(getattr(target.config.get_text_config(), "layer_types", None) or ())
+        implementation = target.config._attn_implementation
+        mask_function = ALL_MASK_ATTENTION_FUNCTIONS.get(implementation)
+        problem = None
+        if len(windows) > 1:
+            problem = f"its sliding layers have different windows ({sorted(windows)})"
+        elif not layer_types <= {"full_attention", "sliding_attention"}:
+            problem = f"it has attention layers of types {sorted(layer_types)}, only full and sliding are supported"
+        elif mask_function not in (sdpa_mask, eager_mask):
+            problem = (
+                f"its attention implementation {implementation!r} takes no prepared 4D mask; load the target with "
+                'attn_implementation="sdpa" (or "eager")'
+            )
+        if problem is None:
+            for index, layer in enumerate(cache.layers):
+                if isinstance(layer, DynamicSlidingWindowLayer):
+                    if layer.is_initialized and layer.keys.shape[-2] < layer.cumulative_length:
+                        problem = (
+                            "the cache passed to generate() has sliding-window layers that already dropped tokens "
+                            "past their window; start the batch from its prompts (no cache)"
+                        )
+                        break
+                    cache.layers[index] = _full_layer(layer)
+        if problem is not None:
+            raise ValueError(
+                f"Batched Domino drafting counts sliding windows in each row's own tokens, which this target's cache "
+                f"cannot serve: {problem}. Or generate one prompt at a time."
+            )
+        return cls(size=windows.pop(), every_layer=all(sliding), additive=mask_function is eager_mask)
+
+    def masks(
+        self, real: torch.BoolTensor, queries: int, dtype: torch.dtype
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The attention masks of a forward whose last `queries` columns of `real` (`[rows, columns]`, True for a
+        row's tokens, False for holes) are its queries: causal over columns, holes masked, and for sliding layers
+        only keys fewer than `size` positions before the query (positions: each row's count of its tokens)."""
+        columns = torch.arange(real.shape[1], device=real.device)
+        causal = columns[None, :] <= columns[-queries:, None]  # [queries, columns]
+        full = real[:, None, :] & causal[None]
+        positions = real.long().cumsum(dim=-1)
+        near = positions[:, -queries:, None] - positions[:, None, :] < self.size
+        sliding = (full & near)[:, None]
+        if self.every_layer:
+            return self._formatted(sliding, dtype)
+        return {
+            "full_attention": self._formatted(full[:, None], dtype),
+            "sliding_attention": self._formatted(sliding, dtype),
+        }
+
+    def _formatted(self, mask: torch.BoolTensor, dtype: torch.dtype) -> torch.Tensor:
+        if not self.additive:
+            return mask
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def _full_layer(layer: DynamicSlidingWindowLayer) -> DynamicLayer:
+    full = DynamicLayer()
+    if layer.is_initialized:
+        full.lazy_initialization(layer.keys, layer.values)
+        full.keys, full.values = layer.keys, layer.values
+    return full
 
 
 # ----------------------------------------------------------------------------------------------- drafter context
@@ -373,9 +470,14 @@ def ragged_forward(
     # Asked only when needed (the prefill): reading a signature costs more than the rest of a step's host work.
     if logits_to_keep is not None and "logits_to_keep" in inspect.signature(target.forward).parameters:
         kwargs["logits_to_keep"] = logits_to_keep
+    attention_mask = cache.attention_mask(new_columns)
+    if cache.window is None:
+        attention_mask = attention_mask.long()
+    else:
+        attention_mask = cache.window.masks(attention_mask, new_columns.shape[1], target.dtype)
     outputs = target(
         input_ids=input_ids,
-        attention_mask=cache.attention_mask(new_columns).long(),
+        attention_mask=attention_mask,
         position_ids=positions_from_mask(new_columns, cache.lengths),
         use_cache=True,
         **cache_argument(cache.cache),
@@ -430,6 +532,7 @@ __all__ = [
     "BatchDrafts",
     "BatchedDrafterContext",
     "RaggedCache",
+    "SlidingWindow",
     "accept_rows",
     "batched_rollout",
     "pick_tokens",

@@ -1,0 +1,166 @@
+"""Targets beyond Qwen3 and Llama: greedy output identical to the target alone, one sequence and a batch.
+
+A drafter reads its target through transformers' generic interfaces only (embeddings, LM head, hidden states, the
+cache), so any decoder-only model should serve. These tiny models, built from configs, cover what differs between
+families: tied embeddings and attention biases (Qwen2), sliding-window attention in every layer (Mistral) or in
+every other layer with per-layer-type rotary parameters (Gemma 2, Gemma 3), fused projections (Phi-3, GPT-NeoX,
+GPT-2), learned absolute positions (GPT-2), and mixture-of-experts MLPs (Qwen3-MoE). In a batch, rejected drafts
+leave holes in the cache, so a sliding window must be counted in each row's own tokens rather than in cache columns
+(`ragged_batch_domino.SlidingWindow`); the windows here are far shorter than the sequences, so every row's window
+moves past holes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import SPECIAL_TOKENS, tiny_drafter
+from test_batching import left_padded
+
+from hf_domino.cache_domino import CACHE_ARGUMENT
+from hf_domino.ragged_batch_domino import SlidingWindow
+
+WINDOW = 8
+ARCHITECTURES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": WINDOW}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"sliding_window": WINDOW, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]},
+    ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 128}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+    ),
+}
+SLIDING = ["mistral", "gemma2", "gemma3"]
+# Prompts that repeat themselves, so that copied drafts are accepted too, beside the random drafter's rejected ones.
+PROMPT = [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 5, 9, 12, 40, 41, 42, 5, 9]
+ROWS = [[11, 5, 9, 12, 7, 5, 9, 12], [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 22]]
+GREEDY = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+
+
+def architecture_target(name: str):
+    config_class, model_class, overrides = ARCHITECTURES[name]
+    torch.manual_seed(0)
+    sizes = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 128,
+    }
+    config = getattr(transformers, config_class)(**{**sizes, **SPECIAL_TOKENS, **overrides})
+    target = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():  # weights large enough that each layer, and each window, changes the greedy choice
+        for param in target.parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.3)
+    return target
+
+
+def had_rejections(stats) -> bool:
+    """Whether some forward verified drafts and rejected part of them (which leaves holes in a batch's caches)."""
+    return any(n and accepted < n + 1 for n, accepted in zip(stats.drafted, stats.acceptance_lengths))
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_greedy_output_is_the_target_alone_for_one_sequence_and_a_batch(name):
+    target = architecture_target(name)
+    drafter = tiny_drafter(target)
+    fixed = {"draft_policy": "fixed", "num_speculative_tokens": 4}
+    prompt = torch.tensor([PROMPT])
+    expected = target.generate(prompt, max_new_tokens=40, **GREEDY)
+    output = target.generate(prompt, max_new_tokens=40, assistant_model=drafter, **GREEDY, **fixed)
+    assert torch.equal(output, expected)
+    batch = left_padded(ROWS)
+    expected = target.generate(**batch, max_new_tokens=30, **GREEDY)
+    for options in (fixed, {"draft_policy": "fixed", "num_speculative_tokens": 4, "domino_lookup": False}):
+        output = target.generate(**batch, max_new_tokens=30, assistant_model=drafter, **GREEDY, **options)
+        assert torch.equal(output, expected), options
+        assert had_rejections(drafter.last_generation_stats)
+    if name in SLIDING:  # the window is counted in each row's tokens: outputs far longer than it, holes in them
+        assert expected.shape[1] > 4 * WINDOW
+
+
+def test_the_sliding_targets_cover_each_kind_of_mask():
+    from transformers.cache_utils import DynamicCache
+
+    kinds = set()
+    for name in SLIDING:
+        target = architecture_target(name)
+        window = SlidingWindow.take_over(DynamicCache(config=target.config), target)
+        kinds.add((window.every_layer, window.additive))
+    # Mistral: one mask for all layers; Gemma 2 (eager attention): additive masks by layer type; Gemma 3 (sdpa):
+    # boolean masks by layer type.
+    assert kinds == {(True, False), (False, True), (False, False)}
+
+
+def test_a_sliding_window_counts_each_rows_tokens_not_its_columns():
+    window = SlidingWindow(size=3, every_layer=True, additive=False)
+    # Row 0: a pad, tokens t0 t1, a hole (a rejected draft), then t2 t3 as the forward's two queries.
+    real = torch.tensor([[False, True, True, False, True, True]])
+    mask = window.masks(real, queries=2, dtype=torch.float32)[0, 0]
+    # t2 (position 2) sees t0, t1, itself; t3 (position 3) sees t1, t2, itself: the hole takes no room in the window.
+    assert mask.tolist() == [[False, True, True, False, True, False], [False, False, True, False, True, True]]
+    hybrid = SlidingWindow(size=3, every_layer=False, additive=True).masks(real, queries=2, dtype=torch.float32)
+    assert set(hybrid) == {"full_attention", "sliding_attention"}
+    assert torch.equal(hybrid["sliding_attention"] == 0, mask[None, None])
+    assert (hybrid["full_attention"][0, 0] == 0).tolist() == [
+        [False, True, True, False, True, False],
+        [False, True, True, False, True, True],
+    ]
+
+
+def test_sliding_window_masks_match_transformers_where_a_batch_has_no_holes():
+    # Without holes (left padding only), a row's columns after its padding are its tokens: transformers' own masks.
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    target = architecture_target("mistral")
+    batch = left_padded([[1 + i for i in range(20)], [3 + i for i in range(13)]])
+    real = batch["attention_mask"].bool()
+    embeds = target.get_input_embeddings()(batch["input_ids"])
+    expected = create_sliding_window_causal_mask(
+        config=target.config, inputs_embeds=embeds, attention_mask=batch["attention_mask"], cache=None
+    )
+    ours = SlidingWindow(size=WINDOW, every_layer=True, additive=False).masks(real, real.shape[1], torch.float32)
+    queries = real[:, :, None]  # rows of padding queries differ (transformers lets them see nothing or all): unused
+    assert torch.equal(ours[:, 0] & queries, expected[:, 0] & queries)
+
+
+def test_a_batch_continuing_a_cache_whose_window_dropped_tokens_is_refused():
+    target = architecture_target("mistral")
+    drafter = tiny_drafter(target)
+    batch = left_padded(ROWS)
+    first = target.generate(**batch, max_new_tokens=12, return_dict_in_generate=True, **GREEDY)
+    sequences = first.sequences
+    batch = {
+        "input_ids": sequences,
+        "attention_mask": torch.cat(
+            [batch["attention_mask"]]
+            + [torch.ones(2, sequences.shape[1] - batch["input_ids"].shape[1], dtype=torch.long)],
+            dim=1,
+        ),
+    }
+    with pytest.raises(ValueError, match="already dropped tokens past their window"):
+        target.generate(**batch, **{CACHE_ARGUMENT: first.past_key_values}, max_new_tokens=4,
+                        assistant_model=drafter, **GREEDY)  # fmt: skip
+
+
+def test_a_sliding_window_target_on_an_attention_without_prepared_masks_is_refused():
+    target = architecture_target("mistral")
+    drafter = tiny_drafter(target)
+    target.config._attn_implementation = "flex_attention"  # read before any forward: nothing runs on it
+    with pytest.raises(ValueError, match='attn_implementation="sdpa"'):
+        target.generate(**left_padded(ROWS), max_new_tokens=4, assistant_model=drafter, **GREEDY)
