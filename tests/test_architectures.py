@@ -94,6 +94,47 @@ def test_greedy_output_is_the_target_alone_for_one_sequence_and_a_batch(name):
         assert expected.shape[1] > 4 * WINDOW
 
 
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_prepared_for_a_cpu_with_the_default_policy_rows_stopping_at_their_eos(name):
+    # prepare_for_cpu_decoding measures verification on a scratch cache of the target's own kind (sliding layers
+    # included; they must give the measured blocks back) for one row and a batch's; rows stop at different times.
+    from hf_domino import prepare_for_cpu_decoding
+
+    target = architecture_target(name)
+    drafter = tiny_drafter(target)
+    prepare_for_cpu_decoding(target, drafter, batch_size=2)
+    stopping = {**GREEDY, "eos_token_id": 7}
+    for inputs in ({"input_ids": torch.tensor([PROMPT])}, left_padded(ROWS)):
+        expected = target.generate(**inputs, max_new_tokens=30, **stopping)
+        output = target.generate(**inputs, max_new_tokens=30, assistant_model=drafter, **stopping)
+        assert torch.equal(output, expected)
+
+
+def test_a_batch_continues_a_sliding_cache_whose_window_was_not_reached():
+    # A chat's next turn: the sliding layers still hold every token, so they become whole layers for the call.
+    target = architecture_target("mistral")
+    target.config.sliding_window = 128
+    drafter = tiny_drafter(target)
+    batch = left_padded(ROWS)
+    outputs = []
+    for assistant in ({}, {"assistant_model": drafter, "draft_policy": "fixed", "num_speculative_tokens": 4}):
+        first = target.generate(**batch, max_new_tokens=10, return_dict_in_generate=True, **GREEDY)
+        sequences = first.sequences
+        added = torch.ones(2, sequences.shape[1] - batch["input_ids"].shape[1], dtype=torch.long)
+        outputs.append(
+            target.generate(
+                input_ids=sequences,
+                attention_mask=torch.cat([batch["attention_mask"], added], dim=1),
+                **{CACHE_ARGUMENT: first.past_key_values},
+                max_new_tokens=20,
+                **GREEDY,
+                **assistant,
+            )
+        )
+    assert torch.equal(outputs[1], outputs[0])
+    assert drafter.last_generation_stats.drafted
+
+
 def test_the_sliding_targets_cover_each_kind_of_mask():
     from transformers.cache_utils import DynamicCache
 

@@ -149,6 +149,8 @@ def measure_verify_cost_on_scratch(
 
     context = torch.zeros(rows, CALIBRATION_CONTEXT, dtype=torch.long, device=target.device)
     cache = DynamicCache(config=target.config)
+    if hasattr(cache, "activate_past_recording"):  # sliding-window layers must give the measured blocks back
+        cache.activate_past_recording()
     target(input_ids=context, use_cache=True, **cache_argument(cache))
     return measure_verify_cost(target, cache, context[:, -1:], forward_kwargs)
 
