@@ -3,11 +3,12 @@
 A drafter reads its target through transformers' generic interfaces only (embeddings, LM head, hidden states, the
 cache), so any decoder-only model should serve. These tiny models, built from configs, cover what differs between
 families: tied embeddings and attention biases (Qwen2), sliding-window attention in every layer (Mistral) or in
-every other layer with per-layer-type rotary parameters (Gemma 2, Gemma 3), fused projections (Phi-3, GPT-NeoX,
+some (Gemma 2; Gemma 3, with rotary parameters per layer type), fused projections (Phi-3, GPT-NeoX,
 GPT-2), learned absolute positions (GPT-2), and mixture-of-experts MLPs (Qwen3-MoE). In a batch, rejected drafts
 leave holes in the cache, so a sliding window must be counted in each row's own tokens rather than in cache columns
 (`ragged_batch_domino.SlidingWindow`); the windows here are far shorter than the sequences, so every row's window
-moves past holes.
+moves past holes. Also the drafter's side: saved and reloaded as remote code, and the training warm start, which
+copies only decoder layers that compute what a draft layer does.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ ROWS = [[11, 5, 9, 12, 7, 5, 9, 12], [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 22]]
 GREEDY = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
 
 
-def architecture_target(name: str):
-    config_class, model_class, overrides = ARCHITECTURES[name]
+def architecture_target(name: str, architectures: dict = ARCHITECTURES):
+    config_class, model_class, overrides = architectures[name]
     torch.manual_seed(0)
     sizes = {
         "vocab_size": 64,
@@ -148,6 +149,24 @@ def test_the_sliding_targets_cover_each_kind_of_mask():
     assert kinds == {(True, False), (False, True), (False, False)}
 
 
+@pytest.mark.parametrize("name", ["qwen2", "gemma3", "gpt2"])
+def test_a_drafter_for_the_family_reloads_as_remote_code_and_drafts_the_same(name, tmp_path):
+    from transformers import AutoModel
+
+    target = architecture_target(name)
+    drafter = tiny_drafter(target)
+    drafter.save_pretrained(tmp_path)
+    reloaded = AutoModel.from_pretrained(tmp_path, trust_remote_code=True)
+    assert type(reloaded).__module__.startswith("transformers_modules")
+    options = {"max_new_tokens": 30, "draft_policy": "fixed", "num_speculative_tokens": 4, **GREEDY}
+    prompt = torch.tensor([PROMPT])
+    assert torch.equal(
+        target.generate(prompt, assistant_model=drafter, **options),
+        target.generate(prompt, assistant_model=reloaded, **options),
+    )
+    assert drafter.last_generation_stats.acceptance_lengths == reloaded.last_generation_stats.acceptance_lengths
+
+
 def test_a_sliding_window_counts_each_rows_tokens_not_its_columns():
     window = SlidingWindow(size=3, every_layer=True, additive=False)
     # Row 0: a pad, tokens t0 t1, a hole (a rejected draft), then t2 t3 as the forward's two queries.
@@ -205,3 +224,32 @@ def test_a_sliding_window_target_on_an_attention_without_prepared_masks_is_refus
     target.config._attn_implementation = "flex_attention"  # read before any forward: nothing runs on it
     with pytest.raises(ValueError, match='attn_implementation="sdpa"'):
         target.generate(**left_padded(ROWS), max_new_tokens=4, assistant_model=drafter, **GREEDY)
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("mistral", None),
+        ("qwen2", r"weights a Qwen3 layer lacks \(self_attn.q_proj.bias"),
+        ("phi3", r"lacks \(self_attn.qkv_proj.weight"),
+        ("gemma2", "pre_feedforward_layernorm"),
+        ("gpt_neox", "weights a Qwen3 layer lacks"),
+        ("qwen3_moe", "mlp.experts"),
+        ("gemma", "GemmaRMSNorm does not scale by its weight"),
+    ],
+)
+def test_the_warm_start_copies_only_layers_that_compute_what_a_draft_layer_does(name, reason):
+    from hf_domino import DominoConfig, DominoForSpeculation
+    from hf_domino.training import init_from_target_layers
+
+    # Gemma (1): Llama's layer, but its RMS norm scales by 1 + weight.
+    target = architecture_target(name, {**ARCHITECTURES, "gemma": ("GemmaConfig", "GemmaForCausalLM", {})})
+    config = DominoConfig.from_target(target.config, num_hidden_layers=1, target_layer_ids=[1, 2])
+    drafter = DominoForSpeculation(config)
+    if reason is None:
+        assert init_from_target_layers(drafter, target) == [3]
+        assert torch.equal(drafter.layers[0].mlp.down_proj.weight, target.model.layers[3].mlp.down_proj.weight)
+        return
+    with pytest.raises(ValueError, match=reason) as refused:
+        init_from_target_layers(drafter, target)
+    assert "leave out --init-from-target" in str(refused.value)

@@ -17,6 +17,7 @@ Also here: `init_from_target_layers` (the warm start from the target's top layer
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -116,6 +117,40 @@ def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     return layers
 
 
+# A Llama or Mistral layer has no q/k norms; the drafter's keep their fresh (identity) values.
+FRESH_IN_DRAFT_LAYERS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+def _check_copyable(draft_layer: nn.Module, target_layer: nn.Module, target_name: str) -> None:
+    """Raises unless the target's decoder layer computes what a draft layer does with the same weights: the same
+    parameter names and shapes (biases, fused projections, extra norms or experts would be dropped or misplaced), and
+    RMS norms that scale by their weight (Gemma's scale by 1 + weight; LayerNorm subtracts a mean)."""
+    source, own = target_layer.state_dict(), draft_layer.state_dict()
+    extra = [name for name in source if name not in own or own[name].shape != source[name].shape]
+    missing = [name for name in own if name not in source and name not in FRESH_IN_DRAFT_LAYERS]
+    problem = None
+    if extra or missing:
+        problem = "its decoder layers " + "; ".join(
+            part
+            for part in (extra and f"have weights a Qwen3 layer lacks ({', '.join(extra[:4])})",
+                         missing and f"lack weights of a Qwen3 layer ({', '.join(missing[:4])})")
+            if part
+        )  # fmt: skip
+    else:
+        norm, own_norm = target_layer.input_layernorm, draft_layer.input_layernorm
+        probe = torch.randn(2, own_norm.weight.shape[0], dtype=own_norm.weight.dtype, device=own_norm.weight.device)
+        copied = copy.deepcopy(own_norm).requires_grad_(False)
+        copied.weight.copy_(norm.weight)
+        if not torch.allclose(norm(probe), copied(probe), rtol=1e-4, atol=1e-5):
+            problem = f"its {type(norm).__name__} does not scale by its weight as the drafter's RMS norm does"
+    if problem is not None:
+        raise ValueError(
+            f"--init-from-target copies the target's top decoder layers into the drafter's (Qwen3) layers, which "
+            f"needs layers that compute the same with the same weights; {target_name} cannot: {problem}. Initialize "
+            "the drafter randomly (leave out --init-from-target)."
+        )
+
+
 @torch.no_grad()
 def init_from_target_layers(drafter: DominoForSpeculation, target_model: PreTrainedModel) -> list[int]:
     """Start the draft layers as copies of the target's top layers; returns the target layers copied.
@@ -135,11 +170,9 @@ def init_from_target_layers(drafter: DominoForSpeculation, target_model: PreTrai
             f"The drafter has {config.num_hidden_layers} layers but the target only {len(target_layers)}; "
             "use fewer --num-draft-layers or drop --init-from-target."
         )
+    _check_copyable(drafter.layers[0], target_layers[first], type(target_model).__name__)
     for draft_layer, target_layer in zip(drafter.layers, target_layers[first:]):
-        source = target_layer.state_dict()
-        own = draft_layer.state_dict()
-        shared = {name: tensor for name, tensor in source.items() if name in own and own[name].shape == tensor.shape}
-        draft_layer.load_state_dict(shared, strict=False)
+        draft_layer.load_state_dict(target_layer.state_dict(), strict=False)
     hidden = config.hidden_size
     deepest = config.target_layer_ids.index(max(config.target_layer_ids))
     drafter.fc.weight.zero_()
