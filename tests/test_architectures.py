@@ -4,7 +4,9 @@ A drafter reads its target through transformers' generic interfaces only (embedd
 cache), so any decoder-only model should serve. These tiny models, built from configs, cover what differs between
 families: tied embeddings and attention biases (Qwen2), sliding-window attention in every layer (Mistral) or in
 some (Gemma 2; Gemma 3, with rotary parameters per layer type), fused projections (Phi-3, GPT-NeoX,
-GPT-2), learned absolute positions (GPT-2), and mixture-of-experts MLPs (Qwen3-MoE). In a batch, rejected drafts
+GPT-2), learned absolute positions (GPT-2; OPT's, counted from the attention mask), ALiBi from the attention
+mask (Bloom, Falcon), and mixture-of-experts MLPs (Qwen3-MoE); MPT, whose ALiBi counts cache columns, is refused in
+batches. In a batch, rejected drafts
 leave holes in the cache, so a sliding window must be counted in each row's own tokens rather than in cache columns
 (`ragged_batch_domino.SlidingWindow`); the windows here are far shorter than the sequences, so every row's window
 moves past holes. Also the drafter's side: saved and reloaded as remote code, and the training warm start, which
@@ -40,8 +42,17 @@ ARCHITECTURES = {
         "Qwen3MoeForCausalLM",
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
     ),
+    "cohere2": (
+        "Cohere2Config",
+        "Cohere2ForCausalLM",
+        {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"] * 2},
+    ),
+    "bloom": ("BloomConfig", "BloomForCausalLM", {"intermediate_size": None, "head_dim": None}),
+    # ALiBi from the attention mask, and no MLP width in its config (the drafter takes 4 x hidden)
+    "falcon": ("FalconConfig", "FalconForCausalLM", {"alibi": True, "intermediate_size": None, "head_dim": None}),
+    "opt": ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 64, "word_embed_proj_dim": 32}),  # positions from the mask
 }
-SLIDING = ["mistral", "gemma2", "gemma3"]
+SLIDING = ["mistral", "gemma2", "gemma3", "cohere2"]
 # Prompts that repeat themselves, so that copied drafts are accepted too, beside the random drafter's rejected ones.
 PROMPT = [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 5, 9, 12, 40, 41, 42, 5, 9]
 ROWS = [[11, 5, 9, 12, 7, 5, 9, 12], [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 22]]
@@ -62,7 +73,8 @@ def architecture_target(name: str, architectures: dict = ARCHITECTURES):
         "tie_word_embeddings": False,
         "max_position_embeddings": 128,
     }
-    config = getattr(transformers, config_class)(**{**sizes, **SPECIAL_TOKENS, **overrides})
+    kwargs = {name: value for name, value in {**sizes, **SPECIAL_TOKENS, **overrides}.items() if value is not None}
+    config = getattr(transformers, config_class)(**kwargs)
     target = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():  # weights large enough that each layer, and each window, changes the greedy choice
         for param in target.parameters():
@@ -134,6 +146,26 @@ def test_a_batch_continues_a_sliding_cache_whose_window_was_not_reached():
         )
     assert torch.equal(outputs[1], outputs[0])
     assert drafter.last_generation_stats.drafted
+
+
+def test_a_batch_on_a_target_biased_by_cache_column_is_refused_and_one_sequence_is_exact():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.MptConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=4, use_cache=True, **SPECIAL_TOKENS)
+    target = tf.MptForCausalLM(config).eval()
+    drafter = tiny_drafter(target)
+    fixed = {"draft_policy": "fixed", "num_speculative_tokens": 4}
+    prompt = torch.tensor([PROMPT])
+    expected = target.generate(prompt, max_new_tokens=20, **GREEDY)
+    assert torch.equal(
+        target.generate(prompt, max_new_tokens=20, assistant_model=drafter, **GREEDY, **fixed), expected
+    )
+    with pytest.raises(ValueError, match="biases attention by cache column"):
+        target.generate(**left_padded(ROWS), max_new_tokens=4, assistant_model=drafter, **GREEDY)
+    target.config.use_cache = target.generation_config.use_cache = False  # MPT's own default
+    with pytest.raises(ValueError, match="as MPT's is.*Pass use_cache=True"):
+        target.generate(prompt, max_new_tokens=4, assistant_model=drafter, **GREEDY)
 
 
 def test_the_sliding_targets_cover_each_kind_of_mask():

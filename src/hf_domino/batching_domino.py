@@ -86,6 +86,11 @@ ROW_PACES = False
 
 
 # -------------------------------------------------------------------------------------------------- one batched call
+# Model types whose attention depends on where a key sits in the cache, not on the row's own positions: holes would
+# change their outputs. (Bloom and Falcon derive ALiBi from the attention mask, which skips holes, and are exact.)
+COLUMN_BIASED_ATTENTION = {"mpt"}
+
+
 def _check_batch_call(
     target: PreTrainedModel,
     input_ids: torch.LongTensor,
@@ -97,6 +102,12 @@ def _check_batch_call(
     """Raises, naming the fix, for what a batched call cannot do exactly."""
     from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
 
+    if target.config.get_text_config().model_type in COLUMN_BIASED_ATTENTION:
+        raise ValueError(
+            f"{type(target).__name__} biases attention by cache column (ALiBi over columns), and the holes a drafted "
+            "batch leaves in the cache would change those distances: generate one prompt at a time with the drafter "
+            "(exact), or the batch without it."
+        )
     if generation_config._pad_token_tensor is None:
         raise ValueError("Batched generation needs a pad token: set pad_token_id (e.g. tokenizer.pad_token_id).")
     if attention_mask is not None and not bool(attention_mask[:, -1].all()):

@@ -246,12 +246,12 @@ class DominoConfig(Qwen3Config):
         num_heads = text_config.num_attention_heads
         backbone = {
             "hidden_size": text_config.hidden_size,
-            "intermediate_size": text_config.intermediate_size,
+            "intermediate_size": _mlp_width(text_config),
             "num_attention_heads": num_heads,
             "num_key_value_heads": getattr(text_config, "num_key_value_heads", None) or num_heads,
             "head_dim": getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads,
             "rms_norm_eps": getattr(text_config, "rms_norm_eps", 1e-6),
-            "max_position_embeddings": text_config.max_position_embeddings,
+            "max_position_embeddings": getattr(text_config, "max_position_embeddings", None) or 32768,
             "rope_parameters": _full_attention_rope(text_config),
             "vocab_size": text_config.vocab_size,
             "eos_token_id": text_config.eos_token_id,
@@ -272,6 +272,15 @@ class DominoConfig(Qwen3Config):
             shift_label=with_domino_head if shift_label is None else shift_label,
             **backbone,
         )
+
+
+def _mlp_width(text_config: PretrainedConfig) -> int:
+    # Families name it differently (Falcon's ffn_hidden_size, GPT-2's n_inner) or derive it (MPT); the drafter's MLP
+    # is its own, so a target without one gets the common 4 x hidden.
+    for name in ("intermediate_size", "ffn_hidden_size", "n_inner"):
+        if getattr(text_config, name, None):
+            return getattr(text_config, name)
+    return 4 * text_config.hidden_size
 
 
 def _full_attention_rope(text_config: PretrainedConfig) -> dict | None:

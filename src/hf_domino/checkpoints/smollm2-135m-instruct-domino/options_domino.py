@@ -233,8 +233,9 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
         )
     if generation_config.use_cache is False:
         raise ValueError(
-            "use_cache=False: a drafter's blocks are verified against the target's key/value cache and rolled back "
-            "in it on rejection. Drop use_cache=False (the output is the same), or drop assistant_model."
+            "use_cache=False (passed to generate(), or set by the target's generation config or config, as MPT's "
+            "is): a drafter's blocks are verified against the target's key/value cache and rolled back in it on "
+            "rejection. Pass use_cache=True (the output is the same), or drop assistant_model."
         )
     if generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS and not static_caches_roll_back():
         raise ValueError(
