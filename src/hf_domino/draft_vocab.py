@@ -106,7 +106,9 @@ def write_drafter_with_vocab(drafter_dir: str | os.PathLike, token_ids: torch.Te
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default=None, help=f"drafter folder (default: {assets.SHIPPED_DRAFTER})")
-    parser.add_argument("--target", default="smollm2", help="tokenizer source: 'smollm2' or a model id/folder")
+    parser.add_argument(
+        "--target", default="smollm2", help="tokenizer source: an offline target name or a model id/folder"
+    )
     parser.add_argument("--size", type=int, required=True, help="tokens in the draft vocabulary")
     parser.add_argument(
         "--data", nargs="*", default=[], help="`hf-domino regenerate` jsonl or `hf-domino pack` files to count on"
@@ -116,15 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
 
     drafter_dir = Path(args.drafter) if args.drafter else assets.SHIPPED_DRAFTER
     config = json.loads((drafter_dir / "config.json").read_text())
-    if args.target == "smollm2":
-        gguf = assets.smollm2_gguf_path()
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(args.target)
+    tokenizer = assets.load_tokenizer(args.target)
     if args.data:
         source, sequences = f"{len(args.data)} regenerated file(s)", regenerated_response_ids(args.data)
     else:

@@ -439,7 +439,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer",
         help="the target's tokenizer, saved alongside so that pipeline(assistant_model=OUTPUT) finds one: "
-        "'smollm2' (offline SmolLM2-135M-Instruct), or a Hugging Face model id or folder",
+        "an offline target name ('smollm2', 'qwen2.5-coder-0.5b'), or a Hugging Face model id or folder",
     )
     parser.add_argument("--tokenizer-gguf-file", help="GGUF file inside the --tokenizer folder to read it from")
     parser.add_argument("--results", help="JSON file with a list of result rows for the model card")

@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the `hf-domino train` options."""
     target_group = parser.add_argument_group("target")
     target_group.add_argument(
-        "--target", default="smollm2", help="Model id or folder, or `smollm2` (offline, default)."
+        "--target",
+        default="smollm2",
+        help="Model id or folder, or an offline name: `smollm2` (default), `qwen2.5-coder-0.5b`.",
     )
     target_group.add_argument("--gguf-file", help="GGUF file inside --target.")
 
@@ -237,8 +239,7 @@ def run(args: argparse.Namespace) -> int:
             if args.export_dir:
                 from ..export import export_drafter
 
-                base_model = "HuggingFaceTB/SmolLM2-135M-Instruct" if args.target == "smollm2" else args.target
-                export_drafter(drafter, args.export_dir, base_model=base_model, overwrite=True)
+                export_drafter(drafter, args.export_dir, base_model=assets.hub_id(args.target), overwrite=True)
     return 0
 
 

