@@ -123,27 +123,25 @@ def test_prepared_for_a_cpu_with_the_default_policy_rows_stopping_at_their_eos(n
         assert torch.equal(output, expected)
 
 
+def a_first_turn(target, batch: dict, cache, new_tokens: int) -> dict:
+    """The batch after a first turn generated into `cache`: its sequences and their attention mask."""
+    sequences = target.generate(**batch, **{CACHE_ARGUMENT: cache}, max_new_tokens=new_tokens, **GREEDY)
+    added = torch.ones(sequences.shape[0], sequences.shape[1] - batch["input_ids"].shape[1], dtype=torch.long)
+    return {"input_ids": sequences, "attention_mask": torch.cat([batch["attention_mask"], added], dim=1)}
+
+
 def test_a_batch_continues_a_sliding_cache_whose_window_was_not_reached():
     # A chat's next turn: the sliding layers still hold every token, so they become whole layers for the call.
+    from transformers import DynamicCache
+
     target = architecture_target("mistral")
     target.config.sliding_window = 128
     drafter = tiny_drafter(target)
-    batch = left_padded(ROWS)
     outputs = []
     for assistant in ({}, {"assistant_model": drafter, "draft_policy": "fixed", "num_speculative_tokens": 4}):
-        first = target.generate(**batch, max_new_tokens=10, return_dict_in_generate=True, **GREEDY)
-        sequences = first.sequences
-        added = torch.ones(2, sequences.shape[1] - batch["input_ids"].shape[1], dtype=torch.long)
-        outputs.append(
-            target.generate(
-                input_ids=sequences,
-                attention_mask=torch.cat([batch["attention_mask"], added], dim=1),
-                **{CACHE_ARGUMENT: first.past_key_values},
-                max_new_tokens=20,
-                **GREEDY,
-                **assistant,
-            )
-        )
+        cache = DynamicCache(config=target.config)
+        second = a_first_turn(target, left_padded(ROWS), cache, new_tokens=10)
+        outputs.append(target.generate(**second, **{CACHE_ARGUMENT: cache}, max_new_tokens=20, **GREEDY, **assistant))
     assert torch.equal(outputs[1], outputs[0])
     assert drafter.last_generation_stats.drafted
 
@@ -232,22 +230,16 @@ def test_sliding_window_masks_match_transformers_where_a_batch_has_no_holes():
 
 
 def test_a_batch_continuing_a_cache_whose_window_dropped_tokens_is_refused():
+    from transformers import DynamicCache
+
     target = architecture_target("mistral")
     drafter = tiny_drafter(target)
-    batch = left_padded(ROWS)
-    first = target.generate(**batch, max_new_tokens=12, return_dict_in_generate=True, **GREEDY)
-    sequences = first.sequences
-    batch = {
-        "input_ids": sequences,
-        "attention_mask": torch.cat(
-            [batch["attention_mask"]]
-            + [torch.ones(2, sequences.shape[1] - batch["input_ids"].shape[1], dtype=torch.long)],
-            dim=1,
-        ),
-    }
+    cache = DynamicCache(config=target.config)
+    second = a_first_turn(target, left_padded(ROWS), cache, new_tokens=12)
+    layers = list(cache.layers)
     with pytest.raises(ValueError, match="already dropped tokens past their window"):
-        target.generate(**batch, **{CACHE_ARGUMENT: first.past_key_values}, max_new_tokens=4,
-                        assistant_model=drafter, **GREEDY)  # fmt: skip
+        target.generate(**second, **{CACHE_ARGUMENT: cache}, max_new_tokens=4, assistant_model=drafter, **GREEDY)
+    assert cache.layers == layers  # refused before any layer was changed
 
 
 def test_a_sliding_window_target_on_an_attention_without_prepared_masks_is_refused():

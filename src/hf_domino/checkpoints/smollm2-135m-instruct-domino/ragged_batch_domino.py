@@ -208,10 +208,10 @@ class SlidingWindow:
         Raises where the window cannot be kept exactly: a filled sliding layer that already dropped tokens, layers of
         different windows, layer types other than full and sliding attention, or an attention implementation that
         takes no prepared 4D mask (flash attention, flex attention)."""
-        sliding = [isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers]
-        if not any(sliding):
+        slides = [layer for layer in cache.layers if isinstance(layer, DynamicSlidingWindowLayer)]
+        if not slides:
             return None
-        windows = {layer.sliding_window for layer in cache.layers if isinstance(layer, DynamicSlidingWindowLayer)}
+        windows = {layer.sliding_window for layer in slides}
         layer_types = set(getattr(target.config.get_text_config(), "layer_types", None) or ())
         implementation = target.config._attn_implementation
         mask_function = ALL_MASK_ATTENTION_FUNCTIONS.get(implementation)
@@ -225,22 +225,21 @@ class SlidingWindow:
                 f"its attention implementation {implementation!r} takes no prepared 4D mask; load the target with "
                 'attn_implementation="sdpa" (or "eager")'
             )
-        if problem is None:
-            for index, layer in enumerate(cache.layers):
-                if isinstance(layer, DynamicSlidingWindowLayer):
-                    if layer.is_initialized and layer.keys.shape[-2] < layer.cumulative_length:
-                        problem = (
-                            "the cache passed to generate() has sliding-window layers that already dropped tokens "
-                            "past their window; start the batch from its prompts (no cache)"
-                        )
-                        break
-                    cache.layers[index] = _full_layer(layer)
+        elif any(layer.is_initialized and layer.keys.shape[-2] < layer.cumulative_length for layer in slides):
+            problem = (
+                "the cache passed to generate() has sliding-window layers that already dropped tokens past their "
+                "window; start the batch from its prompts (no cache)"
+            )
         if problem is not None:
             raise ValueError(
                 f"Batched Domino drafting counts sliding windows in each row's own tokens, which this target's cache "
                 f"cannot serve: {problem}. Or generate one prompt at a time."
             )
-        return cls(size=windows.pop(), every_layer=all(sliding), additive=mask_function is eager_mask)
+        cache.layers = [
+            _full_layer(layer) if isinstance(layer, DynamicSlidingWindowLayer) else layer for layer in cache.layers
+        ]
+        every_layer = len(slides) == len(cache.layers)
+        return cls(size=windows.pop(), every_layer=every_layer, additive=mask_function is eager_mask)
 
     def masks(
         self, real: torch.BoolTensor, queries: int, dtype: torch.dtype
