@@ -279,6 +279,17 @@ def saved_bench_argv(target, drafter, tokenizer, tmp_path) -> list[str]:
     ]
 
 
+def test_cli_bench_refuses_a_drafter_of_another_target_before_it_runs(target, tokenizer, tmp_path):
+    other_drafter = make_drafter(make_target(vocab_size=target.config.vocab_size + 8))
+    argv = saved_bench_argv(target, other_drafter, tokenizer, tmp_path) + ["--num-prompts", "1", "--no-progress"]
+    for methods in (["--methods", "target,domino"], ["--batch-size", "1", "--batch-methods", "target,domino"]):
+        with pytest.raises(
+            SystemExit, match="vocab_size .* differs .*--drafter: a drafter folder trained for --target"
+        ):
+            cli.main([*argv, *methods, "--output-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("fast_path", [True, False])
 def test_cli_bench_end_to_end(fast_path, target, drafter, tokenizer, tmp_path, capsys):
     argv = saved_bench_argv(target, drafter, tokenizer, tmp_path)

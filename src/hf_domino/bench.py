@@ -13,7 +13,7 @@ import json
 import os
 import platform
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -23,7 +23,13 @@ from .cpu_fast_path import prepare_for_cpu_decoding
 from .generate_hook_domino import cudnn_attention_applies
 from .measure import COMPILE_MODES, METHODS, BenchResult, BenchSettings, parse_method, run_benchmark
 from .measure_batch import BATCH_METHODS, batch_markdown, parse_batch_method, run_batch_benchmark
+from .options_domino import check_drafter_for_target
 from .report import markdown_report, write_report
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from .modeling_domino import DominoForSpeculation
 
 
 def machine_metadata(threads: int) -> dict[str, Any]:
@@ -233,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"hf-domino bench: {error}") from None
     target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
     if drafter is not None:
-        drafter.to(target.device)
+        _check_pair(drafter, target)
     fast_path = _cpu_fast_path(args, target, drafter)
     if fast_path != "off":  # the CPU's baseline without the fast path
         _add_baseline(methods, "target_eager")
@@ -300,6 +306,15 @@ def _add_baseline(methods: list[str], baseline: str) -> None:
         methods.insert(methods.index("target") + 1, baseline)
 
 
+def _check_pair(drafter: DominoForSpeculation, target: PreTrainedModel) -> None:
+    """Moves the drafter to the target's device, or exits naming why it cannot draft for the target, before any run."""
+    try:
+        check_drafter_for_target(drafter, target)
+    except ValueError as error:
+        raise SystemExit(f"hf-domino bench: {error} (--drafter: a drafter folder trained for --target)") from None
+    drafter.to(target.device)
+
+
 def _cpu_fast_path(args: argparse.Namespace, target, drafter) -> str:
     """Prepares both models for CPU decoding unless `--no-cpu-fast-path` or not on a CPU; says what it did."""
     if args.no_cpu_fast_path or target.device.type != "cpu":
@@ -321,7 +336,7 @@ def run_batches(args: argparse.Namespace, metadata: dict[str, Any], dtype: torch
         raise SystemExit(f"hf-domino bench: --batch-size {max(args.batch_size)} needs --num-prompts at least that.")
     drafter = assets.load_drafter(args.drafter, dtype=dtype, random_weights=args.random_weights, seed=args.seed)
     target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
-    drafter.to(target.device)
+    _check_pair(drafter, target)
     metadata["cpu_fast_path"] = _cpu_fast_path(args, target, drafter)
     if cudnn_attention_applies(target.device, target.dtype):  # the batched target alone with a drafting call's kernels
         _add_baseline(methods, "target_no_cudnn")
