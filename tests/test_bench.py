@@ -279,6 +279,28 @@ def saved_bench_argv(target, drafter, tokenizer, tmp_path) -> list[str]:
     ]
 
 
+def test_random_weights_take_the_folders_shape_at_another_targets_sizes():
+    from hf_domino.options_domino import check_drafter_for_target
+
+    other = make_target(vocab_size=77)
+    shipped = assets.load_drafter(random_weights=True)
+    resized = assets.load_drafter(random_weights=True, target_config=other.config)
+    check_drafter_for_target(resized, other)  # drafts for that target
+    assert resized.config.vocab_size == 77 and resized.draft_vocab is None  # the folder's ids were another target's
+    assert (resized.config.num_hidden_layers, resized.config.block_size, resized.config.emb_dim) == (
+        shipped.config.num_hidden_layers,
+        shipped.config.block_size,
+        shipped.config.emb_dim,
+    )
+
+
+def test_cli_bench_names_a_missing_drafter_before_loading_the_target(tmp_path):
+    argv = ["bench", "--target", str(tmp_path / "no-target"), "--drafter", str(tmp_path / "no-drafter")]
+    for methods in (["--methods", "target,domino"], ["--batch-size", "1"]):
+        with pytest.raises(SystemExit, match="hf-domino bench: No drafter checkpoint at .*no-drafter"):
+            cli.main([*argv, *methods, "--num-prompts", "1"])
+
+
 def test_cli_bench_refuses_a_drafter_of_another_target_before_it_runs(target, tokenizer, tmp_path):
     other_drafter = make_drafter(make_target(vocab_size=target.config.vocab_size + 8))
     argv = saved_bench_argv(target, other_drafter, tokenizer, tmp_path) + ["--num-prompts", "1", "--no-progress"]

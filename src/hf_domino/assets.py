@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
     from .modeling_domino import DominoForSpeculation
 
@@ -300,23 +300,8 @@ def load_tokenizer(target: str = "smollm2", *, gguf_file: str | None = None) -> 
     return AutoTokenizer.from_pretrained(target, gguf_file=gguf_file)
 
 
-def load_drafter(
-    path: str | os.PathLike | None = None,
-    dtype: torch.dtype | None = None,
-    random_weights: bool = False,
-    seed: int = 0,
-) -> DominoForSpeculation:
-    """Loads a drafter folder (default: the SmolLM2 drafter shipped in the package), with a clear error if absent.
-
-    `random_weights` builds the folder's architecture with fresh random weights instead (seeded): an untrained
-    drafter, the worst case a draft policy must survive.
-    """
-    import torch
-    from safetensors.torch import load_file
-
-    from .configuration_domino import DominoConfig
-    from .modeling_domino import DRAFT_VOCAB_FILE, DominoForSpeculation
-
+def drafter_folder(path: str | os.PathLike | None = None) -> Path:
+    """A drafter folder (default: the shipped one), or a clear error where it holds no drafter."""
     path = Path(path) if path is not None else SHIPPED_DRAFTER
     if not (path / "config.json").is_file():
         shipped = " (the drafter shipped with hf-domino)" if path == SHIPPED_DRAFTER else ""
@@ -324,13 +309,59 @@ def load_drafter(
             f"No drafter checkpoint at {path}{shipped}: expected config.json and model.safetensors there. Train one "
             "with `hf-domino train` or point --drafter at a drafter folder."
         )
+    return path
+
+
+def load_drafter(
+    path: str | os.PathLike | None = None,
+    dtype: torch.dtype | None = None,
+    random_weights: bool = False,
+    seed: int = 0,
+    target_config: PretrainedConfig | None = None,
+) -> DominoForSpeculation:
+    """Loads a drafter folder (default: the SmolLM2 drafter shipped in the package), with a clear error if absent.
+
+    `random_weights` builds the folder's architecture with fresh random weights instead (seeded): an untrained
+    drafter, the worst case a draft policy must survive. Given a `target_config` it does not fit (another hidden size,
+    vocabulary or depth), the random drafter takes the folder's shape (layers, block, head sizes) at that target's
+    sizes (`DominoConfig.from_target`; no draft vocabulary, whose ids were the folder's target's): what a drafter for
+    that target would cost.
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    from .configuration_domino import DominoConfig
+    from .modeling_domino import DRAFT_VOCAB_FILE, DominoForSpeculation
+
+    path = drafter_folder(path)
     if random_weights:
         torch.manual_seed(seed)
-        drafter = DominoForSpeculation(DominoConfig.from_pretrained(path)).to(dtype or torch.float32).eval()
-        if (path / DRAFT_VOCAB_FILE).is_file():
+        config = DominoConfig.from_pretrained(path)
+        resized = target_config is not None and not _drafter_fits(config, target_config)
+        if resized:
+            config = DominoConfig.from_target(
+                target_config,
+                num_hidden_layers=config.num_hidden_layers,
+                block_size=config.block_size,
+                with_domino_head=config.projector_type == "domino",
+                emb_dim=config.emb_dim,
+                gru_hidden_dim=config.gru_hidden_dim,
+                shift_label=config.shift_label,
+            )
+        drafter = DominoForSpeculation(config).to(dtype or torch.float32).eval()
+        if not resized and (path / DRAFT_VOCAB_FILE).is_file():
             drafter.set_draft_vocab(load_file(path / DRAFT_VOCAB_FILE)["draft_vocab"])
         return drafter
     return DominoForSpeculation.from_pretrained(path, dtype=dtype or torch.float32).eval()
+
+
+def _drafter_fits(config: PretrainedConfig, target_config: PretrainedConfig) -> bool:
+    text = target_config.get_text_config()
+    return (config.hidden_size, config.vocab_size, config.num_target_layers) == (
+        text.hidden_size,
+        text.vocab_size,
+        text.num_hidden_layers,
+    )
 
 
 def chat_token_ids(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> list[int]:

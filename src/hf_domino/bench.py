@@ -93,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--random-weights",
         action="store_true",
-        help="an untrained drafter: the --drafter folder's architecture with random weights (seeded by --seed)",
+        help="an untrained drafter: the --drafter folder's architecture with random weights (seeded by --seed), at "
+        "--target's sizes where the folder's are another target's",
     )
     parser.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, sharegpt, or a jsonl file")
     parser.add_argument("--num-prompts", type=int, default=20, help="first prompts of --prompts to run")
@@ -229,17 +230,11 @@ def run(args: argparse.Namespace) -> int:
             "hf-domino bench: --repeats applies to --batch-size runs (per-prompt runs time each prompt once)."
         )
     needs_drafter = any(parse_method(m).uses_drafter for m in methods)
-    try:
-        drafter = None
-        if needs_drafter:
-            drafter = assets.load_drafter(
-                args.drafter, dtype=dtype, random_weights=args.random_weights, seed=args.seed
-            )
-    except FileNotFoundError as error:
-        raise SystemExit(f"hf-domino bench: {error}") from None
+    if needs_drafter:
+        _drafter_folder(args)  # before the target's load, which can take a minute
+    _drafter_folder(args)
     target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
-    if drafter is not None:
-        _check_pair(drafter, target)
+    drafter = _drafter_for(target, args, dtype) if needs_drafter else None
     fast_path = _cpu_fast_path(args, target, drafter)
     if fast_path != "off":  # the CPU's baseline without the fast path
         _add_baseline(methods, "target_eager")
@@ -306,13 +301,24 @@ def _add_baseline(methods: list[str], baseline: str) -> None:
         methods.insert(methods.index("target") + 1, baseline)
 
 
-def _check_pair(drafter: DominoForSpeculation, target: PreTrainedModel) -> None:
-    """Moves the drafter to the target's device, or exits naming why it cannot draft for the target, before any run."""
+def _drafter_folder(args: argparse.Namespace) -> None:
     try:
+        assets.drafter_folder(args.drafter)
+    except FileNotFoundError as error:
+        raise SystemExit(f"hf-domino bench: {error}") from None
+
+
+def _drafter_for(target: PreTrainedModel, args: argparse.Namespace, dtype: torch.dtype) -> DominoForSpeculation:
+    """`--drafter` on the target's device (with `--random-weights`, at the target's sizes), or an exit that names why
+    it cannot draft for the target, before any run."""
+    try:
+        drafter = assets.load_drafter(
+            args.drafter, dtype=dtype, random_weights=args.random_weights, seed=args.seed, target_config=target.config
+        )
         check_drafter_for_target(drafter, target)
     except ValueError as error:
         raise SystemExit(f"hf-domino bench: {error} (--drafter: a drafter folder trained for --target)") from None
-    drafter.to(target.device)
+    return drafter.to(target.device)
 
 
 def _cpu_fast_path(args: argparse.Namespace, target, drafter) -> str:
@@ -334,9 +340,9 @@ def run_batches(args: argparse.Namespace, metadata: dict[str, Any], dtype: torch
             raise SystemExit(f"hf-domino bench: --batch-methods: {error}") from None
     if max(args.batch_size) > args.num_prompts:
         raise SystemExit(f"hf-domino bench: --batch-size {max(args.batch_size)} needs --num-prompts at least that.")
-    drafter = assets.load_drafter(args.drafter, dtype=dtype, random_weights=args.random_weights, seed=args.seed)
+    _drafter_folder(args)
     target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
-    _check_pair(drafter, target)
+    drafter = _drafter_for(target, args, dtype)
     metadata["cpu_fast_path"] = _cpu_fast_path(args, target, drafter)
     if cudnn_attention_applies(target.device, target.dtype):  # the batched target alone with a drafting call's kernels
         _add_baseline(methods, "target_no_cudnn")
