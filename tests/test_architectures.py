@@ -283,7 +283,12 @@ def test_sampling_keeps_each_rows_law_on_a_sliding_window_target():
     # A window of 2 tokens over short rows: after the first rejection, every later token's window reaches back past
     # a hole, so a window counted in columns draws from another law (chi-square against enumeration: p = 0.0 for
     # both prompts when `SlidingWindow.masks` counts columns, checked by hand; the flat law at T = 1 shows it).
-    from test_generation import chi_square_p_value, exact_sequence_distribution
+    from test_generation import (
+        chi_square_p_value,
+        drafts_and_accepted,
+        exact_sequence_distribution,
+        sampled_continuations,
+    )
     from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper
 
     vocab, num_new, per_prompt = 5, 4, 4000
@@ -300,19 +305,10 @@ def test_sampling_keeps_each_rows_law_on_a_sliding_window_target():
     drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
     prompts = [[2, 4, 1], [3]]
     batch = left_padded(prompts)
-    counts = [{}, {}]
-    drafted = accepted = 0
-    for _ in range(per_prompt // 250):
-        out = target.generate(
-            **batch, do_sample=True, temperature=1.0, max_new_tokens=num_new, num_return_sequences=250,
-            assistant_model=drafter, draft_policy="fixed", pad_token_id=0,
-        )  # fmt: skip
-        for row, sequence in enumerate(out):
-            key = tuple(sequence[-num_new:].tolist())
-            counts[row // 250][key] = counts[row // 250].get(key, 0) + 1
-        stats = drafter.last_generation_stats
-        drafted += sum(stats.drafted)
-        accepted += sum(stats.acceptance_lengths) - len(stats.acceptance_lengths)
+    counts, stats = sampled_continuations(
+        target, batch, num_new, per_prompt, temperature=1.0, assistant_model=drafter, draft_policy="fixed"
+    )
+    drafted, accepted = drafts_and_accepted(stats)
     assert 0 < accepted < drafted  # rejections happened: holes inside the windows
     processors = LogitsProcessorList([TemperatureLogitsWarper(1.0)])
     for prompt, observed in zip(prompts, counts):

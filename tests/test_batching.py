@@ -11,8 +11,10 @@ from test_generation import (
     VOCAB,
     CollectingStreamer,
     chi_square_p_value,
+    drafts_and_accepted,
     exact_sequence_distribution,
     letter_tokenizer,
+    sampled_continuations,
     successor,
 )
 from transformers import DynamicCache, LogitsProcessorList
@@ -409,27 +411,11 @@ def test_sampling_keeps_each_rows_law_with_num_return_sequences(draft_vocab):
     prompts = [[2, 4, 1], [3]]
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.5)])
     batch = left_padded(prompts)
-    counts = [{}, {}]
-    drafted = accepted = 0
     torch.manual_seed(7)
-    for _ in range(per_prompt // 250):
-        out = target.generate(
-            **batch,
-            do_sample=True,
-            temperature=0.5,
-            max_new_tokens=num_new,
-            num_return_sequences=250,
-            assistant_model=drafter,
-            draft_policy="fixed",
-            pad_token_id=0,
-        )
-        assert out.shape == (500, batch["input_ids"].shape[1] + num_new)
-        for row, sequence in enumerate(out):
-            key = tuple(sequence[-num_new:].tolist())
-            counts[row // 250][key] = counts[row // 250].get(key, 0) + 1
-        stats = drafter.last_generation_stats
-        drafted += sum(stats.drafted)
-        accepted += sum(stats.acceptance_lengths) - len(stats.acceptance_lengths)
+    counts, stats = sampled_continuations(
+        target, batch, num_new, per_prompt, temperature=0.5, assistant_model=drafter, draft_policy="fixed"
+    )
+    drafted, accepted = drafts_and_accepted(stats)
     assert 0 < accepted < drafted  # rejection sampling really ran, with both outcomes
     for prompt, observed in zip(prompts, counts):
         probs = exact_sequence_distribution(target, prompt, num_new, processors)

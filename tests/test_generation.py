@@ -297,6 +297,33 @@ def exact_sequence_distribution(target, prompt, num_new: int, logits_processor) 
     return probs
 
 
+def sampled_continuations(target, batch: dict, num_new: int, draws: int, **generate_kwargs) -> tuple[list, list]:
+    """Draws `draws` continuations of `num_new` tokens for each row of a left-padded `batch` (generate() with
+    `num_return_sequences` of 250 at a time), counted per row; also each call's `last_generation_stats`."""
+    rows, counts, stats = batch["input_ids"].shape[0], [{} for _ in range(batch["input_ids"].shape[0])], []
+    for _ in range(draws // 250):
+        out = target.generate(
+            **batch,
+            do_sample=True,
+            max_new_tokens=num_new,
+            num_return_sequences=250,
+            pad_token_id=0,
+            **generate_kwargs,
+        )
+        assert out.shape == (rows * 250, batch["input_ids"].shape[1] + num_new)
+        for row, sequence in enumerate(out):
+            key = tuple(sequence[-num_new:].tolist())
+            counts[row // 250][key] = counts[row // 250].get(key, 0) + 1
+        stats.append(generate_kwargs["assistant_model"].last_generation_stats)
+    return counts, stats
+
+
+def drafts_and_accepted(stats: list) -> tuple[int, int]:
+    """Drafts verified and drafts accepted over these calls."""
+    drafted = sum(sum(s.drafted) for s in stats)
+    return drafted, sum(sum(s.acceptance_lengths) - len(s.acceptance_lengths) for s in stats)
+
+
 def chi_square_p_value(counts: dict[tuple, int], probs: dict[tuple, float], draws: int) -> float:
     from scipy.stats import chi2
 

@@ -13,6 +13,7 @@ from test_generation import (
     greedy,
     letter_tokenizer,
     sample_with_drafter,
+    sampled_continuations,
     successor,
 )
 from transformers import LogitsProcessorList
@@ -297,20 +298,12 @@ def test_batch_sampling_with_copied_drafts_keeps_each_rows_law():
     drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
     prompts = [[3, 0, 3, 1, 3, 2, 3, 3], [1, 2]]  # the first row copies every cycle; the second starts drafting
     batch = left_padded(prompts)
-    counts: list[dict] = [{}, {}]
-    copied_cycles = drafted_cycles = 0
     torch.manual_seed(11)
-    for _ in range(per_prompt // 250):
-        out = target.generate(
-            **batch, do_sample=True, max_new_tokens=num_new, num_return_sequences=250, assistant_model=drafter,
-            pad_token_id=0, draft_policy="fixed", top_k=0,
-        )  # fmt: skip
-        for row, sequence in enumerate(out):
-            key = tuple(sequence[-num_new:].tolist())
-            counts[row // 250][key] = counts[row // 250].get(key, 0) + 1
-        stats = drafter.last_generation_stats
-        copied_cycles += sum(stats.copied)
-        drafted_cycles += sum(n > 0 and not c for n, c in zip(stats.drafted, stats.copied))
+    counts, stats = sampled_continuations(
+        target, batch, num_new, per_prompt, assistant_model=drafter, draft_policy="fixed", top_k=0
+    )
+    copied_cycles = sum(sum(s.copied) for s in stats)
+    drafted_cycles = sum(n > 0 and not c for s in stats for n, c in zip(s.drafted, s.copied))
     assert copied_cycles > per_prompt and drafted_cycles > per_prompt // 10
     for prompt, observed in zip(prompts, counts):
         probs = exact_sequence_distribution(target, prompt, num_new, LogitsProcessorList())
