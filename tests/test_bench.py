@@ -294,11 +294,16 @@ def test_random_weights_take_the_folders_shape_at_another_targets_sizes():
     )
 
 
-def test_cli_bench_names_a_missing_drafter_before_loading_the_target(tmp_path):
+def test_cli_bench_names_a_missing_drafter_before_loading_the_target(target, drafter, tokenizer, tmp_path):
     argv = ["bench", "--target", str(tmp_path / "no-target"), "--drafter", str(tmp_path / "no-drafter")]
     for methods in (["--methods", "target,domino"], ["--batch-size", "1"]):
         with pytest.raises(SystemExit, match="hf-domino bench: No drafter checkpoint at .*no-drafter"):
             cli.main([*argv, *methods, "--num-prompts", "1"])
+    # The target alone needs no drafter: a missing one is no error there.
+    argv = saved_bench_argv(target, drafter, tokenizer, tmp_path)
+    argv[argv.index("--drafter") + 1] = str(tmp_path / "no-drafter")
+    out = ["--output-dir", str(tmp_path / "out"), "--no-progress", "--no-cpu-fast-path", "--max-new-tokens", "4"]
+    assert cli.main([*argv, "--methods", "target", "--num-prompts", "1", "--threads", "1", *out]) == 0
 
 
 def test_cli_bench_refuses_a_drafter_of_another_target_before_it_runs(target, tokenizer, tmp_path):

@@ -232,7 +232,6 @@ def run(args: argparse.Namespace) -> int:
     needs_drafter = any(parse_method(m).uses_drafter for m in methods)
     if needs_drafter:
         _drafter_folder(args)  # before the target's load, which can take a minute
-    _drafter_folder(args)
     target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
     drafter = _drafter_for(target, args, dtype) if needs_drafter else None
     fast_path = _cpu_fast_path(args, target, drafter)
