@@ -474,6 +474,19 @@ def test_cli_regenerate_then_train_any_causal_lm(model, tokenizer, tmp_path):
     with pytest.raises(SystemExit, match=r"--draft-lengths \[5\]: each must be between 1 and the block's 4"):
         cli.main([*evaluation, "--draft-lengths", "5"])
 
+    # A drafter folder that cannot serve --target (another target's, or none) is named before any work.
+    from hf_domino import DominoConfig
+
+    other = tmp_path / "other-target-drafter"
+    other_config = DominoConfig.from_target(model.config, num_hidden_layers=1, block_size=4)
+    other_config.vocab_size += 8
+    DominoForSpeculation(other_config).save_pretrained(other)
+    with pytest.raises(SystemExit, match="--init-from .*other-target-drafter: The drafter's vocab_size"):
+        cli.main([*train, "--init-from", str(other), "--output-dir", str(tmp_path / "i")])
+    with pytest.raises(SystemExit, match="--drafter .*missing: No drafter checkpoint"):
+        cli.main(["train", *common, "--eval-only", "--drafter", str(tmp_path / "missing")])
+    assert not (tmp_path / "i").exists()
+
 
 # --------------------------------------------------------------------------------- the second offline target's file
 def fake_qwen_parts(monkeypatch, tmp_path) -> bytes:

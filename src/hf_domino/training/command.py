@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from .. import assets
 from ..configuration_domino import DominoConfig
 from ..modeling_domino import DRAFT_VOCAB_FILE, DominoForSpeculation
+from ..options_domino import check_drafter_for_target
 from .data import Example, FeatureCache, load_examples
 from .evaluate import evaluate_acceptance
 from .loop import CHECKPOINT_PREFIX, TrainConfig, init_from_target_layers, latest_checkpoint, train
@@ -280,7 +281,7 @@ def _drafter_from_args(args: argparse.Namespace, target_model: PreTrainedModel) 
         raise SystemExit("--init-from and --init-from-target exclude each other: pick one starting point.")
     if args.init_from:
         # fp32 master weights whatever the checkpoint was saved in (exports are often fp16).
-        return DominoForSpeculation.from_pretrained(args.init_from, dtype=torch.float32)
+        return _drafter_for(args.init_from, "--init-from", target_model, dtype=torch.float32)
     backbone = {"intermediate_size": args.intermediate_size} if args.intermediate_size else {}
     config = DominoConfig.from_target(
         target_model.config,
@@ -299,8 +300,21 @@ def _drafter_from_args(args: argparse.Namespace, target_model: PreTrainedModel) 
     if args.init_from_target:
         from accelerate import PartialState
 
-        copied = init_from_target_layers(drafter, target_model)
+        try:
+            copied = init_from_target_layers(drafter, target_model)
+        except ValueError as error:
+            raise SystemExit(f"hf-domino train: {error}") from None
         PartialState().print(f"Draft layers start as copies of target layers {copied}.")
+    return drafter
+
+
+def _drafter_for(path: str, flag: str, target_model: PreTrainedModel, **kwargs) -> DominoForSpeculation:
+    """The drafter folder a flag names, or an exit that says why it cannot serve `--target`, before any work."""
+    try:
+        drafter = DominoForSpeculation.from_pretrained(assets.drafter_folder(path), **kwargs)
+        check_drafter_for_target(drafter, target_model)
+    except (FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"hf-domino train: {flag} {path}: {error}") from None
     return drafter
 
 
@@ -308,7 +322,7 @@ def _run_eval(args: argparse.Namespace, target_model: PreTrainedModel, tokenizer
     """`--eval-only`: acceptance lengths of `--drafter` per prompt set, head on and/or off, optionally as json."""
     if args.drafter is None:
         raise SystemExit("--eval-only needs --drafter.")
-    drafter = DominoForSpeculation.from_pretrained(args.drafter).eval()
+    drafter = _drafter_for(args.drafter, "--drafter", target_model).eval()
     heads = {"on": [True], "off": [False], "both": [True, False]}[args.head]
     if not drafter.config.has_domino_head:
         heads = [False]
