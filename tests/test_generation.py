@@ -300,7 +300,8 @@ def exact_sequence_distribution(target, prompt, num_new: int, logits_processor) 
 def sampled_continuations(target, batch: dict, num_new: int, draws: int, **generate_kwargs) -> tuple[list, list]:
     """Draws `draws` continuations of `num_new` tokens for each row of a left-padded `batch` (generate() with
     `num_return_sequences` of 250 at a time), counted per row; also each call's `last_generation_stats`."""
-    rows, counts, stats = batch["input_ids"].shape[0], [{} for _ in range(batch["input_ids"].shape[0])], []
+    rows = batch["input_ids"].shape[0]
+    counts, stats = [{} for _ in range(rows)], []
     for _ in range(draws // 250):
         out = target.generate(
             **batch,

@@ -128,15 +128,13 @@ def _check_copyable(draft_layer: nn.Module, target_layer: nn.Module, target_name
     source, own = target_layer.state_dict(), draft_layer.state_dict()
     extra = [name for name in source if name not in own or own[name].shape != source[name].shape]
     missing = [name for name in own if name not in source and name not in FRESH_IN_DRAFT_LAYERS]
-    problem = None
-    if extra or missing:
-        problem = "its decoder layers " + "; ".join(
-            part
-            for part in (extra and f"have weights a Qwen3 layer lacks ({', '.join(extra[:4])})",
-                         missing and f"lack weights of a Qwen3 layer ({', '.join(missing[:4])})")
-            if part
-        )  # fmt: skip
-    else:
+    differences = []
+    if extra:
+        differences.append(f"have weights a Qwen3 layer lacks ({', '.join(extra[:4])})")
+    if missing:
+        differences.append(f"lack weights of a Qwen3 layer ({', '.join(missing[:4])})")
+    problem = "its decoder layers " + "; ".join(differences) if differences else None
+    if problem is None:
         norm, own_norm = target_layer.input_layernorm, draft_layer.input_layernorm
         probe = torch.randn(2, own_norm.weight.shape[0], dtype=own_norm.weight.dtype, device=own_norm.weight.device)
         copied = copy.deepcopy(own_norm).requires_grad_(False)
