@@ -440,12 +440,10 @@ def test_bad_batches_fail_with_the_fix_named():
         target.generate(batch["input_ids"], max_new_tokens=4, assistant_model=drafter)
     with pytest.raises(ValueError, match="beam search"):
         target.generate(**batch, max_new_tokens=4, num_beams=2, assistant_model=drafter)
-    with pytest.raises(ValueError, match="output_scores"):
+    with pytest.raises(ValueError, match="output_hidden_states"):
         target.generate(
-            **batch, max_new_tokens=4, assistant_model=drafter, return_dict_in_generate=True, output_scores=True
+            **batch, max_new_tokens=4, assistant_model=drafter, return_dict_in_generate=True, output_hidden_states=True
         )
-    with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):
-        target.generate(**batch, max_new_tokens=4, assistant_model=drafter, prefix_allowed_tokens_fn=lambda b, s: [5])
     # The same calls without a drafter still work (only the drafter's batch path refuses).
     assert target.generate(**batch, max_new_tokens=4).shape == (2, 7)
 
@@ -459,6 +457,76 @@ def test_return_dict_gives_the_sequences():
         **batch, max_new_tokens=6, do_sample=False, assistant_model=drafter, return_dict_in_generate=True
     )
     assert torch.equal(output.sequences, expected)
+
+
+def test_scores_and_logits_are_the_target_alones_for_every_token_of_every_row():
+    # Greedy with a processor (so scores differ from logits), rows ending at different columns (EOS 1 after 0, the
+    # successor of 31, or token 12), and drafts accepted: each row's scores come from verification forwards.
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, PARTIAL, block_size=8)
+    batch = left_padded([[4, 5], [6, 7, 8, 9], [20, 21, 22]])
+    kwargs = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True, sequence_bias={(7,): 0.5}, eos_token_id=[1, 12])  # fmt: skip
+    expected = target.generate(**batch, **kwargs)
+    output = target.generate(**batch, **kwargs, assistant_model=drafter, draft_policy="fixed")
+    assert max(drafter.last_generation_stats.acceptance_lengths) > 2
+    assert torch.equal(output.sequences, expected.sequences)
+    assert len(output.scores) == len(output.logits) == len(expected.scores) == 11
+    generated = expected.sequences[:, batch["input_ids"].shape[1] :]
+    ends = [int(torch.isin(row, torch.tensor([1, 12])).nonzero()[0]) + 1 for row in generated]
+    assert ends == [7, 3, 11]  # rows finish at different columns
+    emits_pad = torch.full((VOCAB,), -float("inf"))
+    emits_pad[0] = 0.0
+    for column in range(11):
+        for row, end in enumerate(ends):
+            if column < end:
+                torch.testing.assert_close(output.scores[column][row], expected.scores[column][row])
+                torch.testing.assert_close(output.logits[column][row], expected.logits[column][row])
+            else:  # a finished row emits the pad token with certainty
+                assert torch.equal(output.scores[column][row], emits_pad)
+                assert torch.equal(output.logits[column][row], emits_pad)
+    assert not torch.equal(output.scores[1], output.logits[1])  # the bias acted
+    only = target.generate(**batch, **{**kwargs, "output_logits": False}, assistant_model=drafter)
+    assert only.logits is None and len(only.scores) == 11
+
+
+def test_sampled_scores_are_what_each_token_was_drawn_from():
+    # Sampled rows differ from the target alone's, so check each token's raw logits against one forward over the
+    # row's own output, and its scores against them through the call's warper (temperature).
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    torch.manual_seed(3)
+    batch = left_padded([torch.randint(4, 64, (n,)).tolist() for n in (5, 2)])
+    output = target.generate(**batch, max_new_tokens=10, do_sample=True, temperature=0.7, top_k=0,
+                             num_return_sequences=2, return_dict_in_generate=True, output_scores=True,
+                             output_logits=True, assistant_model=drafter, draft_policy="fixed")  # fmt: skip
+    sequences, width = output.sequences, batch["input_ids"].shape[1]
+    mask = torch.cat([batch["attention_mask"].repeat_interleave(2, dim=0), torch.ones(4, 10, dtype=torch.long)], -1)
+    logits = target(sequences, attention_mask=mask).logits.float()
+    for column in range(10):
+        torch.testing.assert_close(output.logits[column], logits[:, width + column - 1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(output.scores[column], output.logits[column] / 0.7)
+
+
+def test_prefix_allowed_tokens_fn_answers_for_each_row():
+    # generate() calls it with the row's index in the batch (num_return_sequences included): batches with a drafter
+    # must too, also after rows have left the batch.
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, PARTIAL, block_size=6)
+    batch = left_padded([[4, 5], [6, 7, 8, 9], [20, 21, 22]])
+    allowed = {0: [5, 9, 13], 1: [10, 11, 12, 13, 14], 2: list(range(4, VOCAB))}
+    kwargs = dict(max_new_tokens=12, do_sample=False, prefix_allowed_tokens_fn=lambda row, ids: allowed[row])
+    expected = target.generate(**batch, **kwargs)
+    output = target.generate(**batch, **kwargs, assistant_model=drafter, draft_policy="fixed")
+    assert torch.equal(output, expected)
+    assert max(drafter.last_generation_stats.acceptance_lengths) > 2
+    allowed = {row: [10 + row, 20 + row] for row in range(6)}
+    torch.manual_seed(0)
+    sampled = target.generate(
+        **batch, **{**kwargs, "do_sample": True}, num_return_sequences=2, assistant_model=drafter
+    )
+    for row, tokens in enumerate(sampled[:, 4:]):
+        assert set(tokens.tolist()) == set(allowed[row])
 
 
 def test_timings_and_stats_per_row():

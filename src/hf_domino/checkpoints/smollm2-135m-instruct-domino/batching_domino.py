@@ -100,8 +100,6 @@ def _check_batch_call(
     attention_mask_given: bool,
 ) -> None:
     """Raises, naming the fix, for what a batched call cannot do exactly."""
-    from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
-
     if target.config.get_text_config().model_type in COLUMN_BIASED_ATTENTION:
         raise ValueError(
             f"{type(target).__name__} biases attention by cache column (ALiBi over columns), and the holes a drafted "
@@ -122,19 +120,58 @@ def _check_batch_call(
             "the attention_mask the tokenizer returns: target.generate(**tokenizer(prompts, padding=True, "
             "return_tensors='pt'), assistant_model=drafter)."
         )
-    if any(isinstance(processor, PrefixConstrainedLogitsProcessor) for processor in logits_processor):
-        raise ValueError(
-            "prefix_allowed_tokens_fn receives a batch index, which batched drafting does not keep; generate one "
-            "prompt at a time with it."
-        )
     if generation_config.return_dict_in_generate and any(
-        getattr(generation_config, name)
-        for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+        getattr(generation_config, name) for name in ("output_attentions", "output_hidden_states")
     ):
         raise ValueError(
-            "A batch drafted with a Domino drafter returns sequences only (rows advance by different numbers of "
-            "tokens per forward): drop output_scores/output_logits/output_attentions/output_hidden_states, or "
-            "generate one prompt at a time."
+            "A batch drafted with a Domino drafter returns no attentions or hidden states (its forwards hold different "
+            "tokens per row, and holes): drop output_attentions/output_hidden_states (output_scores and output_logits "
+            "work), or generate one prompt at a time."
+        )
+
+
+class TokenScores:
+    """What `output_scores` / `output_logits` return for a batch: per row, the processed and raw logits each of its
+    tokens was picked from, then as generate() returns them, one `[rows, V]` tensor per generated column.
+
+    A row that has finished emits the pad token in every later column, and its scores there say so (0 for the pad
+    token, -inf elsewhere); the target alone would compute them from the pad tokens it feeds that row, which a batch
+    with a drafter does not run.
+    """
+
+    def __init__(self, rows: int, keep_scores: bool, keep_logits: bool):
+        self.keep_scores, self.keep_logits = keep_scores, keep_logits
+        self.rows: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]] = [[] for _ in range(rows)]
+
+    @classmethod
+    def wanted(cls, generation_config: GenerationConfig, rows: int) -> TokenScores | None:
+        """The call's record, or None where it returns neither."""
+        keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+        keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+        return cls(rows, keep_scores, keep_logits) if keep_scores or keep_logits else None
+
+    def add(self, row: int, scores: torch.Tensor, logits: torch.Tensor) -> None:
+        """A row's next tokens' processed (`scores`) and raw logits, `[n, V]` each (copied: they are views of a
+        whole forward's logits)."""
+        self.rows[row].append(
+            (scores.clone() if self.keep_scores else None, logits.clone() if self.keep_logits else None)
+        )
+
+    def columns(
+        self, length: int, pad: int
+    ) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None]:
+        """(scores, logits) as generate() returns them: `length` tensors `[rows, V]` each, or None where not asked."""
+        scores = self._columns(0, length, pad) if self.keep_scores else None
+        logits = self._columns(1, length, pad) if self.keep_logits else None
+        return scores, logits
+
+    def _columns(self, kind: int, length: int, pad: int) -> tuple[torch.Tensor, ...]:
+        per_row = [torch.cat([pieces[kind] for pieces in row]) for row in self.rows]
+        finished = per_row[0].new_full(per_row[0].shape[-1:], -float("inf"))
+        finished[pad] = 0.0
+        return tuple(
+            torch.stack([row[column] if column < row.shape[0] else finished for row in per_row])
+            for column in range(length)
         )
 
 
@@ -195,6 +232,7 @@ class BatchedDecoding:
         self.mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         self.sequences = list(input_ids)
         self.active = list(range(rows))
+        self.token_scores = TokenScores.wanted(generation_config, rows)
         # Steps append in place, into room never taken past what the call can write (its holes aside).
         reserve = options.cache_columns(drafter, self.max_length)
         self.cached = cached_columns(cache, input_ids, attention_mask, generation_config)
@@ -244,8 +282,12 @@ class BatchedDecoding:
             logits = spread_to_vocabulary(logits, self.vocab, self.drafter.config.vocab_size)
         return self.process(logits.float(), drafted)
 
-    def extend(self, row: int, tokens: torch.LongTensor) -> bool:
-        """Appends tokens to a row, cut at EOS and max_length as the target alone would; True when the row is done."""
+    def extend(self, row: int, tokens: torch.LongTensor, scores: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Appends tokens to a row, cut at EOS and max_length as the target alone would; True when the row is done.
+
+        `scores` are the processed and raw logits each token was picked from (`[len(tokens), V]` each), kept for the
+        tokens appended where the call returns them.
+        """
         sequence = self.sequences[row]
         tokens = tokens[: self.max_length - sequence.shape[0]].to(sequence.device)
         hit_eos = False
@@ -253,6 +295,8 @@ class BatchedDecoding:
             hits = torch.isin(tokens, self.eos.to(tokens.device)).nonzero()
             if hits.numel():
                 tokens, hit_eos = tokens[: int(hits[0]) + 1], True
+        if self.token_scores is not None:
+            self.token_scores.add(row, *(each[: tokens.shape[0]] for each in scores))
         sequence = self.sequences[row] = torch.cat([sequence, tokens])
         done = hit_eos or sequence.shape[0] >= self.max_length
         return done or bool(self.stopping_criteria(sequence[None], None).any())
@@ -293,12 +337,14 @@ class BatchedDecoding:
         outputs = ragged_forward(
             self.target, self.target_cache, input_ids[:, self.cached :], new, self.hidden_layers, logits_to_keep=1
         )
-        first = pick_tokens(self.process(outputs.logits[:, -1].float()), self.do_sample)
+        logits = outputs.logits[:, -1:].float()
+        processed = self.process(logits[:, 0])[:, None]
+        first = pick_tokens(processed[:, 0], self.do_sample)
         features = context_features(outputs.hidden_states, self.layer_ids)
         drafter = self.drafter
         self.context.pending = [[features[row, new[row]].to(drafter.device, drafter.dtype)] for row in self.active]
         self.context.known = self.mask.sum(dim=-1).to(drafter.device)
-        return [self.extend(row, first[row : row + 1]) for row in self.active]
+        return [self.extend(row, first[row : row + 1], (processed[row], logits[row])) for row in self.active]
 
     def build_policies(self, anchors: torch.LongTensor) -> None:
         """The drafter's policy and those of copied and retrieved drafts, whose acceptance is shared with batch 1."""
@@ -393,8 +439,11 @@ class BatchedDecoding:
             keep_rolling=self.policy.keep_rolling if self.policy.adaptive else None,
         )  # fmt: skip
 
-    def verify(self, anchors: torch.LongTensor, cycle: CycleDrafts) -> tuple[list[torch.LongTensor], torch.LongTensor]:
-        """One target forward over every row's `[anchor, drafts]`; per row, the tokens it adds and drafts matched.
+    def verify(
+        self, anchors: torch.LongTensor, cycle: CycleDrafts
+    ) -> tuple[list[torch.LongTensor], torch.LongTensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One target forward over every row's `[anchor, drafts]`; per row, the tokens it adds and drafts matched, and
+        the processed and raw logits `[rows, 1 + width, V]` its tokens were picked from (the first ones).
 
         The accepted tokens stay in the target's cache and their hidden states become drafter context; the columns
         of rejected drafts (and of shorter rows' padding) become holes.
@@ -419,7 +468,7 @@ class BatchedDecoding:
         self.context.append(
             context_features(outputs.hidden_states, self.layer_ids), (1 + matches).to(self.drafter.device)
         )
-        return tokens, matches
+        return tokens, matches, (processed, logits)
 
     def cycle(self) -> list[bool]:
         """Draft, verify, learn, extend: one target forward for every active row. Returns which rows finished."""
@@ -442,7 +491,7 @@ class BatchedDecoding:
             copies, declined, sources = {}, {}, {}
             drafts = CycleDrafts.plain(len(self.active))
         verify_start = self.now()
-        tokens, matches = self.verify(anchors, drafts)
+        tokens, matches, scores = self.verify(anchors, drafts)
         verify_seconds = self.now() - verify_start
         if self.stats.timings is not None and drafts.drafts is not None:
             self.stats.timings.setdefault("verify", []).append(verify_seconds)
@@ -454,7 +503,7 @@ class BatchedDecoding:
         self.stats.drafted.extend(drafts.lengths.tolist())
         self.stats.copied.extend(drafts.copied(len(self.active), self.lookup_policy))
         self.stats.retrieved.extend(drafts.copied(len(self.active), self.datastore_policy))
-        finished = [self.extend(row, tokens[i]) for i, row in enumerate(self.active)]
+        finished = [self.extend(row, tokens[i], (scores[0][i], scores[1][i])) for i, row in enumerate(self.active)]
         end = self.now()
         self.time_cycle(len(self.active), end - start, end - verify_start, drafts)
         return finished
@@ -589,7 +638,10 @@ def batched_assisted_decoding(
     )  # fmt: skip
     sequences = decoding.run(input_ids, streamer)
     if generation_config.return_dict_in_generate:
-        return GenerateDecoderOnlyOutput(sequences=sequences)
+        scores = logits = None
+        if decoding.token_scores is not None:
+            scores, logits = decoding.token_scores.columns(sequences.shape[1] - input_ids.shape[1], decoding.pad)
+        return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
     return sequences
 
 

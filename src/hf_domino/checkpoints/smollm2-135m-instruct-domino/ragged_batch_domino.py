@@ -22,7 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
-from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
 from transformers.generation.utils import _speculative_sampling
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
@@ -352,8 +356,9 @@ def run_batched_backbone(
 def row_processors(logits_processor: LogitsProcessorList, rows: int) -> list[LogitsProcessorList]:
     """The call's logits processors as each row of the batch sees them, to be called with that row alone.
 
-    Processors are shared, except those holding one entry per row of the batch (the repetition penalty's
-    `prompt_ignore_length`, the row's left padding): each row gets a copy holding its own entry.
+    Processors are shared, except those that tell the rows apart: the repetition penalty's `prompt_ignore_length`
+    (one entry per row, its left padding) and `prefix_allowed_tokens_fn` (called with the row's index in the batch,
+    which a row processed alone would read as 0) get a copy per row that answers for that row.
     """
     views = []
     for row in range(rows):
@@ -364,9 +369,16 @@ def row_processors(logits_processor: LogitsProcessorList, rows: int) -> list[Log
             ):
                 processor = copy.copy(processor)
                 processor.prompt_ignore_length = processor.prompt_ignore_length[row : row + 1]
+            elif isinstance(processor, PrefixConstrainedLogitsProcessor):
+                processor = PrefixConstrainedLogitsProcessor(_for_row(processor._prefix_allowed_tokens_fn, row), 1)
             view.append(processor)
         views.append(view)
     return views
+
+
+def _for_row(prefix_allowed_tokens_fn, row: int):
+    """`prefix_allowed_tokens_fn` as the batch's row `row` calls it (generate() drafts with one beam per row)."""
+    return lambda batch_id, sentence: prefix_allowed_tokens_fn(row, sentence)
 
 
 def process_rows(
