@@ -387,6 +387,35 @@ def test_streamer_receives_what_the_target_alone_streams():
     assert streamed.chunks == alone.chunks and len(alone.chunks) == 14  # prompt, 12 columns, end
 
 
+# Generation options that change the target's pick in the middle of a block (or forbid its stop), each with accepted
+# drafts around it: one sequence (transformers' loop with our candidate generator) and a batch (our loop).
+OPTIONS_THAT_BITE = {
+    "sequence_bias": dict(sequence_bias={(8, 10): 10.0, (26,): -10.0}),
+    "bad_words_ids": dict(bad_words_ids=[[10, 12], [28]]),
+    "suppress_tokens": dict(suppress_tokens=[12, 30]),
+    "begin_suppress_tokens": dict(begin_suppress_tokens=[6, 10, 24]),
+    "min_new_tokens": dict(min_new_tokens=12, eos_token_id=[1, 16]),
+    "forced_eos_token_id": dict(forced_eos_token_id=1),
+    "eos_token_id": dict(eos_token_id=[1, 26, 30]),
+    "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
+}
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("option", list(OPTIONS_THAT_BITE))
+def test_generation_options_act_inside_blocks_as_without_a_drafter(option, rows):
+    target = successor_target("qwen3", VOCAB, step=2)  # even tokens never reach EOS (1) unless an option says so
+    drafter = forcing_drafter(target, successor(2), block_size=8)
+    batch = left_padded([[5, 6, 7, 8], [3, 4], [19, 20, 22]][:rows])
+    plain = target.generate(**batch, do_sample=False, max_new_tokens=40)
+    expected, output = both(
+        target, drafter, batch, max_new_tokens=40, draft_policy="fixed", **OPTIONS_THAT_BITE[option]
+    )
+    assert torch.equal(output, expected)
+    assert not torch.equal(expected, plain)  # the option changed the output
+    assert max(drafter.last_generation_stats.acceptance_lengths) >= 8  # (nearly) whole blocks accepted around it
+
+
 def test_repetition_penalty_acts_per_row():
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
