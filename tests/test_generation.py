@@ -376,11 +376,12 @@ def sample_with_drafter(target, drafter, prompt, num_new: int, draws: int, seed:
         (dict(temperature=1.0), None),
         (dict(temperature=0.7, top_k=3), None),
         (dict(temperature=0.7, top_k=2), [0, 2, 3]),
+        (dict(temperature=0.8, top_p=0.7), [0, 2, 3]),
     ],
-    ids=["T=1", "T=0.7,top-k", "T=0.7,top-k,draft-vocab"],
+    ids=["T=1", "T=0.7,top-k", "T=0.7,top-k,draft-vocab", "T=0.8,top-p,draft-vocab"],
 )
 def test_sampling_preserves_target_distribution(sampling, draft_vocab):
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     vocab, num_new, draws = 5, 4, 2500
     target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=3)
@@ -391,6 +392,8 @@ def test_sampling_preserves_target_distribution(sampling, draft_vocab):
         processors.append(TemperatureLogitsWarper(sampling["temperature"]))
     if "top_k" in sampling:
         processors.append(TopKLogitsWarper(sampling["top_k"]))
+    if "top_p" in sampling:
+        processors.append(TopPLogitsWarper(sampling["top_p"]))
     prompt = [2, 4, 1]
     probs = exact_sequence_distribution(target, prompt, num_new, processors)
 
