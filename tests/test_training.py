@@ -524,6 +524,20 @@ def test_block_acceptance_is_what_the_loss_counts(target, self_trained):
     assert accepted.sum() == out.accepted and accepted.max() > 1
 
 
+def test_first_draft_branches_count_a_block_whose_first_draft_is_among_the_likeliest(target, self_trained):
+    # One branch is the block itself; more never accept less; with a branch for every token the first draft always
+    # holds, and each block then adds 1 + what the head drafts after the true first token.
+    batch, features = batch_and_features(target, greedy_answers(target, 4))
+    anchors, valid = sample_anchors(batch.loss_mask, 6, torch.Generator().manual_seed(5))
+    module = DominoTrainingModule(self_trained, TargetModules.from_target(target))
+    args = (batch.input_ids, batch.loss_mask, batch.attention_mask, features, anchors, valid)
+    one, two, every = (module.block_acceptance(*args, first_draft_branches=n) for n in (1, 2, 64))
+    assert torch.equal(one, module.block_acceptance(*args))
+    assert (two >= one).all() and (every >= two).all() and (two > one).any()
+    assert (every[valid] >= 2).all()
+    assert torch.equal(every[one >= 2], one[one >= 2])  # where the first draft held, the rest is the block's own
+
+
 def test_generate_blocks_are_generate_blocks(target, self_trained):
     """On the target's own greedy answer, the chain of teacher-forced blocks is generate()'s, anchor for anchor and
     block for block, for an untrained drafter and one that drafts well."""

@@ -326,16 +326,24 @@ class DominoTrainingModule(nn.Module):
         anchors: torch.LongTensor,
         anchor_valid: torch.BoolTensor,
         mask_dtype: torch.dtype = torch.float32,
+        first_draft_branches: int = 1,
     ) -> torch.LongTensor:
         """`[b, m]`: the tokens greedy `generate()` would add with a block at each anchor (0 for an invalid one).
 
         1 + the block's leading correct teacher-forced drafts, which are `generate()`'s own drafts up to its first
         wrong one (the GRU has read the same tokens), so this is `generate()`'s acceptance on a sequence it produced.
+        `first_draft_branches` n > 1 scores a block verified as n branches, one per first draft among the drafter's
+        n likeliest, each continued by the head from it (as the head would after reading it): what a tree of n
+        first-token branches would accept (`examples/first_token_branches.py`; not what generate() does).
         """
         blocks, _, final_logits, labels = self._teacher_forced_blocks(
             input_ids, loss_mask, attention_mask, context_features, anchors, anchor_valid, mask_dtype
         )
-        hits = (final_logits.argmax(-1) == labels) & blocks.label_mask.flatten(0, 1)
+        hits = final_logits.argmax(-1) == labels
+        if first_draft_branches > 1:
+            branches = final_logits[:, 0].topk(first_draft_branches, dim=-1).indices
+            hits[:, 0] = (branches == labels[:, :1]).any(dim=-1)
+        hits &= blocks.label_mask.flatten(0, 1)
         return accepted_lengths(hits, anchor_valid.flatten()).view(anchors.shape)
 
     @torch.no_grad()
@@ -346,6 +354,7 @@ class DominoTrainingModule(nn.Module):
         attention_mask: torch.Tensor,
         context_features: torch.Tensor,
         mask_dtype: torch.dtype = torch.float32,
+        first_draft_branches: int = 1,
     ) -> torch.LongTensor:
         """`[b, T]`: `block_acceptance` of a block at every position (0 where none can start), `ACCEPTANCE_CHUNK`
         anchors per forward: about `response length / ACCEPTANCE_CHUNK` no-grad forwards."""
@@ -362,6 +371,7 @@ class DominoTrainingModule(nn.Module):
                 positions.expand(usable.shape[0], -1),
                 usable[:, positions],
                 mask_dtype,
+                first_draft_branches,
             )
         return acceptance
 
