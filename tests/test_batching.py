@@ -607,3 +607,89 @@ def test_a_batch_continuing_a_filled_cache_is_identical_to_the_target_alone(arch
     with pytest.raises(ValueError, match="holds 3 rows and the batch has 6"):
         target.generate(**batch, max_new_tokens=4, do_sample=True, num_return_sequences=2,
                         cache=copy.deepcopy(cache), assistant_model=drafter)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- trees of first-token branches
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_tree_forward_gives_each_branch_what_a_forward_of_that_branch_alone_gives(arch, attention):
+    # Each branch sees the cache, the anchor and its own drafts at the right positions, never another branch's.
+    from hf_domino.ragged_batch_domino import TreeLayout, adds_its_mask, ragged_forward
+
+    target = tiny_target(arch, attn_implementation=attention)
+    torch.manual_seed(2)
+    batch = left_padded([torch.randint(4, 64, (n,)).tolist() for n in (6, 3)])
+    cache = RaggedCache(DynamicCache(config=target.config), torch.zeros(2, 0, dtype=torch.bool))
+    with torch.no_grad():
+        ragged_forward(target, cache, batch["input_ids"], batch["attention_mask"].bool(), [1])
+        anchors, branches = torch.randint(4, 64, (2, 1)), torch.randint(4, 64, (2, 3, 4))
+        lengths = torch.tensor([[4, 2, 3], [1, 4, 0]])  # shorter branches: holes among the columns
+        offered = torch.arange(4)[None, None] < lengths[..., None]
+        new_columns = torch.cat([torch.ones(2, 1, dtype=torch.bool), offered.flatten(1)], dim=1)
+        layout = TreeLayout(3, 4, adds_its_mask(target))
+        tree = ragged_forward(target, copy.deepcopy(cache), torch.cat([anchors, branches.flatten(1)], -1),
+                              new_columns, [1], tree=layout)  # fmt: skip
+        for branch in range(3):
+            alone = ragged_forward(target, copy.deepcopy(cache), torch.cat([anchors, branches[:, branch]], -1),
+                                   torch.arange(5)[None] <= lengths[:, branch, None], [1])  # fmt: skip
+            path = layout.path(torch.full((2,), branch))
+            for row in range(2):
+                real = path[row, : 1 + lengths[row, branch]]
+                torch.testing.assert_close(tree.logits[row, real], alone.logits[row, : real.shape[0]])
+
+
+def top_two_drafter(target, first: list[int], second: list[int], block_size: int = 6):
+    """`forcing_drafter` drafting `first[prev]`, with `second[prev]` its second likeliest draft."""
+    drafter = forcing_drafter(target, first, block_size=block_size)
+    with torch.no_grad():
+        for t, token in enumerate(second):
+            drafter.embed_proj[2].weight[token, t] = 5.0
+    return drafter
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_trees_keep_the_target_alones_output_and_take_the_branch_it_picks(rows):
+    # Drafts right after 2 of every 3 tokens; after the others the right token is the second likeliest, so a second
+    # branch goes on where one block stops.
+    target = successor_target("qwen3", VOCAB)
+    right = successor(1)
+    first = [right[t] if t % 3 else (t + 7) % VOCAB for t in range(VOCAB)]
+    drafter = top_two_drafter(target, first, [right[t] if t % 3 == 0 else (t + 9) % VOCAB for t in range(VOCAB)])
+    batch = left_padded([[4, 5], [6, 7, 8, 9], [20, 21, 22]][:rows])
+    expected, output = both(target, drafter, batch, max_new_tokens=24, draft_policy="fixed",
+                            num_speculative_tokens=4, domino_branches=2)  # fmt: skip
+    assert torch.equal(output, expected)
+    stats = drafter.last_generation_stats
+    assert 1 in stats.branches and max(a for a, b in zip(stats.acceptance_lengths, stats.branches) if b == 1) >= 3
+    _, one_block = both(target, drafter, batch, max_new_tokens=24, draft_policy="fixed", num_speculative_tokens=4)
+    forwards_with_one_block = len(drafter.last_generation_stats.acceptance_lengths)
+    assert len(stats.acceptance_lengths) < forwards_with_one_block  # fewer target forwards for the same tokens
+
+
+@pytest.mark.parametrize("options", [dict(), dict(repetition_penalty=1.5, no_repeat_ngram_size=3)],
+                         ids=["plain", "processors"])  # fmt: skip
+def test_trees_on_a_random_target_keep_its_output(arch, options):
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target)
+    torch.manual_seed(7)
+    batch = left_padded([torch.randint(4, 64, (n,)).tolist() for n in (7, 2, 4)])
+    for rows, branches, k in ((1, 2, 3), (3, 3, 2), (3, 4, 5)):
+        part = {name: value[:rows] for name, value in batch.items()}
+        expected, output = both(target, drafter, part, max_new_tokens=16, draft_policy="fixed",
+                                num_speculative_tokens=k, domino_branches=branches, **options)  # fmt: skip
+        assert torch.equal(output, expected)
+
+
+def test_trees_refuse_what_they_cannot_serve_naming_the_fix():
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, successor(1))
+    prompt = torch.tensor([[4, 5]])
+    with pytest.raises(ValueError, match="draft_policy='fixed'"):
+        target.generate(prompt, max_new_tokens=4, assistant_model=drafter, domino_branches=2)
+    with pytest.raises(ValueError, match="sampling"):
+        target.generate(prompt, max_new_tokens=4, do_sample=True, assistant_model=drafter, draft_policy="fixed",
+                        domino_branches=2)  # fmt: skip
+    with pytest.raises(ValueError, match="from 1 to 8"):
+        target.generate(prompt, max_new_tokens=4, assistant_model=drafter, draft_policy="fixed", domino_branches=0)
+    with pytest.raises(ValueError, match="eager head"):
+        target.generate(prompt, max_new_tokens=4, assistant_model=drafter, draft_policy="fixed", domino_branches=2,
+                        domino_rollout="triton")  # fmt: skip

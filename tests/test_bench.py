@@ -232,6 +232,10 @@ def test_method_names():
         measure.parse_method("dflash_k4@eager")
     with pytest.raises(ValueError, match="Unknown method"):
         measure.parse_method("domino@fused")
+    tree = measure.parse_method("domino_vocab_lookup_k4_tree3").options
+    assert tree["domino_branches"] == 3 and tree["num_speculative_tokens"] == 4 and tree["domino_lookup"]
+    with pytest.raises(ValueError, match="name k first"):
+        measure.parse_method("domino_tree2")
 
 
 def test_bench_sampling(target, drafter):

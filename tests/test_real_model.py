@@ -138,16 +138,21 @@ def test_a_chat_passing_its_cache_back_gets_the_target_alones_answers(smollm2, s
     assert cache.get_seq_length() == output.shape[1] - 1
 
 
+def mtbench_batch(tokenizer, rows: int) -> dict[str, torch.Tensor]:
+    """MT-Bench's first `rows` questions with the chat template, left-padded."""
+    tokenizer.padding_side = "left"
+    texts = [
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        for messages in load_mtbench(limit=rows)
+    ]
+    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
 def test_shipped_drafter_serves_a_padded_batch_losslessly(smollm2, shipped_drafter):
     """Rows of different lengths, left-padded, through the batched loop (copies on, as by default): each row is the
     target alone's."""
     target, tokenizer = smollm2
-    tokenizer.padding_side = "left"
-    texts = [
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        for messages in load_mtbench(limit=3)
-    ]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = mtbench_batch(tokenizer, 3)
     assert len(set(batch["attention_mask"].sum(dim=-1).tolist())) == 3
     expected = target.generate(**batch, max_new_tokens=40, do_sample=False)
     for policy in ("fixed", "adaptive"):
@@ -159,6 +164,25 @@ def test_shipped_drafter_serves_a_padded_batch_losslessly(smollm2, shipped_draft
             stats = shipped_drafter.last_generation_stats
             assert stats.mean_acceptance_length > 1.0
             assert any(stats.copied) and not all(stats.copied)  # rows copied where their text repeats, else drafted
+
+
+def test_first_token_branches_keep_the_target_alones_output_and_lift_acceptance(smollm2, shipped_drafter):
+    """Two branches of 2 drafts against one block of 2, one sequence and a padded batch, the drafter's drafts only (as
+    measured in docs/benchmarks.md, "First-token branches")."""
+    target, tokenizer = smollm2
+    batch = mtbench_batch(tokenizer, 2)
+    options = dict(draft_policy="fixed", num_speculative_tokens=2, domino_lookup=False)
+    for rows in (1, 2):
+        inputs = {name: value[-rows:] for name, value in batch.items()}  # one sequence (with its mask), then both
+        expected = target.generate(**inputs, max_new_tokens=40, do_sample=False)
+        one = target.generate(**inputs, max_new_tokens=40, do_sample=False, assistant_model=shipped_drafter, **options)
+        forwards_with_one_block = len(shipped_drafter.last_generation_stats.acceptance_lengths)
+        tree = target.generate(
+            **inputs, max_new_tokens=40, do_sample=False, assistant_model=shipped_drafter, domino_branches=2, **options
+        )
+        stats = shipped_drafter.last_generation_stats
+        assert torch.equal(tree, expected) and torch.equal(one, expected)
+        assert 1 in stats.branches and len(stats.acceptance_lengths) < forwards_with_one_block
 
 
 PIPELINE_SCRIPT = """

@@ -24,6 +24,7 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -45,7 +46,9 @@ from .ragged_batch_domino import (
     BatchedDrafterContext,
     RaggedCache,
     SlidingWindow,
+    TreeLayout,
     accept_rows,
+    adds_its_mask,
     batch_cache,
     batched_rollout,
     cached_columns,
@@ -54,6 +57,7 @@ from .ragged_batch_domino import (
     ragged_forward,
     row_processors,
     run_batched_backbone,
+    takes_no_4d_mask,
 )
 
 if TYPE_CHECKING:
@@ -98,8 +102,11 @@ def _check_batch_call(
     logits_processor: LogitsProcessorList,
     generation_config: GenerationConfig,
     attention_mask_given: bool,
+    options: DominoOptions,
 ) -> None:
     """Raises, naming the fix, for what a batched call cannot do exactly."""
+    if options.domino_branches > 1:
+        _check_tree_call(target, generation_config, options.domino_branches)
     if target.config.get_text_config().model_type in COLUMN_BIASED_ATTENTION:
         raise ValueError(
             f"{type(target).__name__} biases attention by cache column (ALiBi over columns), and the holes a drafted "
@@ -128,6 +135,24 @@ def _check_batch_call(
             "tokens per row, and holes): drop output_attentions/output_hidden_states (output_scores and output_logits "
             "work), or generate one prompt at a time."
         )
+
+
+def along(values: torch.Tensor, path: torch.LongTensor) -> torch.Tensor:
+    """`values[row, path[row]]`: `[rows, columns, X]` read along each row's columns `path` (`[rows, p]`)."""
+    return values.gather(1, path[..., None].expand(-1, -1, values.shape[-1]))
+
+
+def _check_tree_call(target: PreTrainedModel, generation_config: GenerationConfig, branches: int) -> None:
+    """Raises, naming the fix, where a call cannot verify trees of `branches` branches."""
+    problem = None
+    if generation_config.do_sample:
+        problem = "sampling (a lossless rule for several drafts at a position is not built yet); decode greedily"
+    elif adds_its_mask(target) is None:
+        problem = takes_no_4d_mask(target)
+    elif any(kind != "full_attention" for kind in getattr(target.config.get_text_config(), "layer_types", None) or ()):
+        problem = "the target has sliding-window layers (trees take full-attention targets only)"
+    if problem is not None:
+        raise ValueError(f"domino_branches={branches} cannot serve this call: {problem}. Or drop domino_branches.")
 
 
 class TokenScores:
@@ -217,16 +242,22 @@ class BatchedDecoding:
         # Drafts are picked from the base (+ head) logits themselves when greedy without processors; else from the
         # processed logits, over the draft vocabulary's columns where the processors read the scores alone.
         self.plain_greedy = not self.do_sample and self.per_row is None
+        # A tree of first-token branches per block (`domino_branches`), verified with a 4D mask of this kind.
+        self.branches, self.additive = options.domino_branches, adds_its_mask(target)
         self.pick_on_columns = self.vocab is not None and score_only(logits_processor)
         # The fused head (one launch per kernel for all rows, and a CUDA graph) where the call allows it, else None:
         # the eager `batched_rollout`.
-        self.fused_rollout = select_fused_rollout(
-            drafter,
-            self.modules,
-            options,
-            do_sample=self.do_sample,
-            logits_processor=logits_processor,
-            max_drafts=options.drafts_per_block(drafter),
+        self.fused_rollout = (
+            None
+            if self.branches > 1
+            else select_fused_rollout(
+                drafter,
+                self.modules,
+                options,
+                do_sample=self.do_sample,
+                logits_processor=logits_processor,
+                max_drafts=options.drafts_per_block(drafter),
+            )
         )
         self.device = input_ids.device
         self.mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
@@ -270,17 +301,19 @@ class BatchedDecoding:
     def active_sequences(self) -> list[torch.LongTensor]:
         return [self.sequences[row] for row in self.active]
 
-    def process(self, logits: torch.Tensor, extra: torch.LongTensor | None = None) -> torch.Tensor:
-        """The active rows' logits `[rows, V]` through their processors, row b after its tokens plus `extra[b]`."""
-        processors = None if self.per_row is None else [self.per_row[row] for row in self.active]
-        return process_rows(processors, self.active_sequences(), logits, extra)
+    def process(self, logits: torch.Tensor, extra: torch.LongTensor | None = None, repeats: int = 1) -> torch.Tensor:
+        """The active rows' logits `[rows, V]` through their processors, row b after its tokens plus `extra[b]`
+        (`[rows x repeats, V]` with `repeats`: each active row's `repeats` branches, one after the other)."""
+        rows = [row for row in self.active for _ in range(repeats)]
+        processors = None if self.per_row is None else [self.per_row[row] for row in rows]
+        return process_rows(processors, [self.sequences[row] for row in rows], logits, extra)
 
-    def pick_logits(self, logits: torch.Tensor, drafted: torch.LongTensor) -> torch.Tensor:
+    def pick_logits(self, logits: torch.Tensor, drafted: torch.LongTensor, repeats: int = 1) -> torch.Tensor:
         """The distribution a draft is picked from when drafting is not plain greedy: the processed logits, over the
         draft vocabulary's columns where the processors read the scores alone (as `processed_pick` does)."""
         if not self.pick_on_columns:
             logits = spread_to_vocabulary(logits, self.vocab, self.drafter.config.vocab_size)
-        return self.process(logits.float(), drafted)
+        return self.process(logits.float(), drafted, repeats)
 
     def extend(self, row: int, tokens: torch.LongTensor, scores: tuple[torch.Tensor, torch.Tensor]) -> bool:
         """Appends tokens to a row, cut at EOS and max_length as the target alone would; True when the row is done.
@@ -400,7 +433,7 @@ class BatchedDecoding:
         backbone_done = self.now()
         base_logits = self.modules.logits(hidden, self.vocab).float()
         lm_head_done = self.now()
-        drafts = self.roll_out(hidden, base_logits, anchors)
+        drafts, branches = self.roll_out(hidden, base_logits, anchors)
         drafted = self.now()
         threshold = self.options.assistant_confidence_threshold
         limits = row_limits(drafts, self.active_sequences(), room, threshold, self.block_criteria)
@@ -426,37 +459,79 @@ class BatchedDecoding:
             "backbone_seconds": backbone_done - start,
             "rollout_seconds": drafted - backbone_done,
         }
-        return CycleDrafts(drafts, torch.tensor(lengths, dtype=torch.long), observed)
+        cycle = CycleDrafts(drafts, torch.tensor(lengths, dtype=torch.long), observed)
+        if branches is not None and max(lengths):
+            cycle.branches = branches.ids
+            cycle.branch_lengths = self.branch_lengths(branches, room, copying, max(lengths))
+        return cycle
 
-    def roll_out(self, hidden: torch.Tensor, base_logits: torch.Tensor, anchors: torch.LongTensor) -> BatchDrafts:
-        """The Domino head over every row's block: fused when `generate()` allows it, else eager."""
+    def branch_lengths(
+        self, branches: BatchDrafts, room: list[int], copying: set[int], width: int
+    ) -> torch.LongTensor:
+        """`[rows, n - 1]`: the drafts each row offers in a tree's other branches, each limited as a block is (room,
+        confidence, stop strings: its own drafts), at most `width`; none where the row copies."""
+        sequences, threshold = self.active_sequences(), self.options.assistant_confidence_threshold
+        limits = [
+            row_limits(branches.branch(b), sequences, room, threshold, self.block_criteria)
+            for b in range(branches.ids.shape[1])
+        ]
+        lengths = torch.tensor(limits, dtype=torch.long).T.clamp(max=width)
+        lengths[sorted(copying)] = 0
+        return lengths
+
+    def roll_out(
+        self, hidden: torch.Tensor, base_logits: torch.Tensor, anchors: torch.LongTensor
+    ) -> tuple[BatchDrafts, BatchDrafts | None]:
+        """The Domino head over every row's block: fused when `generate()` allows it, else eager.
+
+        With `domino_branches` n > 1, n blocks per row, the head continuing each of the row's n likeliest first
+        drafts: the first block, and the others (`ids`, `confidence` `[rows, n - 1, k]`); else (the block, None).
+        """
         if self.fused_rollout is not None:
             ids, logits, confidence = self.fused_rollout.draft_rows(hidden, base_logits, self.vocab, anchors)
-            return BatchDrafts(ids, logits if self.do_sample else None, confidence)
-        return batched_rollout(
+            return BatchDrafts(ids, logits if self.do_sample else None, confidence), None
+        n, rows = self.branches, anchors.shape[0]
+        if n > 1:
+            hidden, base_logits = hidden.repeat_interleave(n, dim=0), base_logits.repeat_interleave(n, dim=0)
+            anchors = anchors.repeat_interleave(n, dim=0)
+        drafts = batched_rollout(
             self.drafter, self.modules, hidden, base_logits, self.vocab, anchors,
-            head=self.head, pick_logits=None if self.plain_greedy else self.pick_logits, do_sample=self.do_sample,
+            head=self.head, do_sample=self.do_sample,
+            pick_logits=None if self.plain_greedy else functools.partial(self.pick_logits, repeats=n),
             keep_rolling=self.policy.keep_rolling if self.policy.adaptive else None,
+            first_ranks=torch.arange(n, device=anchors.device).repeat(rows) if n > 1 else None,
         )  # fmt: skip
+        if n == 1:
+            return drafts, None
+        ids, confidence = drafts.ids.view(rows, n, -1), drafts.confidence.view(rows, n, -1)
+        return BatchDrafts(ids[:, 0], None, confidence[:, 0]), BatchDrafts(ids[:, 1:], None, confidence[:, 1:])
 
     def verify(
         self, anchors: torch.LongTensor, cycle: CycleDrafts
-    ) -> tuple[list[torch.LongTensor], torch.LongTensor, tuple[torch.Tensor, torch.Tensor]]:
-        """One target forward over every row's `[anchor, drafts]`; per row, the tokens it adds and drafts matched, and
-        the processed and raw logits `[rows, 1 + width, V]` its tokens were picked from (the first ones).
+    ) -> tuple[list[torch.LongTensor], torch.LongTensor, tuple[torch.Tensor, torch.Tensor], torch.LongTensor]:
+        """One target forward over every row's `[anchor, drafts]` (or tree); per row, the tokens it adds and drafts
+        matched, the processed and raw logits `[rows, 1 + width, V]` its tokens were picked from (the first ones),
+        and the drafts it offered (in a tree: along the branch the target's first token chose).
 
         The accepted tokens stay in the target's cache and their hidden states become drafter context; the columns
-        of rejected drafts (and of shorter rows' padding) become holes.
+        of rejected drafts (and of shorter rows' padding, and of the branches not taken) become holes.
         """
         width, device = cycle.width, self.device
-        candidates = cycle.candidates(anchors.to(device))
-        lengths = cycle.lengths.to(device)
-        new_columns = torch.arange(1 + width, device=device)[None] <= lengths[:, None]
-        outputs = ragged_forward(
-            self.target, self.target_cache, torch.cat([anchors.to(device), candidates], dim=-1), new_columns,
-            self.hidden_layers,
-        )  # fmt: skip
-        logits = outputs.logits[:, -(1 + width) :].float()
+        if cycle.branches is None:
+            candidates = cycle.candidates(anchors.to(device))
+            lengths = cycle.lengths.to(device)
+            new_columns = torch.arange(1 + width, device=device)[None] <= lengths[:, None]
+            outputs = ragged_forward(
+                self.target, self.target_cache, torch.cat([anchors.to(device), candidates], dim=-1), new_columns,
+                self.hidden_layers,
+            )  # fmt: skip
+            path = None
+            logits = outputs.logits[:, -(1 + width) :].float()
+            features = context_features(outputs.hidden_states, self.layer_ids)
+        else:
+            outputs, candidates, lengths, path = self.forward_tree(anchors.to(device), cycle)
+            logits = along(outputs.logits[:, -self.target_cache.last_width :].float(), path)
+            features = along(context_features(outputs.hidden_states, self.layer_ids), path)
         if self.per_row is None:  # no processors: the logits as they are, not a copy of [rows, 1 + width, V]
             processed = logits
         else:
@@ -464,11 +539,40 @@ class BatchedDecoding:
         draft_logits = None if cycle.drafts is None or cycle.drafts.logits is None else cycle.drafts.logits[:, :width]
         copied = cycle.copied(len(self.active))
         tokens, matches = accept_rows(processed, candidates, lengths, draft_logits, self.do_sample, copied)
-        self.target_cache.keep_appended(1 + matches)
-        self.context.append(
-            context_features(outputs.hidden_states, self.layer_ids), (1 + matches).to(self.drafter.device)
-        )
-        return tokens, matches, (processed, logits)
+        if path is None:
+            self.target_cache.keep_appended(1 + matches)
+        else:  # the anchor and the chosen branch's accepted drafts
+            kept = torch.arange(path.shape[1], device=device)[None] <= matches[:, None]
+            keep = torch.zeros(path.shape[0], self.target_cache.last_width, dtype=torch.bool, device=device)
+            self.target_cache.keep_columns(keep.scatter_(1, path, kept))
+        self.context.append(features, (1 + matches).to(self.drafter.device))
+        return tokens, matches, (processed, logits), lengths
+
+    def forward_tree(
+        self, anchors: torch.LongTensor, cycle: CycleDrafts
+    ) -> tuple[Any, torch.LongTensor, torch.LongTensor, torch.LongTensor]:
+        """One target forward over every row's tree: its anchor, then each branch's drafts (`TreeLayout`).
+
+        Returns the outputs and, per row, the branch whose first draft is the target's own next token (the first
+        branch where none is): its drafts `[rows, k]`, how many the row offers there, and its columns `[rows, 1 + k]`
+        in the forward. Along that branch verification is a block's, with the same rule.
+        """
+        k, rows, device = cycle.width, anchors.shape[0], anchors.device
+        ids = torch.cat([cycle.candidates(anchors)[:, None], cycle.branches[:, :, :k].to(device)], dim=1)
+        lengths = torch.cat([cycle.lengths[:, None], cycle.branch_lengths], dim=1).to(device)  # [rows, n]
+        layout = TreeLayout(ids.shape[1], k, self.additive)
+        offered = torch.arange(k, device=device)[None, None] < lengths[..., None]
+        new_columns = torch.cat([torch.ones(rows, 1, dtype=torch.bool, device=device), offered.flatten(1)], dim=1)
+        outputs = ragged_forward(
+            self.target, self.target_cache, torch.cat([anchors, ids.flatten(1)], dim=-1), new_columns,
+            self.hidden_layers, tree=layout,
+        )  # fmt: skip
+        picked = self.process(outputs.logits[:, -layout.width].float()).argmax(dim=-1)  # greedy: its next token
+        holds = (ids[:, :, 0] == picked[:, None]) & (lengths > 0)
+        branch = holds.long().argmax(dim=-1)  # the first that holds, else 0
+        self.stats.branches.extend(branch.tolist())
+        index = torch.arange(rows, device=device)
+        return outputs, ids[index, branch], lengths[index, branch], layout.path(branch)
 
     def cycle(self) -> list[bool]:
         """Draft, verify, learn, extend: one target forward for every active row. Returns which rows finished."""
@@ -491,7 +595,7 @@ class BatchedDecoding:
             copies, declined, sources = {}, {}, {}
             drafts = CycleDrafts.plain(len(self.active))
         verify_start = self.now()
-        tokens, matches, scores = self.verify(anchors, drafts)
+        tokens, matches, scores, verified_lengths = self.verify(anchors, drafts)
         verify_seconds = self.now() - verify_start
         if self.stats.timings is not None and drafts.drafts is not None:
             self.stats.timings.setdefault("verify", []).append(verify_seconds)
@@ -500,7 +604,7 @@ class BatchedDecoding:
             offered, accepted = judge_copy(found, tokens[i])
             sources[i].observe(verified=offered, accepted=accepted)
         self.stats.acceptance_lengths.extend((1 + matches).tolist())
-        self.stats.drafted.extend(drafts.lengths.tolist())
+        self.stats.drafted.extend(verified_lengths.tolist())
         self.stats.copied.extend(drafts.copied(len(self.active), self.lookup_policy))
         self.stats.retrieved.extend(drafts.copied(len(self.active), self.datastore_policy))
         finished = [self.extend(row, tokens[i], (scores[0][i], scores[1][i])) for i, row in enumerate(self.active)]
@@ -594,7 +698,7 @@ def _compiled_plain_steps(
     measured slower (a CPU, 2 and 4 rows: 0.64x and 0.79x; docs/benchmarks.md), so the batch takes the compiled plain
     steps instead."""
     warnings.warn(
-        "This batch decodes without drafting: generate() compiles the target's forward on its static cache, which a "
+        "This call decodes without drafting: generate() compiles the target's forward on its static cache, which a "
         "Domino drafter's batch loop cannot use, and drafting without it measured slower than the compiled target "
         "alone. The output is the same. To draft a batch, pass cache_implementation='dynamic' (or "
         "disable_compile=True).",
@@ -626,7 +730,9 @@ def batched_assisted_decoding(
     as the target alone pads them.
     """
     attention_mask = model_kwargs.get("attention_mask")
-    _check_batch_call(target, input_ids, attention_mask, logits_processor, generation_config, attention_mask_given)
+    _check_batch_call(
+        target, input_ids, attention_mask, logits_processor, generation_config, attention_mask_given, options
+    )
     if target._valid_auto_compile_criteria(model_kwargs, generation_config):
         return _compiled_plain_steps(
             target, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs

@@ -57,7 +57,7 @@ METHODS = ("target", "prompt_lookup", "dflash", "domino", "manual")
 # Per-cycle pieces, in cycle order as plotted: draft (backbone, base logits, head rollout), then target verify.
 TIMING_KEYS = ("backbone", "lm_head", "head", "verify")
 _DRAFTER_METHOD = re.compile(
-    r"^(domino|dflash)(_vocab)?(_lookup|_copies)?(?:_k(\d+))?(?:@(eager|triton|triton\+graph))?$"
+    r"^(domino|dflash)(_vocab)?(_lookup|_copies)?(?:_k(\d+))?(?:_tree(\d+))?(?:@(eager|triton|triton\+graph))?$"
 )
 
 
@@ -73,7 +73,7 @@ class MethodSpec:
 def parse_method(name: str) -> MethodSpec:
     """`target`, `prompt_lookup`, `manual`, or `domino`/`dflash`, then optionally `_vocab`, `_lookup` (copies from the
     text and the drafter's datastore, as generate() by default) or `_copies` (from the text only), `_k<N>`,
-    `@<rollout>`."""
+    `_tree<N>` (after `_k<N>`: N first-token branches, `domino_branches`), `@<rollout>`."""
     if name in ("target", "target_eager", "target_no_cudnn", "prompt_lookup"):
         return MethodSpec(name)
     if name == "manual":
@@ -85,9 +85,11 @@ def parse_method(name: str) -> MethodSpec:
             "domino_k<N>, domino_vocab_k<N>, domino_vocab_lookup, domino_vocab_copies (and the same for dflash), each optionally with @eager, @triton or "
             "@triton+graph (the Domino head's rollout)."
         )
-    kind, vocab, lookup, fixed, rollout = match.groups()
+    kind, vocab, lookup, fixed, branches, rollout = match.groups()
     if rollout is not None and kind != "domino":
         raise ValueError(f"Method {name!r}: @{rollout} picks the Domino head's rollout, and dflash has no head.")
+    if branches is not None and fixed is None:
+        raise ValueError(f"Method {name!r}: a tree verifies k drafts per branch; name k first, e.g. domino_k4_tree2.")
     options: dict[str, Any] = {
         "domino_head": kind == "domino",
         "draft_vocab": vocab is not None,
@@ -96,6 +98,8 @@ def parse_method(name: str) -> MethodSpec:
     }
     if fixed is not None:
         options |= {"draft_policy": "fixed", "num_speculative_tokens": int(fixed)}
+    if branches is not None:
+        options["domino_branches"] = int(branches)
     if rollout is not None:
         options["domino_rollout"] = rollout
     return MethodSpec(name, uses_drafter=True, options=options)

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 class CycleDrafts:
     """What the drafting half of a cycle produced: the drafts, how many each row offers, and what it cost.
 
-    A row in `copies` offers those copied drafts instead of its drafted block (`lengths` counts them).
+    A row in `copies` offers those copied drafts instead of its drafted block (`lengths` counts them). A tree
+    (`domino_branches`) also has `branches`, the other branches' drafts, and how many of each a row offers.
     """
 
     drafts: BatchDrafts | None
@@ -36,6 +37,8 @@ class CycleDrafts:
     observed: dict[str, Any] = field(default_factory=dict)  # for the policy's observe()
     copies: dict[int, torch.LongTensor] = field(default_factory=dict)  # row -> its copied drafts
     sources: dict[int, LookupPolicy] = field(default_factory=dict)  # row -> the policy of its copies' source
+    branches: torch.LongTensor | None = None  # [rows, n - 1, k]: a tree's branches after the first (`drafts`)
+    branch_lengths: torch.LongTensor | None = None  # [rows, n - 1]: drafts each row offers in each of them
 
     @classmethod
     def plain(cls, rows: int) -> CycleDrafts:
@@ -44,12 +47,17 @@ class CycleDrafts:
 
     @property
     def width(self) -> int:
-        return int(self.lengths.max()) if self.lengths.numel() else 0
+        """Drafts per branch the forward verifies: the most any row offers."""
+        widest = self.lengths if self.branches is None else torch.cat([self.lengths[:, None], self.branch_lengths], 1)
+        return int(widest.max()) if widest.numel() else 0
 
     def take_copies(self, copies: dict[int, torch.LongTensor], sources: dict[int, LookupPolicy]) -> None:
+        """Rows that copy offer their copies instead of their drafts (in a tree: as its only branch)."""
         self.copies, self.sources = copies, sources
         for row, copy in copies.items():
             self.lengths[row] = copy.shape[0]
+            if self.branch_lengths is not None:
+                self.branch_lengths[row] = 0
 
     def copied(self, rows: int, source: LookupPolicy | None = None) -> list[bool]:
         """Per row, whether it offers copies (from `source` only, when given)."""

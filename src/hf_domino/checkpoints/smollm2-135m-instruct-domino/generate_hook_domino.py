@@ -197,7 +197,8 @@ def _wrap_assisted_decoding(original):
             options = DominoOptions.resolve(options or {}, arguments["generation_config"])
             options.validate(drafter)
         kernels = drafting_attention_kernels(self.device, self.dtype, options.domino_cudnn_attention)
-        if arguments["input_ids"].shape[0] > 1:  # transformers' loop verifies one sequence: a batch is ours
+        # transformers' loop verifies one sequence: a batch is ours, and so is a tree of branches
+        if arguments["input_ids"].shape[0] > 1 or options.domino_branches > 1:
             stats = DominoGenerationStats(timings={} if options.domino_timings else None)
             drafter.last_generation_stats = stats
             with kernels:

@@ -39,7 +39,9 @@ class DominoGenerationStats:
     datastore (`domino_datastore`) rather than drafted by the drafter. `timings`
     (seconds per drafting cycle, with `domino_timings=True`) splits each cycle into `backbone`, `lm_head` (base
     logits of the drafted positions), `head` (the sequential rollout: Domino head and token picking) and `verify`
-    (target forward and acceptance, timed from the end of drafting to the loop's next call).
+    (target forward and acceptance, timed from the end of drafting to the loop's next call). With
+    `domino_branches`, `branches[i]` is the branch the i-th forward went on along (0: the likeliest first draft; also
+    0 where the target took none of them), and `drafted[i]` counts the drafts of that branch.
     """
 
     acceptance_lengths: list[int] = field(default_factory=list)
@@ -47,6 +49,7 @@ class DominoGenerationStats:
     copied: list[bool] = field(default_factory=list)
     retrieved: list[bool] = field(default_factory=list)
     timings: dict[str, list[float]] | None = None
+    branches: list[int] = field(default_factory=list)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -55,6 +58,7 @@ class DominoGenerationStats:
 
 # ------------------------------------------------------------------------------------------------------- options
 DRAFT_POLICIES = ("adaptive", "fixed")
+MAX_BRANCHES = 8
 ROLLOUTS = ("auto", "eager", "triton", "triton+graph")
 
 
@@ -90,6 +94,11 @@ class DominoOptions:
             False: on CUDA in float16/bfloat16 the call runs with every other enabled SDPA kernel; on a CPU, or in
             float32, nothing changes). cuDNN builds an execution plan for each new pair of query and key lengths,
             and a drafting cycle meets a new pair at every forward (`generate_hook_domino.drafting_attention_kernels`).
+        domino_branches: verify each drafted block as a tree of this many branches (default 1: one block), one per
+            first draft among the drafter's likeliest, each continued by the Domino head from its own first draft, in
+            one target forward of 1 + branches x k tokens; the branch whose first draft the target picks goes on.
+            Greedy decoding with `draft_policy="fixed"` (k = `num_speculative_tokens`) only, for now. Runs in the
+            batch loop, also for one sequence (docs/usage.md, "First-token branches").
     """
 
     draft_policy: str = "adaptive"
@@ -102,6 +111,7 @@ class DominoOptions:
     domino_datastore: bool = True
     domino_timings: bool = False
     domino_cudnn_attention: bool = False
+    domino_branches: int = 1
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -152,6 +162,19 @@ class DominoOptions:
             raise ValueError("domino_head=True needs a drafter with a Domino head; this one drafts as DFlash.")
         if self.domino_rollout not in ROLLOUTS:
             raise ValueError(f"domino_rollout must be one of {ROLLOUTS}, got {self.domino_rollout!r}.")
+        branches = self.domino_branches
+        if isinstance(branches, bool) or not isinstance(branches, int) or not 1 <= branches <= MAX_BRANCHES:
+            raise ValueError(f"domino_branches must be an int from 1 to {MAX_BRANCHES}, got {branches!r}.")
+        if branches > 1 and self.draft_policy != "fixed":
+            raise ValueError(
+                f"domino_branches={branches} needs draft_policy='fixed' (with num_speculative_tokens, the drafts per "
+                "branch): the adaptive policy does not price trees yet."
+            )
+        if branches > 1 and self.domino_rollout in ("triton", "triton+graph"):
+            raise ValueError(
+                f"domino_branches={branches} rolls its branches out with the eager head; domino_rollout="
+                f"{self.domino_rollout!r} cannot serve it. Drop domino_rollout (or pass 'eager')."
+            )
 
     @property
     def reads_cycle_times(self) -> bool:

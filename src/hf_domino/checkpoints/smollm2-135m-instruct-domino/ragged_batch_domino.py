@@ -95,6 +95,13 @@ class RaggedCache:
         self.mask &= columns[None] < first_new + keep.to(self.mask.device)[:, None]
         self._crop_trailing_holes()
 
+    def keep_columns(self, keep: torch.BoolTensor) -> None:
+        """Of the columns appended last, row b keeps those where `keep[b]` (`[rows, last_width]`) is True: a tree's
+        accepted branch, whose columns need not be the first ones. The rest become holes."""
+        first_new = self.mask.shape[1] - self.last_width
+        self.mask[:, first_new:] &= keep.to(self.mask.device)
+        self._crop_trailing_holes()
+
     def select_rows(self, rows: torch.LongTensor) -> None:
         """Keeps only these rows (finished rows leave the batch)."""
         self.cache.batch_select_indices(rows.to(self.mask.device))
@@ -217,18 +224,14 @@ class SlidingWindow:
             return None
         windows = {layer.sliding_window for layer in slides}
         layer_types = set(getattr(target.config.get_text_config(), "layer_types", None) or ())
-        implementation = target.config._attn_implementation
-        mask_function = ALL_MASK_ATTENTION_FUNCTIONS.get(implementation)
+        additive = adds_its_mask(target)
         problem = None
         if len(windows) > 1:
             problem = f"its sliding layers have different windows ({sorted(windows)})"
         elif not layer_types <= {"full_attention", "sliding_attention"}:
             problem = f"it has attention layers of types {sorted(layer_types)}, only full and sliding are supported"
-        elif mask_function not in (sdpa_mask, eager_mask):
-            problem = (
-                f"its attention implementation {implementation!r} takes no prepared 4D mask; load the target with "
-                'attn_implementation="sdpa" (or "eager")'
-            )
+        elif additive is None:
+            problem = takes_no_4d_mask(target)
         elif any(layer.is_initialized and layer.keys.shape[-2] < layer.cumulative_length for layer in slides):
             problem = (
                 "the cache passed to generate() has sliding-window layers that already dropped tokens past their "
@@ -243,7 +246,7 @@ class SlidingWindow:
             _full_layer(layer) if isinstance(layer, DynamicSlidingWindowLayer) else layer for layer in cache.layers
         ]
         every_layer = len(slides) == len(cache.layers)
-        return cls(size=windows.pop(), every_layer=every_layer, additive=mask_function is eager_mask)
+        return cls(size=windows.pop(), every_layer=every_layer, additive=additive)
 
     def masks(
         self, real: torch.BoolTensor, queries: int, dtype: torch.dtype
@@ -265,9 +268,28 @@ class SlidingWindow:
         }
 
     def _formatted(self, mask: torch.BoolTensor, dtype: torch.dtype) -> torch.Tensor:
-        if not self.additive:
-            return mask
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+        return formatted_mask(mask, self.additive, dtype)
+
+
+def adds_its_mask(target: PreTrainedModel) -> bool | None:
+    """How the target's attention takes a prepared 4D mask: added (eager, True), selected by (sdpa, False), or not at
+    all (None: flash and flex attention build their own)."""
+    mask_function = ALL_MASK_ATTENTION_FUNCTIONS.get(target.config._attn_implementation)
+    return {sdpa_mask: False, eager_mask: True}.get(mask_function)
+
+
+def takes_no_4d_mask(target: PreTrainedModel) -> str:
+    return (
+        f"its attention implementation {target.config._attn_implementation!r} takes no prepared 4D mask; load the "
+        'target with attn_implementation="sdpa" (or "eager")'
+    )
+
+
+def formatted_mask(mask: torch.BoolTensor, additive: bool, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean 4D mask as the attention takes it: as is (sdpa), or 0 / the dtype's minimum (eager)."""
+    if not additive:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 def _full_layer(layer: DynamicSlidingWindowLayer) -> DynamicLayer:
@@ -412,9 +434,13 @@ def pick_tokens(logits: torch.Tensor, do_sample: bool) -> torch.LongTensor:
 
 @dataclass
 class BatchDrafts:
-    ids: torch.LongTensor  # [rows, k]
+    ids: torch.LongTensor  # [rows, k] (a tree's other branches: [rows, n - 1, k])
     logits: torch.Tensor | None  # [rows, k, V]: the processed logits each draft was drawn from (sampling only)
-    confidence: torch.Tensor  # [rows, k]
+    confidence: torch.Tensor  # [rows, k] (a tree's other branches: [rows, n - 1, k])
+
+    def branch(self, index: int) -> BatchDrafts:
+        """One of a tree's branches (greedy: no logits), as a block of every row."""
+        return BatchDrafts(self.ids[:, index], None, self.confidence[:, index])
 
 
 def batched_rollout(
@@ -429,6 +455,7 @@ def batched_rollout(
     pick_logits,
     do_sample: bool,
     keep_rolling=None,
+    first_ranks: torch.LongTensor | None = None,
 ) -> BatchDrafts:
     """`eager_rollout` for all rows at once: per draft position the Domino head's correction, then one pick per row.
 
@@ -437,10 +464,12 @@ def batched_rollout(
     columns; `None` for plain greedy drafting (the base, or corrected, logits themselves). Sampled drafts come back
     with their logits over the whole vocabulary.
     `keep_rolling(confidence [rows, j])`, asked before each draft after the first, may end the block early.
+    `first_ranks[row]` (greedy): the row's first draft is its `first_ranks[row]`-th likeliest (0: the likeliest),
+    and the head continues from it: the branches of a tree, one row each.
     """
     config = drafter.config
     use_head = head and config.has_domino_head
-    if not use_head and pick_logits is None:  # nothing sequential left (DFlash drafting, greedy): one argmax
+    if not use_head and pick_logits is None and first_ranks is None:  # DFlash drafting, greedy: one argmax
         index = base_logits.argmax(dim=-1)
         return BatchDrafts(to_vocab_ids(index, vocab), None, picked_probability(base_logits, index))
     realised, chosen, confidence, state = anchor_ids, [], [], None
@@ -456,7 +485,11 @@ def batched_rollout(
             logits = logits + correction.to(device=logits.device, dtype=logits.dtype)
         if pick_logits is not None:
             logits = pick_logits(logits, realised[:, 1:])
-        index = pick_tokens(logits, do_sample)[:, None]
+        if i == 0 and first_ranks is not None:
+            likeliest = logits.topk(int(first_ranks.max()) + 1, dim=-1).indices
+            index = likeliest.gather(1, first_ranks.to(likeliest.device)[:, None])
+        else:
+            index = pick_tokens(logits, do_sample)[:, None]
         on_columns = logits.shape[-1] != config.vocab_size  # over the draft vocabulary's columns
         token = to_vocab_ids(index, vocab) if on_columns else index
         confidence.append(picked_probability(logits, index[:, 0]))
@@ -468,6 +501,46 @@ def batched_rollout(
 
 
 # ------------------------------------------------------------------------------------------ verification, per row
+@dataclass(frozen=True)
+class TreeLayout:
+    """`branches` branches of `drafts` drafts after each row's anchor, verified in one forward.
+
+    Columns: the anchor, then branch 0's drafts, branch 1's, ... A draft sees the cache, the anchor and the earlier
+    drafts of its own branch; draft j of every branch sits at the anchor's position + 1 + j. `additive` says how the
+    target's attention takes the 4D mask this needs (`adds_its_mask`).
+    """
+
+    branches: int
+    drafts: int
+    additive: bool
+
+    @property
+    def width(self) -> int:
+        return 1 + self.branches * self.drafts
+
+    def _branch_and_depth(self, device: torch.device) -> tuple[torch.LongTensor, torch.LongTensor]:
+        branch = torch.arange(self.branches, device=device).repeat_interleave(self.drafts)
+        depth = (1 + torch.arange(self.drafts, device=device)).repeat(self.branches)
+        zero = torch.zeros(1, dtype=torch.long, device=device)
+        return torch.cat([zero - 1, branch]), torch.cat([zero, depth])
+
+    def visibility(self, device: torch.device) -> torch.BoolTensor:
+        """`[width, width]`: which of the forward's columns each of them attends to."""
+        branch, depth = self._branch_and_depth(device)
+        own_branch = (branch[:, None] == branch[None, :]) & (depth[None, :] <= depth[:, None])
+        return own_branch | (branch[None, :] == -1)
+
+    def offsets(self, device: torch.device) -> torch.LongTensor:
+        """`[width]`: each column's position after the anchor's."""
+        return self._branch_and_depth(device)[1]
+
+    def path(self, branch: torch.LongTensor) -> torch.LongTensor:
+        """`[rows, 1 + drafts]`: the columns of the anchor and of each row's branch `branch[row]`."""
+        drafts = torch.arange(self.drafts, device=branch.device)
+        columns = 1 + branch[:, None] * self.drafts + drafts[None]
+        return torch.cat([torch.zeros_like(branch)[:, None], columns], dim=-1)
+
+
 def ragged_forward(
     target: PreTrainedModel,
     cache: RaggedCache,
@@ -475,21 +548,31 @@ def ragged_forward(
     new_columns: torch.BoolTensor,
     hidden_layers: list[int],
     logits_to_keep: int | None = None,
+    tree: TreeLayout | None = None,
 ):
-    """One target forward that appends `input_ids` to every row; holes among them are `new_columns == False`."""
+    """One target forward that appends `input_ids` to every row; holes among them are `new_columns == False`.
+
+    With `tree`, the new columns are a `TreeLayout` of branches after each row's anchor, not one sequence."""
     kwargs = {}
     # Asked only when needed (the prefill): reading a signature costs more than the rest of a step's host work.
     if logits_to_keep is not None and "logits_to_keep" in inspect.signature(target.forward).parameters:
         kwargs["logits_to_keep"] = logits_to_keep
     attention_mask = cache.attention_mask(new_columns)
-    if cache.window is None:
+    positions = positions_from_mask(new_columns, cache.lengths)
+    if tree is not None:
+        queries, device = new_columns.shape[1], new_columns.device
+        visible = attention_mask[:, None, :].repeat(1, queries, 1)
+        visible[:, :, -queries:] &= tree.visibility(device)[None]
+        attention_mask = formatted_mask(visible[:, None], tree.additive, target.dtype)
+        positions = cache.lengths[:, None] + tree.offsets(device)[None]
+    elif cache.window is None:
         attention_mask = attention_mask.long()
     else:
         attention_mask = cache.window.masks(attention_mask, new_columns.shape[1], target.dtype)
     outputs = target(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=positions_from_mask(new_columns, cache.lengths),
+        position_ids=positions,
         use_cache=True,
         **cache_argument(cache.cache),
         output_hidden_states=hidden_layers,
@@ -544,6 +627,7 @@ __all__ = [
     "BatchedDrafterContext",
     "RaggedCache",
     "SlidingWindow",
+    "TreeLayout",
     "accept_rows",
     "batched_rollout",
     "pick_tokens",
