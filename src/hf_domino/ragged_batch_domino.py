@@ -279,6 +279,8 @@ def adds_its_mask(target: PreTrainedModel) -> bool | None:
 
 
 def takes_no_4d_mask(target: PreTrainedModel) -> str:
+    """Why a target whose attention builds its own mask (`adds_its_mask` is None) cannot serve holes or trees, and the
+    fix."""
     return (
         f"its attention implementation {target.config._attn_implementation!r} takes no prepared 4D mask; load the "
         'target with attn_implementation="sdpa" (or "eager")'
