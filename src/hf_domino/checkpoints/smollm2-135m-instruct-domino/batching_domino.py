@@ -315,11 +315,13 @@ class BatchedDecoding:
             logits = spread_to_vocabulary(logits, self.vocab, self.drafter.config.vocab_size)
         return self.process(logits.float(), drafted, repeats)
 
-    def extend(self, row: int, tokens: torch.LongTensor, scores: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    def extend(
+        self, row: int, tokens: torch.LongTensor, scores: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> bool:
         """Appends tokens to a row, cut at EOS and max_length as the target alone would; True when the row is done.
 
         `scores` are the processed and raw logits each token was picked from (`[len(tokens), V]` each), kept for the
-        tokens appended where the call returns them.
+        tokens appended; passed only where the call returns them (`token_scores`).
         """
         sequence = self.sequences[row]
         tokens = tokens[: self.max_length - sequence.shape[0]].to(sequence.device)
@@ -328,7 +330,7 @@ class BatchedDecoding:
             hits = torch.isin(tokens, self.eos.to(tokens.device)).nonzero()
             if hits.numel():
                 tokens, hit_eos = tokens[: int(hits[0]) + 1], True
-        if self.token_scores is not None:
+        if scores is not None:
             self.token_scores.add(row, *(each[: tokens.shape[0]] for each in scores))
         sequence = self.sequences[row] = torch.cat([sequence, tokens])
         done = hit_eos or sequence.shape[0] >= self.max_length
@@ -377,7 +379,11 @@ class BatchedDecoding:
         drafter = self.drafter
         self.context.pending = [[features[row, new[row]].to(drafter.device, drafter.dtype)] for row in self.active]
         self.context.known = self.mask.sum(dim=-1).to(drafter.device)
-        return [self.extend(row, first[row : row + 1], (processed[row], logits[row])) for row in self.active]
+        keep = self.token_scores is not None
+        return [
+            self.extend(row, first[row : row + 1], (processed[row], logits[row]) if keep else None)
+            for row in self.active
+        ]
 
     def build_policies(self, anchors: torch.LongTensor) -> None:
         """The drafter's policy and those of copied and retrieved drafts, whose acceptance is shared with batch 1."""
@@ -499,7 +505,7 @@ class BatchedDecoding:
             head=self.head, do_sample=self.do_sample,
             pick_logits=None if self.plain_greedy else functools.partial(self.pick_logits, repeats=n),
             keep_rolling=self.policy.keep_rolling if self.policy.adaptive else None,
-            first_ranks=torch.arange(n, device=anchors.device).repeat(rows) if n > 1 else None,
+            branches=n,
         )  # fmt: skip
         if n == 1:
             return drafts, None
@@ -607,7 +613,11 @@ class BatchedDecoding:
         self.stats.drafted.extend(verified_lengths.tolist())
         self.stats.copied.extend(drafts.copied(len(self.active), self.lookup_policy))
         self.stats.retrieved.extend(drafts.copied(len(self.active), self.datastore_policy))
-        finished = [self.extend(row, tokens[i], (scores[0][i], scores[1][i])) for i, row in enumerate(self.active)]
+        keep = self.token_scores is not None
+        finished = [
+            self.extend(row, tokens[i], (scores[0][i], scores[1][i]) if keep else None)
+            for i, row in enumerate(self.active)
+        ]
         end = self.now()
         self.time_cycle(len(self.active), end - start, end - verify_start, drafts)
         return finished

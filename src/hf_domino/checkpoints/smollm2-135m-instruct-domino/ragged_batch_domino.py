@@ -457,7 +457,7 @@ def batched_rollout(
     pick_logits,
     do_sample: bool,
     keep_rolling=None,
-    first_ranks: torch.LongTensor | None = None,
+    branches: int = 1,
 ) -> BatchDrafts:
     """`eager_rollout` for all rows at once: per draft position the Domino head's correction, then one pick per row.
 
@@ -466,12 +466,12 @@ def batched_rollout(
     columns; `None` for plain greedy drafting (the base, or corrected, logits themselves). Sampled drafts come back
     with their logits over the whole vocabulary.
     `keep_rolling(confidence [rows, j])`, asked before each draft after the first, may end the block early.
-    `first_ranks[row]` (greedy): the row's first draft is its `first_ranks[row]`-th likeliest (0: the likeliest),
-    and the head continues from it: the branches of a tree, one row each.
+    `branches` n > 1 (greedy): rows come in groups of n copies of one row, and the i-th of a group takes its i-th
+    likeliest first draft (0: the likeliest), the head continuing from it: a tree's branches, one row each.
     """
     config = drafter.config
     use_head = head and config.has_domino_head
-    if not use_head and pick_logits is None and first_ranks is None:  # DFlash drafting, greedy: one argmax
+    if not use_head and pick_logits is None and branches == 1:  # DFlash drafting, greedy: one argmax
         index = base_logits.argmax(dim=-1)
         return BatchDrafts(to_vocab_ids(index, vocab), None, picked_probability(base_logits, index))
     realised, chosen, confidence, state = anchor_ids, [], [], None
@@ -487,9 +487,9 @@ def batched_rollout(
             logits = logits + correction.to(device=logits.device, dtype=logits.dtype)
         if pick_logits is not None:
             logits = pick_logits(logits, realised[:, 1:])
-        if i == 0 and first_ranks is not None:
-            likeliest = logits.topk(int(first_ranks.max()) + 1, dim=-1).indices
-            index = likeliest.gather(1, first_ranks.to(likeliest.device)[:, None])
+        if i == 0 and branches > 1:  # row r of a group of n: its (r mod n)-th likeliest, no device round trip
+            likeliest = logits.topk(branches, dim=-1).indices.view(-1, branches, branches)
+            index = likeliest.diagonal(dim1=1, dim2=2).reshape(-1, 1)
         else:
             index = pick_tokens(logits, do_sample)[:, None]
         on_columns = logits.shape[-1] != config.vocab_size  # over the draft vocabulary's columns
