@@ -8,7 +8,7 @@ GPT-2), learned absolute positions (GPT-2; OPT's, counted from the attention mas
 mask (Bloom, Falcon), and mixture-of-experts MLPs (Qwen3-MoE); MPT, whose ALiBi counts cache columns, is refused in
 batches. In a batch, rejected drafts
 leave holes in the cache, so a sliding window must be counted in each row's own tokens rather than in cache columns
-(`ragged_batch_domino.SlidingWindow`); the windows here are far shorter than the sequences, so every row's window
+(`ragged_cache_domino.SlidingWindow`); the windows here are far shorter than the sequences, so every row's window
 moves past holes. Also the drafter's side: saved and reloaded as remote code, and the training warm start, which
 copies only decoder layers that compute what a draft layer does.
 """
@@ -22,7 +22,7 @@ from conftest import SPECIAL_TOKENS, tiny_drafter
 from test_batching import left_padded
 
 from hf_domino.cache_domino import CACHE_ARGUMENT
-from hf_domino.ragged_batch_domino import SlidingWindow
+from hf_domino.ragged_cache_domino import SlidingWindow
 
 WINDOW = 8
 ARCHITECTURES = {

@@ -20,12 +20,13 @@ from test_generation import (
 from transformers import DynamicCache, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
-from hf_domino import batch_policy_domino, batching_domino, policy_domino, ragged_batch_domino
+from hf_domino import batch_policy_domino, batching_domino, policy_domino, ragged_batch_domino, ragged_cache_domino
 from hf_domino.cache_domino import BufferedLayer, buffer_layers
 from hf_domino.drafting_domino import DrafterContext, run_backbone
 from hf_domino.modeling_domino import TargetModules
 from hf_domino.options_domino import DominoOptions
-from hf_domino.ragged_batch_domino import BatchedDrafterContext, RaggedCache, run_batched_backbone
+from hf_domino.ragged_batch_domino import BatchedDrafterContext, run_batched_backbone
+from hf_domino.ragged_cache_domino import RaggedCache
 
 # Draft the successor except after multiples of 5: rows accept different numbers of drafts in the same cycle.
 PARTIAL = [(t + 1) % VOCAB if t % 5 else 0 for t in range(VOCAB)]
@@ -228,8 +229,8 @@ def test_caches_compacted_every_cycle_or_never_give_the_same_output(monkeypatch)
 
     monkeypatch.setattr(RaggedCache, "maybe_compact", counting)
     for fraction, minimum in ((0.0, 0), (2.0, 10**9)):
-        monkeypatch.setattr(ragged_batch_domino, "COMPACT_FRACTION", fraction)
-        monkeypatch.setattr(ragged_batch_domino, "MIN_COMPACT_COLUMNS", minimum)
+        monkeypatch.setattr(ragged_cache_domino, "COMPACT_FRACTION", fraction)
+        monkeypatch.setattr(ragged_cache_domino, "MIN_COMPACT_COLUMNS", minimum)
         calls.clear()
         output = target.generate(**batch, do_sample=False, max_new_tokens=30, assistant_model=drafter)
         assert torch.equal(output, expected)
@@ -613,7 +614,7 @@ def test_a_batch_continuing_a_filled_cache_is_identical_to_the_target_alone(arch
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_a_tree_forward_gives_each_branch_what_a_forward_of_that_branch_alone_gives(arch, attention):
     # Each branch sees the cache, the anchor and its own drafts at the right positions, never another branch's.
-    from hf_domino.ragged_batch_domino import TreeLayout, adds_its_mask, ragged_forward
+    from hf_domino.ragged_cache_domino import TreeLayout, adds_its_mask, ragged_forward
 
     target = tiny_target(arch, attn_implementation=attention)
     torch.manual_seed(2)

@@ -202,6 +202,7 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
     drafter.save_pretrained(tmp_path / "d")
     files = sorted(p.name for p in (tmp_path / "d").iterdir())
     assert files == [
+        "batch_call_domino.py",
         "batch_drafts_domino.py",
         "batch_policy_domino.py",
         "batching_domino.py",
@@ -217,6 +218,7 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
         "options_domino.py",
         "policy_domino.py",
         "ragged_batch_domino.py",
+        "ragged_cache_domino.py",
     ]
     with safe_open(str(tmp_path / "d" / "model.safetensors"), "pt") as f:
         names = set(f.keys())

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from .modeling_domino import DominoForSpeculation
     from .options_domino import DominoOptions
-    from .ragged_batch_domino import RaggedCache
+    from .ragged_cache_domino import RaggedCache
 
 # A batch size whose speculating calls take clearly longer than plain steps would have (`judge_call`: plain time over
 # the call's time, averaged over calls at CALL_GAIN_RATE, below CALL_GAIN_FLOOR; calls of fewer than CALL_MIN_CYCLES

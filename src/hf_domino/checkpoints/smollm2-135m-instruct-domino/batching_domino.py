@@ -5,7 +5,8 @@ to `batched_assisted_decoding` (see the hook in `generate_hook_domino`), a loop 
 (logits processors, stopping criteria, the streamer protocol, `_speculative_sampling`) and our drafting ladder.
 
 Rows accept different numbers of drafts in a cycle; both caches stay rectangular with holes where rejected drafts
-and shorter rows' padding were (`ragged_batch_domino`), so no accepted token is recomputed and no row waits for
+and shorter rows' padding were (`ragged_cache_domino`; the drafter's side in `ragged_batch_domino`; the call's checks
+and extra outputs in `batch_call_domino`), so no accepted token is recomputed and no row waits for
 another. Rows that finish leave the batch: their cache rows are dropped, and their output is padded exactly as the
 target alone pads it.
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import time
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +34,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .batch_call_domino import TokenScores, check_batch_call, compiled_plain_steps
 from .batch_drafts_domino import CycleDrafts, RowCopies, row_limits
 from .batch_policy_domino import batch_policy, call_speculates, checks_call, judge_call, stops_speculating
 from .cache_domino import CACHE_ARGUMENT, buffer_layers
@@ -44,20 +45,21 @@ from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, copy_recor
 from .ragged_batch_domino import (
     BatchDrafts,
     BatchedDrafterContext,
+    accept_rows,
+    batched_rollout,
+    pick_tokens,
+    process_rows,
+    row_processors,
+    run_batched_backbone,
+)
+from .ragged_cache_domino import (
     RaggedCache,
     SlidingWindow,
     TreeLayout,
-    accept_rows,
     adds_its_mask,
     batch_cache,
-    batched_rollout,
     cached_columns,
-    pick_tokens,
-    process_rows,
     ragged_forward,
-    row_processors,
-    run_batched_backbone,
-    takes_no_4d_mask,
 )
 
 if TYPE_CHECKING:
@@ -89,115 +91,9 @@ PRICE_BY_MAKESPAN = False
 ROW_PACES = False
 
 
-# -------------------------------------------------------------------------------------------------- one batched call
-# Model types whose attention depends on where a key sits in the cache, not on the row's own positions: holes would
-# change their outputs. (Bloom and Falcon derive ALiBi from the attention mask, which skips holes, and are exact.)
-COLUMN_BIASED_ATTENTION = {"mpt"}
-
-
-def _check_batch_call(
-    target: PreTrainedModel,
-    input_ids: torch.LongTensor,
-    attention_mask: torch.Tensor | None,
-    logits_processor: LogitsProcessorList,
-    generation_config: GenerationConfig,
-    attention_mask_given: bool,
-    options: DominoOptions,
-) -> None:
-    """Raises, naming the fix, for what a batched call cannot do exactly."""
-    if options.domino_branches > 1:
-        _check_tree_call(target, generation_config, options.domino_branches)
-    if target.config.get_text_config().model_type in COLUMN_BIASED_ATTENTION:
-        raise ValueError(
-            f"{type(target).__name__} biases attention by cache column (ALiBi over columns), and the holes a drafted "
-            "batch leaves in the cache would change those distances: generate one prompt at a time with the drafter "
-            "(exact), or the batch without it."
-        )
-    if generation_config._pad_token_tensor is None:
-        raise ValueError("Batched generation needs a pad token: set pad_token_id (e.g. tokenizer.pad_token_id).")
-    if attention_mask is not None and not bool(attention_mask[:, -1].all()):
-        raise ValueError(
-            "The batch is right-padded (its attention_mask ends in 0 on some rows): a decoder-only target continues "
-            "from the last column. Pad on the left: tokenizer.padding_side = 'left'."
-        )
-    pad = generation_config._pad_token_tensor.to(input_ids.device)
-    if not attention_mask_given and bool(torch.isin(input_ids[:, 0], pad).any()):
-        raise ValueError(
-            "The batch holds padding but generate() got no attention_mask, so padding cannot be told from text. Pass "
-            "the attention_mask the tokenizer returns: target.generate(**tokenizer(prompts, padding=True, "
-            "return_tensors='pt'), assistant_model=drafter)."
-        )
-    if generation_config.return_dict_in_generate and any(
-        getattr(generation_config, name) for name in ("output_attentions", "output_hidden_states")
-    ):
-        raise ValueError(
-            "A batch drafted with a Domino drafter returns no attentions or hidden states (its forwards hold different "
-            "tokens per row, and holes): drop output_attentions/output_hidden_states (output_scores and output_logits "
-            "work), or generate one prompt at a time."
-        )
-
-
 def along(values: torch.Tensor, path: torch.LongTensor) -> torch.Tensor:
     """`values[row, path[row]]`: `[rows, columns, X]` read along each row's columns `path` (`[rows, p]`)."""
     return values.gather(1, path[..., None].expand(-1, -1, values.shape[-1]))
-
-
-def _check_tree_call(target: PreTrainedModel, generation_config: GenerationConfig, branches: int) -> None:
-    """Raises, naming the fix, where a call cannot verify trees of `branches` branches."""
-    problem = None
-    if generation_config.do_sample:
-        problem = "sampling (a lossless rule for several drafts at a position is not built yet); decode greedily"
-    elif adds_its_mask(target) is None:
-        problem = takes_no_4d_mask(target)
-    elif any(kind != "full_attention" for kind in getattr(target.config.get_text_config(), "layer_types", None) or ()):
-        problem = "the target has sliding-window layers (trees take full-attention targets only)"
-    if problem is not None:
-        raise ValueError(f"domino_branches={branches} cannot serve this call: {problem}. Or drop domino_branches.")
-
-
-class TokenScores:
-    """What `output_scores` / `output_logits` return for a batch: per row, the processed and raw logits each of its
-    tokens was picked from, then as generate() returns them, one `[rows, V]` tensor per generated column.
-
-    A row that has finished emits the pad token in every later column, and its scores there say so (0 for the pad
-    token, -inf elsewhere); the target alone would compute them from the pad tokens it feeds that row, which a batch
-    with a drafter does not run.
-    """
-
-    def __init__(self, rows: int, keep_scores: bool, keep_logits: bool):
-        self.keep_scores, self.keep_logits = keep_scores, keep_logits
-        self.rows: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]] = [[] for _ in range(rows)]
-
-    @classmethod
-    def wanted(cls, generation_config: GenerationConfig, rows: int) -> TokenScores | None:
-        """The call's record, or None where it returns neither."""
-        keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
-        keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
-        return cls(rows, keep_scores, keep_logits) if keep_scores or keep_logits else None
-
-    def add(self, row: int, scores: torch.Tensor, logits: torch.Tensor) -> None:
-        """A row's next tokens' processed (`scores`) and raw logits, `[n, V]` each (copied: they are views of a
-        whole forward's logits)."""
-        self.rows[row].append(
-            (scores.clone() if self.keep_scores else None, logits.clone() if self.keep_logits else None)
-        )
-
-    def columns(
-        self, length: int, pad: int
-    ) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None]:
-        """(scores, logits) as generate() returns them: `length` tensors `[rows, V]` each, or None where not asked."""
-        scores = self._columns(0, length, pad) if self.keep_scores else None
-        logits = self._columns(1, length, pad) if self.keep_logits else None
-        return scores, logits
-
-    def _columns(self, kind: int, length: int, pad: int) -> tuple[torch.Tensor, ...]:
-        per_row = [torch.cat([pieces[kind] for pieces in row]) for row in self.rows]
-        finished = per_row[0].new_full(per_row[0].shape[-1:], -float("inf"))
-        finished[pad] = 0.0
-        return tuple(
-            torch.stack([row[column] if column < row.shape[0] else finished for row in per_row])
-            for column in range(length)
-        )
 
 
 class BatchedDecoding:
@@ -693,32 +589,6 @@ class BatchedDecoding:
             judge_call(self.policy, self.cycle_times, self.steps(), speculated=self.speculated)
 
 
-def _compiled_plain_steps(
-    target: PreTrainedModel,
-    input_ids: torch.LongTensor,
-    logits_processor: LogitsProcessorList,
-    stopping_criteria: StoppingCriteriaList,
-    generation_config: GenerationConfig,
-    streamer: Any,
-    model_kwargs: dict[str, Any],
-) -> torch.LongTensor | GenerateDecoderOnlyOutput:
-    """A batch where generate() compiles the target's forward on a static cache: transformers' own decoding, compiled.
-
-    The batch loop keeps holes in a dynamic cache and runs the forward eagerly; against the compiled target alone it
-    measured slower (a CPU, 2 and 4 rows: 0.64x and 0.79x; docs/benchmarks.md), so the batch takes the compiled plain
-    steps instead."""
-    warnings.warn(
-        "This call decodes without drafting: generate() compiles the target's forward on its static cache, which a "
-        "Domino drafter's batch loop cannot use, and drafting without it measured slower than the compiled target "
-        "alone. The output is the same. To draft a batch, pass cache_implementation='dynamic' (or "
-        "disable_compile=True).",
-        stacklevel=3,
-    )
-    return target._sample(
-        input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer, **model_kwargs
-    )
-
-
 @torch.no_grad()
 def batched_assisted_decoding(
     target: PreTrainedModel,
@@ -740,11 +610,11 @@ def batched_assisted_decoding(
     as the target alone pads them.
     """
     attention_mask = model_kwargs.get("attention_mask")
-    _check_batch_call(
+    check_batch_call(
         target, input_ids, attention_mask, logits_processor, generation_config, attention_mask_given, options
     )
     if target._valid_auto_compile_criteria(model_kwargs, generation_config):
-        return _compiled_plain_steps(
+        return compiled_plain_steps(
             target, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs
         )
     cache, window = batch_cache(model_kwargs.get(CACHE_ARGUMENT), target)

@@ -1,0 +1,389 @@
+"""Caches with holes: the target's cache of a ragged batch, its masks and positions, and one forward over it.
+
+Rows of a batch accept different numbers of drafts in a cycle. Both caches, the target's and the drafter's, stay
+rectangular tensors with *holes*: a `RaggedCache` is a `DynamicCache` plus a mask of which of its columns are real
+tokens of each row. A rejected draft's column becomes a hole (masked out of attention, skipped by the position count),
+so no accepted token is ever recomputed and no row waits for another. Positions are per row: the number of real
+columns before a token, exactly as transformers derives them from a left-padded attention mask. When holes waste
+enough of the cache, it is compacted (each row's real columns gathered to the right). Here too: the cache a batch
+starts from (`batch_cache`, `cached_columns`), sliding windows counted in each row's tokens (`SlidingWindow`), a tree
+of branches after each row's anchor (`TreeLayout`), and the target forward over such a cache (`ragged_forward`).
+`ragged_batch_domino` has the drafter's side and the acceptance rule; `batching_domino` runs the loop.
+
+This file is also written next to exported checkpoints as remote code (transformers + torch only).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+
+from .cache_domino import CACHE_ARGUMENT, BufferedLayer, cache_argument, uncached_prompt_length
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PreTrainedModel
+
+
+# Compact a ragged cache once holes waste this share of its columns (and at least MIN_COMPACT_COLUMNS): a compaction
+# copies the whole cache, holes only cost attention over masked columns.
+COMPACT_FRACTION = 0.25
+MIN_COMPACT_COLUMNS = 16
+
+
+# ---------------------------------------------------------------------------------------------------- ragged caches
+@dataclass
+class RaggedCache:
+    """A `DynamicCache` whose rows hold different numbers of real tokens: `mask[b, j]` says column j of row b is one.
+
+    Left padding, rejected drafts and padding slots of shorter rows are holes (False). The position of a row's next
+    token is its number of real columns.
+    """
+
+    cache: DynamicCache
+    mask: torch.BoolTensor  # [rows, columns]
+    last_width: int = 0  # columns the latest forward appended
+    window: SlidingWindow | None = None  # the target's sliding-window attention, if it has any
+
+    @staticmethod
+    def check(cache: Any, who: str) -> None:
+        """Raises unless every layer is a plain dynamic layer (holes need full-length, croppable keys/values)."""
+        plain = (DynamicLayer, BufferedLayer)
+        if not isinstance(cache, DynamicCache):
+            what = type(cache).__name__
+        else:
+            what = next((type(layer).__name__ for layer in cache.layers if type(layer) not in plain), None)
+            what = what and f"a DynamicCache with {what} layers"
+        if what is not None:
+            raise ValueError(
+                f"Batched Domino drafting keeps holes in the {who}'s cache, which needs a DynamicCache of "
+                f"full-attention (or sliding-window) layers; got {what}. Drop cache_implementation and "
+                f"{CACHE_ARGUMENT}, or generate one prompt at a time."
+            )
+
+    @property
+    def lengths(self) -> torch.LongTensor:
+        """Real tokens per row: the position of each row's next token."""
+        return self.mask.sum(dim=-1)
+
+    def attention_mask(self, new_columns: torch.BoolTensor) -> torch.BoolTensor:
+        """The mask over `[cache ; new_columns]` for a forward that appends `new_columns` (`[rows, q]`)."""
+        return torch.cat([self.mask, new_columns], dim=-1)
+
+    def appended(self, new_columns: torch.BoolTensor) -> None:
+        """Records that a forward appended these columns to the cache."""
+        self.mask, self.last_width = self.attention_mask(new_columns), new_columns.shape[1]
+
+    def keep_appended(self, keep: torch.LongTensor) -> None:
+        """Of the columns appended last, row b keeps its first `keep[b]`: the rest become holes."""
+        first_new = self.mask.shape[1] - self.last_width
+        columns = torch.arange(self.mask.shape[1], device=self.mask.device)
+        self.mask &= columns[None] < first_new + keep.to(self.mask.device)[:, None]
+        self._crop_trailing_holes()
+
+    def keep_columns(self, keep: torch.BoolTensor) -> None:
+        """Of the columns appended last, row b keeps those where `keep[b]` (`[rows, last_width]`) is True: a tree's
+        accepted branch, whose columns need not be the first ones. The rest become holes."""
+        first_new = self.mask.shape[1] - self.last_width
+        self.mask[:, first_new:] &= keep.to(self.mask.device)
+        self._crop_trailing_holes()
+
+    def select_rows(self, rows: torch.LongTensor) -> None:
+        """Keeps only these rows (finished rows leave the batch)."""
+        self.cache.batch_select_indices(rows.to(self.mask.device))
+        self.mask = self.mask[rows.to(self.mask.device)]
+        self._crop_trailing_holes()
+
+    def _crop_trailing_holes(self) -> None:
+        real = self.mask.any(dim=0).nonzero()
+        trailing = self.mask.shape[1] - (int(real[-1]) + 1 if real.numel() else 0)
+        if trailing:
+            self.cache.crop(-trailing)
+            self.mask = self.mask[:, : self.mask.shape[1] - trailing]
+
+    def maybe_compact(self) -> bool:
+        """Gathers each row's real columns to the right once holes waste enough columns of every row.
+
+        Keys already carry their rotary positions, so moving a column changes nothing but where it is stored.
+        """
+        width = self.mask.shape[1]
+        needed = int(self.lengths.max()) if width else 0
+        if width - needed < max(MIN_COMPACT_COLUMNS, COMPACT_FRACTION * width):
+            return False
+        # A stable sort puts each row's holes first and its real columns after them, in order.
+        order = torch.sort(self.mask.to(torch.int8), dim=-1, stable=True).indices[:, width - needed :]
+        self.mask = torch.gather(self.mask, 1, order)
+        for layer in self.cache.layers:
+            if layer.is_initialized and layer.keys.numel():
+                index = order.to(layer.keys.device)[:, None, :, None]
+                layer.keys = torch.gather(
+                    layer.keys, 2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+                )
+                layer.values = torch.gather(
+                    layer.values, 2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
+                )
+        return True
+
+
+def positions_from_mask(mask: torch.BoolTensor, first: torch.LongTensor | int = 0) -> torch.LongTensor:
+    """Position of each column: real columns before it (plus `first`); holes get 1, as transformers does for pads."""
+    positions = mask.long().cumsum(dim=-1) - 1 + (first[:, None] if torch.is_tensor(first) else first)
+    return positions.masked_fill(~mask, 1)
+
+
+def cached_columns(
+    cache: DynamicCache | None,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None,
+    generation_config: GenerationConfig,
+) -> int:
+    """How many of the batch's prompt columns a cache passed to generate() already holds (0: a fresh cache). A batch
+    continues a filled cache as the target alone does when input_ids are the whole sequences (the cached columns, then
+    the new ones) with their attention mask; new tokens alone are refused, since the rows' padding is in the mask."""
+    cached = cache.get_seq_length() if cache is not None else 0
+    if not cached:
+        return 0
+    uncached = uncached_prompt_length(cache, input_ids, attention_mask, generation_config)
+    if uncached is None:
+        raise ValueError(
+            f"The cache passed to generate() holds {cached} columns, and input_ids ({input_ids.shape[1]} columns) are "
+            "not the whole sequences the attention mask covers: a batch continuing a cache needs the whole padded "
+            "sequences, the cached columns included, with an attention mask of the same length."
+        )
+    rows = next((layer.keys.shape[0] for layer in cache.layers if layer.is_initialized), input_ids.shape[0])
+    if rows != input_ids.shape[0]:
+        raise ValueError(
+            f"The cache passed to generate() holds {rows} rows and the batch has {input_ids.shape[0]}: continue a "
+            "cache with the same rows it was filled with (num_return_sequences > 1 repeats the rows, not the cache)."
+        )
+    return input_ids.shape[1] - uncached
+
+
+def batch_cache(cache: Any, target: PreTrainedModel) -> tuple[DynamicCache, SlidingWindow | None]:
+    """The target's cache a batch starts from, and its sliding window if it has one (`SlidingWindow.take_over`).
+
+    The holes need a dynamic cache: an empty compileable one (what generate() makes for
+    `cache_implementation="static"` where it does not compile the forward; where it does, the batch takes compiled
+    plain steps instead) is swapped for a `DynamicCache`, with a warning, the output being the same; any other cache
+    but a dynamic one of full-attention and sliding-window layers is refused (`RaggedCache.check`)."""
+    if (
+        cache is not None
+        and type(cache) is not DynamicCache
+        and getattr(cache, "is_compileable", False)
+        and not int(cache.get_seq_length())
+    ):
+        warnings.warn(
+            f"A batch drafted with a Domino drafter keeps holes in a dynamic cache: the empty {type(cache).__name__} "
+            "generate() was given or made (cache_implementation) is not used; the output is the same. One sequence "
+            "at a time verifies on the static cache.",
+            stacklevel=3,
+        )
+        cache = DynamicCache(config=target.config)
+    window = SlidingWindow.take_over(cache, target) if isinstance(cache, DynamicCache) else None
+    RaggedCache.check(cache, "target")
+    return cache, window
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """A target's sliding-window attention over a ragged cache: a token sees the `size` tokens up to itself.
+
+    transformers counts a window in cache columns, which in a left-padded batch are each row's tokens. Holes break
+    that (a row's rejected drafts take columns but are no tokens), so over a ragged cache the window is counted in
+    each row's own positions, in 4D masks built here (`masks`), and the sliding layers keep every column for the call
+    (a sliding layer keeps only its last `size - 1` columns, which holes would make fewer tokens than the window).
+    """
+
+    size: int
+    every_layer: bool  # all layers slide (one mask for all); else a dict of masks by layer type, as hybrids take
+    additive: bool  # the attention implementation adds its mask (eager) rather than selecting by it (sdpa)
+
+    @classmethod
+    def take_over(cls, cache: DynamicCache, target: PreTrainedModel) -> SlidingWindow | None:
+        """Makes the sliding layers of `cache` plain dynamic layers and returns their window (None: none slides).
+
+        Raises where the window cannot be kept exactly: a filled sliding layer that already dropped tokens, layers of
+        different windows, layer types other than full and sliding attention, or an attention implementation that
+        takes no prepared 4D mask (flash attention, flex attention)."""
+        slides = [layer for layer in cache.layers if isinstance(layer, DynamicSlidingWindowLayer)]
+        if not slides:
+            return None
+        windows = {layer.sliding_window for layer in slides}
+        layer_types = set(getattr(target.config.get_text_config(), "layer_types", None) or ())
+        additive = adds_its_mask(target)
+        problem = None
+        if len(windows) > 1:
+            problem = f"its sliding layers have different windows ({sorted(windows)})"
+        elif not layer_types <= {"full_attention", "sliding_attention"}:
+            problem = f"it has attention layers of types {sorted(layer_types)}, only full and sliding are supported"
+        elif additive is None:
+            problem = takes_no_4d_mask(target)
+        elif any(layer.is_initialized and layer.keys.shape[-2] < layer.cumulative_length for layer in slides):
+            problem = (
+                "the cache passed to generate() has sliding-window layers that already dropped tokens past their "
+                "window; start the batch from its prompts (no cache)"
+            )
+        if problem is not None:
+            raise ValueError(
+                f"Batched Domino drafting counts sliding windows in each row's own tokens, which this target's cache "
+                f"cannot serve: {problem}. Or generate one prompt at a time."
+            )
+        cache.layers = [
+            _full_layer(layer) if isinstance(layer, DynamicSlidingWindowLayer) else layer for layer in cache.layers
+        ]
+        every_layer = len(slides) == len(cache.layers)
+        return cls(size=windows.pop(), every_layer=every_layer, additive=additive)
+
+    def masks(
+        self, real: torch.BoolTensor, queries: int, dtype: torch.dtype
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The attention masks of a forward whose last `queries` columns of `real` (`[rows, columns]`, True for a
+        row's tokens, False for holes) are its queries: causal over columns, holes masked, and for sliding layers
+        only keys fewer than `size` positions before the query (positions: each row's count of its tokens)."""
+        columns = torch.arange(real.shape[1], device=real.device)
+        causal = columns[None, :] <= columns[-queries:, None]  # [queries, columns]
+        full = real[:, None, :] & causal[None]
+        positions = real.long().cumsum(dim=-1)
+        near = positions[:, -queries:, None] - positions[:, None, :] < self.size
+        sliding = (full & near)[:, None]
+        if self.every_layer:
+            return self._formatted(sliding, dtype)
+        return {
+            "full_attention": self._formatted(full[:, None], dtype),
+            "sliding_attention": self._formatted(sliding, dtype),
+        }
+
+    def _formatted(self, mask: torch.BoolTensor, dtype: torch.dtype) -> torch.Tensor:
+        return formatted_mask(mask, self.additive, dtype)
+
+
+def adds_its_mask(target: PreTrainedModel) -> bool | None:
+    """How the target's attention takes a prepared 4D mask: added (eager, True), selected by (sdpa, False), or not at
+    all (None: flash and flex attention build their own)."""
+    mask_function = ALL_MASK_ATTENTION_FUNCTIONS.get(target.config._attn_implementation)
+    return {sdpa_mask: False, eager_mask: True}.get(mask_function)
+
+
+def takes_no_4d_mask(target: PreTrainedModel) -> str:
+    """Why a target whose attention builds its own mask (`adds_its_mask` is None) cannot serve holes or trees, and the
+    fix."""
+    return (
+        f"its attention implementation {target.config._attn_implementation!r} takes no prepared 4D mask; load the "
+        'target with attn_implementation="sdpa" (or "eager")'
+    )
+
+
+def formatted_mask(mask: torch.BoolTensor, additive: bool, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean 4D mask as the attention takes it: as is (sdpa), or 0 / the dtype's minimum (eager)."""
+    if not additive:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def _full_layer(layer: DynamicSlidingWindowLayer) -> DynamicLayer:
+    full = DynamicLayer()
+    if layer.is_initialized:
+        full.lazy_initialization(layer.keys, layer.values)
+        full.keys, full.values = layer.keys, layer.values
+    return full
+
+
+# --------------------------------------------------------------------------- trees, and one forward over the cache
+@dataclass(frozen=True)
+class TreeLayout:
+    """`branches` branches of `drafts` drafts after each row's anchor, verified in one forward.
+
+    Columns: the anchor, then branch 0's drafts, branch 1's, ... A draft sees the cache, the anchor and the earlier
+    drafts of its own branch; draft j of every branch sits at the anchor's position + 1 + j. `additive` says how the
+    target's attention takes the 4D mask this needs (`adds_its_mask`).
+    """
+
+    branches: int
+    drafts: int
+    additive: bool
+
+    @property
+    def width(self) -> int:
+        return 1 + self.branches * self.drafts
+
+    def _branch_and_depth(self, device: torch.device) -> tuple[torch.LongTensor, torch.LongTensor]:
+        branch = torch.arange(self.branches, device=device).repeat_interleave(self.drafts)
+        depth = (1 + torch.arange(self.drafts, device=device)).repeat(self.branches)
+        zero = torch.zeros(1, dtype=torch.long, device=device)
+        return torch.cat([zero - 1, branch]), torch.cat([zero, depth])
+
+    def visibility(self, device: torch.device) -> torch.BoolTensor:
+        """`[width, width]`: which of the forward's columns each of them attends to."""
+        branch, depth = self._branch_and_depth(device)
+        own_branch = (branch[:, None] == branch[None, :]) & (depth[None, :] <= depth[:, None])
+        return own_branch | (branch[None, :] == -1)
+
+    def offsets(self, device: torch.device) -> torch.LongTensor:
+        """`[width]`: each column's position after the anchor's."""
+        return self._branch_and_depth(device)[1]
+
+    def path(self, branch: torch.LongTensor) -> torch.LongTensor:
+        """`[rows, 1 + drafts]`: the columns of the anchor and of each row's branch `branch[row]`."""
+        drafts = torch.arange(self.drafts, device=branch.device)
+        columns = 1 + branch[:, None] * self.drafts + drafts[None]
+        return torch.cat([torch.zeros_like(branch)[:, None], columns], dim=-1)
+
+
+def ragged_forward(
+    target: PreTrainedModel,
+    cache: RaggedCache,
+    input_ids: torch.LongTensor,
+    new_columns: torch.BoolTensor,
+    hidden_layers: list[int],
+    logits_to_keep: int | None = None,
+    tree: TreeLayout | None = None,
+):
+    """One target forward that appends `input_ids` to every row; holes among them are `new_columns == False`.
+
+    With `tree`, the new columns are a `TreeLayout` of branches after each row's anchor, not one sequence."""
+    kwargs = {}
+    # Asked only when needed (the prefill): reading a signature costs more than the rest of a step's host work.
+    if logits_to_keep is not None and "logits_to_keep" in inspect.signature(target.forward).parameters:
+        kwargs["logits_to_keep"] = logits_to_keep
+    attention_mask = cache.attention_mask(new_columns)
+    positions = positions_from_mask(new_columns, cache.lengths)
+    if tree is not None:
+        queries, device = new_columns.shape[1], new_columns.device
+        visible = attention_mask[:, None, :].repeat(1, queries, 1)
+        visible[:, :, -queries:] &= tree.visibility(device)[None]
+        attention_mask = formatted_mask(visible[:, None], tree.additive, target.dtype)
+        positions = cache.lengths[:, None] + tree.offsets(device)[None]
+    elif cache.window is None:
+        attention_mask = attention_mask.long()
+    else:
+        attention_mask = cache.window.masks(attention_mask, new_columns.shape[1], target.dtype)
+    outputs = target(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        use_cache=True,
+        **cache_argument(cache.cache),
+        output_hidden_states=hidden_layers,
+        **kwargs,
+    )
+    cache.appended(new_columns)
+    return outputs
+
+
+__all__ = [
+    "RaggedCache",
+    "SlidingWindow",
+    "TreeLayout",
+    "adds_its_mask",
+    "batch_cache",
+    "cached_columns",
+    "formatted_mask",
+    "positions_from_mask",
+    "ragged_forward",
+    "takes_no_4d_mask",
+]
