@@ -428,8 +428,12 @@ def test_repetition_penalty_acts_per_row():
 
 
 # ------------------------------------------------------------------------------------------------------- sampling
-@pytest.mark.parametrize("draft_vocab", [None, [0, 2, 3]], ids=["full-vocab", "draft-vocab"])
-def test_sampling_keeps_each_rows_law_with_num_return_sequences(draft_vocab):
+@pytest.mark.parametrize(
+    "draft_vocab, branches, policy",
+    [(None, 1, "fixed"), ([0, 2, 3], 1, "fixed"), (None, 2, "fixed"), ([0, 2, 3], 3, "fixed"), (None, 2, "adaptive")],
+    ids=["full-vocab", "draft-vocab", "tree", "tree-draft-vocab", "tree-adaptive"],
+)
+def test_sampling_keeps_each_rows_law_with_num_return_sequences(draft_vocab, branches, policy, gpu_like_costs):
     from transformers.generation.logits_process import TemperatureLogitsWarper
 
     vocab, num_new, per_prompt = 5, 3, 2000
@@ -442,11 +446,12 @@ def test_sampling_keeps_each_rows_law_with_num_return_sequences(draft_vocab):
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.5)])
     batch = left_padded(prompts)
     torch.manual_seed(7)
-    counts, stats = sampled_continuations(
-        target, batch, num_new, per_prompt, temperature=0.5, assistant_model=drafter, draft_policy="fixed"
-    )
+    counts, stats = sampled_continuations(target, batch, num_new, per_prompt, temperature=0.5,
+                                          assistant_model=drafter, draft_policy=policy, domino_branches=branches)  # fmt: skip
     drafted, accepted = drafts_and_accepted(stats)
     assert 0 < accepted < drafted  # rejection sampling really ran, with both outcomes
+    if branches > 1:  # the target's draws went on along later branches too
+        assert any(branch > 0 for call in stats for branch in call.branches)
     for prompt, observed in zip(prompts, counts):
         probs = exact_sequence_distribution(target, prompt, num_new, processors)
         assert chi_square_p_value(observed, probs, per_prompt) > 1e-3
@@ -648,7 +653,7 @@ def top_two_drafter(target, first: list[int], second: list[int], block_size: int
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_trees_keep_the_target_alones_output_and_take_the_branch_it_picks(rows):
+def test_trees_keep_the_target_alones_output_and_take_the_branch_it_picks(rows, gpu_like_costs):
     # Drafts right after 2 of every 3 tokens; after the others the right token is the second likeliest, so a second
     # branch goes on where one block stops.
     target = successor_target("qwen3", VOCAB)
@@ -664,18 +669,29 @@ def test_trees_keep_the_target_alones_output_and_take_the_branch_it_picks(rows):
     _, one_block = both(target, drafter, batch, max_new_tokens=24, draft_policy="fixed", num_speculative_tokens=4)
     forwards_with_one_block = len(drafter.last_generation_stats.acceptance_lengths)
     assert len(stats.acceptance_lengths) < forwards_with_one_block  # fewer target forwards for the same tokens
+    # The adaptive policy verifies the second branch too where its columns cost little (here a GPU's cost table).
+    expected, output = both(target, drafter, batch, max_new_tokens=24, domino_branches=2)
+    assert torch.equal(output, expected)
+    adaptive = drafter.last_generation_stats
+    assert (
+        1 in adaptive.branches
+        and max(a for a, b in zip(adaptive.acceptance_lengths, adaptive.branches) if b == 1) >= 3
+    )
+    _, one_block = both(target, drafter, batch, max_new_tokens=24)
+    assert len(adaptive.acceptance_lengths) < len(drafter.last_generation_stats.acceptance_lengths)
 
 
 @pytest.mark.parametrize("options", [dict(), dict(repetition_penalty=1.5, no_repeat_ngram_size=3)],
                          ids=["plain", "processors"])  # fmt: skip
-def test_trees_on_a_random_target_keep_its_output(arch, options):
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_trees_on_a_random_target_keep_its_output(arch, options, policy, gpu_like_costs):
     target = tiny_target(arch)
     drafter = tiny_drafter(target)
     torch.manual_seed(7)
     batch = left_padded([torch.randint(4, 64, (n,)).tolist() for n in (7, 2, 4)])
     for rows, branches, k in ((1, 2, 3), (3, 3, 2), (3, 4, 5)):
         part = {name: value[:rows] for name, value in batch.items()}
-        expected, output = both(target, drafter, part, max_new_tokens=16, draft_policy="fixed",
+        expected, output = both(target, drafter, part, max_new_tokens=16, draft_policy=policy,
                                 num_speculative_tokens=k, domino_branches=branches, **options)  # fmt: skip
         assert torch.equal(output, expected)
 
@@ -684,11 +700,6 @@ def test_trees_refuse_what_they_cannot_serve_naming_the_fix():
     target = successor_target("qwen3", VOCAB)
     drafter = forcing_drafter(target, successor(1))
     prompt = torch.tensor([[4, 5]])
-    with pytest.raises(ValueError, match="draft_policy='fixed'"):
-        target.generate(prompt, max_new_tokens=4, assistant_model=drafter, domino_branches=2)
-    with pytest.raises(ValueError, match="sampling"):
-        target.generate(prompt, max_new_tokens=4, do_sample=True, assistant_model=drafter, draft_policy="fixed",
-                        domino_branches=2)  # fmt: skip
     with pytest.raises(ValueError, match="from 1 to 8"):
         target.generate(prompt, max_new_tokens=4, assistant_model=drafter, draft_policy="fixed", domino_branches=0)
     with pytest.raises(ValueError, match="eager head"):

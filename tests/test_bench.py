@@ -206,7 +206,8 @@ def test_bench_runs_all_methods(target, drafter, tokenizer, tmp_path):
         assert set(summary[method]["latency_ms"]) == {*measure.TIMING_KEYS, "cycle"}
     assert set(summary["domino_k3"]["drafts_histogram"]) <= {"0", "1", "2", "3"}
     assert "loop_overhead_vs_manual" in summary["domino"]
-    assert result.policy_verify_ms  # the adaptive policy measured the target's verify cost
+    # Each drafting method priced its cycles with a table of its own, refined by its own loop alone.
+    assert "domino" in result.policy_verify_ms and "target" not in result.policy_verify_ms
 
     paths = report.write_report(result, tmp_path / "out")
     written = json.loads(paths["json"].read_text())
@@ -234,8 +235,8 @@ def test_method_names():
         measure.parse_method("domino@fused")
     tree = measure.parse_method("domino_vocab_lookup_k4_tree3").options
     assert tree["domino_branches"] == 3 and tree["num_speculative_tokens"] == 4 and tree["domino_lookup"]
-    with pytest.raises(ValueError, match="name k first"):
-        measure.parse_method("domino_tree2")
+    adaptive_tree = measure.parse_method("domino_vocab_lookup_tree2").options  # the adaptive policy prices k
+    assert adaptive_tree["domino_branches"] == 2 and "draft_policy" not in adaptive_tree
 
 
 def test_bench_sampling(target, drafter):
@@ -640,3 +641,29 @@ def test_cli_bench_batch_repeats_count_each_group_once(target, drafter, tokenize
         cli.main([*argv, "--repeats", "0"])
     with pytest.raises(SystemExit, match="--repeats applies to --batch-size"):
         cli.main([*per_prompt, "--repeats", "2"])
+
+
+def test_each_method_learns_on_its_own_as_in_a_process_of_its_own(target, drafter):
+    from hf_domino.cost_model_domino import VerifyCost, cached_verify_cost, swap_verify_cost
+    from hf_domino.policy_domino import _RECORDS, forget_records
+
+    forget_records(drafter)  # what earlier tests taught it
+    shared = VerifyCost({1: 0.01, 17: 0.02})
+    previous = swap_verify_cost(target, shared)
+    try:
+        tables: dict = {}
+        with measure.own_verify_cost(target, tables, "a"):
+            cached_verify_cost(target).observe(5, 0.05)  # what method a's loop teaches its table
+        with measure.own_verify_cost(target, tables, "b"):
+            assert 5 not in cached_verify_cost(target).seconds  # b starts from the process's table, not from a's
+        assert 5 in tables["a"].seconds and cached_verify_cost(target) is shared and 5 not in shared.seconds
+        # A bench run leaves the caller's drafter and table as they were: every method learned on copies.
+        prompts = [torch.randint(2, target.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))]
+        settings = measure.BenchSettings(max_new_tokens=6, warmup_tokens=2)
+        result = measure.run_benchmark(
+            target, drafter, prompts, ["target", "domino", "domino_k2"], settings, progress=False
+        )
+        assert drafter not in _RECORDS and cached_verify_cost(target) is shared
+        assert set(result.policy_verify_ms) == {"domino"}  # the fixed policy reads no table
+    finally:
+        swap_verify_cost(target, previous)

@@ -223,5 +223,5 @@ def test_bench_method_lookup2_retrieves_in_small_batches_for_its_call_only(monke
     drafter = tiny_drafter(target)
     default = batching_domino.RETRIEVAL_MAX_ROWS
     batch = left_padded([[3, 9, 15], [7, 21, 5], [50, 8, 8, 31, 2]])
-    measure_batch._generate(target, drafter, batch, "domino_lookup2", 6, 0.0)
+    measure_batch._generate(target, drafter, batch, "domino_lookup2", 6, 0.0, {})
     assert seen and set(seen) == {2} and batching_domino.RETRIEVAL_MAX_ROWS == default is None

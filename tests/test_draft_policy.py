@@ -793,3 +793,69 @@ def test_forgetting_a_drafter_records_starts_its_next_call_from_nothing_learned(
     assert fresh is not record and fresh.position_acceptance == [policy_domino.INITIAL_ACCEPTANCE] * 4
     assert fresh.skip_left == 0
     policy_domino.forget_records(torch.nn.Linear(1, 1))  # a drafter that never ran: nothing to forget
+
+
+# ---------------------------------------------------------------------------- trees of first-token branches
+def test_a_tree_earns_its_first_branch_plus_what_each_other_branch_would_accept():
+    from hf_domino.policy_domino import tree_tokens
+
+    # One row, two branches: first drafts right with 0.5 and 0.3 (different tokens, so exclusive), the next with 0.8
+    # and 0.6 after them.
+    acceptance = torch.tensor([[[0.5, 0.8], [0.3, 0.6]]])
+    tokens = tree_tokens(acceptance, expected_tokens)
+    assert tokens[0].tolist() == pytest.approx([1, 1.5, 1.9])  # the first branch alone: a block
+    assert tokens[1].tolist() == pytest.approx([1, 1.8, 1.9 + 0.3 + 0.3 * 0.6])
+    # Calibrated first acceptances that add up to more than 1 are scaled down: at most one of them is right.
+    overlapping = tree_tokens(torch.tensor([[[0.8, 0.0], [0.6, 0.0]]]), expected_tokens)
+    assert overlapping[1, 1].item() == pytest.approx(2.0)
+
+
+def test_the_policy_verifies_a_second_branch_where_its_columns_are_cheap_and_it_may_be_right():
+    from hf_domino.batch_policy_domino import BatchVerifyCost
+
+    def policy(table):
+        return AdaptivePolicy(DrafterRecord([0.8] * 16), BatchVerifyCost(VerifyCost(table), rows=1), cap=8,
+                              learn_times=False, branches=2)  # fmt: skip
+
+    unsure_first = torch.tensor([[[0.45] + [0.95] * 7, [0.4] + [0.95] * 7]])  # a coin toss between two tokens
+    limits = torch.tensor([[8, 8]])
+    # Columns cost about nothing (a GPU): both branches, whole.
+    assert policy(dict(GPU_LIKE)).choose_tree(unsure_first, 0.001, limits) == (8, 2)
+    # Every column costs as much as a token step: the second branch doubles the forward for less than it adds.
+    steep = {n: 0.010 * n for n in (1, 2, 3, 5, 9, 17)}
+    assert policy(steep).choose_tree(unsure_first, 0.001, limits)[1] == 1
+    # Where a wider forward costs something (this CPU's shape), a second branch that is hardly ever right is not
+    # verified, one that is as likely as the first is; nor is one that may offer nothing.
+    assert policy(dict(CPU_LIKE)).choose_tree(unsure_first, 0.001, limits) == (8, 2)
+    hopeless = unsure_first.clone()
+    hopeless[0, 1, 0] = 0.001
+    assert policy(dict(CPU_LIKE)).choose_tree(hopeless, 0.001, limits) == (8, 1)
+    assert policy(dict(GPU_LIKE)).choose_tree(unsure_first, 0.001, torch.tensor([[8, 0]]))[1] == 1
+    assert policy(dict(GPU_LIKE)).choose_tree(unsure_first, 0.001, torch.tensor([[0, 0]]))[0] == 0
+    # The fixed policy verifies every branch, as long as its rows allow.
+    assert policy_domino.FixedPolicy(4).choose_tree(unsure_first, 0.001, torch.tensor([[3, 2]])) == (3, 2)
+
+
+def test_after_a_tree_the_policy_learns_along_the_branch_taken_and_that_the_others_first_drafts_failed():
+    policy = AdaptivePolicy(DrafterRecord([0.8] * 16), VerifyCost(dict(GPU_LIKE)), cap=4, learn_times=True,
+                            branches=3)  # fmt: skip
+    confidence = torch.tensor([[[0.55, 0.9], [0.35, 0.8], [0.05, 0.7]]])
+    policy.choose_tree(confidence, 0.001, torch.tensor([[2, 2, 2]]))
+    trials = policy.record.calibration.trials.clone()
+    policy.take_branch([1], torch.tensor([[2, 2, 0]]))  # branch 1 taken; branch 2 offered nothing
+    assert torch.equal(policy.confidence, confidence[0, 1:2])
+    learned = policy.record.calibration.trials - trials
+    assert learned.sum() == 1 and learned[5] == 1  # branch 0's first draft (0.55), rejected
+    assert policy.record.calibration.accepted.sum() == AcceptanceCalibration().accepted.sum()
+    policy.observe(drafted=True, verified=2, accepted=2, verify_seconds=0.011, tokens=5)
+    assert policy.record.position_acceptance[:2] == pytest.approx([0.84, 0.84])  # along branch 1: both accepted
+    assert sorted(policy.verify_cost.seconds) == [1, 5, 17]  # the forward held 1 + 2 x 2 tokens, not 1 + 2
+
+
+def test_a_tree_rolls_its_branches_on_while_one_of_them_can_still_pay():
+    table = VerifyCost(dict(CPU_LIKE))
+    policy = AdaptivePolicy(DrafterRecord([0.8] * 16), table, cap=4, learn_times=True, branches=2)
+    policy.record.backbone_seconds, policy.record.position_seconds = 0.008, 0.004
+    # Rows come as each sequence's branches, one after the other: the second branch still holds.
+    assert policy.keep_rolling(torch.tensor([[0.5, 0.05], [0.45, 0.95]]))
+    assert not policy.keep_rolling(torch.tensor([[0.5, 0.02], [0.45, 0.02]]))

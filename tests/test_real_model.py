@@ -183,6 +183,11 @@ def test_first_token_branches_keep_the_target_alones_output_and_lift_acceptance(
         stats = shipped_drafter.last_generation_stats
         assert torch.equal(tree, expected) and torch.equal(one, expected)
         assert 1 in stats.branches and len(stats.acceptance_lengths) < forwards_with_one_block
+        # With generate()'s defaults (the adaptive policy, copies and retrieval) beside the trees.
+        adaptive = target.generate(
+            **inputs, max_new_tokens=40, do_sample=False, assistant_model=shipped_drafter, domino_branches=2
+        )
+        assert torch.equal(adaptive, expected)
 
 
 PIPELINE_SCRIPT = """

@@ -31,7 +31,7 @@ VOCAB=src/hf_domino/checkpoints/smollm2-135m-instruct-domino/draft_vocab.safeten
 # verify, spent on branches; docs/usage.md, "First-token branches"), there and not in bf16 so that a first run of it
 # on CUDA cannot cost the bf16 stage its records.
 METHODS=${METHODS:-target,target_no_cudnn,domino_vocab_k16@triton+graph,domino_vocab_lookup}
-FP32_METHODS=${FP32_METHODS:-target,domino_vocab_k16@triton+graph,domino_vocab_lookup,domino_vocab_k4_tree4}
+FP32_METHODS=${FP32_METHODS:-target,domino_vocab_k16@triton+graph,domino_vocab_lookup,domino_vocab_lookup_tree4}
 # A static cache, where transformers compiles the target's forward (CUDA graphs) for the target alone and for the
 # loop verifying the drafts alike: what a GPU user who compiles gets (transformers 5.24; docs/usage.md).
 STATIC_METHODS=${STATIC_METHODS:-target,domino_vocab_lookup,domino_vocab_k16@triton+graph}

@@ -39,6 +39,8 @@ class CycleDrafts:
     sources: dict[int, LookupPolicy] = field(default_factory=dict)  # row -> the policy of its copies' source
     branches: torch.LongTensor | None = None  # [rows, n - 1, k]: a tree's branches after the first (`drafts`)
     branch_lengths: torch.LongTensor | None = None  # [rows, n - 1]: drafts each row offers in each of them
+    branch_logits: torch.Tensor | None = None  # [rows, n - 1, k, V]: what their drafts were drawn from (sampling)
+    taken: list[int] | None = None  # per row, the branch its verification went on along (set by the verification)
 
     @classmethod
     def plain(cls, rows: int) -> CycleDrafts:
@@ -50,6 +52,21 @@ class CycleDrafts:
         """Drafts per branch the forward verifies: the most any row offers."""
         widest = self.lengths if self.branches is None else torch.cat([self.lengths[:, None], self.branch_lengths], 1)
         return int(widest.max()) if widest.numel() else 0
+
+    @property
+    def columns(self) -> int:
+        """Tokens per row in the verifying forward: the anchor, then `width` per branch."""
+        return 1 + self.width * (1 if self.branches is None else 1 + self.branches.shape[1])
+
+    def draft_logits(self) -> torch.Tensor | None:
+        """`[rows, width, V]` (at most): the processed logits each row's drafts were drawn from (sampling only), along
+        the branch it took in a tree."""
+        if self.drafts is None or self.drafts.logits is None:
+            return None
+        if self.taken is None:
+            return self.drafts.logits[:, : self.width]
+        every = torch.cat([self.drafts.logits[:, None], self.branch_logits], dim=1)
+        return every[torch.arange(every.shape[0]), self.taken][:, : self.width]
 
     def take_copies(self, copies: dict[int, torch.LongTensor], sources: dict[int, LookupPolicy]) -> None:
         """Rows that copy offer their copies instead of their drafts (in a tree: as its only branch)."""

@@ -92,20 +92,30 @@ def batch_policy(
         cost.update(measure())
     # What pays depends on the batch size (verifying rows x (1 + k) tokens), so rates and back-off are learned per
     # batch size; how far drafts hold on this text is the drafter's, shared with every batch size and with batch 1.
-    shared = drafter_record(drafter, mode, drafter.config.num_drafts)
-    record = drafter_record(drafter, f"{mode}+batch{rows}", drafter.config.num_drafts)
+    # A tree's acceptance (along the branch taken) is its own, shared by the batch sizes verifying such trees; how
+    # far a draft of a given confidence holds is the drafter's whatever the shape.
+    branches, num_drafts = options.domino_branches, drafter.config.num_drafts
+    single = drafter_record(drafter, mode, num_drafts)
+    tree = f"+tree{branches}" if branches > 1 else ""
+    shared = drafter_record(drafter, mode + tree, num_drafts)
+    shared.calibration = single.calibration
+    record = drafter_record(drafter, f"{mode}{tree}+batch{rows}", num_drafts)
     record.position_acceptance, record.calibration = shared.position_acceptance, shared.calibration
-    if record.backbone_seconds is None and shared.backbone_seconds is not None:
-        # Before this batch size drafts at all: the drafter's cost measured at batch 1, times the rows. On a CPU it
-        # grows about so; on a GPU this overestimates, which only delays the first probe (then it is measured).
-        record.backbone_seconds = rows * shared.backbone_seconds
-        record.position_seconds = None if shared.position_seconds is None else rows * shared.position_seconds
+    if record.backbone_seconds is None and single.backbone_seconds is not None:
+        # Before this batch size drafts at all: the drafter's cost measured at batch 1, times the rows (and a tree's
+        # branches, each rolled out as a row). On a CPU it grows about so; on a GPU this overestimates, which only
+        # delays the first probe (then it is measured).
+        record.backbone_seconds = rows * single.backbone_seconds
+        position = single.position_seconds
+        record.position_seconds = None if position is None else rows * branches * position
     return AdaptivePolicy(
         record,
         BatchVerifyCost(cost, rows),
-        cap=max_drafts,
+        # A tree verifies at most what a whole block does (its cost table's widest forward): k <= K / branches.
+        cap=max(1, max_drafts // branches),
         confidence_threshold=options.assistant_confidence_threshold,
         per_position=timing_is_free(drafter.device),
+        branches=branches,
     )
 
 

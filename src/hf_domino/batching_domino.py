@@ -340,7 +340,14 @@ class BatchedDecoding:
         threshold = self.options.assistant_confidence_threshold
         limits = row_limits(drafts, self.active_sequences(), room, threshold, self.block_criteria)
         limits = [0 if i in copying else limit for i, limit in enumerate(limits)]
-        if K_PER_ROW and isinstance(self.policy, AdaptivePolicy):
+        tree = None
+        if branches is not None:
+            tree = torch.cat([torch.tensor(limits)[:, None], self.branch_limits(branches, room, copying)], dim=1)
+            confidence = torch.cat([drafts.confidence[:, None], branches.confidence], dim=1)
+            width, used = self.policy.choose_tree(confidence, drafted - start, tree)
+            lengths = tree[:, 0].clamp(max=width).tolist()
+            tree = tree[:, 1:used].clamp(max=width) if used > 1 and width and tree[:, 1:used].any() else None
+        elif K_PER_ROW and isinstance(self.policy, AdaptivePolicy):
             lengths = [
                 self.policy.choose(drafts.confidence[i : i + 1], drafted - start, [n]) for i, n in enumerate(limits)
             ]
@@ -362,22 +369,20 @@ class BatchedDecoding:
             "rollout_seconds": drafted - backbone_done,
         }
         cycle = CycleDrafts(drafts, torch.tensor(lengths, dtype=torch.long), observed)
-        if branches is not None and max(lengths):
-            cycle.branches = branches.ids
-            cycle.branch_lengths = self.branch_lengths(branches, room, copying, max(lengths))
+        if tree is not None:
+            cycle.branches, cycle.branch_lengths = branches.ids[:, : tree.shape[1]], tree
+            cycle.branch_logits = None if branches.logits is None else branches.logits[:, : tree.shape[1]]
         return cycle
 
-    def branch_lengths(
-        self, branches: BatchDrafts, room: list[int], copying: set[int], width: int
-    ) -> torch.LongTensor:
-        """`[rows, n - 1]`: the drafts each row offers in a tree's other branches, each limited as a block is (room,
-        confidence, stop strings: its own drafts), at most `width`; none where the row copies."""
+    def branch_limits(self, branches: BatchDrafts, room: list[int], copying: set[int]) -> torch.LongTensor:
+        """`[rows, n - 1]`: the drafts each row may offer in a tree's other branches, each limited as a block is
+        (room, confidence, stop strings: its own drafts); none where the row copies."""
         sequences, threshold = self.active_sequences(), self.options.assistant_confidence_threshold
         limits = [
             row_limits(branches.branch(b), sequences, room, threshold, self.block_criteria)
             for b in range(branches.ids.shape[1])
         ]
-        lengths = torch.tensor(limits, dtype=torch.long).T.clamp(max=width)
+        lengths = torch.tensor(limits, dtype=torch.long).T
         lengths[sorted(copying)] = 0
         return lengths
 
@@ -406,7 +411,11 @@ class BatchedDecoding:
         if n == 1:
             return drafts, None
         ids, confidence = drafts.ids.view(rows, n, -1), drafts.confidence.view(rows, n, -1)
-        return BatchDrafts(ids[:, 0], None, confidence[:, 0]), BatchDrafts(ids[:, 1:], None, confidence[:, 1:])
+        logits = None if drafts.logits is None else drafts.logits.view(rows, n, *drafts.logits.shape[1:])
+        return (
+            BatchDrafts(ids[:, 0], None if logits is None else logits[:, 0], confidence[:, 0]),
+            BatchDrafts(ids[:, 1:], None if logits is None else logits[:, 1:], confidence[:, 1:]),
+        )
 
     def verify(
         self, anchors: torch.LongTensor, cycle: CycleDrafts
@@ -419,6 +428,7 @@ class BatchedDecoding:
         of rejected drafts (and of shorter rows' padding, and of the branches not taken) become holes.
         """
         width, device = cycle.width, self.device
+        first = anchor_scores = None  # a tree's: the target's token after the anchor, and its processed logits
         if cycle.branches is None:
             candidates = cycle.candidates(anchors.to(device))
             lengths = cycle.lengths.to(device)
@@ -431,16 +441,20 @@ class BatchedDecoding:
             logits = outputs.logits[:, -(1 + width) :].float()
             features = context_features(outputs.hidden_states, self.layer_ids)
         else:
-            outputs, candidates, lengths, path = self.forward_tree(anchors.to(device), cycle)
+            outputs, candidates, lengths, path, (first, anchor_scores) = self.forward_tree(anchors.to(device), cycle)
             logits = along(outputs.logits[:, -self.target_cache.last_width :].float(), path)
             features = along(context_features(outputs.hidden_states, self.layer_ids), path)
         if self.per_row is None:  # no processors: the logits as they are, not a copy of [rows, 1 + width, V]
             processed = logits
         else:
-            processed = torch.stack([self.process(logits[:, i], candidates[:, :i]) for i in range(1 + width)], dim=1)
-        draft_logits = None if cycle.drafts is None or cycle.drafts.logits is None else cycle.drafts.logits[:, :width]
+            columns = [self.process(logits[:, i], candidates[:, :i]) if i or first is None else anchor_scores
+                       for i in range(1 + width)]  # fmt: skip
+            processed = torch.stack(columns, dim=1)
+        if first is None and self.do_sample and self.branches > 1 and cycle.drafts is not None:
+            first = pick_tokens(processed[:, 0], do_sample=True)  # a tree call's block: its first draft was chosen
         copied = cycle.copied(len(self.active))
-        tokens, matches = accept_rows(processed, candidates, lengths, draft_logits, self.do_sample, copied)
+        tokens, matches = accept_rows(processed, candidates, lengths, cycle.draft_logits(), self.do_sample, copied,
+                                      first)  # fmt: skip
         if path is None:
             self.target_cache.keep_appended(1 + matches)
         else:  # the anchor and the chosen branch's accepted drafts
@@ -452,15 +466,18 @@ class BatchedDecoding:
 
     def forward_tree(
         self, anchors: torch.LongTensor, cycle: CycleDrafts
-    ) -> tuple[Any, torch.LongTensor, torch.LongTensor, torch.LongTensor]:
+    ) -> tuple[Any, torch.LongTensor, torch.LongTensor, torch.LongTensor, tuple[torch.LongTensor, torch.Tensor]]:
         """One target forward over every row's tree: its anchor, then each branch's drafts (`TreeLayout`).
 
-        Returns the outputs and, per row, the branch whose first draft is the target's own next token (the first
-        branch where none is): its drafts `[rows, k]`, how many the row offers there, and its columns `[rows, 1 + k]`
-        in the forward. Along that branch verification is a block's, with the same rule.
+        Returns the outputs and, per row, the branch whose first draft is the target's own next token (its argmax, or
+        its draw when sampling; the first branch where none is): its drafts `[rows, k]`, how many the row offers
+        there, and its columns `[rows, 1 + k]` in the forward; then that token and the processed logits it came from.
+        Along that branch verification is a block's, with the same rule (after the drawn token, when sampling).
         """
         k, rows, device = cycle.width, anchors.shape[0], anchors.device
-        ids = torch.cat([cycle.candidates(anchors)[:, None], cycle.branches[:, :, :k].to(device)], dim=1)
+        # A row's copies can be longer than the drafted branches: their columns past a branch's drafts are holes.
+        branches = torch.nn.functional.pad(cycle.branches[:, :, :k], (0, k - min(k, cycle.branches.shape[-1])))
+        ids = torch.cat([cycle.candidates(anchors)[:, None], branches.to(device)], dim=1)
         lengths = torch.cat([cycle.lengths[:, None], cycle.branch_lengths], dim=1).to(device)  # [rows, n]
         layout = TreeLayout(ids.shape[1], k, self.additive)
         offered = torch.arange(k, device=device)[None, None] < lengths[..., None]
@@ -469,12 +486,14 @@ class BatchedDecoding:
             self.target, self.target_cache, torch.cat([anchors, ids.flatten(1)], dim=-1), new_columns,
             self.hidden_layers, tree=layout,
         )  # fmt: skip
-        picked = self.process(outputs.logits[:, -layout.width].float()).argmax(dim=-1)  # greedy: its next token
+        scores = self.process(outputs.logits[:, -layout.width].float())
+        picked = pick_tokens(scores, self.do_sample)  # the target's next token
         holds = (ids[:, :, 0] == picked[:, None]) & (lengths > 0)
         branch = holds.long().argmax(dim=-1)  # the first that holds, else 0
-        self.stats.branches.extend(branch.tolist())
+        cycle.taken = branch.tolist()
+        self.stats.branches.extend(cycle.taken)
         index = torch.arange(rows, device=device)
-        return outputs, ids[index, branch], lengths[index, branch], layout.path(branch)
+        return outputs, ids[index, branch], lengths[index, branch], layout.path(branch), (picked, scores)
 
     def cycle(self) -> list[bool]:
         """Draft, verify, learn, extend: one target forward for every active row. Returns which rows finished."""
@@ -501,7 +520,7 @@ class BatchedDecoding:
         verify_seconds = self.now() - verify_start
         if self.stats.timings is not None and drafts.drafts is not None:
             self.stats.timings.setdefault("verify", []).append(verify_seconds)
-        self.learn(drafts, matches.tolist(), verify_seconds)
+        self.learn(drafts, matches.tolist(), verified_lengths.tolist(), verify_seconds)
         for i, found in declined.items():  # judged against what the row generated instead
             offered, accepted = judge_copy(found, tokens[i])
             sources[i].observe(verified=offered, accepted=accepted)
@@ -526,19 +545,23 @@ class BatchedDecoding:
         if drafts.observed["drafted"] and not self.drafted_in_call:
             self.drafted_in_call = True
             if self.policy.adaptive:
-                seconds = min(seconds, self.policy.cycle_seconds(drafts.observed["positions"], drafts.width))
+                positions = drafts.observed["positions"]
+                seconds = min(seconds, self.policy.cycle_seconds(positions, drafts.width, drafts.columns))
         self.cycle_times.append((rows, seconds, verified_seconds if drafts.width == 0 else None))
 
-    def learn(self, cycle: CycleDrafts, matches: list[int], verify_seconds: float) -> None:
+    def learn(self, cycle: CycleDrafts, matches: list[int], offered: list[int], verify_seconds: float) -> None:
         """Copied rows teach the lookup policy; the drafter's policy learns from the rows it drafted for alone (and
-        the forward's time from all of them); each row's pace counts the cycles that verified drafts or copies."""
+        the forward's time from all of them), in a tree along the branch each row took (`offered`: the drafts each
+        row offered there); each row's pace counts the cycles that verified drafts or copies."""
         for row, copy in cycle.copies.items():
             cycle.sources[row].observe(verified=copy.shape[0], accepted=matches[row])
+        if cycle.taken is not None:
+            self.policy.take_branch(cycle.taken, torch.cat([cycle.lengths[:, None], cycle.branch_lengths], dim=1))
         drafted = [row for row in range(len(matches)) if row not in cycle.copies]
         self.policy.observe(
             verified=cycle.width, accepted=[matches[row] for row in drafted],
-            row_verified=[int(cycle.lengths[row]) for row in drafted], rows=drafted, verify_seconds=verify_seconds,
-            **cycle.observed,
+            row_verified=[offered[row] for row in drafted], rows=drafted, verify_seconds=verify_seconds,
+            tokens=cycle.columns, **cycle.observed,
         )  # fmt: skip
         if cycle.width and PRICE_BY_MAKESPAN and ROW_PACES:  # counted only where `paces` reads them
             for i, row in enumerate(self.active):

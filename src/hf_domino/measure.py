@@ -30,6 +30,7 @@ method by `hf_domino.acceptance`, from the target's own forward calls.
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 import statistics
 import time
@@ -43,7 +44,7 @@ from transformers.cache_utils import DynamicCache
 from .acceptance import acceptance_from_cache_lengths, record_target_forwards
 from .assets import eos_token_ids, pad_token_id
 from .cache_domino import cache_argument
-from .cost_model_domino import cached_verify_cost, synchronize
+from .cost_model_domino import VerifyCost, cached_verify_cost, swap_verify_cost, synchronize
 from .cpu_fast_path import compiling_on_any_device
 from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
 from .generate_hook_domino import drafting_attention_kernels
@@ -69,11 +70,16 @@ class MethodSpec:
     uses_drafter: bool = False
     options: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def adaptive(self) -> bool:
+        """Whether its generate() call chooses its draft lengths with the adaptive policy (a drafter, no `_k<N>`)."""
+        return self.uses_drafter and self.name != "manual" and self.options.get("draft_policy") != "fixed"
+
 
 def parse_method(name: str) -> MethodSpec:
     """`target`, `prompt_lookup`, `manual`, or `domino`/`dflash`, then optionally `_vocab`, `_lookup` (copies from the
     text and the drafter's datastore, as generate() by default) or `_copies` (from the text only), `_k<N>`,
-    `_tree<N>` (after `_k<N>`: N first-token branches, `domino_branches`), `@<rollout>`."""
+    `_tree<N>` (N first-token branches, `domino_branches`; after `_k<N>` with the fixed policy), `@<rollout>`."""
     if name in ("target", "target_eager", "target_no_cudnn", "prompt_lookup"):
         return MethodSpec(name)
     if name == "manual":
@@ -88,8 +94,6 @@ def parse_method(name: str) -> MethodSpec:
     kind, vocab, lookup, fixed, branches, rollout = match.groups()
     if rollout is not None and kind != "domino":
         raise ValueError(f"Method {name!r}: @{rollout} picks the Domino head's rollout, and dflash has no head.")
-    if branches is not None and fixed is None:
-        raise ValueError(f"Method {name!r}: a tree verifies k drafts per branch; name k first, e.g. domino_k4_tree2.")
     options: dict[str, Any] = {
         "domino_head": kind == "domino",
         "draft_vocab": vocab is not None,
@@ -368,8 +372,26 @@ class BenchResult:
     forward_ms: dict[int, float] = field(default_factory=dict)
     # The same with eager linear layers, when `target_eager` ran (the CPU fast path's baseline).
     eager_forward_ms: dict[int, float] = field(default_factory=dict)
-    # The adaptive draft policy's verify cost model for the target after the run (ms by tokens per forward).
-    policy_verify_ms: dict[int, float] = field(default_factory=dict)
+    # Each drafting method's verify cost model for the target after the run (ms by tokens per forward).
+    policy_verify_ms: dict[str, dict[int, float]] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def own_verify_cost(target: PreTrainedModel, tables: dict[str, VerifyCost], method: str):
+    """Runs the block with `tables[method]` as `target`'s verify-cost table (first a copy of the process's, which is
+    put back after), so that each method compared in one process refines its own from its own loop's timings, as it
+    would in a process of its own: one table refined by transformers' loop and by the batch loop in turn prices
+    neither's forwards."""
+    shared = cached_verify_cost(target)
+    if method not in tables and shared is not None:
+        tables[method] = copy.deepcopy(shared)
+    swap_verify_cost(target, tables.get(method))
+    try:
+        yield
+    finally:
+        table = swap_verify_cost(target, shared)
+        if table is not None:
+            tables[method] = table
 
 
 def warmup_lengths(warmup_tokens: int, static_cache: bool) -> list[int]:
@@ -396,7 +418,9 @@ def run_benchmark(
     `on_prompt` sees the result so far after each prompt (the bench saves it, for a run that gets stopped).
 
     The method order rotates from prompt to prompt so that no method always runs right after the same other one
-    (caches, CPU frequency). With sampling, each (prompt, method) pair is seeded with the same seed.
+    (caches, CPU frequency). With sampling, each (prompt, method) pair is seeded with the same seed. Each drafting
+    method learns on its own, as in a process of its own: its own copy of the drafter (the policies' records are
+    kept per drafter) and of the target's verify-cost table (`own_verify_cost`).
     """
     from tqdm.auto import tqdm
 
@@ -408,25 +432,32 @@ def run_benchmark(
     if not prompts:
         return result
 
+    drafters = {
+        method: copy.deepcopy(drafter) if drafter is not None and parse_method(method).uses_drafter else drafter
+        for method in methods
+    }
+    tables: dict[str, VerifyCost] = {}
+
     def generate(method: str, input_ids: torch.LongTensor, max_new_tokens: int, seed: int) -> Generation:
         torch.manual_seed(seed)
-        return run_method(
-            method,
-            target,
-            drafter,
-            input_ids,
-            max_new_tokens,
-            temperature=settings.temperature,
-            prompt_lookup_tokens=settings.prompt_lookup_tokens,
-            num_speculative_tokens=settings.num_speculative_tokens,
-            top_k=settings.top_k,
-            top_p=settings.top_p,
-            cache_implementation=settings.cache_implementation,
-            compile=settings.compile,
-        )
+        with own_verify_cost(target, tables, method):
+            return run_method(
+                method,
+                target,
+                drafters[method],
+                input_ids,
+                max_new_tokens,
+                temperature=settings.temperature,
+                prompt_lookup_tokens=settings.prompt_lookup_tokens,
+                num_speculative_tokens=settings.num_speculative_tokens,
+                top_k=settings.top_k,
+                top_p=settings.top_p,
+                cache_implementation=settings.cache_implementation,
+                compile=settings.compile,
+            )
 
-    if drafter is not None and drafter.datastore is not None:
-        drafter.datastore.build_index()  # else whichever generation retrieves first pays for it
+    for copied in {id(d): d for d in drafters.values() if d is not None and d.datastore is not None}.values():
+        copied.datastore.build_index()  # else whichever generation retrieves first pays for it
     for method in methods:  # warm-up: allocator, kernels, lazy imports, the draft policy's cost calibration
         for warmup_tokens in warmup_lengths(settings.warmup_tokens, settings.cache_implementation is not None):
             generate(method, prompts[0], warmup_tokens, settings.seed)
@@ -448,6 +479,9 @@ def run_benchmark(
                 result.records[method].append(results[method])
             if on_prompt is not None:
                 on_prompt(result)
-    cost = cached_verify_cost(target)
-    result.policy_verify_ms = {n: 1000 * seconds for n, seconds in cost.seconds.items()} if cost else {}
+    result.policy_verify_ms = {
+        method: {n: 1000 * seconds for n, seconds in tables[method].seconds.items()}
+        for method in methods
+        if method in tables and parse_method(method).adaptive
+    }
     return result

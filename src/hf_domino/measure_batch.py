@@ -24,7 +24,7 @@ from . import batching_domino
 from .assets import chat_token_ids, eos_token_ids, load_drafter, load_prompts, load_target, pad_token_id
 from .cost_model_domino import synchronize
 from .cpu_fast_path import prepare_for_cpu_decoding
-from .measure import TIMING_KEYS, method_context
+from .measure import TIMING_KEYS, method_context, own_verify_cost
 from .modeling_domino import DominoForSpeculation
 
 BATCH_METHODS = ("target", "domino", "domino_lookup")
@@ -166,7 +166,7 @@ class BatchRow:
         return (sum(self.longest_rows) - len(self.forwards)) / sum(self.forwards) if sum(self.forwards) else None
 
 
-def _generate(target, drafter, batch, method: str, max_new_tokens: int, temperature: float):
+def _generate(target, drafter, batch, method: str, max_new_tokens: int, temperature: float, tables: dict):
     options = parse_batch_method(method)
     loop = options.pop("loop", {})  # module settings of the batch loop, for this call only
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
@@ -176,7 +176,7 @@ def _generate(target, drafter, batch, method: str, max_new_tokens: int, temperat
     for name, value in loop.items():
         setattr(batching_domino, name, value)
     try:
-        with method_context(method, target):
+        with method_context(method, target), own_verify_cost(target, tables, method):
             return target.generate(**batch, max_new_tokens=max_new_tokens, **sampling, **options)
     finally:
         for name, value in previous.items():
@@ -210,6 +210,7 @@ def run_batch_benchmark(
     # What the adaptive policy learns (acceptance, rates, pauses) is kept per drafter object: a copy per method, so
     # that one method's decisions never start from another's (e.g. `_makespan` from the mean's discounted rates).
     drafters = {method: copy.deepcopy(drafter) for method in methods if method not in TARGET_METHODS}
+    tables: dict = {}  # and the target's verify-cost table (`own_verify_cost`)
     for batch_size in batch_sizes:
         batches = [
             {name: tensor.to(target.device) for name, tensor in batch.items()}
@@ -217,7 +218,7 @@ def run_batch_benchmark(
         ]
         results = {method: BatchRow(batch_size, method) for method in methods}
         for method in methods:  # warm-up: kernels, and the adaptive policy's cost table for this batch shape
-            _generate(target, drafters.get(method), batches[0], method, warmup_tokens, temperature)
+            _generate(target, drafters.get(method), batches[0], method, warmup_tokens, temperature, tables)
         for batch in batches:
             seconds: dict[str, list[float]] = {method: [] for method in methods}
             for repeat in range(repeats):
@@ -227,7 +228,7 @@ def run_batch_benchmark(
                     with counting_forwards(target) as forwards:
                         start = time.perf_counter()
                         outputs[method] = _generate(
-                            target, drafters.get(method), batch, method, max_new_tokens, temperature
+                            target, drafters.get(method), batch, method, max_new_tokens, temperature, tables
                         )
                         synchronize(target.device)
                         seconds[method].append(time.perf_counter() - start)

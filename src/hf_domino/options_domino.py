@@ -97,8 +97,10 @@ class DominoOptions:
         domino_branches: verify each drafted block as a tree of this many branches (default 1: one block), one per
             first draft among the drafter's likeliest, each continued by the Domino head from its own first draft, in
             one target forward of 1 + branches x k tokens; the branch whose first draft the target picks goes on.
-            Greedy decoding with `draft_policy="fixed"` (k = `num_speculative_tokens`) only, for now. Runs in the
-            batch loop, also for one sequence (docs/usage.md, "First-token branches").
+            The adaptive policy chooses k (at most the drafts per block / branches) and how many of the branches to
+            verify per cycle; the fixed one verifies every branch with k = `num_speculative_tokens`. Greedy
+            decoding only, for now. Runs in the batch loop, also for one sequence (docs/usage.md, "First-token
+            branches").
     """
 
     draft_policy: str = "adaptive"
@@ -165,11 +167,6 @@ class DominoOptions:
         branches = self.domino_branches
         if isinstance(branches, bool) or not isinstance(branches, int) or not 1 <= branches <= MAX_BRANCHES:
             raise ValueError(f"domino_branches must be an int from 1 to {MAX_BRANCHES}, got {branches!r}.")
-        if branches > 1 and self.draft_policy != "fixed":
-            raise ValueError(
-                f"domino_branches={branches} needs draft_policy='fixed' (with num_speculative_tokens, the drafts per "
-                "branch): the adaptive policy does not price trees yet."
-            )
         if branches > 1 and self.domino_rollout in ("triton", "triton+graph"):
             raise ValueError(
                 f"domino_branches={branches} rolls its branches out with the eager head; domino_rollout="

@@ -172,8 +172,9 @@ class BatchDrafts:
     confidence: torch.Tensor  # [rows, k] (a tree's other branches: [rows, n - 1, k])
 
     def branch(self, index: int) -> BatchDrafts:
-        """One of a tree's branches (greedy: no logits), as a block of every row."""
-        return BatchDrafts(self.ids[:, index], None, self.confidence[:, index])
+        """One of a tree's branches, as a block of every row."""
+        logits = None if self.logits is None else self.logits[:, index]
+        return BatchDrafts(self.ids[:, index], logits, self.confidence[:, index])
 
 
 def batched_rollout(
@@ -197,8 +198,10 @@ def batched_rollout(
     columns; `None` for plain greedy drafting (the base, or corrected, logits themselves). Sampled drafts come back
     with their logits over the whole vocabulary.
     `keep_rolling(confidence [rows, j])`, asked before each draft after the first, may end the block early.
-    `branches` n > 1 (greedy): rows come in groups of n copies of one row, and the i-th of a group takes its i-th
-    likeliest first draft (0: the likeliest), the head continuing from it: a tree's branches, one row each.
+    `branches` n > 1: rows come in groups of n copies of one row, and the i-th of a group takes its i-th likeliest
+    first draft (0: the likeliest), the head continuing from it: a tree's branches, one row each. Those first drafts
+    are chosen, not drawn, also when sampling (`accept_rows` verifies them so, given `first`); the later ones are
+    drawn as a block's.
     """
     config = drafter.config
     use_head = head and config.has_domino_head
@@ -241,6 +244,7 @@ def accept_rows(
     draft_logits: torch.Tensor | None,
     do_sample: bool,
     copied: list[bool],
+    first: torch.LongTensor | None = None,
 ) -> tuple[list[torch.LongTensor], torch.LongTensor]:
     """Per row: the tokens a verification adds (accepted drafts + the target's own) and how many drafts matched.
 
@@ -248,6 +252,11 @@ def accept_rows(
     row, with the exact processed logits each draft was drawn from, which keeps the target's distribution. Copied
     rows have no draft distribution: the target draws at every position and the copies stand while they agree with
     its draws (transformers' rule for such drafts), which is exact too.
+
+    `first` (sampling, a tree's first drafts, which are chosen rather than drawn): each row's token at the first
+    position, already drawn from `processed[:, 0]` (to find the branch that holds it). A row whose first draft is
+    not that token adds it alone; one whose first draft is goes on with the rule above from the second draft: the
+    first token is the target's own draw, and each later draft was drawn by the drafter after it, so the law is kept.
     """
     width = candidates.shape[1]
     if not do_sample:
@@ -257,21 +266,34 @@ def accept_rows(
         return [selected[row, : n + 1] for row, n in enumerate(matches.tolist())], matches
     tokens, matches = [], []
     for row, length in enumerate(lengths.tolist()):
-        if length == 0 or copied[row]:
-            drawn = pick_tokens(processed[row, : length + 1], do_sample=True)
-            n = int((drawn[:length] == candidates[row, :length]).long().cumprod(dim=-1).sum())
-            tokens.append(drawn[: n + 1])
-            matches.append(n)
-            continue
-        valid, n = _speculative_sampling(
-            candidates[row : row + 1, :length],
-            draft_logits[row : row + 1, :length].to(processed.device),
-            length,
-            processed[row : row + 1, : length + 1],
-        )
-        tokens.append(valid[0])
-        matches.append(int(n))
+        start = 0
+        if first is not None:
+            drawn = first[row : row + 1]
+            if length == 0 or drawn[0] != candidates[row, 0]:
+                tokens.append(drawn)
+                matches.append(0)
+                continue
+            start = 1  # the first draft is the target's draw: the rest is verified as a block after it
+        valid, n = _accept_row(
+            processed[row, start : length + 1], candidates[row, start:length],
+            None if draft_logits is None else draft_logits[row, start:length], copied[row],
+        )  # fmt: skip
+        tokens.append(valid if not start else torch.cat([first[row : row + 1], valid]))
+        matches.append(start + n)
     return tokens, torch.tensor(matches, device=lengths.device)
+
+
+def _accept_row(
+    processed: torch.Tensor, drafts: torch.LongTensor, draft_logits: torch.Tensor | None, copied: bool
+) -> tuple[torch.LongTensor, int]:
+    """One sampled row: its tokens and accepted drafts, for `drafts` `[k]` and the target's `processed` `[k + 1, V]`."""
+    length = drafts.shape[0]
+    if length == 0 or copied:
+        drawn = pick_tokens(processed, do_sample=True)
+        n = int((drawn[:length] == drafts).long().cumprod(dim=-1).sum())
+        return drawn[: n + 1], n
+    valid, n = _speculative_sampling(drafts[None], draft_logits[None].to(processed.device), length, processed[None])
+    return valid[0], int(n)
 
 
 __all__ = [

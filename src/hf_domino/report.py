@@ -235,15 +235,19 @@ def markdown_report(result: BenchResult) -> str:
             copied = f"{s['copied_share']:.0%}, {s['copied_acceptance_length']:.2f}" if "copied_share" in s else ""
             lines.append(f"| {method} | {s['mean_drafts']:.2f} | {copied} | {cells} |")
     if result.policy_verify_ms:
+        lengths = sorted({n for table in result.policy_verify_ms.values() for n in table})
         lines += [
             "",
-            "The adaptive policy's verify cost model at the end of the run (measured when the models were prepared, else at first use, refined online; "
-            "ms per cycle by tokens verified):",
+            "The draft policies' verify cost model at the end of the run, each method's own (measured when the models were prepared, else at "
+            "first use, refined online from that method's cycles; ms per cycle by tokens verified):",
             "",
-            "| tokens | " + " | ".join(str(n) for n in result.policy_verify_ms) + " |",
-            "|---|" + "---:|" * len(result.policy_verify_ms),
-            "| ms | " + " | ".join(f"{ms:.1f}" for ms in result.policy_verify_ms.values()) + " |",
+            "| method | " + " | ".join(str(n) for n in lengths) + " |",
+            "|---|" + "---:|" * len(lengths),
         ]
+        for method, table in result.policy_verify_ms.items():
+            lines.append(
+                f"| {method} | " + " | ".join(f"{table[n]:.1f}" if n in table else "" for n in lengths) + " |"
+            )
     overhead = summaries.get("domino", {}).get("loop_overhead_vs_manual")
     if overhead is not None:
         lines += ["", f"transformers loop vs manual loop, time per token: {overhead:+.1%}"]

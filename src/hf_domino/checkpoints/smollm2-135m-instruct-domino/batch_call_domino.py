@@ -76,9 +76,7 @@ def check_batch_call(
 def _check_tree_call(target: PreTrainedModel, generation_config: GenerationConfig, branches: int) -> None:
     """Raises, naming the fix, where a call cannot verify trees of `branches` branches."""
     problem = None
-    if generation_config.do_sample:
-        problem = "sampling (a lossless rule for several drafts at a position is not built yet); decode greedily"
-    elif adds_its_mask(target) is None:
+    if adds_its_mask(target) is None:
         problem = takes_no_4d_mask(target)
     elif any(kind != "full_attention" for kind in getattr(target.config.get_text_config(), "layer_types", None) or ()):
         problem = "the target has sliding-window layers (trees take full-attention targets only)"

@@ -163,6 +163,16 @@ def verify_cost_for(target: PreTrainedModel, measure) -> VerifyCost:
     return costs[key]
 
 
+def swap_verify_cost(target: PreTrainedModel, table: VerifyCost | None) -> VerifyCost | None:
+    """Makes `table` `target`'s cost table on its device and dtype (None: none, measured at first use) and returns the
+    one it replaces, so that runs compared in one process (the bench's methods) can each keep their own."""
+    costs, key = _VERIFY_COSTS.setdefault(target, {}), (str(target.device), str(target.dtype))
+    previous = costs.pop(key, None)
+    if table is not None:
+        costs[key] = table
+    return previous
+
+
 def cached_verify_cost(target: PreTrainedModel) -> VerifyCost | None:
     """The cost table the adaptive policy uses for `target`, if one was measured in this process."""
     return _VERIFY_COSTS.get(target, {}).get((str(target.device), str(target.dtype)))
@@ -270,6 +280,7 @@ __all__ = [
     "measure_verify_cost_on_scratch",
     "row_paces",
     "settle_for_timing",
+    "swap_verify_cost",
     "synchronize",
     "timing_is_free",
     "verify_cost_for",

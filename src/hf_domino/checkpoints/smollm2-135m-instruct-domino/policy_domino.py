@@ -18,6 +18,10 @@ On a GPU `T_verify` is nearly flat in k; on a CPU two tokens already cost ~1.6 s
 Drafts copied from the text (prompt lookup) are verified by `LookupPolicy`: the same `E(k) / T_verify(k)`, with
 their own acceptance per position and no drafting cost.
 
+A tree of n first-token branches (`domino_branches`) verifies `1 + n k` tokens: `choose_tree` picks k and how many
+branches, each earning what its own drafts would (`tree_tokens`; a row's first drafts are different tokens, so at most
+one of them is right), and `take_branch` makes the outcome teach the policy along the branch taken.
+
 `T_verify` (`cost_model_domino.VerifyCost`) is measured with a few target forwards at first use per (target,
 device, dtype) and refined from the loop's own timings; `T_draft` is learned from the drafting steps' timings. What is
 learned is kept for the process, per drafter and decoding mode, so later `generate()` calls start informed. `E(k)`,
@@ -29,6 +33,7 @@ This file is also written next to exported checkpoints as remote code (transform
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,6 +162,13 @@ class FixedPolicy:
             return max(limits)
         return below_threshold(confidence, self.confidence_threshold)
 
+    def choose_tree(self, confidence: torch.Tensor, draft_seconds: float, limits: torch.LongTensor) -> tuple[int, int]:
+        """Every branch, as long as its rows allow (the loop already cut each branch at the threshold)."""
+        return int(limits.max()), limits.shape[1]
+
+    def take_branch(self, taken: list[int], offered: torch.LongTensor) -> None:
+        pass
+
     def observe(self, **_: Any) -> None:
         pass
 
@@ -182,8 +194,12 @@ class AdaptivePolicy:
         confidence_threshold: float | None = None,
         learn_times: bool | None = None,
         per_position: bool | None = None,
+        branches: int = 1,
     ):
         self.record, self.verify_cost, self.cap = record, verify_cost, cap
+        # A tree of `branches` first-token branches per block (`domino_branches`): k drafts per branch verify
+        # 1 + branches x k tokens, and `record` learns acceptance along the branch taken.
+        self.branches = branches
         self.confidence_threshold = confidence_threshold
         # Learn the verify-cost table and the drafter's times from the loop's timings (`LEARN_TIMES` by default; on
         # CUDA the loops synchronize at their laps for it, where the device is idle or about to be waited on anyway).
@@ -193,8 +209,9 @@ class AdaptivePolicy:
         self.per_position = self.learn_times if per_position is None else per_position
         self.probing = False
         self.confidence: torch.Tensor | None = None
+        self.tree_confidence: torch.Tensor | None = None  # a tree's, `[rows, n, k]` (`choose_tree`)
         self.drafted_before = False
-        self.block_verify_seconds: list[float] | None = None  # verify_cost(1 + k), k = 0..cap, for this block
+        self.block_verify_seconds: list[float] | None = None  # _verify_seconds(k), k = 0..cap, for this block
         # For a batch, set by its loop every cycle: the tokens each row may still generate, and how well its drafts
         # have held against the other rows' (`cost_model_domino.row_paces`; None: as well). Cycles are then priced
         # by the time they save a batch that is done when its last row is (`expected_tokens`), not by the rows' mean.
@@ -223,15 +240,20 @@ class AdaptivePolicy:
         position = self.record.position_seconds if self.record.position_seconds is not None else 0.02 * one
         return backbone + k * position
 
-    def cycle_seconds(self, positions: int, verified: int) -> float:
-        """What the cost model expects a drafting cycle to take: `positions` drafted, `verified` of them verified."""
-        return self._draft_seconds(positions) + self.verify_cost(1 + verified)
+    def _verify_seconds(self, k: int) -> float:
+        """A forward verifying k drafts per branch (`1 + branches x k` tokens; one branch: a block)."""
+        return self.verify_cost(1 + self.branches * k)
+
+    def cycle_seconds(self, positions: int, verified: int, tokens: int | None = None) -> float:
+        """What the cost model expects a drafting cycle to take: `positions` drafted, `verified` of them verified (in
+        a forward of `tokens`, default `1 + verified`)."""
+        return self._draft_seconds(positions) + self.verify_cost(tokens or 1 + verified)
 
     def _expected_rate(self, acceptance: torch.Tensor) -> float:
         """Tokens per second of the best drafting cycle (k >= 1) that the cost model and `acceptance` predict."""
         tokens = self._tokens(acceptance)
         return max(
-            float(tokens[k]) / (self._draft_seconds(k) + self.verify_cost(1 + k)) for k in range(1, len(tokens))
+            float(tokens[k]) / (self._draft_seconds(k) + self._verify_seconds(k)) for k in range(1, len(tokens))
         )
 
     def _pays(self, position_acceptance: list[float]) -> bool:
@@ -247,7 +269,7 @@ class AdaptivePolicy:
         tokens = self._tokens(acceptance)
         costs = torch.tensor(
             [
-                (spent if spent is not None else (self._draft_seconds(k) if k else 0.0)) + self.verify_cost(1 + k)
+                (spent if spent is not None else (self._draft_seconds(k) if k else 0.0)) + self._verify_seconds(k)
                 for k in range(len(tokens))
             ],
             dtype=torch.float64,
@@ -299,6 +321,35 @@ class AdaptivePolicy:
         # drafting.
         return self._best_k(self.record.calibration(self.confidence[:limit]), spent=draft_seconds)
 
+    def choose_tree(self, confidence: torch.Tensor, draft_seconds: float, limits: torch.LongTensor) -> tuple[int, int]:
+        """k and how many branches to verify, for a tree: `confidence` `[rows, n, k]` of each row's n branches (the
+        first: its likeliest first draft), `limits` `[rows, n]` the drafts each may offer. Every branch costs k
+        columns of the forward; it earns when its first draft is the target's next token. (k, 1) is a block, k = 0
+        a plain step."""
+        self.tree_confidence = confidence.detach().float().cpu()
+        self.confidence = self.tree_confidence[:, 0]  # what `observe` learns from, unless a branch is taken
+        rows, n, K = self.tree_confidence.shape
+        acceptance = self.record.calibration(self.tree_confidence.flatten()).view(rows, n, K)
+        acceptance = acceptance.masked_fill(torch.arange(K)[None, None] >= limits[..., None].cpu(), 0.0)
+        tokens = tree_tokens(acceptance, self._tokens)  # [n, K + 1]: with the first 1..n branches
+        costs = torch.tensor(
+            [[draft_seconds + self.verify_cost(1 + used * k) for k in range(K + 1)] for used in range(1, n + 1)],
+            dtype=torch.float64,
+        )
+        best = int(torch.argmax(tokens / costs))
+        used, k = divmod(best, K + 1)
+        return min(k, int(limits.max())), (used + 1) if k else 1
+
+    def take_branch(self, taken: list[int], offered: torch.LongTensor) -> None:
+        """After a tree's verification: what `observe` learns next is along each row's branch `taken[row]`, and the
+        first drafts of the other branches a row offered (`offered` `[rows, n]`) were rejected (a row's branches
+        start with different tokens, and the target's next token is at most one of them)."""
+        confidence = self.tree_confidence[:, : offered.shape[1]]
+        others = offered.cpu() > 0
+        others[torch.arange(len(taken)), taken] = False
+        self.record.calibration.observe(confidence[:, :, 0][others], torch.zeros(int(others.sum()), dtype=torch.bool))
+        self.confidence = confidence[torch.arange(len(taken)), taken]
+
     def rate_without_copies(self) -> float:
         """Tokens per second expected of this block without copied drafts: a drafting cycle's by the acceptance
         learned per position, or a plain step's, whichever is higher (what copies must beat)."""
@@ -321,10 +372,14 @@ class AdaptivePolicy:
         if drafted >= self.cap:
             return False
         if self.block_verify_seconds is None:  # asked once per position: read the table once per block
-            self.block_verify_seconds = [self.verify_cost(1 + k) for k in range(self.cap + 1)]
+            self.block_verify_seconds = [self._verify_seconds(k) for k in range(self.cap + 1)]
         verify = self.block_verify_seconds
         confidence = confidence.detach().float().cpu()
-        tokens = expected_tokens(self.record.calibration(confidence.flatten()).view(confidence.shape)).tolist()
+        acceptance = self.record.calibration(confidence.flatten()).view(confidence.shape)
+        if self.branches > 1:  # a tree's rows: each row's branches, one after the other
+            tokens = tree_tokens(acceptance.view(-1, self.branches, drafted), expected_tokens)[-1].tolist()
+        else:
+            tokens = expected_tokens(acceptance).tolist()
         all_accepted = tokens[drafted] - tokens[drafted - 1]  # the chance that every draft so far is accepted
         spent = self._draft_seconds(drafted)  # sunk for every choice of k
         position = self._draft_seconds(1) - self._draft_seconds(0)
@@ -348,8 +403,10 @@ class AdaptivePolicy:
         positions: int = 0,
         row_verified: list[int] | None = None,
         rows: list[int] | None = None,
+        tokens: int | None = None,
     ) -> None:
-        """Learns from one cycle: `verified` drafts were offered, the first `accepted` of them matched.
+        """Learns from one cycle: `verified` drafts were offered, the first `accepted` of them matched, in a forward of
+        `tokens` per row (default `1 + verified`; a tree's is wider, see `take_branch`).
 
         For a batch, `accepted` and `row_verified` hold each row's numbers and `verified` is the widest row's;
         `rows` says which rows of the block they describe, when not all (rows that verified copies instead). With
@@ -374,8 +431,9 @@ class AdaptivePolicy:
         first_draft = drafted and not self.drafted_before
         self.drafted_before |= drafted
         learn_draft_times = self.learn_times and not first_draft
+        forward_tokens = tokens or 1 + verified
         if self.learn_times:
-            self.verify_cost.observe(1 + verified, verify_seconds)
+            self.verify_cost.observe(forward_tokens, verify_seconds)
             if drafted and learn_draft_times:
                 record.backbone_seconds = _learned_time(record.backbone_seconds, backbone_seconds)
                 if positions:
@@ -388,9 +446,9 @@ class AdaptivePolicy:
         if learn_draft_times:
             elapsed = backbone_seconds + rollout_seconds + verify_seconds
         else:  # host timings are not the device's, or not typical: judge the cycle by the cost model
-            elapsed = self.cycle_seconds(positions, verified)
-        tokens = (sum(accepted_rows) / len(accepted_rows) + 1) * discount
-        cycle_rate = tokens / max(elapsed, 1e-9)
+            elapsed = self.cycle_seconds(positions, verified, forward_tokens)
+        earned = (sum(accepted_rows) / len(accepted_rows) + 1) * discount
+        cycle_rate = earned / max(elapsed, 1e-9)
         # A probe's own cycle is the freshest evidence there is after a pause: it replaces the stale estimate.
         record.drafting_rate = cycle_rate if self.probing else _moved(record.drafting_rate, cycle_rate, RATE_RATE)
         # One cycle of one sequence is a coin toss (a drafter accepting 40% of first drafts fails most cycles yet pays
@@ -409,6 +467,20 @@ class AdaptivePolicy:
             record.skip_left = record.skip_interval
         else:
             record.skip_interval, record.skip_left = 1, 0
+
+
+def tree_tokens(acceptance: torch.Tensor, price: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`E(k)` of a tree, k = 0..K, verifying its first 1..n branches: `[n, K + 1]`.
+
+    `acceptance` `[rows, n, K]` is each branch's, as for a block; `price` turns a block's `[rows, K]` into its
+    `E(k)` (`expected_tokens`, or the policy's pricing by makespan). A row's branches start with different tokens, so
+    at most one first draft is right: their first acceptances are scaled to sum to at most 1, and each further branch
+    adds the drafts it would have accepted (its `E(k) - E(0)`) to the first's.
+    """
+    first = acceptance[..., :1]
+    acceptance = torch.cat([first / first.sum(dim=1, keepdim=True).clamp(min=1.0), acceptance[..., 1:]], dim=-1)
+    tokens = torch.stack([price(acceptance[:, b]) for b in range(acceptance.shape[1])])
+    return torch.cat([tokens[:1], tokens[1:] - tokens[1:, :1]]).cumsum(dim=0)
 
 
 def learn_acceptance(
@@ -508,4 +580,5 @@ __all__ = [
     "drafter_record",
     "forget_records",
     "learn_acceptance",
+    "tree_tokens",
 ]
