@@ -197,6 +197,7 @@ def test_option_is_checked_and_bench_methods_name_it():
     assert (
         parse_batch_method("domino_k4_lookup")["domino_lookup"] and not parse_batch_method("domino")["domino_lookup"]
     )
+    assert parse_batch_method("domino_k2_lookup_tree3")["domino_branches"] == 3
     assert parse_batch_method("domino_lookup2") == {
         "domino_lookup": True,
         "domino_datastore": True,

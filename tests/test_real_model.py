@@ -188,6 +188,20 @@ def test_first_token_branches_keep_the_target_alones_output_and_lift_acceptance(
             **inputs, max_new_tokens=40, do_sample=False, assistant_model=shipped_drafter, domino_branches=2
         )
         assert torch.equal(adaptive, expected)
+    # Sampled as generation configs ask (the law itself is tested by chi-square on small models): every token the
+    # target's draws kept is among its own 20 likeliest there, drafts from the drafter's branches included.
+    one = mtbench_batch(tokenizer, 1)  # one row, unpadded: positions as a plain forward numbers them
+    torch.manual_seed(0)
+    sampled = target.generate(**one, max_new_tokens=40, do_sample=True, temperature=0.6, top_k=20, top_p=0.95,
+                              assistant_model=shipped_drafter, domino_branches=2, draft_policy="fixed",
+                              num_speculative_tokens=2)  # fmt: skip
+    assert any(shipped_drafter.last_generation_stats.branches)  # a later branch was taken
+    width = one["input_ids"].shape[1]
+    with torch.no_grad():
+        logits = target(sampled).logits[:, width - 1 : -1]
+    new = sampled[:, width:]
+    ranks = (logits > logits.gather(-1, new[..., None])).sum(dim=-1)
+    assert int(ranks[new != tokenizer.pad_token_id].max()) < 20
 
 
 PIPELINE_SCRIPT = """

@@ -32,7 +32,7 @@ BATCH_METHODS = ("target", "domino", "domino_lookup")
 # half precision: `generate_hook_domino.drafting_attention_kernels`).
 TARGET_METHODS = ("target", "target_no_cudnn")
 _BATCH_METHOD = re.compile(
-    r"domino(?:(_rowk)|_k(\d+))?(_lookup2|_lookup|_copies)?(_makespan)?(?:@(eager|triton|triton\+graph))?"
+    r"domino(?:(_rowk)|_k(\d+))?(_lookup2|_lookup|_copies)?(_makespan)?(?:_tree(\d+))?(?:@(eager|triton|triton\+graph))?"
 )
 
 
@@ -42,7 +42,7 @@ def parse_batch_method(method: str) -> dict:
     retrieved drafts beside the drafter, what `generate()` does by default), `_lookup2` (the same, retrieving only
     while at most 2 rows are active: `RETRIEVAL_MAX_ROWS = 2`) or `_copies` (copies from the text only), then
     optionally `_makespan` (cycles priced by when the batch's last row finishes, not by the rows' mean tokens:
-    `PRICE_BY_MAKESPAN = True`), and `@eager`, `@triton` or `@triton+graph` to force the Domino head's rollout
+    `PRICE_BY_MAKESPAN = True`), `_tree<N>` (N first-token branches per row, `domino_branches`), and `@eager`, `@triton` or `@triton+graph` to force the Domino head's rollout
     (`domino_rollout`; by default the head is fused on CUDA). Settings of the batch loop itself come back under
     `loop`."""
     if method in TARGET_METHODS:
@@ -51,15 +51,16 @@ def parse_batch_method(method: str) -> dict:
     if match is None:
         raise ValueError(
             f"unknown batch method {method!r}: use target, target_no_cudnn, domino, domino_rowk or domino_k<N>, "
-            "optionally followed by _lookup, _lookup2 or _copies, then _makespan, then @eager, @triton or "
-            "@triton+graph (e.g. domino_lookup, domino_lookup_makespan, domino_lookup@eager)"
+            "optionally followed by _lookup, _lookup2 or _copies, then _makespan, then _tree<N>, then @eager, @triton "
+            "or @triton+graph (e.g. domino_lookup, domino_lookup_makespan, domino_lookup_tree2, domino_lookup@eager)"
         )
-    per_row, fixed, lookup, makespan, rollout = match.groups()
+    per_row, fixed, lookup, makespan, branches, rollout = match.groups()
     options: dict = {"domino_lookup": lookup is not None, "domino_datastore": lookup in ("_lookup", "_lookup2")}
     loop = ({"K_PER_ROW": True} if per_row else {}) | ({"RETRIEVAL_MAX_ROWS": 2} if lookup == "_lookup2" else {})
     loop |= {"PRICE_BY_MAKESPAN": True} if makespan else {}
     options |= {"loop": loop} if loop else {}
     options |= {"domino_rollout": rollout} if rollout else {}
+    options |= {"domino_branches": int(branches)} if branches else {}
     if fixed is not None:
         return options | {"draft_policy": "fixed", "num_speculative_tokens": int(fixed)}
     return options | {"draft_policy": "adaptive"}
