@@ -66,6 +66,22 @@ def test_cuda_sampling_runs_on_the_device_one_row_and_a_batch():
     assert int(output.min()) >= 0 and int(output.max()) < target.config.vocab_size
 
 
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_cuda_trees_are_identical_to_the_target_alone_and_sample_on_the_device(policy):
+    # First-token branches: the tree's 4D mask, its positions and the cache's kept columns, all on the device.
+    target = tiny_target("qwen3").cuda()
+    drafter = tiny_drafter(target).cuda()
+    batch = on_cuda(left_padded([[5, 17, 42, 8, 9], [3, 30]]))
+    for rows in (1, 2):
+        part = {name: value[-rows:] for name, value in batch.items()}
+        expected, output = both(target, drafter, part, max_new_tokens=16, draft_policy=policy, domino_branches=3)
+        assert output.device.type == "cuda" and torch.equal(output, expected), rows
+    torch.manual_seed(0)
+    sampled = target.generate(**batch, assistant_model=drafter, do_sample=True, max_new_tokens=16,
+                              draft_policy=policy, domino_branches=3)  # fmt: skip
+    assert sampled.shape == (2, 21) and torch.equal(sampled[:, :5], batch["input_ids"])
+
+
 def test_cuda_target_with_a_cpu_drafter_is_refused_before_any_work():
     # What pipeline(model=target) leaves behind on a GPU machine: the target moved to the GPU, the drafter not.
     target = tiny_target("qwen3").cuda()
