@@ -673,6 +673,8 @@ def test_trees_keep_the_target_alones_output_and_take_the_branch_it_picks(rows, 
     expected, output = both(target, drafter, batch, max_new_tokens=24, domino_branches=2)
     assert torch.equal(output, expected)
     adaptive = drafter.last_generation_stats
+    for call in (stats, adaptive):  # one branch per row and forward, as for its acceptance
+        assert len(call.branches) == len(call.acceptance_lengths)
     assert (
         1 in adaptive.branches
         and max(a for a, b in zip(adaptive.acceptance_lengths, adaptive.branches) if b == 1) >= 3

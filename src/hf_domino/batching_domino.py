@@ -491,7 +491,6 @@ class BatchedDecoding:
         holds = (ids[:, :, 0] == picked[:, None]) & (lengths > 0)
         branch = holds.long().argmax(dim=-1)  # the first that holds, else 0
         cycle.taken = branch.tolist()
-        self.stats.branches.extend(cycle.taken)
         index = torch.arange(rows, device=device)
         return outputs, ids[index, branch], lengths[index, branch], layout.path(branch), (picked, scores)
 
@@ -525,6 +524,8 @@ class BatchedDecoding:
             offered, accepted = judge_copy(found, tokens[i])
             sources[i].observe(verified=offered, accepted=accepted)
         self.stats.acceptance_lengths.extend((1 + matches).tolist())
+        if self.branches > 1:  # a block, or a plain step, goes on along the first branch
+            self.stats.branches.extend(drafts.taken or [0] * len(self.active))
         self.stats.drafted.extend(verified_lengths.tolist())
         self.stats.copied.extend(drafts.copied(len(self.active), self.lookup_policy))
         self.stats.retrieved.extend(drafts.copied(len(self.active), self.datastore_policy))

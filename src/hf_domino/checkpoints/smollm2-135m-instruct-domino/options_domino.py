@@ -41,7 +41,8 @@ class DominoGenerationStats:
     logits of the drafted positions), `head` (the sequential rollout: Domino head and token picking) and `verify`
     (target forward and acceptance, timed from the end of drafting to the loop's next call). With
     `domino_branches`, `branches[i]` is the branch the i-th forward went on along (0: the likeliest first draft; also
-    0 where the target took none of them), and `drafted[i]` counts the drafts of that branch.
+    0 where the target took none of them, and where the forward verified one block or none), and `drafted[i]` counts
+    the drafts of that branch.
     """
 
     acceptance_lengths: list[int] = field(default_factory=list)
