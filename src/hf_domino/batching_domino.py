@@ -478,7 +478,7 @@ class BatchedDecoding:
         # A row's copies can be longer than the drafted branches: their columns past a branch's drafts are holes.
         branches = torch.nn.functional.pad(cycle.branches[:, :, :k], (0, k - min(k, cycle.branches.shape[-1])))
         ids = torch.cat([cycle.candidates(anchors)[:, None], branches.to(device)], dim=1)
-        lengths = torch.cat([cycle.lengths[:, None], cycle.branch_lengths], dim=1).to(device)  # [rows, n]
+        lengths = cycle.offered().to(device)  # [rows, n]
         layout = TreeLayout(ids.shape[1], k, self.additive)
         offered = torch.arange(k, device=device)[None, None] < lengths[..., None]
         new_columns = torch.cat([torch.ones(rows, 1, dtype=torch.bool, device=device), offered.flatten(1)], dim=1)
@@ -557,7 +557,7 @@ class BatchedDecoding:
         for row, copy in cycle.copies.items():
             cycle.sources[row].observe(verified=copy.shape[0], accepted=matches[row])
         if cycle.taken is not None:
-            self.policy.take_branch(cycle.taken, torch.cat([cycle.lengths[:, None], cycle.branch_lengths], dim=1))
+            self.policy.take_branch(cycle.taken, cycle.offered())
         drafted = [row for row in range(len(matches)) if row not in cycle.copies]
         self.policy.observe(
             verified=cycle.width, accepted=[matches[row] for row in drafted],

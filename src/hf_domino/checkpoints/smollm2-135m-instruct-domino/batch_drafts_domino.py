@@ -47,11 +47,17 @@ class CycleDrafts:
         """A plain target step for every row: nothing drafted, nothing copied."""
         return cls(None, torch.zeros(rows, dtype=torch.long), {"drafted": False})
 
+    def offered(self) -> torch.LongTensor:
+        """`[rows, branches]`: the drafts each row offers in each branch (a block: one column)."""
+        if self.branches is None:
+            return self.lengths[:, None]
+        return torch.cat([self.lengths[:, None], self.branch_lengths], dim=1)
+
     @property
     def width(self) -> int:
         """Drafts per branch the forward verifies: the most any row offers."""
-        widest = self.lengths if self.branches is None else torch.cat([self.lengths[:, None], self.branch_lengths], 1)
-        return int(widest.max()) if widest.numel() else 0
+        offered = self.offered()
+        return int(offered.max()) if offered.numel() else 0
 
     @property
     def columns(self) -> int:
