@@ -193,7 +193,7 @@ def test_batches_retrieve_only_while_few_rows_are_active(gpu_like_costs, monkeyp
 
     def recorded(self, *args):
         copies, declined, sources = find_copies(self, *args)
-        cycles.append((len(self.active), any(source is self.datastore_policy for source in sources.values())))
+        cycles.append((len(self.active), any(source is self.drafting.datastore_policy for source in sources.values())))
         return copies, declined, sources
 
     monkeypatch.setattr(batching_domino.BatchedDecoding, "find_copies", recorded)

@@ -25,7 +25,6 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -35,23 +34,14 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch_call_domino import TokenScores, check_batch_call, compiled_plain_steps
-from .batch_drafts_domino import CycleDrafts, RowCopies, row_limits
-from .batch_policy_domino import batch_policy, call_speculates, checks_call, judge_call, stops_speculating
+from .batch_drafts_domino import CycleDrafter, CycleDrafts
+from .batch_policy_domino import call_speculates, checks_call, judge_call, stops_speculating
 from .cache_domino import CACHE_ARGUMENT, buffer_layers
 from .cost_model_domino import row_paces, settle_for_timing
-from .drafting_domino import judge_copy, score_only, select_fused_rollout, spread_to_vocabulary
+from .drafting_domino import judge_copy
 from .modeling_domino import TargetModules, context_features, hidden_state_indices
-from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, copy_records
-from .ragged_batch_domino import (
-    BatchDrafts,
-    BatchedDrafterContext,
-    accept_rows,
-    batched_rollout,
-    pick_tokens,
-    process_rows,
-    row_processors,
-    run_batched_backbone,
-)
+from .policy_domino import AdaptivePolicy, FixedPolicy
+from .ragged_batch_domino import BatchedDrafterContext, accept_rows, pick_tokens, process_rows, row_processors
 from .ragged_cache_domino import (
     RaggedCache,
     SlidingWindow,
@@ -133,28 +123,8 @@ class BatchedDecoding:
         ]
         rows, self.prompt_length = input_ids.shape
         self.per_row = row_processors(logits_processor, rows) if len(logits_processor) else None
-        self.head = options.head_enabled(drafter)
-        self.vocab = drafter.draft_vocab if options.draft_vocab else None
-        # Drafts are picked from the base (+ head) logits themselves when greedy without processors; else from the
-        # processed logits, over the draft vocabulary's columns where the processors read the scores alone.
-        self.plain_greedy = not self.do_sample and self.per_row is None
         # A tree of first-token branches per block (`domino_branches`), verified with a 4D mask of this kind.
         self.branches, self.additive = options.domino_branches, adds_its_mask(target)
-        self.pick_on_columns = self.vocab is not None and score_only(logits_processor)
-        # The fused head (one launch per kernel for all rows, and a CUDA graph) where the call allows it, else None:
-        # the eager `batched_rollout`.
-        self.fused_rollout = (
-            None
-            if self.branches > 1
-            else select_fused_rollout(
-                drafter,
-                self.modules,
-                options,
-                do_sample=self.do_sample,
-                logits_processor=logits_processor,
-                max_drafts=options.drafts_per_block(drafter),
-            )
-        )
         self.device = input_ids.device
         self.mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         self.sequences = list(input_ids)
@@ -165,18 +135,12 @@ class BatchedDecoding:
         self.cached = cached_columns(cache, input_ids, attention_mask, generation_config)
         self.target_cache = RaggedCache(buffer_layers(cache, reserve), self.mask[:, : self.cached], window=window)
         self.context = BatchedDrafterContext.empty(rows, drafter.device)
-        self.policy: AdaptivePolicy | FixedPolicy | None = None
-        # Copied drafts, as at batch 1: off with the ensemble option, capped by transformers' prompt-lookup length
-        # (their policies are built with the drafter's, `build_policies`).
-        self.copies: RowCopies | None = None
-        if options.domino_lookup and generation_config.assistant_ensemble_weight is None:
-            max_drafts = options.drafts_per_block(drafter)
-            self.copies = RowCopies(
-                datastore=drafter.datastore if options.domino_datastore else None,
-                max_copies=min(max_drafts, generation_config.prompt_lookup_num_tokens or max_drafts),
-                padding=(~self.mask).sum(dim=-1).tolist(),  # each row's left padding, never copied from
-                criteria=self.block_criteria,
-            )
+        # The drafting half: the policies, copied drafts and the head's rollout (each row's left padding is never
+        # copied from).
+        self.drafting = CycleDrafter(
+            drafter, self.modules, options, generation_config, logits_processor, self.block_criteria, self.context,
+            self.process, self.now, padding=(~self.mask).sum(dim=-1).tolist(), timings=stats.timings,
+        )  # fmt: skip
         # Whether this call drafts and copies at all (`call_speculates`), and still (`stops_speculating`), and each
         # cycle's active rows, wall time and (a plain step) what a plain-steps-only call pays for it, for `judge_call`.
         self.speculated = self.speculating = True
@@ -203,13 +167,6 @@ class BatchedDecoding:
         rows = [row for row in self.active for _ in range(repeats)]
         processors = None if self.per_row is None else [self.per_row[row] for row in rows]
         return process_rows(processors, [self.sequences[row] for row in rows], logits, extra)
-
-    def pick_logits(self, logits: torch.Tensor, drafted: torch.LongTensor, repeats: int = 1) -> torch.Tensor:
-        """The distribution a draft is picked from when drafting is not plain greedy: the processed logits, over the
-        draft vocabulary's columns where the processors read the scores alone (as `processed_pick` does)."""
-        if not self.pick_on_columns:
-            logits = spread_to_vocabulary(logits, self.vocab, self.drafter.config.vocab_size)
-        return self.process(logits.float(), drafted, repeats)
 
     def extend(
         self, row: int, tokens: torch.LongTensor, scores: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -281,141 +238,27 @@ class BatchedDecoding:
             for row in self.active
         ]
 
+    @property
+    def policy(self) -> AdaptivePolicy | FixedPolicy | None:
+        """The drafter's policy (None until the first cycle builds it)."""
+        return self.drafting.policy
+
     def build_policies(self, anchors: torch.LongTensor) -> None:
-        """The drafter's policy and those of copied and retrieved drafts, whose acceptance is shared with batch 1."""
-        sampling = "sample" if self.do_sample else "greedy"
-        mode = sampling + ("+head" if self.head else "") + ("+vocab" if self.vocab is not None else "")
-        forward_kwargs = {"output_hidden_states": self.hidden_layers}
-        max_drafts = self.options.drafts_per_block(self.drafter)
-        self.policy = batch_policy(
-            self.target, self.drafter, self.options, mode, self.target_cache, anchors, forward_kwargs, max_drafts
-        )
+        """The drafting half's policies, and whether this call speculates at all (`call_speculates`)."""
+        self.drafting.build_policies(self.target, self.target_cache, anchors, self.hidden_layers)
         if self.policy.adaptive:
             self.speculated = self.speculating = call_speculates(self.policy.record)
-        if self.copies is not None:
-            lookup_record, datastore_record = copy_records(self.drafter, self.do_sample)
-            # The drafter's policy learns the verify times (copies share its table and forwards).
-            cost = self.policy.verify_cost if self.policy.adaptive else None
-            self.copies.lookup_policy = LookupPolicy(lookup_record, cost, False)
-            self.copies.datastore_policy = LookupPolicy(datastore_record, cost, False)
-            if self.copies.datastore is not None and self.speculating:
-                self.copies.datastore.build_index()  # once per datastore: not inside a timed cycle
-
-    @property
-    def lookup_policy(self) -> LookupPolicy | None:
-        """The policy of copied drafts (None: the call does not copy)."""
-        return None if self.copies is None else self.copies.lookup_policy
-
-    @property
-    def datastore_policy(self) -> LookupPolicy | None:
-        """The policy of drafts retrieved from the datastore (None: the call does not copy)."""
-        return None if self.copies is None else self.copies.datastore_policy
+        copies = self.drafting.copies
+        if copies is not None and copies.datastore is not None and self.speculating:
+            copies.datastore.build_index()  # once per datastore: not inside a timed cycle
 
     def find_copies(
         self, room: list[int], rooms: list[int] | None, paces: list[float] | None
     ) -> tuple[dict, dict, dict]:
         """Per active row, the copied drafts it offers this cycle, the copies the lookup policy declined, and each
         row's source (`RowCopies.find`); rows retrieve while at most `RETRIEVAL_MAX_ROWS` rows are active."""
-        if self.copies is None:
-            return {}, {}, {}
         retrieving = RETRIEVAL_MAX_ROWS is None or len(self.active) <= RETRIEVAL_MAX_ROWS
-        return self.copies.find(self.sequences, self.active, room, self.policy, retrieving, rooms, paces)
-
-    def draft(self, anchors: torch.LongTensor, room: list[int], copying: set[int]) -> CycleDrafts:
-        """The policy's budget, one block for every active row, and how many drafts each row offers.
-
-        Rows in `copying` offer copies instead; when every row does, the drafter does not run.
-        """
-        start = self.now()
-        rows = len(self.active)
-        budget = 0 if len(copying) == rows else self.policy.budget(max(room))
-        if budget <= 0:
-            return CycleDrafts.plain(rows)
-        hidden = run_batched_backbone(self.drafter, self.modules, anchors, self.context, budget)
-        backbone_done = self.now()
-        base_logits = self.modules.logits(hidden, self.vocab).float()
-        lm_head_done = self.now()
-        drafts, branches = self.roll_out(hidden, base_logits, anchors)
-        drafted = self.now()
-        threshold = self.options.assistant_confidence_threshold
-        limits = row_limits(drafts, self.active_sequences(), room, threshold, self.block_criteria)
-        limits = [0 if i in copying else limit for i, limit in enumerate(limits)]
-        tree = None
-        if branches is not None:
-            tree = torch.cat([torch.tensor(limits)[:, None], self.branch_limits(branches, room, copying)], dim=1)
-            confidence = torch.cat([drafts.confidence[:, None], branches.confidence], dim=1)
-            width, used = self.policy.choose_tree(confidence, drafted - start, tree)
-            lengths = tree[:, 0].clamp(max=width).tolist()
-            tree = tree[:, 1:used].clamp(max=width) if used > 1 and width and tree[:, 1:used].any() else None
-        elif K_PER_ROW and isinstance(self.policy, AdaptivePolicy):
-            lengths = [
-                self.policy.choose(drafts.confidence[i : i + 1], drafted - start, [n]) for i, n in enumerate(limits)
-            ]
-            self.policy.confidence = drafts.confidence.detach().float().cpu()  # what observe() learns from
-        else:
-            width = self.policy.choose(drafts.confidence, drafted - start, limits=limits)
-            lengths = [min(width, limit) for limit in limits]
-        if self.stats.timings is not None:
-            for name, seconds in (
-                ("backbone", backbone_done - start),
-                ("lm_head", lm_head_done - backbone_done),
-                ("head", drafted - lm_head_done),
-            ):
-                self.stats.timings.setdefault(name, []).append(seconds)
-        observed = {
-            "drafted": True,
-            "positions": drafts.ids.shape[1],
-            "backbone_seconds": backbone_done - start,
-            "rollout_seconds": drafted - backbone_done,
-        }
-        cycle = CycleDrafts(drafts, torch.tensor(lengths, dtype=torch.long), observed)
-        if tree is not None:
-            cycle.branches, cycle.branch_lengths = branches.ids[:, : tree.shape[1]], tree
-            cycle.branch_logits = None if branches.logits is None else branches.logits[:, : tree.shape[1]]
-        return cycle
-
-    def branch_limits(self, branches: BatchDrafts, room: list[int], copying: set[int]) -> torch.LongTensor:
-        """`[rows, n - 1]`: the drafts each row may offer in a tree's other branches, each limited as a block is
-        (room, confidence, stop strings: its own drafts); none where the row copies."""
-        sequences, threshold = self.active_sequences(), self.options.assistant_confidence_threshold
-        limits = [
-            row_limits(branches.branch(b), sequences, room, threshold, self.block_criteria)
-            for b in range(branches.ids.shape[1])
-        ]
-        lengths = torch.tensor(limits, dtype=torch.long).T
-        lengths[sorted(copying)] = 0
-        return lengths
-
-    def roll_out(
-        self, hidden: torch.Tensor, base_logits: torch.Tensor, anchors: torch.LongTensor
-    ) -> tuple[BatchDrafts, BatchDrafts | None]:
-        """The Domino head over every row's block: fused when `generate()` allows it, else eager.
-
-        With `domino_branches` n > 1, n blocks per row, the head continuing each of the row's n likeliest first
-        drafts: the first block, and the others (`ids`, `confidence` `[rows, n - 1, k]`); else (the block, None).
-        """
-        if self.fused_rollout is not None:
-            ids, logits, confidence = self.fused_rollout.draft_rows(hidden, base_logits, self.vocab, anchors)
-            return BatchDrafts(ids, logits if self.do_sample else None, confidence), None
-        n, rows = self.branches, anchors.shape[0]
-        if n > 1:
-            hidden, base_logits = hidden.repeat_interleave(n, dim=0), base_logits.repeat_interleave(n, dim=0)
-            anchors = anchors.repeat_interleave(n, dim=0)
-        drafts = batched_rollout(
-            self.drafter, self.modules, hidden, base_logits, self.vocab, anchors,
-            head=self.head, do_sample=self.do_sample,
-            pick_logits=None if self.plain_greedy else functools.partial(self.pick_logits, repeats=n),
-            keep_rolling=self.policy.keep_rolling if self.policy.adaptive else None,
-            branches=n,
-        )  # fmt: skip
-        if n == 1:
-            return drafts, None
-        ids, confidence = drafts.ids.view(rows, n, -1), drafts.confidence.view(rows, n, -1)
-        logits = None if drafts.logits is None else drafts.logits.view(rows, n, *drafts.logits.shape[1:])
-        return (
-            BatchDrafts(ids[:, 0], None if logits is None else logits[:, 0], confidence[:, 0]),
-            BatchDrafts(ids[:, 1:], None if logits is None else logits[:, 1:], confidence[:, 1:]),
-        )
+        return self.drafting.find_copies(self.sequences, self.active, room, retrieving, rooms, paces)
 
     def verify(
         self, anchors: torch.LongTensor, cycle: CycleDrafts
@@ -509,7 +352,7 @@ class BatchedDecoding:
             self.policy.verify_cost.rows, self.policy.rooms, self.policy.paces = len(self.active), rooms, paces
         if self.speculating:
             copies, declined, sources = self.find_copies(room, rooms, paces)
-            drafts = self.draft(anchors, room, set(copies))
+            drafts = self.drafting.draft(anchors, sequences, room, set(copies), per_row_k=K_PER_ROW)
             drafts.take_copies(copies, sources)
         else:
             copies, declined, sources = {}, {}, {}
@@ -527,8 +370,8 @@ class BatchedDecoding:
         if self.branches > 1:  # a block, or a plain step, goes on along the first branch
             self.stats.branches.extend(drafts.taken or [0] * len(self.active))
         self.stats.drafted.extend(verified_lengths.tolist())
-        self.stats.copied.extend(drafts.copied(len(self.active), self.lookup_policy))
-        self.stats.retrieved.extend(drafts.copied(len(self.active), self.datastore_policy))
+        self.stats.copied.extend(drafts.copied(len(self.active), self.drafting.lookup_policy))
+        self.stats.retrieved.extend(drafts.copied(len(self.active), self.drafting.datastore_policy))
         keep = self.token_scores is not None
         finished = [
             self.extend(row, tokens[i], (scores[0][i], scores[1][i]) if keep else None)
@@ -551,19 +394,9 @@ class BatchedDecoding:
         self.cycle_times.append((rows, seconds, verified_seconds if drafts.width == 0 else None))
 
     def learn(self, cycle: CycleDrafts, matches: list[int], offered: list[int], verify_seconds: float) -> None:
-        """Copied rows teach the lookup policy; the drafter's policy learns from the rows it drafted for alone (and
-        the forward's time from all of them), in a tree along the branch each row took (`offered`: the drafts each
-        row offered there); each row's pace counts the cycles that verified drafts or copies."""
-        for row, copy in cycle.copies.items():
-            cycle.sources[row].observe(verified=copy.shape[0], accepted=matches[row])
-        if cycle.taken is not None:
-            self.policy.take_branch(cycle.taken, cycle.offered())
-        drafted = [row for row in range(len(matches)) if row not in cycle.copies]
-        self.policy.observe(
-            verified=cycle.width, accepted=[matches[row] for row in drafted],
-            row_verified=[offered[row] for row in drafted], rows=drafted, verify_seconds=verify_seconds,
-            tokens=cycle.columns, **cycle.observed,
-        )  # fmt: skip
+        """The policies learn from the cycle (`CycleDrafter.learn`); each row's pace counts the cycles that verified
+        drafts or copies."""
+        self.drafting.learn(cycle, matches, offered, verify_seconds)
         if cycle.width and PRICE_BY_MAKESPAN and ROW_PACES:  # counted only where `paces` reads them
             for i, row in enumerate(self.active):
                 self.row_accepted[row] += matches[i]
@@ -655,4 +488,4 @@ def batched_assisted_decoding(
     return sequences
 
 
-__all__ = ["BatchedDecoding", "batch_policy", "batched_assisted_decoding"]
+__all__ = ["BatchedDecoding", "batched_assisted_decoding"]

@@ -1,27 +1,38 @@
-"""What one cycle of a batch offers for verification: per row, its drafted block or copied drafts, and how many.
+"""The drafting half of a batch's cycle: what each row offers for verification, its drafted block or copied drafts.
 
-`batching_domino.BatchedDecoding` drafts one block for every active row; `row_limits` says how many drafts each row
-may offer (its room, its confident drafts, none past a stop string). A row whose text repeats offers copies instead,
-as at batch 1 (`RowCopies`: what followed its last n-gram, else what the drafter's datastore continues it with),
-priced for all rows together. `CycleDrafts` holds the result for the verification.
+`CycleDrafter` drafts one block for every active row of `batching_domino.BatchedDecoding` and chooses, with the
+drafter's policy, how many drafts to verify; `row_limits` says how many drafts each row may offer (its room, its
+confident drafts, none past a stop string). A row whose text repeats offers copies instead, as at batch 1
+(`RowCopies`: what followed its last n-gram, else what the drafter's datastore continues it with), priced for all rows
+together. `CycleDrafts` holds the result for the verification.
 
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .drafting_domino import lookup_drafts, stop_free_length
-from .policy_domino import below_threshold
+from .batch_policy_domino import batch_policy
+from .drafting_domino import lookup_drafts, score_only, select_fused_rollout, spread_to_vocabulary, stop_free_length
+from .policy_domino import LookupPolicy, below_threshold, copy_records
+from .ragged_batch_domino import BatchDrafts, batched_rollout, run_batched_backbone
 
 if TYPE_CHECKING:
+    from transformers import GenerationConfig, PreTrainedModel
+    from transformers.generation.logits_process import LogitsProcessorList
+
     from .drafting_domino import DraftDatastore
-    from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy
-    from .ragged_batch_domino import BatchDrafts
+    from .modeling_domino import DominoForSpeculation, TargetModules
+    from .options_domino import DominoOptions
+    from .policy_domino import AdaptivePolicy, FixedPolicy
+    from .ragged_batch_domino import BatchedDrafterContext
+    from .ragged_cache_domino import RaggedCache
 
 
 @dataclass
@@ -114,7 +125,7 @@ class RowCopies:
     """Copied drafts for a batch's rows, as at batch 1: where a row's text repeats, what followed its last n-gram;
     else, with a datastore, what the target's earlier answers continue it with. `padding[row]` is each row's left
     padding, never copied from; `criteria` the stopping criteria that must not fire inside a block. The two sources'
-    policies are set by the batch loop once it has built the drafter's (they share its verify-cost table)."""
+    policies are set by `CycleDrafter.build_policies` with the drafter's (they share its verify-cost table)."""
 
     def __init__(self, datastore: DraftDatastore | None, max_copies: int, padding: list[int], criteria: list):
         self.datastore, self.max_copies, self.padding, self.criteria = datastore, max_copies, padding, criteria
@@ -163,4 +174,235 @@ class RowCopies:
         return {i: copy[:width] for i, copy in found.items()}, {}, sources
 
 
-__all__ = ["CycleDrafts", "RowCopies", "row_limits"]
+class CycleDrafter:
+    """The drafting half of a batch's cycle: the drafter's policy, the rows' copied drafts and their policies, and the
+    Domino head's rollout (fused where the call allows it). `draft` returns a cycle's `CycleDrafts`; `learn` teaches
+    the policies what its verification found. The loop (`batching_domino.BatchedDecoding`) keeps the rows, both caches
+    (it hands `context`, the drafter's, over) and the verification.
+
+    `process(logits, extra, repeats)` runs the active rows' logits processors (the loop's rows); `clock()` reads the
+    time as the loop does.
+    """
+
+    def __init__(
+        self,
+        drafter: DominoForSpeculation,
+        modules: TargetModules,
+        options: DominoOptions,
+        generation_config: GenerationConfig,
+        logits_processor: LogitsProcessorList,
+        block_criteria: list,
+        context: BatchedDrafterContext,
+        process: Callable[..., torch.Tensor],
+        clock: Callable[[], float],
+        padding: list[int],
+        timings: dict[str, list[float]] | None = None,
+    ):
+        self.drafter, self.modules, self.options, self.context = drafter, modules, options, context
+        self.block_criteria, self.process, self.clock, self.timings = block_criteria, process, clock, timings
+        self.do_sample = bool(generation_config.do_sample)
+        self.head = options.head_enabled(drafter)
+        self.vocab = drafter.draft_vocab if options.draft_vocab else None
+        self.max_drafts = options.drafts_per_block(drafter)
+        # Drafts are picked from the base (+ head) logits themselves when greedy without processors; else from the
+        # processed logits, over the draft vocabulary's columns where the processors read the scores alone.
+        self.plain_greedy = not self.do_sample and not len(logits_processor)
+        self.pick_on_columns = self.vocab is not None and score_only(logits_processor)
+        # A tree of first-token branches per block (`domino_branches`).
+        self.branches = options.domino_branches
+        # The fused head (one launch per kernel for all rows, and a CUDA graph) where the call allows it, else None:
+        # the eager `batched_rollout`.
+        self.fused_rollout = (
+            None
+            if self.branches > 1
+            else select_fused_rollout(
+                drafter, modules, options, do_sample=self.do_sample, logits_processor=logits_processor,
+                max_drafts=self.max_drafts,
+            )
+        )  # fmt: skip
+        self.policy: AdaptivePolicy | FixedPolicy | None = None
+        # Copied drafts, as at batch 1: off with the ensemble option, capped by transformers' prompt-lookup length
+        # (their policies are built with the drafter's, `build_policies`).
+        self.copies: RowCopies | None = None
+        if options.domino_lookup and generation_config.assistant_ensemble_weight is None:
+            self.copies = RowCopies(
+                datastore=drafter.datastore if options.domino_datastore else None,
+                max_copies=min(self.max_drafts, generation_config.prompt_lookup_num_tokens or self.max_drafts),
+                padding=padding,
+                criteria=block_criteria,
+            )
+
+    def build_policies(
+        self, target: PreTrainedModel, target_cache: RaggedCache, anchors: torch.LongTensor, hidden_layers
+    ) -> None:
+        """The drafter's policy and those of copied and retrieved drafts, whose acceptance is shared with batch 1."""
+        sampling = "sample" if self.do_sample else "greedy"
+        mode = sampling + ("+head" if self.head else "") + ("+vocab" if self.vocab is not None else "")
+        forward_kwargs = {"output_hidden_states": hidden_layers}
+        self.policy = batch_policy(
+            target, self.drafter, self.options, mode, target_cache, anchors, forward_kwargs, self.max_drafts
+        )
+        if self.copies is not None:
+            lookup_record, datastore_record = copy_records(self.drafter, self.do_sample)
+            # The drafter's policy learns the verify times (copies share its table and forwards).
+            cost = self.policy.verify_cost if self.policy.adaptive else None
+            self.copies.lookup_policy = LookupPolicy(lookup_record, cost, False)
+            self.copies.datastore_policy = LookupPolicy(datastore_record, cost, False)
+
+    @property
+    def lookup_policy(self) -> LookupPolicy | None:
+        """The policy of copied drafts (None: the call does not copy)."""
+        return None if self.copies is None else self.copies.lookup_policy
+
+    @property
+    def datastore_policy(self) -> LookupPolicy | None:
+        """The policy of drafts retrieved from the datastore (None: the call does not copy)."""
+        return None if self.copies is None else self.copies.datastore_policy
+
+    def find_copies(
+        self,
+        sequences: list[torch.LongTensor],
+        active: list[int],
+        room: list[int],
+        retrieving: bool,
+        rooms: list[int] | None,
+        paces: list[float] | None,
+    ) -> tuple[dict, dict, dict]:
+        """Per active row, the copied drafts it offers this cycle, the copies the lookup policy declined, and each
+        row's source (`RowCopies.find`)."""
+        if self.copies is None:
+            return {}, {}, {}
+        return self.copies.find(sequences, active, room, self.policy, retrieving, rooms, paces)
+
+    def draft(
+        self,
+        anchors: torch.LongTensor,
+        sequences: list[torch.LongTensor],
+        room: list[int],
+        copying: set[int],
+        per_row_k: bool = False,
+    ) -> CycleDrafts:
+        """The policy's budget, one block for every active row (`sequences`), and how many drafts each row offers.
+
+        Rows in `copying` offer copies instead; when every row does, the drafter does not run. `per_row_k`: the
+        adaptive policy chooses each row's k on its own, not one for the batch.
+        """
+        start = self.clock()
+        rows = len(sequences)
+        budget = 0 if len(copying) == rows else self.policy.budget(max(room))
+        if budget <= 0:
+            return CycleDrafts.plain(rows)
+        hidden = run_batched_backbone(self.drafter, self.modules, anchors, self.context, budget)
+        backbone_done = self.clock()
+        base_logits = self.modules.logits(hidden, self.vocab).float()
+        lm_head_done = self.clock()
+        drafts, branches = self.roll_out(hidden, base_logits, anchors)
+        drafted = self.clock()
+        threshold = self.options.assistant_confidence_threshold
+        limits = row_limits(drafts, sequences, room, threshold, self.block_criteria)
+        limits = [0 if i in copying else limit for i, limit in enumerate(limits)]
+        tree = None
+        if branches is not None:
+            tree = torch.cat(
+                [torch.tensor(limits)[:, None], self.branch_limits(branches, sequences, room, copying)], 1
+            )
+            confidence = torch.cat([drafts.confidence[:, None], branches.confidence], dim=1)
+            width, used = self.policy.choose_tree(confidence, drafted - start, tree)
+            lengths = tree[:, 0].clamp(max=width).tolist()
+            tree = tree[:, 1:used].clamp(max=width) if used > 1 and width and tree[:, 1:used].any() else None
+        elif per_row_k and self.policy.adaptive:
+            lengths = [
+                self.policy.choose(drafts.confidence[i : i + 1], drafted - start, [n]) for i, n in enumerate(limits)
+            ]
+            self.policy.confidence = drafts.confidence.detach().float().cpu()  # what observe() learns from
+        else:
+            width = self.policy.choose(drafts.confidence, drafted - start, limits=limits)
+            lengths = [min(width, limit) for limit in limits]
+        if self.timings is not None:
+            for name, seconds in (
+                ("backbone", backbone_done - start),
+                ("lm_head", lm_head_done - backbone_done),
+                ("head", drafted - lm_head_done),
+            ):
+                self.timings.setdefault(name, []).append(seconds)
+        observed = {
+            "drafted": True,
+            "positions": drafts.ids.shape[1],
+            "backbone_seconds": backbone_done - start,
+            "rollout_seconds": drafted - backbone_done,
+        }
+        cycle = CycleDrafts(drafts, torch.tensor(lengths, dtype=torch.long), observed)
+        if tree is not None:
+            cycle.branches, cycle.branch_lengths = branches.ids[:, : tree.shape[1]], tree
+            cycle.branch_logits = None if branches.logits is None else branches.logits[:, : tree.shape[1]]
+        return cycle
+
+    def branch_limits(
+        self, branches: BatchDrafts, sequences: list[torch.LongTensor], room: list[int], copying: set[int]
+    ) -> torch.LongTensor:
+        """`[rows, n - 1]`: the drafts each row may offer in a tree's other branches, each limited as a block is
+        (room, confidence, stop strings: its own drafts); none where the row copies."""
+        threshold = self.options.assistant_confidence_threshold
+        limits = [
+            row_limits(branches.branch(b), sequences, room, threshold, self.block_criteria)
+            for b in range(branches.ids.shape[1])
+        ]
+        lengths = torch.tensor(limits, dtype=torch.long).T
+        lengths[sorted(copying)] = 0
+        return lengths
+
+    def pick_logits(self, logits: torch.Tensor, drafted: torch.LongTensor, repeats: int = 1) -> torch.Tensor:
+        """The distribution a draft is picked from when drafting is not plain greedy: the processed logits, over the
+        draft vocabulary's columns where the processors read the scores alone (as `processed_pick` does)."""
+        if not self.pick_on_columns:
+            logits = spread_to_vocabulary(logits, self.vocab, self.drafter.config.vocab_size)
+        return self.process(logits.float(), drafted, repeats)
+
+    def roll_out(
+        self, hidden: torch.Tensor, base_logits: torch.Tensor, anchors: torch.LongTensor
+    ) -> tuple[BatchDrafts, BatchDrafts | None]:
+        """The Domino head over every row's block: fused when `generate()` allows it, else eager.
+
+        With `domino_branches` n > 1, n blocks per row, the head continuing each of the row's n likeliest first
+        drafts: the first block, and the others (`ids`, `confidence` `[rows, n - 1, k]`); else (the block, None).
+        """
+        if self.fused_rollout is not None:
+            ids, logits, confidence = self.fused_rollout.draft_rows(hidden, base_logits, self.vocab, anchors)
+            return BatchDrafts(ids, logits if self.do_sample else None, confidence), None
+        n, rows = self.branches, anchors.shape[0]
+        if n > 1:
+            hidden, base_logits = hidden.repeat_interleave(n, dim=0), base_logits.repeat_interleave(n, dim=0)
+            anchors = anchors.repeat_interleave(n, dim=0)
+        drafts = batched_rollout(
+            self.drafter, self.modules, hidden, base_logits, self.vocab, anchors,
+            head=self.head, do_sample=self.do_sample,
+            pick_logits=None if self.plain_greedy else functools.partial(self.pick_logits, repeats=n),
+            keep_rolling=self.policy.keep_rolling if self.policy.adaptive else None,
+            branches=n,
+        )  # fmt: skip
+        if n == 1:
+            return drafts, None
+        ids, confidence = drafts.ids.view(rows, n, -1), drafts.confidence.view(rows, n, -1)
+        logits = None if drafts.logits is None else drafts.logits.view(rows, n, *drafts.logits.shape[1:])
+        return (
+            BatchDrafts(ids[:, 0], None if logits is None else logits[:, 0], confidence[:, 0]),
+            BatchDrafts(ids[:, 1:], None if logits is None else logits[:, 1:], confidence[:, 1:]),
+        )
+
+    def learn(self, cycle: CycleDrafts, matches: list[int], offered: list[int], verify_seconds: float) -> None:
+        """Copied rows teach their source's policy; the drafter's policy learns from the rows it drafted for alone (and
+        the forward's time from all of them), in a tree along the branch each row took (`offered`: the drafts each
+        row offered there)."""
+        for row, copy in cycle.copies.items():
+            cycle.sources[row].observe(verified=copy.shape[0], accepted=matches[row])
+        if cycle.taken is not None:
+            self.policy.take_branch(cycle.taken, cycle.offered())
+        drafted = [row for row in range(len(matches)) if row not in cycle.copies]
+        self.policy.observe(
+            verified=cycle.width, accepted=[matches[row] for row in drafted],
+            row_verified=[offered[row] for row in drafted], rows=drafted, verify_seconds=verify_seconds,
+            tokens=cycle.columns, **cycle.observed,
+        )  # fmt: skip
+
+
+__all__ = ["CycleDrafter", "CycleDrafts", "RowCopies", "row_limits"]
