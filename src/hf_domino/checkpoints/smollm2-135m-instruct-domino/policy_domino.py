@@ -43,6 +43,12 @@ from .cost_model_domino import TIME_RATE, VerifyCost, expected_tokens
 
 # Online estimates move this far towards each new observation (times: cost_model_domino.TIME_RATE).
 POSITION_RATE = 0.2
+# ... and the drafter's acceptance per position when sampling: a drawn draft is accepted with probability
+# min(1, p/q), a coin toss each cycle, so one cycle says little about the next. At POSITION_RATE a first-draft
+# acceptance near 0.3 swung between 0 and 0.5, and the pauses it set off (up to 128 steps, across calls) cost the
+# adaptive policy 7% on a 2-core CPU (docs/benchmarks.md, "The adaptive policy when sampling"). Copies keep
+# POSITION_RATE: whether they hold follows whether the text repeats, and that was not measured.
+SAMPLED_POSITION_RATE = 0.05
 RATE_RATE = 0.5
 # What a drafter is assumed to achieve at a draft position before anything was observed there: optimistic, so that
 # the first blocks are long enough to show how far its drafts hold.
@@ -103,6 +109,7 @@ class DrafterRecord:
     """What the adaptive policy has learned about one drafter in one decoding mode, kept across calls."""
 
     position_acceptance: list[float]
+    sampled: bool = False  # the drafter's own drafts, drawn when sampling: learned at SAMPLED_POSITION_RATE
     calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     backbone_seconds: float | None = None
     position_seconds: float | None = None
@@ -126,7 +133,8 @@ _RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def drafter_record(drafter: torch.nn.Module, mode: str, num_drafts: int) -> DrafterRecord:
     records = _RECORDS.setdefault(drafter, {})
     if mode not in records:
-        records[mode] = DrafterRecord(position_acceptance=[INITIAL_ACCEPTANCE] * num_drafts)
+        sampled = mode.split("+")[0] == "sample"  # a drafter's mode; copies' modes start with their source
+        records[mode] = DrafterRecord(position_acceptance=[INITIAL_ACCEPTANCE] * num_drafts, sampled=sampled)
     return records[mode]
 
 
@@ -491,12 +499,13 @@ def learn_acceptance(
         return
     seen = min(offered, accepted + 1)  # drafts after the first rejection were never judged
     outcomes = torch.arange(seen) < accepted
+    rate = SAMPLED_POSITION_RATE if record.sampled else POSITION_RATE
     if record.steady_acceptance is None:
         record.steady_acceptance = list(record.position_acceptance)
     record.steady_cycles += 1
     for j in range(seen):
         current = record.position_acceptance[j]
-        record.position_acceptance[j] = current + POSITION_RATE * (float(outcomes[j]) - current)
+        record.position_acceptance[j] = current + rate * (float(outcomes[j]) - current)
         steady = record.steady_acceptance[j]
         record.steady_acceptance[j] = steady + STEADY_RATE * (float(outcomes[j]) - steady)
     if confidence is not None:
