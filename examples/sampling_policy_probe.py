@@ -10,7 +10,7 @@ the adaptive policy, and sampled"; "The adaptive policy when sampling", run each
     python examples/sampling_policy_probe.py --set SAMPLED_POSITION_RATE=0.2   # a policy_domino constant changed
 
 The prepared SmolLM2 target and the shipped drafter on this CPU (the CPU fast path), the drafter's drafts only (no
-copies), prompt i sampled with seed `--seed` + i (`--repeats` passes, each with new seeds). `--peak-confidence`
+copies, unless `--lookup`), prompt i sampled with seed `--seed` + i (`--repeats` passes, each with new seeds). `--peak-confidence`
 replaces a drawn draft's probability by the largest probability of its distribution as the confidence the policy
 calibrates (an experiment: the package does not do so).
 """
@@ -41,6 +41,7 @@ def main() -> None:
     )
     parser.add_argument("--peak-confidence", action="store_true")
     parser.add_argument("--alone", action="store_true", help="the target alone, for the baseline")
+    parser.add_argument("--lookup", action="store_true", help="copied drafts too (the default setting)")
     parser.add_argument(
         "--set",
         action="append",
@@ -94,7 +95,7 @@ def probe_prompt(target, drafter, prompt, seed, sampling, policy, args) -> tuple
         output = target.generate(prompt, max_new_tokens=args.max_new_tokens, **sampling)
         return output.shape[1] - prompt.shape[1], time.perf_counter() - start
     output = target.generate(prompt, max_new_tokens=args.max_new_tokens, assistant_model=drafter,
-                             domino_timings=True, domino_lookup=False, **sampling, **policy)  # fmt: skip
+                             domino_timings=True, domino_lookup=args.lookup, **sampling, **policy)  # fmt: skip
     seconds = time.perf_counter() - start
     stats, new = drafter.last_generation_stats, output.shape[1] - prompt.shape[1]
     drafting = len(stats.timings.get("backbone", []))
