@@ -18,6 +18,7 @@ calibrates (an experiment: the package does not do so).
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import time
 
@@ -53,7 +54,7 @@ def main() -> None:
     torch.set_num_threads(2)
     for assignment in args.set:
         name, value = assignment.split("=")
-        setattr(policy_domino, name, type(getattr(policy_domino, name))(value))
+        setattr(policy_domino, name, ast.literal_eval(value))  # "False" is False, 0.05 a float
     if args.peak_confidence:
         drafting_domino.draft_confidence = lambda logits, index: logits.float().softmax(-1).amax(-1)[0]
     target, tokenizer = load_target("smollm2")

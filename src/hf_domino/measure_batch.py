@@ -42,8 +42,9 @@ def parse_batch_method(method: str) -> dict:
     retrieved drafts beside the drafter, what `generate()` does by default), `_lookup2` (the same, retrieving only
     while at most 2 rows are active: `RETRIEVAL_MAX_ROWS = 2`) or `_copies` (copies from the text only), then
     optionally `_makespan` (cycles priced by when the batch's last row finishes, not by the rows' mean tokens:
-    `PRICE_BY_MAKESPAN = True`), `_tree<N>` (N first-token branches per row, `domino_branches`), and `@eager`, `@triton` or `@triton+graph` to force the Domino head's rollout
-    (`domino_rollout`; by default the head is fused on CUDA). Settings of the batch loop itself come back under
+    `PRICE_BY_MAKESPAN = True`), `_tree<N>` (N first-token branches per row, `domino_branches`), and `@eager`,
+    `@triton` or `@triton+graph` to force the Domino head's rollout (`domino_rollout`; by default the head is fused on
+    CUDA). Settings of the batch loop itself come back under
     `loop`."""
     if method in TARGET_METHODS:
         return {}

@@ -249,6 +249,12 @@ class CycleDrafter:
             self.copies.lookup_policy = LookupPolicy(lookup_record, cost, False)
             self.copies.datastore_policy = LookupPolicy(datastore_record, cost, False)
 
+    def index_datastore(self) -> None:
+        """Builds the datastore's retrieval index where the call retrieves (once per datastore): before the first timed
+        cycle, not inside it."""
+        if self.copies is not None and self.copies.datastore is not None:
+            self.copies.datastore.build_index()
+
     @property
     def lookup_policy(self) -> LookupPolicy | None:
         """The policy of copied drafts (None: the call does not copy)."""

@@ -248,9 +248,8 @@ class BatchedDecoding:
         self.drafting.build_policies(self.target, self.target_cache, anchors, self.hidden_layers)
         if self.policy.adaptive:
             self.speculated = self.speculating = call_speculates(self.policy.record)
-        copies = self.drafting.copies
-        if copies is not None and copies.datastore is not None and self.speculating:
-            copies.datastore.build_index()  # once per datastore: not inside a timed cycle
+        if self.speculating:
+            self.drafting.index_datastore()
 
     def find_copies(
         self, room: list[int], rooms: list[int] | None, paces: list[float] | None
