@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import io
 import json
@@ -667,3 +668,13 @@ def test_each_method_learns_on_its_own_as_in_a_process_of_its_own(target, drafte
         assert set(result.policy_verify_ms) == {"domino"}  # the fixed policy reads no table
     finally:
         swap_verify_cost(target, previous)
+
+
+def test_the_drafter_goes_to_the_targets_device_before_the_pair_is_checked():
+    # The fourth GPU run met this: the drafter, loaded on the CPU, was refused next to the CUDA target before it was
+    # moved, so every bench on the GPU exited. "meta" stands in for a device other than the CPU here.
+    from hf_domino.bench import _drafter_for
+
+    target = make_target().to("meta")
+    drafter = _drafter_for(target, argparse.Namespace(drafter=None, random_weights=True, seed=0), torch.float32)
+    assert drafter.device.type == "meta"

@@ -54,14 +54,23 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   "gguf==$(python3 -c 'import importlib.metadata as m; print(m.version("gguf"))')"
 python3 -m pip install -q --no-index --no-deps --no-compile --target $OUT/site $OUT/whl/*.whl
 # Every model's configuration and tokenizer stay (transformers' auto classes import them by name while they look one
-# up); the modeling code stays for the models the project and its tests load, and for bloom: the GPU image's peft
-# imports BloomPreTrainedModel when transformers imports peft (trainer_utils, which training's schedule imports).
+# up); the modeling code stays for the models the project and its tests load (every `...ForCausalLM` or
+# `...LMHeadModel` class named in src/, tests/ or examples/: the fourth GPU run lost 33 tests of other families to a
+# fixed list), and for bloom: the GPU image's peft imports BloomPreTrainedModel when transformers imports peft
+# (trainer_utils, which training's schedule imports).
+classes=$(grep -rhoE "\b[A-Z][A-Za-z0-9]*(ForCausalLM|LMHeadModel)\b" src tests examples --include="*.py" | sort -u |
+  grep -v "^Auto" | python3 -c "import sys, transformers; print(' '.join(n for n in sys.stdin.read().split()
+    if hasattr(transformers, n)))")
+keep=$(python3 -c "import sys, transformers; print(' '.join(sorted({getattr(transformers, n).__module__.split('.')[2]
+  for n in sys.argv[1:]})))" $classes)
 for model in $OUT/site/transformers/models/*/; do
-  case " auto bloom encoder_decoder gpt2 llama qwen2 qwen3 " in *" $(basename $model) "*) continue ;; esac
+  case " auto bloom encoder_decoder $keep " in *" $(basename $model) "*) continue ;; esac
   find $model -type f \( -name "modeling_*" -o -name "modular_*" -o -name "convert_*" -o -name "image_processing_*" \
     -o -name "video_processing_*" -o -name "feature_extraction_*" -o -name "processing_*" \) -delete
 done
-PYTHONPATH=$OUT/site python3 -c "from transformers import BloomPreTrainedModel" || exit 1  # what peft imports first
+echo "modeling code kept for: auto bloom encoder_decoder $keep"
+PYTHONPATH=$OUT/site python3 -c "import sys, transformers; [getattr(transformers, n) for n in sys.argv[1:]]
+from transformers import BloomPreTrainedModel  # what peft imports first" $classes || exit 1
 tar cf - -C $OUT/site . | xz -T2 -9 > $OUT/site.tar.xz
 # transformers checks regex's version when it is imported; the image's may be older (call.sh installs it then).
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

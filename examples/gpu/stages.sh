@@ -53,8 +53,9 @@ stage() {  # stage NAME LIMIT COMMAND...
   fi
   [ $left -lt $limit ] && limit=$left
   echo "=== $(date +%T) $name (at most $limit s): $*" | tee -a $R/stages.log
-  # SIGINT first: pytest then still prints its failures and summary, python its traceback (where it was).
-  STAGE_END=$(( $(date +%s) + limit )) timeout --signal=INT --kill-after=10 $limit bash -c "$(declare -f micro bench batch finetune seconds_per_step); \
+  # SIGINT first: pytest then still prints its failures and summary, python its traceback (where it was). The fourth
+  # run's suite (14 workers) was still stopping 10 s after it and lost its failure reports: 20 s.
+  STAGE_END=$(( $(date +%s) + limit )) timeout --signal=INT --kill-after=20 $limit bash -c "$(declare -f micro bench batch finetune seconds_per_step); \
     $(printf '%q ' "$@")" > $R/$name.log 2>&1
   status=$?
   echo "=== $(date +%T) $name: exit $status (124: stopped after $limit s)" | tee -a $R/stages.log

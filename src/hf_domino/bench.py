@@ -313,11 +313,11 @@ def _drafter_for(target: PreTrainedModel, args: argparse.Namespace, dtype: torch
     try:
         drafter = assets.load_drafter(
             args.drafter, dtype=dtype, random_weights=args.random_weights, seed=args.seed, target_config=target.config
-        )
+        ).to(target.device)  # before the check, which refuses a drafter on another device than its target
         check_drafter_for_target(drafter, target)
     except ValueError as error:
         raise SystemExit(f"hf-domino bench: {error} (--drafter: a drafter folder trained for --target)") from None
-    return drafter.to(target.device)
+    return drafter
 
 
 def _cpu_fast_path(args: argparse.Namespace, target, drafter) -> str:
