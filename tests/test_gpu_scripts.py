@@ -24,6 +24,28 @@ def run(command: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedP
     return subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120)
 
 
+def test_the_suite_keeps_each_failure_as_it_happens(tmp_path, monkeypatch):
+    # The fourth run's suite was killed at its deadline before pytest printed any failure: the suite stage now sets
+    # HF_DOMINO_FAILURES_LOG, and conftest's hook writes each failed report there at once (the main process only).
+    from conftest import pytest_runtest_logreport
+
+    log = tmp_path / "failures.log"
+    monkeypatch.setenv("HF_DOMINO_FAILURES_LOG", str(log))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+
+    def report(outcome: str) -> pytest.TestReport:
+        return pytest.TestReport("tests/x.py::test_x", ("x.py", 1, "test_x"), {}, outcome, f"{outcome} here", "call")
+
+    pytest_runtest_logreport(report("passed"))
+    assert not log.exists()
+    pytest_runtest_logreport(report("failed"))
+    assert log.read_text() == "tests/x.py::test_x (call)\nfailed here\n\n"
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")  # a worker's report reaches the main process too: once
+    pytest_runtest_logreport(report("failed"))
+    assert log.read_text().count("failed here") == 1
+    assert "HF_DOMINO_FAILURES_LOG=$R/suite-failures.log" in (GPU / "stages.sh").read_text()
+
+
 @pytest.mark.parametrize("script", sorted(GPU.glob("*.sh")), ids=lambda path: path.name)
 def test_scripts_parse(script):
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0

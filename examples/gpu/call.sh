@@ -68,6 +68,9 @@ for name in $STAGES; do  # for the call's reply: the results tables, counts and 
   if [ $name = suite ]; then  # counted from the verbose lines, so that a suite stopped at the deadline counts too
     for outcome in PASSED FAILED SKIPPED ERROR; do printf '%s %s  ' $outcome "$(grep -c " $outcome " $S/results/suite.log)"; done
     echo
+    # each failure's report, written as it happened (tests/conftest.py): its test and its last lines
+    [ -f $S/results/suite-failures.log ] && grep -E "^tests/.*::.* \((setup|call|teardown)\)$|^E " \
+      $S/results/suite-failures.log | head -60
   fi
 done
 for partial in $S/results/*/bench.partial.md; do  # a bench stopped at its limit: the prompts it finished

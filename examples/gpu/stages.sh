@@ -133,7 +133,8 @@ for name in "$@"; do
     fp32) stage fp32 120 bench float32 $FP32_METHODS ;;
     batch) stage batch 100 batch $BATCH_METHODS ;;
     finetune) stage finetune 600 finetune ;;
-    suite) stage suite 600 python3 -m pytest -v -rfEs --tb=short -p no:cacheprovider -n $PYTEST_WORKERS $TEST_TIMEOUT ;;
+    suite) stage suite 600 env HF_DOMINO_FAILURES_LOG=$R/suite-failures.log \
+      python3 -m pytest -v -rfEs --tb=short -p no:cacheprovider -n $PYTEST_WORKERS $TEST_TIMEOUT ;;
     *) echo "unknown stage $name" | tee -a $R/stages.log ;;
   esac
 done
