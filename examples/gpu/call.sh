@@ -53,8 +53,8 @@ case $CALL in
 esac
 
 case "$(cat $S/mode) $CALL" in  # STAGES overrides the mode's stages for this call
-  "proof 1") STAGES=${STAGES-costs suite} ;;  # the suite holds the CUDA-only tests (the `cuda` stage) too
-  "proof 2") STAGES=${STAGES-bf16 static batch fp32 micro} ;;
+  "proof 1") STAGES=${STAGES-cuda costs micro} ;;
+  "proof 2") STAGES=${STAGES-bf16 static batch suite fp32} ;;  # the suite's real-model tests need the whole GGUF
   "finetune 1") STAGES=${STAGES-} ;;
   "finetune 2") STAGES=${STAGES-finetune} ;;
 esac
