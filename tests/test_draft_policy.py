@@ -177,10 +177,12 @@ def test_sampled_acceptance_is_learned_slowly_so_a_paying_drafter_keeps_drafting
     move their acceptance per position at SAMPLED_POSITION_RATE (greedy ones, and copies', at POSITION_RATE). At the
     greedy rate the coin's runs of failures pause a drafter whose drafts pay on average (at 0.35, about 1.14x here)."""
     drafter = torch.nn.Linear(1, 1)
-    greedy, sampled = (policy_domino.drafter_record(drafter, mode, 8) for mode in ("greedy+head", "sample+head+vocab"))
+    mode = policy_domino.DraftingMode
+    greedy, sampled = (policy_domino.drafter_record(drafter, mode(sampled=s, head=True), 8) for s in (False, True))
     assert sampled.sampled and not greedy.sampled
+    assert policy_domino.drafter_record(drafter, mode(sampled=True, vocab=True, branches=2, rows=4), 8).sampled
     assert not any(
-        policy_domino.drafter_record(drafter, mode, 8).sampled for mode in ("lookup+sample", "datastore+sample")
+        policy_domino.drafter_record(drafter, mode(source, True), 8).sampled for source in ("lookup", "datastore")
     )
     policy_domino.learn_acceptance(sampled, offered=2, accepted=0)
     policy_domino.learn_acceptance(greedy, offered=2, accepted=0)
@@ -782,11 +784,12 @@ def test_a_new_batch_size_starts_from_the_drafters_cost_at_batch_1(monkeypatch):
     monkeypatch.setattr(cost_model_domino, "_VERIFY_COSTS", cost_model_domino.weakref.WeakKeyDictionary())
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
-    shared = policy_domino.drafter_record(drafter, "greedy", drafter.config.num_drafts)
+    shared = policy_domino.drafter_record(drafter, policy_domino.DraftingMode(), drafter.config.num_drafts)
     shared.backbone_seconds, shared.position_seconds = 0.004, 0.001  # learned at batch 1
     anchors = torch.zeros(8, 1, dtype=torch.long)
     cache = types.SimpleNamespace(cache=None)
-    policy = batch_policy_domino.batch_policy(target, drafter, DominoOptions(), "greedy", cache, anchors, {}, 4)
+    greedy = policy_domino.DraftingMode()
+    policy = batch_policy_domino.batch_policy(target, drafter, DominoOptions(), greedy, cache, anchors, {}, 4)
     assert policy.record is not shared and policy.record.position_acceptance is shared.position_acceptance
     assert policy.record.backbone_seconds == pytest.approx(0.032)
     assert policy.record.position_seconds == pytest.approx(0.008)
@@ -829,11 +832,12 @@ def test_where_timing_needs_a_synchronization_the_policy_still_learns(monkeypatc
 
 def test_forgetting_a_drafter_records_starts_its_next_call_from_nothing_learned():
     drafter = torch.nn.Linear(1, 1)
-    record = policy_domino.drafter_record(drafter, "greedy", 4)
+    greedy = policy_domino.DraftingMode()
+    record = policy_domino.drafter_record(drafter, greedy, 4)
     record.position_acceptance[0], record.skip_left = 0.1, 3
-    assert policy_domino.drafter_record(drafter, "greedy", 4) is record  # kept across calls
+    assert policy_domino.drafter_record(drafter, greedy, 4) is record  # kept across calls
     policy_domino.forget_records(drafter)
-    fresh = policy_domino.drafter_record(drafter, "greedy", 4)
+    fresh = policy_domino.drafter_record(drafter, greedy, 4)
     assert fresh is not record and fresh.position_acceptance == [policy_domino.INITIAL_ACCEPTANCE] * 4
     assert fresh.skip_left == 0
     policy_domino.forget_records(torch.nn.Linear(1, 1))  # a drafter that never ran: nothing to forget

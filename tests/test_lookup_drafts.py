@@ -24,7 +24,7 @@ from hf_domino.cost_model_domino import VerifyCost, expected_tokens
 from hf_domino.drafting_domino import lookup_drafts
 from hf_domino.measure import parse_method
 from hf_domino.measure_batch import parse_batch_method
-from hf_domino.policy_domino import INITIAL_ACCEPTANCE, DrafterRecord, LookupPolicy, drafter_record
+from hf_domino.policy_domino import INITIAL_ACCEPTANCE, DrafterRecord, DraftingMode, LookupPolicy, drafter_record
 
 
 def found(sequence: list[int], limit: int = 4) -> list[int] | None:
@@ -83,7 +83,7 @@ def test_declined_copies_are_judged_against_what_was_generated(gpu_like_costs):
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     prompt = torch.tensor([[7, 7, 8, 9, 10, 11, 12, 7, 7, 8]])
-    record = drafter_record(drafter, "lookup+greedy", drafter.config.num_drafts)
+    record = drafter_record(drafter, DraftingMode("lookup"), drafter.config.num_drafts)
     record.position_acceptance = [0.0] * drafter.config.num_drafts  # copies look worthless to start with
     output = target.generate(prompt, do_sample=False, max_new_tokens=60, assistant_model=drafter)
     assert torch.equal(output, target.generate(prompt, do_sample=False, max_new_tokens=60))
@@ -280,7 +280,7 @@ def test_batch_copies_stop_at_stop_strings_and_padding_is_never_copied():
 def test_batch_declined_copies_are_judged_and_win_back(gpu_like_costs):
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
-    record = drafter_record(drafter, "lookup+greedy", drafter.config.num_drafts)
+    record = drafter_record(drafter, DraftingMode("lookup"), drafter.config.num_drafts)
     record.position_acceptance = [0.0] * drafter.config.num_drafts
     batch = left_padded([[7, 7, 8, 9, 10, 11, 12, 7, 7, 8], [5, 17, 9, 33, 5, 17]])
     expected, output = both(target, drafter, batch, max_new_tokens=60)

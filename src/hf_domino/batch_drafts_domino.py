@@ -20,7 +20,7 @@ import torch
 
 from .batch_policy_domino import batch_policy
 from .drafting_domino import lookup_drafts, score_only, select_fused_rollout, spread_to_vocabulary, stop_free_length
-from .policy_domino import LookupPolicy, below_threshold, copy_records
+from .policy_domino import DraftingMode, LookupPolicy, below_threshold, copy_records
 from .ragged_batch_domino import BatchDrafts, batched_rollout, run_batched_backbone
 
 if TYPE_CHECKING:
@@ -236,8 +236,7 @@ class CycleDrafter:
         self, target: PreTrainedModel, target_cache: RaggedCache, anchors: torch.LongTensor, hidden_layers
     ) -> None:
         """The drafter's policy and those of copied and retrieved drafts, whose acceptance is shared with batch 1."""
-        sampling = "sample" if self.do_sample else "greedy"
-        mode = sampling + ("+head" if self.head else "") + ("+vocab" if self.vocab is not None else "")
+        mode = DraftingMode(sampled=self.do_sample, head=self.head, vocab=self.vocab is not None)
         forward_kwargs = {"output_hidden_states": hidden_layers}
         self.policy = batch_policy(
             target, self.drafter, self.options, mode, target_cache, anchors, forward_kwargs, self.max_drafts

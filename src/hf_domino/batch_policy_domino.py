@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .cost_model_domino import TIME_RATE, VerifyCost, measure_verify_cost, timing_is_free, verify_cost_for
-from .policy_domino import AdaptivePolicy, DrafterRecord, FixedPolicy, drafter_record
+from .policy_domino import AdaptivePolicy, DrafterRecord, DraftingMode, FixedPolicy, drafter_record
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -72,7 +73,7 @@ def batch_policy(
     target: PreTrainedModel,
     drafter: DominoForSpeculation,
     options: DominoOptions,
-    mode: str,
+    mode: DraftingMode,
     cache: RaggedCache,
     anchor_ids: torch.LongTensor,
     forward_kwargs: dict[str, Any],
@@ -96,10 +97,9 @@ def batch_policy(
     # far a draft of a given confidence holds is the drafter's whatever the shape.
     branches, num_drafts = options.domino_branches, drafter.config.num_drafts
     single = drafter_record(drafter, mode, num_drafts)
-    tree = f"+tree{branches}" if branches > 1 else ""
-    shared = drafter_record(drafter, mode + tree, num_drafts)
+    shared = drafter_record(drafter, replace(mode, branches=branches), num_drafts)
     shared.calibration = single.calibration
-    record = drafter_record(drafter, f"{mode}{tree}+batch{rows}", num_drafts)
+    record = drafter_record(drafter, replace(mode, branches=branches, rows=rows), num_drafts)
     record.position_acceptance, record.calibration = shared.position_acceptance, shared.calibration
     if record.backbone_seconds is None and single.backbone_seconds is not None:
         # Before this batch size drafts at all: the drafter's cost measured at batch 1, times the rows (and a tree's

@@ -41,7 +41,7 @@ from .drafting_domino import (
 )
 from .modeling_domino import TargetModules, context_features, hidden_state_indices
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
-from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy, copy_records, drafter_record
+from .policy_domino import AdaptivePolicy, DraftingMode, FixedPolicy, LookupPolicy, copy_records, drafter_record
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
@@ -300,7 +300,6 @@ class DominoCandidateGenerator(CandidateGenerator):
         """The drafter's policy and those for copied and retrieved drafts, which share the target's verify-cost
         table; each source learns its own acceptance."""
         options, drafter = self.options, self.drafter
-        sampling = "sample" if self.do_sample else "greedy"
         lookup_record, datastore_record = copy_records(drafter, self.do_sample)
         if options.draft_policy == "fixed":
             policy = FixedPolicy(self.max_drafts, options.assistant_confidence_threshold)
@@ -314,8 +313,7 @@ class DominoCandidateGenerator(CandidateGenerator):
             return measure_verify_cost_on_scratch(target, forward_kwargs)  # a static cache has no room to spare
 
         cost = verify_cost_for(target, measure)
-        mode = sampling + ("+head" if options.head_enabled(drafter) else "")
-        mode += "+vocab" if self.vocab is not None else ""
+        mode = DraftingMode(sampled=self.do_sample, head=options.head_enabled(drafter), vocab=self.vocab is not None)
         policy = AdaptivePolicy(
             drafter_record(drafter, mode, drafter.config.num_drafts),
             cost,

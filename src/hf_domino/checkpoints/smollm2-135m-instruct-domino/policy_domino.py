@@ -104,12 +104,32 @@ class AcceptanceCalibration:
 
 
 # -------------------------------------------------------------------------------------------------------- policies
+@dataclass(frozen=True)
+class DraftingMode:
+    """What a record is learned for: whose drafts (the drafter's, copies from the text, retrievals from the
+    datastore), drawn or picked, with the Domino head, over a draft vocabulary, in trees of how many first-token
+    branches, and for batches of how many rows (None: one sequence's loop)."""
+
+    source: str = "drafter"
+    sampled: bool = False
+    head: bool = False
+    vocab: bool = False
+    branches: int = 1
+    rows: int | None = None
+
+    @property
+    def drawn(self) -> bool:
+        """The drafter's own drafts drawn at random: each is accepted by a coin toss (min(1, p/q)), so one cycle says
+        little about the next, and the record learns at SAMPLED_POSITION_RATE. Copies are the text's, not drawn."""
+        return self.sampled and self.source == "drafter"
+
+
 @dataclass
 class DrafterRecord:
     """What the adaptive policy has learned about one drafter in one decoding mode, kept across calls."""
 
     position_acceptance: list[float]
-    sampled: bool = False  # the drafter's own drafts, drawn when sampling: learned at SAMPLED_POSITION_RATE
+    sampled: bool = False  # the drafter's own drafts, drawn (`DraftingMode.drawn`): learned at SAMPLED_POSITION_RATE
     calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     backbone_seconds: float | None = None
     position_seconds: float | None = None
@@ -130,11 +150,11 @@ class DrafterRecord:
 _RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def drafter_record(drafter: torch.nn.Module, mode: str, num_drafts: int) -> DrafterRecord:
+def drafter_record(drafter: torch.nn.Module, mode: DraftingMode, num_drafts: int) -> DrafterRecord:
+    """What the policies have learned with `drafter` in `mode`, kept for the process (new: nothing learned yet)."""
     records = _RECORDS.setdefault(drafter, {})
     if mode not in records:
-        sampled = mode.split("+")[0] == "sample"  # a drafter's mode; copies' modes start with their source
-        records[mode] = DrafterRecord(position_acceptance=[INITIAL_ACCEPTANCE] * num_drafts, sampled=sampled)
+        records[mode] = DrafterRecord(position_acceptance=[INITIAL_ACCEPTANCE] * num_drafts, sampled=mode.drawn)
     return records[mode]
 
 
@@ -147,10 +167,9 @@ def forget_records(drafter: torch.nn.Module) -> None:
 def copy_records(drafter: torch.nn.Module, do_sample: bool) -> tuple[DrafterRecord, DrafterRecord]:
     """What copies from the text and retrievals from the datastore have earned with `drafter` in this decoding mode:
     one record each, shared by batch 1 and batches."""
-    sampling = "sample" if do_sample else "greedy"
     num_drafts = drafter.config.num_drafts
-    return drafter_record(drafter, f"lookup+{sampling}", num_drafts), drafter_record(
-        drafter, f"datastore+{sampling}", num_drafts
+    return tuple(
+        drafter_record(drafter, DraftingMode(source, do_sample), num_drafts) for source in ("lookup", "datastore")
     )
 
 
@@ -587,6 +606,7 @@ __all__ = [
     "LookupPolicy",
     "copy_records",
     "drafter_record",
+    "DraftingMode",
     "forget_records",
     "learn_acceptance",
     "tree_tokens",
