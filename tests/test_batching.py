@@ -704,6 +704,3 @@ def test_trees_refuse_what_they_cannot_serve_naming_the_fix():
     prompt = torch.tensor([[4, 5]])
     with pytest.raises(ValueError, match="from 1 to 8"):
         target.generate(prompt, max_new_tokens=4, assistant_model=drafter, draft_policy="fixed", domino_branches=0)
-    with pytest.raises(ValueError, match="eager head"):
-        target.generate(prompt, max_new_tokens=4, assistant_model=drafter, draft_policy="fixed", domino_branches=2,
-                        domino_rollout="triton")  # fmt: skip

@@ -808,6 +808,78 @@ def test_fused_draft_rows_equal_the_batch_loops_eager_rollout(interp):
     assert logits.shape == base.shape
 
 
+@pytest.mark.parametrize("vocab_name", [None, "without the anchor"])
+@pytest.mark.parametrize("pure_draft_prefix_len", [0, 1])
+def test_fused_tree_branches_equal_the_eager_tree_greedy(interp, vocab_name, pure_draft_prefix_len):
+    # A tree of first-token branches (`domino_branches`): each row's block n times in a row, the i-th continuing from
+    # its i-th likeliest first draft. Fused and eager give the same drafts, and the head reads each branch's own.
+    from hf_domino.ragged_batch_domino import batched_rollout
+
+    vocab, n = (None if vocab_name is None else VOCABS[vocab_name]), 3
+    drafter = tiny_drafter(pure_draft_prefix_len=pure_draft_prefix_len)
+    embed, hidden, base, anchors = batch_inputs(drafter, vocab)
+    hidden, base, anchors = (tensor.repeat_interleave(n, dim=0) for tensor in (hidden, base, anchors))
+    target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
+    options = {"head": True, "pure_draft_prefix_len": pure_draft_prefix_len, "temperature": None, "vocab": vocab}
+    ids, logits = triton_rollout.fused_rollout(drafter, hidden, base, anchors, embed.weight, branches=n, **options)
+    with torch.no_grad():
+        expected = batched_rollout(
+            drafter, target, hidden, base, vocab, anchors, head=True, pick_logits=None, do_sample=False, branches=n
+        )
+    assert torch.equal(ids, expected.ids)
+    columns = logits[:, 0].topk(n, dim=-1).indices.view(-1, n, n)
+    likeliest = columns if vocab is None else vocab[columns]
+    assert torch.equal(ids[:, 0].view(-1, n), likeliest[:, 0]), "each group's first drafts: its n likeliest, in order"
+    for row in range(ids.shape[0]):  # the head continued from the branch's first draft: an eager replay agrees
+        block = BlockDraft(hidden[row : row + 1], base[row : row + 1], vocab)
+        replay = eager_rollout(drafter, target, forced_first(ids[row : row + 1], vocab))
+        with torch.no_grad():
+            torch.testing.assert_close(logits[row : row + 1], replay(block, anchors[row : row + 1]).logits, atol=1e-5,
+                                       rtol=0)  # fmt: skip
+    with pytest.raises(ValueError, match="groups of 2 branches"):
+        triton_rollout.fused_rollout(drafter, hidden[:5], base[:5], anchors[:5], embed.weight, branches=2, **options)
+
+
+def forced_first(draft_ids: torch.LongTensor, vocab: torch.Tensor | None):
+    """A greedy eager pick that takes `draft_ids`' first draft at position 0 (a branch's), the argmax after (both as
+    columns of the logits: the draft vocabulary's, when there is one)."""
+    position = iter(range(draft_ids.shape[1]))
+
+    def pick(logits: torch.Tensor, realised_ids: torch.LongTensor):
+        if next(position):
+            return logits.argmax(dim=-1, keepdim=True), logits
+        first = draft_ids[:, :1]
+        return (first if vocab is None else torch.searchsorted(vocab, first)), logits
+
+    return pick
+
+
+@pytest.mark.parametrize("vocab_name", [None, "without the anchor"])
+def test_fused_tree_branches_sample_from_each_branch_on(interp, vocab_name):
+    # Sampling with Qwen3's warpers: a tree's first drafts are chosen (the group's likeliest under the warped logits),
+    # the later ones drawn along each branch, and the logits returned are what each branch's drafts were drawn from.
+    from transformers import LogitsProcessorList
+
+    vocab, n = (None if vocab_name is None else VOCABS[vocab_name]), 2
+    drafter = tiny_drafter(pure_draft_prefix_len=1)
+    embed, hidden, base, anchors = batch_inputs(drafter, vocab)
+    hidden, base, anchors = (tensor.repeat_interleave(n, dim=0) for tensor in (hidden, base, anchors))
+    target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
+    processors = qwen3_warpers()
+    options = {"head": True, "pure_draft_prefix_len": 1, "temperature": 0.7, "vocab": vocab}
+    options["warpers"] = LogitsProcessorList(processors[1:])
+    torch.manual_seed(5)
+    ids, logits = triton_rollout.fused_rollout(drafter, hidden, base, anchors, embed.weight, branches=n, **options)
+    likeliest = logits[:, 0].topk(n, dim=-1).indices.view(-1, n, n)
+    assert torch.equal(ids[:, 0].view(-1, n), likeliest.diagonal(dim1=1, dim2=2))
+    for row in range(ids.shape[0]):
+        replay = warped_replay(ids[row : row + 1], processors, vocab)
+        with torch.no_grad():
+            block = BlockDraft(hidden[row : row + 1], base[row : row + 1], vocab)
+            expected = eager_rollout(drafter, target, replay)(block, anchors[row : row + 1])
+        torch.testing.assert_close(logits[row : row + 1], expected.logits, atol=1e-5, rtol=0)
+
+
 def left_padded_batch() -> dict[str, torch.Tensor]:
     input_ids = torch.tensor([[0, 0, 5, 17, 42], [5, 17, 42, 8, 9], [0, 3, 4, 8, 10]])
     return {"input_ids": input_ids, "attention_mask": (input_ids != 0).long()}
@@ -841,6 +913,35 @@ def test_batched_generate_runs_the_fused_head(interp, monkeypatch, do_sample):
     else:
         plain = target.generate(**batch, max_new_tokens=10, do_sample=False)
         assert torch.equal(output, plain)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_tree_generate_runs_the_fused_head(interp, monkeypatch, do_sample):
+    # `domino_branches` through generate(): one sequence and a batch draft their trees' branches through the fused
+    # head, n rows per row; greedy output is the target alone's.
+    rows_seen = []
+    original = fused_head.FusedRollout.draft_rows
+
+    def spy(self, hidden, *args, **kwargs):
+        rows_seen.append((hidden.shape[0], self.fused.branches))
+        return original(self, hidden, *args, **kwargs)
+
+    monkeypatch.setattr(fused_head.FusedRollout, "draft_rows", spy)
+    torch.manual_seed(0)
+    target, drafter = small_target(), tiny_drafter()
+    drafter.set_draft_vocab(VOCABS["without the anchor"])
+    batch = left_padded_batch()
+    options = dict(max_new_tokens=10, do_sample=do_sample, draft_policy="fixed", domino_branches=3)
+    if do_sample:
+        options.update(temperature=0.7, top_k=12, top_p=0.8)
+    for rows in (1, 3):
+        part = {name: value[-rows:] for name, value in batch.items()}
+        output = target.generate(**part, assistant_model=drafter, domino_rollout="triton", **options)
+        assert (3 * rows, 3) in rows_seen, (rows, rows_seen)
+        if do_sample:
+            assert output.shape[0] == rows and torch.equal(output[:, :5], part["input_ids"])
+        else:
+            assert torch.equal(output, target.generate(**part, max_new_tokens=10, do_sample=False)), rows
 
 
 # -------------------------------------------------------------------------------------------------------------- GPU
@@ -1073,6 +1174,29 @@ def test_cuda_graph_runner_over_rows_replays_for_fewer_rows(temperature):
     torch.testing.assert_close(logits, expected_logits)
     both(slice(0, 4))
     assert runner.num_captures == 2
+
+
+@requires_cuda
+@pytest.mark.parametrize("temperature", [None, 0.7])
+def test_cuda_graph_runner_over_a_tree_replays_the_fused_branches(temperature):
+    # A tree's branches are rows in groups of n (`domino_branches`): the captured graph takes each group's likeliest
+    # first drafts as the launches do, also when it replays for fewer groups than it captured.
+    n = 2
+    drafter = tiny_drafter().cuda()
+    embed, *block = batch_inputs(drafter, rows=3)
+    embed, (hidden, base, anchors) = embed.cuda(), (t.cuda().repeat_interleave(n, dim=0) for t in block)
+    runner = fused_head.DominoHeadGraphRunner(drafter, temperature=temperature, branches=n)
+    options = {"head": True, "pure_draft_prefix_len": 1, "temperature": temperature, "branches": n}
+    for rows in (slice(0, 6), slice(2, 6)):
+        torch.manual_seed(5)
+        ids, logits = runner(hidden[rows], base[rows], anchors[rows], embed.weight)
+        torch.manual_seed(5)
+        expected_ids, expected_logits = triton_rollout.fused_rollout(
+            drafter, hidden[rows], base[rows], anchors[rows], embed.weight, **options
+        )
+        assert torch.equal(ids, expected_ids) and runner.num_captures == 1, rows
+        torch.testing.assert_close(logits, expected_logits)
+        assert (ids[0::n, 0] != ids[1::n, 0]).all(), "a group's branches start from different first drafts"
 
 
 @requires_cuda

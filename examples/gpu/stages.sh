@@ -27,8 +27,8 @@ VOCAB=src/hf_domino/checkpoints/smollm2-135m-instruct-domino/draft_vocab.safeten
 # out of its 300 s with six methods x 10 prompts; the second measured prompt lookup and DFlash too (5 methods x 6
 # MT-Bench prompts in 258 s, HumanEval's first prompt only): 3 methods x 4 prompts per set, and since the drafter's
 # calls leave cuDNN's attention out in half precision, the target alone that way too (`target_no_cudnn`). fp32 also
-# runs a tree of four first-token branches of four drafts (`domino_branches`, eager head: the 17 tokens whole blocks
-# verify, spent on branches; docs/usage.md, "First-token branches"), there and not in bf16 so that a first run of it
+# runs a tree of four first-token branches of four drafts (`domino_branches`, the head fused: the 17 tokens whole
+# blocks verify, spent on branches; docs/usage.md, "First-token branches"), there and not in bf16 so that a first run of it
 # on CUDA cannot cost the bf16 stage its records.
 METHODS=${METHODS:-target,target_no_cudnn,domino_vocab_k16@triton+graph,domino_vocab_lookup}
 FP32_METHODS=${FP32_METHODS:-target,domino_vocab_k16@triton+graph,domino_vocab_lookup,domino_vocab_lookup_tree4}

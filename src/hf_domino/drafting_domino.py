@@ -277,8 +277,9 @@ def select_fused_rollout(
             raise
         return None
     return fused_head.select_rollout(
-        drafter, target, do_sample=do_sample, logits_processor=logits_processor, mode=mode, max_drafts=max_drafts
-    )
+        drafter, target, do_sample=do_sample, logits_processor=logits_processor, mode=mode, max_drafts=max_drafts,
+        branches=options.domino_branches,
+    )  # fmt: skip
 
 
 # n-gram sizes tried by `lookup_drafts`, longest first: a single shared token matches too often to predict anything

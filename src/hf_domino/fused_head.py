@@ -63,6 +63,8 @@ class TritonRollout:
         temperature: `None` for greedy, else the sampling temperature.
         head: correct the base logits with the Domino head (off: base-logits argmax / sampling, DFlash drafting).
         warpers: when sampling, the score-only warpers that follow the temperature (`split_processors`).
+        branches: a call's trees of first-token branches (`domino_branches`): rows in groups of that many copies of
+            one block, each continuing from another of its likeliest first drafts (`triton_rollout.take_branches`).
     """
 
     def __init__(
@@ -72,11 +74,13 @@ class TritonRollout:
         temperature: float | None,
         head: bool = True,
         warpers: LogitsProcessorList | None = None,
+        branches: int = 1,
     ):
         self.drafter = drafter
         self.temperature = temperature
         self.head = head
         self.warpers = warpers if temperature is not None and warpers else None
+        self.branches = branches
         self._checked_vocab: tuple | None = None
 
     def _check_vocab_once(self, vocab: torch.Tensor | None, embed: torch.Tensor) -> None:
@@ -110,6 +114,7 @@ class TritonRollout:
             vocab=vocab,
             check_vocab=False,
             warpers=self.warpers,
+            branches=self.branches,
         )
 
 
@@ -156,8 +161,9 @@ class DominoHeadGraphRunner(TritonRollout):
         warpers: LogitsProcessorList | None = None,
         fallback_on_capture_error: bool = False,
         capture_drafts: int = 0,
+        branches: int = 1,
     ):
-        super().__init__(drafter, temperature=temperature, head=head, warpers=warpers)
+        super().__init__(drafter, temperature=temperature, head=head, warpers=warpers, branches=branches)
         self.fallback_on_capture_error = fallback_on_capture_error
         self.capture_drafts = capture_drafts
         self.num_captures = 0
@@ -283,6 +289,7 @@ class DominoHeadGraphRunner(TritonRollout):
                 prefix_len=prefix_len,
                 sample=self.temperature is not None,
                 warp=warp,
+                branches=self.branches,
             )
 
         # Warm up on a side stream (as torch.cuda.graphs recommends): compiles the Triton kernels and settles the
@@ -373,6 +380,7 @@ def select_rollout(
     logits_processor: LogitsProcessorList | None,
     mode: str = "auto",
     max_drafts: int = 0,
+    branches: int = 1,
 ) -> Rollout | None:
     """Chooses how a `generate()` call rolls the Domino head out: a fused ladder `Rollout`, or `None` for eager.
 
@@ -391,6 +399,8 @@ def select_rollout(
             than falling back.
         max_drafts: the call's most drafts per block, which a CUDA graph captures room for from its first block
             (`DominoHeadGraphRunner`'s `capture_drafts`; 0: each capture sized by its block).
+        branches: the call's first-token branches per block (`domino_branches`; `draft_rows` then takes each row's
+            block repeated that many times in a row).
 
     Returns:
         A `FusedRollout` (`(block, prefix_ids) -> Drafts`) wrapping a `DominoHeadGraphRunner` or a `TritonRollout`,
@@ -418,6 +428,7 @@ def select_rollout(
             warpers=warpers,
             fallback_on_capture_error=True,
             capture_drafts=max_drafts,
+            branches=branches,
         )
     elif drafter.device.type != "cuda" and not kernels.kernels_interpreted():
         raise RuntimeError(
@@ -430,10 +441,10 @@ def select_rollout(
                 "domino_rollout='triton+graph' needs CUDA (CUDA graphs); use 'triton' under the interpreter."
             )
         fused = DominoHeadGraphRunner(
-            drafter, temperature=sampling_temperature, warpers=warpers, capture_drafts=max_drafts
+            drafter, temperature=sampling_temperature, warpers=warpers, capture_drafts=max_drafts, branches=branches
         )
     else:
-        fused = TritonRollout(drafter, temperature=sampling_temperature, warpers=warpers)
+        fused = TritonRollout(drafter, temperature=sampling_temperature, warpers=warpers, branches=branches)
     return FusedRollout(fused, target)
 
 

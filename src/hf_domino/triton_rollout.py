@@ -64,6 +64,7 @@ def launch_rollout(
     prefix_len: int,
     sample: bool,
     warp: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    branches: int = 1,
 ) -> None:
     """Enqueues one block's rollout for every row; no host synchronization, no data-dependent control flow
     (graph-capturable).
@@ -73,7 +74,8 @@ def launch_rollout(
     each row's anchor, `workspace.seed`/`workspace.temperature` the sampling parameters. Drafts (token ids) land in
     `workspace.tokens[:, 1:]`, the logits they were picked from in `workspace.logits`. When sampling, `warp` (top-k /
     top-p / min-p as torch ops, see `warp_scores`) filters each position's tempered logits before its draw. Rows
-    are independent: each launch covers all of them, so a batch costs the launches of one sequence.
+    are independent: each launch covers all of them, so a batch costs the launches of one sequence. `branches` n > 1:
+    rows come in groups of n copies of one block, a tree's first-token branches (`take_branches`).
     """
     ws, num_drafts = workspace, base_logits.shape[1]
     prefix_len = num_drafts if weights is None else min(prefix_len, num_drafts)
@@ -83,6 +85,8 @@ def launch_rollout(
         launch_logits_pick(ws, positions, base_logits, hidden, proj_out, sample=sample, pick=not warped)
         if warped:
             launch_warped_pick(ws, positions, warp)
+        if branches > 1 and positions.start == 0 < positions.stop:  # before any GRU step reads the first draft
+            take_branches(ws, branches)
 
     # The pure-draft prefix (all drafts, without an active head) reads the base logits alone: one launch for all.
     pick(slice(0, prefix_len), None, None)
@@ -103,6 +107,17 @@ def launch_rollout(
         pick(slice(i, i + 1), ws.hidden[:, i : i + 1], weights.proj_out)
         if i + 1 < num_drafts:  # the last draft is never read back
             launch_gru_cell(*gru, i + 1, ws.states[:, i], weights.weight_ih, weights.weight_hh, ws.states[:, i + 1])
+
+
+def take_branches(ws: Workspace, branches: int) -> None:
+    """Rows in groups of `branches` copies of one block: the i-th of a group takes its i-th likeliest first draft
+    (0: the likeliest) under the logits the first draft was picked from, instead of the one picked, and the head
+    continues from it, as `ragged_batch_domino.batched_rollout` does for a tree. Torch ops on the device only
+    (graph-capturable); a first draft drawn when sampling is replaced, since a tree's first drafts are chosen."""
+    likeliest = ws.logits[:, 0].topk(branches, dim=-1).indices.view(-1, branches, branches)
+    index = likeliest.diagonal(dim1=1, dim2=2).reshape(-1)
+    on_columns = ws.vocab is not None and not ws.spread  # greedy over a draft vocabulary: columns, not ids
+    ws.tokens[:, 1].copy_(ws.vocab[index] if on_columns else index)
 
 
 def _validate_inputs(
@@ -203,6 +218,7 @@ def fused_rollout(
     vocab: torch.Tensor | None = None,
     check_vocab: bool = True,
     warpers: LogitsProcessorList | None = None,
+    branches: int = 1,
 ) -> tuple[torch.LongTensor, torch.Tensor]:
     """`eager_rollout` with the fused kernels, for greedy decoding or sampling (temperature, top-k, top-p, min-p), for
     one sequence or a batch of rows drafted together (the batch loop's `batched_rollout`).
@@ -229,6 +245,8 @@ def fused_rollout(
         warpers: when sampling, transformers' score-only warpers that follow the temperature in the call's logits
             processors (`TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`; see `fused_head.split_processors`),
             applied to each position's tempered logits before its draw.
+        branches: n > 1 for a tree of first-token branches: the rows come in groups of n copies of one block, and
+            the i-th of a group continues from its i-th likeliest first draft (chosen, also when sampling).
 
     Returns:
         `(draft_ids [rows, k], logits [rows, k, V] fp32)`: the drafts (token ids) and the processed logits each was picked
@@ -241,6 +259,8 @@ def fused_rollout(
         raise ValueError(f"temperature must be positive for sampling (None = greedy), got {temperature}.")
     check_kernel_device(device)
     rows, num_drafts, vocab_size = base_logits.shape
+    if rows % branches:
+        raise ValueError(f"{rows} rows cannot come in groups of {branches} branches.")
     if vocab is not None:
         vocab = vocab.to(device)
         if check_vocab:
@@ -261,5 +281,6 @@ def fused_rollout(
         prefix_len=pure_draft_prefix_len,
         sample=temperature is not None,
         warp=warp,
+        branches=branches,
     )
     return workspace.tokens[:, 1:].contiguous().to(anchor_ids.device), workspace.logits

@@ -210,15 +210,11 @@ class CycleDrafter:
         self.pick_on_columns = self.vocab is not None and score_only(logits_processor)
         # A tree of first-token branches per block (`domino_branches`).
         self.branches = options.domino_branches
-        # The fused head (one launch per kernel for all rows, and a CUDA graph) where the call allows it, else None:
-        # the eager `batched_rollout`.
-        self.fused_rollout = (
-            None
-            if self.branches > 1
-            else select_fused_rollout(
-                drafter, modules, options, do_sample=self.do_sample, logits_processor=logits_processor,
-                max_drafts=self.max_drafts,
-            )
+        # The fused head (one launch per kernel for all rows, a tree's branches among them, and a CUDA graph) where the
+        # call allows it, else None: the eager `batched_rollout`.
+        self.fused_rollout = select_fused_rollout(
+            drafter, modules, options, do_sample=self.do_sample, logits_processor=logits_processor,
+            max_drafts=self.max_drafts,
         )  # fmt: skip
         self.policy: AdaptivePolicy | FixedPolicy | None = None
         # Copied drafts, as at batch 1: off with the ensemble option, capped by transformers' prompt-lookup length
@@ -371,20 +367,21 @@ class CycleDrafter:
         With `domino_branches` n > 1, n blocks per row, the head continuing each of the row's n likeliest first
         drafts: the first block, and the others (`ids`, `confidence` `[rows, n - 1, k]`); else (the block, None).
         """
-        if self.fused_rollout is not None:
-            ids, logits, confidence = self.fused_rollout.draft_rows(hidden, base_logits, self.vocab, anchors)
-            return BatchDrafts(ids, logits if self.do_sample else None, confidence), None
         n, rows = self.branches, anchors.shape[0]
-        if n > 1:
+        if n > 1:  # each row's block n times in a row, one per branch
             hidden, base_logits = hidden.repeat_interleave(n, dim=0), base_logits.repeat_interleave(n, dim=0)
             anchors = anchors.repeat_interleave(n, dim=0)
-        drafts = batched_rollout(
-            self.drafter, self.modules, hidden, base_logits, self.vocab, anchors,
-            head=self.head, do_sample=self.do_sample,
-            pick_logits=None if self.plain_greedy else functools.partial(self.pick_logits, repeats=n),
-            keep_rolling=self.policy.keep_rolling if self.policy.adaptive else None,
-            branches=n,
-        )  # fmt: skip
+        if self.fused_rollout is not None:
+            ids, logits, confidence = self.fused_rollout.draft_rows(hidden, base_logits, self.vocab, anchors)
+            drafts = BatchDrafts(ids, logits if self.do_sample else None, confidence)
+        else:
+            drafts = batched_rollout(
+                self.drafter, self.modules, hidden, base_logits, self.vocab, anchors,
+                head=self.head, do_sample=self.do_sample,
+                pick_logits=None if self.plain_greedy else functools.partial(self.pick_logits, repeats=n),
+                keep_rolling=self.policy.keep_rolling if self.policy.adaptive else None,
+                branches=n,
+            )  # fmt: skip
         if n == 1:
             return drafts, None
         ids, confidence = drafts.ids.view(rows, n, -1), drafts.confidence.view(rows, n, -1)

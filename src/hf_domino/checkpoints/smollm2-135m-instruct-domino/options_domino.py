@@ -168,11 +168,6 @@ class DominoOptions:
         branches = self.domino_branches
         if isinstance(branches, bool) or not isinstance(branches, int) or not 1 <= branches <= MAX_BRANCHES:
             raise ValueError(f"domino_branches must be an int from 1 to {MAX_BRANCHES}, got {branches!r}.")
-        if branches > 1 and self.domino_rollout in ("triton", "triton+graph"):
-            raise ValueError(
-                f"domino_branches={branches} rolls its branches out with the eager head; domino_rollout="
-                f"{self.domino_rollout!r} cannot serve it. Drop domino_rollout (or pass 'eager')."
-            )
 
     @property
     def reads_cycle_times(self) -> bool:
