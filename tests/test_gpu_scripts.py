@@ -79,17 +79,20 @@ def test_the_second_call_on_a_fresh_machine_says_so(tmp_path):
 def test_the_costs_stage_runs_here_at_toy_shapes(tmp_path):
     # The paper-scale costs stage, as stages.sh runs it but at toy shapes on this CPU: every row of its table, the
     # split of the loop's verification, and the profile (a broken script would cost a GPU call).
-    result = run(["bash", str(GPU / "stages.sh"), "costs"], tmp_path, COST_SHAPE="tiny")
+    result = run(["bash", str(GPU / "stages.sh"), "costs"], tmp_path, COST_SHAPE="tiny", SMALL_COST_SHAPE="tiny")
     log = (tmp_path / "stage" / "results" / "costs.log").read_text()
     assert "costs: exit 0" in (tmp_path / "stage" / "results" / "stages.log").read_text(), result.stderr + log
     for row in (
         "target, 17 tokens, cache grown in place",
+        "target, 17 tokens, query heads packed (no repeat_kv)",
         "target, 17 tokens, inside generate()",
         "**cycle** (fastest head)",
     ):
         assert f"| {row} | " in log, log
     assert "The loop's 17-token forward was called with: input_ids: (1, 17)" in log
     assert "Implied (not measured) speedup" in log and "Ordered by: internal time" in log
+    assert log.count("**cycle** (fastest head)") == 2, "the second shape's table"
+    assert "packed query heads: logits within" in log and "argmax equal: True" in log
 
 
 def test_the_stalls_stage_runs_here_at_toy_shapes(tmp_path):

@@ -3,7 +3,9 @@
 Issue 22, Part A.4. Random weights (acceptance is meaningless there), so this measures costs only:
 
 - one target token, and a 17-token verification (anchor + 16 drafts), on a cached context (and on a cache grown in
-  place, as `generate()` with a drafter grows it);
+  place, as `generate()` with a drafter grows it; and with each group's query heads packed onto their key/value head,
+  `packed_query_attention`: where a masked attention over grouped key/value heads would otherwise copy every key and
+  value of the cache once per query head, `repeat_kv`, before each layer's attention: is that worth leaving out?);
 - the draft: backbone (5 layers over the block and the new context), LM head on the 16 draft positions, the Domino
   head rollout (eager, and the fused Triton / CUDA-graph rollouts where they run);
 - what transformers' assisted loop adds per cycle: `generate(..., draft_policy="fixed")`'s `verify` timing (target
@@ -28,7 +30,10 @@ import statistics
 import time
 
 import torch
-from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache, Qwen3Config, Qwen3ForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_domino import DominoConfig, DominoForSpeculation, TargetModules
 from hf_domino.cache_domino import CACHE_ARGUMENT, buffer_layers, cache_argument
@@ -64,6 +69,27 @@ SHAPES = {
     ),
 }  # fmt: skip
 PAPER_TAU = 7.17
+PACKED_QUERIES = "sdpa_packed_queries"
+
+
+def packed_query_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' `sdpa` attention, except for a masked attention over several queries and grouped key/value
+    heads (a verification): each key/value head's group of query heads goes in as one head of `group x queries`
+    queries, the mask repeated for each, so that no key or value is copied (`repeat_kv`), and no kernel falls back to
+    the math one (CUDA's fused kernels take no mask with `enable_gqa`). Same result up to rounding."""
+    rows, heads, queries, dim = query.shape
+    group = heads // key.shape[1]
+    if group == 1 or queries == 1 or attention_mask is None or attention_mask.shape[1] != 1 or dropout:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)  # fmt: skip
+    packed = query.reshape(rows, key.shape[1], group * queries, dim)
+    mask = attention_mask.expand(-1, -1, queries, -1).repeat(1, 1, group, 1)
+    output = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
+    return output.view(rows, heads, queries, dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PACKED_QUERIES, packed_query_attention)
+AttentionMaskInterface.register(PACKED_QUERIES, sdpa_mask)
 
 
 def median_ms(fn, device: torch.device, warmup: int = 3, reps: int = 10) -> float:
@@ -108,6 +134,19 @@ def measure(target, drafter, context_tokens: int, device: torch.device, reps: in
 
     costs["target, 1 token"] = median_ms(lambda: forward(1), device, reps=reps)
     costs["target, 17 tokens (verification)"] = median_ms(lambda: forward(17), device, reps=reps)
+    if target.config.num_key_value_heads < target.config.num_attention_heads:
+        reference = target(prompt[:, -17:], use_cache=True, **cache_argument(cache)).logits
+        cache.crop(-17)
+        target.set_attn_implementation(PACKED_QUERIES)
+        packed = target(prompt[:, -17:], use_cache=True, **cache_argument(cache)).logits
+        cache.crop(-17)
+        costs["target, 17 tokens, query heads packed (no repeat_kv)"] = median_ms(
+            lambda: forward(17), device, reps=reps
+        )
+        target.set_attn_implementation("sdpa")
+        difference = (packed.float() - reference.float()).abs().max().item()
+        print(f"packed query heads: logits within {difference:.2e} of sdpa's, argmax equal: "
+              f"{torch.equal(packed.argmax(-1), reference.argmax(-1))}")  # fmt: skip
     # generate() with a drafter grows the target's cache in place (`buffer_layers`): the same forward on such a cache.
     buffered = buffer_layers(DynamicCache(config=target.config), reserve=context_tokens + 256)
     target(prompt, use_cache=True, **cache_argument(buffered))

@@ -5,7 +5,7 @@
 # tables to $S/results/<stage>-<prompts>/), its exit status to $S/results/stages.log. Each runs under `timeout`: its own
 # limit, and never past $DEADLINE (epoch seconds), so that a call ends with its results inside the device's time; a
 # stage with under 20 s left is skipped. Sizes can be shrunk to check the script on a CPU:
-#   S=/tmp/stage W=$PWD PROMPTS=1 TOKENS=8 COST_SHAPE=tiny STALL_SHAPE=tiny MICRO_REPS=2 METHODS=target,domino_vocab_k16@eager \
+#   S=/tmp/stage W=$PWD PROMPTS=1 TOKENS=8 COST_SHAPE=tiny SMALL_COST_SHAPE=tiny STALL_SHAPE=tiny MICRO_REPS=2 METHODS=target,domino_vocab_k16@eager \
 #     BATCH_PROMPTS=2 BATCH_TOKENS=8 BATCH_SIZES=1,2 LAPS_DTYPES=float32 LAPS_ARGS="--new-tokens 4 --warmup-tokens 2 --rounds 1" \
 #     bash examples/gpu/stages.sh costs bf16 batch laps
 set -uo pipefail
@@ -16,6 +16,9 @@ cd $W
 DEADLINE=${DEADLINE:-$(( $(date +%s) + 86400 ))}
 PROMPTS=${PROMPTS:-4}; TOKENS=${TOKENS:-128}; COST_SHAPE=${COST_SHAPE:-qwen3-8b}; MICRO_REPS=${MICRO_REPS:-100}
 STALL_SHAPE=${STALL_SHAPE:-smollm2-135m}
+# costs at the end-to-end benches' sizes too (random weights, no profile), where the host sets a cycle's time on a GPU;
+# empty: none (a CPU check)
+SMALL_COST_SHAPE=${SMALL_COST_SHAPE-smollm2-135m}
 # the bf16 slow state, cuDNN's attention left out and allowed (lap_probe.py); LAPS_ARGS adds options (smaller calls
 # to check it on a CPU)
 LAPS_DTYPES=${LAPS_DTYPES:-bfloat16}; LAPS_ARGS=${LAPS_ARGS:-}
@@ -127,7 +130,8 @@ for name in "$@"; do
       --new-tokens 48 --rounds 2 $LAPS_ARGS; done" ;;
     stalls) stage stalls 100 bash -c "for threads in 8 1; do python3 examples/gpu/stall_probe.py --shape $STALL_SHAPE \
       --dtype bfloat16 --repeats 5 --threads \$threads; done" ;;
-    costs) stage costs 120 python3 examples/gpu/cycle_costs.py --shape $COST_SHAPE --dtype bfloat16 --profile 16 ;;
+    costs) stage costs 120 bash -c "python3 examples/gpu/cycle_costs.py --shape $COST_SHAPE --dtype bfloat16 --profile 16 \
+      && for shape in $SMALL_COST_SHAPE; do python3 examples/gpu/cycle_costs.py --shape \$shape --dtype bfloat16; done" ;;
     bf16) stage bf16 240 bench bfloat16 $METHODS ;;
     static) stage static 180 bench bfloat16 $STATIC_METHODS mtbench --static-cache ;;
     fp32) stage fp32 120 bench float32 $FP32_METHODS ;;
