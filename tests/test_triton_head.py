@@ -741,6 +741,18 @@ def warped_replay(draft_ids: torch.LongTensor, processors, vocab: torch.Tensor |
     return pick
 
 
+def assert_rows_drew_from(logits, draft_ids, drafter, target, block_rows, processors, vocab) -> None:
+    """Each row's sampled `logits` are what an eager rollout replaying that row's `draft_ids` makes of its block
+    (`block_rows`: hidden states, base logits, anchors) through the call's `processors`."""
+    hidden, base, anchors = block_rows
+    for row in range(draft_ids.shape[0]):
+        replay = warped_replay(draft_ids[row : row + 1], processors, vocab)
+        with torch.no_grad():
+            block = BlockDraft(hidden[row : row + 1], base[row : row + 1], vocab)
+            expected = eager_rollout(drafter, target, replay)(block, anchors[row : row + 1])
+        torch.testing.assert_close(logits[row : row + 1], expected.logits, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("vocab_name", [None, "without the anchor"])
 @pytest.mark.parametrize("pure_draft_prefix_len", [0, 1, 2])
 def test_fused_rollout_over_rows_drafts_each_row_as_alone_greedy(interp, vocab_name, pure_draft_prefix_len):
@@ -777,12 +789,7 @@ def test_fused_rollout_over_rows_samples_each_row_from_its_warped_logits(interp,
     draft_ids, logits = triton_rollout.fused_rollout(drafter, hidden, base, anchors, embed.weight, **options)
 
     assert logits.shape == (*base.shape[:2], VOCAB)
-    for row in range(base.shape[0]):
-        replay = warped_replay(draft_ids[row : row + 1], processors, vocab)
-        with torch.no_grad():
-            block = BlockDraft(hidden[row : row + 1], base[row : row + 1], vocab)
-            expected = eager_rollout(drafter, target, replay)(block, anchors[row : row + 1])
-        torch.testing.assert_close(logits[row : row + 1], expected.logits, atol=1e-5, rtol=0)
+    assert_rows_drew_from(logits, draft_ids, drafter, target, (hidden, base, anchors), processors, vocab)
     assert torch.gather(torch.isfinite(logits), -1, draft_ids[..., None]).all(), "a draft outside what was kept"
     torch.manual_seed(123)
     again, _ = triton_rollout.fused_rollout(drafter, hidden, base, anchors, embed.weight, **options)
@@ -872,12 +879,7 @@ def test_fused_tree_branches_sample_from_each_branch_on(interp, vocab_name):
     ids, logits = triton_rollout.fused_rollout(drafter, hidden, base, anchors, embed.weight, branches=n, **options)
     likeliest = logits[:, 0].topk(n, dim=-1).indices.view(-1, n, n)
     assert torch.equal(ids[:, 0].view(-1, n), likeliest.diagonal(dim1=1, dim2=2))
-    for row in range(ids.shape[0]):
-        replay = warped_replay(ids[row : row + 1], processors, vocab)
-        with torch.no_grad():
-            block = BlockDraft(hidden[row : row + 1], base[row : row + 1], vocab)
-            expected = eager_rollout(drafter, target, replay)(block, anchors[row : row + 1])
-        torch.testing.assert_close(logits[row : row + 1], expected.logits, atol=1e-5, rtol=0)
+    assert_rows_drew_from(logits, ids, drafter, target, (hidden, base, anchors), processors, vocab)
 
 
 def left_padded_batch() -> dict[str, torch.Tensor]:
