@@ -8,6 +8,7 @@ runs here at tiny sizes as docs/fast_path.md shows (a few minutes, hence not in 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -151,3 +152,13 @@ def test_the_laps_behind_the_slow_state_section_come_from_the_committed_records(
         "dflash_vocab_k16": ["80/93", "85/85", "96/96", "6/88", "81/81", "98/98"],
         "domino_vocab_k16@triton+graph": ["0/87", "3/80", "2/95", "82/82", "1/74", "0/97"],
     }
+
+
+def test_cycle_ops_counts_what_a_drafting_cycle_dispatches_beyond_a_plain_step():
+    # examples/cycle_ops.py, as docs/fast_path.md runs it but at toy widths: the GPU's host cost, counted on a CPU.
+    command = [sys.executable, "examples/cycle_ops.py", "--tiny", "--new-tokens", "6", "--top", "5"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    step, cycle = map(int, re.search(r"ops per plain step (\d+), per drafting cycle (\d+)", result.stdout).groups())
+    assert 1000 < step < cycle, result.stdout  # 30 layers of a dozen or more ops each, and a cycle drafts too
+    assert "(repeat_kv)" in result.stdout, "a verification's masked attention copies its key/value heads"
