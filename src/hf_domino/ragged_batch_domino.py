@@ -25,7 +25,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.utils import _speculative_sampling
 
 from .cache_domino import buffer_layers
-from .drafting_domino import picked_probability, score_only, spread_to_vocabulary, to_vocab_ids
+from .drafting_domino import branch_columns, picked_probability, score_only, spread_to_vocabulary, to_vocab_ids
 from .modeling_domino import TargetModules
 from .ragged_cache_domino import RaggedCache
 
@@ -221,9 +221,8 @@ def batched_rollout(
             logits = logits + correction.to(device=logits.device, dtype=logits.dtype)
         if pick_logits is not None:
             logits = pick_logits(logits, realised[:, 1:])
-        if i == 0 and branches > 1:  # row r of a group of n: its (r mod n)-th likeliest, no device round trip
-            likeliest = logits.topk(branches, dim=-1).indices.view(-1, branches, branches)
-            index = likeliest.diagonal(dim1=1, dim2=2).reshape(-1, 1)
+        if i == 0 and branches > 1:  # row r of a group of n: its (r mod n)-th likeliest
+            index = branch_columns(logits, branches)[:, None]
         else:
             index = pick_tokens(logits, do_sample)[:, None]
         on_columns = logits.shape[-1] != config.vocab_size  # over the draft vocabulary's columns

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .drafting_domino import branch_columns, to_vocab_ids
 from .triton_kernels import check_kernel_device
 from .triton_launch import (
     Workspace,
@@ -114,10 +115,8 @@ def take_branches(ws: Workspace, branches: int) -> None:
     (0: the likeliest) under the logits the first draft was picked from, instead of the one picked, and the head
     continues from it, as `ragged_batch_domino.batched_rollout` does for a tree. Torch ops on the device only
     (graph-capturable); a first draft drawn when sampling is replaced, since a tree's first drafts are chosen."""
-    likeliest = ws.logits[:, 0].topk(branches, dim=-1).indices.view(-1, branches, branches)
-    index = likeliest.diagonal(dim1=1, dim2=2).reshape(-1)
     on_columns = ws.vocab is not None and not ws.spread  # greedy over a draft vocabulary: columns, not ids
-    ws.tokens[:, 1].copy_(ws.vocab[index] if on_columns else index)
+    ws.tokens[:, 1].copy_(to_vocab_ids(branch_columns(ws.logits[:, 0], branches), ws.vocab if on_columns else None))
 
 
 def _validate_inputs(

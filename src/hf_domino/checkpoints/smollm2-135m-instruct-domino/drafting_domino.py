@@ -189,6 +189,13 @@ def draft_confidence(logits: torch.Tensor, index: torch.LongTensor) -> torch.Ten
     return picked_probability(logits, index)[0]
 
 
+def branch_columns(logits: torch.Tensor, branches: int) -> torch.LongTensor:
+    """A tree's first drafts, for rows in groups of `branches` copies of one block (`logits [rows, V']`): the i-th
+    row of a group takes the group's i-th likeliest column (0: the likeliest). Device ops only, no round trip."""
+    likeliest = logits.topk(branches, dim=-1).indices.view(-1, branches, branches)
+    return likeliest.diagonal(dim1=1, dim2=2).reshape(-1)
+
+
 def to_vocab_ids(index: torch.LongTensor, vocab: torch.Tensor | None) -> torch.LongTensor:
     """Token ids of positions in a logits row over `vocab` (identity for the full vocabulary)."""
     return index if vocab is None else vocab.to(index.device)[index]
