@@ -540,7 +540,10 @@ def test_demo_core_compiled(target, drafter, tokenizer, monkeypatch, fresh_dynam
     assert result.identical_to_target and result.compiled and result.default_target_seconds > 0
     assert "compiled on a static cache; the target alone as it runs by default" in result.summary()
     assert [(tokens, cache) for tokens, cache, _ in generate_calls] == [
-        (8, "static"),
+        (8, "static"),  # measure.warm_verification_lengths
+        (9, "static"),
+        (9, "static"),
+        (8, "static"),  # the policy's warm-ups
         (9, "static"),
         (8, "static"),
         (9, "static"),
@@ -549,8 +552,37 @@ def test_demo_core_compiled(target, drafter, tokenizer, monkeypatch, fresh_dynam
         (8, None),
         (12, None),
     ]
-    assert sum(frames for *_, frames in generate_calls[:4]) > 0
-    assert [frames for *_, frames in generate_calls[4:]] == [0, 0, 0, 0], generate_calls
+    assert sum(frames for *_, frames in generate_calls[:7]) > 0
+    assert [frames for *_, frames in generate_calls[7:]] == [0, 0, 0, 0], generate_calls
+
+
+def test_warmed_verification_lengths_leave_no_number_of_drafts_to_compile(
+    target, tokenizer, monkeypatch, fresh_dynamo
+):
+    # The demo's timed call once compiled on a loaded machine: its policy's warm-ups had verified one number of
+    # drafts only. After `warm_verification_lengths`, a generation with a longer static cache compiles nothing
+    # whatever it verifies, from plain steps to whole blocks, with and without the policy's own warm-ups.
+    from torch._dynamo.utils import counters
+
+    from hf_domino.options_domino import static_caches_roll_back
+
+    if not static_caches_roll_back():
+        pytest.skip("static caches roll back from transformers 5.24")
+    compile_with_the_eager_backend(monkeypatch)
+    drafter = make_drafter(target, block_size=5)
+    input_ids = tokenizer("a b c", return_tensors="pt").input_ids
+    compile_settings = measure.compile_kwargs("static", "on")
+    measure.warm_verification_lengths(target, drafter, input_ids, 4, compile_settings)
+    assert counters["frames"]["total"] > 0
+    frames = []
+    for drafts in range(drafter.config.num_drafts + 1):
+        before = counters["frames"]["total"]
+        kwargs = measure.generation_kwargs(target, 12, 0.0) | compile_settings
+        kwargs |= {"assistant_model": drafter, "draft_policy": "fixed", "num_speculative_tokens": drafts}
+        target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+        assert drafts in drafter.last_generation_stats.drafted
+        frames.append(counters["frames"]["total"] - before)
+    assert frames == [0] * (drafter.config.num_drafts + 1)
 
 
 def test_demo_compile_on_a_transformers_that_cannot_roll_a_static_cache_back_says_to_upgrade(monkeypatch):

@@ -81,13 +81,15 @@ def run_demo(
     Both generations are timed end to end (prefill included) after a `warmup_tokens` warm-up of each; the drafted
     one also pays for streaming, which is what a user sees. `compile`: both on a static cache with the target's
     forward compiled, whose compiling the warm-ups pay (a second one, a token longer, the recompilation for any cache
-    length: `measure.warmup_lengths`). When the target runs the CPU fast path or compiled, the target alone is timed
+    length: `measure.warmup_lengths`; two with 1 and 2 drafts, the one for any verification length:
+    `measure.warm_verification_lengths`). When the target runs the CPU fast path or compiled, the target alone is timed
     once more as it runs by default (`default_target_seconds`).
     """
     input_ids = encode_chat(tokenizer, [{"role": "user", "content": prompt}]).to(target.device)
     attention_mask = torch.ones_like(input_ids)
     default_kwargs = measure.generation_kwargs(target, max_new_tokens, temperature=0.0)
-    kwargs = default_kwargs | (measure.compile_kwargs("static", "on") if compile else {})
+    compile_settings = measure.compile_kwargs("static", "on") if compile else {}
+    kwargs = default_kwargs | compile_settings
     warmups = measure.warmup_lengths(warmup_tokens, static_cache=compile)
 
     def generate(max_tokens: int, settings: dict | None = None, **extra) -> tuple[torch.LongTensor, float]:
@@ -100,6 +102,8 @@ def run_demo(
 
     if drafter.datastore is not None:
         drafter.datastore.build_index()  # once per process, not part of a generation
+    if compile:
+        measure.warm_verification_lengths(target, drafter, input_ids, warmup_tokens, compile_settings)
     for tokens in warmups:
         generate(tokens, assistant_model=drafter)
     for tokens in warmups:

@@ -405,6 +405,35 @@ def warmup_lengths(warmup_tokens: int, static_cache: bool) -> list[int]:
     return [warmup_tokens, warmup_tokens + 1] if static_cache else [warmup_tokens]
 
 
+def warm_verification_lengths(
+    target: PreTrainedModel,
+    drafter: DominoForSpeculation | None,
+    input_ids: torch.LongTensor,
+    warmup_tokens: int,
+    compile_settings: dict[str, Any],
+) -> None:
+    """On a static cache with the target's forward compiled (`compile_settings`: `compile_kwargs`' answer), compiles
+    the forwards a drafter's verification needs for any number of drafts and any cache length, so that no timed
+    generation compiles (with inductor: minutes on a CPU, tens of seconds on a GPU).
+
+    Dynamo compiles a forward for the shapes it first meets, then once more, dynamic in each size it has seen change
+    (one token is always a shape of its own). The policies' own warm-ups verify what their timings choose, sometimes
+    one number of drafts only, at two cache lengths, so the timed generation could still meet a new pair: found as a
+    test that compiled in its timed call, on a loaded machine. Three short greedy generations (the fixed policy,
+    which learns nothing, and no copies, whose acceptance would be recorded) leave no pair new: 1 draft per forward,
+    then 2 with a cache one token longer (query and cache length both dynamic), then plain steps on that cache.
+    """
+    if drafter is None:
+        return
+    settings = generation_kwargs(target, warmup_tokens, temperature=0.0) | compile_settings
+    settings |= {"assistant_model": drafter, "draft_policy": "fixed", "domino_lookup": False}
+    attention_mask = torch.ones_like(input_ids)
+    two = min(2, drafter.config.num_drafts)
+    for tokens, drafts in ((warmup_tokens, 1), (warmup_tokens + 1, two), (warmup_tokens + 1, 0)):
+        call = settings | {"max_new_tokens": tokens, "num_speculative_tokens": drafts}
+        target.generate(input_ids, attention_mask=attention_mask, **call)
+
+
 def run_benchmark(
     target: PreTrainedModel,
     drafter: DominoForSpeculation | None,
@@ -458,6 +487,9 @@ def run_benchmark(
 
     for copied in {id(d): d for d in drafters.values() if d is not None and d.datastore is not None}.values():
         copied.datastore.build_index()  # else whichever generation retrieves first pays for it
+    if settings.cache_implementation is not None:  # before the policies' warm-ups, which then time no compiling
+        compile_settings = compile_kwargs(settings.cache_implementation, settings.compile)
+        warm_verification_lengths(target, drafter, prompts[0], settings.warmup_tokens, compile_settings)
     for method in methods:  # warm-up: allocator, kernels, lazy imports, the draft policy's cost calibration
         for warmup_tokens in warmup_lengths(settings.warmup_tokens, settings.cache_implementation is not None):
             generate(method, prompts[0], warmup_tokens, settings.seed)
