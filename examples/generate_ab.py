@@ -9,7 +9,7 @@ is `default`, or `key=value` items joined by `+`: `sizes=4,3,2` (the datastore's
 the target's), a generate() option of the drafter (`domino_lookup=False`, `num_speculative_tokens=0`,
 `draft_policy=fixed`, ...), or an upper-case setting of the batch loop, the policy or the CPU fast path module, set
 for that setting's calls only (`PRICE_BY_MAKESPAN=True`, `MATMUL_MAX_QUERIES=0`). `--first-calls`: each call with a
-drafter starts from nothing learned (`policy_domino.forget_records`), as a process's first call does. docs/benchmarks.md
+drafter starts from nothing learned (`records_domino.forget_records`), as a process's first call does. docs/benchmarks.md
 quotes it:
 
     python examples/generate_ab.py --prompts mtbench --settings sizes=4,3 sizes=4,3,2
@@ -34,10 +34,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_domino import batch_policy_domino, batching_domino, cpu_fast_path, policy_domino, prepare_for_cpu_decoding
+from hf_domino import (
+    batch_policy_domino,
+    batching_domino,
+    cpu_fast_path,
+    policy_domino,
+    prepare_for_cpu_decoding,
+    records_domino,
+)
 from hf_domino.assets import chat_token_ids, load_drafter, load_prompts, load_target, pad_token_id
 from hf_domino.drafting_domino import DATASTORE_FILE, DraftDatastore
 from hf_domino.measure_batch import left_padded_groups
+
+# Where `--settings NAME=...` looks up an upper-case KEY (a module constant, set for the setting's calls).
+SETTING_MODULES = (batching_domino, batch_policy_domino, policy_domino, records_domino, cpu_fast_path)
 
 
 @dataclass
@@ -75,13 +85,12 @@ def setting_for(name: str, target, batch_size: int = 1) -> Setting:
             match_dtype = False
         elif key.isupper():
             module = next(
-                (m for m in (batching_domino, batch_policy_domino, policy_domino, cpu_fast_path) if hasattr(m, key)),
+                (m for m in SETTING_MODULES if hasattr(m, key)),
                 None,
             )
             if module is None:
-                raise SystemExit(
-                    f"setting {name!r}: no module setting {key!r} in batching_domino, batch_policy_domino, policy_domino or cpu_fast_path"
-                )
+                names = ", ".join(m.__name__.rsplit(".", 1)[-1] for m in SETTING_MODULES)
+                raise SystemExit(f"setting {name!r}: no module setting {key!r} in {names}")
             setting.modules[module, key] = option_value(value)
         elif value:
             setting.options[key] = option_value(value)
@@ -151,7 +160,7 @@ def main() -> None:
             seconds["target"].append(elapsed)
             for name in list(settings) if (repeat + index) % 2 == 0 else list(reversed(settings)):
                 if args.first_calls:
-                    policy_domino.forget_records(settings[name].drafter)
+                    records_domino.forget_records(settings[name].drafter)
                 output, elapsed = timed(target, batch, args.max_new_tokens, settings[name])
                 assert torch.equal(output, reference), f"{name}: output differs from the target alone's"
                 seconds[name].append(elapsed)

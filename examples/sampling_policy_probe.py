@@ -25,7 +25,7 @@ import time
 import torch
 
 import hf_domino
-from hf_domino import cost_model_domino, drafting_domino, policy_domino
+from hf_domino import cost_model_domino, drafting_domino, policy_domino, records_domino
 from hf_domino.assets import encode_chat, load_drafter, load_prompts, load_target
 
 
@@ -75,7 +75,7 @@ def main() -> None:
         passes.append(pass_tokens / pass_seconds)
         total_tokens, total_seconds = total_tokens + pass_tokens, total_seconds + pass_seconds
     print(f"all prompts: {total_tokens / total_seconds:.1f} tokens/s; per pass {[round(rate, 1) for rate in passes]}")
-    for mode, record in policy_domino._RECORDS.get(drafter, {}).items():
+    for mode, record in records_domino._RECORDS.get(drafter, {}).items():
         if record.steady_cycles:
             calibration = (record.calibration.accepted / record.calibration.trials).tolist()
             print(f"{mode}: acceptance per position {[round(a, 2) for a in record.position_acceptance[:4]]}, "

@@ -16,6 +16,7 @@ from hf_domino import (
     cost_model_domino,
     generation_domino,
     policy_domino,
+    records_domino,
 )
 from hf_domino.cost_model_domino import VerifyCost
 
@@ -197,6 +198,6 @@ def _fixed_costs(monkeypatch, table):
     monkeypatch.setattr(batch_policy_domino, "timing_is_free", lambda device: False)
     monkeypatch.setattr(policy_domino, "LEARN_TIMES", False)  # the table stays as given
     monkeypatch.setattr(cost_model_domino, "_VERIFY_COSTS", cost_model_domino.weakref.WeakKeyDictionary())
-    monkeypatch.setattr(policy_domino, "_RECORDS", policy_domino.weakref.WeakKeyDictionary())
+    monkeypatch.setattr(records_domino, "_RECORDS", records_domino.weakref.WeakKeyDictionary())
     monkeypatch.setattr(generation_domino.DominoCandidateGenerator, "_timing_is_free", property(lambda self: False))
     return table

@@ -20,7 +20,14 @@ from test_generation import (
 from transformers import DynamicCache, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
-from hf_domino import batch_policy_domino, batching_domino, policy_domino, ragged_batch_domino, ragged_cache_domino
+from hf_domino import (
+    batch_policy_domino,
+    batching_domino,
+    policy_domino,
+    ragged_batch_domino,
+    ragged_cache_domino,
+    records_domino,
+)
 from hf_domino.cache_domino import BufferedLayer, buffer_layers
 from hf_domino.drafting_domino import DrafterContext, run_backbone
 from hf_domino.modeling_domino import TargetModules
@@ -105,7 +112,7 @@ def test_plain_steps_seconds_counts_the_rows_still_generating():
 
 def test_calls_losing_on_average_pause_speculation_for_1_2_4_calls(monkeypatch):
     monkeypatch.setattr(batch_policy_domino, "MAX_PLAIN_CALLS", 4)
-    record = policy_domino.DrafterRecord(position_acceptance=[0.5])
+    record = records_domino.DrafterRecord(position_acceptance=[0.5])
 
     def calls(gains: list[float]) -> str:
         pattern = ""

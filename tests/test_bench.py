@@ -678,7 +678,7 @@ def test_cli_bench_batch_repeats_count_each_group_once(target, drafter, tokenize
 
 def test_each_method_learns_on_its_own_as_in_a_process_of_its_own(target, drafter):
     from hf_domino.cost_model_domino import VerifyCost, cached_verify_cost, swap_verify_cost
-    from hf_domino.policy_domino import _RECORDS, forget_records
+    from hf_domino.records_domino import _RECORDS, forget_records
 
     forget_records(drafter)  # what earlier tests taught it
     shared = VerifyCost({1: 0.01, 17: 0.02})

@@ -15,10 +15,11 @@ from transformers import GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 
 import hf_domino
-from hf_domino import batch_policy_domino, cost_model_domino, policy_domino
+from hf_domino import batch_policy_domino, cost_model_domino, policy_domino, records_domino
 from hf_domino.cache_domino import cache_argument
 from hf_domino.cost_model_domino import VerifyCost, expected_tokens, row_paces
-from hf_domino.policy_domino import AcceptanceCalibration, AdaptivePolicy, DrafterRecord, LookupPolicy
+from hf_domino.policy_domino import AdaptivePolicy, LookupPolicy
+from hf_domino.records_domino import AcceptanceCalibration, DrafterRecord
 
 VOCAB = 32
 
@@ -177,16 +178,16 @@ def test_sampled_acceptance_is_learned_slowly_so_a_paying_drafter_keeps_drafting
     move their acceptance per position at SAMPLED_POSITION_RATE (greedy ones, and copies', at POSITION_RATE). At the
     greedy rate the coin's runs of failures pause a drafter whose drafts pay on average (at 0.35, about 1.14x here)."""
     drafter = torch.nn.Linear(1, 1)
-    mode = policy_domino.DraftingMode
-    greedy, sampled = (policy_domino.drafter_record(drafter, mode(sampled=s, head=True), 8) for s in (False, True))
+    mode = records_domino.DraftingMode
+    greedy, sampled = (records_domino.drafter_record(drafter, mode(sampled=s, head=True), 8) for s in (False, True))
     assert sampled.sampled and not greedy.sampled
-    assert policy_domino.drafter_record(drafter, mode(sampled=True, vocab=True, branches=2, rows=4), 8).sampled
+    assert records_domino.drafter_record(drafter, mode(sampled=True, vocab=True, branches=2, rows=4), 8).sampled
     assert not any(
-        policy_domino.drafter_record(drafter, mode(source, True), 8).sampled for source in ("lookup", "datastore")
+        records_domino.drafter_record(drafter, mode(source, True), 8).sampled for source in ("lookup", "datastore")
     )
     policy_domino.learn_acceptance(sampled, offered=2, accepted=0)
     policy_domino.learn_acceptance(greedy, offered=2, accepted=0)
-    start = policy_domino.INITIAL_ACCEPTANCE
+    start = records_domino.INITIAL_ACCEPTANCE
     assert sampled.position_acceptance[:2] == [pytest.approx(start * (1 - policy_domino.SAMPLED_POSITION_RATE)), start]
     assert greedy.position_acceptance[0] == pytest.approx(start * (1 - policy_domino.POSITION_RATE))
 
@@ -468,7 +469,7 @@ def test_while_the_long_run_acceptance_pays_pauses_stay_short():
 
 def test_an_untrained_drafter_backs_off_although_its_prior_acceptance_looked_good():
     # The long-run acceptance starts from the optimistic prior: it caps pauses only once it rests on enough cycles.
-    policy = adaptive(PREPACKED, acceptance=policy_domino.INITIAL_ACCEPTANCE)
+    policy = adaptive(PREPACKED, acceptance=records_domino.INITIAL_ACCEPTANCE)
     plain = 0
     for _ in range(300):
         k = policy.budget(room=100)
@@ -784,11 +785,11 @@ def test_a_new_batch_size_starts_from_the_drafters_cost_at_batch_1(monkeypatch):
     monkeypatch.setattr(cost_model_domino, "_VERIFY_COSTS", cost_model_domino.weakref.WeakKeyDictionary())
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
-    shared = policy_domino.drafter_record(drafter, policy_domino.DraftingMode(), drafter.config.num_drafts)
+    shared = records_domino.drafter_record(drafter, records_domino.DraftingMode(), drafter.config.num_drafts)
     shared.backbone_seconds, shared.position_seconds = 0.004, 0.001  # learned at batch 1
     anchors = torch.zeros(8, 1, dtype=torch.long)
     cache = types.SimpleNamespace(cache=None)
-    greedy = policy_domino.DraftingMode()
+    greedy = records_domino.DraftingMode()
     policy = batch_policy_domino.batch_policy(target, drafter, DominoOptions(), greedy, cache, anchors, {}, 4)
     assert policy.record is not shared and policy.record.position_acceptance is shared.position_acceptance
     assert policy.record.backbone_seconds == pytest.approx(0.032)
@@ -817,7 +818,7 @@ def test_where_timing_needs_a_synchronization_the_policy_still_learns(monkeypatc
         monkeypatch.setattr(module, "AdaptivePolicy", Spy)
     monkeypatch.setattr(batch_policy_domino, "timing_is_free", lambda device: False)
     monkeypatch.setattr(generation_domino.DominoCandidateGenerator, "_timing_is_free", property(lambda self: False))
-    monkeypatch.setattr(policy_domino, "_RECORDS", policy_domino.weakref.WeakKeyDictionary())
+    monkeypatch.setattr(records_domino, "_RECORDS", records_domino.weakref.WeakKeyDictionary())
     target = successor_target("qwen3", VOCAB)
     drafter = forcing_drafter(target, [(t + 1) % VOCAB for t in range(VOCAB)], block_size=8)
     batch = left_padded([[4, 5], [9], [20, 21, 22]][:rows])
@@ -832,15 +833,15 @@ def test_where_timing_needs_a_synchronization_the_policy_still_learns(monkeypatc
 
 def test_forgetting_a_drafter_records_starts_its_next_call_from_nothing_learned():
     drafter = torch.nn.Linear(1, 1)
-    greedy = policy_domino.DraftingMode()
-    record = policy_domino.drafter_record(drafter, greedy, 4)
+    greedy = records_domino.DraftingMode()
+    record = records_domino.drafter_record(drafter, greedy, 4)
     record.position_acceptance[0], record.skip_left = 0.1, 3
-    assert policy_domino.drafter_record(drafter, greedy, 4) is record  # kept across calls
-    policy_domino.forget_records(drafter)
-    fresh = policy_domino.drafter_record(drafter, greedy, 4)
-    assert fresh is not record and fresh.position_acceptance == [policy_domino.INITIAL_ACCEPTANCE] * 4
+    assert records_domino.drafter_record(drafter, greedy, 4) is record  # kept across calls
+    records_domino.forget_records(drafter)
+    fresh = records_domino.drafter_record(drafter, greedy, 4)
+    assert fresh is not record and fresh.position_acceptance == [records_domino.INITIAL_ACCEPTANCE] * 4
     assert fresh.skip_left == 0
-    policy_domino.forget_records(torch.nn.Linear(1, 1))  # a drafter that never ran: nothing to forget
+    records_domino.forget_records(torch.nn.Linear(1, 1))  # a drafter that never ran: nothing to forget
 
 
 # ---------------------------------------------------------------------------- trees of first-token branches

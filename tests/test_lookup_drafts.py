@@ -24,7 +24,8 @@ from hf_domino.cost_model_domino import VerifyCost, expected_tokens
 from hf_domino.drafting_domino import lookup_drafts
 from hf_domino.measure import parse_method
 from hf_domino.measure_batch import parse_batch_method
-from hf_domino.policy_domino import INITIAL_ACCEPTANCE, DrafterRecord, DraftingMode, LookupPolicy, drafter_record
+from hf_domino.policy_domino import LookupPolicy
+from hf_domino.records_domino import INITIAL_ACCEPTANCE, DrafterRecord, DraftingMode, drafter_record
 
 
 def found(sequence: list[int], limit: int = 4) -> list[int] | None:

@@ -219,6 +219,7 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
         "policy_domino.py",
         "ragged_batch_domino.py",
         "ragged_cache_domino.py",
+        "records_domino.py",
     ]
     with safe_open(str(tmp_path / "d" / "model.safetensors"), "pt") as f:
         names = set(f.keys())

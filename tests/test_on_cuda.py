@@ -117,7 +117,7 @@ def test_cuda_gru_weights_stay_packed_after_to():
 def test_cuda_adaptive_policy_learns_its_times_on_the_device():
     # On CUDA the loops synchronize at their laps so that the policy refines its cost table and learns the drafter's
     # times, as on a CPU (the first GPU run priced every block with one noisy calibration and CPU-sized defaults).
-    from hf_domino import policy_domino
+    from hf_domino import records_domino
 
     target = successor_target("qwen3", VOCAB).cuda()
     drafter = forcing_drafter(target, [(t + 1) % VOCAB for t in range(VOCAB)], block_size=8).cuda()
@@ -125,7 +125,7 @@ def test_cuda_adaptive_policy_learns_its_times_on_the_device():
     expected = target.generate(prompt, max_new_tokens=40, do_sample=False)
     output = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter)
     assert torch.equal(output, expected) and any(drafter.last_generation_stats.drafted)
-    records = policy_domino._RECORDS[drafter]
+    records = records_domino._RECORDS[drafter]
     assert any(record.backbone_seconds is not None for record in records.values()), records.keys()
 
 

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .cost_model_domino import TIME_RATE, VerifyCost, measure_verify_cost, timing_is_free, verify_cost_for
-from .policy_domino import AdaptivePolicy, DrafterRecord, DraftingMode, FixedPolicy, drafter_record
+from .policy_domino import AdaptivePolicy, FixedPolicy
+from .records_domino import DrafterRecord, DraftingMode, drafter_record
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -24,7 +24,7 @@ one of them is right), and `take_branch` makes the outcome teach the policy alon
 
 `T_verify` (`cost_model_domino.VerifyCost`) is measured with a few target forwards at first use per (target,
 device, dtype) and refined from the loop's own timings; `T_draft` is learned from the drafting steps' timings. What is
-learned is kept for the process, per drafter and decoding mode, so later `generate()` calls start informed. `E(k)`,
+learned is kept for the process, per drafter and decoding mode (`records_domino`), so later `generate()` calls start informed. `E(k)`,
 and a batch's price of it, are `cost_model_domino.expected_tokens`.
 
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
@@ -32,14 +32,13 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .cost_model_domino import TIME_RATE, VerifyCost, expected_tokens
+from .records_domino import DrafterRecord
 
 # Online estimates move this far towards each new observation (times: cost_model_domino.TIME_RATE).
 POSITION_RATE = 0.2
@@ -50,9 +49,6 @@ POSITION_RATE = 0.2
 # POSITION_RATE: whether they hold follows whether the text repeats, and that was not measured.
 SAMPLED_POSITION_RATE = 0.05
 RATE_RATE = 0.5
-# What a drafter is assumed to achieve at a draft position before anything was observed there: optimistic, so that
-# the first blocks are long enough to show how far its drafts hold.
-INITIAL_ACCEPTANCE = 0.8
 # Drafting is retried after at most this many plain steps once it stopped paying.
 MAX_SKIP_INTERVAL = 128
 # ... and after at most this many while the drafter's acceptance learned over many cycles (`steady_acceptance`, moving
@@ -69,110 +65,12 @@ BATCH_EVIDENCE_ROWS = 4
 # Plain steps before the first probe where the cost model already says drafting will not pay (e.g. a new batch size
 # for a drafter whose acceptance on this text is known).
 PRIOR_SKIP_INTERVAL = 8
-CALIBRATION_BINS = 10
 # Whether the policies refine the verify-cost table and the drafter's times from the loops' timings (on CUDA too, where
 # the loops then synchronize at their laps). Tests that need a fixed cost table turn it off.
 LEARN_TIMES = True
 
 
-# --------------------------------------------------------------------------------------------------- calibration
-class AcceptanceCalibration:
-    """P(draft accepted | its confidence, the drafts before it accepted), by confidence bin, learned online.
-
-    Each bin starts as if it had seen two drafts accepted at the bin's mean confidence, so an unseen bin trusts the
-    drafter; observations then pull it towards what the target actually accepts.
-    """
-
-    def __init__(self, bins: int = CALIBRATION_BINS, prior_weight: float = 2.0):
-        centers = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
-        self.accepted = centers * prior_weight
-        self.trials = torch.full((bins,), prior_weight, dtype=torch.float64)
-
-    def _bins(self, confidence: torch.Tensor) -> torch.Tensor:
-        bins = self.trials.numel()
-        return (confidence.double().cpu() * bins).long().clamp_(0, bins - 1)
-
-    def __call__(self, confidence: torch.Tensor) -> torch.Tensor:
-        """Calibrated acceptance probability for each confidence in `[k]`."""
-        index = self._bins(confidence)
-        return self.accepted[index] / self.trials[index]
-
-    def observe(self, confidence: torch.Tensor, accepted: torch.Tensor) -> None:
-        index = self._bins(confidence)
-        self.trials.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))
-        self.accepted.index_add_(0, index, accepted.double().cpu())
-
-
 # -------------------------------------------------------------------------------------------------------- policies
-@dataclass(frozen=True)
-class DraftingMode:
-    """What a record is learned for: whose drafts (the drafter's, copies from the text, retrievals from the
-    datastore), drawn or picked, with the Domino head, over a draft vocabulary, in trees of how many first-token
-    branches, and for batches of how many rows (None: one sequence's loop)."""
-
-    source: str = "drafter"
-    sampled: bool = False
-    head: bool = False
-    vocab: bool = False
-    branches: int = 1
-    rows: int | None = None
-
-    @property
-    def drawn(self) -> bool:
-        """The drafter's own drafts drawn at random: each is accepted by a coin toss (min(1, p/q)), so one cycle says
-        little about the next, and the record learns at SAMPLED_POSITION_RATE. Copies are the text's, not drawn."""
-        return self.sampled and self.source == "drafter"
-
-
-@dataclass
-class DrafterRecord:
-    """What the adaptive policy has learned about one drafter in one decoding mode, kept across calls."""
-
-    position_acceptance: list[float]
-    sampled: bool = False  # the drafter's own drafts, drawn (`DraftingMode.drawn`): learned at SAMPLED_POSITION_RATE
-    calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
-    backbone_seconds: float | None = None
-    position_seconds: float | None = None
-    drafting_rate: float | None = None  # tokens/s of recent drafting cycles, drafting included
-    skip_interval: int = 1
-    skip_left: int = 0
-    steady_acceptance: list[float] | None = None  # like position_acceptance, learned slowly (STEADY_RATE)
-    steady_cycles: int = 0  # drafting cycles behind steady_acceptance
-    # Batches only (`batch_policy_domino.judge_call`): a plain cycle's time by the number of active rows,
-    # what speculating calls gained over plain steps (averaged over calls), and how many of the next calls take plain
-    # steps only (after how many the last time).
-    plain_cycle_seconds: dict[int, float] = field(default_factory=dict)
-    call_gain: float | None = None
-    plain_calls: int = 0
-    plain_calls_left: int = 0
-
-
-_RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def drafter_record(drafter: torch.nn.Module, mode: DraftingMode, num_drafts: int) -> DrafterRecord:
-    """What the policies have learned with `drafter` in `mode`, kept for the process (new: nothing learned yet)."""
-    records = _RECORDS.setdefault(drafter, {})
-    if mode not in records:
-        records[mode] = DrafterRecord(position_acceptance=[INITIAL_ACCEPTANCE] * num_drafts, sampled=mode.drawn)
-    return records[mode]
-
-
-def forget_records(drafter: torch.nn.Module) -> None:
-    """Forgets what the policies learned with `drafter` (acceptance, times, pauses): its next call starts as its first
-    (the target's verify-cost table stays)."""
-    _RECORDS.pop(drafter, None)
-
-
-def copy_records(drafter: torch.nn.Module, do_sample: bool) -> tuple[DrafterRecord, DrafterRecord]:
-    """What copies from the text and retrievals from the datastore have earned with `drafter` in this decoding mode:
-    one record each, shared by batch 1 and batches."""
-    num_drafts = drafter.config.num_drafts
-    return tuple(
-        drafter_record(drafter, DraftingMode(source, do_sample), num_drafts) for source in ("lookup", "datastore")
-    )
-
-
 class FixedPolicy:
     """Verify `k` drafts every block (0: never draft), cut at the first draft below `confidence_threshold`."""
 
@@ -599,15 +497,4 @@ def _learned_time(current: float | None, observed: float) -> float:
     return _moved(current, observed, TIME_RATE)
 
 
-__all__ = [
-    "AcceptanceCalibration",
-    "AdaptivePolicy",
-    "FixedPolicy",
-    "LookupPolicy",
-    "copy_records",
-    "drafter_record",
-    "DraftingMode",
-    "forget_records",
-    "learn_acceptance",
-    "tree_tokens",
-]
+__all__ = ["AdaptivePolicy", "FixedPolicy", "LookupPolicy", "below_threshold", "learn_acceptance", "tree_tokens"]

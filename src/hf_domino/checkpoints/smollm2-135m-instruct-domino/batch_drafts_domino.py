@@ -20,8 +20,9 @@ import torch
 
 from .batch_policy_domino import batch_policy
 from .drafting_domino import lookup_drafts, score_only, select_fused_rollout, spread_to_vocabulary, stop_free_length
-from .policy_domino import DraftingMode, LookupPolicy, below_threshold, copy_records
+from .policy_domino import LookupPolicy, below_threshold
 from .ragged_batch_domino import BatchDrafts, batched_rollout, run_batched_backbone
+from .records_domino import DraftingMode, copy_records
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel

@@ -41,7 +41,8 @@ from .drafting_domino import (
 )
 from .modeling_domino import TargetModules, context_features, hidden_state_indices
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
-from .policy_domino import AdaptivePolicy, DraftingMode, FixedPolicy, LookupPolicy, copy_records, drafter_record
+from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy
+from .records_domino import DraftingMode, copy_records, drafter_record
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
