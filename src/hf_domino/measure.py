@@ -412,7 +412,8 @@ def warm_verification_lengths(
     warmup_tokens: int,
     compile_settings: dict[str, Any],
 ) -> None:
-    """On a static cache with the target's forward compiled (`compile_settings`: `compile_kwargs`' answer), compiles
+    """On a static cache with the target's forward compiled (`compile_settings`: the generate() arguments that ask
+    for them, e.g. `compile_kwargs`' answer, or `{"cache_implementation": "static"}` on a GPU), compiles
     the forwards a drafter's verification needs for any number of drafts and any cache length, so that no timed
     generation compiles (with inductor: minutes on a CPU, tens of seconds on a GPU).
 
