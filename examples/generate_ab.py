@@ -84,10 +84,7 @@ def setting_for(name: str, target, batch_size: int = 1) -> Setting:
             setting.drafter.to(getattr(torch, value))
             match_dtype = False
         elif key.isupper():
-            module = next(
-                (m for m in SETTING_MODULES if hasattr(m, key)),
-                None,
-            )
+            module = next((m for m in SETTING_MODULES if hasattr(m, key)), None)
             if module is None:
                 names = ", ".join(m.__name__.rsplit(".", 1)[-1] for m in SETTING_MODULES)
                 raise SystemExit(f"setting {name!r}: no module setting {key!r} in {names}")

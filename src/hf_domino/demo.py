@@ -81,8 +81,8 @@ def run_demo(
     Both generations are timed end to end (prefill included) after a `warmup_tokens` warm-up of each; the drafted
     one also pays for streaming, which is what a user sees. `compile`: both on a static cache with the target's
     forward compiled, whose compiling the warm-ups pay (a second one, a token longer, the recompilation for any cache
-    length: `measure.warmup_lengths`; two with 1 and 2 drafts, the one for any verification length:
-    `measure.warm_verification_lengths`). When the target runs the CPU fast path or compiled, the target alone is timed
+    length: `measure.warmup_lengths`; before them three short fixed-policy ones, the compiles for any number of
+    drafts: `measure.warm_verification_lengths`). When the target runs the CPU fast path or compiled, the target alone is timed
     once more as it runs by default (`default_target_seconds`).
     """
     input_ids = encode_chat(tokenizer, [{"role": "user", "content": prompt}]).to(target.device)
