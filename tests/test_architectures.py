@@ -21,7 +21,7 @@ import transformers
 from conftest import SPECIAL_TOKENS, tiny_drafter
 from test_batching import left_padded
 
-from hf_domino.cache_domino import CACHE_ARGUMENT
+from hf_domino.cache_domino import CACHE_ARGUMENT, cache_argument
 from hf_domino.ragged_cache_domino import SlidingWindow
 
 WINDOW = 8
@@ -222,7 +222,7 @@ def test_sliding_window_masks_match_transformers_where_a_batch_has_no_holes():
     real = batch["attention_mask"].bool()
     embeds = target.get_input_embeddings()(batch["input_ids"])
     expected = create_sliding_window_causal_mask(
-        config=target.config, inputs_embeds=embeds, attention_mask=batch["attention_mask"], cache=None
+        config=target.config, inputs_embeds=embeds, attention_mask=batch["attention_mask"], **cache_argument(None)
     )
     ours = SlidingWindow(size=WINDOW, every_layer=True, additive=False).masks(real, real.shape[1], torch.float32)
     queries = real[:, :, None]  # rows of padding queries differ (transformers lets them see nothing or all): unused

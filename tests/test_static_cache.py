@@ -14,7 +14,7 @@ from conftest import tiny_drafter, tiny_target
 from transformers import CompileConfig, StaticCache
 from transformers.cache_utils import StaticLayer
 
-from hf_domino.cache_domino import CACHE_ARGUMENT
+from hf_domino.cache_domino import CACHE_ARGUMENT, cache_argument
 from hf_domino.options_domino import static_caches_roll_back
 
 rolls_back = pytest.mark.skipif(
@@ -105,7 +105,7 @@ def test_a_static_cache_passed_back_continues_a_chat():
     for turn in range(3):
         expected = target.generate(conversation, max_new_tokens=12, do_sample=False)
         output = target.generate(
-            conversation, max_new_tokens=12, do_sample=False, cache=cache, assistant_model=drafter
+            conversation, max_new_tokens=12, do_sample=False, **cache_argument(cache), assistant_model=drafter
         )
         assert torch.equal(output, expected), f"turn {turn}"
         user = torch.randint(4, 64, (1, 4), generator=torch.Generator().manual_seed(100 + turn))

@@ -83,8 +83,14 @@ def is_domino_drafter(model: Any) -> bool:
     return bool(getattr(model, "_is_domino_drafter", False))
 
 
+@functools.cache
+def _signature(method) -> inspect.Signature:
+    # Computed once per wrapped method: the wrappers run in every generate() call, with a drafter or not.
+    return inspect.signature(method)
+
+
 def _bound_arguments(method, self, args, kwargs) -> dict[str, Any]:
-    return inspect.signature(method).bind(self, *args, **kwargs).arguments
+    return _signature(method).bind(self, *args, **kwargs).arguments
 
 
 def _wrap_extract_generation_mode_kwargs(original):
@@ -124,7 +130,7 @@ def _wrap_validate_generation_mode(original):
             mode_kwargs[_OPTIONS_KEY] = options  # validated once; the generator takes it as is
             if arguments["generation_config"].num_return_sequences > 1:
                 # transformers refuses several sequences per prompt for an assistant; ours serves them as a batch.
-                bound = inspect.signature(original).bind(self, *args, **kwargs)
+                bound = _signature(original).bind(self, *args, **kwargs)
                 bound.arguments["generation_config"] = _single_sequence_view(arguments["generation_config"])
                 return original(*bound.args, **bound.kwargs)
         return original(self, *args, **kwargs)
