@@ -239,3 +239,25 @@ def test_pipeline_with_batch_size_in_a_plain_script(tmp_path):
     script.write_text(PIPELINE_SCRIPT)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_the_readme_demo_command_runs_as_a_user_runs_it():
+    """The README's main job, its demo command's last step (`hf-domino demo`), in a shell of its own with a short
+    answer: the real target and the shipped drafter streamed, the speedup printed, the output the target's own."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    command = readme.split("<!-- demo-command -->", 1)[1].split("```bash\n", 1)[1].split("\n", 1)[0]
+    demo = command.split("&&")[-1].strip()
+    assert demo.startswith("hf-domino demo"), command
+    bin_dir = str(Path(sys.executable).parent)  # this environment's console scripts, as `pip install` put them
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        ["bash", "-c", f"{demo} --max-new-tokens 8"], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Assistant:" in result.stdout and "tokens per target forward" in result.stdout, result.stdout
+    assert "output identical to the target's own" in result.stdout, result.stdout
