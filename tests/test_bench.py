@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import io
 import json
 
@@ -589,6 +590,21 @@ def test_demo_compile_on_a_transformers_that_cannot_roll_a_static_cache_back_say
     monkeypatch.setattr(demo, "static_caches_roll_back", lambda: False)
     with pytest.raises(SystemExit, match="from transformers 5.24 .* upgrade transformers or drop --compile"):
         cli.main(["demo", "--compile"])
+
+
+def test_demo_fails_when_the_output_differs_from_the_target_alones(target, drafter, tokenizer, monkeypatch, capsys):
+    # Speed aside, the demo promises the target's own output: a script running it must see that promise break.
+    different = demo.DemoResult("text", 1, 1.0, 1.0, 1.0, identical_to_target=False)
+    monkeypatch.setattr(demo, "load_drafter", lambda path: drafter)
+    monkeypatch.setattr(demo, "load_smollm2", lambda: (target, tokenizer))
+    monkeypatch.setattr(demo, "run_demo", lambda *args, **kwargs: different)
+    assert cli.main(["demo", "--no-cpu-fast-path"]) == 1
+    output = capsys.readouterr()
+    assert "output DIFFERENT from the target's own" in output.out and "differs from the target alone's" in output.err
+    monkeypatch.setattr(
+        demo, "run_demo", lambda *args, **kwargs: dataclasses.replace(different, identical_to_target=True)
+    )
+    assert cli.main(["demo", "--no-cpu-fast-path"]) == 0
 
 
 def test_missing_drafter_is_a_clear_error(tmp_path):
