@@ -594,7 +594,14 @@ def test_demo_compile_on_a_transformers_that_cannot_roll_a_static_cache_back_say
 
 def test_demo_fails_when_the_output_differs_from_the_target_alones(target, drafter, tokenizer, monkeypatch, capsys):
     # Speed aside, the demo promises the target's own output: a script running it must see that promise break.
-    different = demo.DemoResult("text", 1, 1.0, 1.0, 1.0, identical_to_target=False)
+    different = demo.DemoResult(
+        text="text",
+        new_tokens=1,
+        seconds=1.0,
+        target_seconds=1.0,
+        mean_acceptance_length=1.0,
+        identical_to_target=False,
+    )
     monkeypatch.setattr(demo, "load_drafter", lambda path: drafter)
     monkeypatch.setattr(demo, "load_smollm2", lambda: (target, tokenizer))
     monkeypatch.setattr(demo, "run_demo", lambda *args, **kwargs: different)
