@@ -69,11 +69,13 @@ is chosen per block from the measured cost of verification and the drafts' confi
 num_speculative_tokens=16` verifies whole blocks), and where the text repeats (the last 3 or 2 tokens occurred
 before) the tokens that followed are verified instead of a drafted block, else, when the folder has a
 `draft_datastore.safetensors`, the continuation the target's own earlier answers share after the last 4, 3 or 2 tokens
-(`domino_datastore=False`: copies only; `domino_lookup=False`: the drafter's drafts only). On a CPU, eager PyTorch makes a forward over 2-3 tokens cost
-1.6-2x a single token, so that policy takes plain target steps almost everywhere and you get about the target's own
-speed; with `pip install hf-domino`, one line before `generate()`, `hf_domino.prepare_for_cpu_decoding(target,
-drafter)` (oneDNN-prepacked weights; same weights, same output) makes verifying a few drafts cost about one step, and
-drafting pays there.
+(`domino_datastore=False`: copies only; `domino_lookup=False`: the drafter's drafts only). On a CPU, what verifying costs depends on the machine: where
+eager PyTorch packs each weight matrix again for every product over more than one row, a forward over 2-3 tokens costs
+1.6-2x a single token and the policy takes plain target steps almost everywhere (about the target's own speed); where
+it does not (CPUs with AMX, for one), 2-3 tokens cost about one and drafting pays as it is. With `pip install
+hf-domino`, one line before `generate()`, `hf_domino.prepare_for_cpu_decoding(target, drafter)` (oneDNN-prepacked
+weights where they measure faster; same weights, same output) makes verifying a few drafts cost about one step on
+either kind.
 
 ## Drafter
 
