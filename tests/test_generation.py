@@ -15,6 +15,8 @@ from transformers import (
     Qwen3ForCausalLM,
     StoppingCriteria,
     StoppingCriteriaList,
+    SynthIDTextWatermarkingConfig,
+    WatermarkingConfig,
 )
 from transformers.generation.streamers import BaseStreamer
 
@@ -451,6 +453,10 @@ def test_pipeline_with_drafter_object_and_path(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- errors
+# Keys as transformers' SynthID example has them; any will do.
+SYNTHID = SynthIDTextWatermarkingConfig(keys=[654, 400, 836, 123, 340, 443, 597, 160, 57], ngram_len=3)
+
+
 def test_errors_before_any_generation_work(monkeypatch):
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
@@ -462,6 +468,11 @@ def test_errors_before_any_generation_work(monkeypatch):
         (dict(input_ids=prompt, num_beams=2), "beam search"),
         (dict(input_ids=prompt, use_cache=False), "use_cache=False"),
         (dict(input_ids=prompt.repeat(2, 1), use_cache=False), "use_cache=False"),
+        (dict(input_ids=prompt, guidance_scale=1.5), "classifier-free guidance"),
+        (dict(input_ids=prompt.repeat(2, 1), attention_mask=torch.ones(2, 3), guidance_scale=1.5), "guidance_scale"),
+        (dict(input_ids=prompt, watermarking_config=SYNTHID), "SynthID"),
+        (dict(input_ids=prompt.repeat(2, 1), attention_mask=torch.ones(2, 3), watermarking_config=SYNTHID), "SynthID"),
+        (dict(input_ids=prompt, dola_layers="low"), "DoLa"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -483,6 +494,25 @@ def test_errors_before_any_generation_work(monkeypatch):
     for input_ids in (prompt, prompt.repeat(2, 1)):
         with pytest.raises(ValueError, match=r"on meta and the target on cpu.*device=target.device"):
             target.generate(input_ids, assistant_model=elsewhere, max_new_tokens=3)
+
+
+@pytest.mark.parametrize(
+    "setting", [dict(guidance_scale=1.5), dict(watermarking_config=SYNTHID)], ids=["cfg", "synthid"]
+)
+def test_settings_refused_for_per_token_state_do_change_an_assisted_output(setting):
+    # Why they are refused (test_errors_before_any_generation_work): their logits processors advance state once per
+    # call, and transformers' own prompt lookup, which calls them for every candidate token as our drafts are, answers
+    # otherwise than the target alone. Greedy, so the answers must be equal where the processor is a function of the
+    # sequence (the other watermark, the control). Should a transformers release make them equal, lift the refusal.
+    target = tiny_target("qwen3")
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7]])
+
+    def answers(**kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        alone = target.generate(prompt, max_new_tokens=24, do_sample=False, **kwargs)
+        return alone, target.generate(prompt, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=3, **kwargs)
+
+    assert not torch.equal(*answers(**setting))
+    assert torch.equal(*answers(watermarking_config=WatermarkingConfig(bias=2.0)))
 
 
 def test_target_without_hidden_states_is_refused():

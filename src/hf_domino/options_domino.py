@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import StaticLayer
-from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS, SynthIDTextWatermarkingConfig
 
 from .modeling_domino import DOMINO_HEAD_DEFAULT
 
@@ -259,10 +259,43 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
             "earlier releases cannot roll a static cache back after a rejected draft. Upgrade transformers, or drop "
             "cache_implementation (the default dynamic cache gives the same output)."
         )
+    _refuse_per_token_state(generation_config)
     if getattr(generation_config, "speculation_type", None) is not None:
         raise ValueError(
             f"speculation_type={generation_config.speculation_type!r} selects another transformers drafting path; "
             "a Domino drafter drafts by itself. Remove it (for DFlash-style drafting use drafter.domino_head(False))."
+        )
+
+
+def _refuse_per_token_state(generation_config: GenerationConfig) -> None:
+    """Refuses the settings whose decoding keeps state that advances once per generated token.
+
+    Verification scores every draft of a block with the logits processors, rejected drafts included, so a processor
+    must be a function of the sequence it is given. Two of transformers' are not: classifier-free guidance runs the
+    target again on a cache of its own, and SynthID's watermark keeps the last tokens and the contexts it has seen.
+    After a rejection both would go on from tokens that were never generated, and the output would differ from the
+    target alone's (transformers' own assistants and prompt lookup give such outputs without a word). DoLa is its own
+    decoding mode, which transformers drops with a warning when an assistant is passed.
+    """
+    if generation_config.guidance_scale is not None and generation_config.guidance_scale != 1:
+        raise ValueError(
+            f"guidance_scale={generation_config.guidance_scale}: classifier-free guidance runs the target a second "
+            "time inside a logits processor whose cache advances one token per call, and verifying a block calls it "
+            "for every draft, rejected ones too, so the output would not be the target alone's. Drop "
+            "assistant_model for guided generation, or guidance_scale with the drafter."
+        )
+    if isinstance(generation_config.watermarking_config, SynthIDTextWatermarkingConfig):
+        raise ValueError(
+            "watermarking_config=SynthIDTextWatermarkingConfig(...): SynthID's logits processor keeps the last tokens "
+            "and the contexts it has seen, advanced once per call, and verifying a block calls it for every draft, "
+            "rejected ones too, so the watermark and the output would not be the target alone's. Generate "
+            "SynthID-watermarked text without assistant_model (WatermarkingConfig's watermark works with a drafter)."
+        )
+    if generation_config.dola_layers is not None:
+        raise ValueError(
+            f"dola_layers={generation_config.dola_layers!r}: DoLa is a decoding mode of its own "
+            "(custom_generate='transformers-community/dola'), which transformers drops with a warning when an "
+            "assistant is passed. Drop assistant_model for DoLa, or dola_layers with the drafter."
         )
 
 
