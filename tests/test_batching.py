@@ -434,6 +434,27 @@ def test_repetition_penalty_acts_per_row():
     assert torch.equal(output, expected)
 
 
+@pytest.mark.parametrize(
+    "penalty",
+    [dict(encoder_repetition_penalty=2.0), dict(encoder_no_repeat_ngram_size=1)],
+    ids=["repetition", "ngram"],
+)
+@pytest.mark.parametrize("sequences", [1, 2])
+def test_prompt_penalties_read_each_rows_own_prompt(penalty, sequences):
+    # Their processors hold the whole batch's prompts; a row processed alone must see its own, and with
+    # num_return_sequences each copy of a row its prompt's. top-k 1 makes sampling as deterministic as greedy.
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    torch.manual_seed(5)
+    batch = left_padded([torch.randint(4, 64, (n,)).tolist() for n in (7, 2, 4)])
+    decoding = dict(do_sample=True, top_k=1, num_return_sequences=sequences, max_new_tokens=15)
+    plain = target.generate(**batch, **decoding)
+    expected = target.generate(**batch, **decoding, **penalty)
+    output = target.generate(**batch, **decoding, **penalty, assistant_model=drafter, draft_policy="fixed")
+    assert torch.equal(output, expected)
+    assert not torch.equal(expected, plain)  # the penalty bites
+
+
 # ------------------------------------------------------------------------------------------------------- sampling
 @pytest.mark.parametrize(
     "draft_vocab, branches, policy",

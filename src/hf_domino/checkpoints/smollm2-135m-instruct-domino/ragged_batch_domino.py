@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import (
+    EncoderNoRepeatNGramLogitsProcessor,
+    EncoderRepetitionPenaltyLogitsProcessor,
     LogitsProcessorList,
     PrefixConstrainedLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
@@ -112,8 +114,10 @@ def row_processors(logits_processor: LogitsProcessorList, rows: int) -> list[Log
     """The call's logits processors as each row of the batch sees them, to be called with that row alone.
 
     Processors are shared, except those that tell the rows apart: the repetition penalty's `prompt_ignore_length`
-    (one entry per row, its left padding) and `prefix_allowed_tokens_fn` (called with the row's index in the batch,
-    which a row processed alone would read as 0) get a copy per row that answers for that row.
+    (one entry per row, its left padding), `prefix_allowed_tokens_fn` (called with the row's index in the batch,
+    which a row processed alone would read as 0) and the prompt-wide penalties (`encoder_repetition_penalty`,
+    `encoder_no_repeat_ngram_size`: one prompt per row, each shared by the row's `num_return_sequences`) get a copy
+    per row that answers for that row.
     """
     views = []
     for row in range(rows):
@@ -126,9 +130,23 @@ def row_processors(logits_processor: LogitsProcessorList, rows: int) -> list[Log
                 processor.prompt_ignore_length = processor.prompt_ignore_length[row : row + 1]
             elif isinstance(processor, PrefixConstrainedLogitsProcessor):
                 processor = PrefixConstrainedLogitsProcessor(_for_row(processor._prefix_allowed_tokens_fn, row), 1)
+            elif isinstance(processor, EncoderRepetitionPenaltyLogitsProcessor):
+                processor = copy.copy(processor)
+                prompt = _prompt_row(row, rows, len(processor.encoder_input_ids))
+                processor.encoder_input_ids = processor.encoder_input_ids[prompt : prompt + 1]
+            elif isinstance(processor, EncoderNoRepeatNGramLogitsProcessor):
+                processor = copy.copy(processor)
+                processor.generated_ngrams = [processor.generated_ngrams[_prompt_row(row, rows, processor.batch_size)]]
+                processor.batch_size = 1
             view.append(processor)
         views.append(view)
     return views
+
+
+def _prompt_row(row: int, rows: int, prompts: int) -> int:
+    """The prompt of the batch's row `row`: generate() builds the processors before it repeats each prompt for its
+    `num_return_sequences` (rows // prompts of them, next to each other), and they map a row back the same way."""
+    return row // (rows // prompts)
 
 
 def _for_row(prefix_allowed_tokens_fn, row: int):
