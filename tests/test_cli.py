@@ -62,6 +62,39 @@ def test_unknown_command_is_an_argparse_error():
     assert result.returncode == 2 and "invalid choice" in result.stderr
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--num-prompts", "0"],
+        ["bench", "--max-new-tokens", "-3"],
+        ["demo", "--max-new-tokens", "0"],
+        ["demo", "--threads", "two"],
+        ["regenerate", "--batch-size", "0"],
+        ["train", "--save-every", "0"],
+        ["draft-vocab", "--size", "0", "out"],
+    ],
+)
+def test_a_count_that_is_not_positive_is_a_usage_error(argv, capsys):
+    # (It used to reach the model: a traceback from deep in generate(), or an empty benchmark written as results.)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {argv[1]}: expected a positive integer, got {argv[2]!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--prompts", "no-such-set"], "'no-such-set' is neither a prompt set"),
+        (["train", "--data", "/no/such/data.jsonl", "--output", "unused"], "/no/such/data.jsonl"),
+    ],
+)
+def test_a_missing_input_file_is_one_line_naming_it(argv, message, capsys):
+    assert cli.main(argv) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"hf-domino {argv[0]}: ") and message in error and "Traceback" not in error
+
+
 def test_bench_takes_a_gguf_folder_like_train():
     for command in ("bench", "train", "regenerate"):
         options = {o for action in cli.command_parser(command)._actions for o in action.option_strings}

@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from . import assets
+from .cli import positive_int
 from .cpu_fast_path import prepare_for_cpu_decoding
 from .generate_hook_domino import cudnn_attention_applies
 from .measure import COMPILE_MODES, METHODS, BenchResult, BenchSettings, parse_method, run_benchmark
@@ -64,12 +65,6 @@ def _methods(value: str) -> list[str]:
     return methods
 
 
-def _positive_int(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return int(value)
-
-
 def _batch_sizes(value: str) -> list[int]:
     try:
         sizes = [int(size) for size in value.split(",") if size.strip()]
@@ -97,12 +92,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--target's sizes where the folder's are another target's",
     )
     parser.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, sharegpt, or a jsonl file")
-    parser.add_argument("--num-prompts", type=int, default=20, help="first prompts of --prompts to run")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt and method")
+    parser.add_argument("--num-prompts", type=positive_int, default=20, help="first prompts of --prompts to run")
+    parser.add_argument(
+        "--max-new-tokens", type=positive_int, default=128, help="tokens generated per prompt and method"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="with --temperature > 0: top-k sampling (0: off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0: top-p sampling (1: off)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads")
+    parser.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="torch.set_num_threads")
     parser.add_argument(
         "--methods",
         type=_methods,
@@ -143,7 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--repeats",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="with --batch-size: runs of every group per method (interleaved); each group's median time counts",
     )
@@ -229,9 +226,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             "hf-domino bench: --repeats applies to --batch-size runs (per-prompt runs time each prompt once)."
         )
+    # The prompts and the drafter's folder are checked before the target's load, which can take a minute.
+    conversations = assets.load_prompts(args.prompts, args.num_prompts)
     needs_drafter = any(parse_method(m).uses_drafter for m in methods)
     if needs_drafter:
-        _drafter_folder(args)  # before the target's load, which can take a minute
+        _drafter_folder(args)
     target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
     drafter = _drafter_for(target, args, dtype) if needs_drafter else None
     fast_path = _cpu_fast_path(args, target, drafter)
@@ -239,9 +238,7 @@ def run(args: argparse.Namespace) -> int:
         _add_baseline(methods, "target_eager")
     if cudnn_attention_applies(target.device, target.dtype):  # the target alone with a drafting call's kernels
         _add_baseline(methods, "target_no_cudnn")
-    prompts = [
-        assets.encode_chat(tokenizer, messages) for messages in assets.load_prompts(args.prompts, args.num_prompts)
-    ]
+    prompts = [assets.encode_chat(tokenizer, messages) for messages in conversations]
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -339,13 +336,13 @@ def run_batches(args: argparse.Namespace, metadata: dict[str, Any], dtype: torch
             raise SystemExit(f"hf-domino bench: --batch-methods: {error}") from None
     if max(args.batch_size) > args.num_prompts:
         raise SystemExit(f"hf-domino bench: --batch-size {max(args.batch_size)} needs --num-prompts at least that.")
+    conversations = assets.load_prompts(args.prompts, args.num_prompts)  # a typo fails before the minute of loading
     _drafter_folder(args)
     target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
     drafter = _drafter_for(target, args, dtype)
     metadata["cpu_fast_path"] = _cpu_fast_path(args, target, drafter)
     if cudnn_attention_applies(target.device, target.dtype):  # the batched target alone with a drafting call's kernels
         _add_baseline(methods, "target_no_cudnn")
-    conversations = assets.load_prompts(args.prompts, args.num_prompts)
     rows = run_batch_benchmark(
         target,
         tokenizer,

@@ -43,6 +43,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
+def positive_int(value: str) -> int:
+    """argparse type of the counts (prompts, tokens, steps, threads): a bad one is a usage error, not a traceback."""
+    if not value.strip().isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return int(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser: `--version`, and the command names (each command's own options are parsed later)."""
     from . import __version__
@@ -82,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     if known.command is None:  # an option other than -h/--version before any command
         parser.error(f"give a command first: {', '.join(COMMANDS)}")
     args = command_parser(known.command).parse_args(argv[1:])
-    return int(importlib.import_module(COMMANDS[known.command][0]).run(args) or 0)
+    try:
+        return int(importlib.import_module(COMMANDS[known.command][0]).run(args) or 0)
+    except FileNotFoundError as error:  # a path given on the command line (prompts, data, output): the user's to fix
+        print(f"hf-domino {known.command}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch
 
 from . import measure
 from .assets import SHIPPED_DRAFTER, encode_chat, load_drafter, load_smollm2
+from .cli import positive_int
 from .cpu_fast_path import is_prepared_for_cpu_decoding, prepare_for_cpu_decoding
 from .options_domino import static_caches_roll_back
 from .prepacked_linear import eager_linears
@@ -131,9 +132,9 @@ def run_demo(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message to answer")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="length of the answer, in tokens")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="length of the answer, in tokens")
     parser.add_argument("--drafter", default=None, help=f"drafter folder (default: {SHIPPED_DRAFTER})")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads")
+    parser.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="torch.set_num_threads")
     parser.add_argument(
         "--no-cpu-fast-path",
         action="store_true",

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import assets
+from .cli import positive_int
 from .modeling_domino import DRAFT_VOCAB_FILE
 
 if TYPE_CHECKING:
@@ -109,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target", default="smollm2", help="tokenizer source: an offline target name or a model id/folder"
     )
-    parser.add_argument("--size", type=int, required=True, help="tokens in the draft vocabulary")
+    parser.add_argument("--size", type=positive_int, required=True, help="tokens in the draft vocabulary")
     parser.add_argument(
         "--data", nargs="*", default=[], help="`hf-domino regenerate` jsonl or `hf-domino pack` files to count on"
     )

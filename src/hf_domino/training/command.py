@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from .. import assets
+from ..cli import positive_int
 from ..configuration_domino import DominoConfig
 from ..modeling_domino import DRAFT_VOCAB_FILE, DominoForSpeculation
 from ..options_domino import check_drafter_for_target
@@ -55,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Validation also logs generate_tau: the acceptance greedy generate() with whole blocks has on the "
         "held-out answers (every anchor is scored: about 4x the validation time on a CPU; regenerated data only).",
     )
-    data.add_argument("--max-length", type=int, default=1024, help="Cut sequences to this many tokens.")
+    data.add_argument("--max-length", type=positive_int, default=1024, help="Cut sequences to this many tokens.")
     data.add_argument(
         "--features-only", action="store_true", help="Fill --feature-cache and exit (before concurrent runs)."
     )
@@ -67,8 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     model = parser.add_argument_group("drafter architecture (new drafters)")
-    model.add_argument("--num-draft-layers", type=int, default=1, help="Decoder layers of the drafter's backbone.")
-    model.add_argument("--block-size", type=int, default=16, help="Tokens per drafted block, the anchor included.")
+    model.add_argument(
+        "--num-draft-layers", type=positive_int, default=1, help="Decoder layers of the drafter's backbone."
+    )
+    model.add_argument(
+        "--block-size", type=positive_int, default=16, help="Tokens per drafted block, the anchor included."
+    )
     model.add_argument(
         "--target-layer-ids",
         type=int,
@@ -76,8 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Target layers whose hidden states feed the drafter (default: DFlash's spacing rule).",
     )
-    model.add_argument("--emb-dim", type=int, default=64, help="Rank of the Domino head's logit correction.")
-    model.add_argument("--gru-hidden-dim", type=int, default=256, help="Hidden size of the Domino head's GRU.")
+    model.add_argument("--emb-dim", type=positive_int, default=64, help="Rank of the Domino head's logit correction.")
+    model.add_argument(
+        "--gru-hidden-dim", type=positive_int, default=256, help="Hidden size of the Domino head's GRU."
+    )
     model.add_argument("--intermediate-size", type=int, default=None, help="Draft MLP width (default: target's).")
     model.add_argument(
         "--pure-draft-prefix-len", type=int, default=1, help="Leading drafts taken from the base logits alone."
@@ -95,10 +102,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     optim.add_argument(
         "--output-dir", type=Path, default=Path("runs/train"), help="Checkpoints, logs and final/ go here."
     )
-    optim.add_argument("--total-steps", type=int, default=1000, help="Optimizer steps in all (resumed runs included).")
-    optim.add_argument("--batch-size", type=int, default=1, help="Sequences per process and micro step.")
-    optim.add_argument("--gradient-accumulation-steps", type=int, default=1, help="Micro steps per optimizer step.")
-    optim.add_argument("--num-anchors", type=int, default=16, help="Blocks per sequence.")
+    optim.add_argument(
+        "--total-steps", type=positive_int, default=1000, help="Optimizer steps in all (resumed runs included)."
+    )
+    optim.add_argument("--batch-size", type=positive_int, default=1, help="Sequences per process and micro step.")
+    optim.add_argument(
+        "--gradient-accumulation-steps", type=positive_int, default=1, help="Micro steps per optimizer step."
+    )
+    optim.add_argument("--num-anchors", type=positive_int, default=16, help="Blocks per sequence.")
     optim.add_argument(
         "--anchor-chain",
         action="store_true",
@@ -126,14 +137,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "drafter keeps it.",
     )
     optim.add_argument("--seed", type=int, default=0, help="Seed of the initial weights and the block anchors.")
-    optim.add_argument("--log-every", type=int, default=10, help="Log losses every this many steps.")
-    optim.add_argument("--save-every", type=int, default=100, help="Checkpoint every this many steps.")
+    optim.add_argument("--log-every", type=positive_int, default=10, help="Log losses every this many steps.")
+    optim.add_argument("--save-every", type=positive_int, default=100, help="Checkpoint every this many steps.")
     optim.add_argument(
         "--gradient-checkpointing", action="store_true", help="Recompute activations in backward (less memory)."
     )
     optim.add_argument("--stop-after-minutes", type=float, default=None, help="Checkpoint and stop (resume later).")
     optim.add_argument("--no-resume", action="store_true", help="Ignore checkpoints in --output-dir.")
-    optim.add_argument("--threads", type=int, default=None, help="torch CPU threads per process.")
+    optim.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads per process.")
     optim.add_argument("--export-dir", type=Path, help="Export the finished drafter here (export_drafter).")
 
     evaluation = parser.add_argument_group("evaluation")
@@ -145,8 +156,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=["mtbench", "humaneval"],
         help="Prompt sets (mtbench, humaneval, sharegpt, math) or jsonl files to measure on.",
     )
-    evaluation.add_argument("--eval-limit", type=int, default=30, help="Prompts per set.")
-    evaluation.add_argument("--max-new-tokens", type=int, default=128, help="Tokens generated per prompt.")
+    evaluation.add_argument("--eval-limit", type=positive_int, default=30, help="Prompts per set.")
+    evaluation.add_argument("--max-new-tokens", type=positive_int, default=128, help="Tokens generated per prompt.")
     evaluation.add_argument(
         "--head",
         choices=["on", "off", "both"],
@@ -178,12 +189,17 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             "--kl-weight needs the target's last hidden state, which --feature-cache does not store: drop one of them."
         )
+    if not args.eval_only and not args.data:
+        raise SystemExit("--data is required for training.")
+    missing = [str(path) for path in args.data or () if not path.exists()]
+    if missing:
+        raise FileNotFoundError(
+            f"--data {' '.join(missing)}: no such file (answers from `hf-domino regenerate`, or `hf-domino pack` files)."
+        )
     draft_vocab = _read_draft_vocab(args.draft_vocab) if args.draft_vocab else None
     target_model, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, device="cpu")
     if args.eval_only:
         return _run_eval(args, target_model, tokenizer)
-    if not args.data:
-        raise SystemExit("--data is required for training.")
 
     drafter = _drafter_from_args(args, target_model)
     if draft_vocab is not None:

@@ -33,6 +33,7 @@ import torch
 
 from .. import assets, prompt_mix
 from ..assets import Messages
+from ..cli import positive_int
 from .packed import Key, read_keys, read_recipe, recipe_differences, recipe_path, record_key
 
 if TYPE_CHECKING:
@@ -80,8 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     generation = parser.add_argument_group("generation")
     generation.add_argument("--output", type=Path, required=True, help="jsonl file to write (resumed if present).")
-    generation.add_argument("--batch-size", type=int, default=16, help="Prompts generated together.")
-    generation.add_argument("--max-new-tokens", type=int, default=256, help="Longest response, in tokens.")
+    generation.add_argument("--batch-size", type=positive_int, default=16, help="Prompts generated together.")
+    generation.add_argument("--max-new-tokens", type=positive_int, default=256, help="Longest response, in tokens.")
     generation.add_argument(
         "--max-prompt-tokens",
         type=int,
@@ -98,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a run stopped early holds a prefix of the source rather than its longest prompts.",
     )
     generation.add_argument("--stop-after-minutes", type=float, default=None, help="Stop after a batch; rerun later.")
-    generation.add_argument("--threads", type=int, default=None, help="torch CPU threads.")
+    generation.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads.")
     generation.add_argument("--no-progress", dest="progress", action="store_false", help="No progress bar.")
 
 
