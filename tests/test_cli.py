@@ -86,7 +86,7 @@ def test_a_count_that_is_not_positive_is_a_usage_error(argv, capsys):
     "argv, message",
     [
         (["bench", "--prompts", "no-such-set"], "'no-such-set' is neither a prompt set"),
-        (["train", "--data", "/no/such/data.jsonl", "--output", "unused"], "/no/such/data.jsonl"),
+        (["train", "--data", "/no/such/data.jsonl", "--output-dir", "unused"], "/no/such/data.jsonl"),
     ],
 )
 def test_a_missing_input_file_is_one_line_naming_it(argv, message, capsys):

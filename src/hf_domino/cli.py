@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     args = command_parser(known.command).parse_args(argv[1:])
     try:
         return int(importlib.import_module(COMMANDS[known.command][0]).run(args) or 0)
-    except FileNotFoundError as error:  # a path given on the command line (prompts, data, output): the user's to fix
+    except FileNotFoundError as error:
+        # A file that is not there (a path given on the command line, a package's data): every such error of ours
+        # names the file and the fix, so one line says it better than a traceback.
         print(f"hf-domino {known.command}: {error}", file=sys.stderr)
         return 2
 
