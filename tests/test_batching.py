@@ -14,6 +14,7 @@ from test_generation import (
     drafts_and_accepted,
     exact_sequence_distribution,
     letter_tokenizer,
+    sample_with_drafter,
     sampled_continuations,
     successor,
 )
@@ -486,6 +487,49 @@ def test_sampling_keeps_each_rows_law_with_num_return_sequences(draft_vocab, bra
     # The test can fail: the same draws are far from a wrong law (the untempered target).
     wrong = exact_sequence_distribution(target, prompts[0], num_new, LogitsProcessorList())
     assert chi_square_p_value(counts[0], wrong, per_prompt) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "truncation, draft_vocab",
+    [
+        (dict(min_p=0.5), None),
+        (dict(typical_p=0.6), [0, 2, 3]),
+        (dict(epsilon_cutoff=0.15), None),
+        (dict(eta_cutoff=0.2), [0, 2, 3]),
+    ],
+    ids=["min-p", "typical-draft-vocab", "epsilon", "eta-draft-vocab"],
+)
+def test_truncation_samplers_keep_the_target_law_alone_and_in_batches(truncation, draft_vocab):
+    # Processors that zero tokens by a threshold on the step's own law: the drafts' law and the verification's must
+    # use the same one, one sequence (transformers' loop) and in batches (ours).
+    from transformers import GenerationConfig
+
+    vocab, num_new, draws = 5, 3, 1500
+    target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4)  # peaked laws, so that every threshold cuts tokens
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    drafter.set_draft_vocab(draft_vocab)
+    sampling = dict(temperature=0.8, top_k=0, **truncation)
+    law = target._get_logits_processor(GenerationConfig(do_sample=True, **sampling), device="cpu")
+    untruncated = LogitsProcessorList(law[:1])  # the temperature alone
+    prompts = [[2, 4, 1], [3]]
+
+    torch.manual_seed(11)
+    alone, drafted, accepted = sample_with_drafter(
+        target, drafter, prompts[0], num_new, draws, seed=11, draft_policy="fixed", **sampling
+    )
+    torch.manual_seed(7)
+    in_batch, stats = sampled_continuations(target, left_padded(prompts), num_new, draws, assistant_model=drafter,
+                                            draft_policy="fixed", **sampling)  # fmt: skip
+    batch_drafted, batch_accepted = drafts_and_accepted(stats)
+    assert 0 < accepted < drafted and 0 < batch_accepted < batch_drafted  # both outcomes of rejection sampling
+    for observed, prompt in [(alone, prompts[0]), *zip(in_batch, prompts)]:
+        assert chi_square_p_value(observed, exact_sequence_distribution(target, prompt, num_new, law), draws) > 1e-3
+    # The test can fail: the same draws are far from the law without the threshold.
+    wrong = exact_sequence_distribution(target, prompts[0], num_new, untruncated)
+    assert chi_square_p_value(alone, wrong, draws) < 1e-6
+    assert chi_square_p_value(in_batch[0], wrong, draws) < 1e-6
 
 
 # ------------------------------------------------------------------------------------------------------ bad input
