@@ -129,11 +129,12 @@ def test_streamer_receives_the_same_tokens():
     assert streamed.chunks[-1] == "end" and len(streamed.chunks) < len(alone.chunks)  # whole blocks per put
 
 
-def test_return_dict_with_scores_and_hidden_states():
-    target = tiny_target("llama")
+def test_return_dict_with_scores_hidden_states_and_attentions():
+    target = tiny_target("llama", attn_implementation="eager")  # the one kernel that returns attention weights
     drafter = tiny_drafter(target)
     prompt = torch.tensor([[5, 6, 7]])
-    kwargs = dict(max_new_tokens=9, return_dict_in_generate=True, output_scores=True, output_hidden_states=True)
+    kwargs = dict(max_new_tokens=9, return_dict_in_generate=True, output_scores=True, output_hidden_states=True,
+                  output_attentions=True)  # fmt: skip
     assisted = greedy(target, prompt, assistant_model=drafter, **kwargs)
     alone = greedy(target, prompt, **kwargs)
     assert torch.equal(assisted.sequences, alone.sequences)
@@ -141,6 +142,10 @@ def test_return_dict_with_scores_and_hidden_states():
     for a, b in zip(assisted.scores, alone.scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     assert len(assisted.hidden_states) == len(alone.hidden_states)
+    assert len(assisted.attentions) == len(alone.attentions) == 9
+    for a, b in zip(assisted.attentions, alone.attentions):
+        for layer_a, layer_b in zip(a, b, strict=True):
+            torch.testing.assert_close(layer_a, layer_b, atol=1e-4, rtol=1e-4)
 
 
 def test_repetition_penalty_and_processors():
@@ -473,6 +478,7 @@ def test_errors_before_any_generation_work(monkeypatch):
         (dict(input_ids=prompt, watermarking_config=SYNTHID), "SynthID"),
         (dict(input_ids=prompt.repeat(2, 1), attention_mask=torch.ones(2, 3), watermarking_config=SYNTHID), "SynthID"),
         (dict(input_ids=prompt, dola_layers="low"), "DoLa"),
+        (dict(input_ids=prompt, return_dict_in_generate=True, output_attentions=True), "attn_implementation='eager'"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):

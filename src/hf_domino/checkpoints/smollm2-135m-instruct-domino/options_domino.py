@@ -259,6 +259,15 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
             "earlier releases cannot roll a static cache back after a rejected draft. Upgrade transformers, or drop "
             "cache_implementation (the default dynamic cache gives the same output)."
         )
+    attention = target.config._attn_implementation
+    if generation_config.return_dict_in_generate and generation_config.output_attentions and attention != "eager":
+        # Such kernels return no weights, and transformers' assisted loop then fails with an IndexError (its prompt
+        # lookup too), where the target alone returns empty attentions.
+        raise ValueError(
+            f"output_attentions=True with the target's {attention!r} attention, which returns no attention weights: "
+            "load the target with attn_implementation='eager' (or call target.set_attn_implementation('eager')) to get "
+            "them for one sequence at a time (batches with a drafter return none), or drop output_attentions."
+        )
     _refuse_per_token_state(generation_config)
     if getattr(generation_config, "speculation_type", None) is not None:
         raise ValueError(
