@@ -71,6 +71,8 @@ def test_unknown_command_is_an_argparse_error():
         ["demo", "--threads", "two"],
         ["regenerate", "--batch-size", "0"],
         ["train", "--save-every", "0"],
+        ["train", "--max-examples", "0"],
+        ["bench", "--prompt-lookup-tokens", "0"],
         ["draft-vocab", "--size", "0", "out"],
     ],
 )
@@ -80,6 +82,33 @@ def test_a_count_that_is_not_positive_is_a_usage_error(argv, capsys):
         cli.main(argv)
     assert exit_info.value.code == 2
     assert f"argument {argv[1]}: expected a positive integer, got {argv[2]!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["bench", "--temperature", "-0.5"], "a number in [0, inf)"),
+        (["bench", "--top-p", "0"], "a number in (0, 1]"),
+        (["bench", "--top-p", "1.5"], "a number in (0, 1]"),
+        (["bench", "--top-k", "-3"], "an integer >= 0"),
+        (["bench", "--warmup-tokens", "-1"], "an integer >= 0"),
+        (["regenerate", "--skip", "-2"], "an integer >= 0"),
+        (["regenerate", "--temperature", "nan"], "a number in [0, inf)"),
+        (["regenerate", "--stop-after-minutes", "0"], "a number in (0, inf)"),
+        (["regenerate", "--sort-window", "0"], "a positive integer"),
+        (["train", "--lr", "0"], "a number in (0, inf)"),
+        (["train", "--warmup-ratio", "1.2"], "a number in [0, 1]"),
+        (["train", "--max-grad-norm", "0"], "a number in (0, inf)"),
+        (["train", "--kl-weight", "1.5"], "a number in [0, 1]"),
+        (["train", "--stop-after-minutes", "-5"], "a number in (0, inf)"),
+    ],
+)
+def test_a_number_out_of_its_range_is_a_usage_error(argv, expected, capsys):
+    # (Sampling settings reached generate() after the target's minute of loading; training ones a silent bad run.)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {argv[1]}: expected {expected}, got {argv[2]!r}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from . import assets
-from .cli import positive_int
+from .cli import non_negative_int, number_in, positive_int
 from .cpu_fast_path import prepare_for_cpu_decoding
 from .generate_hook_domino import cudnn_attention_applies
 from .measure import COMPILE_MODES, METHODS, BenchResult, BenchSettings, parse_method, run_benchmark
@@ -96,9 +96,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-new-tokens", type=positive_int, default=128, help="tokens generated per prompt and method"
     )
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="with --temperature > 0: top-k sampling (0: off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0: top-p sampling (1: off)")
+    parser.add_argument("--temperature", type=number_in(0), default=0.0, help="0 = greedy")
+    parser.add_argument(
+        "--top-k", type=non_negative_int, default=0, help="with --temperature > 0: top-k sampling (0: off)"
+    )
+    parser.add_argument(
+        "--top-p",
+        type=number_in(0, 1, low_included=False),
+        default=1.0,
+        help="with --temperature > 0: top-p sampling (1: off)",
+    )
     parser.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="torch.set_num_threads")
     parser.add_argument(
         "--methods",
@@ -108,15 +115,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "domino...@eager|@triton|@triton+graph (the head's rollout), target_no_cudnn (the target alone with a drafting "
         "call's attention kernels: no cuDNN; added beside target on CUDA in half precision)",
     )
-    parser.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
+    parser.add_argument("--prompt-lookup-tokens", type=positive_int, default=10, help="prompt_lookup_num_tokens")
     parser.add_argument(
         "--num-speculative-tokens",
-        type=int,
+        type=non_negative_int,
         default=None,
         help="cap on drafts per target forward for methods without a fixed _k<N> (default: the whole block)",
     )
     parser.add_argument(
-        "--warmup-tokens", type=int, default=16, help="untimed warm-up generation per method, in tokens"
+        "--warmup-tokens", type=non_negative_int, default=16, help="untimed warm-up generation per method, in tokens"
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="sampling seed (with --temperature > 0) and --random-weights seed"

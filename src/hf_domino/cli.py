@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import re
 import sys
+from collections.abc import Callable
 
 # Each module exposes `add_arguments(parser)` and `run(args) -> int | None`.
 COMMANDS = {
@@ -48,6 +50,30 @@ def positive_int(value: str) -> int:
     if not value.strip().isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
     return int(value)
+
+
+def non_negative_int(value: str) -> int:
+    """argparse type of the counts where 0 means off (top-k)."""
+    if not value.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def number_in(low: float, high: float = math.inf, *, low_included: bool = True) -> Callable[[str], float]:
+    """argparse type of a finite number in [low, high] ((low, high] with `low_included=False`): a temperature, a
+    learning rate or a share out of range is a usage error at parsing, not a traceback after the target loads."""
+    bounds = f"{'[' if low_included else '('}{low:g}, {high:g}{']' if high < math.inf else ')'}"
+
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number) or number > high or number < low or (number == low and not low_included):
+            raise argparse.ArgumentTypeError(f"expected a number in {bounds}, got {value!r}")
+        return number
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:

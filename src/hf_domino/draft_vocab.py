@@ -114,7 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data", nargs="*", default=[], help="`hf-domino regenerate` jsonl or `hf-domino pack` files to count on"
     )
-    parser.add_argument("--sharegpt-conversations", type=int, default=4000, help="without --data: ShareGPT to count")
+    parser.add_argument(
+        "--sharegpt-conversations", type=positive_int, default=4000, help="without --data: ShareGPT to count"
+    )
     parser.add_argument("--output", required=True, help="new drafter folder (a copy with the draft vocabulary)")
 
 

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from .. import assets
-from ..cli import positive_int
+from ..cli import non_negative_int, number_in, positive_int
 from ..configuration_domino import DominoConfig
 from ..modeling_domino import DRAFT_VOCAB_FILE, DominoForSpeculation
 from ..options_domino import check_drafter_for_target
@@ -43,10 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     data = parser.add_argument_group("data")
     data.add_argument("--data", nargs="+", type=Path, help="`hf-domino regenerate` jsonl or `hf-domino pack` files.")
-    data.add_argument("--max-examples", type=int, default=None, help="Use only the first examples of --data.")
+    data.add_argument("--max-examples", type=positive_int, default=None, help="Use only the first examples of --data.")
     data.add_argument(
         "--validation-examples",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="Hold out the last N examples (after --max-examples): losses and tau~ at every checkpoint.",
     )
@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--target-layer-ids",
-        type=int,
+        type=non_negative_int,
         nargs="+",
         default=None,
         help="Target layers whose hidden states feed the drafter (default: DFlash's spacing rule).",
@@ -85,9 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--gru-hidden-dim", type=positive_int, default=256, help="Hidden size of the Domino head's GRU."
     )
-    model.add_argument("--intermediate-size", type=int, default=None, help="Draft MLP width (default: target's).")
     model.add_argument(
-        "--pure-draft-prefix-len", type=int, default=1, help="Leading drafts taken from the base logits alone."
+        "--intermediate-size", type=positive_int, default=None, help="Draft MLP width (default: target's)."
+    )
+    model.add_argument(
+        "--pure-draft-prefix-len",
+        type=non_negative_int,
+        default=1,
+        help="Leading drafts taken from the base logits alone.",
     )
     model.add_argument("--no-domino-head", action="store_true", help="Train a plain DFlash drafter.")
     model.add_argument("--no-shift-label", action="store_true", help="DFlash label convention (B - 1 drafts).")
@@ -117,15 +122,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "failed, and more of them where it advances little), found by a no-grad pass over every anchor: about "
         "(response tokens / --num-anchors) forwards more per step. Default: uniformly random anchors.",
     )
-    optim.add_argument("--lr", type=float, default=6e-4, help="Peak AdamW learning rate (cosine schedule).")
     optim.add_argument(
-        "--warmup-ratio", type=float, default=0.04, help="Share of the steps with a linear learning-rate warm-up."
+        "--lr", type=number_in(0, low_included=False), default=6e-4, help="Peak AdamW learning rate (cosine schedule)."
     )
-    optim.add_argument("--max-grad-norm", type=float, default=1.0, help="Clip the gradient norm to this.")
+    optim.add_argument(
+        "--warmup-ratio",
+        type=number_in(0, 1),
+        default=0.04,
+        help="Share of the steps with a linear learning-rate warm-up.",
+    )
+    optim.add_argument(
+        "--max-grad-norm", type=number_in(0, low_included=False), default=1.0, help="Clip the gradient norm to this."
+    )
     optim.add_argument("--no-curriculum", action="store_true", help="Ablation: lam = 0 (no base loss) throughout.")
     optim.add_argument(
         "--kl-weight",
-        type=float,
+        type=number_in(0, 1),
         default=0.0,
         help="Distill the target's next-token distribution: this share of each cross-entropy reads it (0 to 1).",
     )
@@ -142,7 +154,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     optim.add_argument(
         "--gradient-checkpointing", action="store_true", help="Recompute activations in backward (less memory)."
     )
-    optim.add_argument("--stop-after-minutes", type=float, default=None, help="Checkpoint and stop (resume later).")
+    optim.add_argument(
+        "--stop-after-minutes",
+        type=number_in(0, low_included=False),
+        default=None,
+        help="Checkpoint and stop (resume later).",
+    )
     optim.add_argument("--no-resume", action="store_true", help="Ignore checkpoints in --output-dir.")
     optim.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads per process.")
     optim.add_argument("--export-dir", type=Path, help="Export the finished drafter here (export_drafter).")
@@ -166,7 +183,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     evaluation.add_argument(
         "--draft-lengths",
-        type=int,
+        type=positive_int,
         nargs="+",
         default=None,
         help="Drafts verified per cycle, e.g. 2 4 8 16 (default: the whole block); each is measured separately.",
@@ -183,8 +200,6 @@ def run(args: argparse.Namespace) -> int:
     # Bad options fail before the target and the data are loaded.
     if args.generate_tau and not args.validation_examples:
         raise SystemExit("--generate-tau scores the held-out answers: give --validation-examples N too.")
-    if not 0.0 <= args.kl_weight <= 1.0:
-        raise SystemExit(f"--kl-weight must be between 0 and 1, got {args.kl_weight}.")
     if args.kl_weight > 0 and args.feature_cache:
         raise SystemExit(
             "--kl-weight needs the target's last hidden state, which --feature-cache does not store: drop one of them."

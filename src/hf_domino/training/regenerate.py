@@ -33,7 +33,7 @@ import torch
 
 from .. import assets, prompt_mix
 from ..assets import Messages
-from ..cli import positive_int
+from ..cli import non_negative_int, number_in, positive_int
 from .packed import Key, read_keys, read_recipe, recipe_differences, recipe_path, record_key
 
 if TYPE_CHECKING:
@@ -68,8 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     choice.add_argument("--dataset", help="A `datasets` dataset to take the prompts from instead.")
     source.add_argument("--split", default="train", help="Split of --dataset, or of the mix (train or heldout).")
-    source.add_argument("--skip", type=int, default=0, help="Skip the first prompts (to share work between runs).")
-    source.add_argument("--limit", type=int, default=None, help="Use at most this many prompts after --skip.")
+    source.add_argument(
+        "--skip", type=non_negative_int, default=0, help="Skip the first prompts (to share work between runs)."
+    )
+    source.add_argument(
+        "--limit", type=non_negative_int, default=None, help="Use at most this many prompts after --skip."
+    )
     source.add_argument(
         "--done",
         nargs="*",
@@ -85,28 +89,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     generation.add_argument("--max-new-tokens", type=positive_int, default=256, help="Longest response, in tokens.")
     generation.add_argument(
         "--max-prompt-tokens",
-        type=int,
+        type=positive_int,
         default=DEFAULT_MAX_PROMPT_TOKENS,
         help="Longer chat-templated prompts have their last message cut to fit.",
     )
-    generation.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily (default).")
+    generation.add_argument("--temperature", type=number_in(0), default=0.0, help="0 decodes greedily (default).")
     generation.add_argument("--seed", type=int, default=0, help="Sampling seed (with --temperature > 0).")
     generation.add_argument(
         "--sort-window",
-        type=int,
+        type=positive_int,
         default=None,
         help="Sort prompts by length within windows of this many, in source order (default: all at once), so that "
         "a run stopped early holds a prefix of the source rather than its longest prompts.",
     )
-    generation.add_argument("--stop-after-minutes", type=float, default=None, help="Stop after a batch; rerun later.")
+    generation.add_argument(
+        "--stop-after-minutes",
+        type=number_in(0, low_included=False),
+        default=None,
+        help="Stop after a batch; rerun later.",
+    )
     generation.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads.")
     generation.add_argument("--no-progress", dest="progress", action="store_false", help="No progress bar.")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run `hf-domino regenerate` with parsed arguments."""
-    if args.skip < 0 or (args.limit is not None and args.limit < 0):
-        raise SystemExit("--skip and --limit must be >= 0.")
     if args.threads:
         torch.set_num_threads(args.threads)
     # Read the prompts before loading the target so that a bad prompt source fails fast.
