@@ -124,6 +124,33 @@ def test_a_missing_input_file_is_one_line_naming_it(argv, message, capsys):
     assert error.startswith(f"hf-domino {argv[0]}: ") and message in error and "Traceback" not in error
 
 
+def test_export_refuses_bad_input_before_loading_and_writes_nothing(tmp_path, capsys):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    (tmp_path / "a-file").write_text("mine")
+    (tmp_path / "not.json").write_text("MT-Bench: 2.1")
+    (tmp_path / "row.json").write_text('{"prompts": "MT-Bench"}')
+    export = ["export", str(SHIPPED_DRAFTER), "--base-model", "org/target"]
+    cases = [
+        ([*export, str(tmp_path / "taken")], 1, "exists and is not empty; pass --overwrite to replace it."),
+        ([*export, str(tmp_path / "a-file"), "--overwrite"], 1, "is a file: give the path of a folder to write."),
+        ([*export, str(tmp_path / "out"), "--results", str(tmp_path / "not.json")], 1, "is not JSON"),
+        ([*export, str(tmp_path / "out"), "--results", str(tmp_path / "row.json")], 1, "non-empty JSON list of objects"),
+        (["export", str(tmp_path / "no-drafter"), str(tmp_path / "out"), "--base-model", "o/t"], 2, "No drafter checkpoint"),
+    ]  # fmt: skip
+    for argv, status, message in cases:
+        try:
+            assert cli.main(argv) == status
+        except SystemExit as exit_info:
+            assert status == 1 and str(exit_info.code).startswith("hf-domino export: ")
+            assert message in str(exit_info.code), exit_info.code
+        else:
+            error = capsys.readouterr().err
+            assert error.startswith("hf-domino export: ") and message in error
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file", "not.json", "row.json", "taken"]
+    assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
+
+
 def test_bench_takes_a_gguf_folder_like_train():
     for command in ("bench", "train", "regenerate"):
         options = {o for action in cli.command_parser(command)._actions for o in action.option_strings}

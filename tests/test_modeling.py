@@ -334,6 +334,12 @@ def test_invalid_config_values_are_named():
         DominoConfig(num_target_layers=8, projector_type="domino", block_size=4, pure_draft_prefix_len=9)
 
 
+def test_a_target_folder_loaded_as_a_drafter_says_so(tmp_path):
+    tiny_target("qwen3").save_pretrained(tmp_path)
+    with pytest.raises(Exception, match="load the drafter's folder, not its target's"):
+        DominoForSpeculation.from_pretrained(tmp_path)
+
+
 # ----------------------------------------------------------------------------------------------------- export
 def test_export_writes_a_hub_ready_folder_atomically(tmp_path):
     from huggingface_hub import ModelCard

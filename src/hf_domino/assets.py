@@ -307,7 +307,7 @@ def drafter_folder(path: str | os.PathLike | None = None) -> Path:
         shipped = " (the drafter shipped with hf-domino)" if path == SHIPPED_DRAFTER else ""
         raise FileNotFoundError(
             f"No drafter checkpoint at {path}{shipped}: expected config.json and model.safetensors there. Train one "
-            "with `hf-domino train` or point --drafter at a drafter folder."
+            "with `hf-domino train`, or give the folder of one."
         )
     return path
 

@@ -169,7 +169,10 @@ class DominoConfig(Qwen3Config):
         if self.block_size < 2:
             raise ValueError(f"block_size must be at least 2 (the anchor plus one draft), got {self.block_size}.")
         if self.target_layer_ids is None:
-            raise ValueError("DominoConfig needs `target_layer_ids` or `num_target_layers` to choose them.")
+            raise ValueError(
+                "DominoConfig needs `target_layer_ids` or `num_target_layers` to choose them. A drafter's config.json "
+                "has one of them and a target model's has neither: load the drafter's folder, not its target's."
+            )
         if self.has_domino_head and not 0 <= self.pure_draft_prefix_len <= self.num_drafts:
             raise ValueError(
                 f"pure_draft_prefix_len={self.pure_draft_prefix_len} must be between 0 and the number of drafts "

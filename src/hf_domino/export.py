@@ -184,8 +184,8 @@ def export_drafter(
         dtype: save the weights in this dtype (e.g. `torch.float16` to halve the size).
     """
     output_dir = Path(output_dir)
-    if output_dir.exists() and any(output_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{output_dir} exists and is not empty; pass overwrite=True to replace it.")
+    if problem := _output_problem(output_dir, overwrite, "overwrite=True"):
+        raise FileExistsError(f"{problem}.")
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output_dir.parent, prefix=f".{output_dir.name}.") as staging:
         staging_dir = Path(staging) / "drafter"
@@ -221,6 +221,15 @@ def export_drafter(
             stacklevel=2,
         )
     return output_dir
+
+
+def _output_problem(output_dir: Path, overwrite: bool, overwrite_option: str) -> str | None:
+    """Why `output_dir` cannot take an export, if it cannot (`overwrite_option`: how the caller spells overwrite)."""
+    if output_dir.exists() and not output_dir.is_dir():
+        return f"{output_dir} is a file: give the path of a folder to write"
+    if output_dir.exists() and any(output_dir.iterdir()) and not overwrite:
+        return f"{output_dir} exists and is not empty; pass {overwrite_option} to replace it"
+    return None
 
 
 def _apply_umask_permissions(folder: Path) -> None:
@@ -451,19 +460,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .assets import load_tokenizer
+    from .assets import drafter_folder, load_tokenizer
 
+    # Bad input fails before anything loads: each exit names the file and the fix.
+    output = Path(args.output)
+    if problem := _output_problem(output, args.overwrite, "--overwrite"):
+        raise SystemExit(f"hf-domino export: {problem}.")
+    results = _result_rows(Path(args.results)) if args.results else None
+    training_summary = Path(args.training_summary).read_text() if args.training_summary else None
+    drafter = DominoForSpeculation.from_pretrained(drafter_folder(args.drafter))
     tokenizer = load_tokenizer(args.tokenizer, gguf_file=args.tokenizer_gguf_file) if args.tokenizer else None
-    drafter = DominoForSpeculation.from_pretrained(args.drafter)
     export_drafter(
         drafter,
-        args.output,
+        output,
         base_model=args.base_model,
         tokenizer=tokenizer,
-        results=json.loads(Path(args.results).read_text()) if args.results else None,
-        training_summary=Path(args.training_summary).read_text() if args.training_summary else None,
+        results=results,
+        training_summary=training_summary,
         dtype=getattr(torch, args.dtype) if args.dtype else None,
         overwrite=args.overwrite,
     )
     print(f"wrote {args.output}")
     return 0
+
+
+def _result_rows(path: Path) -> list[dict[str, Any]]:
+    """`--results`: a JSON list of objects, one row of the card's results table each."""
+    try:
+        rows = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"hf-domino export: --results {path} is not JSON ({error}).") from None
+    if not isinstance(rows, list) or not rows or not all(isinstance(row, dict) for row in rows):
+        raise SystemExit(
+            f"hf-domino export: --results {path} must hold a non-empty JSON list of objects, one row of the card's "
+            'results table each, e.g. [{"prompts": "MT-Bench", "acceptance length": 2.1}].'
+        )
+    return rows
