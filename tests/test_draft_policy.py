@@ -702,8 +702,14 @@ def test_draft_vocab_command_writes_a_loadable_copy(tmp_path):
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (
         tmp_path / "drafter" / "model.safetensors"
     ).read_bytes()
-    with pytest.raises(FileExistsError):
+    # Bad input fails before any counting: a taken --output, a --size past the vocabulary, no drafter there.
+    with pytest.raises(SystemExit, match="out exists; choose a new --output folder"):
         cli.main([*argv, "--size", "6", "--data", str(data), "--output", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match=f"--size 999 exceeds the drafter's {VOCAB}-token vocabulary"):
+        cli.main([*argv, "--size", "999", "--data", str(data), "--output", str(tmp_path / "big")])
+    missing = ["draft-vocab", "--drafter", str(tmp_path / "none"), "--size", "6", "--output", str(tmp_path / "m")]
+    assert cli.main(missing) == 2  # "No drafter checkpoint at ...", one line
+    assert not (tmp_path / "big").exists() and not (tmp_path / "m").exists()
 
     # The committed form of regenerated data (`hf-domino pack`) counts the same.
     from hf_domino.training import pack

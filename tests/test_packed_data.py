@@ -111,6 +111,16 @@ def test_pack_refuses_what_it_cannot_represent(tmp_path):
         pack([good, write_jsonl(tmp_path / "c.jsonl", RECORDS[2:3], recipe={**RECIPE, "dtype": "bfloat16"})], out)
     with pytest.raises(ValueError, match="No complete records"):
         pack(write_jsonl(tmp_path / "empty.jsonl", []), out)
+    with pytest.raises(FileNotFoundError, match="No regenerated data at .*absent.jsonl"):
+        pack([good, tmp_path / "absent.jsonl"], out)
+    # Lines of another jsonl (a prompt set, a chat log) are named with their place, for every reader of such files.
+    for line in ('{"messages": []}', '{"input_ids": [1, 2], "loss_mask": 3}', "not json"):
+        foreign = tmp_path / "foreign.jsonl"
+        foreign.write_text(json.dumps(RECORDS[0]) + "\n" + line + "\n")
+        with pytest.raises(ValueError, match=r"foreign.jsonl:2 is not a record of `hf-domino regenerate`"):
+            pack(foreign, out, recipe=RECIPE)
+        with pytest.raises(ValueError, match=r"foreign.jsonl:2 is not a record"):
+            load_examples(foreign, max_length=64)
     assert not out.exists()
     save_file({"x": np.zeros(2, dtype=np.uint16)}, str(out))
     with pytest.raises(ValueError, match="not a packed hf-domino data file"):

@@ -122,8 +122,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
 
-    drafter_dir = Path(args.drafter) if args.drafter else assets.SHIPPED_DRAFTER
+    # Bad input fails before the counting (minutes over ShareGPT), each exit naming the fix.
+    drafter_dir = assets.drafter_folder(args.drafter)
     config = json.loads((drafter_dir / "config.json").read_text())
+    if Path(args.output).exists():
+        raise SystemExit(f"hf-domino draft-vocab: {args.output} exists; choose a new --output folder.")
+    if args.size > config["vocab_size"]:
+        raise SystemExit(
+            f"hf-domino draft-vocab: --size {args.size} exceeds the drafter's {config['vocab_size']}-token "
+            "vocabulary: a draft vocabulary is a subset of it (the shipped drafter's holds 8192)."
+        )
     tokenizer = assets.load_tokenizer(args.target)
     if args.data:
         source, sequences = f"{len(args.data)} regenerated file(s)", regenerated_response_ids(args.data)

@@ -86,11 +86,26 @@ def iter_records(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
         yield from unpack(path)
         return
     with open(path, encoding="utf-8") as file:
-        for line in file:
+        for line_number, line in enumerate(file, start=1):
             if not line.endswith("\n"):
                 break
             if line.strip():
-                yield json.loads(line)
+                yield _regenerated_record(line, f"{path}:{line_number}")
+
+
+def _regenerated_record(line: str, where: str) -> dict[str, Any]:
+    """One jsonl line as a record, or a `ValueError` at `where` (file:line) naming what such a line holds."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        record = error
+    fields = ("input_ids", "loss_mask")
+    if not isinstance(record, dict) or not all(isinstance(record.get(name), list) for name in fields):
+        raise ValueError(
+            f"{where} is not a record of `hf-domino regenerate` (a JSON object with the lists input_ids and "
+            "loss_mask): pass files that command wrote (or `hf-domino pack` files)."
+        )
+    return record
 
 
 def pack(
@@ -112,6 +127,11 @@ def pack(
     from safetensors.numpy import save_file
 
     paths = [jsonl_paths] if isinstance(jsonl_paths, (str, os.PathLike)) else list(jsonl_paths)
+    missing = [str(path) for path in paths if not Path(path).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"No regenerated data at {', '.join(missing)}: pass files `hf-domino regenerate` wrote."
+        )
     if recipe is None:
         recipe = _recorded_recipe(paths)
     by_key: dict[Key, tuple[list[int], int]] = {}
