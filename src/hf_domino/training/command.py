@@ -206,6 +206,13 @@ def run(args: argparse.Namespace) -> int:
         )
     if not args.eval_only and not args.data:
         raise SystemExit("--data is required for training.")
+    if not args.eval_only and (args.draft_lengths or args.eval_output or args.drafter):
+        raise SystemExit(
+            "--drafter, --draft-lengths and --eval-output belong to --eval-only (a drafter's acceptance): add "
+            "--eval-only, or drop them to train (--init-from starts training from a drafter)."
+        )
+    if args.output_dir.exists() and not args.output_dir.is_dir():
+        raise SystemExit(f"--output-dir {args.output_dir} is a file: give the path of a folder for the checkpoints.")
     missing = [str(path) for path in args.data or () if not path.exists()]
     if missing:
         raise FileNotFoundError(
