@@ -547,10 +547,13 @@ def test_bad_batches_fail_with_the_fix_named():
         target.generate(batch["input_ids"], max_new_tokens=4, assistant_model=drafter)
     with pytest.raises(ValueError, match="beam search"):
         target.generate(**batch, max_new_tokens=4, num_beams=2, assistant_model=drafter)
-    with pytest.raises(ValueError, match="output_hidden_states"):
+    with pytest.raises(ValueError, match="output_hidden_states.*or generate one prompt at a time"):
         target.generate(
             **batch, max_new_tokens=4, assistant_model=drafter, return_dict_in_generate=True, output_hidden_states=True
         )
+    with pytest.raises(ValueError, match="output_hidden_states.*or drop domino_branches"):  # one prompt, as a tree
+        target.generate(batch["input_ids"][:1], max_new_tokens=4, assistant_model=drafter, domino_branches=2,
+                        return_dict_in_generate=True, output_hidden_states=True)  # fmt: skip
     # The same calls without a drafter still work (only the drafter's batch path refuses).
     assert target.generate(**batch, max_new_tokens=4).shape == (2, 7)
 

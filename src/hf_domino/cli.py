@@ -53,7 +53,7 @@ def positive_int(value: str) -> int:
 
 
 def non_negative_int(value: str) -> int:
-    """argparse type of the counts where 0 means off (top-k)."""
+    """argparse type of the counts where 0 has a meaning (top-k off, no warm-up, nothing skipped)."""
     if not value.strip().isdigit():
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
     return int(value)

@@ -121,7 +121,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-
     # Bad input fails before the counting (minutes over ShareGPT), each exit naming the fix.
     drafter_dir = assets.drafter_folder(args.drafter)
     config = json.loads((drafter_dir / "config.json").read_text())

@@ -97,8 +97,8 @@ def _regenerated_record(line: str, where: str) -> dict[str, Any]:
     """One jsonl line as a record, or a `ValueError` at `where` (file:line) naming what such a line holds."""
     try:
         record = json.loads(line)
-    except json.JSONDecodeError as error:
-        record = error
+    except json.JSONDecodeError:
+        record = None
     fields = ("input_ids", "loss_mask")
     if not isinstance(record, dict) or not all(isinstance(record.get(name), list) for name in fields):
         raise ValueError(

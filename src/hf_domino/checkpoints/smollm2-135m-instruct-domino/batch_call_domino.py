@@ -66,10 +66,12 @@ def check_batch_call(
     if generation_config.return_dict_in_generate and any(
         getattr(generation_config, name) for name in ("output_attentions", "output_hidden_states")
     ):
+        # One sequence comes here only to verify trees (domino_branches), whose forwards hold the branches as rows.
+        fix = "drop domino_branches" if input_ids.shape[0] == 1 else "generate one prompt at a time"
         raise ValueError(
             "A batch drafted with a Domino drafter returns no attentions or hidden states (its forwards hold different "
             "tokens per row, and holes): drop output_attentions/output_hidden_states (output_scores and output_logits "
-            "work), or generate one prompt at a time."
+            f"work), or {fix}."
         )
 
 
