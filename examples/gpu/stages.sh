@@ -106,7 +106,7 @@ finetune() {  # each of $FINETUNE_RUNS from the shipped drafter, as many steps a
   echo "$per_step s per step side by side: $steps steps each"
   for run in $FINETUNE_RUNS; do
     env $(knobs $run) OUTPUT=runs/finetune-$run TOTAL_STEPS=$steps SAVE_EVERY=$steps GENERATE_TAU=1 LR=${LR:-2e-4} \
-      WARMUP=0.02 SEED=${SEED:-2} STAGE_MINUTES=$(python3 -c "print(($STAGE_END - $(date +%s) - $FINETUNE_RESERVE) / 60)") \
+      WARMUP=0.02 SEED=${SEED:-2} STAGE_MINUTES=$(python3 -c "print(max(($STAGE_END - $(date +%s) - $FINETUNE_RESERVE) / 60, 0.5))") \
       examples/train_smollm2.sh --no-resume > $R/train-$run.log 2>&1 &
   done
   wait
