@@ -94,9 +94,11 @@ def main() -> None:
         start = time.perf_counter()
         counts, drafted, accepted = count_draws(target, prompt, args.tokens, args.draws, **kwargs, **sampling)
         p_value = chi_square_p_value(counts, law, sum(counts.values()))
+        # The statistic reads the law's continuations only: a draw the law forbids (outside top-k) is counted apart.
+        outside = sum(count for continuation, count in counts.items() if continuation not in law)
         seconds = time.perf_counter() - start
-        print(f"{name}: chi-square p = {p_value:.3g} over {sum(counts.values())} draws, drafts verified {drafted}, "
-              f"accepted {accepted} ({seconds:.0f} s)", flush=True)  # fmt: skip
+        print(f"{name}: chi-square p = {p_value:.3g} over {sum(counts.values())} draws ({outside} outside the law), "
+              f"drafts verified {drafted}, accepted {accepted} ({seconds:.0f} s)", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

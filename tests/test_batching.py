@@ -503,6 +503,7 @@ def test_truncation_samplers_keep_the_target_law_alone_and_in_batches(truncation
     # Processors that zero tokens by a threshold on the step's own law: the drafts' law and the verification's must
     # use the same one, one sequence (transformers' loop) and in batches (ours).
     from transformers import GenerationConfig
+    from transformers.generation.logits_process import TemperatureLogitsWarper
 
     vocab, num_new, draws = 5, 3, 1500
     target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=3)
@@ -512,10 +513,9 @@ def test_truncation_samplers_keep_the_target_law_alone_and_in_batches(truncation
     drafter.set_draft_vocab(draft_vocab)
     sampling = dict(temperature=0.8, top_k=0, **truncation)
     law = target._get_logits_processor(GenerationConfig(do_sample=True, **sampling), device="cpu")
-    untruncated = LogitsProcessorList(law[:1])  # the temperature alone
+    untruncated = LogitsProcessorList([TemperatureLogitsWarper(sampling["temperature"])])
     prompts = [[2, 4, 1], [3]]
 
-    torch.manual_seed(11)
     alone, drafted, accepted = sample_with_drafter(
         target, drafter, prompts[0], num_new, draws, seed=11, draft_policy="fixed", **sampling
     )

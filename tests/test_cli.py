@@ -63,30 +63,17 @@ def test_unknown_command_is_an_argparse_error():
 
 
 @pytest.mark.parametrize(
-    "argv",
-    [
-        ["bench", "--num-prompts", "0"],
-        ["bench", "--max-new-tokens", "-3"],
-        ["demo", "--max-new-tokens", "0"],
-        ["demo", "--threads", "two"],
-        ["regenerate", "--batch-size", "0"],
-        ["train", "--save-every", "0"],
-        ["train", "--max-examples", "0"],
-        ["bench", "--prompt-lookup-tokens", "0"],
-        ["draft-vocab", "--size", "0", "out"],
-    ],
-)
-def test_a_count_that_is_not_positive_is_a_usage_error(argv, capsys):
-    # (It used to reach the model: a traceback from deep in generate(), or an empty benchmark written as results.)
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(argv)
-    assert exit_info.value.code == 2
-    assert f"argument {argv[1]}: expected a positive integer, got {argv[2]!r}" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
     "argv, expected",
     [
+        (["bench", "--num-prompts", "0"], "a positive integer"),
+        (["bench", "--max-new-tokens", "-3"], "a positive integer"),
+        (["demo", "--max-new-tokens", "0"], "a positive integer"),
+        (["demo", "--threads", "two"], "a positive integer"),
+        (["regenerate", "--batch-size", "0"], "a positive integer"),
+        (["train", "--save-every", "0"], "a positive integer"),
+        (["train", "--max-examples", "0"], "a positive integer"),
+        (["bench", "--prompt-lookup-tokens", "0"], "a positive integer"),
+        (["draft-vocab", "--size", "0", "out"], "a positive integer"),
         (["bench", "--temperature", "-0.5"], "a number in [0, inf)"),
         (["bench", "--top-p", "0"], "a number in (0, 1]"),
         (["bench", "--top-p", "1.5"], "a number in (0, 1]"),
@@ -104,7 +91,8 @@ def test_a_count_that_is_not_positive_is_a_usage_error(argv, capsys):
     ],
 )
 def test_a_number_out_of_its_range_is_a_usage_error(argv, expected, capsys):
-    # (Sampling settings reached generate() after the target's minute of loading; training ones a silent bad run.)
+    # (Counts reached the model: a traceback from deep in generate(), or an empty benchmark written as results;
+    # sampling settings reached generate() after the target's minute of loading; training ones a silent bad run.)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
     assert exit_info.value.code == 2
