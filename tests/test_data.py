@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -408,11 +410,15 @@ def test_a_dense_cache_is_written_whole_or_not_at_all(tmp_path):
     model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
     tokenizer = assets.load_tokenizer("smollm2")
-    # Another process got there first: its folder stays, this one's copy goes, and nothing is said.
+    # Another process got there first: its folder stays, this one's copy goes, and nothing is said. A partial folder
+    # an hour old is a killed write's and goes; a newer one may be a live write's and stays.
     (tmp_path / "dense" / "model").mkdir(parents=True)
+    for name, age in ((".model.partial-1-killed", 7200), (".model.partial-2-writing", 60)):
+        (tmp_path / "dense" / name).mkdir()
+        os.utime(tmp_path / "dense" / name, (time.time() - age, time.time() - age))
     (tmp_path / "dense" / "model" / "config.json").write_text("{}")
     _write_dense_cache(model, tokenizer, tmp_path / "dense" / "model")
-    assert [path.name for path in (tmp_path / "dense").iterdir()] == ["model"]
+    assert sorted(path.name for path in (tmp_path / "dense").iterdir()) == [".model.partial-2-writing", "model"]
     assert (tmp_path / "dense" / "model" / "config.json").read_text() == "{}"
     # No place to write it: a warning that says how to keep it, and nothing on disk.
     (tmp_path / "file").write_text("")

@@ -283,12 +283,17 @@ def _write_dense_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
     place once complete. Another process that got there first wins; a cache that cannot be written (a read-only or
     full disk) is skipped with a warning, since it only saves time."""
     import shutil
+    import time
     import uuid
     import warnings
 
     partial = None
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
+        # A write killed outright (SIGKILL, power) left its partial folder; one untouched for an hour is no live write.
+        for stale in folder.parent.glob(f".{folder.name}.partial-*"):
+            if time.time() - stale.stat().st_mtime > 3600:
+                shutil.rmtree(stale, ignore_errors=True)
         # mkdir (not mkdtemp, which makes it private) so that the umask decides, as for the rest of the cache.
         partial = folder.with_name(f".{folder.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         partial.mkdir()
