@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import requires_sharegpt, sharegpt_installed
 
-from hf_domino import assets, cli, prompt_mix
+from hf_domino import assets, cli, dense_gguf, prompt_mix
 from hf_domino.training import regenerate
 
 transformers = pytest.importorskip("transformers")
@@ -384,9 +384,9 @@ def test_the_dequantized_target_is_kept_once_and_read_back_the_same(tmp_path, mo
     # and must give the very model and tokenizer the conversion gave, in any dtype.
     monkeypatch.setenv("HF_DOMINO_CACHE", str(tmp_path))
     converted, tokenizer = assets.load_smollm2()
-    folder = assets.dense_gguf_cache(assets.smollm2_gguf_path())
+    folder = dense_gguf.dense_gguf_cache(assets.smollm2_gguf_path())
     assert [path.name for path in (tmp_path / "dense").iterdir()] == [folder.name], "one folder, nothing partial"
-    monkeypatch.setattr(assets, "_dequantized_gguf", lambda *args: pytest.fail("the GGUF file was read again"))
+    monkeypatch.setattr(dense_gguf, "_dequantized_gguf", lambda *args: pytest.fail("the GGUF file was read again"))
     for dtype in (torch.float32, torch.bfloat16):
         model, cached_tokenizer = assets.load_smollm2(dtype)
         assert model.dtype == dtype and not model.training
@@ -405,7 +405,7 @@ def test_the_dequantized_target_is_kept_once_and_read_back_the_same(tmp_path, mo
 def test_a_dense_cache_is_written_whole_or_not_at_all(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_domino.assets import _write_dense_cache
+    from hf_domino.dense_gguf import _write_dense_cache
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))  # fmt: skip

