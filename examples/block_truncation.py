@@ -11,7 +11,8 @@ import time
 import torch
 
 from hf_domino import DominoForSpeculation, prepare_for_cpu_decoding
-from hf_domino.assets import SHIPPED_DRAFTER, load_humaneval, load_mtbench, load_smollm2
+from hf_domino.assets import SHIPPED_DRAFTER, load_smollm2
+from hf_domino.prompt_sets import load_humaneval, load_mtbench
 
 torch.set_num_threads(2)
 target, tok = load_smollm2()

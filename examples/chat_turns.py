@@ -20,7 +20,8 @@ import torch
 from transformers import DynamicCache
 
 from hf_domino import prepare_for_cpu_decoding
-from hf_domino.assets import MTBENCH_QUESTIONS, load_drafter, load_target, package_file, read_jsonl
+from hf_domino.assets import load_drafter, load_target, package_file
+from hf_domino.prompt_sets import MTBENCH_QUESTIONS, read_jsonl
 
 METHODS = {  # name -> (generate() options with the drafter, or None for the target alone; continues the cache)
     "target": (None, True),

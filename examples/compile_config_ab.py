@@ -19,8 +19,9 @@ import torch
 from transformers import CompileConfig
 
 from hf_domino import prepare_for_cpu_decoding
-from hf_domino.assets import encode_chat, load_drafter, load_prompts, load_target
+from hf_domino.assets import encode_chat, load_drafter, load_target
 from hf_domino.cpu_fast_path import compiling_on_any_device
+from hf_domino.prompt_sets import load_prompts
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import time
 import torch
 import torch._inductor.config as inductor_config
 
-from hf_domino import assets, prepare_for_cpu_decoding
+from hf_domino import assets, prepare_for_cpu_decoding, prompt_sets
 
 
 def generate(target, drafter, input_ids: torch.LongTensor, max_new_tokens: int) -> tuple[float, torch.Tensor]:
@@ -59,7 +59,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target, tokenizer = assets.load_target("smollm2")
     drafter = assets.load_drafter()
-    prompts = [assets.encode_chat(tokenizer, m) for m in assets.load_prompts("mtbench", args.num_prompts)]
+    prompts = [assets.encode_chat(tokenizer, m) for m in prompt_sets.load_prompts("mtbench", args.num_prompts)]
 
     prepare_for_cpu_decoding(target, drafter)
     prepacked = timed_runs("prepacked", target, drafter, prompts, args.max_new_tokens)

@@ -15,7 +15,8 @@ import time
 import torch
 
 from hf_domino import drafting_domino, generation_domino, prepare_for_cpu_decoding
-from hf_domino.assets import encode_chat, load_drafter, load_prompts, load_target
+from hf_domino.assets import encode_chat, load_drafter, load_target
+from hf_domino.prompt_sets import load_prompts
 
 
 def timed_calls(owner, name: str, seconds: dict, calls: collections.Counter, key=None) -> None:

@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from hf_domino.assets import encode_chat, load_drafter, load_prompts, load_target
+from hf_domino.assets import encode_chat, load_drafter, load_target
+from hf_domino.prompt_sets import load_prompts
 
 
 def main() -> None:

@@ -31,8 +31,9 @@ def one_call(prompt: str, with_drafter: bool, threads: int, rows: int, device: s
     import torch
 
     import hf_domino
-    from hf_domino.assets import chat_token_ids, load_drafter, load_prompts, load_target, pad_token_id
+    from hf_domino.assets import chat_token_ids, load_drafter, load_target, pad_token_id
     from hf_domino.measure_batch import left_padded_batch
+    from hf_domino.prompt_sets import load_prompts
 
     torch.set_num_threads(threads)
     start = time.perf_counter()

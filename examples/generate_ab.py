@@ -42,9 +42,10 @@ from hf_domino import (
     prepare_for_cpu_decoding,
     records_domino,
 )
-from hf_domino.assets import chat_token_ids, load_drafter, load_prompts, load_target, pad_token_id
+from hf_domino.assets import chat_token_ids, load_drafter, load_target, pad_token_id
 from hf_domino.drafting_domino import DATASTORE_FILE, DraftDatastore
 from hf_domino.measure_batch import left_padded_groups
+from hf_domino.prompt_sets import load_prompts
 
 # Where `--settings NAME=...` looks up an upper-case KEY (a module constant, set for the setting's calls).
 SETTING_MODULES = (batching_domino, batch_policy_domino, policy_domino, records_domino, cpu_fast_path)

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from hf_domino import assets, prepare_for_cpu_decoding
+from hf_domino import assets, prepare_for_cpu_decoding, prompt_sets
 from hf_domino.prepacked_linear import PrepackedLinear, eager_linears
 
 MODES = ("packed", "measured", "eager")
@@ -63,7 +63,7 @@ def main() -> None:
         print(f"| {out_features} x {in_features} | {cells} |")
     modules = [m for model in (target, drafter) for m in model.modules() if isinstance(m, PrepackedLinear)]
     measured = {id(module): module._eager_rows for module in modules}
-    prompts = [assets.encode_chat(tokenizer, m) for m in assets.load_prompts("mtbench", args.num_prompts)]
+    prompts = [assets.encode_chat(tokenizer, m) for m in prompt_sets.load_prompts("mtbench", args.num_prompts)]
 
     def generate(mode: str, input_ids: torch.LongTensor, assistant) -> tuple[float, torch.Tensor]:
         with use(mode, modules, measured):

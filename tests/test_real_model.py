@@ -11,8 +11,9 @@ from transformers import DynamicCache
 
 from hf_domino import DominoForSpeculation, TargetModules
 from hf_domino.acceptance import block_anchors, generate_with_acceptance
-from hf_domino.assets import SHIPPED_DRAFTER, load_mtbench, load_smollm2
+from hf_domino.assets import SHIPPED_DRAFTER, load_smollm2
 from hf_domino.cache_domino import cache_argument
+from hf_domino.prompt_sets import load_mtbench
 from hf_domino.training import DominoTrainingModule, target_context_features, teacher_forced_acceptance
 
 

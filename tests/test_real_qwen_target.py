@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from hf_domino import DominoConfig, DominoForSpeculation, prepare_for_cpu_decoding
-from hf_domino.assets import QWEN_CODER, QWEN_CODER_PARTS, encode_chat, load_prompts, load_target
+from hf_domino.assets import QWEN_CODER, QWEN_CODER_PARTS, encode_chat, load_target
+from hf_domino.prompt_sets import load_prompts
 
 pytestmark = [
     pytest.mark.slow,
@@ -87,7 +88,8 @@ def test_a_drafter_for_it_is_regenerated_trained_exported_and_served_by_the_comm
     script = """
 import torch
 from transformers import AutoModel
-from hf_domino.assets import QWEN_CODER, encode_chat, load_prompts, load_target
+from hf_domino.assets import QWEN_CODER, encode_chat, load_target
+from hf_domino.prompt_sets import load_prompts
 
 target, tokenizer = load_target(QWEN_CODER, device="cpu")
 drafter = AutoModel.from_pretrained("export", trust_remote_code=True)

@@ -1230,7 +1230,8 @@ def test_cuda_batched_greedy_generate_is_identical_with_and_without_the_fast_pat
 def test_shipped_drafter_with_its_draft_vocabulary_drafts_the_same_fused_and_eager(interp):
     # The drafter users get first: the real SmolLM2 target and the shipped drafter over its 8192-token vocabulary.
     # Same drafts fused and eager means the same acceptance, block for block; greedy output is the target's own.
-    from hf_domino.assets import SHIPPED_DRAFTER, load_mtbench, load_smollm2
+    from hf_domino.assets import SHIPPED_DRAFTER, load_smollm2
+    from hf_domino.prompt_sets import load_mtbench
 
     target, tokenizer = load_smollm2()
     drafter = DominoForSpeculation.from_pretrained(SHIPPED_DRAFTER, dtype=torch.float32).eval()

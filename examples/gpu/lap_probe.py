@@ -42,8 +42,9 @@ from typing import NamedTuple
 
 import torch
 
-from hf_domino.assets import encode_chat, load_drafter, load_mtbench, load_target
+from hf_domino.assets import encode_chat, load_drafter, load_target
 from hf_domino.measure import run_method
+from hf_domino.prompt_sets import load_mtbench
 
 BENCH_METHOD = "domino_vocab_k16@triton+graph"  # the bf16 stage's whole blocks, the head fused with its graph
 

@@ -16,8 +16,8 @@ import argparse
 import hashlib
 import json
 
-from hf_domino.assets import SHAREGPT_MAX_TURN_CHARS, iter_json_array, sharegpt_json_path
 from hf_domino.prompt_mix import looks_like_code, prompt_mix_recipe, training_prompt_mix
+from hf_domino.prompt_sets import SHAREGPT_MAX_TURN_CHARS, iter_json_array, sharegpt_json_path
 
 KEEP_MESSAGES = 10
 KEEP_CHARS = SHAREGPT_MAX_TURN_CHARS + 1

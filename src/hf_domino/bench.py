@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import transformers
 
-from . import assets
+from . import assets, prompt_sets
 from .cli import non_negative_int, number_in, positive_int
 from .cpu_fast_path import prepare_for_cpu_decoding
 from .generate_hook_domino import cudnn_attention_applies
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
             "hf-domino bench: --repeats applies to --batch-size runs (per-prompt runs time each prompt once)."
         )
     # The prompts and the drafter's folder are checked before the target's load, which can take a minute.
-    conversations = assets.load_prompts(args.prompts, args.num_prompts)
+    conversations = prompt_sets.load_prompts(args.prompts, args.num_prompts)
     needs_drafter = any(parse_method(m).uses_drafter for m in methods)
     if needs_drafter:
         _drafter_folder(args)
@@ -343,7 +343,7 @@ def run_batches(args: argparse.Namespace, metadata: dict[str, Any], dtype: torch
             raise SystemExit(f"hf-domino bench: --batch-methods: {error}") from None
     if max(args.batch_size) > args.num_prompts:
         raise SystemExit(f"hf-domino bench: --batch-size {max(args.batch_size)} needs --num-prompts at least that.")
-    conversations = assets.load_prompts(args.prompts, args.num_prompts)  # a typo fails before the minute of loading
+    conversations = prompt_sets.load_prompts(args.prompts, args.num_prompts)  # a typo fails before loading
     _drafter_folder(args)
     target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
     drafter = _drafter_for(target, args, dtype)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import save_file
 
-from . import assets
+from . import assets, prompt_sets
 from .cli import positive_int
 from .modeling_domino import DRAFT_VOCAB_FILE
 
@@ -73,12 +73,12 @@ def regenerated_response_ids(paths: Sequence[str | os.PathLike]) -> Iterator[lis
 
 def sharegpt_assistant_ids(tokenizer: PreTrainedTokenizerBase, limit: int | None) -> Iterator[list[int]]:
     """Token ids of the assistant turns of the first `limit` ShareGPT conversations."""
-    text = assets.sharegpt_json_path().read_text(encoding="utf-8")
-    for index, record in enumerate(assets.iter_json_array(text)):
+    text = prompt_sets.sharegpt_json_path().read_text(encoding="utf-8")
+    for index, record in enumerate(prompt_sets.iter_json_array(text)):
         if limit is not None and index >= limit:
             return
         try:
-            messages = assets.sharegpt_to_messages(record.get("conversations", []))
+            messages = prompt_sets.sharegpt_to_messages(record.get("conversations", []))
         except ValueError:
             continue
         for message in messages:

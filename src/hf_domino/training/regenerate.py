@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import assets, prompt_mix
-from ..assets import Messages
+from .. import assets, prompt_mix, prompt_sets
 from ..cli import non_negative_int, number_in, positive_int
+from ..prompt_sets import Messages
 from .packed import Key, read_keys, read_recipe, recipe_differences, recipe_path, record_key
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     choice.add_argument(
         "--prompts",
         default="sharegpt",
-        help=f"A prompt set ({', '.join(assets.PROMPT_SETS)}), `{MIX}` (the training prompt mix, records keyed by "
+        help=f"A prompt set ({', '.join(prompt_sets.PROMPT_SETS)}), `{MIX}` (the training prompt mix, records keyed by "
         "stable ids) or a jsonl file of prompts (default: sharegpt).",
     )
     choice.add_argument("--dataset", help="A `datasets` dataset to take the prompts from instead.")
@@ -193,14 +193,14 @@ def load_cli_prompts(args: argparse.Namespace) -> tuple[list[Key], list[Messages
     if args.prompts == MIX:
         ids, prompts = prompt_mix.training_prompt_mix(args.split, limit=end)
         return list(ids[args.skip :]), prompts[args.skip :]
-    prompts = assets.load_prompts(args.prompts, limit=end)[args.skip :]
+    prompts = prompt_sets.load_prompts(args.prompts, limit=end)[args.skip :]
     return list(range(args.skip, args.skip + len(prompts))), prompts
 
 
 def load_dataset_prompts(
     name: str, split: str, start: int = 0, end: int | None = None
 ) -> tuple[list[int], list[Messages]]:
-    """Prompts from rows `start:end` of a `datasets` dataset, read by `assets.record_to_prompt`.
+    """Prompts from rows `start:end` of a `datasets` dataset, read by `prompt_sets.record_to_prompt`.
 
     Rows without a user turn are skipped; the returned indices are row numbers in the split.
     """
@@ -214,7 +214,7 @@ def load_dataset_prompts(
     end = len(dataset) if end is None else min(end, len(dataset))
     indices, prompts = [], []
     for index in range(start, end):
-        prompt = assets.record_to_prompt(dataset[index])
+        prompt = prompt_sets.record_to_prompt(dataset[index])
         if prompt is not None:
             indices.append(index)
             prompts.append(prompt)
@@ -249,7 +249,7 @@ def regenerate(
     Args:
         target_model: the target, in eval mode.
         tokenizer: the target's tokenizer, with a chat template.
-        prompts: chat conversations to answer, e.g. from `assets.load_prompts`.
+        prompts: chat conversations to answer, e.g. from `prompt_sets.load_prompts`.
         output_path: jsonl file to append to.
         indices: each prompt's index in its source (stored as `index`) or stable string id (stored as `id`);
             `range(len(prompts))` by default.
