@@ -1,4 +1,5 @@
-"""Docs that run as written: every ```python block of README.md, docs/usage.md and the model cards.
+"""Docs that run as written: every ```python block of README.md, docs/usage.md and the model cards; and docs whose
+links and section references resolve.
 
 Each document's blocks run in order as one plain script in a subprocess (a later block may use what an earlier one
 defined, as a reader running them in turn would), on the offline SmolLM2 target and the shipped drafter:
@@ -134,6 +135,82 @@ def test_blocks_are_found_and_marked():
     blocks = python_blocks(text)
     assert [(block.line, block.needs_gpu) for block in blocks] == [(3, False), (8, True), (13, False), (17, False)]
     assert [block.runs_here(cuda=False) for block in blocks] == [True, False, static_caches_roll_back(), False]
+
+
+# ------------------------------------------------------------------------------------------ links and references
+def headings(markdown: str) -> list[str]:
+    """The section titles of a Markdown text (code blocks left out), and its bold run-in titles (`**Title.** text`),
+    without their `*` and backticks."""
+    text = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    titles = re.findall(r"^#{1,6} +(.+?) *$", text, re.M) + re.findall(r"^\*\*(.+?)\*\*", text, re.M)
+    return [re.sub(r"[`*]", "", title).strip() for title in titles]
+
+
+def github_anchor(title: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def broken_links(document: Path) -> list[str]:
+    """Relative links of a Markdown file (outside code blocks) to a missing file or to a missing heading anchor."""
+    broken = []
+    for link in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"```.*?```", "", document.read_text(), flags=re.S)):
+        if re.match(r"[a-z]+:", link):
+            continue  # https:, mailto:
+        name, _, anchor = link.partition("#")
+        target = (document.parent / name) if name else document
+        if not target.exists():
+            broken.append(f"{link}: no such file")
+        elif anchor and target.suffix == ".md":
+            seen: dict[str, int] = {}
+            anchors = set()
+            for title in re.findall(
+                r"^#{1,6} +(.+?) *$", re.sub(r"```.*?```", "", target.read_text(), flags=re.S), re.M
+            ):
+                slug = github_anchor(title)
+                anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+                seen[slug] = seen.get(slug, 0) + 1
+            if anchor not in anchors:
+                broken.append(f"{link}: no such heading")
+    return broken
+
+
+def stale_section_references(text: str) -> list[str]:
+    """References written `docs/<file>.md, "Section title"` (in prose, code comments, docstrings) whose title no
+    section of that file starts with; a title may wrap over lines and comment or quote markers."""
+    stale = []
+    for name, title in re.findall(r"((?:docs/)?[a-z_]+\.md)[,:]? +\"([^\"]{4,120})\"", text):
+        path = ROOT / (name if name.startswith("docs/") or name == "README.md" else f"docs/{name}")
+        title = re.sub(r"\s*\n\s*(?:[>#]\s*)?", " ", re.sub(r"[`*]", "", title)).replace("\\'", "'").strip(" .,")
+        if not path.exists():
+            stale.append(f"{name}: no such file")
+        elif not any(heading.startswith(title) or title.startswith(heading) for heading in headings(path.read_text())):
+            stale.append(f'{name}, "{title}"')
+    return stale
+
+
+def test_links_and_section_references_resolve(tmp_path):
+    """Every relative link of the docs reaches its file and heading, and every `docs/x.md, "Section"` reference in
+    the docs, the package, examples and tests names a section that exists: sections get renamed and moved."""
+    documents = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / DOCUMENTS[2]]
+    assert not {str(doc.relative_to(ROOT)): broken for doc in documents if (broken := broken_links(doc))}
+    sources = documents + sorted(
+        path
+        for folder in ("src", "examples", "tests")
+        for path in (ROOT / folder).rglob("*.py")
+        if path != Path(__file__).resolve()  # its examples below are meant to fail
+    )
+    stale = {
+        str(path.relative_to(ROOT)): found for path in sources if (found := stale_section_references(path.read_text()))
+    }
+    assert not stale
+    # The test can fail: a wrong heading, a missing file, a renamed section.
+    page = tmp_path / "page.md"
+    page.write_text("# A `title`, here\n\n[ok](#a-title-here) [a](missing.md) [b](#nowhere) [c](https://x.org/#y)\n")
+    assert broken_links(page) == ["missing.md: no such file", "#nowhere: no such heading"]
+    assert stale_section_references('(docs/usage.md, "No such\n  # section")') == ['docs/usage.md, "No such section"']
+    assert stale_section_references('docs/benchmarks.md, "The bf16 slow state"') == []
+    assert stale_section_references('see docs/nowhere.md, "Anything"') == ["docs/nowhere.md: no such file"]
 
 
 def test_exported_card_is_the_shipped_cards():
