@@ -545,6 +545,11 @@ def test_bad_batches_fail_with_the_fix_named():
         target.generate(**right, max_new_tokens=4, assistant_model=drafter)
     with pytest.raises(ValueError, match="attention_mask"):
         target.generate(batch["input_ids"], max_new_tokens=4, assistant_model=drafter)
+    wider = torch.cat(
+        [torch.zeros(2, 2, dtype=torch.long), batch["attention_mask"]], dim=1
+    )  # as token_healing leaves it
+    with pytest.raises(ValueError, match=r"token ids are \(2, 3\) but their attention_mask \(2, 5\).*token_healing"):
+        target.generate(batch["input_ids"], attention_mask=wider, max_new_tokens=4, assistant_model=drafter)
     with pytest.raises(ValueError, match="beam search"):
         target.generate(**batch, max_new_tokens=4, num_beams=2, assistant_model=drafter)
     with pytest.raises(ValueError, match="output_hidden_states.*or generate one prompt at a time"):

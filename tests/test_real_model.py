@@ -168,6 +168,23 @@ def test_shipped_drafter_serves_a_padded_batch_losslessly(smollm2, shipped_draft
             assert any(stats.copied) and not all(stats.copied)  # rows copied where their text repeats, else drafted
 
 
+def test_token_healing_heals_a_batch_or_names_the_fix(smollm2, shipped_drafter):
+    """generate()'s token_healing re-tokenizes the prompts and keeps the mask it had. Raw text that re-tokenizes to
+    the same width heals in a drafted batch as the target alone heals it; a chat template's prompts lose their special
+    tokens, and the drafted batch refuses with the fix where the target alone would read a mask of other tokens."""
+    target, tokenizer = smollm2
+    tokenizer.padding_side = "left"
+    texts = ["def add(a, b):\n    return a +", "The three primary colors are red, blue and yel"]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    healing = dict(max_new_tokens=6, do_sample=False, token_healing=True, tokenizer=tokenizer)
+    expected = target.generate(**batch, **healing)
+    assert tokenizer.decode(expected[1], skip_special_tokens=True).startswith(texts[1] + "low")  # it healed
+    assert torch.equal(target.generate(**batch, **healing, assistant_model=shipped_drafter), expected)
+    chats = mtbench_batch(tokenizer, 2)
+    with pytest.raises(ValueError, match="token_healing changes the prompts.*heal one prompt at a time"):
+        target.generate(**chats, **healing, assistant_model=shipped_drafter)
+
+
 def test_first_token_branches_keep_the_target_alones_output_and_lift_acceptance(smollm2, shipped_drafter):
     """Two branches of 2 drafts against one block of 2, one sequence and a padded batch, the drafter's drafts only (as
     measured in docs/benchmarks.md, "First-token branches")."""

@@ -49,6 +49,15 @@ def check_batch_call(
             "batch leaves in the cache would change those distances: generate one prompt at a time with the drafter "
             "(exact), or the batch without it."
         )
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        # generate() re-tokenizes the prompts for token_healing (dropping special tokens, a chat template's among them)
+        # and keeps the mask it had; the target alone then reads a mask of other tokens.
+        raise ValueError(
+            f"The prompts' token ids are {tuple(input_ids.shape)} but their attention_mask {tuple(attention_mask.shape)}"
+            ": a drafted batch needs the mask of the very tokens it continues. token_healing changes the prompts after "
+            "the mask was made (it re-tokenizes them without special tokens): heal one prompt at a time (one sequence "
+            "runs transformers' own loop), or tokenize the prompts healed and drop token_healing."
+        )
     if generation_config._pad_token_tensor is None:
         raise ValueError("Batched generation needs a pad token: set pad_token_id (e.g. tokenizer.pad_token_id).")
     if attention_mask is not None and not bool(attention_mask[:, -1].all()):
