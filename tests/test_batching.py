@@ -545,11 +545,6 @@ def test_bad_batches_fail_with_the_fix_named():
         target.generate(**right, max_new_tokens=4, assistant_model=drafter)
     with pytest.raises(ValueError, match="attention_mask"):
         target.generate(batch["input_ids"], max_new_tokens=4, assistant_model=drafter)
-    wider = torch.cat(
-        [torch.zeros(2, 2, dtype=torch.long), batch["attention_mask"]], dim=1
-    )  # as token_healing leaves it
-    with pytest.raises(ValueError, match=r"token ids are \(2, 3\) but their attention_mask \(2, 5\).*token_healing"):
-        target.generate(batch["input_ids"], attention_mask=wider, max_new_tokens=4, assistant_model=drafter)
     with pytest.raises(ValueError, match="beam search"):
         target.generate(**batch, max_new_tokens=4, num_beams=2, assistant_model=drafter)
     with pytest.raises(ValueError, match="output_hidden_states.*or generate one prompt at a time"):
@@ -561,6 +556,29 @@ def test_bad_batches_fail_with_the_fix_named():
                         return_dict_in_generate=True, output_hidden_states=True)  # fmt: skip
     # The same calls without a drafter still work (only the drafter's batch path refuses).
     assert target.generate(**batch, max_new_tokens=4).shape == (2, 7)
+
+
+def test_the_prompts_inputs_embeds_are_what_a_drafted_batch_reads(arch):
+    """generate(input_ids=..., inputs_embeds=...) prefills from the embeddings (soft prompts, a multimodal model's
+    merged inputs): a drafted batch, and one sequence drafted as a tree, continue what the target read, as the target
+    alone does, not what the ids' own embeddings say. Embeddings without ids of the same shape are refused."""
+    target = successor_target(arch, VOCAB)
+    drafter = forcing_drafter(target, successor(1))
+    batch = left_padded([[4, 9, 11], [20]])
+    embeds = target.get_input_embeddings()(batch["input_ids"]).detach().clone()
+    embeds[0, -1] = target.get_input_embeddings().weight[15].detach()  # row 0 reads 15 where its ids say 11
+    for rows, options in ((slice(None), {}), (slice(0, 1), {"domino_branches": 2})):
+        inputs = {name: tensor[rows] for name, tensor in batch.items()} | {"inputs_embeds": embeds[rows]}
+        expected, output = both(target, drafter, inputs, max_new_tokens=8, **options)
+        assert torch.equal(output, expected), options
+        assert expected[0, 3:6].tolist() == [16, 17, 18]  # the test can fail: the ids alone would go on with 12
+        with pytest.raises(ValueError, match=r"inputs_embeds \(\d, 3\) came without token ids.*Pass input_ids too"):
+            target.generate(inputs_embeds=inputs["inputs_embeds"], attention_mask=inputs["attention_mask"],
+                            max_new_tokens=4, assistant_model=drafter, **options)  # fmt: skip
+    # One sequence without a tree runs transformers' own loop, which takes embeddings alone.
+    alone = {"inputs_embeds": embeds[:1], "attention_mask": batch["attention_mask"][:1]}
+    expected, output = both(target, drafter, alone, max_new_tokens=6)
+    assert torch.equal(output, expected) and expected[0].tolist()[:3] == [16, 17, 18]
 
 
 def test_return_dict_gives_the_sequences():

@@ -108,8 +108,10 @@ class BatchedDecoding:
         attention_mask: torch.Tensor | None,
         cache: DynamicCache,
         window: SlidingWindow | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ):
         self.target, self.drafter, self.options, self.stats = target, drafter, options, stats
+        self.prompt_embeds = inputs_embeds  # read by the prefill alone, as the target alone reads them
         self.modules = TargetModules.from_target(target)
         self.layer_ids = drafter.config.target_layer_ids
         self.hidden_layers = hidden_state_indices(self.layer_ids)
@@ -222,9 +224,12 @@ class BatchedDecoding:
         """The prompt through the target (its columns after those a filled cache holds): every token it reads becomes
         drafter context, the first token is picked."""
         new = self.mask[:, self.cached :]
+        embeds = None if self.prompt_embeds is None else self.prompt_embeds[:, self.cached :]
+        self.prompt_embeds = None
         outputs = ragged_forward(
-            self.target, self.target_cache, input_ids[:, self.cached :], new, self.hidden_layers, logits_to_keep=1
-        )
+            self.target, self.target_cache, input_ids[:, self.cached :], new, self.hidden_layers, logits_to_keep=1,
+            inputs_embeds=embeds,
+        )  # fmt: skip
         logits = outputs.logits[:, -1:].float()
         processed = self.process(logits[:, 0])[:, None]
         first = pick_tokens(processed[:, 0], self.do_sample)
@@ -465,10 +470,11 @@ def batched_assisted_decoding(
     (`num_return_sequences > 1` included); `stats` is the call's `DominoGenerationStats`. Returns the sequences padded
     as the target alone pads them.
     """
-    attention_mask = model_kwargs.get("attention_mask")
+    attention_mask, inputs_embeds = model_kwargs.get("attention_mask"), model_kwargs.get("inputs_embeds")
     check_batch_call(
-        target, input_ids, attention_mask, logits_processor, generation_config, attention_mask_given, options
-    )
+        target, input_ids, attention_mask, logits_processor, generation_config, attention_mask_given, options,
+        inputs_embeds,
+    )  # fmt: skip
     if target._valid_auto_compile_criteria(model_kwargs, generation_config):
         return compiled_plain_steps(
             target, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs
@@ -476,7 +482,7 @@ def batched_assisted_decoding(
     cache, window = batch_cache(model_kwargs.get(CACHE_ARGUMENT), target)
     decoding = BatchedDecoding(
         target, drafter, options, generation_config, logits_processor, stopping_criteria, stats, input_ids,
-        attention_mask, cache, window,
+        attention_mask, cache, window, inputs_embeds,
     )  # fmt: skip
     sequences = decoding.run(input_ids, streamer)
     if generation_config.return_dict_in_generate:

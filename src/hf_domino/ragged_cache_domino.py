@@ -342,10 +342,13 @@ def ragged_forward(
     hidden_layers: list[int],
     logits_to_keep: int | None = None,
     tree: TreeLayout | None = None,
+    inputs_embeds: torch.Tensor | None = None,
 ):
     """One target forward that appends `input_ids` to every row; holes among them are `new_columns == False`.
 
-    With `tree`, the new columns are a `TreeLayout` of branches after each row's anchor, not one sequence."""
+    With `tree`, the new columns are a `TreeLayout` of branches after each row's anchor, not one sequence. With
+    `inputs_embeds` (the prompt's, as a caller passed them to generate()), the target reads those instead of
+    `input_ids`' embeddings, as the target alone does in its first step."""
     kwargs = {}
     # Asked only when needed (the prefill): reading a signature costs more than the rest of a step's host work.
     if logits_to_keep is not None and "logits_to_keep" in inspect.signature(target.forward).parameters:
@@ -362,6 +365,8 @@ def ragged_forward(
         attention_mask = attention_mask.long()
     else:
         attention_mask = cache.window.masks(attention_mask, new_columns.shape[1], target.dtype)
+    if inputs_embeds is not None:
+        kwargs["inputs_embeds"], input_ids = inputs_embeds, None
     outputs = target(
         input_ids=input_ids,
         attention_mask=attention_mask,

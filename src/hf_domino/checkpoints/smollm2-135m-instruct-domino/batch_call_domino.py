@@ -39,6 +39,7 @@ def check_batch_call(
     generation_config: GenerationConfig,
     attention_mask_given: bool,
     options: DominoOptions,
+    inputs_embeds: torch.Tensor | None = None,
 ) -> None:
     """Raises, naming the fix, for what a batched call cannot do exactly."""
     if options.domino_branches > 1:
@@ -49,7 +50,17 @@ def check_batch_call(
             "batch leaves in the cache would change those distances: generate one prompt at a time with the drafter "
             "(exact), or the batch without it."
         )
-    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+    # One sequence comes here only to verify trees (domino_branches), whose forwards hold the branches as rows.
+    one_at_a_time = "drop domino_branches" if input_ids.shape[0] == 1 else "generate one prompt at a time"
+    if inputs_embeds is not None and inputs_embeds.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"inputs_embeds {tuple(inputs_embeds.shape[:2])} came without token ids of the same shape (got "
+            f"{tuple(input_ids.shape)}): a drafted batch reads the prompts' ids beside their embeddings (copied drafts, "
+            "logits processors, stopping criteria and the returned sequences use them). Pass input_ids too (the "
+            f"target still reads inputs_embeds for the prompt), or {one_at_a_time}: transformers' own loop takes "
+            "inputs_embeds alone for one sequence."
+        )
+    if generation_config.token_healing and attention_mask is not None and attention_mask.shape != input_ids.shape:
         # generate() re-tokenizes the prompts for token_healing (dropping special tokens, a chat template's among them)
         # and keeps the mask it had; the target alone then reads a mask of other tokens.
         raise ValueError(
@@ -75,12 +86,10 @@ def check_batch_call(
     if generation_config.return_dict_in_generate and any(
         getattr(generation_config, name) for name in ("output_attentions", "output_hidden_states")
     ):
-        # One sequence comes here only to verify trees (domino_branches), whose forwards hold the branches as rows.
-        fix = "drop domino_branches" if input_ids.shape[0] == 1 else "generate one prompt at a time"
         raise ValueError(
             "A batch drafted with a Domino drafter returns no attentions or hidden states (its forwards hold different "
             "tokens per row, and holes): drop output_attentions/output_hidden_states (output_scores and output_logits "
-            f"work), or {fix}."
+            f"work), or {one_at_a_time}."
         )
 
 
