@@ -581,6 +581,31 @@ def test_the_prompts_inputs_embeds_are_what_a_drafted_batch_reads(arch):
     assert torch.equal(output, expected) and expected[0].tolist()[:3] == [16, 17, 18]
 
 
+def test_position_ids_other_than_the_masks_are_refused_for_a_batch(arch):
+    """generate() continues the position_ids it is given (packed or offset prompts); a drafted batch places tokens by
+    its mask, so it refuses other positions, naming the fix, rather than answer otherwise than the target alone. The
+    positions generate() makes itself pass; one sequence without a tree runs transformers' loop, which honours them."""
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target)
+    batch = left_padded([[5, 9, 11, 40, 41, 42], [20, 21, 22]])
+    positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    expected, output = both(target, drafter, batch | {"position_ids": positions}, max_new_tokens=6)
+    assert torch.equal(output, expected)
+    positions[:, -2:] += 50  # a gap before the last two tokens, which the target reads:
+    logits = [target(**batch, position_ids=p).logits[:, -1] for p in (positions, positions.clamp(max=5))]
+    assert not torch.allclose(*logits)
+    for rows, options, fix in ((slice(None), {}, "generate one prompt at a time"),
+                               (slice(0, 1), {"domino_branches": 2}, "drop domino_branches")):  # fmt: skip
+        inputs = {name: tensor[rows] for name, tensor in batch.items()}
+        with pytest.raises(ValueError, match=f"these position_ids say otherwise: drop position_ids, or {fix}"):
+            target.generate(
+                **inputs, position_ids=positions[rows], max_new_tokens=4, assistant_model=drafter, **options
+            )
+    one = {name: tensor[:1] for name, tensor in batch.items()} | {"position_ids": positions[:1]}
+    expected, output = both(target, drafter, one, max_new_tokens=6)
+    assert torch.equal(output, expected)
+
+
 def test_return_dict_gives_the_sequences():
     target = successor_target("qwen3", VOCAB)
     drafter = forcing_drafter(target, successor(1))

@@ -40,6 +40,7 @@ def check_batch_call(
     attention_mask_given: bool,
     options: DominoOptions,
     inputs_embeds: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> None:
     """Raises, naming the fix, for what a batched call cannot do exactly."""
     if options.domino_branches > 1:
@@ -59,6 +60,12 @@ def check_batch_call(
             "logits processors, stopping criteria and the returned sequences use them). Pass input_ids too (the "
             f"target still reads inputs_embeds for the prompt), or {one_at_a_time}: transformers' own loop takes "
             "inputs_embeds alone for one sequence."
+        )
+    if position_ids is not None and not counts_the_mask(position_ids, input_ids, attention_mask):
+        raise ValueError(
+            "A drafted batch places each row's tokens by its attention mask (position = the real tokens before it), "
+            "as generate() does when given no position_ids, and these position_ids say otherwise: drop position_ids, "
+            f"or {one_at_a_time} (transformers' own loop continues the positions it is given)."
         )
     if generation_config.token_healing and attention_mask is not None and attention_mask.shape != input_ids.shape:
         # generate() re-tokenizes the prompts for token_healing (dropping special tokens, a chat template's among them)
@@ -91,6 +98,18 @@ def check_batch_call(
             "tokens per row, and holes): drop output_attentions/output_hidden_states (output_scores and output_logits "
             f"work), or {one_at_a_time}."
         )
+
+
+def counts_the_mask(
+    position_ids: torch.Tensor, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None
+) -> bool:
+    """Whether `position_ids` (what generate() hands its loop) are the positions the mask gives each real token, the
+    count of real tokens before it: what generate() makes when given none (pads aside, which it sets to 0)."""
+    mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if position_ids.dim() != 2 or position_ids.shape[0] != mask.shape[0] or position_ids.shape[1] < mask.shape[1]:
+        return False
+    given = position_ids[:, -mask.shape[1] :].to(mask.device)
+    return bool((given == mask.long().cumsum(dim=-1) - 1)[mask].all())
 
 
 def _check_tree_call(target: PreTrainedModel, generation_config: GenerationConfig, branches: int) -> None:
