@@ -606,6 +606,35 @@ def test_position_ids_other_than_the_masks_are_refused_for_a_batch(arch):
     assert torch.equal(output, expected)
 
 
+def test_inputs_the_batch_loop_does_not_pass_on_are_refused():
+    """A target whose forward names an input of its own (a vision model's pixel_values, here token_type_ids that shift
+    its embeddings) reads it at the target alone's first step; a drafted batch, which feeds the target ids,
+    embeddings and positions only, refuses the call naming it instead of answering otherwise."""
+    from transformers import Qwen3ForCausalLM
+
+    class TypedTarget(Qwen3ForCausalLM):
+        def forward(self, input_ids=None, token_type_ids=None, inputs_embeds=None, **kwargs):
+            if token_type_ids is not None and input_ids is not None:
+                inputs_embeds, input_ids = (
+                    self.get_input_embeddings()(input_ids) + 3.0 * token_type_ids[..., None],
+                    None,
+                )
+            return super().forward(input_ids=input_ids, inputs_embeds=inputs_embeds, **kwargs)
+
+    base = tiny_target("qwen3")
+    target = TypedTarget(base.config).eval()
+    target.load_state_dict(base.state_dict())
+    drafter = tiny_drafter(target)
+    batch = left_padded([[5, 9, 11], [20, 21]])
+    types = torch.ones_like(batch["input_ids"])
+    typed = target.generate(**batch, token_type_ids=types, max_new_tokens=4, do_sample=False)
+    assert not torch.equal(typed, target.generate(**batch, max_new_tokens=4, do_sample=False))  # the target reads them
+    with pytest.raises(ValueError, match="got token_type_ids for the target.*generate one prompt at a time"):
+        target.generate(**batch, token_type_ids=types, max_new_tokens=4, assistant_model=drafter)
+    expected, output = both(target, drafter, batch, max_new_tokens=4)  # without them, drafted as usual
+    assert torch.equal(output, expected)
+
+
 def test_return_dict_gives_the_sequences():
     target = successor_target("qwen3", VOCAB)
     drafter = forcing_drafter(target, successor(1))

@@ -11,6 +11,7 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,12 @@ if TYPE_CHECKING:
 # Model types whose attention depends on where a key sits in the cache, not on the row's own positions: holes would
 # change their outputs. (Bloom and Falcon derive ALiBi from the attention mask, which skips holes, and are exact.)
 COLUMN_BIASED_ATTENTION = {"mpt"}
+# What generate() hands its loop that the batch loop reads or makes itself; any other input the target's forward names
+# (a vision model's pixel_values, say) would reach the target alone's first step and not the batch's.
+BATCH_LOOP_INPUTS = {
+    "attention_mask", "position_ids", "inputs_embeds", "use_cache", "logits_to_keep", "cache", "past_key_values",
+    "cache_position", "output_attentions", "output_hidden_states", "return_dict",
+}  # fmt: skip
 
 
 def check_batch_call(
@@ -41,8 +48,10 @@ def check_batch_call(
     options: DominoOptions,
     inputs_embeds: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    model_inputs: dict[str, Any] | None = None,
 ) -> None:
-    """Raises, naming the fix, for what a batched call cannot do exactly."""
+    """Raises, naming the fix, for what a batched call cannot do exactly (`model_inputs`: generate()'s model
+    kwargs)."""
     if options.domino_branches > 1:
         _check_tree_call(target, generation_config, options.domino_branches)
     if target.config.get_text_config().model_type in COLUMN_BIASED_ATTENTION:
@@ -53,6 +62,17 @@ def check_batch_call(
         )
     # One sequence comes here only to verify trees (domino_branches), whose forwards hold the branches as rows.
     one_at_a_time = "drop domino_branches" if input_ids.shape[0] == 1 else "generate one prompt at a time"
+    named = inspect.signature(target.forward).parameters
+    unread = sorted(
+        name for name, value in (model_inputs or {}).items()
+        if value is not None and name in named and name not in BATCH_LOOP_INPUTS
+    )  # fmt: skip
+    if unread:
+        raise ValueError(
+            f"generate() got {', '.join(unread)} for the target, which a drafted batch does not pass on to it (its "
+            f"loop feeds the target token ids, their embeddings and positions only): {one_at_a_time}, which "
+            "transformers' own loop runs with every input, or generate the batch without the drafter."
+        )
     if inputs_embeds is not None and inputs_embeds.shape[:2] != input_ids.shape:
         raise ValueError(
             f"inputs_embeds {tuple(inputs_embeds.shape[:2])} came without token ids of the same shape (got "

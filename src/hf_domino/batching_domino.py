@@ -473,7 +473,7 @@ def batched_assisted_decoding(
     attention_mask, inputs_embeds = model_kwargs.get("attention_mask"), model_kwargs.get("inputs_embeds")
     check_batch_call(
         target, input_ids, attention_mask, logits_processor, generation_config, attention_mask_given, options,
-        inputs_embeds, model_kwargs.get("position_ids"),
+        inputs_embeds, model_kwargs.get("position_ids"), model_kwargs,
     )  # fmt: skip
     if target._valid_auto_compile_criteria(model_kwargs, generation_config):
         return compiled_plain_steps(
