@@ -162,15 +162,27 @@ def test_sampling_with_copied_drafts_preserves_target_distribution():
     assert chi_square_p_value(counts, wrong, draws) < 1e-6
 
 
-def test_ensemble_weight_turns_copying_off():
+@pytest.mark.parametrize("draft_vocab", [None, list(range(0, 64, 2))], ids=["whole-vocabulary", "draft-vocabulary"])
+def test_ensemble_weight_turns_copying_off(draft_vocab):
+    # Greedy drafts over a draft vocabulary reach transformers' ensemble rule spread over the whole vocabulary (they
+    # came with the draft vocabulary's columns only, which it cannot mix with the target's logits).
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
+    drafter.set_draft_vocab(draft_vocab)
     prompt = torch.tensor([[5, 17, 9, 33, 5, 17]])
     target.generate(
         prompt, do_sample=False, max_new_tokens=10, assistant_model=drafter, draft_policy="fixed",
         assistant_ensemble_weight=0.5,
     )  # fmt: skip
-    assert not any(drafter.last_generation_stats.copied)
+    stats = drafter.last_generation_stats
+    assert not any(stats.copied) and all(stats.drafted)
+    # A batch, or a tree, is verified in this package's loop, which does not mix: refused with the fix.
+    for inputs, options, fix in ((torch.tensor([[5, 17, 9], [6, 7, 8]]), {}, "generate one prompt at a time"),
+                                 (prompt, {"domino_branches": 2}, "drop domino_branches")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"assistant_ensemble_weight mixes.*{fix}"):
+            target.generate(
+                inputs, max_new_tokens=4, assistant_model=drafter, assistant_ensemble_weight=0.5, **options
+            )
 
 
 def test_option_is_checked_and_bench_methods_name_it():

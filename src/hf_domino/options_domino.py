@@ -99,8 +99,8 @@ class DominoOptions:
             first draft among the drafter's likeliest, each continued by the Domino head from its own first draft, in
             one target forward of 1 + branches x k tokens; the branch whose first draft the target picks goes on.
             The adaptive policy chooses k (at most the drafts per block / branches) and how many of the branches to
-            verify per cycle; the fixed one verifies every branch with k = `num_speculative_tokens`. Greedy
-            decoding only, for now. Runs in the batch loop, also for one sequence (docs/usage.md, "First-token
+            verify per cycle; the fixed one verifies every branch with k = `num_speculative_tokens`. Greedy or
+            sampling. Runs in the batch loop, also for one sequence (docs/usage.md, "First-token
             branches").
     """
 

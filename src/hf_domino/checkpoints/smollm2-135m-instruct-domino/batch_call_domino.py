@@ -73,6 +73,12 @@ def check_batch_call(
             f"loop feeds the target token ids, their embeddings and positions only): {one_at_a_time}, which "
             "transformers' own loop runs with every input, or generate the batch without the drafter."
         )
+    if generation_config.assistant_ensemble_weight is not None:
+        raise ValueError(
+            "assistant_ensemble_weight mixes the drafter's distribution into transformers' own loop, which verifies one "
+            f"linear block of one sequence; a drafted batch or tree does not mix it: {one_at_a_time}, or drop "
+            "assistant_ensemble_weight."
+        )
     if inputs_embeds is not None and inputs_embeds.shape[:2] != input_ids.shape:
         raise ValueError(
             f"inputs_embeds {tuple(inputs_embeds.shape[:2])} came without token ids of the same shape (got "
@@ -108,7 +114,8 @@ def check_batch_call(
         raise ValueError(
             "The batch holds padding but generate() got no attention_mask, so padding cannot be told from text. Pass "
             "the attention_mask the tokenizer returns: target.generate(**tokenizer(prompts, padding=True, "
-            "return_tensors='pt'), assistant_model=drafter)."
+            "return_tensors='pt'), assistant_model=drafter), the tokenizer padding on the left (tokenizer.padding_side = "
+            "'left')."
         )
     if generation_config.return_dict_in_generate and any(
         getattr(generation_config, name) for name in ("output_attentions", "output_hidden_states")

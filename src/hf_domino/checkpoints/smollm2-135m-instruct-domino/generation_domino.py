@@ -37,6 +37,7 @@ from .drafting_domino import (
     processed_pick,
     run_backbone,
     select_fused_rollout,
+    spread_to_vocabulary,
     stop_free_length,
 )
 from .modeling_domino import TargetModules, context_features, hidden_state_indices
@@ -172,7 +173,12 @@ class DominoCandidateGenerator(CandidateGenerator):
         if len(drafts) == 0:
             return input_ids, None
         candidates = torch.cat([input_ids, drafts.ids.to(input_ids.device)], dim=-1)
-        return candidates, drafts.logits if self.return_logits else None
+        if not self.return_logits:
+            return candidates, None
+        logits, vocab_size = drafts.logits, self.drafter.config.vocab_size
+        if logits.shape[-1] != vocab_size:  # greedy drafts keep a draft vocabulary's columns; the loop reads them all
+            logits = spread_to_vocabulary(logits, self.vocab, vocab_size)
+        return candidates, logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         # Every target forward after the prefill counts, plain steps included: the mean is then exactly generated
