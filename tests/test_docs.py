@@ -138,17 +138,32 @@ def test_blocks_are_found_and_marked():
 
 
 # ------------------------------------------------------------------------------------------ links and references
+def section_titles(markdown: str) -> list[str]:
+    """The `#` headings of a Markdown text, code blocks left out, as written."""
+    return re.findall(r"^#{1,6} +(.+?) *$", re.sub(r"```.*?```", "", markdown, flags=re.S), re.M)
+
+
 def headings(markdown: str) -> list[str]:
-    """The section titles of a Markdown text (code blocks left out), and its bold run-in titles (`**Title.** text`),
-    without their `*` and backticks."""
-    text = re.sub(r"```.*?```", "", markdown, flags=re.S)
-    titles = re.findall(r"^#{1,6} +(.+?) *$", text, re.M) + re.findall(r"^\*\*(.+?)\*\*", text, re.M)
+    """The section titles of a Markdown text and its bold run-in titles (`**Title.** text`), without their `*` and
+    backticks."""
+    titles = section_titles(markdown) + re.findall(r"^\*\*(.+?)\*\*", markdown, re.M)
     return [re.sub(r"[`*]", "", title).strip() for title in titles]
 
 
 def github_anchor(title: str) -> str:
     """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
     return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def anchors(document: Path) -> set[str]:
+    """The anchors of a Markdown file's headings, a repeated one numbered as GitHub numbers it."""
+    found: set[str] = set()
+    times: dict[str, int] = {}
+    for title in section_titles(document.read_text()):
+        slug = github_anchor(title)
+        found.add(f"{slug}-{times[slug]}" if slug in times else slug)
+        times[slug] = times.get(slug, 0) + 1
+    return found
 
 
 def broken_links(document: Path) -> list[str]:
@@ -161,17 +176,8 @@ def broken_links(document: Path) -> list[str]:
         target = (document.parent / name) if name else document
         if not target.exists():
             broken.append(f"{link}: no such file")
-        elif anchor and target.suffix == ".md":
-            seen: dict[str, int] = {}
-            anchors = set()
-            for title in re.findall(
-                r"^#{1,6} +(.+?) *$", re.sub(r"```.*?```", "", target.read_text(), flags=re.S), re.M
-            ):
-                slug = github_anchor(title)
-                anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
-                seen[slug] = seen.get(slug, 0) + 1
-            if anchor not in anchors:
-                broken.append(f"{link}: no such heading")
+        elif anchor and target.suffix == ".md" and anchor not in anchors(target):
+            broken.append(f"{link}: no such heading")
     return broken
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .ragged_cache_domino import adds_its_mask, takes_no_4d_mask
+from .ragged_cache_domino import adds_its_mask, positions_from_mask, takes_no_4d_mask
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
@@ -46,12 +46,10 @@ def check_batch_call(
     generation_config: GenerationConfig,
     attention_mask_given: bool,
     options: DominoOptions,
-    inputs_embeds: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    model_inputs: dict[str, Any] | None = None,
+    model_kwargs: dict[str, Any] | None = None,
 ) -> None:
-    """Raises, naming the fix, for what a batched call cannot do exactly (`model_inputs`: generate()'s model
-    kwargs)."""
+    """Raises, naming the fix, for what a batched call cannot do exactly (`model_kwargs`: generate()'s, for its
+    loop)."""
     if options.domino_branches > 1:
         _check_tree_call(target, generation_config, options.domino_branches)
     if target.config.get_text_config().model_type in COLUMN_BIASED_ATTENTION:
@@ -62,46 +60,7 @@ def check_batch_call(
         )
     # One sequence comes here only to verify trees (domino_branches), whose forwards hold the branches as rows.
     one_at_a_time = "drop domino_branches" if input_ids.shape[0] == 1 else "generate one prompt at a time"
-    named = inspect.signature(target.forward).parameters
-    unread = sorted(
-        name for name, value in (model_inputs or {}).items()
-        if value is not None and name in named and name not in BATCH_LOOP_INPUTS
-    )  # fmt: skip
-    if unread:
-        raise ValueError(
-            f"generate() got {', '.join(unread)} for the target, which a drafted batch does not pass on to it (its "
-            f"loop feeds the target token ids, their embeddings and positions only): {one_at_a_time}, which "
-            "transformers' own loop runs with every input, or generate the batch without the drafter."
-        )
-    if generation_config.assistant_ensemble_weight is not None:
-        raise ValueError(
-            "assistant_ensemble_weight mixes the drafter's distribution into transformers' own loop, which verifies one "
-            f"linear block of one sequence; a drafted batch or tree does not mix it: {one_at_a_time}, or drop "
-            "assistant_ensemble_weight."
-        )
-    if inputs_embeds is not None and inputs_embeds.shape[:2] != input_ids.shape:
-        raise ValueError(
-            f"inputs_embeds {tuple(inputs_embeds.shape[:2])} came without token ids of the same shape (got "
-            f"{tuple(input_ids.shape)}): a drafted batch reads the prompts' ids beside their embeddings (copied drafts, "
-            "logits processors, stopping criteria and the returned sequences use them). Pass input_ids too (the "
-            f"target still reads inputs_embeds for the prompt), or {one_at_a_time}: transformers' own loop takes "
-            "inputs_embeds alone for one sequence."
-        )
-    if position_ids is not None and not counts_the_mask(position_ids, input_ids, attention_mask):
-        raise ValueError(
-            "A drafted batch places each row's tokens by its attention mask (position = the real tokens before it), "
-            "as generate() does when given no position_ids, and these position_ids say otherwise: drop position_ids, "
-            f"or {one_at_a_time} (transformers' own loop continues the positions it is given)."
-        )
-    if generation_config.token_healing and attention_mask is not None and attention_mask.shape != input_ids.shape:
-        # generate() re-tokenizes the prompts for token_healing (dropping special tokens, a chat template's among them)
-        # and keeps the mask it had; the target alone then reads a mask of other tokens.
-        raise ValueError(
-            f"The prompts' token ids are {tuple(input_ids.shape)} but their attention_mask {tuple(attention_mask.shape)}"
-            ": a drafted batch needs the mask of the very tokens it continues. token_healing changes the prompts after "
-            "the mask was made (it re-tokenizes them without special tokens): heal one prompt at a time (one sequence "
-            "runs transformers' own loop), or tokenize the prompts healed and drop token_healing."
-        )
+    _check_model_inputs(target, input_ids, attention_mask, generation_config, model_kwargs or {}, one_at_a_time)
     if generation_config._pad_token_tensor is None:
         raise ValueError("Batched generation needs a pad token: set pad_token_id (e.g. tokenizer.pad_token_id).")
     if attention_mask is not None and not bool(attention_mask[:, -1].all()):
@@ -127,6 +86,59 @@ def check_batch_call(
         )
 
 
+def _check_model_inputs(
+    target: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None,
+    generation_config: GenerationConfig,
+    model_kwargs: dict[str, Any],
+    one_at_a_time: str,
+) -> None:
+    """Raises, naming the fix, where generate() gives the target inputs the batch loop would not feed it as the target
+    alone's first step reads them (the loop feeds ids, embeddings and mask positions, and mixes no drafter in)."""
+    named = inspect.signature(target.forward).parameters
+    unread = sorted(
+        name for name, value in model_kwargs.items()
+        if value is not None and name in named and name not in BATCH_LOOP_INPUTS
+    )  # fmt: skip
+    if unread:
+        raise ValueError(
+            f"generate() got {', '.join(unread)} for the target, which a drafted batch does not pass on to it (its "
+            f"loop feeds the target token ids, their embeddings and positions only): {one_at_a_time}, which "
+            "transformers' own loop runs with every input, or generate the batch without the drafter."
+        )
+    if generation_config.assistant_ensemble_weight is not None:
+        raise ValueError(
+            "assistant_ensemble_weight mixes the drafter's distribution into transformers' own loop, which verifies one "
+            f"linear block of one sequence; a drafted batch or tree does not mix it: {one_at_a_time}, or drop "
+            "assistant_ensemble_weight."
+        )
+    inputs_embeds, position_ids = model_kwargs.get("inputs_embeds"), model_kwargs.get("position_ids")
+    if inputs_embeds is not None and inputs_embeds.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"inputs_embeds {tuple(inputs_embeds.shape[:2])} came without token ids of the same shape (got "
+            f"{tuple(input_ids.shape)}): a drafted batch reads the prompts' ids beside their embeddings (copied drafts, "
+            "logits processors, stopping criteria and the returned sequences use them). Pass input_ids too (the "
+            f"target still reads inputs_embeds for the prompt), or {one_at_a_time}: transformers' own loop takes "
+            "inputs_embeds alone for one sequence."
+        )
+    if position_ids is not None and not counts_the_mask(position_ids, input_ids, attention_mask):
+        raise ValueError(
+            "A drafted batch places each row's tokens by its attention mask (position = the real tokens before it), "
+            "as generate() does when given no position_ids, and these position_ids say otherwise: drop position_ids, "
+            f"or {one_at_a_time} (transformers' own loop continues the positions it is given)."
+        )
+    if generation_config.token_healing and attention_mask is not None and attention_mask.shape != input_ids.shape:
+        # generate() re-tokenizes the prompts for token_healing (dropping special tokens, a chat template's among them)
+        # and keeps the mask it had; the target alone then reads a mask of other tokens.
+        raise ValueError(
+            f"The prompts' token ids are {tuple(input_ids.shape)} but their attention_mask {tuple(attention_mask.shape)}"
+            ": a drafted batch needs the mask of the very tokens it continues. token_healing changes the prompts after "
+            "the mask was made (it re-tokenizes them without special tokens): heal one prompt at a time (one sequence "
+            "runs transformers' own loop), or tokenize the prompts healed and drop token_healing."
+        )
+
+
 def counts_the_mask(
     position_ids: torch.Tensor, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None
 ) -> bool:
@@ -136,7 +148,7 @@ def counts_the_mask(
     if position_ids.dim() != 2 or position_ids.shape[0] != mask.shape[0] or position_ids.shape[1] < mask.shape[1]:
         return False
     given = position_ids[:, -mask.shape[1] :].to(mask.device)
-    return bool((given == mask.long().cumsum(dim=-1) - 1)[mask].all())
+    return bool((given == positions_from_mask(mask))[mask].all())
 
 
 def _check_tree_call(target: PreTrainedModel, generation_config: GenerationConfig, branches: int) -> None:

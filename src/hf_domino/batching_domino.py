@@ -470,10 +470,10 @@ def batched_assisted_decoding(
     (`num_return_sequences > 1` included); `stats` is the call's `DominoGenerationStats`. Returns the sequences padded
     as the target alone pads them.
     """
-    attention_mask, inputs_embeds = model_kwargs.get("attention_mask"), model_kwargs.get("inputs_embeds")
+    attention_mask = model_kwargs.get("attention_mask")
     check_batch_call(
         target, input_ids, attention_mask, logits_processor, generation_config, attention_mask_given, options,
-        inputs_embeds, model_kwargs.get("position_ids"), model_kwargs,
+        model_kwargs,
     )  # fmt: skip
     if target._valid_auto_compile_criteria(model_kwargs, generation_config):
         return compiled_plain_steps(
@@ -482,7 +482,7 @@ def batched_assisted_decoding(
     cache, window = batch_cache(model_kwargs.get(CACHE_ARGUMENT), target)
     decoding = BatchedDecoding(
         target, drafter, options, generation_config, logits_processor, stopping_criteria, stats, input_ids,
-        attention_mask, cache, window, inputs_embeds,
+        attention_mask, cache, window, model_kwargs.get("inputs_embeds"),
     )  # fmt: skip
     sequences = decoding.run(input_ids, streamer)
     if generation_config.return_dict_in_generate:
