@@ -18,7 +18,7 @@ from test_generation import (
     sampled_continuations,
     successor,
 )
-from transformers import DynamicCache, LogitsProcessorList
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import DynamicLayer
 
 from hf_domino import (
@@ -712,6 +712,54 @@ def test_prefix_allowed_tokens_fn_answers_for_each_row():
     sampled = target.generate(
         **batch, **{**kwargs, "do_sample": True}, num_return_sequences=2, assistant_model=drafter
     )
+    for row, tokens in enumerate(sampled[:, 4:]):
+        assert set(tokens.tolist()) == set(allowed[row])
+
+
+class AllowedPerRow(LogitsProcessor):
+    """A user's processor that keeps a constraint per place in the batch, as constrained-decoding libraries do."""
+
+    def __init__(self, allowed: dict[int, list[int]]):
+        self.allowed = allowed
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        banned = torch.full_like(scores, -float("inf"))
+        for row in range(input_ids.shape[0]):
+            banned[row, self.allowed[row]] = 0.0
+        return scores + banned
+
+
+class StopPerRow(StoppingCriteria):
+    """A user's criterion that stops each place in the batch at a token of its own."""
+
+    def __init__(self, stops: dict[int, int]):
+        self.stops = stops
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        return torch.tensor([bool(ids[-1] == self.stops[row]) for row, ids in enumerate(input_ids)])
+
+
+def test_a_users_processor_and_criterion_answer_for_each_row():
+    # The target alone hands them the whole batch, each row at its place; the batch loop hands each row its own
+    # tokens, so it must set the row at its place too (a row handed alone would read place 0's constraint).
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, PARTIAL, block_size=6)
+    batch = left_padded([[4, 5], [6, 7, 8, 9], [20, 21, 22]])
+    greedy = dict(max_new_tokens=12, draft_policy="fixed")
+    allowed = {0: [5, 9, 13], 1: [10, 11, 12, 13, 14], 2: list(range(4, VOCAB))}
+    stops = {0: 99, 1: 14, 2: 27}  # row 0 runs on; rows 1 and 2 stop inside a block, at different tokens
+    for hooks in (dict(logits_processor=LogitsProcessorList([AllowedPerRow(allowed)])),
+                  dict(stopping_criteria=StoppingCriteriaList([StopPerRow(stops)]))):  # fmt: skip
+        expected, output = both(target, drafter, batch, **greedy, **hooks)
+        assert torch.equal(output, expected)
+        assert max(drafter.last_generation_stats.acceptance_lengths) > 2
+    assert expected[1, -1] == expected[2, -1] == 0 and expected[0, -1] != 0  # rows 1 and 2 stopped, row 0 did not
+    allowed = {row: [10 + row, 20 + row] for row in range(6)}
+    torch.manual_seed(0)
+    sampled = target.generate(
+        **batch, max_new_tokens=12, do_sample=True, num_return_sequences=2, assistant_model=drafter,
+        logits_processor=LogitsProcessorList([AllowedPerRow(allowed)]),
+    )  # fmt: skip
     for row, tokens in enumerate(sampled[:, 4:]):
         assert set(tokens.tolist()) == set(allowed[row])
 

@@ -181,8 +181,11 @@ def test_token_healing_heals_a_batch_or_names_the_fix(smollm2, shipped_drafter):
     assert tokenizer.decode(expected[1], skip_special_tokens=True).startswith(texts[1] + "low")  # it healed
     assert torch.equal(target.generate(**batch, **healing, assistant_model=shipped_drafter), expected)
     chats = mtbench_batch(tokenizer, 2)
-    with pytest.raises(ValueError, match="token_healing changes the prompts.*heal one prompt at a time"):
+    with pytest.raises(ValueError, match="token_healing changes the prompts.*generate one prompt at a time"):
         target.generate(**chats, **healing, assistant_model=shipped_drafter)
+    one_chat = {name: value[:1] for name, value in chats.items()}
+    with pytest.raises(ValueError, match="token_healing changes the prompts.*drop domino_branches"):  # a tree of one
+        target.generate(**one_chat, **healing, assistant_model=shipped_drafter, domino_branches=2)
 
 
 def test_first_token_branches_keep_the_target_alones_output_and_lift_acceptance(smollm2, shipped_drafter):

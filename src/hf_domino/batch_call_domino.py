@@ -134,8 +134,8 @@ def _check_model_inputs(
         raise ValueError(
             f"The prompts' token ids are {tuple(input_ids.shape)} but their attention_mask {tuple(attention_mask.shape)}"
             ": a drafted batch needs the mask of the very tokens it continues. token_healing changes the prompts after "
-            "the mask was made (it re-tokenizes them without special tokens): heal one prompt at a time (one sequence "
-            "runs transformers' own loop), or tokenize the prompts healed and drop token_healing."
+            f"the mask was made (it re-tokenizes them without special tokens): {one_at_a_time} (transformers' own loop "
+            "heals one sequence), or tokenize the prompts healed and drop token_healing."
         )
 
 

@@ -113,10 +113,10 @@ def row_limits(
     drafts: BatchDrafts, sequences: list[torch.LongTensor], room: list[int], threshold: float | None, criteria: list
 ) -> list[int]:
     """Drafts each active row (`sequences`, in the batch's order) may offer: its room, its drafts above the confidence
-    threshold, none past a stop string (`criteria`: the stopping criteria that must not fire inside a block)."""
+    threshold, none past a stop string (`criteria[i]`: row i's stopping criteria that must not fire inside a block)."""
     return [
         stop_free_length(
-            criteria, sequence, drafts.ids[i], min(room[i], below_threshold(drafts.confidence[i], threshold))
+            criteria[i], sequence, drafts.ids[i], min(room[i], below_threshold(drafts.confidence[i], threshold))
         )
         for i, sequence in enumerate(sequences)
     ]
@@ -125,7 +125,7 @@ def row_limits(
 class RowCopies:
     """Copied drafts for a batch's rows, as at batch 1: where a row's text repeats, what followed its last n-gram;
     else, with a datastore, what the target's earlier answers continue it with. `padding[row]` is each row's left
-    padding, never copied from; `criteria` the stopping criteria that must not fire inside a block. The two sources'
+    padding, never copied from; `criteria[row]` the row's stopping criteria that must not fire inside a block. The two sources'
     policies are set by `CycleDrafter.build_policies` with the drafter's (they share its verify-cost table)."""
 
     def __init__(self, datastore: DraftDatastore | None, max_copies: int, padding: list[int], criteria: list):
@@ -160,7 +160,7 @@ class RowCopies:
             if copy is None and self.datastore is not None and retrieving:
                 copy, source = self.datastore.lookup(text, limit), self.datastore_policy
             if copy is not None:
-                keep = stop_free_length(self.criteria, sequences[row], copy[0])
+                keep = stop_free_length(self.criteria[row], sequences[row], copy[0])
                 if keep:
                     found[i], sources[i] = copy[0, :keep], source
         if not found:
@@ -280,17 +280,19 @@ class CycleDrafter:
         self,
         anchors: torch.LongTensor,
         sequences: list[torch.LongTensor],
+        active: list[int],
         room: list[int],
         copying: set[int],
         per_row_k: bool = False,
     ) -> CycleDrafts:
-        """The policy's budget, one block for every active row (`sequences`), and how many drafts each row offers.
+        """The policy's budget, one block for every active row (`sequences[row]` for each row of `active`), and how
+        many drafts each row offers.
 
-        Rows in `copying` offer copies instead; when every row does, the drafter does not run. `per_row_k`: the
-        adaptive policy chooses each row's k on its own, not one for the batch.
+        Rows in `copying` (by place in `active`) offer copies instead; when every row does, the drafter does not run.
+        `per_row_k`: the adaptive policy chooses each row's k on its own, not one for the batch.
         """
         start = self.clock()
-        rows = len(sequences)
+        rows = len(active)
         budget = 0 if len(copying) == rows else self.policy.budget(max(room))
         if budget <= 0:
             return CycleDrafts.plain(rows)
@@ -301,12 +303,13 @@ class CycleDrafter:
         drafts, branches = self.roll_out(hidden, base_logits, anchors)
         drafted = self.clock()
         threshold = self.options.assistant_confidence_threshold
-        limits = row_limits(drafts, sequences, room, threshold, self.block_criteria)
+        sequences, criteria = [sequences[row] for row in active], [self.block_criteria[row] for row in active]
+        limits = row_limits(drafts, sequences, room, threshold, criteria)
         limits = [0 if i in copying else limit for i, limit in enumerate(limits)]
         tree = None
         if branches is not None:
             tree = torch.cat(
-                [torch.tensor(limits)[:, None], self.branch_limits(branches, sequences, room, copying)], 1
+                [torch.tensor(limits)[:, None], self.branch_limits(branches, sequences, room, copying, criteria)], 1
             )
             confidence = torch.cat([drafts.confidence[:, None], branches.confidence], dim=1)
             width, used = self.policy.choose_tree(confidence, drafted - start, tree)
@@ -340,14 +343,18 @@ class CycleDrafter:
         return cycle
 
     def branch_limits(
-        self, branches: BatchDrafts, sequences: list[torch.LongTensor], room: list[int], copying: set[int]
+        self,
+        branches: BatchDrafts,
+        sequences: list[torch.LongTensor],
+        room: list[int],
+        copying: set[int],
+        criteria: list,
     ) -> torch.LongTensor:
         """`[rows, n - 1]`: the drafts each row may offer in a tree's other branches, each limited as a block is
         (room, confidence, stop strings: its own drafts); none where the row copies."""
         threshold = self.options.assistant_confidence_threshold
         limits = [
-            row_limits(branches.branch(b), sequences, room, threshold, self.block_criteria)
-            for b in range(branches.ids.shape[1])
+            row_limits(branches.branch(b), sequences, room, threshold, criteria) for b in range(branches.ids.shape[1])
         ]
         lengths = torch.tensor(limits, dtype=torch.long).T
         lengths[sorted(copying)] = 0

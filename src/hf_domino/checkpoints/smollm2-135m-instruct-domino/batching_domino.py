@@ -41,7 +41,14 @@ from .cost_model_domino import row_paces, settle_for_timing
 from .drafting_domino import judge_copy
 from .modeling_domino import TargetModules, context_features, hidden_state_indices
 from .policy_domino import AdaptivePolicy, FixedPolicy
-from .ragged_batch_domino import BatchedDrafterContext, accept_rows, pick_tokens, process_rows, row_processors
+from .ragged_batch_domino import (
+    BatchedDrafterContext,
+    accept_rows,
+    pick_tokens,
+    process_rows,
+    row_criteria,
+    row_processors,
+)
 from .ragged_cache_domino import (
     RaggedCache,
     SlidingWindow,
@@ -118,12 +125,13 @@ class BatchedDecoding:
         self.do_sample, self.max_length = bool(generation_config.do_sample), generation_config.max_length
         self.pad = int(generation_config._pad_token_tensor.flatten()[0])
         self.eos = generation_config._eos_token_tensor
-        self.stopping_criteria = stopping_criteria
-        # EOS and max_length are cut inside a block; other criteria (stop strings, ...) must not fire inside one.
-        self.block_criteria = [
-            c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))
-        ]
         rows, self.prompt_length = input_ids.shape
+        # Each row's stopping criteria (`row_criteria`). EOS and max_length are cut inside a block; the others (stop
+        # strings, ...) must not fire inside one.
+        self.stopping_criteria = row_criteria(stopping_criteria, rows)
+        self.block_criteria = row_criteria(
+            [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))], rows
+        )
         self.per_row = row_processors(logits_processor, rows) if len(logits_processor) else None
         # A tree of first-token branches per block (`domino_branches`), verified with a 4D mask of this kind.
         self.branches, self.additive = options.domino_branches, adds_its_mask(target)
@@ -189,7 +197,7 @@ class BatchedDecoding:
             self.token_scores.add(row, *(each[: tokens.shape[0]] for each in scores))
         sequence = self.sequences[row] = torch.cat([sequence, tokens])
         done = hit_eos or sequence.shape[0] >= self.max_length
-        return done or bool(self.stopping_criteria(sequence[None], None).any())
+        return done or bool(self.stopping_criteria[row](sequence[None], None).any())
 
     def retire(self, finished: list[bool]) -> None:
         """Finished rows leave the batch and both caches."""
@@ -356,7 +364,7 @@ class BatchedDecoding:
             self.policy.verify_cost.rows, self.policy.rooms, self.policy.paces = len(self.active), rooms, paces
         if self.speculating:
             copies, declined, sources = self.find_copies(room, rooms, paces)
-            drafts = self.drafting.draft(anchors, sequences, room, set(copies), per_row_k=K_PER_ROW)
+            drafts = self.drafting.draft(anchors, self.sequences, self.active, room, set(copies), per_row_k=K_PER_ROW)
             drafts.take_copies(copies, sources)
         else:
             copies, declined, sources = {}, {}, {}

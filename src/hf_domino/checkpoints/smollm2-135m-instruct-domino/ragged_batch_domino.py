@@ -3,8 +3,8 @@
 Rows of a batch accept different numbers of drafts in a cycle, so the drafter's cache has holes as the target's does
 (`ragged_cache_domino.RaggedCache`): `BatchedDrafterContext` and `run_batched_backbone` run the drafter over every
 row's pending context and block at once, `batched_rollout` the Domino head for all rows (or for a tree's branches),
-`row_processors`/`process_rows` apply each row's logits processors to that row alone, and `accept_rows` is the
-acceptance rule per row. `batching_domino` runs the loop that uses these pieces.
+`row_processors`/`process_rows` apply each row's logits processors to that row alone (`row_criteria` gives each row its
+stopping criteria), and `accept_rows` is the acceptance rule per row. `batching_domino` runs the loop that uses these pieces.
 
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
 """
@@ -24,6 +24,7 @@ from transformers.generation.logits_process import (
     PrefixConstrainedLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
 )
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import _speculative_sampling
 
 from .cache_domino import buffer_layers
@@ -113,17 +114,20 @@ def run_batched_backbone(
 def row_processors(logits_processor: LogitsProcessorList, rows: int) -> list[LogitsProcessorList]:
     """The call's logits processors as each row of the batch sees them, to be called with that row alone.
 
-    Processors are shared, except those that tell the rows apart: the repetition penalty's `prompt_ignore_length`
-    (one entry per row, its left padding), `prefix_allowed_tokens_fn` (called with the row's index in the batch,
-    which a row processed alone would read as 0) and the prompt-wide penalties (`encoder_repetition_penalty`,
-    `encoder_no_repeat_ngram_size`: one prompt per row, each shared by the row's `num_return_sequences`) get a copy
-    per row that answers for that row.
+    transformers' processors are shared, except those that tell the rows apart: the repetition penalty's
+    `prompt_ignore_length` (one entry per row, its left padding), `prefix_allowed_tokens_fn` (called with the row's
+    index in the batch, which a row processed alone would read as 0) and the prompt-wide penalties
+    (`encoder_repetition_penalty`, `encoder_no_repeat_ngram_size`: one prompt per row, each shared by the row's
+    `num_return_sequences`) get a copy per row that answers for that row. Any other processor (the user's own) is
+    called `AtItsRow`.
     """
     views = []
     for row in range(rows):
         view = LogitsProcessorList()
         for processor in logits_processor:
-            if isinstance(processor, RepetitionPenaltyLogitsProcessor) and torch.is_tensor(
+            if rows > 1 and not from_transformers(processor):
+                processor = AtItsRow(processor, row, rows)
+            elif isinstance(processor, RepetitionPenaltyLogitsProcessor) and torch.is_tensor(
                 processor.prompt_ignore_length
             ):
                 processor = copy.copy(processor)
@@ -141,6 +145,43 @@ def row_processors(logits_processor: LogitsProcessorList, rows: int) -> list[Log
             view.append(processor)
         views.append(view)
     return views
+
+
+def row_criteria(criteria: list, rows: int) -> list[StoppingCriteriaList]:
+    """Stopping `criteria` as each row of the batch sees them, to be called with that row alone: transformers' own
+    judge a row by its tokens alone, any other is called `AtItsRow`."""
+    return [
+        StoppingCriteriaList(
+            criterion if rows == 1 or from_transformers(criterion) else AtItsRow(criterion, row, rows)
+            for criterion in criteria
+        )
+        for row in range(rows)
+    ]
+
+
+def from_transformers(hook) -> bool:
+    """Whether a logits processor or stopping criterion is one of transformers' own."""
+    return type(hook).__module__.startswith("transformers.")
+
+
+class AtItsRow:
+    """A logits processor or stopping criterion of the user's, called for one row of a batch as the target alone
+    calls it: at the row's place in a batch of the call's size, every place a copy of the row, its answer for that
+    place read back.
+
+    The batch loop hands each row its own tokens, and rows are of different lengths, so they cannot be handed
+    together; a hook of the user's may keep state per place in the batch (a constraint per row, say), which a row
+    handed alone would read as place 0's. One that compares rows with each other cannot be served exactly by a
+    ragged batch at all (docs/usage.md, "Batches").
+    """
+
+    def __init__(self, hook, row: int, rows: int):
+        self.hook, self.row, self.rows = hook, row, rows
+
+    def __call__(self, input_ids: torch.LongTensor, scores):  # two arguments, as LogitsProcessorList calls them
+        if torch.is_tensor(scores):
+            scores = scores.expand(self.rows, -1).clone()  # a processor may write into them
+        return self.hook(input_ids.expand(self.rows, -1).clone(), scores)[self.row : self.row + 1]
 
 
 def _prompt_row(row: int, rows: int, prompts: int) -> int:
@@ -320,6 +361,7 @@ __all__ = [
     "batched_rollout",
     "pick_tokens",
     "process_rows",
+    "row_criteria",
     "row_processors",
     "run_batched_backbone",
 ]
