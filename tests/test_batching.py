@@ -543,6 +543,8 @@ def test_bad_batches_fail_with_the_fix_named():
     }
     with pytest.raises(ValueError, match="padding_side = 'left'"):
         target.generate(**right, max_new_tokens=4, assistant_model=drafter)
+    with pytest.raises(ValueError, match=r"Row\(s\) \[1\] .*an empty prompt.*Drop the empty prompts"):
+        target.generate(**left_padded([[4, 9, 11], []]), max_new_tokens=4, assistant_model=drafter)
     with pytest.raises(ValueError, match="attention_mask"):
         target.generate(batch["input_ids"], max_new_tokens=4, assistant_model=drafter)
     with pytest.raises(ValueError, match="beam search"):

@@ -63,6 +63,13 @@ def check_batch_call(
     _check_model_inputs(target, input_ids, attention_mask, generation_config, model_kwargs or {}, one_at_a_time)
     if generation_config._pad_token_tensor is None:
         raise ValueError("Batched generation needs a pad token: set pad_token_id (e.g. tokenizer.pad_token_id).")
+    empty = [] if attention_mask is None else (~attention_mask.bool().any(dim=-1)).nonzero()[:, 0].tolist()
+    if empty:
+        raise ValueError(
+            f"Row(s) {empty} of the batch hold no token at all (an empty prompt: its attention_mask is all 0), and a "
+            "decoder-only target has nothing to continue there. Drop the empty prompts, or start every prompt with a "
+            "token (the tokenizer's BOS token, say)."
+        )
     if attention_mask is not None and not bool(attention_mask[:, -1].all()):
         raise ValueError(
             "The batch is right-padded (its attention_mask ends in 0 on some rows): a decoder-only target continues "
