@@ -3,8 +3,9 @@
 Rows of a batch accept different numbers of drafts in a cycle, so the drafter's cache has holes as the target's does
 (`ragged_cache_domino.RaggedCache`): `BatchedDrafterContext` and `run_batched_backbone` run the drafter over every
 row's pending context and block at once, `batched_rollout` the Domino head for all rows (or for a tree's branches),
-`row_processors`/`process_rows` apply each row's logits processors to that row alone (`row_criteria` gives each row its
-stopping criteria), and `accept_rows` is the acceptance rule per row. `batching_domino` runs the loop that uses these pieces.
+`row_processors`/`process_rows` apply each row's logits processors to that row alone (`row_criteria` gives each row
+its stopping criteria), and `accept_rows` is the acceptance rule per row. `batching_domino` runs the loop that uses
+these pieces.
 
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
 """
@@ -12,6 +13,7 @@ This file is also written next to exported checkpoints as remote code (transform
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -159,7 +161,7 @@ def row_criteria(criteria: list, rows: int) -> list[StoppingCriteriaList]:
     ]
 
 
-def from_transformers(hook) -> bool:
+def from_transformers(hook: Callable) -> bool:
     """Whether a logits processor or stopping criterion is one of transformers' own."""
     return type(hook).__module__.startswith("transformers.")
 
@@ -175,10 +177,11 @@ class AtItsRow:
     ragged batch at all (docs/usage.md, "Batches").
     """
 
-    def __init__(self, hook, row: int, rows: int):
+    def __init__(self, hook: Callable, row: int, rows: int):
         self.hook, self.row, self.rows = hook, row, rows
 
-    def __call__(self, input_ids: torch.LongTensor, scores):  # two arguments, as LogitsProcessorList calls them
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor | None) -> torch.Tensor:
+        # Two arguments: LogitsProcessorList passes keyword arguments to processors that name more.
         if torch.is_tensor(scores):
             scores = scores.expand(self.rows, -1).clone()  # a processor may write into them
         return self.hook(input_ids.expand(self.rows, -1).clone(), scores)[self.row : self.row + 1]
