@@ -766,6 +766,27 @@ def test_a_users_processor_and_criterion_answer_for_each_row():
         assert set(tokens.tolist()) == set(allowed[row])
 
 
+class StopOnTwelve(StoppingCriteria):
+    """A criterion written for one sequence, as many are: one bool for the whole batch (StoppingCriteriaList allows
+    it; the target alone then stops every row at once)."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> bool:
+        return bool((input_ids[:, -1] == 12).any())
+
+
+def test_a_criterion_answering_one_bool_stops_one_sequence_and_is_refused_for_a_batch():
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, PARTIAL, block_size=6)
+    batch = left_padded([[4, 5], [6, 7, 8, 9]])
+    stop = dict(max_new_tokens=12, draft_policy="fixed", stopping_criteria=StoppingCriteriaList([StopOnTwelve()]))
+    one = {name: value[:1] for name, value in batch.items()}
+    for branches in (1, 2):  # transformers' loop, and a tree of one in ours
+        expected, output = both(target, drafter, one, **stop, domino_branches=branches)
+        assert torch.equal(output, expected) and expected[0, -1] == 12  # stopped inside a block
+    with pytest.raises(ValueError, match="StopOnTwelve answered False for the whole batch.*one entry per row"):
+        target.generate(**batch, **stop, assistant_model=drafter)
+
+
 def test_timings_and_stats_per_row():
     target = successor_target("qwen3", VOCAB)
     drafter = forcing_drafter(target, PARTIAL, block_size=6)

@@ -482,7 +482,8 @@ def stop_free_length(criteria, sequence: torch.LongTensor, drafts: torch.LongTen
     candidate = torch.cat([sequence, drafts[:limit].to(sequence.device)])
     for j in range(1, limit + 1):
         prefix = candidate[None, : sequence.shape[0] + j]
-        if any(bool(criterion(prefix, None).any()) for criterion in criteria):
+        # A criterion may answer one bool (written for one sequence), as StoppingCriteriaList allows.
+        if any(bool(torch.as_tensor(criterion(prefix, None)).any()) for criterion in criteria):
             return j - 1
     return limit
 

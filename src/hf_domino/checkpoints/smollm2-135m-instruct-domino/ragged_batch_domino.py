@@ -184,7 +184,17 @@ class AtItsRow:
         # Two arguments: LogitsProcessorList passes keyword arguments to processors that name more.
         if torch.is_tensor(scores):
             scores = scores.expand(self.rows, -1).clone()  # a processor may write into them
-        return self.hook(input_ids.expand(self.rows, -1).clone(), scores)[self.row : self.row + 1]
+        answer = self.hook(input_ids.expand(self.rows, -1).clone(), scores)
+        if not torch.is_tensor(answer) or answer.dim() == 0 or answer.shape[0] != self.rows:
+            # A stopping criterion written for one sequence (`return True`): the target alone would stop every row
+            # of the batch at once, a step no ragged batch reaches together.
+            raise ValueError(
+                f"{type(self.hook).__name__} answered {answer!r} for the whole batch, and a drafted batch needs one "
+                "answer per row: its rows advance at their own pace, so it cannot stop them all at the step the "
+                "target alone would. Return one entry per row (a bool tensor of input_ids.shape[0] entries), or "
+                "generate one prompt at a time."
+            )
+        return answer[self.row : self.row + 1]
 
 
 def _prompt_row(row: int, rows: int, prompts: int) -> int:
