@@ -65,7 +65,9 @@ def test_a_random_drafter_keeps_the_real_qwen2_targets_output(qwen_coder):
                 assert torch.equal(target.generate(ids, assistant_model=drafter, **greedy, **options), expected)
             output = target.generate(**batch, assistant_model=drafter, **greedy, **options)
             assert torch.equal(output, expected_batch), (prepared, options)
-            assert any(drafter.last_generation_stats.drafted)
+            # Blocks were verified where the policy is fixed; the adaptive one may rightly decline a random drafter
+            # for the whole call, by what it measured of its costs here and learned of its acceptance before.
+            assert any(drafter.last_generation_stats.drafted) or not options
 
 
 def test_a_drafter_for_it_is_regenerated_trained_exported_and_served_by_the_commands(tmp_path):
