@@ -125,8 +125,9 @@ def row_limits(
 class RowCopies:
     """Copied drafts for a batch's rows, as at batch 1: where a row's text repeats, what followed its last n-gram;
     else, with a datastore, what the target's earlier answers continue it with. `padding[row]` is each row's left
-    padding, never copied from; `criteria[row]` the row's stopping criteria that must not fire inside a block. The two sources'
-    policies are set by `CycleDrafter.build_policies` with the drafter's (they share its verify-cost table)."""
+    padding, never copied from; `criteria[row]` the row's stopping criteria that must not fire inside a block. The two
+    sources' policies are set by `CycleDrafter.build_policies` with the drafter's (they share its verify-cost
+    table)."""
 
     def __init__(self, datastore: DraftDatastore | None, max_copies: int, padding: list[int], criteria: list):
         self.datastore, self.max_copies, self.padding, self.criteria = datastore, max_copies, padding, criteria

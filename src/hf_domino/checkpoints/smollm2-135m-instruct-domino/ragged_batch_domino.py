@@ -127,7 +127,7 @@ def row_processors(logits_processor: LogitsProcessorList, rows: int) -> list[Log
     for row in range(rows):
         view = LogitsProcessorList()
         for processor in logits_processor:
-            if rows > 1 and not from_transformers(processor):
+            if needs_its_place(processor, rows):
                 processor = AtItsRow(processor, row, rows)
             elif isinstance(processor, RepetitionPenaltyLogitsProcessor) and torch.is_tensor(
                 processor.prompt_ignore_length
@@ -154,16 +154,16 @@ def row_criteria(criteria: list, rows: int) -> list[StoppingCriteriaList]:
     judge a row by its tokens alone, any other is called `AtItsRow`."""
     return [
         StoppingCriteriaList(
-            criterion if rows == 1 or from_transformers(criterion) else AtItsRow(criterion, row, rows)
-            for criterion in criteria
+            AtItsRow(criterion, row, rows) if needs_its_place(criterion, rows) else criterion for criterion in criteria
         )
         for row in range(rows)
     ]
 
 
-def from_transformers(hook: Callable) -> bool:
-    """Whether a logits processor or stopping criterion is one of transformers' own."""
-    return type(hook).__module__.startswith("transformers.")
+def needs_its_place(hook: Callable, rows: int) -> bool:
+    """Whether a logits processor or stopping criterion must be called `AtItsRow` for a batch of `rows`: a hook not of
+    transformers (whose own judge a row by its tokens alone), in a batch of more than one row (one row's place is 0)."""
+    return rows > 1 and not type(hook).__module__.startswith("transformers.")
 
 
 class AtItsRow:
