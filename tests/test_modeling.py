@@ -16,7 +16,7 @@ from conftest import tiny_drafter, tiny_target
 from reference_domino import backbone, gru_cell, head_correction, reference_config
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModel, Qwen3Config
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Qwen3Config
 from transformers.cache_utils import DynamicCache
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as hf_logging
@@ -230,6 +230,7 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
     assert saved["auto_map"] == {
         "AutoConfig": "configuration_domino.DominoConfig",
         "AutoModel": "modeling_domino.DominoForSpeculation",
+        "AutoModelForCausalLM": "modeling_domino.DominoForSpeculation",
     }
     # The reference implementation reads a Qwen3Config with `dflash_config`, `block_size` and `num_target_layers`.
     as_qwen3 = Qwen3Config.from_dict(saved)
@@ -250,8 +251,9 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
     assert torch.equal(drafts[0].ids, drafts[1].ids) and torch.equal(drafts[0].logits, drafts[1].logits)
     # The folder says `model_type: qwen3` (what serving stacks key on, see test_serving_formats.py): the Auto classes
     # reach the drafter through its remote code, and read the config as a plain Qwen3 one without it.
-    auto_model = AutoModel.from_pretrained(tmp_path / "d", trust_remote_code=True)
-    assert type(auto_model).__name__ == "DominoForSpeculation" and auto_model.config.block_size == 6
+    for auto_class in (AutoModel, AutoModelForCausalLM):  # the latter is how transformers' docs load an assistant
+        auto_model = auto_class.from_pretrained(tmp_path / "d", trust_remote_code=True)
+        assert type(auto_model).__name__ == "DominoForSpeculation" and auto_model.config.block_size == 6
     assert type(AutoConfig.from_pretrained(tmp_path / "d", trust_remote_code=True)).__name__ == "DominoConfig"
     assert isinstance(AutoConfig.from_pretrained(tmp_path / "d"), Qwen3Config)
 
@@ -272,11 +274,13 @@ def test_remote_code_works_without_hf_domino(tmp_path):
         sys.meta_path.insert(0, BlockHfDomino())
         import torch
         from transformers import AutoModel, AutoModelForCausalLM
-        drafter = AutoModel.from_pretrained({str(tmp_path / "drafter")!r}, trust_remote_code=True)
         target = AutoModelForCausalLM.from_pretrained({str(tmp_path / "target")!r})
-        assert type(drafter).__name__ == "DominoForSpeculation" and "hf_domino" not in sys.modules
-        out = target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=10, do_sample=False, assistant_model=drafter)
-        print("TOKENS", out[0].tolist(), len(drafter.last_generation_stats.acceptance_lengths))
+        for auto_class in (AutoModel, AutoModelForCausalLM):
+            drafter = auto_class.from_pretrained({str(tmp_path / "drafter")!r}, trust_remote_code=True)
+            assert type(drafter).__name__ == "DominoForSpeculation" and "hf_domino" not in sys.modules
+            prompt = torch.tensor([[5, 6, 7]])
+            out = target.generate(prompt, max_new_tokens=10, do_sample=False, assistant_model=drafter)
+            print("TOKENS", out[0].tolist(), len(drafter.last_generation_stats.acceptance_lengths))
         """
     )
     result = subprocess.run(
@@ -290,8 +294,35 @@ def test_remote_code_works_without_hf_domino(tmp_path):
         | ({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}),
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("TOKENS"))
-    assert line.split(" ", 1)[1].startswith(str(expected[0].tolist()))
+    lines = [line for line in result.stdout.splitlines() if line.startswith("TOKENS")]
+    assert len(lines) == 2 and all(line.split(" ", 1)[1].startswith(str(expected[0].tolist())) for line in lines)
+
+
+@pytest.mark.parametrize("layout", ["ours", "published"])
+@pytest.mark.parametrize("auto_class", [AutoModel, AutoModelForCausalLM])
+def test_a_drafter_built_as_a_plain_qwen3_model_is_refused_naming_the_loader(tmp_path, layout, auto_class):
+    # Drafter folders say `model_type: qwen3`, so without remote code the Auto classes build a Qwen3 model with fresh
+    # weights: transformers drafted with it at random, slower than the target alone (AutoModelForCausalLM, the usual
+    # way to load an assistant), or failed deep inside its loop on a missing generation_config (AutoModel).
+    target = tiny_target("qwen3", vocab_size=VOCAB, hidden_size=HIDDEN)
+    if layout == "ours":
+        tiny_drafter(target).save_pretrained(tmp_path / "d")
+    else:
+        write_folder(tmp_path / "d", published_config(True), published_tensors(True))
+    built = auto_class.from_pretrained(tmp_path / "d")
+    assert type(built).__name__ in ("Qwen3Model", "Qwen3ForCausalLM")
+    prompt = torch.tensor([[5, 6, 7]])
+    with pytest.raises(
+        ValueError, match=rf"assistant_model is a {type(built).__name__} built from a Domino/DFlash"
+    ) as error:
+        target.generate(prompt, assistant_model=built, max_new_tokens=3, do_sample=False)
+    assert "DominoForSpeculation.from_pretrained(path)" in str(error.value)
+    if layout == "ours":  # the fix named (the published folder's drafter is built for a 36-layer target)
+        drafter = DominoForSpeculation.from_pretrained(tmp_path / "d")
+        expected = target.generate(prompt, max_new_tokens=6, do_sample=False)
+        assert torch.equal(
+            target.generate(prompt, assistant_model=drafter, max_new_tokens=6, do_sample=False), expected
+        )
 
 
 # ----------------------------------------------------------------------------------------------- bad checkpoints

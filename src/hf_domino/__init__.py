@@ -6,7 +6,7 @@ Importing this package registers `DominoConfig`/`DominoForSpeculation` with the 
 
 import importlib
 
-from transformers import AutoConfig, AutoModel
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_domino import DominoConfig, default_target_layer_ids
 from .cpu_fast_path import CpuFastPathReport, prepare_for_cpu_decoding
@@ -18,6 +18,7 @@ from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_
 install_assisted_generation_hook()  # also done by every drafter's __init__; here so that the hook is in place early
 AutoConfig.register(DominoConfig.model_type, DominoConfig, exist_ok=True)
 AutoModel.register(DominoConfig, DominoForSpeculation, exist_ok=True)
+AutoModelForCausalLM.register(DominoConfig, DominoForSpeculation, exist_ok=True)
 # pipeline(..., assistant_model="path/to/drafter") resolves the assistant's class by looking the config's
 # `architectures` names up in `importlib.import_module("transformers")`; expose ours there so a path string works.
 # That must be the module object now in sys.modules: the first import of `transformers.processing_utils` (pulled in

@@ -219,6 +219,12 @@ class DominoConfig(Qwen3Config):
         own = [name for name in output.get("architectures") or [OWN_ARCHITECTURE] if name != SERVING_ARCHITECTURE]
         output["architectures"] = [SERVING_ARCHITECTURE, *own]
         output.update(legacy_rope_fields(output.get("rope_parameters")))
+        auto_map = output.get("auto_map") or {}
+        model_class = auto_map.get("AutoModel") or auto_map.get("AutoModelForCausalLM") or ""
+        if model_class.endswith(f".{OWN_ARCHITECTURE}"):
+            # AutoModelForCausalLM is how transformers' docs load an assistant; with remote code allowed it then
+            # builds the drafter too, where the Qwen3 model_type alone would build a Qwen3ForCausalLM.
+            output["auto_map"] = {**auto_map, "AutoModel": model_class, "AutoModelForCausalLM": model_class}
         return output
 
     @classmethod

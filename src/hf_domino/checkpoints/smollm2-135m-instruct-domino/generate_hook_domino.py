@@ -38,7 +38,12 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .batching_domino import batched_assisted_decoding
 from .cache_domino import CACHE_ARGUMENT, buffer_layers, uncached_prompt_length
-from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
+from .options_domino import (
+    DominoGenerationStats,
+    DominoOptions,
+    check_drafter_for_target,
+    refuse_a_drafter_built_as_another_model,
+)
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig
@@ -133,6 +138,8 @@ def _wrap_validate_generation_mode(original):
                 bound = _signature(original).bind(self, *args, **kwargs)
                 bound.arguments["generation_config"] = _single_sequence_view(arguments["generation_config"])
                 return original(*bound.args, **bound.kwargs)
+        elif assistant is not None:
+            refuse_a_drafter_built_as_another_model(assistant)
         return original(self, *args, **kwargs)
 
     return _validate_generation_mode

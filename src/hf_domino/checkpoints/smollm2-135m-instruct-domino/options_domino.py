@@ -21,6 +21,7 @@ import torch
 from transformers.cache_utils import StaticLayer
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS, SynthIDTextWatermarkingConfig
 
+from .configuration_domino import OWN_ARCHITECTURE, SERVING_ARCHITECTURE
 from .modeling_domino import DOMINO_HEAD_DEFAULT
 
 if TYPE_CHECKING:
@@ -276,6 +277,28 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
         )
 
 
+def refuse_a_drafter_built_as_another_model(assistant: Any) -> None:
+    """Raises a `ValueError` when `assistant` was built from a Domino or DFlash drafter's folder as another class.
+
+    Drafter folders say `model_type: qwen3`, as serving stacks expect (docs/model.md, "Who reads what"), so
+    `AutoModelForCausalLM.from_pretrained(folder)`, the usual way to load an assistant, or `AutoModel.from_pretrained`
+    without `trust_remote_code=True`, builds a plain Qwen3 model from them with fresh weights and leaves the drafter's
+    own unused. transformers would then draft with random weights, many times slower than the target alone and
+    without a word (or fail deep inside its assisted loop).
+    """
+    names = list(getattr(getattr(assistant, "config", None), "architectures", None) or [])
+    if not {SERVING_ARCHITECTURE, OWN_ARCHITECTURE} & set(names) or type(assistant).__name__ in names:
+        return
+    raise ValueError(
+        f"assistant_model is a {type(assistant).__name__} built from a Domino/DFlash drafter's checkpoint (its config "
+        f"names {names}): the folder says model_type 'qwen3' for serving stacks, so transformers made a plain "
+        f"{type(assistant).__name__} with fresh weights (its load report listed the drafter's own as unexpected) and "
+        "it would draft at random. Load the drafter as one: hf_domino.DominoForSpeculation.from_pretrained(path) "
+        "(any Domino or DFlash checkpoint), or, for a folder saved by hf-domino, "
+        "AutoModel.from_pretrained(path, trust_remote_code=True)."
+    )
+
+
 def _refuse_per_token_state(generation_config: GenerationConfig) -> None:
     """Refuses the settings whose decoding keeps state that advances once per generated token.
 
@@ -308,4 +331,9 @@ def _refuse_per_token_state(generation_config: GenerationConfig) -> None:
         )
 
 
-__all__ = ["DominoGenerationStats", "DominoOptions", "check_drafter_for_target"]
+__all__ = [
+    "DominoGenerationStats",
+    "DominoOptions",
+    "check_drafter_for_target",
+    "refuse_a_drafter_built_as_another_model",
+]
