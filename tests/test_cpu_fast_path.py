@@ -138,6 +138,25 @@ def test_models_off_the_cpu_are_left_untouched():
     assert not is_prepared_for_cpu_decoding(target)
 
 
+@torch.no_grad()
+def test_a_target_quantized_by_torchao_keeps_its_quantized_products():
+    # torchao's weights are tensor subclasses that report the float dtype they compute in; oneDNN's repacking of
+    # them raised NotImplementedError inside prepare_for_cpu_decoding. Weight-only int8 keeps a forward's logits per
+    # token independent of how many tokens it reads, so outputs stay the quantized target's own.
+    quantization = pytest.importorskip("torchao.quantization", reason="torchao is not a dependency; run where it is")
+    target = tiny_target("qwen3", vocab_size=96, hidden_size=64)
+    quantization.quantize_(target, quantization.Int8WeightOnlyConfig())
+    drafter = tiny_drafter(target, block_size=5)
+    drafter.set_draft_vocab(torch.arange(0, 96, 2))
+    input_ids = prompt(96)
+    expected = greedy(target, input_ids)
+    report = prepare_for_cpu_decoding(target, drafter)
+    assert "quantized weights are left as they are" in report.skipped["target"] and report.prepacked["drafter"]
+    assert torch.equal(greedy(target, input_ids), expected)
+    for options in ({"draft_policy": "fixed", "num_speculative_tokens": 4}, {}):
+        assert torch.equal(greedy(target, input_ids, assistant_model=drafter, **options), expected), options
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_models_are_left_untouched():
     target = tiny_target("qwen3").cuda()

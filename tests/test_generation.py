@@ -22,7 +22,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from hf_domino import generate_hook_domino
 from hf_domino.cache_domino import cache_argument
-from hf_domino.modeling_domino import DOMINO_HEAD_DEFAULT
+from hf_domino.modeling_domino import DOMINO_HEAD_DEFAULT, TargetModules
 
 VOCAB = 32
 
@@ -771,3 +771,25 @@ def test_a_target_whose_prefill_skips_the_hook_is_stopped_before_drafting():
     conversation = torch.cat([answered, torch.tensor([[9, 10, 11]])], dim=-1)
     with pytest.raises(RuntimeError, match="does not call GenerationMixin's"):
         greedy(own, conversation, max_new_tokens=6, **cache_argument(cache), assistant_model=drafter)
+
+
+def test_a_target_quantized_by_torch_ao_drafts_through_its_packed_head():
+    # torch.ao's quantize_dynamic keeps each Linear's weight packed behind a method, and the drafter's use of the
+    # target's LM head read it as a tensor: generate() crashed. Its activations are quantized with a scale per
+    # forward, so the target's logits for a token depend on how many tokens the forward reads, and no verifier gives
+    # the target alone's output (transformers' prompt lookup differs as well, docs/usage.md): checked here is that
+    # drafting runs and reads the head as the target does, over the whole vocabulary and a draft vocabulary.
+    float_target = tiny_target("qwen3")
+    target = torch.ao.quantization.quantize_dynamic(float_target, {torch.nn.Linear}, dtype=torch.qint8)
+    assert not isinstance(target.lm_head.weight, torch.Tensor)
+    modules, hidden, vocab = TargetModules.from_target(target), torch.randn(1, 3, 32), torch.tensor([1, 5, 9])
+    whole = target.lm_head(hidden)
+    assert torch.equal(modules.logits(hidden), whole) and torch.equal(modules.logits(hidden, vocab), whole[..., vocab])
+    drafter = tiny_drafter(float_target)
+    for draft_vocab in (None, torch.arange(0, 64, 2)):
+        if draft_vocab is not None:
+            drafter.set_draft_vocab(draft_vocab)
+        output = target.generate(
+            torch.tensor([[5, 6, 7]]), assistant_model=drafter, max_new_tokens=8, do_sample=False, draft_policy="fixed"
+        )
+        assert output.shape == (1, 11) and sum(drafter.last_generation_stats.drafted) > 0

@@ -222,7 +222,7 @@ def _prepare(model: nn.Module, name: str, report: CpuFastPathReport, measure_pro
     for module_name, module in model.named_modules():
         if isinstance(module, PrepackedLinear):
             already += 1
-        elif type(module) is nn.Linear and module.weight.dtype in PACKABLE_DTYPES:
+        elif type(module) is nn.Linear and _plain_float(module.weight):
             module.__class__ = PrepackedLinear
             with torch.no_grad():
                 module.packed_weight()
@@ -234,7 +234,16 @@ def _prepare(model: nn.Module, name: str, report: CpuFastPathReport, measure_pro
         measured = {shape: rows for dispatch in report.eager_rows.values() for shape, rows in dispatch.items()}
         report.eager_rows[name] = measure_linear_dispatch([modules[n] for n in prepared], measured)
     if not prepared and not already:
-        report.skipped[name] = f"no nn.Linear of a dtype oneDNN packs here ({', '.join(map(str, PACKABLE_DTYPES))})"
+        report.skipped[name] = (
+            f"no nn.Linear of a dtype oneDNN packs here ({', '.join(map(str, PACKABLE_DTYPES))}); quantized weights "
+            "are left as they are"
+        )
+
+
+def _plain_float(weight: torch.Tensor) -> bool:
+    # A quantized weight (torchao's tensor subclasses) reports the float dtype it computes in, but oneDNN cannot
+    # repack it: the module keeps its own quantized product.
+    return type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype in PACKABLE_DTYPES
 
 
 def _pack_draft_vocabulary(target: nn.Module, drafter: nn.Module) -> None:

@@ -71,6 +71,11 @@ class TargetModules:
     def logits(self, hidden_states: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """The target's LM head on `hidden_states`, over the whole vocabulary or only the token ids in `vocab`."""
         weight = self.lm_head.weight
+        if not isinstance(weight, torch.Tensor):
+            # A head quantized by torch.ao (`quantize_dynamic`) keeps its weight packed behind a method and takes
+            # float input: run it whole and keep the vocabulary's columns, the logits a draft vocabulary would give.
+            logits = self.lm_head(hidden_states.float())
+            return logits if vocab is None else logits[..., vocab.to(logits.device)]
         hidden_states = hidden_states.to(device=weight.device, dtype=weight.dtype)
         if vocab is None:
             return self.lm_head(hidden_states)
