@@ -282,9 +282,10 @@ def refuse_a_drafter_built_as_another_model(assistant: Any) -> None:
 
     Drafter folders say `model_type: qwen3`, as serving stacks expect (docs/model.md, "Who reads what"), so
     `AutoModelForCausalLM.from_pretrained(folder)`, the usual way to load an assistant, or `AutoModel.from_pretrained`
-    without `trust_remote_code=True`, builds a plain Qwen3 model from them with fresh weights and leaves the drafter's
-    own unused. transformers would then draft with random weights, many times slower than the target alone and
-    without a word (or fail deep inside its assisted loop).
+    without `trust_remote_code=True`, builds a plain Qwen3 model from them: the backbone's layers load, but the
+    drafter's own parts (`fc`, `hidden_norm`, the Domino head) are left out and the embeddings and LM head it would
+    borrow from its target are fresh. transformers would then draft with it at random, many times slower than the
+    target alone and without a word (or fail deep inside its assisted loop).
     """
     names = list(getattr(getattr(assistant, "config", None), "architectures", None) or [])
     if not {SERVING_ARCHITECTURE, OWN_ARCHITECTURE} & set(names) or type(assistant).__name__ in names:
@@ -292,8 +293,8 @@ def refuse_a_drafter_built_as_another_model(assistant: Any) -> None:
     raise ValueError(
         f"assistant_model is a {type(assistant).__name__} built from a Domino/DFlash drafter's checkpoint (its config "
         f"names {names}): the folder says model_type 'qwen3' for serving stacks, so transformers made a plain "
-        f"{type(assistant).__name__} with fresh weights (its load report listed the drafter's own as unexpected) and "
-        "it would draft at random. Load the drafter as one: hf_domino.DominoForSpeculation.from_pretrained(path) "
+        f"{type(assistant).__name__} of it, its embeddings and LM head fresh and the drafter's own parts left out "
+        "(its load report lists them), which would draft at random. Load the drafter as one: hf_domino.DominoForSpeculation.from_pretrained(path) "
         "(any Domino or DFlash checkpoint), or, for a folder saved by hf-domino, "
         "AutoModel.from_pretrained(path, trust_remote_code=True)."
     )
