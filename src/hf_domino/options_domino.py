@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import StaticLayer
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS, SynthIDTextWatermarkingConfig
 
-from .configuration_domino import OWN_ARCHITECTURE, SERVING_ARCHITECTURE
+from .configuration_domino import OWN_ARCHITECTURE, SERVING_ARCHITECTURE, SERVING_MODEL_TYPE
 from .modeling_domino import DOMINO_HEAD_DEFAULT
 
 if TYPE_CHECKING:
@@ -287,8 +287,14 @@ def refuse_a_drafter_built_as_another_model(assistant: Any) -> None:
     borrow from its target are fresh. transformers would then draft with it at random, many times slower than the
     target alone and without a word (or fail deep inside its assisted loop).
     """
-    names = list(getattr(getattr(assistant, "config", None), "architectures", None) or [])
-    if not {SERVING_ARCHITECTURE, OWN_ARCHITECTURE} & set(names) or type(assistant).__name__ in names:
+    config = getattr(assistant, "config", None)
+    names = list(getattr(config, "architectures", None) or [])
+    # Only the model_type fallback's Qwen3 classes: another class reading these folders (a DFlash model of
+    # transformers' own, say) is its library's to judge.
+    built_as_qwen3 = getattr(config, "model_type", None) == SERVING_MODEL_TYPE
+    if not built_as_qwen3 or not {SERVING_ARCHITECTURE, OWN_ARCHITECTURE} & set(names):
+        return
+    if type(assistant).__name__ in names:  # the reference implementation's own class, loaded by its remote code
         return
     raise ValueError(
         f"assistant_model is a {type(assistant).__name__} built from a Domino/DFlash drafter's checkpoint (its config "
