@@ -112,6 +112,24 @@ def test_a_missing_input_file_is_one_line_naming_it(argv, message, capsys):
     assert error.startswith(f"hf-domino {argv[0]}: ") and message in error and "Traceback" not in error
 
 
+@pytest.mark.parametrize(
+    "command, lines, message",
+    [
+        ("bench", ['{"prompt": "Hi."}', "not json"], "prompts.jsonl:2 is not valid JSON"),
+        ("bench", ['{"prompt": "Hi."}', "", '{"text": "Hi."}'], "prompts.jsonl:3 holds no prompt (its keys: text)"),
+        ("train", ['{"input_ids": [1], "loss_mask": [1]}', '{"prompt": "Hi."}'], "prompts.jsonl:2 is not a record of"),
+    ],
+)
+def test_an_input_file_line_of_another_kind_is_one_line_naming_it(command, lines, message, tmp_path, capsys):
+    # These messages came as tracebacks (and a prompt-less record's without its file and line).
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    flag = {"bench": ["--prompts", str(path)], "train": ["--data", str(path), "--output-dir", str(tmp_path / "out")]}
+    assert cli.main([command, *flag[command]]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"hf-domino {command}: {tmp_path}/") and message in error and "Traceback" not in error
+
+
 def test_export_refuses_bad_input_before_loading_and_writes_nothing(tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("mine")

@@ -341,7 +341,7 @@ def test_load_prompt_file_reads_the_three_formats(tmp_path):
 def test_load_prompt_file_errors(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"text": "no prompt here"}\n')
-    with pytest.raises(ValueError, match="`prompt`, `messages` or `conversations`"):
+    with pytest.raises(prompt_sets.InputDataError, match=r"prompts.jsonl:1 holds no prompt .*`prompt` \(a string\)"):
         prompt_sets.load_prompt_file(path)
     path.write_text('{"prompt": "ok"}\n{"prompt": \n')
     with pytest.raises(ValueError, match=r"prompts.jsonl:2 is not valid JSON"):

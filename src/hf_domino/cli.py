@@ -115,11 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     if known.command is None:  # an option other than -h/--version before any command
         parser.error(f"give a command first: {', '.join(COMMANDS)}")
     args = command_parser(known.command).parse_args(argv[1:])
+    from .prompt_sets import InputDataError
+
     try:
         return int(importlib.import_module(COMMANDS[known.command][0]).run(args) or 0)
-    except FileNotFoundError as error:
-        # A file that is not there (a path given on the command line, a package's data): every such error of ours
-        # names the file and the fix, so one line says it better than a traceback.
+    except (FileNotFoundError, InputDataError) as error:
+        # A file that is not there (a path given on the command line, a package's data) or a line of one that holds
+        # something else: every such error of ours names the file (and line) and the fix, so one line says it better
+        # than a traceback.
         print(f"hf-domino {known.command}: {error}", file=sys.stderr)
         return 2
 

@@ -55,17 +55,28 @@ def limited(prompts: Iterator[Messages], limit: int | None) -> list[Messages]:
     return result
 
 
+class InputDataError(ValueError):
+    """Data given to a command (a file's line, a dataset's row) that it cannot read. The message names where it is
+    and what was expected there, so the command line prints it as one line rather than a traceback."""
+
+
 def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
     """The records of a jsonl file, gzipped or not; a bad line is reported with its number."""
+    for _, record in numbered_jsonl(path):
+        yield record
+
+
+def numbered_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    """`(where, record)` for each record of a jsonl file, gzipped or not; `where` is `path:line`."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as file:
         for line_number, line in enumerate(file, start=1):
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
+                yield f"{path}:{line_number}", json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_number} is not valid JSON: {error}") from error
+                raise InputDataError(f"{path}:{line_number} is not valid JSON: {error}") from error
 
 
 def load_mtbench(limit: int | None = None) -> list[Messages]:
@@ -176,20 +187,26 @@ def math_prompts() -> Iterator[tuple[str, Messages]]:
         yield str(problem["gid"]), [{"role": "user", "content": MATH_INSTRUCTION + problem["question"]}]
 
 
-def record_to_prompt(record: dict[str, Any]) -> Messages | None:
+def record_to_prompt(record: dict[str, Any], where: str = "A record") -> Messages | None:
     """Turn one data record into a prompt: `{"prompt": str}`, `{"messages": [...]}` or `{"conversations": [...]}`.
 
     `messages` follow the `{"role", "content"}` chat format, `conversations` the ShareGPT one. Conversations are cut
-    after their first user turn. Returns None when the record holds no user turn.
+    after their first user turn. Returns None when the record holds no user turn; `where` (a file's line, a dataset's
+    row) names the record in the error for one that holds none of these.
     """
+    if not isinstance(record, dict):
+        raise InputDataError(
+            f"{where} is not a JSON object: expected one with `prompt`, `messages` or `conversations`."
+        )
     if isinstance(record.get("prompt"), str):
         return [{"role": "user", "content": record["prompt"]}]
     if isinstance(record.get("messages"), list):
         return first_user_turn([{"role": m["role"], "content": m.get("content") or ""} for m in record["messages"]])
     if isinstance(record.get("conversations"), list):
         return first_user_turn(sharegpt_to_messages(record["conversations"]))
-    raise ValueError(
-        f"Cannot find a prompt in a record with keys {sorted(record)}: expected `prompt`, `messages` or `conversations`."
+    raise InputDataError(
+        f"{where} holds no prompt (its keys: {', '.join(sorted(record)) or 'none'}): expected `prompt` (a string), "
+        "`messages` (chat messages) or `conversations` (ShareGPT turns)."
     )
 
 
@@ -201,7 +218,7 @@ def load_prompt_file(path: str | os.PathLike, limit: int | None = None) -> list[
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"No prompt file at {path}.")
-    prompts = (record_to_prompt(record) for record in read_jsonl(path))
+    prompts = (record_to_prompt(record, where) for where, record in numbered_jsonl(path))
     return limited((prompt for prompt in prompts if prompt is not None), limit)
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from .. import assets
+from ..prompt_sets import InputDataError
 
 FORMAT_VERSION = "1"
 METADATA_KEY = "hf_domino_packed"
@@ -94,14 +95,14 @@ def iter_records(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
 
 
 def _regenerated_record(line: str, where: str) -> dict[str, Any]:
-    """One jsonl line as a record, or a `ValueError` at `where` (file:line) naming what such a line holds."""
+    """One jsonl line as a record, or an `InputDataError` at `where` (file:line) naming what such a line holds."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError:
         record = None
     fields = ("input_ids", "loss_mask")
     if not isinstance(record, dict) or not all(isinstance(record.get(name), list) for name in fields):
-        raise ValueError(
+        raise InputDataError(
             f"{where} is not a record of `hf-domino regenerate` (a JSON object with the lists input_ids and "
             "loss_mask): pass files that command wrote (or `hf-domino pack` files)."
         )

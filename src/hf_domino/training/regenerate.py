@@ -214,7 +214,7 @@ def load_dataset_prompts(
     end = len(dataset) if end is None else min(end, len(dataset))
     indices, prompts = [], []
     for index in range(start, end):
-        prompt = prompt_sets.record_to_prompt(dataset[index])
+        prompt = prompt_sets.record_to_prompt(dataset[index], f"Row {index} of {name} ({split})")
         if prompt is not None:
             indices.append(index)
             prompts.append(prompt)
