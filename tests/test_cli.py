@@ -130,6 +130,25 @@ def test_an_input_file_line_of_another_kind_is_one_line_naming_it(command, lines
     assert error.startswith(f"hf-domino {command}: {tmp_path}/") and message in error and "Traceback" not in error
 
 
+@pytest.mark.parametrize(
+    "recipe, line, message",
+    [
+        (None, '{"index": 0, "input_ids": [1, 2], "loss_mask": [0, 1]}', "No recipe recorded beside {path} ("),
+        ("{}", '{"input_ids": [1, 2], "loss_mask": [0, 1]}', "A record of {path} has neither `id` nor `index`"),
+        ("{}", '{"index": 0, "input_ids": [1, 2], "loss_mask": [1, 0]}', "{path}: the loss mask of 0 is not zeros"),
+    ],
+)
+def test_pack_names_the_file_that_is_not_regenerated_data_and_writes_nothing(recipe, line, message, tmp_path, capsys):
+    path = tmp_path / "answers.jsonl"
+    path.write_text(line + "\n")
+    if recipe is not None:
+        (tmp_path / "answers.recipe.json").write_text(recipe)
+    assert cli.main(["pack", "--data", str(path), "--output", str(tmp_path / "packed.safetensors")]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("hf-domino pack: ") and message.format(path=path) in error and "Traceback" not in error
+    assert not (tmp_path / "packed.safetensors").exists()
+
+
 def test_export_refuses_bad_input_before_loading_and_writes_nothing(tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("mine")

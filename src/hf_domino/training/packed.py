@@ -43,9 +43,16 @@ UNCHECKED_RECIPE_KEYS = ("versions", "device")
 Key = int | str  # a record's `index` (position in its source) or `id` (stable id in the training mix)
 
 
-def record_key(record: dict[str, Any]) -> Key:
+def record_key(record: dict[str, Any], where: str = "A record") -> Key:
     """What identifies a regenerated record: its string `id` (training mix), else its integer `index`."""
-    return str(record["id"]) if "id" in record else int(record["index"])
+    if "id" in record:
+        return str(record["id"])
+    if "index" in record:
+        return int(record["index"])
+    raise InputDataError(
+        f"{where} has neither `id` nor `index`, which `hf-domino regenerate` writes on every record: pass files that "
+        "command wrote."
+    )
 
 
 def recipe_path(jsonl_path: str | os.PathLike) -> Path:
@@ -138,14 +145,15 @@ def pack(
     by_key: dict[Key, tuple[list[int], int]] = {}
     for path in paths:
         for record in iter_records(path):
-            key, input_ids, prompt_length = record_key(record), record["input_ids"], _prompt_length(record, path)
+            key, input_ids = record_key(record, f"A record of {path}"), record["input_ids"]
+            prompt_length = _prompt_length(record, path)
             if by_key.setdefault(key, (input_ids, prompt_length)) != (input_ids, prompt_length):
-                raise ValueError(f"{path} holds another example for {key!r} than a file before it.")
+                raise InputDataError(f"{path} holds another example for {key!r} than a file before it.")
     if not by_key:
-        raise ValueError(f"No complete records in {[str(path) for path in paths]}.")
+        raise InputDataError(f"No complete records in {[str(path) for path in paths]}.")
     key_kinds = {type(key) for key in by_key}
     if len(key_kinds) > 1:
-        raise ValueError("The files mix integer `index` and string `id` records; pack them separately.")
+        raise InputDataError("The files mix integer `index` and string `id` records; pack them separately.")
 
     keys = sorted(by_key, key=lambda key: hashlib.sha256(str(key).encode()).digest())
     lengths = np.array([len(by_key[key][0]) for key in keys], dtype=np.int64)
@@ -222,7 +230,7 @@ def _prompt_length(record: dict[str, Any], path: Path) -> int:
     mask = record["loss_mask"]
     prompt_length = len(mask) - sum(mask)
     if len(mask) != len(record["input_ids"]) or any(mask[:prompt_length]) or not all(mask[prompt_length:]):
-        raise ValueError(
+        raise InputDataError(
             f"{path}: the loss mask of {record_key(record)!r} is not zeros on the prompt, then ones on the response."
         )
     return prompt_length
@@ -232,9 +240,13 @@ def _recorded_recipe(paths: list[str | os.PathLike]) -> dict[str, Any]:
     recipes = [read_recipe(path) for path in paths]
     if any(recipe is None for recipe in recipes):
         missing = [str(path) for path, recipe in zip(paths, recipes) if recipe is None]
-        raise ValueError(f"No recipe recorded beside {missing}: pass `recipe=` (or `--recipe FILE`).")
+        expected = ", ".join(str(recipe_path(path)) for path in missing)
+        raise InputDataError(
+            f"No recipe recorded beside {', '.join(missing)} (`hf-domino regenerate` writes {expected}): pass "
+            "`recipe=` (or `--recipe FILE`)."
+        )
     if any(recipe_differences(recipes[0], recipe) for recipe in recipes[1:]):
-        raise ValueError(f"The files were regenerated with different recipes: pack them separately ({paths}).")
+        raise InputDataError(f"The files were regenerated with different recipes: pack them separately ({paths}).")
     return recipes[0]
 
 
