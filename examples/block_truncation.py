@@ -5,7 +5,7 @@ docs/benchmarks.md, "The batch's tail", quotes it:
     python examples/block_truncation.py 3
 """
 
-import sys
+import argparse
 import time
 
 import torch
@@ -14,12 +14,14 @@ from hf_domino import DominoForSpeculation, prepare_for_cpu_decoding
 from hf_domino.assets import SHIPPED_DRAFTER, load_smollm2
 from hf_domino.prompt_sets import load_humaneval, load_mtbench
 
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("k", nargs="?", type=int, default=3, help="drafts verified per target forward")
+k = parser.parse_args().k
 torch.set_num_threads(2)
 target, tok = load_smollm2()
 drafter = DominoForSpeculation.from_pretrained(SHIPPED_DRAFTER, dtype=torch.float32).eval()
 prepare_for_cpu_decoding(target, drafter)
 sets = {"mtbench": load_mtbench(limit=10), "humaneval": load_humaneval(limit=10)}
-k = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 for name, prompts in sets.items():
     inputs = [
         tok.apply_chat_template(

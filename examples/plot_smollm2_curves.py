@@ -10,6 +10,7 @@ back in that folder:
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import matplotlib
@@ -39,6 +40,7 @@ def stage_curves(name: str, offset: int) -> tuple[dict[str, list], dict[str, lis
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if not RUNS.is_dir():
         raise SystemExit(
             f'{RUNS} is missing: its logs were never committed (docs/training.md, "Lost: the stages\' logs").'

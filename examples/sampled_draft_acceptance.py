@@ -7,6 +7,8 @@ draft are recorded inside `generate()` (fixed k = 2, no copies), 10 prompts x 64
     python examples/sampled_draft_acceptance.py
 """
 
+import argparse
+
 import torch
 import transformers.generation.utils as gu
 
@@ -14,6 +16,7 @@ from hf_domino import DominoForSpeculation, drafting_domino, generation_domino, 
 from hf_domino.assets import SHIPPED_DRAFTER, load_smollm2
 from hf_domino.prompt_sets import load_humaneval, load_mtbench
 
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 torch.set_num_threads(2)
 target, tok = load_smollm2()
 drafter = DominoForSpeculation.from_pretrained(SHIPPED_DRAFTER, dtype=torch.float32).eval()

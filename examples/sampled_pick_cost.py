@@ -8,6 +8,7 @@ columns", quotes it:
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -28,6 +29,7 @@ def ms_per_call(fn, reps: int = 300) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(0)
     vocab = torch.randperm(VOCAB_SIZE)[:DRAFT_VOCAB].sort().values
