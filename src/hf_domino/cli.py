@@ -9,6 +9,8 @@ import re
 import sys
 from collections.abc import Callable
 
+from .prompt_sets import InputDataError
+
 # Each module exposes `add_arguments(parser)` and `run(args) -> int | None`.
 COMMANDS = {
     "regenerate": ("hf_domino.training.regenerate", "regenerate training responses with the target"),
@@ -115,8 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     if known.command is None:  # an option other than -h/--version before any command
         parser.error(f"give a command first: {', '.join(COMMANDS)}")
     args = command_parser(known.command).parse_args(argv[1:])
-    from .prompt_sets import InputDataError
-
     try:
         return int(importlib.import_module(COMMANDS[known.command][0]).run(args) or 0)
     except (FileNotFoundError, InputDataError) as error:
