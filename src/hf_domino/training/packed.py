@@ -43,12 +43,14 @@ UNCHECKED_RECIPE_KEYS = ("versions", "device")
 Key = int | str  # a record's `index` (position in its source) or `id` (stable id in the training mix)
 
 
-def record_key(record: dict[str, Any], where: str = "A record") -> Key:
-    """What identifies a regenerated record: its string `id` (training mix), else its integer `index`."""
+def record_key(record: dict[str, Any], source: str | os.PathLike | None = None) -> Key:
+    """What identifies a regenerated record: its string `id` (training mix), else its integer `index`; `source` (the
+    file it came from) is named in the error for a record with neither."""
     if "id" in record:
         return str(record["id"])
     if "index" in record:
         return int(record["index"])
+    where = "A record" if source is None else f"A record of {source}"
     raise InputDataError(
         f"{where} has neither `id` nor `index`, which `hf-domino regenerate` writes on every record: pass files that "
         "command wrote."
@@ -145,7 +147,7 @@ def pack(
     by_key: dict[Key, tuple[list[int], int]] = {}
     for path in paths:
         for record in iter_records(path):
-            key, input_ids = record_key(record, f"A record of {path}"), record["input_ids"]
+            key, input_ids = record_key(record, path), record["input_ids"]
             prompt_length = _prompt_length(record, path)
             if by_key.setdefault(key, (input_ids, prompt_length)) != (input_ids, prompt_length):
                 raise InputDataError(f"{path} holds another example for {key!r} than a file before it.")

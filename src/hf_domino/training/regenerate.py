@@ -33,7 +33,7 @@ import torch
 
 from .. import assets, prompt_mix, prompt_sets
 from ..cli import non_negative_int, number_in, positive_int
-from ..prompt_sets import Messages
+from ..prompt_sets import InputDataError, Messages
 from .packed import Key, read_keys, read_recipe, recipe_differences, recipe_path, record_key
 
 if TYPE_CHECKING:
@@ -431,10 +431,13 @@ def _resume(path: Path) -> set[Key]:
 
 
 def _record_key_of_line(line: bytes, path: Path, line_number: int) -> Key:
+    where = f"{path}:{line_number}"
     try:
-        return record_key(json.loads(line))
+        return record_key(json.loads(line), where)
+    except InputDataError:
+        raise  # names the line and the fix already
     except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{path}:{line_number} is not a regeneration record: {error!r}") from error
+        raise InputDataError(f"{where} is not a regeneration record: {error!r}") from error
 
 
 def _truncate_atomically(path: Path, size: int) -> None:
