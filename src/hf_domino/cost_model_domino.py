@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .cache_domino import cache_argument
+from .modeling_domino import target_execution_device
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -147,7 +148,7 @@ def measure_verify_cost_on_scratch(
     static cache holds the call's `max_length` only)."""
     from transformers import DynamicCache
 
-    context = torch.zeros(rows, CALIBRATION_CONTEXT, dtype=torch.long, device=target.device)
+    context = torch.zeros(rows, CALIBRATION_CONTEXT, dtype=torch.long, device=target_execution_device(target))
     cache = DynamicCache(config=target.config)
     if hasattr(cache, "activate_past_recording"):  # sliding-window layers must give the measured blocks back
         cache.activate_past_recording()

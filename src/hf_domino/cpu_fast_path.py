@@ -66,6 +66,7 @@ class CpuFastPathReport:
     prepacked: dict[str, list[str]] = field(default_factory=dict)  # modules made prepacked by this call
     already: dict[str, int] = field(default_factory=dict)  # modules already prepacked by an earlier call
     skipped: dict[str, str] = field(default_factory=dict)  # model -> why it was left untouched
+    hooked: dict[str, int] = field(default_factory=dict)  # nn.Linear left to accelerate's hooks (offloading)
     casts: list[str] = field(default_factory=list)
     attention: list[str] = field(default_factory=list)  # models switched to GROUPED_KV_ATTENTION by this call
     compiled: bool = False  # generate() compiles the target's forward on a static cache (`compile=True`)
@@ -86,6 +87,8 @@ class CpuFastPathReport:
                 continue
             new, old = len(self.prepacked.get(name, [])), self.already.get(name, 0)
             part = f"{name}: {new} nn.Linear prepacked for oneDNN" + (f" ({old} already were)" if old else "")
+            if self.hooked.get(name):
+                part += f" ({self.hooked[name]} under accelerate's device_map hooks left as they are)"
             if name in self.attention:
                 part += f", {GROUPED_KV_ATTENTION} attention"
             part += _dispatch_summary(self.eager_rows.get(name))
@@ -206,8 +209,23 @@ def _use_grouped_kv_attention(model: nn.Module, name: str, report: CpuFastPathRe
     report.attention.append(name)
 
 
+def _devices(model: nn.Module) -> set[str]:
+    """The device types `model` computes on. Weights accelerate offloaded (`device_map` with "cpu" or "disk" parts)
+    wait on the meta device, and its hooks bring them in for each forward: they are not a device of their own."""
+    devices = {tensor.device.type for tensor in model.parameters()}
+    if getattr(model, "hf_device_map", None):
+        devices.discard("meta")
+    return devices
+
+
 def _on_cpu(model: nn.Module) -> bool:
-    return all(tensor.device.type == "cpu" for tensor in model.parameters())
+    return _devices(model) == {"cpu"}
+
+
+def _hooked(module: nn.Module) -> bool:
+    # A model dispatched with offloading has accelerate's hook on every module: it calls the forward the module had
+    # when it was dispatched (a packed class would never run) and may put other weights in place for each forward.
+    return hasattr(module, "_hf_hook") or module.weight.device.type == "meta"
 
 
 def _prepare(model: nn.Module, name: str, report: CpuFastPathReport, measure_products: bool) -> None:
@@ -215,13 +233,15 @@ def _prepare(model: nn.Module, name: str, report: CpuFastPathReport, measure_pro
         report.skipped[name] = "this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"
         return
     if not _on_cpu(model):
-        report.skipped[name] = f"on {next(model.parameters()).device}, not the CPU"
+        report.skipped[name] = f"on {', '.join(sorted(_devices(model) - {'cpu'}))}, not the CPU"
         return
     _use_grouped_kv_attention(model, name, report)
     prepared, already = [], 0
     for module_name, module in model.named_modules():
         if isinstance(module, PrepackedLinear):
             already += 1
+        elif type(module) is nn.Linear and _hooked(module):
+            report.hooked[name] = report.hooked.get(name, 0) + 1
         elif type(module) is nn.Linear and _plain_float(module.weight):
             module.__class__ = PrepackedLinear
             with torch.no_grad():
@@ -233,7 +253,7 @@ def _prepare(model: nn.Module, name: str, report: CpuFastPathReport, measure_pro
         modules = dict(model.named_modules())
         measured = {shape: rows for dispatch in report.eager_rows.values() for shape, rows in dispatch.items()}
         report.eager_rows[name] = measure_linear_dispatch([modules[n] for n in prepared], measured)
-    if not prepared and not already:
+    if not prepared and not already and not report.hooked.get(name):
         report.skipped[name] = (
             f"no nn.Linear of a dtype oneDNN packs here ({', '.join(map(str, PACKABLE_DTYPES))}); quantized weights "
             "are left as they are"

@@ -38,6 +38,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .batching_domino import batched_assisted_decoding
 from .cache_domino import CACHE_ARGUMENT, buffer_layers, uncached_prompt_length
+from .modeling_domino import target_execution_device
 from .options_domino import (
     DominoGenerationStats,
     DominoOptions,
@@ -209,9 +210,10 @@ def _wrap_assisted_decoding(original):
         if not isinstance(options, DominoOptions):  # reached without generate()'s validation
             options = DominoOptions.resolve(options or {}, arguments["generation_config"])
             options.validate(drafter)
-        kernels = drafting_attention_kernels(self.device, self.dtype, options.domino_cudnn_attention)
-        # transformers' loop verifies one sequence: a batch is ours, and so is a tree of branches
-        if arguments["input_ids"].shape[0] > 1 or options.domino_branches > 1:
+        kernels = drafting_attention_kernels(target_execution_device(self), self.dtype, options.domino_cudnn_attention)
+        # transformers' loop verifies one sequence: a batch is ours, and so is a tree of branches. So is a target whose
+        # first weights accelerate offloaded: transformers' loop moves each block to `target.device`, the meta device.
+        if arguments["input_ids"].shape[0] > 1 or options.domino_branches > 1 or self.device.type == "meta":
             stats = DominoGenerationStats(timings={} if options.domino_timings else None)
             drafter.last_generation_stats = stats
             with kernels:

@@ -18,7 +18,7 @@ import contextlib
 import contextvars
 import os
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,8 +65,17 @@ class TargetModules:
         return cls(embed_tokens=embed_tokens, lm_head=lm_head)
 
     def embed(self, input_ids: torch.LongTensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        table_device = self.embed_tokens.weight.device
-        return self.embed_tokens(input_ids.to(table_device)).to(device=device, dtype=dtype)
+        embed_tokens = self.embed_tokens
+        if (
+            type(embed_tokens) is nn.Embedding
+            and embed_tokens.weight.device.type == "meta"
+            and not embed_tokens.max_norm
+        ):
+            # An offloaded table: its hook would bring all of it in for each call (one per draft of a block), where
+            # a lookup needs a few rows. Read them where accelerate keeps the table.
+            table = offloaded_weights(embed_tokens)["weight"]
+            return table[input_ids.to(table.device)].to(device=device, dtype=dtype)
+        return embed_tokens(input_ids.to(execution_device(embed_tokens))).to(device=device, dtype=dtype)
 
     def logits(self, hidden_states: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """The target's LM head on `hidden_states`, over the whole vocabulary or only the token ids in `vocab`."""
@@ -76,9 +85,12 @@ class TargetModules:
             # float input: run it whole and keep the vocabulary's columns, the logits a draft vocabulary would give.
             logits = self.lm_head(hidden_states.float())
             return logits if vocab is None else logits[..., vocab.to(logits.device)]
-        hidden_states = hidden_states.to(device=weight.device, dtype=weight.dtype)
+        hidden_states = hidden_states.to(device=execution_device(self.lm_head), dtype=weight.dtype)
         if vocab is None:
             return self.lm_head(hidden_states)
+        if weight.device.type == "meta":
+            # An offloaded head: its hook brings the weight in for each forward. Read the vocabulary's rows once.
+            return nn.functional.linear(hidden_states, *offloaded_vocab_rows(self.lm_head, vocab, hidden_states))
         rows_linear = getattr(self.lm_head, "rows_linear", None)
         if rows_linear is not None:  # a head that keeps its own fast form of row subsets (hf_domino.cpu_fast_path)
             return rows_linear(hidden_states, vocab)
@@ -118,6 +130,55 @@ def _version(tensor: torch.Tensor) -> int:
     return -1 if tensor.is_inference() else tensor._version
 
 
+def execution_device(module: nn.Module) -> torch.device:
+    """Where `module` computes: its parameters' device, or, for a module accelerate dispatched with offloading
+    (`from_pretrained(..., device_map=...)` with "cpu" or "disk" parts), the device its hook brings the weights to for
+    each forward, while they wait on the meta device."""
+    for hook in _accelerate_hooks(module):
+        if getattr(hook, "execution_device", None) is not None:
+            return torch.device(hook.execution_device)
+    return next(module.parameters()).device
+
+
+def _accelerate_hooks(module: nn.Module) -> tuple:
+    hook = getattr(module, "_hf_hook", None)
+    return () if hook is None else getattr(hook, "hooks", (hook,))  # a SequentialHook chains several
+
+
+def offloaded_weights(module: nn.Module) -> Mapping[str, torch.Tensor]:
+    """The weights accelerate keeps for an offloaded `module` (in CPU memory, or read from disk), by parameter name."""
+    return next(
+        hook.weights_map for hook in _accelerate_hooks(module) if getattr(hook, "weights_map", None) is not None
+    )
+
+
+def target_execution_device(target: PreTrainedModel) -> torch.device:
+    """Where a target reads its input: `target.device`, except for a target whose input embeddings accelerate
+    offloaded (`target.device` is then the meta device)."""
+    embeddings = target.get_input_embeddings()
+    return target.device if embeddings is None else execution_device(embeddings)
+
+
+_OFFLOADED_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def offloaded_vocab_rows(
+    head: nn.Module, vocab: torch.Tensor, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`vocab_rows` of an output projection accelerate offloaded (weight and bias, on `like`'s device and dtype), read
+    once from the offloaded weights its hook keeps: the hook would bring in the whole vocabulary for every draft block."""
+    rows = _OFFLOADED_ROWS.get(head)
+    if rows is None or not (rows[0] is vocab or torch.equal(rows[0], vocab.to(rows[0].device))):
+        weights = offloaded_weights(head)
+        index = vocab.to(weights["weight"].device)
+        parts = [
+            weights[name][index].to(device=like.device, dtype=like.dtype) if name in weights else None
+            for name in ("weight", "bias")
+        ]
+        rows = _OFFLOADED_ROWS[head] = (vocab, *parts)
+    return rows[1], rows[2]
+
+
 def hidden_state_indices(layer_ids: Sequence[int]) -> list[int]:
     """Where the target layers `layer_ids` sit in the `hidden_states` a transformers model returns: index 0 is the
     embedding output, so layer i is `hidden_states[i + 1]` (what `output_hidden_states` asks for)."""
@@ -130,7 +191,9 @@ def context_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[
     `hidden_states` is the tuple a transformers model returns with `output_hidden_states` (index 0 is the embedding
     output, so layer i is `hidden_states[i + 1]`): `[b, n, hidden]` each -> `[b, n, len(layer_ids) * hidden]`.
     """
-    return torch.cat([hidden_states[i] for i in hidden_state_indices(layer_ids)], dim=-1)
+    states = [hidden_states[i] for i in hidden_state_indices(layer_ids)]
+    # A target split over several devices (`device_map`) leaves its layers' outputs on each.
+    return torch.cat([state.to(states[0].device) for state in states], dim=-1)
 
 
 def _apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -563,5 +626,7 @@ __all__ = [
     "DominoPreTrainedModel",
     "TargetModules",
     "context_features",
+    "execution_device",
     "hidden_state_indices",
+    "target_execution_device",
 ]

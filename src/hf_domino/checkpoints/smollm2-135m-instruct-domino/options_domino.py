@@ -22,7 +22,7 @@ from transformers.cache_utils import StaticLayer
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS, SynthIDTextWatermarkingConfig
 
 from .configuration_domino import OWN_ARCHITECTURE, SERVING_ARCHITECTURE, SERVING_MODEL_TYPE
-from .modeling_domino import DOMINO_HEAD_DEFAULT
+from .modeling_domino import DOMINO_HEAD_DEFAULT, target_execution_device
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
@@ -225,12 +225,13 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
             f"target_layer_ids {bad_layers} are outside the target's {num_layers} layers: this drafter was built for "
             f"a deeper target (num_target_layers={config.num_target_layers})."
         )
-    if drafter.device.type != target.device.type:
+    target_device = target_execution_device(target)
+    if drafter.device.type != target_device.type:
         # A pipeline moves its model to the GPU by default and leaves an assistant object where it is. Each block
         # would carry the target's hidden states across to the drafter, and its drafts through the target's LM head.
         raise ValueError(
-            f"The drafter is on {drafter.device} and the target on {target.device}: a drafter runs beside its target "
-            "on every block. Move it with drafter.to(target.device, target.dtype); with pipeline(), also pass "
+            f"The drafter is on {drafter.device} and the target on {target_device}: a drafter runs beside its target "
+            f'on every block. Move it with drafter.to("{target_device}", target.dtype); with pipeline(), also pass '
             "device=target.device, or the pipeline moves the target to the GPU without the drafter."
         )
     if drafter.device.type == "cpu" and drafter.dtype == torch.float16 and target.dtype != torch.float16:

@@ -1,0 +1,94 @@
+"""Targets dispatched by accelerate with offloaded parts (`from_pretrained(..., device_map=..., offload_folder=...)`).
+
+Their offloaded weights wait on the meta device and accelerate's hooks bring them in for each forward; a drafter
+borrows the target's embeddings and LM head, so it must run them where the hooks do. The offloaded target's output is
+compared with the same weights loaded whole: greedy, sampled, one sequence, a batch, a tree, prepared for the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_drafter, tiny_target
+from transformers import AutoModelForCausalLM
+
+import hf_domino
+
+LAYERS = 4
+# The LM head and one layer on disk; then the input embeddings too, which makes `target.device` the meta device.
+HEAD_OFFLOADED = {"lm_head": "disk", "model.layers.1": "disk"}
+EMBEDDINGS_OFFLOADED = {**HEAD_OFFLOADED, "model.embed_tokens": "disk"}
+
+
+@pytest.fixture(scope="module")
+def resident():
+    target = tiny_target(vocab_size=128, hidden_size=64, num_layers=LAYERS)
+    target.generation_config.pad_token_id = 0
+    return target
+
+
+def offloaded(resident, folder, offloaded_parts: dict[str, str]):
+    resident.save_pretrained(folder / "target")
+    device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    device_map |= {f"model.layers.{i}": "cpu" for i in range(LAYERS)} | offloaded_parts
+    target = AutoModelForCausalLM.from_pretrained(
+        folder / "target", device_map=device_map, offload_folder=folder / "offload"
+    ).eval()
+    target.generation_config.pad_token_id = 0
+    assert target.lm_head.weight.device.type == "meta"  # offloaded: what the drafter must not read directly
+    return target
+
+
+def drafter_for(target, draft_vocab: bool):
+    drafter = tiny_drafter(target)
+    drafter.set_draft_vocab(torch.arange(0, 128, 2) if draft_vocab else None)
+    return drafter
+
+
+PROMPT = torch.tensor([[5, 9, 17, 33, 2, 7, 40]])
+BATCH = {
+    "input_ids": torch.tensor([[0, 0, 0, 5, 9, 17], [4, 8, 12, 16, 20, 24]]),
+    "attention_mask": torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]]),
+}
+
+
+@pytest.mark.parametrize("parts", [HEAD_OFFLOADED, EMBEDDINGS_OFFLOADED], ids=["head", "embeddings"])
+@pytest.mark.parametrize("draft_vocab", [False, True], ids=["vocab", "draft_vocab"])
+def test_an_offloaded_target_drafts_as_the_target_loaded_whole(resident, tmp_path, parts, draft_vocab):
+    target = offloaded(resident, tmp_path, parts)
+    drafter = drafter_for(resident, draft_vocab)
+    fixed = {"do_sample": False, "assistant_model": drafter, "draft_policy": "fixed"}
+    for inputs, extra in [({"input_ids": PROMPT}, {}), ({"input_ids": PROMPT}, {"domino_branches": 2}), (BATCH, {})]:
+        expected = resident.generate(**inputs, max_new_tokens=16, do_sample=False)
+        resident_drafts = resident.generate(**inputs, max_new_tokens=16, **fixed, **extra)
+        resident_lengths = drafter.last_generation_stats.acceptance_lengths
+        out = target.generate(**inputs, max_new_tokens=16, **fixed, **extra)
+        assert torch.equal(out, expected) and torch.equal(resident_drafts, expected)
+        # the same drafts, accepted alike: the offloaded embeddings and head gave the drafter what the resident ones do
+        assert drafter.last_generation_stats.acceptance_lengths == resident_lengths
+
+
+@pytest.mark.parametrize("parts", [HEAD_OFFLOADED, EMBEDDINGS_OFFLOADED], ids=["head", "embeddings"])
+def test_an_offloaded_target_samples_as_the_target_loaded_whole(resident, tmp_path, parts):
+    target = offloaded(resident, tmp_path, parts)
+    drafter = drafter_for(resident, draft_vocab=True)
+    for inputs in [{"input_ids": PROMPT}, BATCH]:
+        outputs = []
+        for model in (resident, target):
+            torch.manual_seed(3)
+            # a fixed draft length: the adaptive policy's choices follow measured times, and the draws follow them
+            kwargs = {"do_sample": True, "assistant_model": drafter, "draft_policy": "fixed"}
+            outputs.append(model.generate(**inputs, max_new_tokens=16, **kwargs))
+        assert torch.equal(*outputs)  # the same random draws on the same drafts and target logits
+
+
+def test_prepare_for_cpu_decoding_leaves_an_offloaded_target_s_hooked_layers_to_accelerate(resident, tmp_path):
+    target = offloaded(resident, tmp_path, HEAD_OFFLOADED)
+    drafter = drafter_for(resident, draft_vocab=True)
+    report = hf_domino.prepare_for_cpu_decoding(target, drafter)
+    linears = sum(isinstance(module, torch.nn.Linear) for module in target.modules())
+    assert report.hooked["target"] == linears and not report.prepacked["target"] and "target" not in report.skipped
+    assert f"{linears} under accelerate's device_map hooks left as they are" in str(report)
+    assert report.verify_ms  # the adaptive policy's cost table, measured on the offloaded target
+    expected = resident.generate(PROMPT, max_new_tokens=16, do_sample=False)
+    assert torch.equal(target.generate(PROMPT, max_new_tokens=16, do_sample=False, assistant_model=drafter), expected)
