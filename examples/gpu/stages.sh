@@ -137,6 +137,10 @@ for name in "$@"; do
     static) stage static 180 bench bfloat16 $STATIC_METHODS mtbench --static-cache ;;
     fp32) stage fp32 120 bench float32 $FP32_METHODS ;;
     batch) stage batch 100 batch $BATCH_METHODS ;;
+    # An offloaded target (docs/usage.md, "Offloaded targets"): 150 MB of SmolLM2 on the GPU, the rest in CPU memory,
+    # alone and with the drafter. Not in a call's default stages: STAGES=offload, where time is left.
+    offload) stage offload 120 bash -c "for prompts in mtbench humaneval; do python3 examples/offloaded_target.py \
+      --prompts \$prompts --num-prompts $PROMPTS --max-new-tokens $TOKENS --threads 8; done" ;;
     finetune) stage finetune 600 finetune ;;
     suite) stage suite 600 env HF_DOMINO_FAILURES_LOG=$R/suite-failures.log \
       python3 -m pytest -v -rfEs --tb=short -p no:cacheprovider -n $PYTEST_WORKERS $TEST_TIMEOUT ;;
