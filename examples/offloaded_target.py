@@ -6,9 +6,11 @@ and every forward brings it in again. A forward over a block of drafts then cost
 each accepted draft saves most of a forward. This script keeps `--resident-mb` of the target on the device, offloads
 the rest, and times, per prompt and interleaved: the target loaded whole, the offloaded target alone, and the
 offloaded target with the drafter (greedy, fp32, the default options), checking that both offloaded answers are the
-whole target's. docs/usage.md ("Offloaded targets") and docs/benchmarks.md quote it:
+whole target's; with `--batch-size N`, left-padded batches of N prompts. docs/usage.md ("Offloaded targets") and
+docs/benchmarks.md quote it:
 
     python examples/offloaded_target.py --prompts mtbench
+    python examples/offloaded_target.py --prompts mtbench --num-prompts 8 --max-new-tokens 64 --batch-size 4
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_domino.assets import encode_chat, load_drafter, load_target
+from hf_domino.assets import load_drafter, load_target
 from hf_domino.prompt_sets import load_humaneval, load_mtbench
 
 
@@ -37,12 +39,22 @@ def offloaded_copy(target, folder: str, resident_mb: int):
     ).eval()
 
 
-def timed(model, input_ids, **kwargs) -> tuple[torch.Tensor, float]:
-    if input_ids.device.type == "cuda":
+def encode(tokenizer, conversations: list, device: torch.device) -> dict[str, torch.Tensor]:
+    """A left-padded batch of chat prompts (one prompt: no padding)."""
+    tokenizer.padding_side = "left"
+    inputs = tokenizer.apply_chat_template(
+        conversations, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
+    )
+    return inputs.to(device)
+
+
+def timed(model, inputs: dict[str, torch.Tensor], **kwargs) -> tuple[torch.Tensor, float]:
+    cuda = inputs["input_ids"].device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
-    output = model.generate(input_ids, do_sample=False, **kwargs)
-    if input_ids.device.type == "cuda":
+    output = model.generate(**inputs, do_sample=False, **kwargs)
+    if cuda:
         torch.cuda.synchronize()
     return output, time.perf_counter() - start
 
@@ -54,31 +66,37 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--resident-mb", type=int, default=150, help="MB of the target kept on its device")
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate() call")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer = load_target("smollm2")
     drafter = load_drafter().to(target.device, torch.float32)
     prompts = (load_mtbench if args.prompts == "mtbench" else load_humaneval)(args.num_prompts)
+    batches = [prompts[start : start + args.batch_size] for start in range(0, len(prompts), args.batch_size)]
     with tempfile.TemporaryDirectory() as folder:
         offloaded = offloaded_copy(target, folder, args.resident_mb)
         kept = sorted({str(device) for device in offloaded.hf_device_map.values()})
-        print(f"# {args.prompts}, {len(prompts)} prompts x {args.max_new_tokens} tokens; device map over {kept}")
+        print(
+            f"# {args.prompts}, {len(prompts)} prompts x {args.max_new_tokens} tokens in batches of {args.batch_size}; "
+            f"device map over {kept}"
+        )
         greedy = {"max_new_tokens": args.max_new_tokens}
-        warm_up = encode_chat(tokenizer, prompts[0]).to(target.device)
+        warm_up = encode(tokenizer, batches[0], target.device)
         for model, kwargs in [(target, {}), (offloaded, {}), (offloaded, {"assistant_model": drafter})]:
             timed(model, warm_up, **greedy, **kwargs)
-        print("| prompt | whole target, s | offloaded alone, s | offloaded + drafter, s | speedup | tau | same |")
+        print("| prompts | whole target, s | offloaded alone, s | offloaded + drafter, s | speedup | tau | same |")
         print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-        rows = []
-        for number, messages in enumerate(prompts):
-            input_ids = encode_chat(tokenizer, messages).to(target.device)
-            whole, whole_s = timed(target, input_ids, **greedy)
-            alone, alone_s = timed(offloaded, input_ids, **greedy)
-            drafted, drafted_s = timed(offloaded, input_ids, **greedy, assistant_model=drafter)
+        rows, first = [], 0
+        for batch in batches:
+            inputs = encode(tokenizer, batch, target.device)
+            whole, whole_s = timed(target, inputs, **greedy)
+            alone, alone_s = timed(offloaded, inputs, **greedy)
+            drafted, drafted_s = timed(offloaded, inputs, **greedy, assistant_model=drafter)
             same = torch.equal(alone, whole) and torch.equal(drafted, whole)
             tau = drafter.last_generation_stats.mean_acceptance_length
             rows.append((whole_s, alone_s, drafted_s))
+            number, first = f"{first}" if len(batch) == 1 else f"{first}-{first + len(batch) - 1}", first + len(batch)
             print(
                 f"| {number} | {whole_s:.2f} | {alone_s:.2f} | {drafted_s:.2f} | {alone_s / drafted_s:.2f}x "
                 f"| {tau:.2f} | {'yes' if same else 'NO'} |"
