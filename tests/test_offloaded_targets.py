@@ -7,6 +7,9 @@ compared with the same weights loaded whole: greedy, sampled, one sequence, a ba
 
 from __future__ import annotations
 
+import copy
+
+import accelerate
 import pytest
 import torch
 from conftest import tiny_drafter, tiny_target
@@ -82,13 +85,34 @@ def test_an_offloaded_target_samples_as_the_target_loaded_whole(resident, tmp_pa
         assert torch.equal(*outputs)  # the same random draws on the same drafts and target logits
 
 
-def test_prepare_for_cpu_decoding_leaves_an_offloaded_target_s_hooked_layers_to_accelerate(resident, tmp_path):
-    target = offloaded(resident, tmp_path, HEAD_OFFLOADED)
+def offloaded_whole(resident, folder, how: str):
+    """A copy of `resident` offloaded whole by accelerate's own functions: every weight on the meta device, no
+    `hf_device_map`."""
+    target = copy.deepcopy(resident)
+    if how == "cpu_offload":
+        accelerate.cpu_offload(target, execution_device="cpu")
+    else:
+        accelerate.disk_offload(target, folder, execution_device="cpu")
+    assert target.device.type == "meta" and not getattr(target, "hf_device_map", None)
+    return target
+
+
+@pytest.mark.parametrize("how", ["device_map", "cpu_offload", "disk_offload"])
+def test_prepare_for_cpu_decoding_leaves_an_offloaded_target_s_hooked_layers_to_accelerate(resident, tmp_path, how):
+    if how == "device_map":
+        target = offloaded(resident, tmp_path, HEAD_OFFLOADED)
+    else:
+        target = offloaded_whole(resident, tmp_path, how)
     drafter = drafter_for(resident, draft_vocab=True)
+    expected = resident.generate(PROMPT, max_new_tokens=16, do_sample=False)
+    fixed = {"do_sample": False, "assistant_model": drafter, "draft_policy": "fixed"}
+    assert torch.equal(resident.generate(PROMPT, max_new_tokens=16, **fixed), expected)
+    resident_lengths = drafter.last_generation_stats.acceptance_lengths
+    assert torch.equal(target.generate(PROMPT, max_new_tokens=16, **fixed), expected)
+    assert drafter.last_generation_stats.acceptance_lengths == resident_lengths
     report = hf_domino.prepare_for_cpu_decoding(target, drafter)
     linears = sum(isinstance(module, torch.nn.Linear) for module in target.modules())
     assert report.hooked["target"] == linears and not report.prepacked["target"] and "target" not in report.skipped
-    assert f"{linears} under accelerate's device_map hooks left as they are" in str(report)
+    assert f"{linears} under accelerate's offloading hooks left as they are" in str(report)
     assert report.verify_ms  # the adaptive policy's cost table, measured on the offloaded target
-    expected = resident.generate(PROMPT, max_new_tokens=16, do_sample=False)
     assert torch.equal(target.generate(PROMPT, max_new_tokens=16, do_sample=False, assistant_model=drafter), expected)

@@ -88,7 +88,7 @@ class CpuFastPathReport:
             new, old = len(self.prepacked.get(name, [])), self.already.get(name, 0)
             part = f"{name}: {new} nn.Linear prepacked for oneDNN" + (f" ({old} already were)" if old else "")
             if self.hooked.get(name):
-                part += f" ({self.hooked[name]} under accelerate's device_map hooks left as they are)"
+                part += f" ({self.hooked[name]} under accelerate's offloading hooks left as they are)"
             if name in self.attention:
                 part += f", {GROUPED_KV_ATTENTION} attention"
             part += _dispatch_summary(self.eager_rows.get(name))
@@ -210,12 +210,16 @@ def _use_grouped_kv_attention(model: nn.Module, name: str, report: CpuFastPathRe
 
 
 def _devices(model: nn.Module) -> set[str]:
-    """The device types `model` computes on. Weights accelerate offloaded (`device_map` with "cpu" or "disk" parts)
-    wait on the meta device, and its hooks bring them in for each forward: they are not a device of their own."""
-    devices = {tensor.device.type for tensor in model.parameters()}
-    if getattr(model, "hf_device_map", None):
-        devices.discard("meta")
-    return devices
+    """The device types `model` computes on. Weights accelerate offloaded (`device_map` with "cpu" or "disk" parts,
+    `accelerate.cpu_offload`) wait on the meta device, and their modules' hooks bring them to where they compute for
+    each forward."""
+    from .modeling_domino import execution_device
+
+    return {
+        (execution_device(module) if tensor.device.type == "meta" else tensor.device).type
+        for module in model.modules()
+        for tensor in module.parameters(recurse=False)
+    }
 
 
 def _on_cpu(model: nn.Module) -> bool:
