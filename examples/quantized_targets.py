@@ -19,7 +19,7 @@ import importlib.util
 import torch
 
 import hf_domino
-from hf_domino.assets import load_drafter, load_target, smollm2_gguf_path
+from hf_domino.assets import load_drafter, load_target, load_tokenizer, smollm2_gguf_path
 from hf_domino.dense_gguf import dense_gguf_cache
 
 PROMPT = [{"role": "user", "content": "Write a haiku about dominoes."}]
@@ -66,7 +66,7 @@ def main() -> None:
         "| prepared |"
     )
     print("| --- | ---: | ---: | ---: | --- | --- | --- |")
-    tokenizer = load_target("smollm2", device="cpu")[1]
+    tokenizer = load_tokenizer("smollm2")
     for name, load in quantizations().items():
         target = load()
         drafter = load_drafter().to(torch.float32)
