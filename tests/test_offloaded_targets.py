@@ -116,3 +116,11 @@ def test_prepare_for_cpu_decoding_leaves_an_offloaded_target_s_hooked_layers_to_
     assert f"{linears} under accelerate's offloading hooks left as they are" in str(report)
     assert report.verify_ms  # the adaptive policy's cost table, measured on the offloaded target
     assert torch.equal(target.generate(PROMPT, max_new_tokens=16, do_sample=False, assistant_model=drafter), expected)
+
+
+def test_compiling_an_offloaded_target_is_refused_naming_the_fix(resident, tmp_path):
+    # generate() would decline to compile it with a warning, after prepare_for_cpu_decoding had said it compiles
+    target = offloaded(resident, tmp_path, HEAD_OFFLOADED)
+    with pytest.raises(ValueError, match=r"does not compile a target with offloaded weights.*drop compile=True"):
+        hf_domino.prepare_for_cpu_decoding(target, drafter_for(resident, draft_vocab=False), compile=True)
+    assert target.generation_config.cache_implementation is None  # refused before changing anything

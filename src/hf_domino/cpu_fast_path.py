@@ -320,6 +320,18 @@ def _check_compiles_in_generate(target: nn.Module) -> None:
             "compile=True compiles the target's forward on a static cache, which a drafter can roll back from "
             f"transformers 5.24 (this is {transformers.__version__}): upgrade transformers, or drop compile=True."
         )
+    # generate() itself declines to compile these, with a warning, and would run the static cache uncompiled.
+    if any(tensor.device.type == "meta" for tensor in target.parameters()):
+        raise ValueError(
+            'compile=True: generate() does not compile a target with offloaded weights (a device_map with "cpu" '
+            'or "disk" parts, accelerate\'s cpu_offload): drop compile=True, or load the whole target on the CPU.'
+        )
+    quantizer = getattr(target, "hf_quantizer", None)
+    if quantizer is not None and not quantizer.is_compileable:
+        raise ValueError(
+            f"compile=True: generate() does not compile a target quantized by {type(quantizer).__name__}: drop "
+            "compile=True."
+        )
 
 
 def compiling_on_any_device(compile_config: CompileConfig | None = None) -> CompileConfig:
