@@ -1,4 +1,5 @@
-"""Targets dispatched by accelerate with offloaded parts (`from_pretrained(..., device_map=..., offload_folder=...)`).
+"""Targets dispatched by accelerate with offloaded parts (`from_pretrained(..., device_map=..., offload_folder=...)`,
+`accelerate.cpu_offload` / `disk_offload`).
 
 Their offloaded weights wait on the meta device and accelerate's hooks bring them in for each forward; a drafter
 borrows the target's embeddings and LM head, so it must run them where the hooks do. The offloaded target's output is
