@@ -315,11 +315,6 @@ def _check_compiles_in_generate(target: nn.Module) -> None:
             f"compile=True sets how generate() runs the target, and this {type(target).__name__} has no "
             "generation_config: pass a model with generate() (a ...ForCausalLM), or drop compile=True."
         )
-    if not static_caches_roll_back():
-        raise ValueError(
-            "compile=True compiles the target's forward on a static cache, which a drafter can roll back from "
-            f"transformers 5.24 (this is {transformers.__version__}): upgrade transformers, or drop compile=True."
-        )
     # generate() itself declines to compile these, with a warning, and would run the static cache uncompiled.
     if any(tensor.device.type == "meta" for tensor in target.parameters()):
         raise ValueError(
@@ -331,6 +326,11 @@ def _check_compiles_in_generate(target: nn.Module) -> None:
         raise ValueError(
             f"compile=True: generate() does not compile a target quantized by {type(quantizer).__name__}: drop "
             "compile=True."
+        )
+    if not static_caches_roll_back():
+        raise ValueError(
+            "compile=True compiles the target's forward on a static cache, which a drafter can roll back from "
+            f"transformers 5.24 (this is {transformers.__version__}): upgrade transformers, or drop compile=True."
         )
 
 
