@@ -55,6 +55,7 @@ from .prepacked_linear import (
     measure_linear_dispatch,
     packable_dtypes,
 )
+from .target_modules_domino import execution_device
 
 logger = logging.getLogger(__name__)
 
@@ -213,8 +214,6 @@ def _devices(model: nn.Module) -> set[str]:
     """The device types `model` computes on. Weights accelerate offloaded (`device_map` with "cpu" or "disk" parts,
     `accelerate.cpu_offload`) wait on the meta device, and their modules' hooks bring them to where they compute for
     each forward."""
-    from .modeling_domino import execution_device
-
     return {
         (execution_device(module) if tensor.device.type == "meta" else tensor.device).type
         for module in model.modules()

@@ -22,7 +22,8 @@ from transformers.cache_utils import StaticLayer
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS, SynthIDTextWatermarkingConfig
 
 from .configuration_domino import OWN_ARCHITECTURE, SERVING_ARCHITECTURE, SERVING_MODEL_TYPE
-from .modeling_domino import DOMINO_HEAD_DEFAULT, target_execution_device
+from .modeling_domino import DOMINO_HEAD_DEFAULT
+from .target_modules_domino import target_execution_device
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel

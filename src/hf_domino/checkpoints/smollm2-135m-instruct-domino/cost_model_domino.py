@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .cache_domino import cache_argument
-from .modeling_domino import target_execution_device
+from .target_modules_domino import target_execution_device
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -38,13 +38,13 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .batching_domino import batched_assisted_decoding
 from .cache_domino import CACHE_ARGUMENT, buffer_layers, uncached_prompt_length
-from .modeling_domino import target_execution_device
 from .options_domino import (
     DominoGenerationStats,
     DominoOptions,
     check_drafter_for_target,
     refuse_a_drafter_built_as_another_model,
 )
+from .target_modules_domino import target_execution_device
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig
