@@ -314,3 +314,49 @@ def test_sampling_keeps_each_rows_law_on_a_sliding_window_target():
     for prompt, observed in zip(prompts, counts):
         probs = exact_sequence_distribution(target, prompt, num_new, processors)
         assert chi_square_p_value(observed, probs, per_prompt) > 1e-3
+
+
+def vision_language_target(name: str):
+    """A tiny vision-language model: AutoModelForCausalLM loads Gemma 3's checkpoints (4B and up) as this class."""
+    torch.manual_seed(0)
+    text = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, **SPECIAL_TOKENS,
+    )  # fmt: skip
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8)
+    if name == "llava":
+        config = transformers.LlavaConfig(
+            vision_config=transformers.CLIPVisionConfig(**vision, patch_size=4),
+            text_config=transformers.LlamaConfig(**text),
+            image_token_id=63,
+        )
+        target = transformers.LlavaForConditionalGeneration(config)
+    else:
+        config = transformers.Gemma3Config(
+            vision_config=transformers.SiglipVisionConfig(**vision, patch_size=4),
+            text_config=transformers.Gemma3TextConfig(**text, sliding_window=WINDOW),
+            image_token_id=63, boi_token_id=61, eoi_token_id=62, mm_tokens_per_image=4,
+        )  # fmt: skip
+        target = transformers.Gemma3ForConditionalGeneration(config)
+    target.generation_config.pad_token_id = 0
+    return target.eval()
+
+
+@pytest.mark.parametrize("name", ["llava", "gemma3"])
+def test_a_vision_language_target_drafts_text_batches_and_one_sequence_with_an_image(name):
+    """generate() hands such a target an empty `mm_encoder_outputs` for text alone, which the batch loop had refused."""
+    target = vision_language_target(name)
+    drafter = tiny_drafter(target)
+    batch = left_padded(ROWS)
+    expected = target.generate(**batch, max_new_tokens=16, **GREEDY)
+    assert torch.equal(target.generate(**batch, assistant_model=drafter, max_new_tokens=16, **GREEDY), expected)
+    # An image: one sequence runs transformers' own loop, which passes it on; a batch is refused, naming it.
+    prompt = torch.tensor([[5, 9] + [63] * 4 + PROMPT[:8]])
+    pixels = torch.randn(2, 3, 8, 8)
+    if name == "gemma3":
+        prompt = torch.tensor([[5, 9, 61] + [63] * 4 + [62] + PROMPT[:8]])
+    expected = target.generate(prompt, pixel_values=pixels[:1], max_new_tokens=16, **GREEDY)
+    output = target.generate(prompt, pixel_values=pixels[:1], assistant_model=drafter, max_new_tokens=16, **GREEDY)
+    assert torch.equal(output, expected)
+    with pytest.raises(ValueError, match="images or videos"):
+        target.generate(prompt.repeat(2, 1), pixel_values=pixels, assistant_model=drafter, max_new_tokens=4, **GREEDY)

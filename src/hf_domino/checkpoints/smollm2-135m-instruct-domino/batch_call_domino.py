@@ -104,13 +104,20 @@ def _check_model_inputs(
     """Raises, naming the fix, where generate() gives the target inputs the batch loop would not feed it as the target
     alone's first step reads them (the loop feeds ids, embeddings and mask positions, and mixes no drafter in)."""
     named = inspect.signature(target.forward).parameters
+    # generate() hands a vision-language target an empty `mm_encoder_outputs` for a text-only call: nothing to feed.
     unread = sorted(
         name for name, value in model_kwargs.items()
-        if value is not None and name in named and name not in BATCH_LOOP_INPUTS
+        if value is not None and not (isinstance(value, dict) and not value)
+        and name in named and name not in BATCH_LOOP_INPUTS
     )  # fmt: skip
     if unread:
+        given = ", ".join(
+            "images or videos (pixel_values..., which generate() encoded as mm_encoder_outputs)"
+            if name == "mm_encoder_outputs" else name
+            for name in unread
+        )  # fmt: skip
         raise ValueError(
-            f"generate() got {', '.join(unread)} for the target, which a drafted batch does not pass on to it (its "
+            f"generate() got {given} for the target, which a drafted batch does not pass on to it (its "
             f"loop feeds the target token ids, their embeddings and positions only): {one_at_a_time}, which "
             "transformers' own loop runs with every input, or generate the batch without the drafter."
         )

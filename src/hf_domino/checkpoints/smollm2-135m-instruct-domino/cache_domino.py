@@ -1,15 +1,17 @@
 """The target's key/value cache as the drafting loops use it: the name `generate()` passes it under, a layer that
-grows in place, and how much of a prompt a call that continues a filled cache still has to read.
+grows in place, how much of a prompt a call that continues a filled cache still has to read, and how a cache with
+recurrent layers (linear attention, state-space models) gives back a verification's rejected drafts.
 
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin
 from transformers.generation import GenerationMixin
 
 # transformers 5.24 renamed the key/value cache from `past_key_values` to `cache`: in a model's forward() arguments, in
@@ -99,6 +101,161 @@ def _buffered(layer: DynamicLayer, reserve: int) -> BufferedLayer:
     return buffered
 
 
+def _keep_state_before(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+    """`update_recurrent_state` of a snapshot layer: the new state is kept by reference rather than copied into the
+    old one's storage, so the state the forward started from survives as it was, with no copy per forward."""
+    if not self.is_recurrent_states_initialized[state_idx]:
+        return super(type(self), self).update_recurrent_state(recurrent_states, state_idx, **kwargs)
+    self.states_before[state_idx] = self.recurrent_states[state_idx]
+    self.recurrent_states[state_idx] = recurrent_states.to(self.recurrent_states[state_idx].dtype)
+    return self.recurrent_states[state_idx]
+
+
+def _restore_state_before(self) -> None:
+    """Puts back the recurrent states the last forward started from."""
+    for index, initialized in self.is_recurrent_states_initialized.items():
+        if not initialized:
+            continue
+        if index not in self.states_before:
+            raise RuntimeError(
+                f"A recurrent state of {type(self).__name__} was not updated through the cache in the last forward, so "
+                "it cannot be rolled back: this target cannot verify drafts. Generate without the drafter."
+            )
+        self.recurrent_states[index] = self.states_before[index]
+    self.states_before = {}
+
+
+@functools.cache
+def _snapshot_class(layer_class: type) -> type:
+    """`layer_class` (a linear-attention cache layer) keeping the recurrent states each forward started from, so that
+    the forward can be rolled back whole (`restore`). A direct subclass: an instance's class can be swapped to it."""
+    return type(
+        f"Snapshot{layer_class.__name__}",
+        (layer_class,),
+        {
+            "update_recurrent_state": _keep_state_before,
+            "restore": _restore_state_before,
+            "is_croppable": property(lambda self: True),  # whole forwards, through `RecurrentRollback`
+        },
+    )
+
+
+class RecurrentRollback:
+    """Rolls a cache with recurrent layers back where a verification rejects drafts, for transformers' assisted loop.
+
+    A recurrent state (linear attention, a state-space layer) folds every token it reads into one tensor, so it
+    cannot drop a verification's rejected drafts the way key/value columns are cropped; transformers refuses assisted
+    generation for such targets. Keeping the state after every position of a block would mean changing the models'
+    kernels. Instead, a forward whose drafts were all accepted is kept, and any other is rolled back whole: each
+    recurrent state to what the forward started from, every other layer (attention, convolution history) by the
+    forward's tokens. The tokens it verified (the anchor and the accepted drafts) stay in the sequence, and the next
+    forward reads them again with the new token (`feed`), verifying no drafts (the candidate generator's re-read,
+    `lagging`), so that it is always kept. A cycle with a rejection thus costs one more forward, about a plain step,
+    which yields a token as a plain step does; the states always hold exactly the tokens of the sequence.
+
+    Installed by the generate() hook for one call (`install`, `remove`); `committed` counts the tokens the cache
+    holds for certain.
+    """
+
+    def __init__(self, cache: Cache, committed: int):
+        self.cache, self.committed, self.fed = cache, committed, 0
+        self.layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        self.classes = [type(layer) for layer in self.layers]
+
+    @classmethod
+    def install(cls, cache: Cache, committed: int) -> RecurrentRollback:
+        rollback = cls(cache, committed)
+        for layer in rollback.layers:
+            layer.__class__ = _snapshot_class(type(layer))
+            layer.states_before = {}
+        cache.crop = rollback.crop  # transformers' loop crops after every verification
+        return rollback
+
+    def remove(self) -> None:
+        """The cache as it was built, holding what the call left in it."""
+        for layer, layer_class in zip(self.layers, self.classes):
+            layer.__class__ = layer_class
+            layer.record_past = True  # as transformers' assisted loop left it
+            del layer.states_before
+        self.cache.__dict__.pop("crop", None)
+
+    def lagging(self, sequence_length: int) -> bool:
+        """Whether the last verification was rolled back: the cache misses verified tokens of the sequence (all but
+        its last token, which the next forward reads anyway)."""
+        return self.committed < sequence_length - 1
+
+    def feed(self, sequence_length: int) -> int:
+        """How many of the sequence's last tokens the next forward reads: every one after the committed ones."""
+        self.fed = sequence_length - self.committed
+        for layer in self.layers:
+            layer.states_before = {}
+            # A one-token forward is never rolled back: it runs the models' in-place step, as the target alone's does,
+            # rather than the convolution over a recorded history that transformers' assisted loop asks for.
+            layer.record_past = self.fed > 1
+        return self.fed
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' crop after a verification: nothing rejected keeps the forward; anything rejected rolls the
+        whole forward back (the tokens it verified are read again by the next one)."""
+        if tokens_to_remove == 0:
+            if self.fed > 1:
+                type(self.cache).crop(self.cache, 0)  # shrinks the recorded convolution history
+            self.committed += self.fed
+            return
+        for layer in self.layers:
+            layer.restore()
+        type(self.cache).crop(self.cache, -self.fed)
+
+
+# Families (text model types) whose recurrent layers carry their states through a forward of several tokens on a
+# filled cache exactly as through one forward over the whole sequence, which verifying drafts needs. Checked for each
+# by tests/test_recurrent_targets.py. transformers' Mamba, FalconMamba, Jamba and Bamba start such a forward from
+# empty states (their scan takes no initial state), so they cannot verify drafts.
+RECURRENT_TARGETS = frozenset(
+    {
+        "qwen3_5_text",
+        "qwen3_5_moe_text",
+        "qwen3_next",
+        "olmo_hybrid",
+        "nemotron_h",
+        "falcon_h1",
+        "granitemoehybrid",
+        "mamba2",
+    }
+)
+
+
+def check_recurrent_target(target) -> None:
+    """Raises, naming the fix, for a target with recurrent states that drafting cannot serve exactly."""
+    model_type = target.config.get_text_config().model_type
+    if model_type not in RECURRENT_TARGETS:
+        raise ValueError(
+            f"{type(target).__name__} keeps recurrent states, and {model_type} is not among the families whose forward "
+            "over several tokens of a filled cache was checked to continue them exactly, which verifying drafts needs "
+            f"({', '.join(sorted(RECURRENT_TARGETS))}): generate without the drafter."
+        )
+
+
+def has_recurrent_layers(cache: Cache | None) -> bool:
+    """Whether `cache` holds layers with recurrent states (linear attention, state-space models)."""
+    return cache is not None and any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
+
+
+def _cached_tokens(cache: Cache | None) -> int:
+    """How many tokens `cache` holds; a cache of recurrent layers only (a state-space model) does not count them."""
+    if cache is None:
+        return 0
+    if cache.layers and all(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers):
+        if not any(any(layer.has_previous_state.values()) for layer in cache.layers):
+            return 0
+        raise ValueError(
+            "The cache passed to generate() holds the recurrent states of an earlier call, which do not say how many "
+            "tokens they hold, so a call with a drafter cannot tell which of the prompt's tokens they cover: pass the "
+            "whole conversation without the cache, or generate without the drafter."
+        )
+    return int(cache.get_seq_length())  # a static cache's is a tensor
+
+
 def uncached_prompt_length(
     cache: Cache | None, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, generation_config
 ) -> int | None:
@@ -111,7 +268,7 @@ def uncached_prompt_length(
     (transformers 5.23-5.24, prompt lookup included), so the generate() hook applies the rule for a Domino drafter,
     and the batch loop starts its ragged cache after the cached columns.
     """
-    cached = int(cache.get_seq_length()) if cache is not None else 0  # a static cache's is a tensor
+    cached = _cached_tokens(cache)
     if not cached:
         return None
     mask_length = (
@@ -128,4 +285,14 @@ def uncached_prompt_length(
     return input_ids.shape[1] - cached
 
 
-__all__ = ["CACHE_ARGUMENT", "BufferedLayer", "buffer_layers", "cache_argument", "uncached_prompt_length"]
+__all__ = [
+    "CACHE_ARGUMENT",
+    "BufferedLayer",
+    "RECURRENT_TARGETS",
+    "RecurrentRollback",
+    "buffer_layers",
+    "cache_argument",
+    "check_recurrent_target",
+    "has_recurrent_layers",
+    "uncached_prompt_length",
+]

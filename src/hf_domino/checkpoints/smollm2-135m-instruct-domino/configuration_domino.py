@@ -252,7 +252,8 @@ class DominoConfig(Qwen3Config):
         num_target_layers = text_config.num_hidden_layers
         if mask_token_id is None:
             mask_token_id = _default_mask_token_id(text_config)
-        num_heads = text_config.num_attention_heads
+        # A target without attention (a state-space model such as Mamba) gives no head count: heads of 64.
+        num_heads = getattr(text_config, "num_attention_heads", None) or max(1, text_config.hidden_size // 64)
         backbone = {
             "hidden_size": text_config.hidden_size,
             "intermediate_size": _mlp_width(text_config),

@@ -37,7 +37,14 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .batching_domino import batched_assisted_decoding
-from .cache_domino import CACHE_ARGUMENT, buffer_layers, uncached_prompt_length
+from .cache_domino import (
+    CACHE_ARGUMENT,
+    RecurrentRollback,
+    buffer_layers,
+    check_recurrent_target,
+    has_recurrent_layers,
+    uncached_prompt_length,
+)
 from .options_domino import (
     DominoGenerationStats,
     DominoOptions,
@@ -56,6 +63,7 @@ class _DominoCall(NamedTuple):
     options: DominoOptions
     stopping_criteria: StoppingCriteriaList | None
     prefill_length: int | None  # `uncached_prompt_length`: None when the prefill reads the whole prompt
+    rollback: RecurrentRollback | None = None  # a target with recurrent layers: what each forward reads
 
 
 _CALL: contextvars.ContextVar[_DominoCall | None] = contextvars.ContextVar("domino_call", default=None)
@@ -138,12 +146,58 @@ def _wrap_validate_generation_mode(original):
                 # transformers refuses several sequences per prompt for an assistant; ours serves them as a batch.
                 bound = _signature(original).bind(self, *args, **kwargs)
                 bound.arguments["generation_config"] = _single_sequence_view(arguments["generation_config"])
-                return original(*bound.args, **bound.kwargs)
+                with _recurrent_state_check_waived(self):
+                    return original(*bound.args, **bound.kwargs)
+            with _recurrent_state_check_waived(self):
+                return original(self, *args, **kwargs)
         elif assistant is not None:
             refuse_a_drafter_built_as_another_model(assistant)
         return original(self, *args, **kwargs)
 
     return _validate_generation_mode
+
+
+@contextlib.contextmanager
+def _recurrent_state_check_waived(target):
+    """transformers refuses an assistant for a target with recurrent states (`_is_stateful`), which cannot drop rejected
+    drafts; a Domino call rolls them back (`RecurrentRollback`) for the families that continue their states exactly
+    over a forward of several tokens (`check_recurrent_target`, else refused here), and refuses before the prefill a
+    call whose cache or shape does not let it (`_check_recurrent_call`)."""
+    if not getattr(target, "_is_stateful", False):
+        yield
+        return
+    check_recurrent_target(target)
+    target.__dict__["_is_stateful"] = False  # this instance, for transformers' check only
+    try:
+        yield
+    finally:
+        target.__dict__.pop("_is_stateful", None)
+
+
+def _check_recurrent_call(target, cache, generation_config, batched: bool) -> None:
+    """Raises, naming the fix, for a call on a target with recurrent states that a Domino drafter cannot serve."""
+    if batched:
+        raise ValueError(
+            f"{type(target).__name__} keeps per-layer states (linear attention, convolution or state-space layers), "
+            "which a drafted batch or tree cannot roll back row by row: generate one sequence at a time with the "
+            "drafter (a plain block, domino_branches=1), or the batch without it."
+        )
+    if not has_recurrent_layers(cache):
+        raise ValueError(
+            f"{type(target).__name__} keeps its recurrent states outside a cache of linear-attention layers passed "
+            f"through generate() (got {type(cache).__name__}), where drafting cannot roll them back after a rejected "
+            "draft (transformers 5.24 moved state-space models' states there): upgrade transformers, or generate "
+            "without the drafter."
+        )
+    if generation_config.return_dict_in_generate and (
+        generation_config.output_attentions or generation_config.output_hidden_states
+    ):
+        raise ValueError(
+            f"With a drafter, {type(target).__name__}'s forwards read again the tokens a rolled-back verification "
+            "verified (its recurrent states cannot drop rejected drafts), so they return no attentions or hidden "
+            "states per generated token: drop output_attentions/output_hidden_states (output_scores and "
+            "output_logits work)."
+        )
 
 
 def _cudnn_eligible(device: torch.device, dtype: torch.dtype) -> bool:
@@ -213,7 +267,14 @@ def _wrap_assisted_decoding(original):
         kernels = drafting_attention_kernels(target_execution_device(self), self.dtype, options.domino_cudnn_attention)
         # transformers' loop verifies one sequence: a batch is ours, and so is a tree of branches. So is a target whose
         # first weights accelerate offloaded: transformers' loop moves each block to `target.device`, the meta device.
-        if arguments["input_ids"].shape[0] > 1 or options.domino_branches > 1 or self.device.type == "meta":
+        batched = arguments["input_ids"].shape[0] > 1 or options.domino_branches > 1 or self.device.type == "meta"
+        model_kwargs, generation_config = arguments.get("model_kwargs", {}), arguments["generation_config"]
+        cache = model_kwargs.get(CACHE_ARGUMENT)
+        # transformers rolls convolution-only layers back itself; recurrent states are ours to roll back.
+        recurrent = getattr(self, "_is_stateful", False)
+        if recurrent or (batched and has_recurrent_layers(cache)):
+            _check_recurrent_call(self, cache, generation_config, batched)
+        if batched:
             stats = DominoGenerationStats(timings={} if options.domino_timings else None)
             drafter.last_generation_stats = stats
             with kernels:
@@ -230,19 +291,23 @@ def _wrap_assisted_decoding(original):
                     attention_mask_given=attention_mask_given,
                     **arguments.get("model_kwargs", {}),
                 )
-        model_kwargs, generation_config = arguments.get("model_kwargs", {}), arguments["generation_config"]
-        cache = model_kwargs.get(CACHE_ARGUMENT)
         prefill_length = uncached_prompt_length(
             cache, arguments["input_ids"], model_kwargs.get("attention_mask"), generation_config
         )
         if isinstance(cache, DynamicCache):  # verified blocks written in place, not concatenated (BufferedLayer)
             buffer_layers(cache, options.cache_columns(drafter, generation_config.max_length))
-        token = _CALL.set(_DominoCall(options, arguments.get("stopping_criteria"), prefill_length))
+        rollback = None
+        if recurrent:
+            cached = arguments["input_ids"].shape[1] - (prefill_length or arguments["input_ids"].shape[1])
+            rollback = RecurrentRollback.install(cache, committed=cached)
+        token = _CALL.set(_DominoCall(options, arguments.get("stopping_criteria"), prefill_length, rollback))
         try:
             with kernels:
                 return original(self, *args, **kwargs)
         finally:
             _CALL.reset(token)
+            if rollback is not None:
+                rollback.remove()
 
     return _assisted_decoding
 
@@ -254,7 +319,7 @@ def _wrap_get_candidate_generator(original):
         assistant = arguments.get("assistant_model")
         if not is_domino_drafter(assistant):
             return original(self, *args, **kwargs)
-        call = _CALL.get() or _DominoCall(None, None, None)
+        call = _CALL.get() or _DominoCall(None, None, None, None)
         return assistant.build_candidate_generator(
             target=self,
             generation_config=arguments["generation_config"],
@@ -263,6 +328,7 @@ def _wrap_get_candidate_generator(original):
             stopping_criteria=call.stopping_criteria,
             options=call.options,
             prefill_length=call.prefill_length,
+            rollback=call.rollback,
         )
 
     return _get_candidate_generator
@@ -274,7 +340,11 @@ def _wrap_prepare_inputs_for_generation(original):
         # transformers' assisted loop asks its first forward (the prefill) for the whole prompt, also when the call
         # continues a filled cache: inside a Domino call, read only what the cache does not hold, as `_prefill` does.
         call = _CALL.get()
-        if (
+        if call is not None and call.rollback is not None:
+            # Everything the cache does not hold for certain: after a rolled-back verification, its verified tokens too.
+            input_ids = _bound_arguments(original, self, args, kwargs)["input_ids"]
+            kwargs["next_sequence_length"] = call.rollback.feed(input_ids.shape[1])
+        elif (
             call is not None
             and call.prefill_length is not None
             and kwargs.get("is_first_iteration")

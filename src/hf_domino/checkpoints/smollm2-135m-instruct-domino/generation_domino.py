@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from .cache_domino import CACHE_ARGUMENT
+from .cache_domino import CACHE_ARGUMENT, RecurrentRollback, has_recurrent_layers
 from .cost_model_domino import (
     VerifyCost,
     measure_verify_cost,
@@ -74,6 +74,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         stopping_criteria: StoppingCriteriaList | None = None,
         options: DominoOptions | None = None,
         prefill_length: int | None = None,
+        rollback: RecurrentRollback | None = None,
         **kwargs: Any,
     ):
         if options is None:  # built directly rather than through generate(): validate here
@@ -89,6 +90,8 @@ class DominoCandidateGenerator(CandidateGenerator):
         self.drafter, self.target_model, self.options = drafter, target, options
         # The prompt tokens the prefill reads when the call continues a filled cache (None: the whole prompt).
         self.prefill_length = prefill_length
+        # A target with recurrent layers: a verification with a rejected draft is rolled back whole (RecurrentRollback).
+        self.rollback = rollback
         self.target = TargetModules.from_target(target)
         self.max_length = generation_config.max_length
         self.max_drafts = options.drafts_per_block(drafter)
@@ -145,6 +148,8 @@ class DominoCandidateGenerator(CandidateGenerator):
         model_kwargs = model_kwargs or {}
         if self.policy is None:
             self.policy, self.lookup_policy, self.datastore_policy = self._build_policies(input_ids, model_kwargs)
+        elif self.cycle.get("catch_up"):
+            pass  # a re-read, not a plain step: its cost would mislead the policy's plain-step price
         elif self.copy_policy is not None:
             self.copy_policy.observe(
                 verified=self.cycle["verified"], accepted=int(n_last_matches), verify_seconds=verify_seconds
@@ -154,6 +159,12 @@ class DominoCandidateGenerator(CandidateGenerator):
         self.context.append(self._new_context_features(input_ids, model_kwargs, model_outputs, int(n_last_matches)))
         self._judge_declined_copies(input_ids)
         self.cycle, self.copy_policy = {"drafted": False, "verified": 0}, None
+        if self.rollback is not None and self.rollback.lagging(input_ids.shape[1]):
+            # The last verification was rolled back: this forward reads its verified tokens again and drafts nothing,
+            # so that it is kept whole (drafts would risk another rollback, and the re-read would grow each time).
+            self.cycle["catch_up"] = True
+            self._lap()
+            return input_ids, None
         room = self.max_length - input_ids.shape[1] - 1  # the target adds one token of its own
         copied = self._copied_drafts(input_ids, min(self.max_copies, room))
         if copied is not None:
@@ -255,8 +266,11 @@ class DominoCandidateGenerator(CandidateGenerator):
         # After the prefill every prompt token it read is new context (all of them, or those after a cache the call
         # continues: the drafter then reads from there); later, the accepted drafts plus the previous anchor.
         first = self.context.num_tokens == 0
-        num_new = input_ids.shape[1] - 1 if first else n_last_matches + 1
-        features = context_features(hidden_states, self.drafter.config.target_layer_ids)[:, :num_new]
+        features = context_features(hidden_states, self.drafter.config.target_layer_ids)
+        if first:
+            features = features[:, : input_ids.shape[1] - 1]
+        else:  # the forward's last tokens: a target with recurrent layers may have read verified ones again before
+            features = features[:, -(self.cycle["verified"] + 1) :][:, : n_last_matches + 1]
         if first:
             read = features.shape[1]
             self._check_prefill(read)
@@ -315,9 +329,10 @@ class DominoCandidateGenerator(CandidateGenerator):
         forward_kwargs = {"output_hidden_states": self.model_kwargs_overrides["output_hidden_states"]}
 
         def measure() -> VerifyCost:
-            if isinstance(cache, DynamicCache):  # on the call's own context, given back after each forward
-                return measure_verify_cost(target, cache, input_ids[:, -1:], forward_kwargs)
-            return measure_verify_cost_on_scratch(target, forward_kwargs)  # a static cache has no room to spare
+            if isinstance(cache, DynamicCache) and not has_recurrent_layers(cache):  # on the call's own context
+                return measure_verify_cost(target, cache, input_ids[:, -1:], forward_kwargs)  # given back each time
+            # A static cache has no room to spare; recurrent states cannot give a measured block back.
+            return measure_verify_cost_on_scratch(target, forward_kwargs)
 
         cost = verify_cost_for(target, measure)
         mode = DraftingMode(sampled=self.do_sample, head=options.head_enabled(drafter), vocab=self.vocab is not None)

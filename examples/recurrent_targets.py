@@ -1,0 +1,96 @@
+"""What drafting costs for a target with recurrent layers: a Qwen3.5-shaped model, random weights.
+
+No drafter is trained for such a target and none installs offline, so acceptance is not measured here; what is:
+
+- a target forward over 1, 2, 3, 5, 9 and 17 tokens of a filled cache, as a verification runs it (the cache
+  recording its convolution history, `activate_past_recording`), against the target alone's one-token step;
+- `generate()` with a drafter of random weights (every draft rejected), twice in one process, against the target
+  alone: the first call also measures the target's verify-cost table, the second shows where the adaptive policy
+  settles when drafting cannot pay. Outputs are compared.
+
+    python examples/recurrent_targets.py                 # Qwen3.5-0.8B's widths, 24 layers: about 2 minutes here
+    python examples/recurrent_targets.py --layers 4      # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+from hf_domino import DominoConfig, DominoForSpeculation
+from hf_domino.cache_domino import cache_argument
+
+# Qwen3.5-0.8B's sizes (three Gated DeltaNet layers to one attention layer).
+WIDTHS = dict(
+    vocab_size=151936, hidden_size=1024, intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2,
+    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+    linear_value_head_dim=128, tie_word_embeddings=True,
+)  # fmt: skip
+LENGTHS = (1, 2, 3, 5, 9, 17)
+
+
+def forward_ms(target, context: torch.Tensor, tokens: int, recording: bool, reps: int = 4) -> float:
+    """Median ms of a forward over `tokens` new tokens on a cache filled with `context` (the first rep a warm-up)."""
+    cache = DynamicCache(config=target.config)
+    if recording:
+        cache.activate_past_recording()
+    samples = []
+    with torch.no_grad():
+        target(context, use_cache=True, **cache_argument(cache), logits_to_keep=1)
+        for _ in range(reps):
+            block = context[:, -tokens:]
+            start = time.perf_counter()
+            target(block, use_cache=True, **cache_argument(cache), logits_to_keep=tokens)
+            samples.append(time.perf_counter() - start)
+            if recording:
+                cache.crop(-tokens)  # given back (a recurrent state would keep it: timing only)
+    return 1000 * statistics.median(samples[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen3.5-0.8B has 24)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens per generate() call")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    if args.layers < 4:
+        parser.error("--layers must be at least 4: Qwen3.5's first attention layer is its fourth")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    config = Qwen3_5TextConfig(**WIDTHS, num_hidden_layers=args.layers, eos_token_id=None, pad_token_id=0)
+    target = Qwen3_5ForCausalLM(config).eval()
+    layers = [1, args.layers // 2, args.layers - 2]
+    drafter = DominoForSpeculation(DominoConfig.from_target(config, num_hidden_layers=1, target_layer_ids=layers))
+    context = torch.randint(0, 1000, (1, 256))
+
+    step = forward_ms(target, context, 1, recording=False)
+    print(f"{args.layers} layers, {sum(p.numel() for p in target.parameters()) / 1e6:.0f}M parameters, "
+          f"{args.threads} threads, 256 tokens cached\n")  # fmt: skip
+    print("| tokens | ms | x the target alone's step |\n| ---: | ---: | ---: |")
+    print(f"| 1 (the target alone's step) | {step:.1f} | 1.00 |")
+    for tokens in LENGTHS:
+        ms = forward_ms(target, context, tokens, recording=True)
+        print(f"| {tokens} | {ms:.1f} | {ms / step:.2f} |")
+
+    prompt, options = context[:, :64], dict(max_new_tokens=args.new_tokens, do_sample=False)
+    target.generate(prompt, max_new_tokens=2, do_sample=False)  # warm-up
+    print("\n| call | target alone, s | with the drafter, s | speedup | drafts verified | identical |")
+    print("| ---: | ---: | ---: | ---: | ---: | --- |")
+    for call in (1, 2):
+        start = time.perf_counter()
+        expected = target.generate(prompt, **options)
+        alone = time.perf_counter() - start
+        start = time.perf_counter()
+        output = target.generate(prompt, assistant_model=drafter, **options)
+        drafted = time.perf_counter() - start
+        verified = sum(drafter.last_generation_stats.drafted)
+        same = "yes" if torch.equal(output, expected) else "NO"
+        print(f"| {call} | {alone:.1f} | {drafted:.1f} | {alone / drafted:.2f}x | {verified} | {same} |")
+
+
+if __name__ == "__main__":
+    main()

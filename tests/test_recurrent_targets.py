@@ -1,0 +1,380 @@
+"""Targets with recurrent layers (linear attention, state-space models): Qwen3.5, Qwen3-Next, OLMo-Hybrid, Nemotron-H,
+Falcon-H1, Granite 4 (GraniteMoeHybrid).
+
+transformers refuses assisted generation for them (`_is_stateful`): a recurrent state folds every token it reads
+into one tensor and cannot drop a verification's rejected drafts. A Domino call rolls a verification with a rejected
+draft back whole (`cache_domino.RecurrentRollback`) and the next forward reads its verified tokens again, drafting
+nothing. These tiny models, built from configs, check that the output is the target alone's for one sequence with
+drafts accepted in part, in whole and not at all, that sampling verifies against the target's own logits, that a
+cache handed back continues a chat, and that what cannot be served (batches, trees) is refused with the fix named.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import SPECIAL_TOKENS, forcing_drafter, tiny_drafter
+from packaging.version import Version
+from test_batching import left_padded
+
+from hf_domino import prepare_for_cpu_decoding
+from hf_domino.cache_domino import CACHE_ARGUMENT, RECURRENT_TARGETS
+
+VOCAB = 32
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, tie_word_embeddings=False, **SPECIAL_TOKENS)
+ATTENTION = dict(intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1)
+FAMILIES = {
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {**ATTENTION, "head_dim": 8}),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {
+            **ATTENTION,
+            "head_dim": 8,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 16,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+        },
+    ),
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", ATTENTION),
+    "nemotron_h": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        {**ATTENTION, "head_dim": 8, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8, "n_groups": 1},
+    ),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", {**ATTENTION, "head_dim": 8, "mamba_d_ssm": 64, **MAMBA}),
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        {
+            **ATTENTION,
+            "head_dim": 8,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 16,
+        },
+    ),
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", {"num_heads": 4, "head_dim": 16, "state_size": 8, "n_groups": 1}),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        {
+            **ATTENTION,
+            **MAMBA,
+            "layer_types": ["mamba", "attention", "mamba", "attention"],
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 32,
+        },
+    ),
+}
+# Families whose forward over several tokens of a filled cache starts their scans from empty states (transformers
+# 5.23-5.24): refused.
+REFUSED = {
+    "mamba": ("MambaConfig", "MambaForCausalLM", {"state_size": 8}),
+    "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", {"state_size": 8}),
+    "bamba": ("BambaConfig", "BambaForCausalLM", {**ATTENTION, **MAMBA, "attn_layer_indices": [1, 3]}),
+    "jamba": (
+        "JambaConfig",
+        "JambaForCausalLM",
+        {
+            **ATTENTION,
+            "mamba_d_state": 8,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "num_experts": 2,
+            "num_experts_per_tok": 1,
+        },
+    ),
+}
+# Before transformers 5.24 the state-space models kept their states in a cache of their own, which generate() does
+# not pass through its loop: drafting refuses them there.
+OWN_CACHE = Version(transformers.__version__) < Version("5.24")
+STATE_SPACE = {"mamba2", "mamba", "falcon_mamba"}
+PROMPT = torch.tensor([[5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 5, 9]])
+GREEDY = {"do_sample": False, "eos_token_id": None}
+
+
+# Weights whose greedy answer to PROMPT repeats itself soon enough for whole blocks of copies to be accepted.
+SEEDS = {"granitemoehybrid": 7}
+
+
+def hybrid_target(name: str, seed: int | None = None):
+    if OWN_CACHE and name in STATE_SPACE:
+        pytest.skip(f"transformers {transformers.__version__} keeps {name}'s states in a cache of its own")
+    config_class, model_class, extra = {**FAMILIES, **REFUSED}[name]
+    torch.manual_seed(SEEDS.get(name, 0) if seed is None else seed)
+    config = getattr(transformers, config_class)(**COMMON, **extra)
+    target = getattr(transformers, model_class)(config).eval()
+    target.generation_config.pad_token_id = 0
+    return target
+
+
+def successor_table(sequence: torch.Tensor) -> list[int]:
+    """next[token] = the token that followed it last in `sequence`: a forcing drafter with this table drafts the
+    target's own continuation where it does not depend on more than the last token, and misses elsewhere."""
+    table = list(range(VOCAB))
+    tokens = sequence[0].tolist()
+    for token, following in zip(tokens, tokens[1:]):
+        table[token] = following
+    return table
+
+
+def rolled_back(stats) -> int:
+    """Verifications with a rejected draft (each rolled back whole)."""
+    return sum(1 for drafted, accepted in zip(stats.drafted, stats.acceptance_lengths) if accepted < drafted + 1)
+
+
+def states_after(target, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+    cache = transformers.DynamicCache(config=target.config)
+    with torch.no_grad():
+        for chunk in chunks:
+            target(chunk, **{CACHE_ARGUMENT: cache})
+    return layer_states(cache)
+
+
+def relative_state_error(target) -> float:
+    """How far the states after two forwards (8 tokens, then 5 on the filled cache) are from those after one."""
+    split = states_after(target, [PROMPT[:, :8], PROMPT[:, 8:]])
+    whole = states_after(target, [PROMPT])
+    return max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(split, whole, strict=True))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_served_family_continues_its_states_over_a_forward_of_several_tokens(name):
+    """What `RECURRENT_TARGETS` rests on: a verification is a forward of several tokens on a filled cache."""
+    target = hybrid_target(name)
+    assert target.config.get_text_config().model_type in RECURRENT_TARGETS
+    assert relative_state_error(target) < 1e-4
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_families_whose_scans_restart_from_empty_states_are_refused(name):
+    """If the first assertion fails, transformers now continues this family's states: add it to RECURRENT_TARGETS."""
+    target = hybrid_target(name)
+    assert relative_state_error(target) > 1e-2  # the served families' are below 1e-6
+    with pytest.raises(ValueError, match="not among the families"):
+        target.generate(PROMPT, assistant_model=tiny_drafter(target), max_new_tokens=4, **GREEDY)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_transformers_refuses_an_assistant_for_them(name):
+    target = hybrid_target(name)
+    assert target._is_stateful
+    with pytest.raises(ValueError, match="stateful"):
+        target.generate(PROMPT, assistant_model=hybrid_target(name), max_new_tokens=4, **GREEDY)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_output_is_the_target_alone_with_drafts_accepted_in_part_in_whole_and_not(name):
+    target = hybrid_target(name)
+    expected = target.generate(PROMPT, max_new_tokens=64, **GREEDY)
+    drafter = forcing_drafter(target, successor_table(expected))
+    kept_whole = 0
+    # Whole blocks of copies (the tiny models repeat themselves) or drafts; the drafter's alone; the defaults.
+    for options in ({"draft_policy": "fixed"}, {"draft_policy": "fixed", "domino_lookup": False}, {}):
+        output = target.generate(PROMPT, assistant_model=drafter, max_new_tokens=64, **GREEDY, **options)
+        assert torch.equal(output, expected), options
+        stats = drafter.last_generation_stats
+        rollbacks = [i for i, (drafted, accepted) in enumerate(zip(stats.drafted, stats.acceptance_lengths))
+                     if accepted < drafted + 1]  # fmt: skip
+        # Each rolled-back verification is followed by a forward that re-reads it and verifies nothing.
+        assert all(stats.drafted[i + 1] == 0 for i in rollbacks if i + 1 < len(stats.drafted)), options
+        if options:
+            assert rollbacks, options
+        kept_whole += sum(
+            0 < drafted == accepted - 1 for drafted, accepted in zip(stats.drafted, stats.acceptance_lengths)
+        )
+    # And verifications kept whole, every draft accepted (the tiny Mamba2 never repeats itself: none to copy).
+    assert kept_whole or name == "mamba2"
+
+
+def layer_states(cache) -> list[torch.Tensor]:
+    """Every state a cache holds: recurrent states, the last convolution window, attention keys and values."""
+    states = []
+    for layer in cache.layers:
+        for index, recurrent in getattr(layer, "recurrent_states", {}).items():
+            if recurrent is not None:
+                states.append(recurrent)
+            conv = layer.conv_states[index]
+            if conv is not None:
+                states.append(conv[..., -layer.conv_kernel_size[index] :])
+        if getattr(layer, "keys", None) is not None:
+            states += [layer.keys, layer.values]
+    return states
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_cache_left_holds_the_states_of_the_sequence_and_nothing_rejected(name):
+    """Greedy outputs of tiny models hardly depend on their recurrent states; the states themselves must be exact.
+    After a call that rolled verifications back, the cache holds what the target alone's prefill of the same tokens
+    holds (all but the last, or fewer where the last verification was rolled back and not re-read)."""
+    target = hybrid_target(name)
+    expected = target.generate(PROMPT, max_new_tokens=40, **GREEDY)
+    drafter = forcing_drafter(target, successor_table(expected))
+    cache = transformers.DynamicCache(config=target.config)
+    output = target.generate(
+        PROMPT, assistant_model=drafter, max_new_tokens=40, draft_policy="fixed", **{CACHE_ARGUMENT: cache}, **GREEDY
+    )
+    assert torch.equal(output, expected)
+    assert rolled_back(drafter.last_generation_stats) > 0
+    # All tokens but the last, or fewer by a rolled-back verification (a state-space model's cache does not count).
+    last = output.shape[1] - 1
+    candidates = range(last, last - drafter.config.num_drafts - 2, -1)
+    if any(hasattr(layer, "keys") for layer in cache.layers):
+        candidates = [cache.get_seq_length()]
+        assert last - drafter.config.num_drafts - 1 <= candidates[0] <= last
+
+    def holds(length: int) -> bool:
+        return all(
+            torch.allclose(state, expected, rtol=1e-4, atol=1e-6)
+            for state, expected in zip(layer_states(cache), states_after(target, [output[:, :length]]), strict=True)
+        )
+
+    assert sum(holds(length) for length in candidates) == 1
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h"])
+def test_a_random_drafter_every_draft_rejected_and_the_prepared_target(name):
+    target = hybrid_target(name)
+    drafter = tiny_drafter(target)
+    expected = target.generate(PROMPT, max_new_tokens=24, **GREEDY)
+    output = target.generate(PROMPT, assistant_model=drafter, max_new_tokens=24, draft_policy="fixed", **GREEDY)
+    assert torch.equal(output, expected)
+    report = prepare_for_cpu_decoding(target, drafter)  # its cost table is measured on a cache of its own
+    assert report is not None
+    assert torch.equal(target.generate(PROMPT, assistant_model=drafter, max_new_tokens=24, **GREEDY), expected)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "falcon_h1"])
+def test_sampling_verifies_against_the_target_alones_logits(name):
+    """Speculative sampling is exact when each verification reads the target's own distribution; after rollbacks and
+    re-reads, the logits the loop sampled from must be those of one plain forward over the finished sequence."""
+    target = hybrid_target(name)
+    expected = target.generate(PROMPT, max_new_tokens=32, **GREEDY)
+    drafter = forcing_drafter(target, successor_table(expected))
+    torch.manual_seed(3)
+    output = target.generate(
+        PROMPT,
+        assistant_model=drafter,
+        max_new_tokens=32,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        eos_token_id=None,
+        draft_policy="fixed",
+        domino_lookup=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    assert rolled_back(drafter.last_generation_stats) > 0
+    sampled = torch.stack(output.logits, dim=1)[0]
+    with torch.no_grad():
+        reference = target(output.sequences).logits[0, PROMPT.shape[1] - 1 : -1]
+    torch.testing.assert_close(sampled, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_a_cache_handed_back_continues_the_chat_as_the_target_alone():
+    target = hybrid_target("qwen3_5")
+    first = target.generate(PROMPT, max_new_tokens=20, **GREEDY)
+    drafter = forcing_drafter(target, successor_table(first))
+    turns = []
+    for assistant in (None, drafter):
+        cache = transformers.DynamicCache(config=target.config)
+        extra = {} if assistant is None else {"assistant_model": assistant, "draft_policy": "fixed"}
+        answer = target.generate(PROMPT, **{CACHE_ARGUMENT: cache}, max_new_tokens=20, **GREEDY, **extra)
+        follow_up = torch.cat([answer, torch.tensor([[11, 5, 9]])], dim=-1)
+        turns.append(target.generate(follow_up, **{CACHE_ARGUMENT: cache}, max_new_tokens=16, **GREEDY, **extra))
+    assert torch.equal(turns[1], turns[0])
+    # The call put the cache's layers back as they were built.
+    assert all(not type(layer).__name__.startswith("Snapshot") for layer in cache.layers)
+
+
+def test_batches_and_trees_are_refused_naming_the_fix():
+    target = hybrid_target("qwen3_5")
+    drafter = tiny_drafter(target)
+    batch = left_padded([[11, 5, 9, 12, 7, 5, 9, 12], [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 22]])
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        target.generate(**batch, assistant_model=drafter, max_new_tokens=8, **GREEDY)
+    with pytest.raises(ValueError, match="domino_branches=1"):
+        target.generate(PROMPT, assistant_model=drafter, max_new_tokens=8, domino_branches=2, **GREEDY)
+
+
+def test_per_token_attentions_and_hidden_states_are_refused():
+    target = hybrid_target("qwen3_5")
+    with pytest.raises(ValueError, match="output_scores and output_logits work"):
+        target.generate(
+            PROMPT,
+            assistant_model=tiny_drafter(target),
+            max_new_tokens=8,
+            return_dict_in_generate=True,
+            output_hidden_states=True,
+            **GREEDY,
+        )
+
+
+# Qwen3.5's linear attention runs transformers' reference kernels here (no flash-linear-attention): 96 s, slow.
+@pytest.mark.parametrize("name", [pytest.param("qwen3_5", marks=pytest.mark.slow), "nemotron_h"])
+def test_sampling_keeps_the_target_law(name):
+    """Rolled-back verifications and their re-reads under speculative sampling: the continuations' law is the target
+    alone's (chi-square over every continuation of 3 tokens from a 5-token vocabulary), and far from a wrong one."""
+    from test_generation import chi_square_p_value, exact_sequence_distribution, sample_with_drafter
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper
+
+    config_class, model_class, extra = FAMILIES[name]
+    torch.manual_seed(3)
+    small = {**COMMON, "vocab_size": 5, "eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
+    target = getattr(transformers, model_class)(getattr(transformers, config_class)(**small, **extra)).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8)  # a law with a shape, which a wrong one (tempered, below) differs from
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    prompt, num_new, draws = [2, 4, 1], 3, 1500
+    probs = exact_sequence_distribution(target, prompt, num_new, LogitsProcessorList())
+    stats = []
+    counts, drafted, accepted = sample_with_drafter(
+        target, drafter, prompt, num_new, draws, seed=1234, per_call=stats, draft_policy="fixed"
+    )
+    assert 0 < accepted < drafted  # verifications rolled back and kept
+    assert sum(rolled_back(s) for s in stats) > 0
+    assert chi_square_p_value(counts, probs, draws) > 1e-3
+    tempered = exact_sequence_distribution(
+        target, prompt, num_new, LogitsProcessorList([TemperatureLogitsWarper(0.5)])
+    )
+    assert chi_square_p_value(counts, tempered, draws) < 1e-6  # the test can fail
+
+
+@pytest.mark.skipif(not OWN_CACHE, reason="transformers 5.24+ keeps Mamba2's states in the cache generate() passes")
+def test_a_state_space_model_with_a_cache_of_its_own_is_refused_naming_the_fix():
+    config_class, model_class, extra = FAMILIES["mamba2"]
+    target = getattr(transformers, model_class)(getattr(transformers, config_class)(**COMMON, **extra)).eval()
+    with pytest.raises(ValueError, match="upgrade transformers"):
+        target.generate(PROMPT, assistant_model=tiny_drafter(target), max_new_tokens=4, **GREEDY)
+
+
+def test_the_cost_example_runs_as_documented_at_a_smaller_depth():
+    """examples/recurrent_targets.py (docs/benchmarks.md), as a user runs it, at 4 layers and 4 tokens."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "recurrent_targets.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--layers", "4", "--new-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| 17 |" in done.stdout
+    calls = [line for line in done.stdout.splitlines() if line.startswith(("| 1 | ", "| 2 | ")) and "x |" in line]
+    assert len(calls) == 2 and all(line.endswith("| yes |") for line in calls)
