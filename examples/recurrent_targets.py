@@ -10,6 +10,7 @@ No drafter is trained for such a target and none installs offline, so acceptance
 
     python examples/recurrent_targets.py                 # Qwen3.5-0.8B's widths, 24 layers: about 2 minutes here
     python examples/recurrent_targets.py --layers 4      # quicker
+    python examples/recurrent_targets.py --device cuda --dtype bfloat16   # a GPU (examples/gpu/stages.sh recurrent)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from hf_domino import DominoConfig, DominoForSpeculation
 from hf_domino.cache_domino import cache_argument
+from hf_domino.cost_model_domino import synchronize
 
 # Qwen3.5-0.8B's sizes (three Gated DeltaNet layers to one attention layer).
 WIDTHS = dict(
@@ -43,12 +45,24 @@ def forward_ms(target, context: torch.Tensor, tokens: int, recording: bool, reps
         target(context, use_cache=True, **cache_argument(cache), logits_to_keep=1)
         for _ in range(reps):
             block = context[:, -tokens:]
+            synchronize(context.device)
             start = time.perf_counter()
             target(block, use_cache=True, **cache_argument(cache), logits_to_keep=tokens)
+            synchronize(context.device)
             samples.append(time.perf_counter() - start)
             if recording:
                 cache.crop(-tokens)  # given back (a recurrent state would keep it: timing only)
     return 1000 * statistics.median(samples[1:])
+
+
+def timed(call, *args, **kwargs):
+    """(seconds, result) of `call(*args, **kwargs)`, the device's queue drained at both ends."""
+    device = args[0].device
+    synchronize(device)
+    start = time.perf_counter()
+    result = call(*args, **kwargs)
+    synchronize(device)
+    return time.perf_counter() - start, result
 
 
 def main() -> None:
@@ -56,20 +70,24 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen3.5-0.8B has 24)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per generate() call")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     if args.layers < 4:
         parser.error("--layers must be at least 4: Qwen3.5's first attention layer is its fourth")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = Qwen3_5TextConfig(**WIDTHS, num_hidden_layers=args.layers, eos_token_id=None, pad_token_id=0)
-    target = Qwen3_5ForCausalLM(config).eval()
+    dtype = getattr(torch, args.dtype)
+    target = Qwen3_5ForCausalLM(config).eval().to(args.device, dtype)
     layers = [1, args.layers // 2, args.layers - 2]
     drafter = DominoForSpeculation(DominoConfig.from_target(config, num_hidden_layers=1, target_layer_ids=layers))
-    context = torch.randint(0, 1000, (1, 256))
+    drafter = drafter.eval().to(args.device, dtype)
+    context = torch.randint(0, 1000, (1, 256), device=args.device)
 
     step = forward_ms(target, context, 1, recording=False)
-    print(f"{args.layers} layers, {sum(p.numel() for p in target.parameters()) / 1e6:.0f}M parameters, "
-          f"{args.threads} threads, 256 tokens cached\n")  # fmt: skip
+    print(f"{args.layers} layers, {sum(p.numel() for p in target.parameters()) / 1e6:.0f}M parameters, {args.dtype} "
+          f"on {args.device}, {args.threads} threads, 256 tokens cached\n")  # fmt: skip
     print("| tokens | ms | x the target alone's step |\n| ---: | ---: | ---: |")
     print(f"| 1 (the target alone's step) | {step:.1f} | 1.00 |")
     for tokens in LENGTHS:
@@ -81,12 +99,8 @@ def main() -> None:
     print("\n| call | target alone, s | with the drafter, s | speedup | drafts verified | identical |")
     print("| ---: | ---: | ---: | ---: | ---: | --- |")
     for call in (1, 2):
-        start = time.perf_counter()
-        expected = target.generate(prompt, **options)
-        alone = time.perf_counter() - start
-        start = time.perf_counter()
-        output = target.generate(prompt, assistant_model=drafter, **options)
-        drafted = time.perf_counter() - start
+        alone, expected = timed(target.generate, prompt, **options)
+        drafted, output = timed(target.generate, prompt, assistant_model=drafter, **options)
         verified = sum(drafter.last_generation_stats.drafted)
         same = "yes" if torch.equal(output, expected) else "NO"
         print(f"| {call} | {alone:.1f} | {drafted:.1f} | {alone / drafted:.2f}x | {verified} | {same} |")

@@ -141,6 +141,9 @@ for name in "$@"; do
     # alone and with the drafter. Not in a call's default stages: STAGES=offload, where time is left.
     offload) stage offload 120 bash -c "for prompts in mtbench humaneval; do python3 examples/offloaded_target.py \
       --prompts \$prompts --num-prompts $PROMPTS --max-new-tokens $TOKENS --threads 8; done" ;;
+    # A target with recurrent layers (docs/usage.md, "Targets with recurrent layers"): a Qwen3.5-shaped target's
+    # verification costs (transformers' reference kernels: the image has no flash-linear-attention). STAGES=recurrent.
+    recurrent) stage recurrent 120 python3 examples/recurrent_targets.py --device cuda --dtype bfloat16 --threads 8 ;;
     finetune) stage finetune 600 finetune ;;
     suite) stage suite 600 env HF_DOMINO_FAILURES_LOG=$R/suite-failures.log \
       python3 -m pytest -v -rfEs --tb=short -p no:cacheprovider -n $PYTEST_WORKERS $TEST_TIMEOUT ;;
