@@ -1,12 +1,15 @@
-"""Targets with recurrent layers (linear attention, state-space models): Qwen3.5, Qwen3-Next, OLMo-Hybrid, Nemotron-H,
-Falcon-H1, Granite 4 (GraniteMoeHybrid).
+"""Targets with recurrent layers (linear attention, state-space models): Qwen3.5 and Qwen3.5-MoE, Qwen3-Next,
+OLMo-Hybrid, Nemotron-H, Falcon-H1, Granite 4 (GraniteMoeHybrid), Mamba2.
 
 transformers refuses assisted generation for them (`_is_stateful`): a recurrent state folds every token it reads
 into one tensor and cannot drop a verification's rejected drafts. A Domino call rolls a verification with a rejected
 draft back whole (`cache_domino.RecurrentRollback`) and the next forward reads its verified tokens again, drafting
-nothing. These tiny models, built from configs, check that the output is the target alone's for one sequence with
-drafts accepted in part, in whole and not at all, that sampling verifies against the target's own logits, that a
-cache handed back continues a chat, and that what cannot be served (batches, trees) is refused with the fix named.
+nothing. These tiny models, built from configs, check that each family continues its states exactly over a forward
+of several tokens (what `RECURRENT_TARGETS` rests on; Mamba, FalconMamba, Bamba and Jamba do not, and are refused),
+that the output is the target alone's for one sequence with drafts accepted in part, in whole and not at all, that
+the cache a call leaves holds exactly the sequence's states (greedy outputs of tiny models hardly depend on them),
+that sampling keeps the target's law and verifies against its own logits, that a cache handed back continues a chat,
+and that what cannot be served (batches, trees, per-step hidden states) is refused with the fix named.
 """
 
 from __future__ import annotations

@@ -267,18 +267,16 @@ class DominoCandidateGenerator(CandidateGenerator):
         # continues: the drafter then reads from there); later, the accepted drafts plus the previous anchor.
         first = self.context.num_tokens == 0
         features = context_features(hidden_states, self.drafter.config.target_layer_ids)
-        if first:
-            features = features[:, : input_ids.shape[1] - 1]
-        else:  # the forward's last tokens: a target with recurrent layers may have read verified ones again before
-            features = features[:, -(self.cycle["verified"] + 1) :][:, : n_last_matches + 1]
-        if first:
-            read = features.shape[1]
-            self._check_prefill(read)
-            # The mask covers any cached columns, the prompt and the first token picked: `read` columns before that.
-            attention_mask = model_kwargs.get("attention_mask")
-            mask = None if attention_mask is None else attention_mask[0, -read - 1 : -1]
-            if mask is not None and not bool(mask.all()):
-                features = features[:, mask.bool().to(features.device)]
+        if not first:  # the forward's last tokens: a target with recurrent layers may have read verified ones first
+            return features[:, -(self.cycle["verified"] + 1) :][:, : n_last_matches + 1].to(self.drafter.device)
+        features = features[:, : input_ids.shape[1] - 1]
+        read = features.shape[1]
+        self._check_prefill(read)
+        # The mask covers any cached columns, the prompt and the first token picked: `read` columns before that.
+        attention_mask = model_kwargs.get("attention_mask")
+        mask = None if attention_mask is None else attention_mask[0, -read - 1 : -1]
+        if mask is not None and not bool(mask.all()):
+            features = features[:, mask.bool().to(features.device)]
         return features.to(self.drafter.device)
 
     def _check_prefill(self, read: int) -> None:
