@@ -226,7 +226,7 @@ def test_the_cache_left_holds_the_states_of_the_sequence_and_nothing_rejected(na
     """Greedy outputs of tiny models hardly depend on their recurrent states; the states themselves must be exact.
     After a call that rolled verifications back, the cache holds what the target alone's prefill of the same tokens
     holds (all but the last, or fewer where the last verification was rolled back and not re-read)."""
-    target = hybrid_target(name)
+    target = hybrid_target(name, seed=0)  # Granite's seed 7 ends on whole blocks, after which its states forget
     expected = target.generate(PROMPT, max_new_tokens=40, **GREEDY)
     drafter = forcing_drafter(target, successor_table(expected))
     cache = transformers.DynamicCache(config=target.config)
@@ -242,9 +242,9 @@ def test_the_cache_left_holds_the_states_of_the_sequence_and_nothing_rejected(na
         candidates = [cache.get_seq_length()]
         assert last - drafter.config.num_drafts - 1 <= candidates[0] <= last
 
-    def holds(length: int) -> bool:
+    def holds(length: int) -> bool:  # to each state's own scale: some tiny models' states are around 1e-5
         return all(
-            torch.allclose(state, expected, rtol=1e-4, atol=1e-6)
+            torch.allclose(state, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
             for state, expected in zip(layer_states(cache), states_after(target, [output[:, :length]]), strict=True)
         )
 
