@@ -27,6 +27,7 @@ from test_batching import left_padded
 
 from hf_domino import prepare_for_cpu_decoding
 from hf_domino.cache_domino import CACHE_ARGUMENT, RECURRENT_TARGETS
+from hf_domino.options_domino import static_caches_roll_back
 
 VOCAB = 32
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, tie_word_embeddings=False, **SPECIAL_TOKENS)
@@ -381,3 +382,21 @@ def test_the_cost_example_runs_as_documented_at_a_smaller_depth():
     assert "| 17 |" in done.stdout
     calls = [line for line in done.stdout.splitlines() if line.startswith(("| 1 | ", "| 2 | ")) and "x |" in line]
     assert len(calls) == 2 and all(line.endswith("| yes |") for line in calls)
+
+
+@pytest.mark.skipif(not static_caches_roll_back(), reason="a static cache with a drafter needs transformers 5.24+")
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h"])
+def test_a_static_cache_rolls_back_too(name):
+    target = hybrid_target(name)
+    expected = target.generate(PROMPT, max_new_tokens=32, **GREEDY)
+    drafter = forcing_drafter(target, successor_table(expected))
+    output = target.generate(
+        PROMPT,
+        assistant_model=drafter,
+        max_new_tokens=32,
+        cache_implementation="static",
+        draft_policy="fixed",
+        **GREEDY,
+    )
+    assert torch.equal(output, expected)
+    assert rolled_back(drafter.last_generation_stats) > 0
