@@ -338,25 +338,58 @@ def vision_language_target(name: str):
             image_token_id=63, boi_token_id=61, eoi_token_id=62, mm_tokens_per_image=4,
         )  # fmt: skip
         target = transformers.Gemma3ForConditionalGeneration(config)
+        with torch.no_grad():  # initialized to zeros, which would hand the text model no image at all
+            target.model.multi_modal_projector.mm_input_projection_weight.normal_()
     target.generation_config.pad_token_id = 0
     return target.eval()
 
 
 @pytest.mark.parametrize("name", ["llava", "gemma3"])
-def test_a_vision_language_target_drafts_text_batches_and_one_sequence_with_an_image(name):
-    """generate() hands such a target an empty `mm_encoder_outputs` for text alone, which the batch loop had refused."""
+def test_a_vision_language_target_drafts_batches_with_and_without_images(name):
+    """generate() hands such a target an empty `mm_encoder_outputs` for text alone, which the batch loop had refused;
+    with images, the batch's prefill reads their encodings as the target alone's first step does."""
     target = vision_language_target(name)
     drafter = tiny_drafter(target)
     batch = left_padded(ROWS)
     expected = target.generate(**batch, max_new_tokens=16, **GREEDY)
     assert torch.equal(target.generate(**batch, assistant_model=drafter, max_new_tokens=16, **GREEDY), expected)
-    # An image: one sequence runs transformers' own loop, which passes it on; a batch is refused, naming it.
-    prompt = torch.tensor([[5, 9] + [63] * 4 + PROMPT[:8]])
+    image = [5, 9] + [63] * 4 if name == "llava" else [5, 9, 61] + [63] * 4 + [62]
+    batch = left_padded([image + PROMPT[:8], [11] + image + PROMPT[3:12]])
     pixels = torch.randn(2, 3, 8, 8)
-    if name == "gemma3":
-        prompt = torch.tensor([[5, 9, 61] + [63] * 4 + [62] + PROMPT[:8]])
-    expected = target.generate(prompt, pixel_values=pixels[:1], max_new_tokens=16, **GREEDY)
-    output = target.generate(prompt, pixel_values=pixels[:1], assistant_model=drafter, max_new_tokens=16, **GREEDY)
-    assert torch.equal(output, expected)
-    with pytest.raises(ValueError, match="images or videos"):
-        target.generate(prompt.repeat(2, 1), pixel_values=pixels, assistant_model=drafter, max_new_tokens=4, **GREEDY)
+    for rows in (slice(0, 1), slice(0, 2)):  # one sequence (transformers' loop), a batch (ours)
+        inputs = {key: value[rows] for key, value in batch.items()}
+        if rows.stop == 1:
+            inputs = {"input_ids": inputs["input_ids"][:, 1:]}  # the first row without its padding
+        expected = target.generate(**inputs, pixel_values=pixels[rows], max_new_tokens=16, **GREEDY)
+        output = target.generate(
+            **inputs, pixel_values=pixels[rows], assistant_model=drafter, max_new_tokens=16, **GREEDY
+        )
+        assert torch.equal(output, expected), rows
+
+
+def test_images_in_a_batch_of_a_target_with_multimodal_rotary_positions_are_refused():
+    target = vision_language_target("llava")
+    target.model.get_rope_index = lambda *args, **kwargs: None  # as Qwen2-VL's and Qwen3-VL's models have
+    batch = left_padded([[5, 9] + [63] * 4 + PROMPT[:8]] * 2)
+    with pytest.raises(ValueError, match="multimodal RoPE"):
+        target.generate(
+            **batch, pixel_values=torch.randn(2, 3, 8, 8), assistant_model=tiny_drafter(target), max_new_tokens=4,
+            **GREEDY,
+        )  # fmt: skip
+
+
+def test_images_in_a_batch_continuing_a_filled_cache_are_refused():
+    target = vision_language_target("llava")
+    batch = left_padded([[5, 9] + [63] * 4 + PROMPT[:8]] * 2)
+    cache = transformers.DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(
+            input_ids=batch["input_ids"][:, :4],
+            attention_mask=batch["attention_mask"][:, :4],
+            **{CACHE_ARGUMENT: cache},
+        )
+    with pytest.raises(ValueError, match="already holds some of it"):
+        target.generate(
+            **batch, pixel_values=torch.randn(2, 3, 8, 8), assistant_model=tiny_drafter(target), max_new_tokens=4,
+            **{CACHE_ARGUMENT: cache}, **GREEDY,
+        )  # fmt: skip

@@ -16,7 +16,9 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL
 
+from .cache_domino import CACHE_ARGUMENT
 from .ragged_cache_domino import adds_its_mask, positions_from_mask, takes_no_4d_mask
 
 if TYPE_CHECKING:
@@ -36,6 +38,18 @@ BATCH_LOOP_INPUTS = {
     "attention_mask", "position_ids", "inputs_embeds", "use_cache", "logits_to_keep", "cache", "past_key_values",
     "cache_position", "output_attentions", "output_hidden_states", "return_dict",
 }  # fmt: skip
+# What transformers hands a multimodal target at its first step only (images, videos, audio, or their encodings): the
+# batch loop's prefill reads them too (`prompt_inputs`).
+PREFILL_ONLY_INPUTS = frozenset(MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL)
+
+
+def prompt_inputs(model_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The inputs of generate()'s `model_kwargs` that the target reads with the prompt alone (an empty encoding of a
+    text-only call dropped)."""
+    return {
+        name: value for name, value in model_kwargs.items()
+        if name in PREFILL_ONLY_INPUTS and value is not None and not (isinstance(value, dict) and not value)
+    }  # fmt: skip
 
 
 def check_batch_call(
@@ -93,6 +107,24 @@ def check_batch_call(
         )
 
 
+def _check_multimodal_prompt(target: PreTrainedModel, model_kwargs: dict[str, Any], one_at_a_time: str) -> None:
+    """Raises, naming the fix, where a batch's prompt holds images (videos, audio) its loop cannot feed as the target
+    alone's first step does."""
+    if any(hasattr(module, "get_rope_index") for module in (target, getattr(target, "model", None))):
+        raise ValueError(
+            f"{type(target).__name__} places an image's tokens by rotary positions of several sections (multimodal "
+            "RoPE), which a drafted batch does not compute (it counts each row's tokens): "
+            f"{one_at_a_time} with images, which transformers' own loop runs, or the batch without the drafter."
+        )
+    cache = model_kwargs.get(CACHE_ARGUMENT)
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(
+            "A drafted batch reads a multimodal prompt's images in its first forward over the whole prompt, and the "
+            f"cache passed to generate() already holds some of it: {one_at_a_time}, or pass the prompt without the "
+            "cache."
+        )
+
+
 def _check_model_inputs(
     target: PreTrainedModel,
     input_ids: torch.LongTensor,
@@ -104,23 +136,19 @@ def _check_model_inputs(
     """Raises, naming the fix, where generate() gives the target inputs the batch loop would not feed it as the target
     alone's first step reads them (the loop feeds ids, embeddings and mask positions, and mixes no drafter in)."""
     named = inspect.signature(target.forward).parameters
-    # generate() hands a vision-language target an empty `mm_encoder_outputs` for a text-only call: nothing to feed.
     unread = sorted(
         name for name, value in model_kwargs.items()
-        if value is not None and not (isinstance(value, dict) and not value)
-        and name in named and name not in BATCH_LOOP_INPUTS
+        if value is not None and name in named and name not in BATCH_LOOP_INPUTS | PREFILL_ONLY_INPUTS
     )  # fmt: skip
     if unread:
-        given = ", ".join(
-            "images or videos (pixel_values..., which generate() encoded as mm_encoder_outputs)"
-            if name == "mm_encoder_outputs" else name
-            for name in unread
-        )  # fmt: skip
         raise ValueError(
-            f"generate() got {given} for the target, which a drafted batch does not pass on to it (its "
-            f"loop feeds the target token ids, their embeddings and positions only): {one_at_a_time}, which "
-            "transformers' own loop runs with every input, or generate the batch without the drafter."
+            f"generate() got {', '.join(unread)} for the target, which a drafted batch does not pass on to it (its "
+            f"loop feeds the target token ids, their embeddings and positions, and a multimodal prompt's inputs to "
+            f"its first forward): {one_at_a_time}, which transformers' own loop runs with every input, or generate "
+            "the batch without the drafter."
         )
+    if prompt_inputs(model_kwargs):
+        _check_multimodal_prompt(target, model_kwargs, one_at_a_time)
     if generation_config.assistant_ensemble_weight is not None:
         raise ValueError(
             "assistant_ensemble_weight mixes the drafter's distribution into transformers' own loop, which verifies one "
@@ -247,4 +275,11 @@ def compiled_plain_steps(
     )
 
 
-__all__ = ["COLUMN_BIASED_ATTENTION", "TokenScores", "check_batch_call", "compiled_plain_steps"]
+__all__ = [
+    "COLUMN_BIASED_ATTENTION",
+    "PREFILL_ONLY_INPUTS",
+    "TokenScores",
+    "check_batch_call",
+    "compiled_plain_steps",
+    "prompt_inputs",
+]

@@ -33,7 +33,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .batch_call_domino import TokenScores, check_batch_call, compiled_plain_steps
+from .batch_call_domino import TokenScores, check_batch_call, compiled_plain_steps, prompt_inputs
 from .batch_drafts_domino import CycleDrafter, CycleDrafts
 from .batch_policy_domino import call_speculates, checks_call, judge_call, stops_speculating
 from .cache_domino import CACHE_ARGUMENT, buffer_layers
@@ -116,9 +116,12 @@ class BatchedDecoding:
         cache: DynamicCache,
         window: SlidingWindow | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        prompt_inputs: dict[str, Any] | None = None,
     ):
         self.target, self.drafter, self.options, self.stats = target, drafter, options, stats
-        self.prompt_embeds = inputs_embeds  # read by the prefill alone, as the target alone reads them
+        # Read by the prefill alone, as the target alone reads them: the prompt's embeddings, and a multimodal
+        # prompt's images (videos, audio) or their encodings.
+        self.prompt_embeds, self.prompt_inputs = inputs_embeds, prompt_inputs or {}
         self.modules = TargetModules.from_target(target)
         self.layer_ids = drafter.config.target_layer_ids
         self.hidden_layers = hidden_state_indices(self.layer_ids)
@@ -236,7 +239,7 @@ class BatchedDecoding:
         self.prompt_embeds = None
         outputs = ragged_forward(
             self.target, self.target_cache, input_ids[:, self.cached :], new, self.hidden_layers, logits_to_keep=1,
-            inputs_embeds=embeds,
+            inputs_embeds=embeds, prompt_inputs=self.prompt_inputs,
         )  # fmt: skip
         logits = outputs.logits[:, -1:].float()
         processed = self.process(logits[:, 0])[:, None]
@@ -490,7 +493,7 @@ def batched_assisted_decoding(
     cache, window = batch_cache(model_kwargs.get(CACHE_ARGUMENT), target)
     decoding = BatchedDecoding(
         target, drafter, options, generation_config, logits_processor, stopping_criteria, stats, input_ids,
-        attention_mask, cache, window, model_kwargs.get("inputs_embeds"),
+        attention_mask, cache, window, model_kwargs.get("inputs_embeds"), prompt_inputs(model_kwargs),
     )  # fmt: skip
     sequences = decoding.run(input_ids, streamer)
     if generation_config.return_dict_in_generate:

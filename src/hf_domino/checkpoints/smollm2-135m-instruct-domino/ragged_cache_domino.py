@@ -343,13 +343,15 @@ def ragged_forward(
     logits_to_keep: int | None = None,
     tree: TreeLayout | None = None,
     inputs_embeds: torch.Tensor | None = None,
+    prompt_inputs: dict[str, Any] | None = None,
 ):
     """One target forward that appends `input_ids` to every row; holes among them are `new_columns == False`.
 
     With `tree`, the new columns are a `TreeLayout` of branches after each row's anchor, not one sequence. With
     `inputs_embeds` (the prompt's, as a caller passed them to generate()), the target reads those instead of
-    `input_ids`' embeddings, as the target alone does in its first step."""
-    kwargs = {}
+    `input_ids`' embeddings, as the target alone does in its first step; so with `prompt_inputs` (a multimodal
+    prompt's images or their encodings)."""
+    kwargs = dict(prompt_inputs or {})
     # Asked only when needed (the prefill): reading a signature costs more than the rest of a step's host work.
     if logits_to_keep is not None and "logits_to_keep" in inspect.signature(target.forward).parameters:
         kwargs["logits_to_keep"] = logits_to_keep
