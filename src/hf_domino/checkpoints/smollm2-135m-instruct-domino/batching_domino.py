@@ -241,6 +241,7 @@ class BatchedDecoding:
             self.target, self.target_cache, input_ids[:, self.cached :], new, self.hidden_layers, logits_to_keep=1,
             inputs_embeds=embeds, prompt_inputs=self.prompt_inputs,
         )  # fmt: skip
+        self.prompt_inputs = {}  # the images (their encodings) are in the cache now
         logits = outputs.logits[:, -1:].float()
         processed = self.process(logits[:, 0])[:, None]
         first = pick_tokens(processed[:, 0], self.do_sample)
