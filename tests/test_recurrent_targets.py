@@ -259,8 +259,8 @@ def test_a_random_drafter_every_draft_rejected_and_the_prepared_target(name):
     expected = target.generate(PROMPT, max_new_tokens=24, **GREEDY)
     output = target.generate(PROMPT, assistant_model=drafter, max_new_tokens=24, draft_policy="fixed", **GREEDY)
     assert torch.equal(output, expected)
-    report = prepare_for_cpu_decoding(target, drafter)  # its cost table is measured on a cache of its own
-    assert report is not None
+    report = prepare_for_cpu_decoding(target, drafter)
+    assert report.verify_ms and report.prepacked["target"]  # the cost table measured on a cache of its own
     assert torch.equal(target.generate(PROMPT, assistant_model=drafter, max_new_tokens=24, **GREEDY), expected)
 
 

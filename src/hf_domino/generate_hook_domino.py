@@ -142,14 +142,12 @@ def _wrap_validate_generation_mode(original):
             options = DominoOptions.resolve(mode_kwargs.get(_OPTIONS_KEY, {}), arguments["generation_config"])
             options.validate(assistant)
             mode_kwargs[_OPTIONS_KEY] = options  # validated once; the generator takes it as is
+            bound = _signature(original).bind(self, *args, **kwargs)
             if arguments["generation_config"].num_return_sequences > 1:
                 # transformers refuses several sequences per prompt for an assistant; ours serves them as a batch.
-                bound = _signature(original).bind(self, *args, **kwargs)
                 bound.arguments["generation_config"] = _single_sequence_view(arguments["generation_config"])
-                with _recurrent_state_check_waived(self):
-                    return original(*bound.args, **bound.kwargs)
             with _recurrent_state_check_waived(self):
-                return original(self, *args, **kwargs)
+                return original(*bound.args, **bound.kwargs)
         elif assistant is not None:
             refuse_a_drafter_built_as_another_model(assistant)
         return original(self, *args, **kwargs)
@@ -342,7 +340,7 @@ def _wrap_prepare_inputs_for_generation(original):
         call = _CALL.get()
         if call is not None and call.rollback is not None:
             # Everything the cache does not hold for certain: after a rolled-back verification, its verified tokens too.
-            input_ids = _bound_arguments(original, self, args, kwargs)["input_ids"]
+            input_ids = args[0] if args else kwargs["input_ids"]  # once per forward: no signature binding
             kwargs["next_sequence_length"] = call.rollback.feed(input_ids.shape[1])
         elif (
             call is not None
