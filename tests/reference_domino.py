@@ -22,6 +22,7 @@ def reference_config(config) -> dict:
         shift_label=config.shift_label,
         mask_token_id=config.mask_token_id,
         pure_draft_prefix_len=config.pure_draft_prefix_len,
+        windows=[None] * config.num_hidden_layers,
     )
 
 
@@ -43,7 +44,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 
 def backbone(tensors: dict, cfg: dict, block_embeds: torch.Tensor, context_features: torch.Tensor, start: int):
-    """block_embeds [q, H], context_features [c, F] for positions 0..c-1 (= start); returns normalized [q, H]."""
+    """block_embeds [q, H], context_features [c, F] for positions 0..c-1 (= start); returns normalized [q, H].
+
+    `cfg["windows"][i]`: layer i's sliding window (keys within it of each query, on both sides), or None (all)."""
     eps, heads, kv_heads, head_dim = cfg["rms_norm_eps"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     q_len, c_len = block_embeds.shape[0], context_features.shape[0]
     context = rms_norm(context_features @ tensors["fc.weight"].T, tensors["hidden_norm.weight"], eps)
@@ -62,7 +65,11 @@ def backbone(tensors: dict, cfg: dict, block_embeds: torch.Tensor, context_featu
         q, k = rope(q, block_pos, cfg["rope_theta"]), rope(k, all_pos, cfg["rope_theta"])
         k = k.repeat_interleave(heads // kv_heads, dim=0)
         v = v.transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
-        weights = torch.softmax((q @ k.transpose(1, 2)) / head_dim**0.5, dim=-1)
+        scores = (q @ k.transpose(1, 2)) / head_dim**0.5
+        window = cfg.get("windows", [None] * cfg["layers"])[i]
+        if window is not None:
+            scores = scores.masked_fill((block_pos[:, None] - all_pos[None, :]).abs() >= window, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
         attn = (weights @ v).transpose(0, 1).reshape(q_len, -1)
         h = h + attn @ tensors[p + "self_attn.o_proj.weight"].T
         x = rms_norm(h, tensors[p + "post_attention_layernorm.weight"], eps)

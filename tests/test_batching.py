@@ -331,10 +331,12 @@ def test_a_filled_layer_is_buffered_with_its_keys_and_moved_once():
         assert torch.equal(layer.values[..., :10, :], torch.cat([values, new_values], dim=-2))
 
 
-def test_ragged_drafter_context_matches_one_row_at_a_time():
-    """The batched backbone over a ragged cache gives each row what the batch-1 ladder gives it alone."""
+@pytest.mark.parametrize("layers", [{}, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}])
+def test_ragged_drafter_context_matches_one_row_at_a_time(layers):
+    """The batched backbone over a ragged cache gives each row what the batch-1 ladder gives it alone, sliding-window
+    layers (counted in each row's positions, across its holes) included."""
     target = tiny_target("llama")
-    drafter = tiny_drafter(target, block_size=5)
+    drafter = tiny_drafter(target, block_size=5, **layers)
     modules = TargetModules.from_target(target)
     torch.manual_seed(2)
     size = drafter.config.context_size

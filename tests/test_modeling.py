@@ -154,6 +154,43 @@ def test_published_folder_loads_without_warnings_and_matches_the_method(tmp_path
         torch.testing.assert_close(correction, head_correction(tensors, ours[4], state))
 
 
+def test_published_sliding_window_layers_see_their_window(tmp_path):
+    """The DFlash drafters published for Qwen3.5/3.6 targets list `sliding_attention` layers and a `sliding_window`
+    without `use_sliding_window` (which alone would make Qwen3Config drop the window): their sliding layers see the
+    keys within the window of each block position, drafting one cycle after another on the context cache too."""
+    config = published_config(domino=False) | {"layer_types": ["sliding_attention", "full_attention"]}
+    config["sliding_window"] = 6
+    tensors = published_tensors(domino=False)
+    drafter, log, warned = load_quietly(write_folder(tmp_path / "published", config, tensors))
+    assert log == "" and warned == []
+    assert drafter.config.sliding_window == 6 and drafter.config.layer_types == config["layer_types"]
+    reference = reference_config(drafter.config) | {"windows": [6, None]}
+
+    generator = torch.Generator().manual_seed(1)
+    context = torch.randn(20, 3 * HIDDEN, generator=generator)
+    block = torch.randn(16, HIDDEN, generator=generator)
+    cache = DynamicCache()
+    with torch.no_grad():
+        for start, end in ((0, 3), (3, 11), (11, 20)):  # three cycles, the later ones on the cache
+            ours = drafter(block[None], context[None, start:end], torch.arange(start, end + 16)[None], None, cache)
+            torch.testing.assert_close(ours[0], backbone(tensors, reference, block, context[:end], start=end))
+        full = backbone(tensors, reference | {"windows": [None, None]}, block, context, start=20)
+        assert not torch.allclose(ours[0], full, atol=1e-3)  # the window changed the drafts
+
+    config.pop("sliding_window")
+    write_folder(tmp_path / "no-window", config, tensors)
+    with pytest.raises(ValueError, match="sliding_attention layers in layer_types but gives no sliding_window"):
+        DominoForSpeculation.from_pretrained(tmp_path / "no-window")
+
+
+@pytest.mark.parametrize("architecture", ["DFlash2DraftModel", "DSparkDraftModel"])
+def test_other_drafter_architectures_are_named(tmp_path, architecture):
+    config = published_config(domino=False) | {"architectures": [architecture]}
+    write_folder(tmp_path / "other", config, published_tensors(domino=False))
+    with pytest.raises(ValueError, match=f"describes a {architecture}.*another architecture than DFlash/Domino"):
+        DominoForSpeculation.from_pretrained(tmp_path / "other")
+
+
 @pytest.mark.parametrize("domino", [True, False])
 def test_backbone_computes_only_the_positions_asked_for(domino):
     """`num_outputs` (what drafting k tokens needs) gives the whole block's first outputs, with a cached context and

@@ -20,7 +20,7 @@ from conftest import tiny_target as conftest_tiny_target
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_domino import DominoConfig, DominoForSpeculation, TargetModules
-from hf_domino.drafting_domino import BlockDraft, eager_rollout
+from hf_domino.drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
 from hf_domino.training import (
     DominoTrainingModule,
     Example,
@@ -69,9 +69,10 @@ def tiny_target() -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(config).eval()
 
 
-def tiny_drafter(target: Qwen3ForCausalLM, seed: int = 0) -> DominoForSpeculation:
+def tiny_drafter(target: Qwen3ForCausalLM, seed: int = 0, **backbone) -> DominoForSpeculation:
+    backbone = {"num_hidden_layers": 1, **backbone}
     config = DominoConfig.from_target(
-        target.config, num_hidden_layers=1, block_size=BLOCK, emb_dim=8, gru_hidden_dim=16, target_layer_ids=[1, 2]
+        target.config, block_size=BLOCK, emb_dim=8, gru_hidden_dim=16, target_layer_ids=[1, 2], **backbone
     )
     torch.manual_seed(seed)
     return DominoForSpeculation(config)
@@ -234,6 +235,30 @@ def test_blocks_of_one_sequence_are_isolated(target):
     batch.input_ids = changed
     base3, _, _ = block_losses_and_grads(drafter, target, batch, features, anchors)
     torch.testing.assert_close(base3[0], base[0], rtol=0, atol=0)
+
+
+def test_sliding_window_layers_train_on_what_they_draft_from(target):
+    """A drafter with sliding-window layers (the DFlash drafters published for Qwen3.5/3.6 targets) sees in training
+    exactly the context it sees when drafting: the keys within its window of each block position."""
+    drafter = tiny_drafter(
+        target, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=4
+    )
+    batch, features = batch_and_features(target, toy_examples(1))
+    anchors = torch.tensor([[9, 16]])
+    base, _, _ = block_losses_and_grads(drafter, target, batch, features, anchors)
+    modules = TargetModules.from_target(target)
+    for block, anchor in enumerate(anchors[0].tolist()):
+        context = DrafterContext()
+        context.append(features[:, :anchor])
+        with torch.no_grad():
+            hidden = run_backbone(drafter, modules, batch.input_ids[:, anchor : anchor + 1], context, BLOCK)
+        torch.testing.assert_close(modules.logits(hidden)[0], base[block].detach(), rtol=1e-4, atol=1e-4)
+    # The window is real: context outside every block position's window changes nothing of the sliding layer's
+    # queries, and all of it reaches the full-attention layer.
+    with_full = tiny_drafter(target, num_hidden_layers=2)
+    with_full.load_state_dict(drafter.state_dict())
+    full, _, _ = block_losses_and_grads(with_full, target, batch, features, anchors)
+    assert not torch.allclose(full[1], base[1])
 
 
 def test_gru_reads_ground_truth_tokens(target):

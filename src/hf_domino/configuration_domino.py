@@ -54,6 +54,7 @@ def normalize_published_config(config_dict: dict[str, Any]) -> dict[str, Any]:
     """Map a DFlash/Domino `config.json` (published, or saved here: model_type `qwen3` + `dflash_config`) to
     DominoConfig keys. Idempotent, so it is safe on a dict that is already normalized."""
     config_dict = copy.deepcopy(config_dict)
+    _refuse_other_drafter_architectures(config_dict)
     dflash_config = config_dict.pop("dflash_config", None) or {}
     for key in DFLASH_CONFIG_KEYS:
         if key in dflash_config:
@@ -64,7 +65,35 @@ def normalize_published_config(config_dict: dict[str, Any]) -> dict[str, Any]:
                 config_dict.pop(key, None)
         config_dict["model_type"] = DominoConfig.model_type
     _drop_legacy_mirrors(config_dict)
+    _check_sliding_window(config_dict)
     return config_dict
+
+
+# Drafters published under the same `model_type: qwen3` whose modules are not DFlash's: loading their weights into a
+# DFlash backbone would fail on missing and unexpected keys, so they are named instead.
+OTHER_DRAFTER_ARCHITECTURES = {
+    "DFlash2DraftModel": "DFlash2 (a causal-convolution selector beside the backbone)",
+    "DSparkDraftModel": "DSpark (a Markov head and a confidence head)",
+}
+
+
+def _refuse_other_drafter_architectures(config_dict: dict[str, Any]) -> None:
+    for name in config_dict.get("architectures") or []:
+        if name in OTHER_DRAFTER_ARCHITECTURES:
+            raise ValueError(
+                f"This config.json describes a {name}, a {OTHER_DRAFTER_ARCHITECTURES[name]} drafter, which is "
+                "another architecture than DFlash/Domino: it cannot load as a DominoForSpeculation. Use a DFlash or "
+                "Domino drafter for the same target (their configs say DFlashDraftModel or DominoForSpeculation)."
+            )
+
+
+def _check_sliding_window(config_dict: dict[str, Any]) -> None:
+    # Without the key, Qwen3Config's default window (4096) would apply silently.
+    if "sliding_attention" in (config_dict.get("layer_types") or []) and not config_dict.get("sliding_window"):
+        raise ValueError(
+            "config.json lists sliding_attention layers in layer_types but gives no sliding_window: add the window "
+            "the drafter was trained with (`sliding_window`, in tokens), or list its layers as full_attention."
+        )
 
 
 def legacy_rope_fields(rope_parameters: dict[str, Any] | None) -> dict[str, Any]:
@@ -156,6 +185,9 @@ class DominoConfig(Qwen3Config):
     shift_label: bool = False
 
     def __post_init__(self, **kwargs):
+        if "sliding_attention" in (self.layer_types or []) and self.sliding_window:
+            # Qwen3Config drops the window unless `use_sliding_window`, which the published drafters do not set.
+            self.use_sliding_window = True
         if self.target_layer_ids is None and self.num_target_layers is not None:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
         if self.target_layer_ids is not None:

@@ -68,6 +68,23 @@ def _apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return states * cos + rotate_half(states) * sin
 
 
+def sliding_window_mask(
+    attention_mask: torch.Tensor | None,
+    query_positions: torch.LongTensor,
+    key_positions: torch.LongTensor,
+    window: int,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """`attention_mask` (additive, `[b, 1, q, kv]`, or None for all visible) restricted to the keys within `window`
+    positions of each query, on both sides (`|query - key| < window`, the window counting the query's own position,
+    as transformers counts a causal one): a sliding-window layer of the DFlash drafters published for Qwen3.5/3.6
+    targets, non-causal like every layer of the backbone."""
+    outside = (query_positions[:, :, None] - key_positions[:, None, :]).abs() >= window
+    if attention_mask is None:
+        attention_mask = torch.zeros(outside.shape, dtype=dtype, device=outside.device)[:, None]
+    return attention_mask.masked_fill(outside[:, None], torch.finfo(attention_mask.dtype).min)
+
+
 class DominoAttention(Qwen3Attention):
     """Qwen3 attention whose keys/values are `[context ; block]`, with the same projections for both, non-causal."""
 
@@ -128,6 +145,7 @@ class DominoDecoderLayer(GradientCheckpointingLayer):
 
     def __init__(self, config: DominoConfig, layer_idx: int):
         super().__init__()
+        self.attention_type = config.layer_types[layer_idx]
         self.self_attn = DominoAttention(config, layer_idx)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -274,6 +292,7 @@ class DominoForSpeculation(DominoPreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         past_key_values: DynamicCache | None = None,
         num_outputs: int | None = None,
+        key_positions: torch.LongTensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
         """The parallel backbone: returns the normalized hidden states of the block, `[b, block_len, hidden]`.
@@ -290,18 +309,38 @@ class DominoForSpeculation(DominoPreTrainedModel):
             num_outputs: return the block's first `num_outputs` positions only (see `outputs_for_drafts`). The last
                 layer then computes those positions alone; every position still serves as keys/values, so they are
                 the same outputs, at a fraction of the last layer's cost when few drafts are wanted.
+            key_positions: positions of every key, `[cached ; context ; block]`, `[b, kv]`, read by sliding-window
+                layers only (`layer_types`), whose queries see the keys within `sliding_window` positions. None:
+                `position_ids` without a cache, else the cache holds positions `0 .. cached - 1` (one sequence's
+                context cache).
         """
         hidden_states = block_embeds.to(self.fc.weight.dtype)
         block_len = hidden_states.shape[1]
         context = self.project_context(context_features)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        masks = {"full_attention": attention_mask, "sliding_attention": attention_mask}
+        if "sliding_attention" in self.config.layer_types:
+            window = self.config.sliding_window
+            if key_positions is None and past_key_values is None:
+                key_positions = position_ids  # every key is in this forward (training)
+            elif key_positions is None:
+                # The cache holds positions 0 .. cached - 1, so some key is outside some query's window only once
+                # there are more keys than the window (known on the host: no device sync at every draft).
+                cached = past_key_values.get_seq_length()
+                if cached + position_ids.shape[1] > window:
+                    cached_positions = torch.arange(cached, device=position_ids.device)
+                    key_positions = torch.cat([cached_positions.expand(position_ids.shape[0], -1), position_ids], -1)
+            if key_positions is not None:
+                masks["sliding_attention"] = sliding_window_mask(
+                    attention_mask, position_ids[:, -block_len:], key_positions, window, hidden_states.dtype
+                )
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             hidden_states = layer(
                 hidden_states,
                 context,
                 position_embeddings,
-                attention_mask=attention_mask,
+                attention_mask=masks[layer.attention_type],
                 past_key_values=past_key_values,
                 num_queries=num_outputs if index == last else None,
                 **kwargs,

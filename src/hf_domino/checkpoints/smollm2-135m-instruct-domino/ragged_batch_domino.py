@@ -98,6 +98,9 @@ def run_batched_backbone(
     )
     additive = torch.zeros(rows, 1, block_size, columns.shape[1], dtype=drafter.dtype, device=device)
     additive.masked_fill_(~columns[:, None, None, :], torch.finfo(drafter.dtype).min)
+    # A context column's position, counted back from the anchor over the row's real columns (holes get any: masked).
+    context_columns = columns[:, :-block_size].long()
+    context_positions = context.known[:, None] - context_columns.flip(-1).cumsum(-1).flip(-1)
     hidden = drafter(
         drafter.embed_block(target, anchor_ids),
         features,
@@ -105,6 +108,7 @@ def run_batched_backbone(
         attention_mask=additive,
         past_key_values=context.cache.cache,
         num_outputs=drafter.outputs_for_drafts(num_drafts),
+        key_positions=torch.cat([context_positions, block_positions], dim=-1),
     )
     context.cache.appended(pending_mask)  # the forward already dropped the block's own keys/values
     context.cache.maybe_compact()
