@@ -4,6 +4,9 @@ No drafter is trained for such a target and none installs offline, so acceptance
 
 - a target forward over 1, 2, 3, 5, 9 and 17 tokens of a filled cache, as a verification runs it (the cache
   recording its convolution history, `activate_past_recording`), against the target alone's one-token step;
+- what a verification with rejected drafts costs after it: the state after its accepted tokens recomputed from the
+  Gated DeltaNet rule's own inputs (`RecurrentRollback`, the default) against the forward that re-reads them, the
+  state-space families' way;
 - `generate()` with a drafter of random weights (every draft rejected), twice in one process, against the target
   alone: the first call also measures the target's verify-cost table, the second shows where the adaptive policy
   settles when drafting cannot pay. Outputs are compared.
@@ -23,7 +26,7 @@ import torch
 from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from hf_domino import DominoConfig, DominoForSpeculation
-from hf_domino.cache_domino import cache_argument
+from hf_domino.cache_domino import RecurrentRollback, cache_argument
 from hf_domino.cost_model_domino import synchronize
 
 # Qwen3.5-0.8B's sizes (three Gated DeltaNet layers to one attention layer).
@@ -53,6 +56,33 @@ def forward_ms(target, context: torch.Tensor, tokens: int, recording: bool, reps
             if recording:
                 cache.crop(-tokens)  # given back (a recurrent state would keep it: timing only)
     return 1000 * statistics.median(samples[1:])
+
+
+def after_rejection_ms(
+    target, context: torch.Tensor, kept: int, block: int = 17, reps: int = 4
+) -> tuple[float, float]:
+    """Median ms, after a verification of `block` tokens of which `kept` stay, of setting the states to those `kept`
+    tokens from the rule's inputs, and of the forward that reads them again (with the next token) instead."""
+    replays, rereads = [], []
+    with torch.no_grad():
+        for _ in range(reps + 1):
+            cache = DynamicCache(config=target.config)
+            target(context, use_cache=True, **cache_argument(cache), logits_to_keep=1)
+            cache.activate_past_recording()
+            rollback = RecurrentRollback.install(cache, committed=context.shape[1], target=target)
+            rollback.feed(context.shape[1] + block)
+            target(context[:, -block:], use_cache=True, **cache_argument(cache), logits_to_keep=block)
+            synchronize(context.device)
+            start = time.perf_counter()
+            rollback.crop(kept - block)
+            synchronize(context.device)
+            replays.append(time.perf_counter() - start)
+            rollback.remove()
+            start = time.perf_counter()
+            target(context[:, -kept - 1 :], use_cache=True, **cache_argument(cache), logits_to_keep=kept + 1)
+            synchronize(context.device)
+            rereads.append(time.perf_counter() - start)
+    return 1000 * statistics.median(replays[1:]), 1000 * statistics.median(rereads[1:])
 
 
 def timed(call, *args, **kwargs):
@@ -93,6 +123,12 @@ def main() -> None:
     for tokens in LENGTHS:
         ms = forward_ms(target, context, tokens, recording=True)
         print(f"| {tokens} | {ms:.1f} | {ms / step:.2f} |")
+
+    print("\n| tokens kept of a 17-token verification | states from the rule's inputs, ms | re-read forward, ms |")
+    print("| ---: | ---: | ---: |")
+    for kept in (1, 4, 16):
+        replay, reread = after_rejection_ms(target, context, kept)
+        print(f"| {kept} | {replay:.1f} | {reread:.1f} |")
 
     prompt, options = context[:, :64], dict(max_new_tokens=args.new_tokens, do_sample=False)
     target.generate(prompt, max_new_tokens=2, do_sample=False)  # warm-up

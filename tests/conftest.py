@@ -138,7 +138,7 @@ def forcing_drafter(target, next_token: list[int], *, block_size: int = 6, shift
     The backbone output is zeroed (final norm weight 0), so base logits vanish and the Domino head alone decides:
     the GRU state becomes the one-hot of the last token read and `embed_proj` maps it to `next_token[token]`.
     """
-    vocab_size = target.config.vocab_size
+    vocab_size = target.config.get_text_config().vocab_size
     drafter = tiny_drafter(
         target,
         head=True,

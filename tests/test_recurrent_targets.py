@@ -26,7 +26,7 @@ from packaging.version import Version
 from test_batching import left_padded
 
 from hf_domino import prepare_for_cpu_decoding
-from hf_domino.cache_domino import CACHE_ARGUMENT, RECURRENT_TARGETS
+from hf_domino.cache_domino import CACHE_ARGUMENT, RECURRENT_TARGETS, RULE_INPUT_TOKENS, RecurrentRollback
 from hf_domino.options_domino import static_caches_roll_back
 
 VOCAB = 32
@@ -109,6 +109,8 @@ REFUSED = {
 # not pass through its loop: drafting refuses them there.
 OWN_CACHE = Version(transformers.__version__) < Version("5.24")
 STATE_SPACE = {"mamba2", "mamba", "falcon_mamba"}
+# Families whose linear attention is the Gated DeltaNet rule: a verification is kept up to its last accepted draft.
+GATED_DELTA = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"}
 PROMPT = torch.tensor([[5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 5, 9]])
 GREEDY = {"do_sample": False, "eos_token_id": None}
 
@@ -196,8 +198,11 @@ def test_greedy_output_is_the_target_alone_with_drafts_accepted_in_part_in_whole
         stats = drafter.last_generation_stats
         rollbacks = [i for i, (drafted, accepted) in enumerate(zip(stats.drafted, stats.acceptance_lengths))
                      if accepted < drafted + 1]  # fmt: skip
-        # Each rolled-back verification is followed by a forward that re-reads it and verifies nothing.
-        assert all(stats.drafted[i + 1] == 0 for i in rollbacks if i + 1 < len(stats.drafted)), options
+        if name in GATED_DELTA:  # the states after the verified tokens, from the rule's own inputs: no re-read
+            assert stats.rereads == 0, options
+        else:  # each rolled-back verification is followed by a forward that re-reads it and verifies nothing
+            assert all(stats.drafted[i + 1] == 0 for i in rollbacks if i + 1 < len(stats.drafted)), options
+            assert stats.rereads == len([i for i in rollbacks if i + 1 < len(stats.drafted)]), options
         if options:
             assert rollbacks, options
         kept_whole += sum(
@@ -205,6 +210,40 @@ def test_greedy_output_is_the_target_alone_with_drafts_accepted_in_part_in_whole
         )
     # And verifications kept whole, every draft accepted (the tiny Mamba2 never repeats itself: none to copy).
     assert kept_whole or name == "mamba2"
+
+
+def test_qwen3_5_as_users_load_it_keeps_verified_tokens():
+    """Qwen/Qwen3.5-* checkpoints are vision-language models (`Qwen3_5ForConditionalGeneration`, what
+    AutoModelForImageTextToText builds): a text prompt drafts with them, rejected verifications kept in part."""
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2)
+    config = transformers.Qwen3_5Config(text_config={**COMMON, **FAMILIES["qwen3_5"][2]}, vision_config=vision)
+    torch.manual_seed(0)
+    target = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    target.generation_config.pad_token_id = 0
+    expected = target.generate(PROMPT, max_new_tokens=40, **GREEDY)
+    drafter = forcing_drafter(target, successor_table(expected))
+    output = target.generate(PROMPT, assistant_model=drafter, max_new_tokens=40, draft_policy="fixed", **GREEDY)
+    assert torch.equal(output, expected)
+    assert rolled_back(drafter.last_generation_stats) > 0 and drafter.last_generation_stats.rereads == 0
+
+
+def test_a_prompt_keeps_no_rule_inputs():
+    """The chunked rule's inputs are kept for verifications only: a prompt's would take memory in proportion to it."""
+    target = hybrid_target("qwen3_5")
+    tokens = (torch.arange(RULE_INPUT_TOKENS + 4) % VOCAB)[None]
+    cache = transformers.DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(tokens[:, :4], **{CACHE_ARGUMENT: cache})
+    rollback = RecurrentRollback.install(cache, committed=4, target=target)
+    try:
+        for length, kept in ((RULE_INPUT_TOKENS + 4, False), (3, True)):  # the rest of a prompt, a verification
+            rollback.feed(rollback.committed + length)
+            with torch.no_grad():
+                target(tokens[:, :length], **{CACHE_ARGUMENT: cache})
+            assert all((layer.inputs_before.get(0) is not None) is kept for layer in rollback.layers)
+            rollback.crop(0)
+    finally:
+        rollback.remove()
 
 
 def layer_states(cache) -> list[torch.Tensor]:
@@ -379,7 +418,7 @@ def test_the_cost_example_runs_as_documented_at_a_smaller_depth():
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "| 17 |" in done.stdout
+    assert "| 17 |" in done.stdout and "| 16 |" in done.stdout  # verification costs; after a rejection
     calls = [line for line in done.stdout.splitlines() if line.startswith(("| 1 | ", "| 2 | ")) and "x |" in line]
     assert len(calls) == 2 and all(line.endswith("| yes |") for line in calls)
 

@@ -297,7 +297,7 @@ def _wrap_assisted_decoding(original):
         rollback = None
         if recurrent:
             cached = arguments["input_ids"].shape[1] - (prefill_length or arguments["input_ids"].shape[1])
-            rollback = RecurrentRollback.install(cache, committed=cached)
+            rollback = RecurrentRollback.install(cache, committed=cached, target=self)
         token = _CALL.set(_DominoCall(options, arguments.get("stopping_criteria"), prefill_length, rollback))
         try:
             with kernels:

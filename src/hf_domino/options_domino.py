@@ -44,7 +44,8 @@ class DominoGenerationStats:
     (target forward and acceptance, timed from the end of drafting to the loop's next call). With
     `domino_branches`, `branches[i]` is the branch the i-th forward went on along (0: the likeliest first draft; also
     0 where the target took none of them, and where the forward verified one block or none), and `drafted[i]` counts
-    the drafts of that branch.
+    the drafts of that branch. `rereads` counts the forwards that read a rolled-back verification's tokens again
+    (a target whose recurrent states cannot be kept for part of a verification: the state-space families).
     """
 
     acceptance_lengths: list[int] = field(default_factory=list)
@@ -53,6 +54,7 @@ class DominoGenerationStats:
     retrieved: list[bool] = field(default_factory=list)
     timings: dict[str, list[float]] | None = None
     branches: list[int] = field(default_factory=list)
+    rereads: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -7,8 +7,11 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
+import sys
+from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin
@@ -101,9 +104,52 @@ def _buffered(layer: DynamicLayer, reserve: int) -> BufferedLayer:
     return buffered
 
 
+# The Gated DeltaNet families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid) run a forward of several tokens through
+# the chunked rule, a function of their modeling module, and a one-token step through the recurrent rule beside it.
+# With the chunked rule's inputs kept, the state after any prefix of a verification is the recurrent rule over that
+# prefix, from the state the forward started from: a rejected draft then costs no re-read.
+CHUNKED_RULE, RECURRENT_RULE = "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"
+# The chunked rule's inputs of the current forward, in layer order; None outside a verification.
+_RULE_INPUTS: contextvars.ContextVar[list | None] = contextvars.ContextVar("domino_rule_inputs", default=None)
+# A forward over more tokens (a prompt) keeps no inputs: it is never rolled back in part.
+RULE_INPUT_TOKENS = 64
+
+
+def _recording(rule: Callable) -> Callable:
+    """`rule` (a family's chunked rule), keeping its inputs where a verification asks for them."""
+    signature = inspect.signature(rule)
+
+    @functools.wraps(rule)
+    def recording_rule(*args, **kwargs):
+        kept = _RULE_INPUTS.get()
+        if kept is not None and not torch.compiler.is_compiling():
+            inputs = signature.bind(*args, **kwargs).arguments
+            if inputs["query"].shape[1] <= RULE_INPUT_TOKENS:
+                kept.append(inputs)
+        return rule(*args, **kwargs)
+
+    recording_rule.domino_records = True
+    return recording_rule
+
+
+def gated_delta_recurrent_rule(target) -> Callable | None:
+    """The recurrent rule of `target`'s family, its chunked rule wrapped to keep a verification's inputs (once per
+    process: the wrapper passes calls through unchanged outside a drafting call), or None for a family without the
+    Gated DeltaNet rule (the state-space models), whose rejected verifications are rolled back whole."""
+    module = sys.modules.get(type(target).__module__)
+    if module is None or not callable(getattr(module, CHUNKED_RULE, None)) or not hasattr(module, RECURRENT_RULE):
+        return None
+    if not getattr(getattr(module, CHUNKED_RULE), "domino_records", False):
+        setattr(module, CHUNKED_RULE, _recording(getattr(module, CHUNKED_RULE)))
+    return getattr(module, RECURRENT_RULE)
+
+
 def _keep_state_before(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
     """`update_recurrent_state` of a snapshot layer: the new state is kept by reference rather than copied into the
-    old one's storage, so the state the forward started from survives as it was, with no copy per forward."""
+    old one's storage, so the state the forward started from survives as it was, with no copy per forward. The
+    inputs the chunked rule just read (this layer's: layers run one after another) go with it."""
+    kept = _RULE_INPUTS.get()
+    self.inputs_before[state_idx] = kept.pop() if kept else None
     if not self.is_recurrent_states_initialized[state_idx]:
         return super(type(self), self).update_recurrent_state(recurrent_states, state_idx, **kwargs)
     self.states_before[state_idx] = self.recurrent_states[state_idx]
@@ -157,26 +203,28 @@ class RecurrentRollback:
     holds for certain.
     """
 
-    def __init__(self, cache: Cache, committed: int):
+    def __init__(self, cache: Cache, committed: int, recurrent_rule: Callable | None = None):
         self.cache, self.committed, self.fed = cache, committed, 0
+        self.recurrent_rule = recurrent_rule
         self.layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
         self.classes = [type(layer) for layer in self.layers]
 
     @classmethod
-    def install(cls, cache: Cache, committed: int) -> RecurrentRollback:
-        rollback = cls(cache, committed)
+    def install(cls, cache: Cache, committed: int, target=None) -> RecurrentRollback:
+        rollback = cls(cache, committed, gated_delta_recurrent_rule(target) if target is not None else None)
         for layer in rollback.layers:
             layer.__class__ = _snapshot_class(type(layer))
-            layer.states_before = {}
+            layer.states_before, layer.inputs_before = {}, {}
         cache.crop = rollback.crop  # transformers' loop crops after every verification
         return rollback
 
     def remove(self) -> None:
         """The cache as it was built, holding what the call left in it."""
+        _RULE_INPUTS.set(None)
         for layer, layer_class in zip(self.layers, self.classes):
             layer.__class__ = layer_class
             layer.record_past = True  # as transformers' assisted loop left it
-            del layer.states_before
+            del layer.states_before, layer.inputs_before
         self.cache.__dict__.pop("crop", None)
 
     def lagging(self, sequence_length: int) -> bool:
@@ -187,24 +235,58 @@ class RecurrentRollback:
     def feed(self, sequence_length: int) -> int:
         """How many of the sequence's last tokens the next forward reads: every one after the committed ones."""
         self.fed = sequence_length - self.committed
+        _RULE_INPUTS.set([] if self.recurrent_rule is not None and self.fed > 1 else None)
         for layer in self.layers:
-            layer.states_before = {}
+            layer.states_before, layer.inputs_before = {}, {}
             # A one-token forward is never rolled back: it runs the models' in-place step, as the target alone's does,
             # rather than the convolution over a recorded history that transformers' assisted loop asks for.
             layer.record_past = self.fed > 1
         return self.fed
 
     def crop(self, tokens_to_remove: int) -> None:
-        """transformers' crop after a verification: nothing rejected keeps the forward; anything rejected rolls the
-        whole forward back (the tokens it verified are read again by the next one)."""
+        """transformers' crop after a verification: nothing rejected keeps the forward; with rejected drafts, the
+        states after the verified tokens where the rule's inputs were kept (Gated DeltaNet), else the whole forward
+        rolled back (the tokens it verified are read again by the next one)."""
+        _RULE_INPUTS.set(None)
+        kept = self.fed - abs(tokens_to_remove)
         if tokens_to_remove == 0:
             if self.fed > 1:
                 type(self.cache).crop(self.cache, 0)  # shrinks the recorded convolution history
-            self.committed += self.fed
+        elif self._replay(kept):
+            type(self.cache).crop(self.cache, tokens_to_remove)
+        else:
+            for layer in self.layers:
+                layer.restore()
+            type(self.cache).crop(self.cache, -self.fed)
             return
-        for layer in self.layers:
-            layer.restore()
-        type(self.cache).crop(self.cache, -self.fed)
+        self.committed += kept
+
+    def _replay(self, kept: int) -> bool:
+        """Sets each recurrent state to the one after the forward's first `kept` tokens: the recurrent rule (the one
+        the target's one-token steps run) over the chunked rule's kept inputs, all layers in one call. False where
+        some layer kept none (a state-space layer, a prompt, a compiled forward): roll back whole."""
+        inputs = [layer.inputs_before.get(0) for layer in self.layers]
+        if not inputs or any(i is None for i in inputs) or any(len(layer.inputs_before) != 1 for layer in self.layers):
+            return False
+        if len({tuple(i["query"].shape) + tuple(i["value"].shape) for i in inputs}) != 1:
+            return False
+
+        def stacked(name: str) -> torch.Tensor:
+            return torch.cat([i[name][:, :kept] for i in inputs])
+
+        _, states = self.recurrent_rule(
+            stacked("query"),
+            stacked("key"),
+            stacked("value"),
+            g=stacked("g"),
+            beta=stacked("beta"),
+            initial_state=torch.cat([layer.states_before[0] for layer in self.layers]),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=inputs[0].get("use_qk_l2norm_in_kernel", False),
+        )
+        for layer, state in zip(self.layers, states.chunk(len(self.layers))):
+            layer.recurrent_states[0] = state.to(layer.states_before[0].dtype)
+        return True
 
 
 # Families (text model types) whose recurrent layers carry their states through a forward of several tokens on a

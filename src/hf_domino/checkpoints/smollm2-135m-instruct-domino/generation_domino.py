@@ -163,6 +163,7 @@ class DominoCandidateGenerator(CandidateGenerator):
             # The last verification was rolled back: this forward reads its verified tokens again and drafts nothing,
             # so that it is kept whole (drafts would risk another rollback, and the re-read would grow each time).
             self.cycle["catch_up"] = True
+            self.stats.rereads += 1
             self._lap()
             return input_ids, None
         room = self.max_length - input_ids.shape[1] - 1  # the target adds one token of its own
