@@ -439,3 +439,34 @@ def test_a_static_cache_rolls_back_too(name):
     )
     assert torch.equal(output, expected)
     assert rolled_back(drafter.last_generation_stats) > 0
+
+
+def test_layers_of_different_devices_or_dtypes_replay_in_groups(monkeypatch):
+    """A target split over GPUs keeps each layer's states on its own device: the states after a verification's
+    accepted tokens are recomputed per group of layers that can be stacked (here: one layer's states in float64)."""
+    target = hybrid_target("qwen3_5")
+    module = sys.modules[type(target).__module__]
+    rule, stacks = module.torch_recurrent_gated_delta_rule, set()
+
+    def counting_rule(*args, initial_state=None, **kwargs):
+        stacks.add((initial_state.dtype, initial_state.shape[0]))
+        return rule(*args, initial_state=initial_state, **kwargs)
+
+    monkeypatch.setattr(module, "torch_recurrent_gated_delta_rule", counting_rule)
+    expected = target.generate(PROMPT, max_new_tokens=40, **GREEDY)
+    drafter = forcing_drafter(target, successor_table(expected))
+    outputs = []
+    for assistant in (None, drafter):
+        cache = transformers.DynamicCache(config=target.config)
+        with torch.no_grad():
+            target(PROMPT[:, :6], **{CACHE_ARGUMENT: cache})
+        linear = [layer for layer in cache.layers if hasattr(layer, "recurrent_states")]
+        linear[0].recurrent_states[0] = linear[0].recurrent_states[0].double()
+        extra = {} if assistant is None else {"assistant_model": assistant, "draft_policy": "fixed"}
+        outputs.append(target.generate(PROMPT, **{CACHE_ARGUMENT: cache}, max_new_tokens=40, **GREEDY, **extra))
+        assert linear[0].recurrent_states[0].dtype == torch.float64
+    assert torch.equal(outputs[1], outputs[0])
+    stats = drafter.last_generation_stats
+    assert rolled_back(stats) > 0 and stats.rereads == 0
+    # The other layers' states in one call (batch: one row per layer), the float64 layer's in one of its own.
+    assert (torch.float32, len(linear) - 1) in stacks and (torch.float64, 1) in stacks

@@ -263,14 +263,22 @@ class RecurrentRollback:
 
     def _replay(self, kept: int) -> bool:
         """Sets each recurrent state to the one after the forward's first `kept` tokens: the recurrent rule (the one
-        the target's one-token steps run) over the chunked rule's kept inputs, all layers in one call. False where
-        some layer kept none (a state-space layer, a prompt, a compiled forward): roll back whole."""
+        the target's one-token steps run) over the chunked rule's kept inputs, in one call per group of layers of
+        one device and shape (a target split over GPUs has several). False where some layer kept none (a state-space
+        layer, a prompt, a compiled forward): roll back whole."""
         inputs = [layer.inputs_before.get(0) for layer in self.layers]
         if not inputs or any(i is None for i in inputs) or any(len(layer.inputs_before) != 1 for layer in self.layers):
             return False
-        if len({tuple(i["query"].shape) + tuple(i["value"].shape) for i in inputs}) != 1:
-            return False
+        groups: dict[tuple, list[int]] = {}
+        for index, (layer, kept_inputs) in enumerate(zip(self.layers, inputs)):
+            state = layer.states_before[0]
+            key = (state.device, state.dtype, tuple(state.shape), tuple(kept_inputs["query"].shape))
+            groups.setdefault(key, []).append(index)
+        for indices in groups.values():
+            self._replay_layers([self.layers[i] for i in indices], [inputs[i] for i in indices], kept)
+        return True
 
+    def _replay_layers(self, layers: list, inputs: list[dict], kept: int) -> None:
         def stacked(name: str) -> torch.Tensor:
             return torch.cat([i[name][:, :kept] for i in inputs])
 
@@ -280,13 +288,12 @@ class RecurrentRollback:
             stacked("value"),
             g=stacked("g"),
             beta=stacked("beta"),
-            initial_state=torch.cat([layer.states_before[0] for layer in self.layers]),
+            initial_state=torch.cat([layer.states_before[0] for layer in layers]),
             output_final_state=True,
             use_qk_l2norm_in_kernel=inputs[0].get("use_qk_l2norm_in_kernel", False),
         )
-        for layer, state in zip(self.layers, states.chunk(len(self.layers))):
+        for layer, state in zip(layers, states.chunk(len(layers))):
             layer.recurrent_states[0] = state.to(layer.states_before[0].dtype)
-        return True
 
 
 # Families (text model types) whose recurrent layers carry their states through a forward of several tokens on a
