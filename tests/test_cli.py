@@ -211,3 +211,30 @@ def test_export_resolves_the_smollm2_tokenizer_offline(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(output)
     assert len(tokenizer) == 49152 and tokenizer.eos_token == "<|im_end|>"
     assert (Path(output) / "README.md").is_file() and (Path(output) / "model.safetensors").is_file()
+
+
+def test_bench_runs_a_target_with_recurrent_layers(tmp_path):
+    """`hf-domino bench --target <a Qwen3.5 folder>` (as with Qwen/Qwen3.5-* and their DFlash drafters): the methods
+    such a target cannot run (transformers' prompt lookup, the manual loop) are skipped, naming why; the rest run."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from hf_domino import assets
+
+    tokenizer = assets.load_tokenizer("smollm2")
+    config = Qwen3_5TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3_5ForCausalLM(config).save_pretrained(tmp_path / "qwen3_5")
+    tokenizer.save_pretrained(tmp_path / "qwen3_5")
+    argv = ["bench", "--target", str(tmp_path / "qwen3_5"), "--random-weights", "--num-prompts", "1"]
+    argv += ["--max-new-tokens", "8", "--warmup-tokens", "2", "--device", "cpu", "--output-dir", str(tmp_path / "out")]
+    result = run_cli(*argv)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Skipping prompt_lookup and manual for Qwen3_5ForCausalLM" in result.stdout
+    report = (tmp_path / "out" / "bench.md").read_text()
+    assert "| domino |" in report and "| dflash |" in report and "| prompt_lookup |" not in report

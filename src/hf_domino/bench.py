@@ -240,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         _drafter_folder(args)
     target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
     drafter = _drafter_for(target, args, dtype) if needs_drafter else None
+    methods = _runnable_methods(methods, target)
     fast_path = _cpu_fast_path(args, target, drafter)
     if fast_path != "off":  # the CPU's baseline without the fast path
         _add_baseline(methods, "target_eager")
@@ -296,6 +297,21 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_report(result))
     print("Wrote " + ", ".join(str(path) for path in paths.values()))
     return 0
+
+
+def _runnable_methods(methods: list[str], target) -> list[str]:
+    """`methods` without those the target cannot run, each named: transformers refuses any assistant (its prompt
+    lookup too) for a target with recurrent states (Qwen3.5, Nemotron-H, ...), whose states the manual loop's cache
+    crop cannot roll back either; generate() with a Domino drafter serves them."""
+    if not getattr(target, "_is_stateful", False):
+        return methods
+    skipped = [method for method in methods if method in ("prompt_lookup", "manual")]
+    if skipped:
+        print(
+            f"Skipping {' and '.join(skipped)} for {type(target).__name__}: its recurrent states cannot roll back "
+            "rejected drafts there (transformers refuses it any assistant; the manual loop crops a cache)."
+        )
+    return [method for method in methods if method not in skipped]
 
 
 def _add_baseline(methods: list[str], baseline: str) -> None:

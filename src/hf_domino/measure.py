@@ -43,7 +43,7 @@ from transformers.cache_utils import DynamicCache
 
 from .acceptance import acceptance_from_cache_lengths, record_target_forwards
 from .assets import eos_token_ids, pad_token_id
-from .cache_domino import cache_argument
+from .cache_domino import cache_argument, has_recurrent_layers
 from .cost_model_domino import VerifyCost, cached_verify_cost, swap_verify_cost, synchronize
 from .cpu_fast_path import compiling_on_any_device
 from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
@@ -331,6 +331,8 @@ def measure_forward_ms(
     hidden_states = hidden_state_indices(drafter.config.target_layer_ids) if drafter is not None else False
     cache = DynamicCache(config=target.config)
     target(input_ids, **cache_argument(cache), logits_to_keep=1)
+    if has_recurrent_layers(cache):  # timing only: the recurrent states keep the timed tokens, the rest is cropped
+        cache.activate_past_recording()
     costs = {}
     for length in lengths:
         block = input_ids[:, -1:].expand(1, length)  # token values do not change the cost
