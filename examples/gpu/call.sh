@@ -27,6 +27,7 @@ case $CALL in
   1)
     rm -rf $S $W && mkdir -p $S/bin $S/site || exit 1
     tar xJf .gpu/p1/site.tar.xz -C $S/site && tar xf .gpu/p1/pkgs.tar -C $S && cp .gpu/p1/gguf.* .gpu/p1/mode $S/ || exit 1
+    [ -f .gpu/p1/fla.tar ] && tar xf .gpu/p1/fla.tar -C $S  # wheels; the `recurrent` stage installs them for itself
     printf '#!/bin/sh\nexec python3 -m hf_domino.cli "$@"\n' > $S/bin/hf-domino && chmod +x $S/bin/hf-domino
     copy_tree && tar xJf .gpu/p1/files.tar.xz -C $W || exit 1
     source $W/examples/gpu/env.sh

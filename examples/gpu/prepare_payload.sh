@@ -77,6 +77,11 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $OUT/whl/regex \
   "regex==$(python3 -c 'import importlib.metadata as m; print(m.version("regex"))')"
 mv $OUT/whl/regex/*.whl $OUT/
+# flash-linear-attention (pure Python, Triton kernels; 1.5 MB): the `recurrent` stage runs the Qwen3.5-shaped target
+# with it too, as GPU users of Qwen3.5 do (the image has none). Only that stage puts it on the path.
+mkdir -p $OUT/fla
+python3 -m pip download -q --no-deps --only-binary=:all: -d $OUT/fla flash-linear-attention==0.6.0 fla-core==0.6.0 einops
+tar cf $OUT/fla.tar -C $OUT fla && rm -rf $OUT/fla
 rm -rf $OUT/whl $OUT/site
 
 tree_bytes() { git ls-files -coz --exclude-standard | du -cb --files0-from=- | tail -1 | cut -f1; }
@@ -94,7 +99,7 @@ if [ "$MODE" != train ]; then
   limit=$(( 64 * 1048576 - 524288 ))  # what one call may send, less some slack
   tree=$(tree_bytes)
   mkdir -p $OUT/p1 $OUT/p2
-  mv $OUT/site.tar.xz $OUT/pkgs.tar $OUT/regex-*.whl $OUT/p1/
+  mv $OUT/site.tar.xz $OUT/pkgs.tar $OUT/regex-*.whl $OUT/fla.tar $OUT/p1/
   echo $MODE > $OUT/p1/mode
   tar cf - $files | xz -T2 -6 > $OUT/p1/files.tar.xz
   sha256sum "$gguf" | cut -d' ' -f1 > $OUT/p1/gguf.sha256
@@ -122,7 +127,7 @@ if [ "$MODE" != train ]; then
 fi
 
 mkdir -p $OUT/c1 $OUT/c2
-mv $OUT/site.tar.xz $OUT/pkgs.tar $OUT/regex-*.whl $OUT/c2/
+mv $OUT/site.tar.xz $OUT/pkgs.tar $OUT/regex-*.whl $OUT/c2/ && rm -f $OUT/fla.tar
 python3 examples/gpu/trim_sharegpt.py $OUT/sharegpt.json
 xz -T2 -9 -c $OUT/sharegpt.json > $OUT/c1/sharegpt_trim.json.xz
 xz -T2 -6 -c "$gguf" | split -b 47000000 - $OUT/gguf.xz.

@@ -142,8 +142,12 @@ for name in "$@"; do
     offload) stage offload 120 bash -c "for prompts in mtbench humaneval; do python3 examples/offloaded_target.py \
       --prompts \$prompts --num-prompts $PROMPTS --max-new-tokens $TOKENS --threads 8; done" ;;
     # A target with recurrent layers (docs/usage.md, "Targets with recurrent layers"): a Qwen3.5-shaped target's
-    # verification costs (transformers' reference kernels: the image has no flash-linear-attention). STAGES=recurrent.
-    recurrent) stage recurrent 120 python3 examples/recurrent_targets.py --device cuda --dtype bfloat16 --threads 8 ;;
+    # verification costs and what a rejection costs after it, with transformers' reference kernels, then with
+    # flash-linear-attention (its wheels from call 1's payload, on the path of this stage only). STAGES=recurrent.
+    recurrent) stage recurrent 240 bash -c "python3 examples/recurrent_targets.py --device cuda --dtype bfloat16 \
+      --threads 8 && python3 -m pip install -q --no-index --no-deps --target $S/fla-site $S/fla/*.whl && \
+      PYTHONPATH=$S/fla-site:\$PYTHONPATH python3 examples/recurrent_targets.py --device cuda --dtype bfloat16 \
+      --threads 8" ;;
     finetune) stage finetune 600 finetune ;;
     suite) stage suite 600 env HF_DOMINO_FAILURES_LOG=$R/suite-failures.log \
       python3 -m pytest -v -rfEs --tb=short -p no:cacheprovider -n $PYTEST_WORKERS $TEST_TIMEOUT ;;
