@@ -124,8 +124,8 @@ def _recording(rule: Callable) -> Callable:
         kept = _RULE_INPUTS.get()
         if kept is not None and not torch.compiler.is_compiling():
             inputs = signature.bind(*args, **kwargs).arguments
-            if inputs["query"].shape[1] <= RULE_INPUT_TOKENS:
-                kept.append(inputs)
+            query = inputs.get("query")  # another signature than the one replayed: kept as None, rolled back whole
+            kept.append(inputs if query is not None and query.shape[1] <= RULE_INPUT_TOKENS else None)
         return rule(*args, **kwargs)
 
     recording_rule.domino_records = True
@@ -149,7 +149,7 @@ def _keep_state_before(self, recurrent_states: torch.Tensor, state_idx: int = 0,
     old one's storage, so the state the forward started from survives as it was, with no copy per forward. The
     inputs the chunked rule just read (this layer's: layers run one after another) go with it."""
     kept = _RULE_INPUTS.get()
-    self.inputs_before[state_idx] = kept.pop() if kept else None
+    self.inputs_before[state_idx] = kept.pop() if kept else None  # None: no rule call recorded for this layer
     if not self.is_recurrent_states_initialized[state_idx]:
         return super(type(self), self).update_recurrent_state(recurrent_states, state_idx, **kwargs)
     self.states_before[state_idx] = self.recurrent_states[state_idx]
@@ -191,13 +191,15 @@ class RecurrentRollback:
 
     A recurrent state (linear attention, a state-space layer) folds every token it reads into one tensor, so it
     cannot drop a verification's rejected drafts the way key/value columns are cropped; transformers refuses assisted
-    generation for such targets. Keeping the state after every position of a block would mean changing the models'
-    kernels. Instead, a forward whose drafts were all accepted is kept, and any other is rolled back whole: each
-    recurrent state to what the forward started from, every other layer (attention, convolution history) by the
+    generation for such targets. A forward whose drafts were all accepted is kept. In the Gated DeltaNet families,
+    one with rejected drafts keeps its verified tokens: each state becomes the recurrent rule over the inputs the
+    chunked rule read for them (`gated_delta_recurrent_rule`), the other layers (attention, convolution history) are
+    cropped by the rejected drafts. Elsewhere (the state-space layers, whose scans are methods, not a rule to replay)
+    it is rolled back whole: each recurrent state to what the forward started from, every other layer by the
     forward's tokens. The tokens it verified (the anchor and the accepted drafts) stay in the sequence, and the next
     forward reads them again with the new token (`feed`), verifying no drafts (the candidate generator's re-read,
-    `lagging`), so that it is always kept. A cycle with a rejection thus costs one more forward, about a plain step,
-    which yields a token as a plain step does; the states always hold exactly the tokens of the sequence.
+    `lagging`), so that it is always kept: one more forward, about a plain step, which yields a token as a plain step
+    does. Either way the states hold exactly the tokens of the sequence.
 
     Installed by the generate() hook for one call (`install`, `remove`); `committed` counts the tokens the cache
     holds for certain.
@@ -267,7 +269,9 @@ class RecurrentRollback:
         one device and shape (a target split over GPUs has several). False where some layer kept none (a state-space
         layer, a prompt, a compiled forward): roll back whole."""
         inputs = [layer.inputs_before.get(0) for layer in self.layers]
-        if not inputs or any(i is None for i in inputs) or any(len(layer.inputs_before) != 1 for layer in self.layers):
+        if not inputs or any(i is None for i in inputs):
+            return False
+        if any(len(layer.inputs_before) != 1 or 0 not in layer.states_before for layer in self.layers):
             return False
         groups: dict[tuple, list[int]] = {}
         for index, (layer, kept_inputs) in enumerate(zip(self.layers, inputs)):
