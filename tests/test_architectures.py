@@ -367,6 +367,47 @@ def test_a_vision_language_target_drafts_batches_with_and_without_images(name):
         assert torch.equal(output, expected), rows
 
 
+def multimodal_rope_target(name: str):
+    """A tiny Qwen vision-language model, whose text positions are multimodal RoPE's (three sections)."""
+    text = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, **SPECIAL_TOKENS,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+    )  # fmt: skip
+    vision = dict(depth=1, hidden_size=16, num_heads=2, patch_size=2, temporal_patch_size=1, spatial_merge_size=1)
+    models = {
+        "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", {"embed_dim": 16, "hidden_size": 32}),
+        "qwen2_5_vl": (
+            "Qwen2_5_VLConfig",
+            "Qwen2_5_VLForConditionalGeneration",
+            {"intermediate_size": 32, "out_hidden_size": 32, "fullatt_block_indexes": [0]},
+        ),
+        "qwen3_vl": (
+            "Qwen3VLConfig",
+            "Qwen3VLForConditionalGeneration",
+            {"intermediate_size": 32, "out_hidden_size": 32, "deepstack_visual_indexes": [0]},
+        ),
+    }
+    config_class, model_class, extra = models[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(text_config=text, vision_config={**vision, **extra})
+    target = getattr(transformers, model_class)(config).eval()
+    target.generation_config.pad_token_id = 0
+    return target
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_a_text_batch_of_a_target_with_multimodal_rotary_positions_drafts(name):
+    """generate() hands such a target three sections of positions, which count each row's mask alike for text: the
+    batch loop's positions are theirs (it had refused them as positions of the caller's own)."""
+    target = multimodal_rope_target(name)
+    batch = left_padded(ROWS)
+    expected = target.generate(**batch, max_new_tokens=16, **GREEDY)
+    output = target.generate(**batch, assistant_model=tiny_drafter(target), max_new_tokens=16, draft_policy="fixed",
+                             **GREEDY)  # fmt: skip
+    assert torch.equal(output, expected)
+
+
 def test_images_in_a_batch_of_a_target_with_multimodal_rotary_positions_are_refused():
     target = vision_language_target("llava")
     target.model.get_rope_index = lambda *args, **kwargs: None  # as Qwen2-VL's and Qwen3-VL's models have

@@ -225,6 +225,10 @@ def test_qwen3_5_as_users_load_it_keeps_verified_tokens():
     output = target.generate(PROMPT, assistant_model=drafter, max_new_tokens=40, draft_policy="fixed", **GREEDY)
     assert torch.equal(output, expected)
     assert rolled_back(drafter.last_generation_stats) > 0 and drafter.last_generation_stats.rereads == 0
+    batch = left_padded(BATCH)  # its three sections of multimodal-RoPE positions count each row's mask for text
+    expected = target.generate(**batch, max_new_tokens=30, **GREEDY)
+    output = target.generate(**batch, assistant_model=drafter, max_new_tokens=30, draft_policy="fixed", **GREEDY)
+    assert torch.equal(output, expected) and rolled_back(drafter.last_generation_stats) > 0
 
 
 def test_a_prompt_keeps_no_rule_inputs():
@@ -347,14 +351,65 @@ def test_a_cache_handed_back_continues_the_chat_as_the_target_alone():
     assert all(not type(layer).__name__.startswith("Snapshot") for layer in cache.layers)
 
 
-def test_batches_and_trees_are_refused_naming_the_fix():
+BATCH = [[11, 5, 9, 12, 7, 5, 9, 12], [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 22], [3, 4]]
+
+
+@pytest.mark.parametrize("name", sorted(GATED_DELTA))
+def test_a_batch_of_a_gated_delta_target_is_the_target_alones_row_by_row(name):
+    """transformers drafts no batch for any target, and no assistant at all for these: each row keeps the states of
+    what it accepted (rows accept different numbers of drafts; shorter rows' holes come after their tokens), and its
+    output is the target alone's for the padded batch, with drafts and copies, with rows stopping at different times."""
+    target = hybrid_target(name)
+    drafter = forcing_drafter(target, successor_table(target.generate(PROMPT, max_new_tokens=40, **GREEDY)))
+    batch = left_padded(BATCH)
+    expected = target.generate(**batch, max_new_tokens=30, **GREEDY)
+    eos = int(expected[2, batch["input_ids"].shape[1] + 6])  # row 2 stops early, the others when they meet it
+    for options in ({"draft_policy": "fixed"}, {"draft_policy": "fixed", "domino_lookup": False}, {}):
+        output = target.generate(**batch, assistant_model=drafter, max_new_tokens=30, **GREEDY, **options)
+        assert torch.equal(output, expected), options
+        if options:
+            assert rolled_back(drafter.last_generation_stats) > 0, options
+    stopping = {**GREEDY, "eos_token_id": eos}
+    expected = target.generate(**batch, max_new_tokens=30, **stopping)
+    output = target.generate(**batch, assistant_model=drafter, max_new_tokens=30, draft_policy="fixed", **stopping)
+    assert torch.equal(output, expected)
+
+
+def test_a_sampled_batch_verifies_each_row_against_the_target_alones_logits():
+    """Speculative sampling per row is exact when each verification reads the row's own distribution: the logits
+    each row sampled from are those of one plain forward over its finished sequence."""
+    target = hybrid_target("qwen3_5")
+    drafter = forcing_drafter(target, successor_table(target.generate(PROMPT, max_new_tokens=40, **GREEDY)))
+    batch = left_padded(BATCH)
+    torch.manual_seed(3)
+    output = target.generate(
+        **batch, assistant_model=drafter, max_new_tokens=24, do_sample=True, temperature=1.0, top_k=0,
+        eos_token_id=None, draft_policy="fixed", domino_lookup=False, return_dict_in_generate=True, output_logits=True,
+    )  # fmt: skip
+    assert rolled_back(drafter.last_generation_stats) > 0
+    sampled = torch.stack(output.logits, dim=1)
+    for row, mask in enumerate(batch["attention_mask"].bool()):
+        sequence = output.sequences[row : row + 1, torch.cat([mask, torch.ones(24, dtype=torch.bool)])]
+        with torch.no_grad():
+            reference = target(sequence).logits[0, int(mask.sum()) - 1 : -1]
+        torch.testing.assert_close(sampled[row], reference, atol=1e-4, rtol=1e-4)
+
+
+def test_what_a_batch_cannot_keep_per_row_is_refused_naming_the_fix():
     target = hybrid_target("qwen3_5")
     drafter = tiny_drafter(target)
-    batch = left_padded([[11, 5, 9, 12, 7, 5, 9, 12], [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 22]])
-    with pytest.raises(ValueError, match="one sequence at a time"):
-        target.generate(**batch, assistant_model=drafter, max_new_tokens=8, **GREEDY)
+    batch = left_padded(BATCH[:2])
     with pytest.raises(ValueError, match="domino_branches=1"):
         target.generate(PROMPT, assistant_model=drafter, max_new_tokens=8, domino_branches=2, **GREEDY)
+    cache = transformers.DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(**batch, **{CACHE_ARGUMENT: cache})
+    longer = {key: torch.cat([value, value[:, -2:]], dim=-1) for key, value in batch.items()}
+    with pytest.raises(ValueError, match="starts from its prompts"):
+        target.generate(**longer, assistant_model=drafter, max_new_tokens=8, **{CACHE_ARGUMENT: cache}, **GREEDY)
+    state_space = hybrid_target("nemotron_h")
+    with pytest.raises(ValueError, match="only the Gated DeltaNet families"):
+        state_space.generate(**batch, assistant_model=tiny_drafter(state_space), max_new_tokens=8, **GREEDY)
 
 
 def test_per_token_attentions_and_hidden_states_are_refused():

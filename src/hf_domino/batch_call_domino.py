@@ -185,7 +185,10 @@ def counts_the_mask(
     position_ids: torch.Tensor, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None
 ) -> bool:
     """Whether `position_ids` (what generate() hands its loop) are the positions the mask gives each real token, the
-    count of real tokens before it: what generate() makes when given none (pads aside, which it sets to 0)."""
+    count of real tokens before it: what generate() makes when given none (pads aside, which it sets to 0). A
+    multimodal-RoPE target's (`[sections, rows, columns]`: Qwen2-VL to Qwen3.5) count it in every section for text."""
+    if position_ids.dim() == 3:
+        return all(counts_the_mask(section, input_ids, attention_mask) for section in position_ids)
     mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     if position_ids.dim() != 2 or position_ids.shape[0] != mask.shape[0] or position_ids.shape[1] < mask.shape[1]:
         return False

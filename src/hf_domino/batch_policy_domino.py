@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .cost_model_domino import TIME_RATE, VerifyCost, measure_verify_cost, timing_is_free, verify_cost_for
+from .cost_model_domino import (
+    TIME_RATE,
+    VerifyCost,
+    measure_verify_cost,
+    measure_verify_cost_on_scratch,
+    timing_is_free,
+    verify_cost_for,
+)
 from .policy_domino import AdaptivePolicy, FixedPolicy
 from .records_domino import DrafterRecord, DraftingMode, drafter_record
 
@@ -86,6 +93,8 @@ def batch_policy(
     rows = anchor_ids.shape[0]
 
     def measure() -> VerifyCost:
+        if cache.recurrent is not None:  # recurrent states cannot give a measured block back
+            return measure_verify_cost_on_scratch(target, forward_kwargs, rows)
         return measure_verify_cost(target, cache.cache, anchor_ids, forward_kwargs)
 
     # Measured here only where neither an earlier call nor `prepare_for_cpu_decoding(..., batch_size=)` did.

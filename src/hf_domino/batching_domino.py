@@ -36,7 +36,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .batch_call_domino import TokenScores, check_batch_call, compiled_plain_steps, prompt_inputs
 from .batch_drafts_domino import CycleDrafter, CycleDrafts
 from .batch_policy_domino import call_speculates, checks_call, judge_call, stops_speculating
-from .cache_domino import CACHE_ARGUMENT, buffer_layers
+from .cache_domino import CACHE_ARGUMENT, RecurrentRollback, buffer_layers, has_recurrent_layers
 from .cost_model_domino import row_paces, settle_for_timing
 from .drafting_domino import judge_copy
 from .modeling_domino import TargetModules, context_features, hidden_state_indices
@@ -147,6 +147,8 @@ class BatchedDecoding:
         reserve = options.cache_columns(drafter, self.max_length)
         self.cached = cached_columns(cache, input_ids, attention_mask, generation_config)
         self.target_cache = RaggedCache(buffer_layers(cache, reserve), self.mask[:, : self.cached], window=window)
+        if has_recurrent_layers(cache):  # a Gated DeltaNet target (generate_hook_domino checked the family)
+            self.target_cache.recurrent = RecurrentRollback.install_for_rows(cache, target)
         self.context = BatchedDrafterContext.empty(rows, drafter.device)
         # The drafting half: the policies, copied drafts and the head's rollout (each row's left padding is never
         # copied from).
@@ -496,7 +498,11 @@ def batched_assisted_decoding(
         target, drafter, options, generation_config, logits_processor, stopping_criteria, stats, input_ids,
         attention_mask, cache, window, model_kwargs.get("inputs_embeds"), prompt_inputs(model_kwargs),
     )  # fmt: skip
-    sequences = decoding.run(input_ids, streamer)
+    try:
+        sequences = decoding.run(input_ids, streamer)
+    finally:
+        if decoding.target_cache.recurrent is not None:  # the cache's layers as they were built
+            decoding.target_cache.recurrent.remove()
     if generation_config.return_dict_in_generate:
         scores = logits = None
         if decoding.token_scores is not None:

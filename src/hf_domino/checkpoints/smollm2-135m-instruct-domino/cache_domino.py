@@ -220,6 +220,16 @@ class RecurrentRollback:
         cache.crop = rollback.crop  # transformers' loop crops after every verification
         return rollback
 
+    @classmethod
+    def install_for_rows(cls, cache: Cache, target) -> RecurrentRollback:
+        """For a batch (`ragged_cache_domino.RaggedCache`, which crops its attention layers itself): each row keeps
+        what it accepted (`keep_rows`). Gated DeltaNet families only, whose states can be kept in part."""
+        rollback = cls(cache, 0, gated_delta_recurrent_rule(target))
+        for layer in rollback.layers:
+            layer.__class__ = _snapshot_class(type(layer))
+            layer.states_before, layer.inputs_before = {}, {}
+        return rollback
+
     def remove(self) -> None:
         """The cache as it was built, holding what the call left in it."""
         _RULE_INPUTS.set(None)
@@ -263,6 +273,51 @@ class RecurrentRollback:
             return
         self.committed += kept
 
+    def before_rows_forward(self, width: int, first: bool) -> None:
+        """A batch's forward of `width` columns per row: kept in part later (its rule inputs recorded, its convolution
+        history kept) unless it is one column (the in-place step) or the call's first forward (never rolled back)."""
+        self.fed = width
+        verifying = width > 1 and not first
+        _RULE_INPUTS.set([] if verifying else None)
+        for layer in self.layers:
+            layer.states_before, layer.inputs_before = {}, {}
+            layer.record_past = verifying
+
+    def keep_rows(self, kept: torch.LongTensor) -> None:
+        """After a batch's verification, row b keeps the first `kept[b]` of the columns the forward read: its
+        recurrent states become the recurrent rule over those (rows grouped by count; a row that kept every column
+        keeps the forward's), its convolution window ends after them. Holes of shorter rows come after their tokens,
+        so they are never among the kept."""
+        _RULE_INPUTS.set(None)
+        if self.fed <= 1 or not self.layers or not self.layers[0].record_past:
+            return
+        inputs = [layer.inputs_before.get(0) for layer in self.layers]
+        if any(i is None for i in inputs) or any(0 not in layer.states_before for layer in self.layers):
+            raise RuntimeError(
+                "A batch's verification kept no linear-attention inputs to keep its rows' states from: this target's "
+                "layers do not run transformers' Gated DeltaNet rule. Generate one sequence at a time."
+            )
+        counts = kept.tolist()
+        for count in sorted(set(counts) - {self.fed}):
+            rows = torch.tensor([row for row, n in enumerate(counts) if n == count])
+            for layers, states in self._replay_groups(inputs, count, rows):
+                for layer, state in zip(layers, states):
+                    layer.recurrent_states[0][rows.to(state.device)] = state.to(layer.recurrent_states[0].dtype)
+        for layer in self.layers:
+            conv = layer.conv_states[0]
+            window = layer.conv_kernel_size[0]
+            start = kept.to(conv.device)[:, None, None] + torch.arange(window, device=conv.device)[None, None]
+            layer.conv_states[0] = torch.gather(conv, 2, start.expand(-1, conv.shape[1], -1))
+            layer.record_past = False
+
+    def select_rows(self, rows: torch.LongTensor) -> None:
+        """Keeps only these rows' states (finished rows leave a batch)."""
+        for layer in self.layers:
+            for index in range(layer.number_of_states):
+                for states in (layer.conv_states, layer.recurrent_states):
+                    if states[index] is not None:
+                        states[index] = states[index][rows.to(states[index].device)]
+
     def _replay(self, kept: int) -> bool:
         """Sets each recurrent state to the one after the forward's first `kept` tokens: the recurrent rule (the one
         the target's one-token steps run) over the chunked rule's kept inputs, in one call per group of layers of
@@ -273,18 +328,31 @@ class RecurrentRollback:
             return False
         if any(len(layer.inputs_before) != 1 or 0 not in layer.states_before for layer in self.layers):
             return False
+        for layers, states in self._replay_groups(inputs, kept):
+            for layer, state in zip(layers, states):
+                layer.recurrent_states[0] = state.to(layer.states_before[0].dtype)
+        return True
+
+    def _replay_groups(self, inputs: list[dict], kept: int, rows: torch.LongTensor | None = None):
+        """Per group of layers of one device, dtype and shape: the layers and their states after the first `kept`
+        tokens (of `rows` only, where given), from one call of the recurrent rule."""
         groups: dict[tuple, list[int]] = {}
         for index, (layer, kept_inputs) in enumerate(zip(self.layers, inputs)):
             state = layer.states_before[0]
             key = (state.device, state.dtype, tuple(state.shape), tuple(kept_inputs["query"].shape))
             groups.setdefault(key, []).append(index)
         for indices in groups.values():
-            self._replay_layers([self.layers[i] for i in indices], [inputs[i] for i in indices], kept)
-        return True
+            layers, group = [self.layers[i] for i in indices], [inputs[i] for i in indices]
+            yield layers, self._replay_layers(layers, group, kept, rows)
 
-    def _replay_layers(self, layers: list, inputs: list[dict], kept: int) -> None:
+    def _replay_layers(
+        self, layers: list, inputs: list[dict], kept: int, rows: torch.LongTensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        def selected(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor if rows is None else tensor[rows.to(tensor.device)]
+
         def stacked(name: str) -> torch.Tensor:
-            return torch.cat([i[name][:, :kept] for i in inputs])
+            return torch.cat([selected(i[name])[:, :kept] for i in inputs])
 
         _, states = self.recurrent_rule(
             stacked("query"),
@@ -292,12 +360,11 @@ class RecurrentRollback:
             stacked("value"),
             g=stacked("g"),
             beta=stacked("beta"),
-            initial_state=torch.cat([layer.states_before[0] for layer in layers]),
+            initial_state=torch.cat([selected(layer.states_before[0]) for layer in layers]),
             output_final_state=True,
             use_qk_l2norm_in_kernel=inputs[0].get("use_qk_l2norm_in_kernel", False),
         )
-        for layer, state in zip(layers, states.chunk(len(layers))):
-            layer.recurrent_states[0] = state.to(layer.states_before[0].dtype)
+        return states.chunk(len(layers))
 
 
 # Families (text model types) whose recurrent layers carry their states through a forward of several tokens on a

@@ -42,6 +42,7 @@ from .cache_domino import (
     RecurrentRollback,
     buffer_layers,
     check_recurrent_target,
+    gated_delta_recurrent_rule,
     has_recurrent_layers,
     uncached_prompt_length,
 )
@@ -172,13 +173,24 @@ def _recurrent_state_check_waived(target):
         target.__dict__.pop("_is_stateful", None)
 
 
-def _check_recurrent_call(target, cache, generation_config, batched: bool) -> None:
+def _check_recurrent_call(target, cache, generation_config, batched: bool, branches: int = 1) -> None:
     """Raises, naming the fix, for a call on a target with recurrent states that a Domino drafter cannot serve."""
-    if batched:
+    if batched and branches > 1:
         raise ValueError(
             f"{type(target).__name__} keeps per-layer states (linear attention, convolution or state-space layers), "
-            "which a drafted batch or tree cannot roll back row by row: generate one sequence at a time with the "
-            "drafter (a plain block, domino_branches=1), or the batch without it."
+            "which a tree of first-token branches cannot keep per branch: draft plain blocks (domino_branches=1)."
+        )
+    if batched and gated_delta_recurrent_rule(target) is None:
+        raise ValueError(
+            f"{type(target).__name__} keeps state-space states, which a drafted batch cannot keep row by row (only "
+            "the Gated DeltaNet families, Qwen3.5, Qwen3-Next and OLMo-Hybrid, can): generate one sequence at a "
+            "time with the drafter, or the batch without it."
+        )
+    if batched and cache is not None and cache.get_seq_length():
+        raise ValueError(
+            f"A drafted batch of {type(target).__name__} starts from its prompts: its linear-attention states hold no "
+            "count of their tokens per row. Pass the whole conversations without the cache, or one sequence at a "
+            "time."
         )
     if not has_recurrent_layers(cache):
         raise ValueError(
@@ -271,7 +283,7 @@ def _wrap_assisted_decoding(original):
         # transformers rolls convolution-only layers back itself; recurrent states are ours to roll back.
         recurrent = getattr(self, "_is_stateful", False)
         if recurrent or (batched and has_recurrent_layers(cache)):
-            _check_recurrent_call(self, cache, generation_config, batched)
+            _check_recurrent_call(self, cache, generation_config, batched, options.domino_branches)
         if batched:
             stats = DominoGenerationStats(timings={} if options.domino_timings else None)
             drafter.last_generation_stats = stats

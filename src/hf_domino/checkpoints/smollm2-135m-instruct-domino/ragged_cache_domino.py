@@ -21,10 +21,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import (
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
-from .cache_domino import CACHE_ARGUMENT, BufferedLayer, cache_argument, uncached_prompt_length
+from .cache_domino import CACHE_ARGUMENT, BufferedLayer, RecurrentRollback, cache_argument, uncached_prompt_length
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
@@ -49,11 +55,15 @@ class RaggedCache:
     mask: torch.BoolTensor  # [rows, columns]
     last_width: int = 0  # columns the latest forward appended
     window: SlidingWindow | None = None  # the target's sliding-window attention, if it has any
+    # The linear-attention layers of a Gated DeltaNet target (Qwen3.5, ...): no columns, one state per row, kept to
+    # what each row accepted (`RecurrentRollback.keep_rows`).
+    recurrent: RecurrentRollback | None = None
 
     @staticmethod
     def check(cache: Any, who: str) -> None:
-        """Raises unless every layer is a plain dynamic layer (holes need full-length, croppable keys/values)."""
-        plain = (DynamicLayer, BufferedLayer)
+        """Raises unless every layer is a plain dynamic layer (holes need full-length, croppable keys/values) or a
+        linear-attention layer (a recurrent state per row, see `recurrent`)."""
+        plain = (DynamicLayer, BufferedLayer, LinearAttentionLayer)
         if not isinstance(cache, DynamicCache):
             what = type(cache).__name__
         else:
@@ -79,11 +89,22 @@ class RaggedCache:
         """Records that a forward appended these columns to the cache."""
         self.mask, self.last_width = self.attention_mask(new_columns), new_columns.shape[1]
 
+    @property
+    def attention_layers(self) -> list:
+        return [layer for layer in self.cache.layers if not isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+    def before_forward(self, width: int) -> None:
+        """Called before a forward appends `width` columns per row."""
+        if self.recurrent is not None:
+            self.recurrent.before_rows_forward(width, first=self.mask.shape[1] == 0)
+
     def keep_appended(self, keep: torch.LongTensor) -> None:
         """Of the columns appended last, row b keeps its first `keep[b]`: the rest become holes."""
         first_new = self.mask.shape[1] - self.last_width
         columns = torch.arange(self.mask.shape[1], device=self.mask.device)
         self.mask &= columns[None] < first_new + keep.to(self.mask.device)[:, None]
+        if self.recurrent is not None:
+            self.recurrent.keep_rows(keep)
         self._crop_trailing_holes()
 
     def keep_columns(self, keep: torch.BoolTensor) -> None:
@@ -95,7 +116,10 @@ class RaggedCache:
 
     def select_rows(self, rows: torch.LongTensor) -> None:
         """Keeps only these rows (finished rows leave the batch)."""
-        self.cache.batch_select_indices(rows.to(self.mask.device))
+        for layer in self.attention_layers:
+            layer.batch_select_indices(rows.to(self.mask.device))
+        if self.recurrent is not None:
+            self.recurrent.select_rows(rows)
         self.mask = self.mask[rows.to(self.mask.device)]
         self._crop_trailing_holes()
 
@@ -103,7 +127,8 @@ class RaggedCache:
         real = self.mask.any(dim=0).nonzero()
         trailing = self.mask.shape[1] - (int(real[-1]) + 1 if real.numel() else 0)
         if trailing:
-            self.cache.crop(-trailing)
+            for layer in self.attention_layers:
+                layer.crop(-trailing)
             self.mask = self.mask[:, : self.mask.shape[1] - trailing]
 
     def maybe_compact(self) -> bool:
@@ -118,7 +143,7 @@ class RaggedCache:
         # A stable sort puts each row's holes first and its real columns after them, in order.
         order = torch.sort(self.mask.to(torch.int8), dim=-1, stable=True).indices[:, width - needed :]
         self.mask = torch.gather(self.mask, 1, order)
-        for layer in self.cache.layers:
+        for layer in self.attention_layers:
             if layer.is_initialized and layer.keys.numel():
                 index = order.to(layer.keys.device)[:, None, :, None]
                 layer.keys = torch.gather(
@@ -355,6 +380,7 @@ def ragged_forward(
     # Asked only when needed (the prefill): reading a signature costs more than the rest of a step's host work.
     if logits_to_keep is not None and "logits_to_keep" in inspect.signature(target.forward).parameters:
         kwargs["logits_to_keep"] = logits_to_keep
+    cache.before_forward(new_columns.shape[1])
     attention_mask = cache.attention_mask(new_columns)
     positions = positions_from_mask(new_columns, cache.lengths)
     if tree is not None:
