@@ -121,8 +121,9 @@ def _recording(rule: Callable) -> Callable:
 
     @functools.wraps(rule)
     def recording_rule(*args, **kwargs):
-        kept = _RULE_INPUTS.get()
-        if kept is not None and not torch.compiler.is_compiling():
+        # A compiled forward (the user's own) is traced through untouched, the context variable never read there.
+        kept = None if torch.compiler.is_compiling() else _RULE_INPUTS.get()
+        if kept is not None:
             inputs = signature.bind(*args, **kwargs).arguments
             query = inputs.get("query")  # another signature than the one replayed: kept as None, rolled back whole
             kept.append(inputs if query is not None and query.shape[1] <= RULE_INPUT_TOKENS else None)
