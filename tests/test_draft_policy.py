@@ -794,7 +794,7 @@ def test_a_new_batch_size_starts_from_the_drafters_cost_at_batch_1(monkeypatch):
     shared = records_domino.drafter_record(drafter, records_domino.DraftingMode(), drafter.config.num_drafts)
     shared.backbone_seconds, shared.position_seconds = 0.004, 0.001  # learned at batch 1
     anchors = torch.zeros(8, 1, dtype=torch.long)
-    cache = types.SimpleNamespace(cache=None)
+    cache = types.SimpleNamespace(cache=None, recurrent=None)
     greedy = records_domino.DraftingMode()
     policy = batch_policy_domino.batch_policy(target, drafter, DominoOptions(), greedy, cache, anchors, {}, 4)
     assert policy.record is not shared and policy.record.position_acceptance is shared.position_acceptance

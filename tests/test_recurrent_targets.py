@@ -410,6 +410,12 @@ def test_what_a_batch_cannot_keep_per_row_is_refused_naming_the_fix():
     state_space = hybrid_target("nemotron_h")
     with pytest.raises(ValueError, match="only the Gated DeltaNet families"):
         state_space.generate(**batch, assistant_model=tiny_drafter(state_space), max_new_tokens=8, **GREEDY)
+    # LFM2's convolution layers (not stateful for transformers, whose own loop serves it one sequence at a time)
+    layers = ["conv", "full_attention", "conv", "full_attention"]
+    convolution = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(**COMMON, **ATTENTION, layer_types=layers))
+    convolution.generation_config.pad_token_id = 0
+    with pytest.raises(ValueError, match="only the Gated DeltaNet families"):
+        convolution.eval().generate(**batch, assistant_model=tiny_drafter(convolution), max_new_tokens=8, **GREEDY)
 
 
 def test_per_token_attentions_and_hidden_states_are_refused():

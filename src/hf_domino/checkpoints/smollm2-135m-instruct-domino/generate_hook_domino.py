@@ -182,9 +182,9 @@ def _check_recurrent_call(target, cache, generation_config, batched: bool, branc
         )
     if batched and gated_delta_recurrent_rule(target) is None:
         raise ValueError(
-            f"{type(target).__name__} keeps state-space states, which a drafted batch cannot keep row by row (only "
-            "the Gated DeltaNet families, Qwen3.5, Qwen3-Next and OLMo-Hybrid, can): generate one sequence at a "
-            "time with the drafter, or the batch without it."
+            f"{type(target).__name__} keeps per-layer states (state-space or convolution layers) that a drafted "
+            "batch cannot keep row by row (only the Gated DeltaNet families, Qwen3.5, Qwen3-Next and OLMo-Hybrid, "
+            "can): generate one sequence at a time with the drafter, or the batch without it."
         )
     if batched and cache is not None and cache.get_seq_length():
         raise ValueError(
