@@ -42,7 +42,7 @@ from .cache_domino import (
     RecurrentRollback,
     buffer_layers,
     check_recurrent_target,
-    gated_delta_recurrent_rule,
+    has_gated_delta_rule,
     has_recurrent_layers,
     uncached_prompt_length,
 )
@@ -180,7 +180,7 @@ def _check_recurrent_call(target, cache, generation_config, batched: bool, branc
             f"{type(target).__name__} keeps per-layer states (linear attention, convolution or state-space layers), "
             "which a tree of first-token branches cannot keep per branch: draft plain blocks (domino_branches=1)."
         )
-    if batched and gated_delta_recurrent_rule(target) is None:
+    if batched and not has_gated_delta_rule(target):
         raise ValueError(
             f"{type(target).__name__} keeps per-layer states (state-space or convolution layers) that a drafted "
             "batch cannot keep row by row (only the Gated DeltaNet families, Qwen3.5, Qwen3-Next and OLMo-Hybrid, "
@@ -329,7 +329,7 @@ def _wrap_get_candidate_generator(original):
         assistant = arguments.get("assistant_model")
         if not is_domino_drafter(assistant):
             return original(self, *args, **kwargs)
-        call = _CALL.get() or _DominoCall(None, None, None, None)
+        call = _CALL.get() or _DominoCall(None, None, None)
         return assistant.build_candidate_generator(
             target=self,
             generation_config=arguments["generation_config"],

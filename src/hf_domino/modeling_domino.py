@@ -74,7 +74,7 @@ def sliding_window_mask(
     key_positions: torch.LongTensor,
     window: int,
     dtype: torch.dtype,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """`attention_mask` (additive, `[b, 1, q, kv]`, or None for all visible) restricted to the keys within `window`
     positions of each query, on both sides (`|query - key| < window`, the window counting the query's own position,
     as transformers counts a causal one): a sliding-window layer of the DFlash drafters published for Qwen3.5/3.6
@@ -326,10 +326,9 @@ class DominoForSpeculation(DominoPreTrainedModel):
             elif key_positions is None:
                 # The cache holds positions 0 .. cached - 1, so some key is outside some query's window only once
                 # there are more keys than the window (known on the host: no device sync at every draft).
-                cached = past_key_values.get_seq_length()
-                if cached + position_ids.shape[1] > window:
-                    cached_positions = torch.arange(cached, device=position_ids.device)
-                    key_positions = torch.cat([cached_positions.expand(position_ids.shape[0], -1), position_ids], -1)
+                keys = past_key_values.get_seq_length() + position_ids.shape[1]
+                if keys > window:
+                    key_positions = torch.arange(keys, device=position_ids.device).expand(position_ids.shape[0], -1)
             if key_positions is not None:
                 masks["sliding_attention"] = sliding_window_mask(
                     attention_mask, position_ids[:, -block_len:], key_positions, window, hidden_states.dtype

@@ -32,7 +32,7 @@ from transformers.generation.utils import _speculative_sampling
 from .cache_domino import buffer_layers
 from .drafting_domino import branch_columns, picked_probability, score_only, spread_to_vocabulary, to_vocab_ids
 from .modeling_domino import TargetModules
-from .ragged_cache_domino import RaggedCache
+from .ragged_cache_domino import RaggedCache, positions_from_mask
 
 if TYPE_CHECKING:
     from .modeling_domino import DominoForSpeculation
@@ -98,9 +98,9 @@ def run_batched_backbone(
     )
     additive = torch.zeros(rows, 1, block_size, columns.shape[1], dtype=drafter.dtype, device=device)
     additive.masked_fill_(~columns[:, None, None, :], torch.finfo(drafter.dtype).min)
-    # A context column's position, counted back from the anchor over the row's real columns (holes get any: masked).
-    context_columns = columns[:, :-block_size].long()
-    context_positions = context.known[:, None] - context_columns.flip(-1).cumsum(-1).flip(-1)
+    key_positions = None
+    if "sliding_attention" in drafter.config.layer_types:  # each key's position, counted over the row's real columns
+        key_positions = positions_from_mask(columns, context.known - columns[:, :-block_size].sum(dim=-1))
     hidden = drafter(
         drafter.embed_block(target, anchor_ids),
         features,
@@ -108,7 +108,7 @@ def run_batched_backbone(
         attention_mask=additive,
         past_key_values=context.cache.cache,
         num_outputs=drafter.outputs_for_drafts(num_drafts),
-        key_positions=torch.cat([context_positions, block_positions], dim=-1),
+        key_positions=key_positions,
     )
     context.cache.appended(pending_mask)  # the forward already dropped the block's own keys/values
     context.cache.maybe_compact()

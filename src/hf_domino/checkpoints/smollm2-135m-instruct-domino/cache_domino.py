@@ -117,14 +117,14 @@ RULE_INPUT_TOKENS = 64
 
 def _recording(rule: Callable) -> Callable:
     """`rule` (a family's chunked rule), keeping its inputs where a verification asks for them."""
-    signature = inspect.signature(rule)
+    names = list(inspect.signature(rule).parameters)  # its arguments by name, without binding at every layer
 
     @functools.wraps(rule)
     def recording_rule(*args, **kwargs):
         # A compiled forward (the user's own) is traced through untouched, the context variable never read there.
         kept = None if torch.compiler.is_compiling() else _RULE_INPUTS.get()
         if kept is not None:
-            inputs = signature.bind(*args, **kwargs).arguments
+            inputs = {**dict(zip(names, args)), **kwargs}
             query = inputs.get("query")  # another signature than the one replayed: kept as None, rolled back whole
             kept.append(inputs if query is not None and query.shape[1] <= RULE_INPUT_TOKENS else None)
         return rule(*args, **kwargs)
@@ -133,12 +133,26 @@ def _recording(rule: Callable) -> Callable:
     return recording_rule
 
 
+def _gated_delta_module(target):
+    """`target`'s modeling module where it runs the Gated DeltaNet rules, else None."""
+    module = sys.modules.get(type(target).__module__)
+    if module is None or not callable(getattr(module, CHUNKED_RULE, None)) or not hasattr(module, RECURRENT_RULE):
+        return None
+    return module
+
+
+def has_gated_delta_rule(target) -> bool:
+    """Whether `target`'s family runs the Gated DeltaNet rules (Qwen3.5, Qwen3-Next, OLMo-Hybrid), whose states can
+    be kept for part of a verification."""
+    return _gated_delta_module(target) is not None
+
+
 def gated_delta_recurrent_rule(target) -> Callable | None:
     """The recurrent rule of `target`'s family, its chunked rule wrapped to keep a verification's inputs (once per
     process: the wrapper passes calls through unchanged outside a drafting call), or None for a family without the
     Gated DeltaNet rule (the state-space models), whose rejected verifications are rolled back whole."""
-    module = sys.modules.get(type(target).__module__)
-    if module is None or not callable(getattr(module, CHUNKED_RULE, None)) or not hasattr(module, RECURRENT_RULE):
+    module = _gated_delta_module(target)
+    if module is None:
         return None
     if not getattr(getattr(module, CHUNKED_RULE), "domino_records", False):
         setattr(module, CHUNKED_RULE, _recording(getattr(module, CHUNKED_RULE)))
@@ -207,17 +221,18 @@ class RecurrentRollback:
     """
 
     def __init__(self, cache: Cache, committed: int, recurrent_rule: Callable | None = None):
+        """Makes the cache's linear-attention layers snapshot layers until `remove`."""
         self.cache, self.committed, self.fed = cache, committed, 0
         self.recurrent_rule = recurrent_rule
         self.layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
         self.classes = [type(layer) for layer in self.layers]
+        for layer in self.layers:
+            layer.__class__ = _snapshot_class(type(layer))
+            layer.states_before, layer.inputs_before = {}, {}
 
     @classmethod
     def install(cls, cache: Cache, committed: int, target=None) -> RecurrentRollback:
         rollback = cls(cache, committed, gated_delta_recurrent_rule(target) if target is not None else None)
-        for layer in rollback.layers:
-            layer.__class__ = _snapshot_class(type(layer))
-            layer.states_before, layer.inputs_before = {}, {}
         cache.crop = rollback.crop  # transformers' loop crops after every verification
         return rollback
 
@@ -225,11 +240,7 @@ class RecurrentRollback:
     def install_for_rows(cls, cache: Cache, target) -> RecurrentRollback:
         """For a batch (`ragged_cache_domino.RaggedCache`, which crops its attention layers itself): each row keeps
         what it accepted (`keep_rows`). Gated DeltaNet families only, whose states can be kept in part."""
-        rollback = cls(cache, 0, gated_delta_recurrent_rule(target))
-        for layer in rollback.layers:
-            layer.__class__ = _snapshot_class(type(layer))
-            layer.states_before, layer.inputs_before = {}, {}
-        return rollback
+        return cls(cache, 0, gated_delta_recurrent_rule(target))
 
     def remove(self) -> None:
         """The cache as it was built, holding what the call left in it."""
@@ -292,8 +303,8 @@ class RecurrentRollback:
         _RULE_INPUTS.set(None)
         if self.fed <= 1 or not self.layers or not self.layers[0].record_past:
             return
-        inputs = [layer.inputs_before.get(0) for layer in self.layers]
-        if any(i is None for i in inputs) or any(0 not in layer.states_before for layer in self.layers):
+        inputs = self._kept_inputs()
+        if inputs is None:
             raise RuntimeError(
                 "A batch's verification kept no linear-attention inputs to keep its rows' states from: this target's "
                 "layers do not run transformers' Gated DeltaNet rule. Generate one sequence at a time."
@@ -301,14 +312,17 @@ class RecurrentRollback:
         counts = kept.tolist()
         for count in sorted(set(counts) - {self.fed}):
             rows = torch.tensor([row for row, n in enumerate(counts) if n == count])
-            for layers, states in self._replay_groups(inputs, count, rows):
+            for layers, states, rows_there in self._replay_groups(inputs, count, rows):
                 for layer, state in zip(layers, states):
-                    layer.recurrent_states[0][rows.to(state.device)] = state.to(layer.recurrent_states[0].dtype)
+                    layer.recurrent_states[0][rows_there] = state.to(layer.recurrent_states[0].dtype)
+        windows: dict[tuple, torch.Tensor] = {}  # the gather index, once per device and shape
         for layer in self.layers:
-            conv = layer.conv_states[0]
-            window = layer.conv_kernel_size[0]
-            start = kept.to(conv.device)[:, None, None] + torch.arange(window, device=conv.device)[None, None]
-            layer.conv_states[0] = torch.gather(conv, 2, start.expand(-1, conv.shape[1], -1))
+            conv, size = layer.conv_states[0], layer.conv_kernel_size[0]
+            key = (conv.device, size, conv.shape[1])
+            if key not in windows:
+                start = kept.to(conv.device)[:, None, None] + torch.arange(size, device=conv.device)[None, None]
+                windows[key] = start.expand(-1, conv.shape[1], -1)
+            layer.conv_states[0] = torch.gather(conv, 2, windows[key])
             layer.record_past = False
 
     def select_rows(self, rows: torch.LongTensor) -> None:
@@ -324,33 +338,42 @@ class RecurrentRollback:
         the target's one-token steps run) over the chunked rule's kept inputs, in one call per group of layers of
         one device and shape (a target split over GPUs has several). False where some layer kept none (a state-space
         layer, a prompt, a compiled forward): roll back whole."""
-        inputs = [layer.inputs_before.get(0) for layer in self.layers]
-        if not inputs or any(i is None for i in inputs):
+        inputs = self._kept_inputs()
+        if inputs is None:
             return False
-        if any(len(layer.inputs_before) != 1 or 0 not in layer.states_before for layer in self.layers):
-            return False
-        for layers, states in self._replay_groups(inputs, kept):
+        for layers, states, _ in self._replay_groups(inputs, kept):
             for layer, state in zip(layers, states):
                 layer.recurrent_states[0] = state.to(layer.states_before[0].dtype)
         return True
 
+    def _kept_inputs(self) -> list[dict] | None:
+        """Each layer's rule inputs of the last forward, or None where some layer kept none or had no state before
+        it (so that no state can be recomputed)."""
+        inputs = [layer.inputs_before.get(0) for layer in self.layers]
+        if not inputs or any(i is None for i in inputs):
+            return None
+        if any(len(layer.inputs_before) != 1 or 0 not in layer.states_before for layer in self.layers):
+            return None
+        return inputs
+
     def _replay_groups(self, inputs: list[dict], kept: int, rows: torch.LongTensor | None = None):
-        """Per group of layers of one device, dtype and shape: the layers and their states after the first `kept`
-        tokens (of `rows` only, where given), from one call of the recurrent rule."""
+        """Per group of layers of one device, dtype and shape: the layers, their states after the first `kept` tokens
+        (of `rows` only, where given), from one call of the recurrent rule, and `rows` on that device."""
         groups: dict[tuple, list[int]] = {}
         for index, (layer, kept_inputs) in enumerate(zip(self.layers, inputs)):
             state = layer.states_before[0]
             key = (state.device, state.dtype, tuple(state.shape), tuple(kept_inputs["query"].shape))
             groups.setdefault(key, []).append(index)
-        for indices in groups.values():
+        for (device, *_), indices in groups.items():
             layers, group = [self.layers[i] for i in indices], [inputs[i] for i in indices]
-            yield layers, self._replay_layers(layers, group, kept, rows)
+            rows_there = None if rows is None else rows.to(device)
+            yield layers, self._replay_layers(layers, group, kept, rows_there), rows_there
 
     def _replay_layers(
         self, layers: list, inputs: list[dict], kept: int, rows: torch.LongTensor | None = None
     ) -> tuple[torch.Tensor, ...]:
         def selected(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor if rows is None else tensor[rows.to(tensor.device)]
+            return tensor if rows is None else tensor[rows]
 
         def stacked(name: str) -> torch.Tensor:
             return torch.cat([selected(i[name])[:, :kept] for i in inputs])
@@ -454,6 +477,8 @@ __all__ = [
     "buffer_layers",
     "cache_argument",
     "check_recurrent_target",
+    "gated_delta_recurrent_rule",
+    "has_gated_delta_rule",
     "has_recurrent_layers",
     "uncached_prompt_length",
 ]
