@@ -1,18 +1,20 @@
-"""What drafting costs for a target with recurrent layers: a Qwen3.5-shaped model, random weights.
+"""What drafting costs for a target with recurrent layers: a Qwen3.5- or Nemotron-H-shaped model, random weights.
 
 No drafter is trained for such a target and none installs offline, so acceptance is not measured here; what is:
 
-- a target forward over 1, 2, 3, 5, 9 and 17 tokens of a filled cache, as a verification runs it (the cache
-  recording its convolution history, `activate_past_recording`), against the target alone's one-token step;
+- a target forward over 1, 2, 3, 5, 9 and 17 tokens of a filled cache, as a verification runs it (the scan's inputs
+  kept, and on a CPU the scan as one chunk of the forward's tokens: `cache_domino.RecurrentRollback`), beside the
+  same forward with the scan's own chunks, against the target alone's one-token step;
 - what a verification with rejected drafts costs after it: the state after its accepted tokens recomputed from the
-  Gated DeltaNet rule's own inputs (`RecurrentRollback`, the default) against the forward that re-reads them, the
-  state-space families' way;
+  scan's own inputs (the default) against the forward that re-reads them (the fallback where no inputs were kept);
 - `generate()` with a drafter of random weights (every draft rejected), twice in one process, against the target
   alone: the first call also measures the target's verify-cost table, the second shows where the adaptive policy
   settles when drafting cannot pay. Outputs are compared.
 
     python examples/recurrent_targets.py                 # Qwen3.5-0.8B's widths, 24 layers: about 2 minutes here
     python examples/recurrent_targets.py --layers 4      # quicker
+    python examples/recurrent_targets.py --prepared      # after prepare_for_cpu_decoding(target, drafter)
+    python examples/recurrent_targets.py --family nemotron_h --layers 8   # Nemotron-H-8B's widths, 8 of its layers
     python examples/recurrent_targets.py --device cuda --dtype bfloat16   # a GPU (examples/gpu/stages.sh recurrent)
 """
 
@@ -23,38 +25,67 @@ import statistics
 import time
 
 import torch
-from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers import DynamicCache, NemotronHConfig, NemotronHForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from hf_domino import DominoConfig, DominoForSpeculation
+from hf_domino import DominoConfig, DominoForSpeculation, prepare_for_cpu_decoding
 from hf_domino.cache_domino import RecurrentRollback, cache_argument
 from hf_domino.cost_model_domino import synchronize
 
-# Qwen3.5-0.8B's sizes (three Gated DeltaNet layers to one attention layer).
-WIDTHS = dict(
-    vocab_size=151936, hidden_size=1024, intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2,
-    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-    linear_value_head_dim=128, tie_word_embeddings=True,
-)  # fmt: skip
+# Qwen3.5-0.8B's sizes (three Gated DeltaNet layers to one attention layer); Nemotron-H-8B's (Mamba2 mixers, MLPs and
+# one attention layer in eight, its first layers' pattern repeated), chunks of 128 tokens.
+FAMILIES = {
+    "qwen3_5": (
+        Qwen3_5TextConfig,
+        Qwen3_5ForCausalLM,
+        dict(
+            vocab_size=151936, hidden_size=1024, intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2,
+            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+            linear_value_head_dim=128, tie_word_embeddings=True,
+        ),
+    ),
+    "nemotron_h": (
+        NemotronHConfig,
+        NemotronHForCausalLM,
+        dict(
+            vocab_size=131072, hidden_size=4096, intermediate_size=21504, num_attention_heads=32,
+            num_key_value_heads=8, mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, n_groups=8,
+            chunk_size=128,
+        ),
+    ),
+}  # fmt: skip
+NEMOTRON_PATTERN = ["linear_attention", "mlp"] * 3 + ["linear_attention", "full_attention"]
 LENGTHS = (1, 2, 3, 5, 9, 17)
 
 
-def forward_ms(target, context: torch.Tensor, tokens: int, recording: bool, reps: int = 4) -> float:
-    """Median ms of a forward over `tokens` new tokens on a cache filled with `context` (the first rep a warm-up)."""
-    cache = DynamicCache(config=target.config)
-    if recording:
-        cache.activate_past_recording()
+def build_target(family: str, layers: int) -> torch.nn.Module:
+    config_class, model_class, widths = FAMILIES[family]
+    extra = {"layers_block_type": (NEMOTRON_PATTERN * layers)[:layers]} if family == "nemotron_h" else {}
+    config = config_class(**widths, **extra, num_hidden_layers=layers, eos_token_id=None, pad_token_id=0)
+    return model_class(config).eval()
+
+
+def forward_ms(target, context: torch.Tensor, tokens: int, verifying: str | None, reps: int = 4) -> float:
+    """Median ms of a forward over `tokens` new tokens on a cache filled with `context` (the first rep a warm-up):
+    a one-token step (`verifying=None`), or a verification, as drafting runs it (`"drafting"`: the convolution history
+    recorded, the scan's inputs kept, on a CPU one chunk) or with the scan's own chunks (`"own chunks"`)."""
     samples = []
     with torch.no_grad():
-        target(context, use_cache=True, **cache_argument(cache), logits_to_keep=1)
-        for _ in range(reps):
-            block = context[:, -tokens:]
+        for _ in range(reps + 1):
+            cache = DynamicCache(config=target.config)
+            target(context, use_cache=True, **cache_argument(cache), logits_to_keep=1)
+            rollback = None
+            if verifying is not None:
+                cache.activate_past_recording()
+            if verifying == "drafting":
+                rollback = RecurrentRollback.install(cache, committed=context.shape[1], target=target)
+                rollback.feed(context.shape[1] + tokens)
             synchronize(context.device)
             start = time.perf_counter()
-            target(block, use_cache=True, **cache_argument(cache), logits_to_keep=tokens)
+            target(context[:, -tokens:], use_cache=True, **cache_argument(cache), logits_to_keep=tokens)
             synchronize(context.device)
             samples.append(time.perf_counter() - start)
-            if recording:
-                cache.crop(-tokens)  # given back (a recurrent state would keep it: timing only)
+            if rollback is not None:
+                rollback.remove()
     return 1000 * statistics.median(samples[1:])
 
 
@@ -62,7 +93,7 @@ def after_rejection_ms(
     target, context: torch.Tensor, kept: int, block: int = 17, reps: int = 4
 ) -> tuple[float, float]:
     """Median ms, after a verification of `block` tokens of which `kept` stay, of setting the states to those `kept`
-    tokens from the rule's inputs, and of the forward that reads them again (with the next token) instead."""
+    tokens from the scan's inputs, and of the forward that reads them again (with the next token) instead."""
     replays, rereads = [], []
     with torch.no_grad():
         for _ in range(reps + 1):
@@ -97,34 +128,43 @@ def timed(call, *args, **kwargs):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="qwen3_5", choices=sorted(FAMILIES))
     parser.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen3.5-0.8B has 24)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per generate() call")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--prepared", action="store_true", help="prepare_for_cpu_decoding(target, drafter) first")
     args = parser.parse_args()
     if args.layers < 4:
         parser.error("--layers must be at least 4: Qwen3.5's first attention layer is its fourth")
+    if args.prepared and args.device != "cpu":
+        parser.error("--prepared is the CPU fast path: drop it on a GPU")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = Qwen3_5TextConfig(**WIDTHS, num_hidden_layers=args.layers, eos_token_id=None, pad_token_id=0)
     dtype = getattr(torch, args.dtype)
-    target = Qwen3_5ForCausalLM(config).eval().to(args.device, dtype)
+    target = build_target(args.family, args.layers).to(args.device, dtype)
+    config = target.config
     layers = [1, args.layers // 2, args.layers - 2]
     drafter = DominoForSpeculation(DominoConfig.from_target(config, num_hidden_layers=1, target_layer_ids=layers))
     drafter = drafter.eval().to(args.device, dtype)
+    if args.prepared:
+        print(prepare_for_cpu_decoding(target, drafter), "\n")
     context = torch.randint(0, 1000, (1, 256), device=args.device)
 
-    step = forward_ms(target, context, 1, recording=False)
-    print(f"{args.layers} layers, {sum(p.numel() for p in target.parameters()) / 1e6:.0f}M parameters, {args.dtype} "
-          f"on {args.device}, {args.threads} threads, 256 tokens cached\n")  # fmt: skip
-    print("| tokens | ms | x the target alone's step |\n| ---: | ---: | ---: |")
-    print(f"| 1 (the target alone's step) | {step:.1f} | 1.00 |")
+    forward_ms(target, context, 1, verifying=None)  # a warm-up: the first forwards after loading or packing are slower
+    step = forward_ms(target, context, 1, verifying=None)
+    print(f"{args.family}, {args.layers} layers, {sum(p.numel() for p in target.parameters()) / 1e6:.0f}M parameters, "
+          f"{args.dtype} on {args.device}, {args.threads} threads, 256 tokens cached"
+          f"{', prepared' if args.prepared else ''}\n")  # fmt: skip
+    print("| tokens | as drafting verifies, ms | x the step | with the scan's own chunks, ms | x the step |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    print(f"| 1 (the target alone's step) | {step:.1f} | 1.00 | | |")
     for tokens in LENGTHS:
-        ms = forward_ms(target, context, tokens, recording=True)
-        print(f"| {tokens} | {ms:.1f} | {ms / step:.2f} |")
+        drafting, own = (forward_ms(target, context, tokens, verifying=how) for how in ("drafting", "own chunks"))
+        print(f"| {tokens} | {drafting:.1f} | {drafting / step:.2f} | {own:.1f} | {own / step:.2f} |")
 
-    print("\n| tokens kept of a 17-token verification | states from the rule's inputs, ms | re-read forward, ms |")
+    print("\n| tokens kept of a 17-token verification | states from the scan's inputs, ms | re-read forward, ms |")
     print("| ---: | ---: | ---: |")
     for kept in (1, 4, 16):
         replay, reread = after_rejection_ms(target, context, kept)

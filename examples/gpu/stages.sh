@@ -143,11 +143,13 @@ for name in "$@"; do
       --prompts \$prompts --num-prompts $PROMPTS --max-new-tokens $TOKENS --threads 8; done" ;;
     # A target with recurrent layers (docs/usage.md, "Targets with recurrent layers"): a Qwen3.5-shaped target's
     # verification costs and what a rejection costs after it, with transformers' reference kernels, then with
-    # flash-linear-attention (its wheels from call 1's payload, on the path of this stage only). STAGES=recurrent.
-    recurrent) stage recurrent 240 bash -c "python3 examples/recurrent_targets.py --device cuda --dtype bfloat16 \
+    # flash-linear-attention (its wheels from call 1's payload, on the path of this stage only); then a
+    # Nemotron-H-shaped one (Mamba2 mixers, reference kernels: mamba-ssm is not in the payload). STAGES=recurrent.
+    recurrent) stage recurrent 300 bash -c "python3 examples/recurrent_targets.py --device cuda --dtype bfloat16 \
       --threads 8 && python3 -m pip install -q --no-index --no-deps --target $S/fla-site $S/fla/*.whl && \
       PYTHONPATH=$S/fla-site:\$PYTHONPATH python3 examples/recurrent_targets.py --device cuda --dtype bfloat16 \
-      --threads 8" ;;
+      --threads 8 && python3 examples/recurrent_targets.py --family nemotron_h --layers 16 --device cuda \
+      --dtype bfloat16 --threads 8" ;;
     finetune) stage finetune 600 finetune ;;
     suite) stage suite 600 env HF_DOMINO_FAILURES_LOG=$R/suite-failures.log \
       python3 -m pytest -v -rfEs --tb=short -p no:cacheprovider -n $PYTEST_WORKERS $TEST_TIMEOUT ;;

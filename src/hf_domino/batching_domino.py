@@ -147,7 +147,7 @@ class BatchedDecoding:
         reserve = options.cache_columns(drafter, self.max_length)
         self.cached = cached_columns(cache, input_ids, attention_mask, generation_config)
         self.target_cache = RaggedCache(buffer_layers(cache, reserve), self.mask[:, : self.cached], window=window)
-        if has_recurrent_layers(cache):  # a Gated DeltaNet target (generate_hook_domino checked the family)
+        if has_recurrent_layers(cache):  # a replayable scan (generate_hook_domino checked the family)
             self.target_cache.recurrent = RecurrentRollback.install_for_rows(cache, target)
         self.context = BatchedDrafterContext.empty(rows, drafter.device)
         # The drafting half: the policies, copied drafts and the head's rollout (each row's left padding is never

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .cache_domino import cache_argument
+from .cache_domino import RecurrentRollback, cache_argument, has_recurrent_layers
 from .target_modules_domino import target_execution_device
 
 if TYPE_CHECKING:
@@ -109,15 +109,19 @@ def measure_verify_cost(
     forward_kwargs: dict[str, Any],
     lengths: tuple[int, ...] = CALIBRATION_LENGTHS,
     repeats: int = 2,
+    rollback: RecurrentRollback | None = None,
 ) -> VerifyCost:
-    """Times target forwards over 1, 2, 3, 5, ... tokens on top of `cache` (which is left as it was).
+    """Times target forwards over 1, 2, 3, 5, ... tokens on top of `cache` (which is left as it was, or, with a
+    `rollback` of its recurrent layers, one token longer per forward).
 
     Token values do not change the cost, so the block repeats `last_token`. With a batch (`last_token` of `[rows, 1]`)
     every row gets the block and the table is keyed by all the forward's tokens, `rows * length`: a batch verifying
     k drafts per row costs about what one sequence verifying `rows * (1 + k)` tokens does, and the loop's own timings
     refine the estimate. One unmeasured warm-up forward first.
     The fastest of `repeats` is kept: other work on the machine only ever adds time, and the loop's own timings
-    refine the table afterwards.
+    refine the table afterwards. With `rollback`, each forward runs as a drafting call's verification does (the scan's
+    inputs kept, on a CPU one chunk: `RecurrentRollback.feed`) and keeps its first token, as a verification whose
+    drafts were all rejected does.
     """
     device, rows = last_token.device, last_token.shape[0]
     seconds: dict[int, float] = {}
@@ -125,12 +129,17 @@ def measure_verify_cost(
         block = last_token[:, -1:].expand(rows, length)
         samples = []
         for _ in range(repeats):
+            if rollback is not None:
+                rollback.feed(rollback.committed + length)
             synchronize(device)
             start = time.perf_counter()
             target(input_ids=block, use_cache=True, **cache_argument(cache), **forward_kwargs)
             synchronize(device)
             samples.append(time.perf_counter() - start)
-            cache.crop(-length)
+            if rollback is None:
+                cache.crop(-length)
+            else:
+                rollback.crop(1 - length)
         seconds[rows * length] = min(samples)
     return VerifyCost(seconds)
 
@@ -153,7 +162,13 @@ def measure_verify_cost_on_scratch(
     if hasattr(cache, "activate_past_recording"):  # sliding-window layers must give the measured blocks back
         cache.activate_past_recording()
     target(input_ids=context, use_cache=True, **cache_argument(cache))
-    return measure_verify_cost(target, cache, context[:, -1:], forward_kwargs)
+    if not has_recurrent_layers(cache):
+        return measure_verify_cost(target, cache, context[:, -1:], forward_kwargs)
+    rollback = RecurrentRollback.install(cache, CALIBRATION_CONTEXT, target)
+    try:
+        return measure_verify_cost(target, cache, context[:, -1:], forward_kwargs, rollback=rollback)
+    finally:
+        rollback.remove()
 
 
 def verify_cost_for(target: PreTrainedModel, measure) -> VerifyCost:

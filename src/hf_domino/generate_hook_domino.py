@@ -41,9 +41,10 @@ from .cache_domino import (
     CACHE_ARGUMENT,
     RecurrentRollback,
     buffer_layers,
+    cached_tokens,
     check_recurrent_target,
-    has_gated_delta_rule,
     has_recurrent_layers,
+    has_replayable_scan,
     uncached_prompt_length,
 )
 from .options_domino import (
@@ -180,13 +181,13 @@ def _check_recurrent_call(target, cache, generation_config, batched: bool, branc
             f"{type(target).__name__} keeps per-layer states (linear attention, convolution or state-space layers), "
             "which a tree of first-token branches cannot keep per branch: draft plain blocks (domino_branches=1)."
         )
-    if batched and not has_gated_delta_rule(target):
+    if batched and getattr(target, "_is_stateful", False) and not has_replayable_scan(target):
         raise ValueError(
-            f"{type(target).__name__} keeps per-layer states (state-space or convolution layers) that a drafted "
-            "batch cannot keep row by row (only the Gated DeltaNet families, Qwen3.5, Qwen3-Next and OLMo-Hybrid, "
-            "can): generate one sequence at a time with the drafter, or the batch without it."
+            f"{type(target).__name__} keeps per-layer states that a drafted batch cannot keep row by row (only "
+            "families whose scan can be replayed over each row's kept tokens can: the Gated DeltaNet and Mamba2 "
+            "ones): generate one sequence at a time with the drafter, or the batch without it."
         )
-    if batched and cache is not None and cache.get_seq_length():
+    if batched and cached_tokens(cache):
         raise ValueError(
             f"A drafted batch of {type(target).__name__} starts from its prompts: its linear-attention states hold no "
             "count of their tokens per row. Pass the whole conversations without the cache, or one sequence at a "
@@ -203,10 +204,10 @@ def _check_recurrent_call(target, cache, generation_config, batched: bool, branc
         generation_config.output_attentions or generation_config.output_hidden_states
     ):
         raise ValueError(
-            f"With a drafter, {type(target).__name__}'s forwards read again the tokens a rolled-back verification "
-            "verified (its recurrent states cannot drop rejected drafts), so they return no attentions or hidden "
-            "states per generated token: drop output_attentions/output_hidden_states (output_scores and "
-            "output_logits work)."
+            f"With a drafter, {type(target).__name__}'s forwards may read again the tokens of a verification rolled "
+            "back whole (its recurrent states cannot drop rejected drafts where the scan kept no inputs, as in a "
+            "compiled forward), so they return no attentions or hidden states per generated token: drop "
+            "output_attentions/output_hidden_states (output_scores and output_logits work)."
         )
 
 

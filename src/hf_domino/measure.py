@@ -43,7 +43,7 @@ from transformers.cache_utils import DynamicCache
 
 from .acceptance import acceptance_from_cache_lengths, record_target_forwards
 from .assets import eos_token_ids, pad_token_id
-from .cache_domino import cache_argument, has_recurrent_layers
+from .cache_domino import RecurrentRollback, cache_argument, has_recurrent_layers
 from .cost_model_domino import VerifyCost, cached_verify_cost, swap_verify_cost, synchronize
 from .cpu_fast_path import compiling_on_any_device
 from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
@@ -331,19 +331,31 @@ def measure_forward_ms(
     hidden_states = hidden_state_indices(drafter.config.target_layer_ids) if drafter is not None else False
     cache = DynamicCache(config=target.config)
     target(input_ids, **cache_argument(cache), logits_to_keep=1)
-    if has_recurrent_layers(cache):  # timing only: the recurrent states keep the timed tokens, the rest is cropped
+    # Recurrent layers: each forward as a drafting call's verification runs it, keeping one token (`rollback`).
+    rollback = None
+    if has_recurrent_layers(cache):
         cache.activate_past_recording()
+        rollback = RecurrentRollback.install(cache, input_ids.shape[1], target)
     costs = {}
-    for length in lengths:
-        block = input_ids[:, -1:].expand(1, length)  # token values do not change the cost
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            target(block, **cache_argument(cache), output_hidden_states=hidden_states)
-            synchronize(target.device)
-            samples.append(1000 * (time.perf_counter() - start))
-            cache.crop(-length)
-        costs[length] = statistics.median(samples)
+    try:
+        for length in lengths:
+            block = input_ids[:, -1:].expand(1, length)  # token values do not change the cost
+            samples = []
+            for _ in range(repeats):
+                if rollback is not None:
+                    rollback.feed(rollback.committed + length)
+                start = time.perf_counter()
+                target(block, **cache_argument(cache), output_hidden_states=hidden_states)
+                synchronize(target.device)
+                samples.append(1000 * (time.perf_counter() - start))
+                if rollback is None:
+                    cache.crop(-length)
+                else:
+                    rollback.crop(1 - length)
+            costs[length] = statistics.median(samples)
+    finally:
+        if rollback is not None:
+            rollback.remove()
     return costs
 
 

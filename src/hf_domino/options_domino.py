@@ -45,7 +45,7 @@ class DominoGenerationStats:
     `domino_branches`, `branches[i]` is the branch the i-th forward went on along (0: the likeliest first draft; also
     0 where the target took none of them, and where the forward verified one block or none), and `drafted[i]` counts
     the drafts of that branch. `rereads` counts the forwards that read a rolled-back verification's tokens again
-    (a target whose recurrent states cannot be kept for part of a verification: the state-space families).
+    (a target with recurrent states whose verification kept no scan inputs, as in a compiled forward).
     """
 
     acceptance_lengths: list[int] = field(default_factory=list)

@@ -22,15 +22,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import (
+    DummyLayer,
     DynamicCache,
     DynamicLayer,
     DynamicSlidingWindowLayer,
-    LinearAttentionCacheLayerMixin,
+    LinearAttentionAndFullAttentionLayer,
     LinearAttentionLayer,
 )
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
-from .cache_domino import CACHE_ARGUMENT, BufferedLayer, RecurrentRollback, cache_argument, uncached_prompt_length
+from .cache_domino import (
+    CACHE_ARGUMENT,
+    BufferedLayer,
+    RecurrentRollback,
+    cache_argument,
+    cached_tokens,
+    uncached_prompt_length,
+)
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
@@ -55,15 +63,16 @@ class RaggedCache:
     mask: torch.BoolTensor  # [rows, columns]
     last_width: int = 0  # columns the latest forward appended
     window: SlidingWindow | None = None  # the target's sliding-window attention, if it has any
-    # The linear-attention layers of a Gated DeltaNet target (Qwen3.5, ...): no columns, one state per row, kept to
-    # what each row accepted (`RecurrentRollback.keep_rows`).
+    # The linear-attention and state-space layers of a target with a replayable scan (Qwen3.5, Nemotron-H, ...): no
+    # columns, one state per row, kept to what each row accepted (`RecurrentRollback.keep_rows`).
     recurrent: RecurrentRollback | None = None
 
     @staticmethod
     def check(cache: Any, who: str) -> None:
-        """Raises unless every layer is a plain dynamic layer (holes need full-length, croppable keys/values) or a
-        linear-attention layer (a recurrent state per row, see `recurrent`)."""
-        plain = (DynamicLayer, BufferedLayer, LinearAttentionLayer)
+        """Raises unless every layer is a plain dynamic layer (holes need full-length, croppable keys/values), a
+        linear-attention layer (a recurrent state per row, see `recurrent`), both (Falcon-H1's), or none (a layer
+        without a cache, such as Nemotron-H's MLP layers)."""
+        plain = (DynamicLayer, BufferedLayer, LinearAttentionLayer, LinearAttentionAndFullAttentionLayer, DummyLayer)
         if not isinstance(cache, DynamicCache):
             what = type(cache).__name__
         else:
@@ -90,8 +99,10 @@ class RaggedCache:
         self.mask, self.last_width = self.attention_mask(new_columns), new_columns.shape[1]
 
     @property
-    def attention_layers(self) -> list:
-        return [layer for layer in self.cache.layers if not isinstance(layer, LinearAttentionCacheLayerMixin)]
+    def attention_layers(self) -> list[DynamicLayer]:
+        """The layers holding keys and values: their columns are the mask's. A layer that also keeps a recurrent
+        state (Falcon-H1's) has its columns handled here through `DynamicLayer`'s methods, its state by `recurrent`."""
+        return [layer for layer in self.cache.layers if isinstance(layer, DynamicLayer)]
 
     def before_forward(self, width: int) -> None:
         """Called before a forward appends `width` columns per row."""
@@ -117,7 +128,7 @@ class RaggedCache:
     def select_rows(self, rows: torch.LongTensor) -> None:
         """Keeps only these rows (finished rows leave the batch)."""
         for layer in self.attention_layers:
-            layer.batch_select_indices(rows.to(self.mask.device))
+            DynamicLayer.batch_select_indices(layer, rows.to(self.mask.device))
         if self.recurrent is not None:
             self.recurrent.select_rows(rows)
         self.mask = self.mask[rows.to(self.mask.device)]
@@ -128,7 +139,7 @@ class RaggedCache:
         trailing = self.mask.shape[1] - (int(real[-1]) + 1 if real.numel() else 0)
         if trailing:
             for layer in self.attention_layers:
-                layer.crop(-trailing)
+                DynamicLayer.crop(layer, -trailing)
             self.mask = self.mask[:, : self.mask.shape[1] - trailing]
 
     def maybe_compact(self) -> bool:
@@ -170,7 +181,7 @@ def cached_columns(
     """How many of the batch's prompt columns a cache passed to generate() already holds (0: a fresh cache). A batch
     continues a filled cache as the target alone does when input_ids are the whole sequences (the cached columns, then
     the new ones) with their attention mask; new tokens alone are refused, since the rows' padding is in the mask."""
-    cached = cache.get_seq_length() if cache is not None else 0
+    cached = cached_tokens(cache)
     if not cached:
         return 0
     uncached = uncached_prompt_length(cache, input_ids, attention_mask, generation_config)
@@ -200,7 +211,7 @@ def batch_cache(cache: Any, target: PreTrainedModel) -> tuple[DynamicCache, Slid
         cache is not None
         and type(cache) is not DynamicCache
         and getattr(cache, "is_compileable", False)
-        and not int(cache.get_seq_length())
+        and not cached_tokens(cache)
     ):
         warnings.warn(
             f"A batch drafted with a Domino drafter keeps holes in a dynamic cache: the empty {type(cache).__name__} "

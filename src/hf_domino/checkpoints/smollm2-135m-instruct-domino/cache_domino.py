@@ -14,7 +14,13 @@ import sys
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicCache,
+    DynamicLayer,
+    LinearAttentionCacheLayerMixin,
+)
 from transformers.generation import GenerationMixin
 
 # transformers 5.24 renamed the key/value cache from `past_key_values` to `cache`: in a model's forward() arguments, in
@@ -104,67 +110,164 @@ def _buffered(layer: DynamicLayer, reserve: int) -> BufferedLayer:
     return buffered
 
 
-# The Gated DeltaNet families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid) run a forward of several tokens through
-# the chunked rule, a function of their modeling module, and a one-token step through the recurrent rule beside it.
-# With the chunked rule's inputs kept, the state after any prefix of a verification is the recurrent rule over that
-# prefix, from the state the forward started from: a rejected draft then costs no re-read.
-CHUNKED_RULE, RECURRENT_RULE = "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"
-# The chunked rule's inputs of the current forward, in layer order; None outside a verification.
+# A family with recurrent layers runs a forward of several tokens through a scan, a function of its modeling module:
+# the chunked Gated DeltaNet rule (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid) or the Mamba2 chunk scan (Nemotron-H,
+# Falcon-H1, Granite 4, Mamba2). With the scan's inputs kept, the state after any prefix of a verification is
+# recomputed from them, from the state the forward started from: a rejected draft then costs no re-read.
+# The scan's inputs of the current forward, in layer order; None outside a verification.
 _RULE_INPUTS: contextvars.ContextVar[list | None] = contextvars.ContextVar("domino_rule_inputs", default=None)
 # A forward over more tokens (a prompt) keeps no inputs: it is never rolled back in part.
 RULE_INPUT_TOKENS = 64
 
 
-def _recording(rule: Callable) -> Callable:
-    """`rule` (a family's chunked rule), keeping its inputs where a verification asks for them."""
-    names = list(inspect.signature(rule).parameters)  # its arguments by name, without binding at every layer
+class ScanFamily:
+    """How a family's multi-token scan is recorded (`chunked`, a function of its modeling module, whose `per_token`
+    arguments are (batch, tokens, ...) tensors) and how the states after the first `kept` tokens of a recorded call
+    are recomputed (`states_after`)."""
 
-    @functools.wraps(rule)
-    def recording_rule(*args, **kwargs):
+    chunked: str
+    per_token: tuple[str, ...]
+    state: str  # the argument the scan starts from
+
+    def __init__(self, module):
+        self.module = module
+
+    @classmethod
+    def of(cls, module) -> bool:
+        return callable(getattr(module, cls.chunked, None))
+
+    def states_after(self, inputs: list[dict], before: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The state after the tokens of each layer's `inputs` (already cut to the kept tokens), from `before`."""
+        raise NotImplementedError
+
+
+class GatedDeltaScan(ScanFamily):
+    """Replayed by the family's recurrent rule (what the target alone's one-token steps run), all layers of one
+    device, dtype and shape in one call: the rule has no per-layer parameters. On a CPU, more than one kept token goes
+    through the chunked rule as one chunk instead: the recurrent rule reads and writes every state once per token,
+    memory-bound there (68 ms for 16 tokens of Qwen3.5-0.8B's 18 layers, against about 25 ms as one chunk)."""
+
+    chunked, per_token, state = "torch_chunk_gated_delta_rule", ("query", "key", "value", "g", "beta"), "initial_state"
+    RECURRENT_RULE = "torch_recurrent_gated_delta_rule"
+
+    @classmethod
+    def of(cls, module) -> bool:
+        return super().of(module) and hasattr(module, cls.RECURRENT_RULE)
+
+    def states_after(self, inputs: list[dict], before: list[torch.Tensor]) -> list[torch.Tensor]:
+        groups: dict[tuple, list[int]] = {}  # a target split over GPUs has several
+        for index, (state, kept_inputs) in enumerate(zip(before, inputs)):
+            key = (state.device, state.dtype, tuple(state.shape), tuple(kept_inputs["query"].shape))
+            groups.setdefault(key, []).append(index)
+        states: list[torch.Tensor] = [None] * len(before)
+        for (device, _, _, shape), indices in groups.items():
+            stacked = {name: torch.cat([inputs[i][name] for i in indices]) for name in self.per_token}
+            kept = shape[1]
+            rule, chunk = getattr(self.module, self.RECURRENT_RULE), {}
+            if device.type == "cpu" and kept > 1:
+                rule, chunk = getattr(self.module, self.chunked), {"chunk_size": kept}
+            _, final = rule(
+                stacked["query"],
+                stacked["key"],
+                stacked["value"],
+                g=stacked["g"],
+                beta=stacked["beta"],
+                initial_state=torch.cat([before[i] for i in indices]),
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=inputs[indices[0]].get("use_qk_l2norm_in_kernel", False),
+                **chunk,
+            )
+            for index, state in zip(indices, final.chunk(len(indices))):
+                states[index] = state
+        return states
+
+
+class Mamba2Scan(ScanFamily):
+    """Replayed by the chunk scan itself over the kept tokens, one call per layer (A, D and dt_bias are the layer's)."""
+
+    chunked, per_token, state = "mamba2_chunk_scan", ("hidden_states", "dt", "B", "C"), "initial_states"
+    POSITIONAL = ("hidden_states", "dt", "A", "B", "C")
+
+    def states_after(self, inputs: list[dict], before: list[torch.Tensor]) -> list[torch.Tensor]:
+        states = []
+        for kept_inputs, state in zip(inputs, before):
+            # As the mixers call it: the per-token tensors and A by position (the kernels that may replace the
+            # reference name them otherwise), the rest by name.
+            positional = [kept_inputs[name] for name in self.POSITIONAL]
+            named = {name: value for name, value in kept_inputs.items() if name not in self.POSITIONAL}
+            named.update(initial_states=state, return_final_states=True)
+            if state.device.type == "cpu":
+                named["chunk_size"] = positional[0].shape[1]
+            states.append(getattr(self.module, self.chunked)(*positional, **named)[1])
+        return states
+
+
+SCAN_FAMILIES = (GatedDeltaScan, Mamba2Scan)
+
+
+def _one_chunk_on_cpu(names: list[str], args: tuple, kwargs: dict, tokens: torch.Tensor) -> tuple[tuple, dict]:
+    """A scan's arguments with `chunk_size` the length of `tokens` where they lie on a CPU. The PyTorch reference
+    pads every call to a multiple of its chunk (64 tokens for the Gated DeltaNet rule, 128-256 for Mamba2's), so a
+    17-token verification scans 64-256 positions: up to 100 ms per layer at Nemotron-H-8B's widths on a CPU, against
+    1-4 ms as one chunk of 17. Chunks are a way of computing the same scan (the states agree to fp32 rounding). Only
+    on a CPU, where the reference always runs: on a GPU the fused kernels that replace it choose their own chunks."""
+    if tokens.device.type != "cpu" or "chunk_size" not in names:
+        return args, kwargs
+    position = names.index("chunk_size")  # the arguments from there on go by name
+    kwargs = {**kwargs, **dict(zip(names[position:], args[position:]))}
+    return args[:position], {**kwargs, "chunk_size": tokens.shape[1]}
+
+
+def _recording(scan: Callable, family: type[ScanFamily]) -> Callable:
+    """`scan` (a family's multi-token scan), keeping its inputs where a verification asks for them."""
+    names = list(inspect.signature(scan).parameters)  # its arguments by name, without binding at every layer
+
+    @functools.wraps(scan)
+    def recording_scan(*args, **kwargs):
         # A compiled forward (the user's own) is traced through untouched, the context variable never read there.
         kept = None if torch.compiler.is_compiling() else _RULE_INPUTS.get()
         if kept is not None:
-            inputs = {**dict(zip(names, args)), **kwargs}
-            query = inputs.get("query")  # another signature than the one replayed: kept as None, rolled back whole
-            kept.append(inputs if query is not None and query.shape[1] <= RULE_INPUT_TOKENS else None)
-        return rule(*args, **kwargs)
+            tokens = {**dict(zip(names, args)), **kwargs}.get(family.per_token[0])
+            if tokens is not None and tokens.shape[1] <= RULE_INPUT_TOKENS:
+                args, kwargs = _one_chunk_on_cpu(names, args, kwargs, tokens)
+                kept.append({**dict(zip(names, args)), **kwargs})
+            else:  # a prompt, or another signature than the one replayed: rolled back whole
+                kept.append(None)
+        return scan(*args, **kwargs)
 
-    recording_rule.domino_records = True
-    return recording_rule
+    recording_scan.domino_records = True
+    return recording_scan
 
 
-def _gated_delta_module(target):
-    """`target`'s modeling module where it runs the Gated DeltaNet rules, else None."""
+def _scan_family(target) -> ScanFamily | None:
+    """The scan of `target`'s modeling module whose states can be kept for part of a verification, else None."""
     module = sys.modules.get(type(target).__module__)
-    if module is None or not callable(getattr(module, CHUNKED_RULE, None)) or not hasattr(module, RECURRENT_RULE):
-        return None
-    return module
+    family = next((family for family in SCAN_FAMILIES if module is not None and family.of(module)), None)
+    return None if family is None else family(module)
 
 
-def has_gated_delta_rule(target) -> bool:
-    """Whether `target`'s family runs the Gated DeltaNet rules (Qwen3.5, Qwen3-Next, OLMo-Hybrid), whose states can
-    be kept for part of a verification."""
-    return _gated_delta_module(target) is not None
+def has_replayable_scan(target) -> bool:
+    """Whether `target`'s family runs a scan whose states can be kept for part of a verification (the Gated DeltaNet
+    rule: Qwen3.5, Qwen3-Next, OLMo-Hybrid; the Mamba2 scan: Nemotron-H, Falcon-H1, Granite 4, Mamba2)."""
+    return _scan_family(target) is not None
 
 
-def gated_delta_recurrent_rule(target) -> Callable | None:
-    """The recurrent rule of `target`'s family, its chunked rule wrapped to keep a verification's inputs (once per
-    process: the wrapper passes calls through unchanged outside a drafting call), or None for a family without the
-    Gated DeltaNet rule (the state-space models), whose rejected verifications are rolled back whole."""
-    module = _gated_delta_module(target)
-    if module is None:
-        return None
-    if not getattr(getattr(module, CHUNKED_RULE), "domino_records", False):
-        setattr(module, CHUNKED_RULE, _recording(getattr(module, CHUNKED_RULE)))
-    return getattr(module, RECURRENT_RULE)
+def replayable_scan(target) -> ScanFamily | None:
+    """The scan family of `target`, its multi-token scan wrapped to keep a verification's inputs (once per process:
+    the wrapper passes calls through unchanged outside a drafting call), or None for a family without one, whose
+    rejected verifications are rolled back whole."""
+    family = _scan_family(target)
+    if family is not None and not getattr(getattr(family.module, family.chunked), "domino_records", False):
+        setattr(family.module, family.chunked, _recording(getattr(family.module, family.chunked), type(family)))
+    return family
 
 
 def _keep_state_before(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
     """`update_recurrent_state` of a snapshot layer: the new state is kept by reference rather than copied into the
     old one's storage, so the state the forward started from survives as it was, with no copy per forward. The
-    inputs the chunked rule just read (this layer's: layers run one after another) go with it."""
+    inputs the scan just read (this layer's: layers run one after another) go with it."""
     kept = _RULE_INPUTS.get()
-    self.inputs_before[state_idx] = kept.pop() if kept else None  # None: no rule call recorded for this layer
+    self.inputs_before[state_idx] = kept.pop() if kept else None  # None: no scan recorded for this layer
     if not self.is_recurrent_states_initialized[state_idx]:
         return super(type(self), self).update_recurrent_state(recurrent_states, state_idx, **kwargs)
     self.states_before[state_idx] = self.recurrent_states[state_idx]
@@ -206,24 +309,25 @@ class RecurrentRollback:
 
     A recurrent state (linear attention, a state-space layer) folds every token it reads into one tensor, so it
     cannot drop a verification's rejected drafts the way key/value columns are cropped; transformers refuses assisted
-    generation for such targets. A forward whose drafts were all accepted is kept. In the Gated DeltaNet families,
-    one with rejected drafts keeps its verified tokens: each state becomes the recurrent rule over the inputs the
-    chunked rule read for them (`gated_delta_recurrent_rule`), the other layers (attention, convolution history) are
-    cropped by the rejected drafts. Elsewhere (the state-space layers, whose scans are methods, not a rule to replay)
-    it is rolled back whole: each recurrent state to what the forward started from, every other layer by the
-    forward's tokens. The tokens it verified (the anchor and the accepted drafts) stay in the sequence, and the next
-    forward reads them again with the new token (`feed`), verifying no drafts (the candidate generator's re-read,
-    `lagging`), so that it is always kept: one more forward, about a plain step, which yields a token as a plain step
-    does. Either way the states hold exactly the tokens of the sequence.
+    generation for such targets. A forward whose drafts were all accepted is kept. One with rejected drafts keeps its
+    verified tokens where the family's scan kept its inputs (`replayable_scan`: the Gated DeltaNet and Mamba2
+    families): each state becomes the scan over the inputs it read for them, from the state the forward started
+    from, and the other layers (attention, convolution history) are cropped by the rejected drafts. Where no inputs
+    were kept (a compiled forward, a kernel that replaces the whole layer, a family without such a scan) it is rolled
+    back whole: each recurrent state to what the forward started from, every other layer by the forward's tokens.
+    The tokens it verified (the anchor and the accepted drafts) stay in the sequence, and the next forward reads them
+    again with the new token (`feed`), verifying no drafts (the candidate generator's re-read, `lagging`), so that it
+    is always kept: one more forward, about a plain step, which yields a token as a plain step does. Either way the
+    states hold exactly the tokens of the sequence.
 
     Installed by the generate() hook for one call (`install`, `remove`); `committed` counts the tokens the cache
     holds for certain.
     """
 
-    def __init__(self, cache: Cache, committed: int, recurrent_rule: Callable | None = None):
+    def __init__(self, cache: Cache, committed: int, scan: ScanFamily | None = None):
         """Makes the cache's linear-attention layers snapshot layers until `remove`."""
         self.cache, self.committed, self.fed = cache, committed, 0
-        self.recurrent_rule = recurrent_rule
+        self.scan = scan
         self.layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
         self.classes = [type(layer) for layer in self.layers]
         for layer in self.layers:
@@ -232,15 +336,15 @@ class RecurrentRollback:
 
     @classmethod
     def install(cls, cache: Cache, committed: int, target=None) -> RecurrentRollback:
-        rollback = cls(cache, committed, gated_delta_recurrent_rule(target) if target is not None else None)
+        rollback = cls(cache, committed, replayable_scan(target) if target is not None else None)
         cache.crop = rollback.crop  # transformers' loop crops after every verification
         return rollback
 
     @classmethod
     def install_for_rows(cls, cache: Cache, target) -> RecurrentRollback:
         """For a batch (`ragged_cache_domino.RaggedCache`, which crops its attention layers itself): each row keeps
-        what it accepted (`keep_rows`). Gated DeltaNet families only, whose states can be kept in part."""
-        return cls(cache, 0, gated_delta_recurrent_rule(target))
+        what it accepted (`keep_rows`). Families with a replayable scan only, whose states can be kept in part."""
+        return cls(cache, 0, replayable_scan(target))
 
     def remove(self) -> None:
         """The cache as it was built, holding what the call left in it."""
@@ -259,7 +363,7 @@ class RecurrentRollback:
     def feed(self, sequence_length: int) -> int:
         """How many of the sequence's last tokens the next forward reads: every one after the committed ones."""
         self.fed = sequence_length - self.committed
-        _RULE_INPUTS.set([] if self.recurrent_rule is not None and self.fed > 1 else None)
+        _RULE_INPUTS.set([] if self.scan is not None and self.fed > 1 else None)
         for layer in self.layers:
             layer.states_before, layer.inputs_before = {}, {}
             # A one-token forward is never rolled back: it runs the models' in-place step, as the target alone's does,
@@ -269,8 +373,8 @@ class RecurrentRollback:
 
     def crop(self, tokens_to_remove: int) -> None:
         """transformers' crop after a verification: nothing rejected keeps the forward; with rejected drafts, the
-        states after the verified tokens where the rule's inputs were kept (Gated DeltaNet), else the whole forward
-        rolled back (the tokens it verified are read again by the next one)."""
+        states after the verified tokens where the scan's inputs were kept, else the whole forward rolled back (the
+        tokens it verified are read again by the next one)."""
         _RULE_INPUTS.set(None)
         kept = self.fed - abs(tokens_to_remove)
         if tokens_to_remove == 0:
@@ -286,7 +390,7 @@ class RecurrentRollback:
         self.committed += kept
 
     def before_rows_forward(self, width: int, first: bool) -> None:
-        """A batch's forward of `width` columns per row: kept in part later (its rule inputs recorded, its convolution
+        """A batch's forward of `width` columns per row: kept in part later (its scan inputs recorded, its convolution
         history kept) unless it is one column (the in-place step) or the call's first forward (never rolled back)."""
         self.fed = width
         verifying = width > 1 and not first
@@ -297,24 +401,14 @@ class RecurrentRollback:
 
     def keep_rows(self, kept: torch.LongTensor) -> None:
         """After a batch's verification, row b keeps the first `kept[b]` of the columns the forward read: its
-        recurrent states become the recurrent rule over those (rows grouped by count; a row that kept every column
-        keeps the forward's), its convolution window ends after them. Holes of shorter rows come after their tokens,
-        so they are never among the kept."""
+        recurrent states become the scan over those (rows grouped by count; a row that kept every column keeps the
+        forward's), its convolution window ends after them. Holes of shorter rows come after their tokens,
+        so they are never among the kept. Layers of convolutions only (LFM2's) have no states to recompute."""
         _RULE_INPUTS.set(None)
         if self.fed <= 1 or not self.layers or not self.layers[0].record_past:
             return
-        inputs = self._kept_inputs()
-        if inputs is None:
-            raise RuntimeError(
-                "A batch's verification kept no linear-attention inputs to keep its rows' states from: this target's "
-                "layers do not run transformers' Gated DeltaNet rule. Generate one sequence at a time."
-            )
-        counts = kept.tolist()
-        for count in sorted(set(counts) - {self.fed}):
-            rows = torch.tensor([row for row, n in enumerate(counts) if n == count])
-            for layers, states, rows_there in self._replay_groups(inputs, count, rows):
-                for layer, state in zip(layers, states):
-                    layer.recurrent_states[0][rows_there] = state.to(layer.recurrent_states[0].dtype)
+        if any(any(layer.is_recurrent_states_initialized.values()) for layer in self.layers):
+            self._keep_rows_states(kept.tolist())
         windows: dict[tuple, torch.Tensor] = {}  # the gather index, once per device and shape
         for layer in self.layers:
             conv, size = layer.conv_states[0], layer.conv_kernel_size[0]
@@ -325,6 +419,18 @@ class RecurrentRollback:
             layer.conv_states[0] = torch.gather(conv, 2, windows[key])
             layer.record_past = False
 
+    def _keep_rows_states(self, counts: list[int]) -> None:
+        inputs = self._kept_inputs()
+        if inputs is None:
+            raise RuntimeError(
+                "A batch's verification kept no scan inputs to keep its rows' states from: this target's layers do "
+                "not run transformers' Gated DeltaNet rule or Mamba2 scan. Generate one sequence at a time."
+            )
+        for count in sorted(set(counts) - {self.fed}):
+            rows = torch.tensor([row for row, n in enumerate(counts) if n == count])
+            for layer, (state, rows_there) in zip(self.layers, self._states_after(inputs, count, rows)):
+                layer.recurrent_states[0][rows_there] = state.to(layer.recurrent_states[0].dtype)
+
     def select_rows(self, rows: torch.LongTensor) -> None:
         """Keeps only these rows' states (finished rows leave a batch)."""
         for layer in self.layers:
@@ -334,20 +440,17 @@ class RecurrentRollback:
                         states[index] = states[index][rows.to(states[index].device)]
 
     def _replay(self, kept: int) -> bool:
-        """Sets each recurrent state to the one after the forward's first `kept` tokens: the recurrent rule (the one
-        the target's one-token steps run) over the chunked rule's kept inputs, in one call per group of layers of
-        one device and shape (a target split over GPUs has several). False where some layer kept none (a state-space
-        layer, a prompt, a compiled forward): roll back whole."""
+        """Sets each recurrent state to the one after the forward's first `kept` tokens, recomputed from the scan's
+        kept inputs. False where some layer kept none (a prompt, a compiled forward): roll back whole."""
         inputs = self._kept_inputs()
         if inputs is None:
             return False
-        for layers, states, _ in self._replay_groups(inputs, kept):
-            for layer, state in zip(layers, states):
-                layer.recurrent_states[0] = state.to(layer.states_before[0].dtype)
+        for layer, (state, _) in zip(self.layers, self._states_after(inputs, kept)):
+            layer.recurrent_states[0] = state.to(layer.states_before[0].dtype)
         return True
 
     def _kept_inputs(self) -> list[dict] | None:
-        """Each layer's rule inputs of the last forward, or None where some layer kept none or had no state before
+        """Each layer's scan inputs of the last forward, or None where some layer kept none or had no state before
         it (so that no state can be recomputed)."""
         inputs = [layer.inputs_before.get(0) for layer in self.layers]
         if not inputs or any(i is None for i in inputs):
@@ -356,39 +459,26 @@ class RecurrentRollback:
             return None
         return inputs
 
-    def _replay_groups(self, inputs: list[dict], kept: int, rows: torch.LongTensor | None = None):
-        """Per group of layers of one device, dtype and shape: the layers, their states after the first `kept` tokens
-        (of `rows` only, where given), from one call of the recurrent rule, and `rows` on that device."""
-        groups: dict[tuple, list[int]] = {}
-        for index, (layer, kept_inputs) in enumerate(zip(self.layers, inputs)):
+    def _states_after(
+        self, inputs: list[dict], kept: int, rows: torch.LongTensor | None = None
+    ) -> list[tuple[torch.Tensor, torch.LongTensor | None]]:
+        """Per layer: its state after the forward's first `kept` tokens (of `rows` only, where given), and `rows` on
+        the state's device (a target split over GPUs keeps states on several)."""
+        on_device: dict[torch.device, torch.LongTensor | None] = {}
+        cut, before = [], []
+        for layer, layer_inputs in zip(self.layers, inputs):
             state = layer.states_before[0]
-            key = (state.device, state.dtype, tuple(state.shape), tuple(kept_inputs["query"].shape))
-            groups.setdefault(key, []).append(index)
-        for (device, *_), indices in groups.items():
-            layers, group = [self.layers[i] for i in indices], [inputs[i] for i in indices]
-            rows_there = None if rows is None else rows.to(device)
-            yield layers, self._replay_layers(layers, group, kept, rows_there), rows_there
-
-    def _replay_layers(
-        self, layers: list, inputs: list[dict], kept: int, rows: torch.LongTensor | None = None
-    ) -> tuple[torch.Tensor, ...]:
-        def selected(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor if rows is None else tensor[rows]
-
-        def stacked(name: str) -> torch.Tensor:
-            return torch.cat([selected(i[name])[:, :kept] for i in inputs])
-
-        _, states = self.recurrent_rule(
-            stacked("query"),
-            stacked("key"),
-            stacked("value"),
-            g=stacked("g"),
-            beta=stacked("beta"),
-            initial_state=torch.cat([selected(layer.states_before[0]) for layer in layers]),
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=inputs[0].get("use_qk_l2norm_in_kernel", False),
-        )
-        return states.chunk(len(layers))
+            if state.device not in on_device:
+                on_device[state.device] = None if rows is None else rows.to(state.device)
+            rows_there = on_device[state.device]
+            cut.append({
+                name: (value if rows_there is None else value[rows_there])[:, :kept] if name in self.scan.per_token
+                else value
+                for name, value in layer_inputs.items()
+            })  # fmt: skip
+            before.append(state if rows_there is None else state[rows_there])
+        states = self.scan.states_after(cut, before)
+        return [(state, on_device[state_before.device]) for state, state_before in zip(states, before)]
 
 
 # Families (text model types) whose recurrent layers carry their states through a forward of several tokens on a
@@ -425,12 +515,13 @@ def has_recurrent_layers(cache: Cache | None) -> bool:
     return cache is not None and any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
 
 
-def _cached_tokens(cache: Cache | None) -> int:
-    """How many tokens `cache` holds; a cache of recurrent layers only (a state-space model) does not count them."""
+def cached_tokens(cache: Cache | None) -> int:
+    """How many tokens `cache` holds; a cache without attention layers (a state-space model) does not count them, so
+    a filled one is refused."""
     if cache is None:
         return 0
-    if cache.layers and all(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers):
-        if not any(any(layer.has_previous_state.values()) for layer in cache.layers):
+    if cache.layers and not any(isinstance(layer, CacheLayerMixin) for layer in cache.layers):
+        if not any(any(getattr(layer, "has_previous_state", {}).values()) for layer in cache.layers):
             return 0
         raise ValueError(
             "The cache passed to generate() holds the recurrent states of an earlier call, which do not say how many "
@@ -452,7 +543,7 @@ def uncached_prompt_length(
     (transformers 5.23-5.24, prompt lookup included), so the generate() hook applies the rule for a Domino drafter,
     and the batch loop starts its ragged cache after the cached columns.
     """
-    cached = _cached_tokens(cache)
+    cached = cached_tokens(cache)
     if not cached:
         return None
     mask_length = (
@@ -474,11 +565,13 @@ __all__ = [
     "BufferedLayer",
     "RECURRENT_TARGETS",
     "RecurrentRollback",
+    "SCAN_FAMILIES",
     "buffer_layers",
     "cache_argument",
+    "cached_tokens",
     "check_recurrent_target",
-    "gated_delta_recurrent_rule",
-    "has_gated_delta_rule",
     "has_recurrent_layers",
+    "has_replayable_scan",
+    "replayable_scan",
     "uncached_prompt_length",
 ]
