@@ -136,8 +136,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--prepared", action="store_true", help="prepare_for_cpu_decoding(target, drafter) first")
     args = parser.parse_args()
-    if args.layers < 4:
-        parser.error("--layers must be at least 4: Qwen3.5's first attention layer is its fourth")
+    first_attention = {"qwen3_5": 4, "nemotron_h": len(NEMOTRON_PATTERN)}[args.family]
+    if args.layers < first_attention:
+        parser.error(f"--layers must be at least {first_attention} for {args.family}, where its first attention layer "
+                     "is: transformers counts a cache's tokens there")  # fmt: skip
     if args.prepared and args.device != "cpu":
         parser.error("--prepared is the CPU fast path: drop it on a GPU")
     torch.set_num_threads(args.threads)

@@ -571,7 +571,9 @@ def test_a_state_space_model_with_a_cache_of_its_own_is_refused_naming_the_fix()
 
 
 def test_the_cost_example_runs_as_documented_at_a_smaller_depth():
-    """examples/recurrent_targets.py (docs/benchmarks.md), as a user runs it, at 4 layers and 4 tokens."""
+    """examples/recurrent_targets.py (docs/benchmarks.md), as a user runs it, at 4 layers and 4 tokens. Its
+    Nemotron-H-shaped target (2.1B parameters at the documented 8 layers, 7.5 minutes here) runs the same code; its
+    shape is checked on the meta device below."""
     script = Path(__file__).resolve().parents[1] / "examples" / "recurrent_targets.py"
     done = subprocess.run(
         [sys.executable, str(script), "--layers", "4", "--new-tokens", "4"],
@@ -583,6 +585,23 @@ def test_the_cost_example_runs_as_documented_at_a_smaller_depth():
     assert "| 17 |" in done.stdout and "| 16 |" in done.stdout  # verification costs; after a rejection
     calls = [line for line in done.stdout.splitlines() if line.startswith(("| 1 | ", "| 2 | ")) and "x |" in line]
     assert len(calls) == 2 and all(line.endswith("| yes |") for line in calls)
+
+
+def test_the_cost_examples_nemotron_h_shape_is_the_documented_one():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from recurrent_targets import build_target
+
+    with torch.device("meta"):
+        target = build_target("nemotron_h", 8)
+    assert target.config.layers_block_type.count("linear_attention") == 4
+    assert target.config.layers_block_type[-1] == "full_attention"
+    assert round(sum(p.numel() for p in target.parameters()) / 1e9, 2) == 2.08  # docs/benchmarks.md: 2.1B
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parents[1] / "examples" / "recurrent_targets.py"),
+         "--family", "nemotron_h", "--layers", "4"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "at least 8" in done.stderr  # no attention layer to count the cache's tokens
 
 
 @pytest.mark.skipif(not static_caches_roll_back(), reason="a static cache with a drafter needs transformers 5.24+")

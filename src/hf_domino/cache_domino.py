@@ -127,13 +127,12 @@ class ScanFamily:
 
     chunked: str
     per_token: tuple[str, ...]
-    state: str  # the argument the scan starts from
 
     def __init__(self, module):
         self.module = module
 
     @classmethod
-    def of(cls, module) -> bool:
+    def found_in(cls, module) -> bool:
         return callable(getattr(module, cls.chunked, None))
 
     def states_after(self, inputs: list[dict], before: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -147,12 +146,12 @@ class GatedDeltaScan(ScanFamily):
     through the chunked rule as one chunk instead: the recurrent rule reads and writes every state once per token,
     memory-bound there (68 ms for 16 tokens of Qwen3.5-0.8B's 18 layers, against about 25 ms as one chunk)."""
 
-    chunked, per_token, state = "torch_chunk_gated_delta_rule", ("query", "key", "value", "g", "beta"), "initial_state"
+    chunked, per_token = "torch_chunk_gated_delta_rule", ("query", "key", "value", "g", "beta")
     RECURRENT_RULE = "torch_recurrent_gated_delta_rule"
 
     @classmethod
-    def of(cls, module) -> bool:
-        return super().of(module) and hasattr(module, cls.RECURRENT_RULE)
+    def found_in(cls, module) -> bool:
+        return super().found_in(module) and hasattr(module, cls.RECURRENT_RULE)
 
     def states_after(self, inputs: list[dict], before: list[torch.Tensor]) -> list[torch.Tensor]:
         groups: dict[tuple, list[int]] = {}  # a target split over GPUs has several
@@ -185,7 +184,7 @@ class GatedDeltaScan(ScanFamily):
 class Mamba2Scan(ScanFamily):
     """Replayed by the chunk scan itself over the kept tokens, one call per layer (A, D and dt_bias are the layer's)."""
 
-    chunked, per_token, state = "mamba2_chunk_scan", ("hidden_states", "dt", "B", "C"), "initial_states"
+    chunked, per_token = "mamba2_chunk_scan", ("hidden_states", "dt", "B", "C")
     POSITIONAL = ("hidden_states", "dt", "A", "B", "C")
 
     def states_after(self, inputs: list[dict], before: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -242,7 +241,7 @@ def _recording(scan: Callable, family: type[ScanFamily]) -> Callable:
 def _scan_family(target) -> ScanFamily | None:
     """The scan of `target`'s modeling module whose states can be kept for part of a verification, else None."""
     module = sys.modules.get(type(target).__module__)
-    family = next((family for family in SCAN_FAMILIES if module is not None and family.of(module)), None)
+    family = next((family for family in SCAN_FAMILIES if module is not None and family.found_in(module)), None)
     return None if family is None else family(module)
 
 
