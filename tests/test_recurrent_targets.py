@@ -439,6 +439,23 @@ def test_a_batch_is_the_target_alones_row_by_row(name):
     assert torch.equal(output, expected)
 
 
+def assert_rows_sampled_from_their_own_logits(target, drafter, batch: dict, new_tokens: int = 24) -> None:
+    """A sampled batch with drafts rejected in part: the logits each row sampled from are those of one plain forward
+    over its finished sequence."""
+    torch.manual_seed(3)
+    output = target.generate(
+        **batch, assistant_model=drafter, max_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0,
+        eos_token_id=None, draft_policy="fixed", domino_lookup=False, return_dict_in_generate=True, output_logits=True,
+    )  # fmt: skip
+    assert rolled_back(drafter.last_generation_stats) > 0
+    sampled = torch.stack(output.logits, dim=1)
+    for row, mask in enumerate(batch["attention_mask"].bool()):
+        sequence = output.sequences[row : row + 1, torch.cat([mask, torch.ones(new_tokens, dtype=torch.bool)])]
+        with torch.no_grad():
+            reference = target(sequence).logits[0, int(mask.sum()) - 1 : -1]
+        torch.testing.assert_close(sampled[row], reference, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "falcon_h1", "granitemoehybrid"])
 def test_a_sampled_batch_verifies_each_row_against_the_target_alones_logits(name):
     """Speculative sampling per row is exact when each verification reads the row's own distribution: the logits
@@ -451,18 +468,7 @@ def test_a_sampled_batch_verifies_each_row_against_the_target_alones_logits(name
                 module.in_proj.weight.mul_(30)
     drafter = forcing_drafter(target, successor_table(target.generate(PROMPT, max_new_tokens=40, **GREEDY)))
     batch = left_padded(BATCH)
-    torch.manual_seed(3)
-    output = target.generate(
-        **batch, assistant_model=drafter, max_new_tokens=24, do_sample=True, temperature=1.0, top_k=0,
-        eos_token_id=None, draft_policy="fixed", domino_lookup=False, return_dict_in_generate=True, output_logits=True,
-    )  # fmt: skip
-    assert rolled_back(drafter.last_generation_stats) > 0
-    sampled = torch.stack(output.logits, dim=1)
-    for row, mask in enumerate(batch["attention_mask"].bool()):
-        sequence = output.sequences[row : row + 1, torch.cat([mask, torch.ones(24, dtype=torch.bool)])]
-        with torch.no_grad():
-            reference = target(sequence).logits[0, int(mask.sum()) - 1 : -1]
-        torch.testing.assert_close(sampled[row], reference, atol=1e-4, rtol=1e-4)
+    assert_rows_sampled_from_their_own_logits(target, drafter, batch)
 
 
 def test_what_a_batch_cannot_keep_per_row_is_refused_naming_the_fix():
@@ -505,18 +511,7 @@ def test_a_batch_of_lfm2_keeps_each_rows_convolution_window(name):
     expected = target.generate(**batch, max_new_tokens=30, **GREEDY)
     output = target.generate(**batch, assistant_model=drafter, max_new_tokens=30, draft_policy="fixed", **GREEDY)
     assert torch.equal(output, expected) and rolled_back(drafter.last_generation_stats) > 0
-    torch.manual_seed(3)
-    output = target.generate(
-        **batch, assistant_model=drafter, max_new_tokens=24, do_sample=True, temperature=1.0, top_k=0,
-        eos_token_id=None, draft_policy="fixed", domino_lookup=False, return_dict_in_generate=True, output_logits=True,
-    )  # fmt: skip
-    assert rolled_back(drafter.last_generation_stats) > 0
-    sampled = torch.stack(output.logits, dim=1)
-    for row, mask in enumerate(batch["attention_mask"].bool()):
-        sequence = output.sequences[row : row + 1, torch.cat([mask, torch.ones(24, dtype=torch.bool)])]
-        with torch.no_grad():
-            reference = target(sequence).logits[0, int(mask.sum()) - 1 : -1]
-        torch.testing.assert_close(sampled[row], reference, atol=1e-4, rtol=1e-4)
+    assert_rows_sampled_from_their_own_logits(target, drafter, batch)
 
 
 def test_per_token_attentions_and_hidden_states_are_refused():
