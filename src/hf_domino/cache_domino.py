@@ -144,7 +144,8 @@ class GatedDeltaScan(ScanFamily):
     """Replayed by the family's recurrent rule (what the target alone's one-token steps run), all layers of one
     device, dtype and shape in one call: the rule has no per-layer parameters. On a CPU, more than one kept token goes
     through the chunked rule as one chunk instead: the recurrent rule reads and writes every state once per token,
-    memory-bound there (68 ms for 16 tokens of Qwen3.5-0.8B's 18 layers, against about 25 ms as one chunk)."""
+    memory-bound there (208 ms for 16 tokens of a Qwen3.5-0.8B-shaped target's 18 layers, against 30 ms as one chunk:
+    `examples/recurrent_targets.py`, docs/benchmarks.md)."""
 
     chunked, per_token = "torch_chunk_gated_delta_rule", ("query", "key", "value", "g", "beta")
     RECURRENT_RULE = "torch_recurrent_gated_delta_rule"
@@ -361,14 +362,20 @@ class RecurrentRollback:
 
     def feed(self, sequence_length: int) -> int:
         """How many of the sequence's last tokens the next forward reads: every one after the committed ones."""
-        self.fed = sequence_length - self.committed
-        _RULE_INPUTS.set([] if self.scan is not None and self.fed > 1 else None)
+        # A one-token forward is never rolled back: it runs the models' in-place step, as the target alone's does,
+        # rather than the convolution over a recorded history that transformers' assisted loop asks for.
+        fed = sequence_length - self.committed
+        self._expect_forward(fed, verifying=fed > 1)
+        return fed
+
+    def _expect_forward(self, width: int, verifying: bool) -> None:
+        """Before a forward of `width` tokens (per row): one that may be kept in part records its scan's inputs and
+        its convolution history; any other runs as the target alone's would."""
+        self.fed = width
+        _RULE_INPUTS.set([] if verifying and self.scan is not None else None)
         for layer in self.layers:
             layer.states_before, layer.inputs_before = {}, {}
-            # A one-token forward is never rolled back: it runs the models' in-place step, as the target alone's does,
-            # rather than the convolution over a recorded history that transformers' assisted loop asks for.
-            layer.record_past = self.fed > 1
-        return self.fed
+            layer.record_past = verifying
 
     def crop(self, tokens_to_remove: int) -> None:
         """transformers' crop after a verification: nothing rejected keeps the forward; with rejected drafts, the
@@ -391,12 +398,7 @@ class RecurrentRollback:
     def before_rows_forward(self, width: int, first: bool) -> None:
         """A batch's forward of `width` columns per row: kept in part later (its scan inputs recorded, its convolution
         history kept) unless it is one column (the in-place step) or the call's first forward (never rolled back)."""
-        self.fed = width
-        verifying = width > 1 and not first
-        _RULE_INPUTS.set([] if verifying else None)
-        for layer in self.layers:
-            layer.states_before, layer.inputs_before = {}, {}
-            layer.record_past = verifying
+        self._expect_forward(width, verifying=width > 1 and not first)
 
     def keep_rows(self, kept: torch.LongTensor) -> None:
         """After a batch's verification, row b keeps the first `kept[b]` of the columns the forward read: its

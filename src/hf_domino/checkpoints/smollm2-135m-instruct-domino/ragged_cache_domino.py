@@ -127,11 +127,12 @@ class RaggedCache:
 
     def select_rows(self, rows: torch.LongTensor) -> None:
         """Keeps only these rows (finished rows leave the batch)."""
+        rows = rows.to(self.mask.device)
         for layer in self.attention_layers:
-            DynamicLayer.batch_select_indices(layer, rows.to(self.mask.device))
+            DynamicLayer.batch_select_indices(layer, rows)
         if self.recurrent is not None:
             self.recurrent.select_rows(rows)
-        self.mask = self.mask[rows.to(self.mask.device)]
+        self.mask = self.mask[rows]
         self._crop_trailing_holes()
 
     def _crop_trailing_holes(self) -> None:
