@@ -25,6 +25,22 @@ from hf_domino.cache_domino import CACHE_ARGUMENT, cache_argument
 from hf_domino.ragged_cache_domino import SlidingWindow
 
 WINDOW = 8
+EXPERTS = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
+ROUTED_EXPERTS = {"n_routed_experts": 4, "n_group": 1, "topk_group": 1}
+# Multi-head latent attention at tiny sizes: keys and values of every head from one latent per token.
+MLA = {
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 24,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 8,
+    "head_dim": 4,
+}
+# The sparse-attention indexer picks the 8 likeliest keys of each query. Its scores are sums over its heads of ReLUs,
+# and with 2 heads many are exactly 0: ties, which topk breaks differently for a whole sequence and one token, so
+# that the target alone's outputs depend on how it is fed. 16 heads leave no ties.
+INDEXER = {"index_n_heads": 16, "index_head_dim": 8, "index_topk": 8}
 ARCHITECTURES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW}),
@@ -51,8 +67,43 @@ ARCHITECTURES = {
     # ALiBi from the attention mask, and no MLP width in its config (the drafter takes 4 x hidden)
     "falcon": ("FalconConfig", "FalconForCausalLM", {"alibi": True, "intermediate_size": None, "head_dim": None}),
     "opt": ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 64, "word_embed_proj_dim": 32}),  # positions from the mask
+    # The targets of the published DFlash drafters beyond Qwen and Llama, and the newest families: attention sinks in
+    # alternating sliding and full layers (gpt-oss); multi-head latent attention, whose cache keeps one compressed
+    # latent "head" (DeepSeek-V3, Kimi-K2.5's text model; LongCat-Flash); sparse attention whose indexer keeps keys of
+    # its own per token, a second column-aligned cache in each layer (DeepSeek-V3.2, GLM-5); layers without rotary
+    # positions (SmolLM3); sliding windows in patterns of their own (OLMo 3, EXAONE 4); GLM-4.5 and MiniMax-M2 experts.
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            **EXPERTS,
+            "num_local_experts": 4,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+        },
+    ),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {**MLA, **EXPERTS, **ROUTED_EXPERTS}),
+    "longcat_flash": (
+        "LongcatFlashConfig",
+        "LongcatFlashForCausalLM",
+        {
+            **MLA,
+            "num_layers": 2,
+            "n_routed_experts": 4,
+            "moe_topk": 2,
+            "expert_ffn_hidden_size": 16,
+            "ffn_hidden_size": 64,
+        },
+    ),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", {**MLA, **EXPERTS, **ROUTED_EXPERTS, **INDEXER}),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {**MLA, **EXPERTS, **ROUTED_EXPERTS, **INDEXER}),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layer_interval": 2}),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {"sliding_window": WINDOW}),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"sliding_window": WINDOW, "sliding_window_pattern": 2}),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {**EXPERTS, **ROUTED_EXPERTS}),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", {**EXPERTS, "num_local_experts": 4}),
 }
-SLIDING = ["mistral", "gemma2", "gemma3", "cohere2"]
+SLIDING = ["mistral", "gemma2", "gemma3", "cohere2", "gpt_oss", "olmo3", "exaone4"]
 # Prompts that repeat themselves, so that copied drafts are accepted too, beside the random drafter's rejected ones.
 PROMPT = [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 5, 9, 12, 40, 41, 42, 5, 9]
 ROWS = [[11, 5, 9, 12, 7, 5, 9, 12], [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 22]]
@@ -164,6 +215,34 @@ def test_a_batch_on_a_target_biased_by_cache_column_is_refused_and_one_sequence_
     target.config.use_cache = target.generation_config.use_cache = False  # MPT's own default
     with pytest.raises(ValueError, match="as MPT's is.*Pass use_cache=True"):
         target.generate(prompt, max_new_tokens=4, assistant_model=drafter, **GREEDY)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v32", "glm_moe_dsa"])
+def test_latent_and_sparse_attention_caches_compacted_every_cycle_give_the_same_rows(name, monkeypatch):
+    """Their caches hold other columns than keys and values of every head (one latent per token; the indexer's keys):
+    moved together when holes are compacted, every cycle here."""
+    from hf_domino import ragged_cache_domino
+    from hf_domino.ragged_cache_domino import RaggedCache
+
+    target = architecture_target(name)
+    drafter = tiny_drafter(target)
+    batch = left_padded(ROWS)
+    expected = target.generate(**batch, max_new_tokens=30, **GREEDY)
+    compactions = []
+    original = RaggedCache.maybe_compact
+
+    def counted(self) -> bool:
+        compactions.append(original(self))
+        return compactions[-1]
+
+    monkeypatch.setattr(RaggedCache, "maybe_compact", counted)
+    monkeypatch.setattr(ragged_cache_domino, "COMPACT_FRACTION", 0.0)
+    monkeypatch.setattr(ragged_cache_domino, "MIN_COMPACT_COLUMNS", 0)
+    output = target.generate(
+        **batch, max_new_tokens=30, assistant_model=drafter, draft_policy="fixed", num_speculative_tokens=4, **GREEDY
+    )
+    assert torch.equal(output, expected)
+    assert sum(compactions) > 3
 
 
 def test_the_sliding_targets_cover_each_kind_of_mask():

@@ -245,6 +245,31 @@ def test_caches_compacted_every_cycle_or_never_give_the_same_output(monkeypatch)
         assert any(calls) == (minimum == 0)
 
 
+def test_compaction_moves_a_sparse_attention_layers_indexer_columns_with_its_keys(monkeypatch):
+    """DeepSeek-V3.2's and GLM-5's layers keep the indexer's keys beside keys and values, a column per token each
+    (and, in some families, the indexer's positions): holes, crops, finished rows and compaction treat them alike."""
+    from transformers.cache_utils import DynamicIndexedLayer
+
+    layer = DynamicIndexedLayer()
+    columns = torch.arange(6.0)  # column j holds j everywhere
+    layer.update(columns.expand(2, 1, 6)[..., None].expand(2, 1, 6, 3).clone(), torch.zeros(2, 1, 6, 3))
+    layer.update_indexer(columns.expand(2, 6)[..., None].expand(2, 6, 4).clone())
+    layer.indexer_position_ids = columns.long().expand(3, 2, 6).clone()
+    cache = DynamicCache()
+    cache.layers = [layer]
+    mask = torch.tensor([[0, 1, 0, 1, 1, 0], [1, 1, 0, 0, 0, 1]], dtype=torch.bool)
+    ragged = RaggedCache(cache, mask.clone())
+    monkeypatch.setattr(ragged_cache_domino, "MIN_COMPACT_COLUMNS", 0)
+    assert ragged.maybe_compact()
+    kept = torch.tensor([[1, 3, 4], [0, 1, 5]])  # each row's real columns, in order
+    assert torch.equal(layer.keys[:, 0, :, 0], kept.float())
+    assert torch.equal(layer.indexer_keys[..., 0], kept.float())
+    assert torch.equal(layer.indexer_position_ids, kept.expand(3, 2, 3))
+    ragged.select_rows(torch.tensor([1]))
+    assert torch.equal(layer.indexer_keys[..., 0], kept[1:].float())
+    assert torch.equal(layer.indexer_position_ids, kept[1:].expand(3, 1, 3))
+
+
 def test_buffered_layer_holds_what_a_dynamic_layer_holds_and_appends_in_place():
     """Every operation the loops use, on both layers: the same keys/values, and a step writes into the buffers."""
     torch.manual_seed(0)

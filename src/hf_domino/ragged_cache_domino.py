@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import (
     DummyLayer,
     DynamicCache,
+    DynamicIndexedLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionAndFullAttentionLayer,
@@ -69,10 +70,18 @@ class RaggedCache:
 
     @staticmethod
     def check(cache: Any, who: str) -> None:
-        """Raises unless every layer is a plain dynamic layer (holes need full-length, croppable keys/values), a
+        """Raises unless every layer is a plain dynamic layer (holes need full-length, croppable keys/values), one
+        with the indexer keys of sparse attention beside them (DeepSeek-V3.2's, GLM-5's: a column per token too), a
         linear-attention layer (a recurrent state per row, see `recurrent`), both (Falcon-H1's), or none (a layer
         without a cache, such as Nemotron-H's MLP layers)."""
-        plain = (DynamicLayer, BufferedLayer, LinearAttentionLayer, LinearAttentionAndFullAttentionLayer, DummyLayer)
+        plain = (
+            DynamicLayer,
+            DynamicIndexedLayer,
+            BufferedLayer,
+            LinearAttentionLayer,
+            LinearAttentionAndFullAttentionLayer,
+            DummyLayer,
+        )
         if not isinstance(cache, DynamicCache):
             what = type(cache).__name__
         else:
@@ -129,7 +138,7 @@ class RaggedCache:
         """Keeps only these rows (finished rows leave the batch)."""
         rows = rows.to(self.mask.device)
         for layer in self.attention_layers:
-            DynamicLayer.batch_select_indices(layer, rows)
+            columns_of(layer).batch_select_indices(layer, rows)
         if self.recurrent is not None:
             self.recurrent.select_rows(rows)
         self.mask = self.mask[rows]
@@ -140,7 +149,7 @@ class RaggedCache:
         trailing = self.mask.shape[1] - (int(real[-1]) + 1 if real.numel() else 0)
         if trailing:
             for layer in self.attention_layers:
-                DynamicLayer.crop(layer, -trailing)
+                columns_of(layer).crop(layer, -trailing)
             self.mask = self.mask[:, : self.mask.shape[1] - trailing]
 
     def maybe_compact(self) -> bool:
@@ -157,14 +166,27 @@ class RaggedCache:
         self.mask = torch.gather(self.mask, 1, order)
         for layer in self.attention_layers:
             if layer.is_initialized and layer.keys.numel():
-                index = order.to(layer.keys.device)[:, None, :, None]
-                layer.keys = torch.gather(
-                    layer.keys, 2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-                )
-                layer.values = torch.gather(
-                    layer.values, 2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
-                )
+                layer.keys, layer.values = (gather_columns(kv, order, 0, 2) for kv in (layer.keys, layer.values))
+            if getattr(layer, "indexer_keys", None) is not None and layer.indexer_keys.numel():  # [rows, columns, d]
+                layer.indexer_keys = gather_columns(layer.indexer_keys, order, 0, 1)
+            if getattr(layer, "indexer_position_ids", None) is not None:  # [position sections, rows, columns]
+                layer.indexer_position_ids = gather_columns(layer.indexer_position_ids, order, 1, 2)
         return True
+
+
+def gather_columns(tensor: torch.Tensor, order: torch.LongTensor, row_dim: int, column_dim: int) -> torch.Tensor:
+    """`tensor`'s columns along `column_dim` in each row's `order` (`[rows, columns kept]`; rows along `row_dim`)."""
+    shape, size = [1] * tensor.dim(), list(tensor.shape)
+    shape[row_dim], shape[column_dim] = order.shape
+    size[column_dim] = order.shape[1]
+    return torch.gather(tensor, column_dim, order.to(tensor.device).reshape(shape).expand(size))
+
+
+def columns_of(layer: DynamicLayer) -> type[DynamicLayer]:
+    """The class whose `crop` and `batch_select_indices` handle every tensor of `layer` with a column per token: its
+    own for a sparse-attention layer (keys and values, and the indexer's keys), `DynamicLayer`'s for one that also
+    holds a recurrent state (Falcon-H1's), which `RecurrentRollback` keeps per row."""
+    return type(layer) if isinstance(layer, DynamicIndexedLayer) else DynamicLayer
 
 
 def positions_from_mask(mask: torch.BoolTensor, first: torch.LongTensor | int = 0) -> torch.LongTensor:

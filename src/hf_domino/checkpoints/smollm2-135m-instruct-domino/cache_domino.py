@@ -111,9 +111,10 @@ def _buffered(layer: DynamicLayer, reserve: int) -> BufferedLayer:
 
 
 # A family with recurrent layers runs a forward of several tokens through a scan, a function of its modeling module:
-# the chunked Gated DeltaNet rule (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid) or the Mamba2 chunk scan (Nemotron-H,
-# Falcon-H1, Granite 4, Mamba2). With the scan's inputs kept, the state after any prefix of a verification is
-# recomputed from them, from the state the forward started from: a rejected draft then costs no re-read.
+# the chunked Gated DeltaNet rule (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid), its Kimi Delta Attention variant
+# (Kimi-Linear, BailingHybrid) or the Mamba2 chunk scan (Nemotron-H, Falcon-H1, Granite 4, Mamba2). With the scan's
+# inputs kept, the state after any prefix of a verification is recomputed from them, from the state the forward
+# started from: a rejected draft then costs no re-read.
 # The scan's inputs of the current forward, in layer order; None outside a verification.
 _RULE_INPUTS: contextvars.ContextVar[list | None] = contextvars.ContextVar("domino_rule_inputs", default=None)
 # A forward over more tokens (a prompt) keeps no inputs: it is never rolled back in part.
@@ -182,6 +183,14 @@ class GatedDeltaScan(ScanFamily):
         return states
 
 
+class KimiDeltaScan(GatedDeltaScan):
+    """Kimi Delta Attention (Kimi-Linear, BailingHybrid): the Gated DeltaNet rule with a forget gate per key channel
+    rather than per head, called with the same arguments, so it is replayed the same way."""
+
+    chunked = "chunk_kimi_delta_attention"
+    RECURRENT_RULE = "recurrent_kimi_delta_attention"
+
+
 class Mamba2Scan(ScanFamily):
     """Replayed by the chunk scan itself over the kept tokens, one call per layer (A, D and dt_bias are the layer's)."""
 
@@ -202,7 +211,7 @@ class Mamba2Scan(ScanFamily):
         return states
 
 
-SCAN_FAMILIES = (GatedDeltaScan, Mamba2Scan)
+SCAN_FAMILIES = (GatedDeltaScan, KimiDeltaScan, Mamba2Scan)
 
 
 def _one_chunk_on_cpu(names: list[str], args: tuple, kwargs: dict, tokens: torch.Tensor) -> tuple[tuple, dict]:
@@ -248,7 +257,8 @@ def _scan_family(target) -> ScanFamily | None:
 
 def has_replayable_scan(target) -> bool:
     """Whether `target`'s family runs a scan whose states can be kept for part of a verification (the Gated DeltaNet
-    rule: Qwen3.5, Qwen3-Next, OLMo-Hybrid; the Mamba2 scan: Nemotron-H, Falcon-H1, Granite 4, Mamba2)."""
+    rule: Qwen3.5, Qwen3-Next, OLMo-Hybrid; Kimi Delta Attention: Kimi-Linear, BailingHybrid; the Mamba2 scan:
+    Nemotron-H, Falcon-H1, Granite 4, Mamba2)."""
     return _scan_family(target) is not None
 
 
@@ -492,6 +502,8 @@ RECURRENT_TARGETS = frozenset(
         "qwen3_5_moe_text",
         "qwen3_next",
         "olmo_hybrid",
+        "kimi_linear",
+        "bailing_hybrid",
         "nemotron_h",
         "falcon_h1",
         "granitemoehybrid",

@@ -228,6 +228,14 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
             f"target_layer_ids {bad_layers} are outside the target's {num_layers} layers: this drafter was built for "
             f"a deeper target (num_target_layers={config.num_target_layers})."
         )
+    supports_dynamic_cache = getattr(type(target), "_supports_default_dynamic_cache", lambda: True)
+    if not supports_dynamic_cache():
+        # transformers' assisted loop then fails with "Assisted decoding requires a cache".
+        raise ValueError(
+            f"{type(target).__name__} keeps its states in a cache of its own (MiniMax's lightning attention, RWKV, "
+            "xLSTM), which transformers does not hand to a drafting loop and which cannot drop a verification's "
+            "rejected drafts: generate without the drafter."
+        )
     target_device = target_execution_device(target)
     if drafter.device.type != target_device.type:
         # A pipeline moves its model to the GPU by default and leaves an assistant object where it is. Each block
