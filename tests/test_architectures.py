@@ -102,8 +102,22 @@ ARCHITECTURES = {
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"sliding_window": WINDOW, "sliding_window_pattern": 2}),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {**EXPERTS, **ROUTED_EXPERTS}),
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", {**EXPERTS, "num_local_experts": 4}),
+    # Gemma 4: head sizes per layer type (transformers' heterogeneous configs, which refuse a global `head_dim`),
+    # per-layer token embeddings, and the last layers reading the keys and values of earlier ones.
+    "gemma4": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        {
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "vocab_size_per_layer_input": 64,
+            "hidden_size_per_layer_input": 8,
+            "num_kv_shared_layers": 2,
+        },
+    ),
+    "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", {**EXPERTS, "num_experts": 4}),  # no rms_norm_eps
 }
-SLIDING = ["mistral", "gemma2", "gemma3", "cohere2", "gpt_oss", "olmo3", "exaone4"]
+SLIDING = ["mistral", "gemma2", "gemma3", "cohere2", "gpt_oss", "olmo3", "exaone4", "gemma4"]
 # Prompts that repeat themselves, so that copied drafts are accepted too, beside the random drafter's rejected ones.
 PROMPT = [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 5, 9, 12, 40, 41, 42, 5, 9]
 ROWS = [[11, 5, 9, 12, 7, 5, 9, 12], [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 22]]
@@ -243,6 +257,17 @@ def test_latent_and_sparse_attention_caches_compacted_every_cycle_give_the_same_
     )
     assert torch.equal(output, expected)
     assert sum(compactions) > 3
+
+
+def test_targets_with_several_residual_streams_are_refused_naming_the_fix():
+    """Hyper-connections (Hunyuan V4's) keep several residual streams between layers, merged only before the LM head: no drafter format reads such hidden states, so a call says so instead of failing inside the
+    drafter's attention."""
+    streams = {"hy_v4": ("HYV4Config", "HYV4ForCausalLM", {})}
+    target = architecture_target("hy_v4", streams)
+    drafter = tiny_drafter(target)
+    for inputs in ({"input_ids": torch.tensor([PROMPT])}, left_padded(ROWS)):
+        with pytest.raises(ValueError, match="several residual streams.*Generate without the drafter"):
+            target.generate(**inputs, max_new_tokens=8, assistant_model=drafter, **GREEDY)
 
 
 def test_the_sliding_targets_cover_each_kind_of_mask():

@@ -10,6 +10,7 @@ from typing import Any
 
 from huggingface_hub.dataclasses import strict
 from transformers import PretrainedConfig
+from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
 # Keys that the published checkpoints keep inside `dflash_config` (some put `mask_token_id` and
@@ -285,15 +286,16 @@ class DominoConfig(Qwen3Config):
         if mask_token_id is None:
             mask_token_id = _default_mask_token_id(text_config)
         # A target without attention (a state-space model such as Mamba) gives no head count: heads of 64.
-        num_heads = getattr(text_config, "num_attention_heads", None) or max(1, text_config.hidden_size // 64)
+        num_heads = _target_value(text_config, "num_attention_heads") or max(1, text_config.hidden_size // 64)
         backbone = {
             "hidden_size": text_config.hidden_size,
             "intermediate_size": _mlp_width(text_config),
             "num_attention_heads": num_heads,
-            "num_key_value_heads": getattr(text_config, "num_key_value_heads", None) or num_heads,
-            "head_dim": getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads,
-            "rms_norm_eps": getattr(text_config, "rms_norm_eps", 1e-6),
-            "max_position_embeddings": getattr(text_config, "max_position_embeddings", None) or 32768,
+            "num_key_value_heads": _target_value(text_config, "num_key_value_heads") or num_heads,
+            "head_dim": _target_value(text_config, "head_dim") or text_config.hidden_size // num_heads,
+            # Cohere's and GPT-2's configs name their norm's epsilon otherwise: the drafter's own RMSNorm default
+            "rms_norm_eps": _target_value(text_config, "rms_norm_eps") or 1e-6,
+            "max_position_embeddings": _target_value(text_config, "max_position_embeddings") or 32768,
             "rope_parameters": _full_attention_rope(text_config),
             "vocab_size": text_config.vocab_size,
             "eos_token_id": text_config.eos_token_id,
@@ -316,12 +318,24 @@ class DominoConfig(Qwen3Config):
         )
 
 
+def _target_value(text_config: PretrainedConfig, name: str) -> Any:
+    """A field of the target's config, None where it has none. Where transformers keeps it per layer (heterogeneous
+    configs: Gemma 4's head size differs between its sliding and full layers), the first full-attention layer's: the
+    drafter's attention is full."""
+    try:
+        return getattr(text_config, name, None)
+    except AmbiguousGlobalPerLayerAttributeError:
+        layer_types = list(getattr(text_config, "layer_types", None) or [])
+        layer = layer_types.index("full_attention") if "full_attention" in layer_types else 0
+        return getattr(text_config.per_layer_config[layer], name, None)
+
+
 def _mlp_width(text_config: PretrainedConfig) -> int:
     # Families name it differently (Falcon's ffn_hidden_size, GPT-2's n_inner) or derive it (MPT); the drafter's MLP
     # is its own, so a target without one gets the common 4 x hidden.
     for name in ("intermediate_size", "ffn_hidden_size", "n_inner"):
-        if getattr(text_config, name, None):
-            return getattr(text_config, name)
+        if _target_value(text_config, name):
+            return _target_value(text_config, name)
     return 4 * text_config.hidden_size
 
 

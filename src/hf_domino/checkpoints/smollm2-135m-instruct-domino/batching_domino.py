@@ -39,7 +39,7 @@ from .batch_policy_domino import call_speculates, checks_call, judge_call, stops
 from .cache_domino import CACHE_ARGUMENT, RecurrentRollback, buffer_layers, has_recurrent_layers
 from .cost_model_domino import row_paces, settle_for_timing
 from .drafting_domino import judge_copy
-from .modeling_domino import TargetModules, context_features, hidden_state_indices
+from .modeling_domino import TargetModules, check_context_features, context_features, hidden_state_indices
 from .policy_domino import AdaptivePolicy, FixedPolicy
 from .ragged_batch_domino import (
     BatchedDrafterContext,
@@ -249,6 +249,7 @@ class BatchedDecoding:
         first = pick_tokens(processed[:, 0], self.do_sample)
         features = context_features(outputs.hidden_states, self.layer_ids)
         drafter = self.drafter
+        check_context_features(features, drafter.config)
         self.context.pending = [[features[row, new[row]].to(drafter.device, drafter.dtype)] for row in self.active]
         self.context.known = self.mask.sum(dim=-1).to(drafter.device)
         keep = self.token_scores is not None

@@ -40,7 +40,7 @@ from .drafting_domino import (
     spread_to_vocabulary,
     stop_free_length,
 )
-from .modeling_domino import TargetModules, context_features, hidden_state_indices
+from .modeling_domino import TargetModules, check_context_features, context_features, hidden_state_indices
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
 from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy
 from .records_domino import DraftingMode, copy_records, drafter_record
@@ -270,6 +270,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         features = context_features(hidden_states, self.drafter.config.target_layer_ids)
         if not first:  # the forward's last tokens: a target with recurrent layers may have read verified ones first
             return features[:, -(self.cycle["verified"] + 1) :][:, : n_last_matches + 1].to(self.drafter.device)
+        check_context_features(features, self.drafter.config)
         features = features[:, : input_ids.shape[1] - 1]
         read = features.shape[1]
         self._check_prefill(read)
