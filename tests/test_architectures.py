@@ -124,23 +124,28 @@ ROWS = [[11, 5, 9, 12, 7, 5, 9, 12], [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 22]]
 GREEDY = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
 
 
+SIZES = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 128,
+}
+
+
 def architecture_target(name: str, architectures: dict = ARCHITECTURES):
     config_class, model_class, overrides = architectures[name]
     torch.manual_seed(0)
-    sizes = {
-        "vocab_size": 64,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": 128,
-    }
-    kwargs = {name: value for name, value in {**sizes, **SPECIAL_TOKENS, **overrides}.items() if value is not None}
+    kwargs = {name: value for name, value in {**SIZES, **SPECIAL_TOKENS, **overrides}.items() if value is not None}
     config = getattr(transformers, config_class)(**kwargs)
-    target = getattr(transformers, model_class)(config).eval()
+    return with_large_weights(getattr(transformers, model_class)(config).eval())
+
+
+def with_large_weights(target):
     with torch.no_grad():  # weights large enough that each layer, and each window, changes the greedy choice
         for param in target.parameters():
             if param.dim() > 1:
@@ -469,6 +474,23 @@ def test_a_vision_language_target_drafts_batches_with_and_without_images(name):
             **inputs, pixel_values=pixels[rows], assistant_model=drafter, max_new_tokens=16, **GREEDY
         )
         assert torch.equal(output, expected), rows
+
+
+def test_gemma4_as_auto_model_for_causal_lm_builds_it_drafts_text_one_sequence_and_batched():
+    """`AutoModelForCausalLM` loads Gemma 4 checkpoints as `Gemma4ForConditionalGeneration`: its text model is the one
+    tested above, behind the multimodal class."""
+    text = {**SIZES, **SPECIAL_TOKENS, **ARCHITECTURES["gemma4"][2]}
+    torch.manual_seed(0)
+    target = with_large_weights(
+        transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(text_config=text))
+    )
+    target.generation_config.pad_token_id = 0
+    drafter = tiny_drafter(target)
+    for inputs in ({"input_ids": torch.tensor([PROMPT])}, left_padded(ROWS)):
+        expected = target.generate(**inputs, max_new_tokens=30, **GREEDY)
+        output = target.generate(**inputs, max_new_tokens=30, assistant_model=drafter, draft_policy="fixed", **GREEDY)
+        assert torch.equal(output, expected)
+        assert had_rejections(drafter.last_generation_stats)
 
 
 def multimodal_rope_target(name: str):
