@@ -88,7 +88,9 @@ ARCHITECTURES = {
         "LongcatFlashForCausalLM",
         {
             **MLA,
-            "num_layers": 2,
+            # 8 attention sublayers, two in each of 4 decoder layers (`num_layers`): hidden states come per decoder
+            # layer, and a drafter's default target layers must be among them (1 and 5 of 8, before, were not)
+            "num_hidden_layers": 8,
             "n_routed_experts": 4,
             "moe_topk": 2,
             "expert_ffn_hidden_size": 16,

@@ -282,7 +282,7 @@ class DominoConfig(Qwen3Config):
         `shift_label` defaults to `True` with the Domino head (the published Domino convention), `False` without.
         """
         text_config = target_config.get_text_config()
-        num_target_layers = text_config.num_hidden_layers
+        num_target_layers = target_depth(text_config)
         if mask_token_id is None:
             mask_token_id = _default_mask_token_id(text_config)
         # A target without attention (a state-space model such as Mamba) gives no head count: heads of 64.
@@ -316,6 +316,15 @@ class DominoConfig(Qwen3Config):
             shift_label=with_domino_head if shift_label is None else shift_label,
             **backbone,
         )
+
+
+def target_depth(text_config: PretrainedConfig) -> int | None:
+    """How many decoder layers return hidden states (`output_hidden_states`): `num_hidden_layers`, except where a
+    config counts more there, as LongCat-Flash's counts the two attention sublayers of each of its `num_layers`."""
+    layers, decoder_layers = getattr(text_config, "num_hidden_layers", None), getattr(text_config, "num_layers", None)
+    if isinstance(layers, int) and isinstance(decoder_layers, int) and 0 < decoder_layers < layers:
+        return decoder_layers
+    return layers
 
 
 def _target_value(text_config: PretrainedConfig, name: str) -> Any:
@@ -357,7 +366,13 @@ def _default_mask_token_id(text_config: PretrainedConfig) -> int:
     raise ValueError("The target config has neither pad_token_id nor eos_token_id: pass `mask_token_id=` explicitly.")
 
 
-__all__ = ["DominoConfig", "default_target_layer_ids", "legacy_rope_fields", "normalize_published_config"]
+__all__ = [
+    "DominoConfig",
+    "default_target_layer_ids",
+    "legacy_rope_fields",
+    "normalize_published_config",
+    "target_depth",
+]
 
 # save_pretrained then writes this file next to the checkpoint and `auto_map` into config.json.
 DominoConfig.register_for_auto_class()

@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import StaticLayer
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS, SynthIDTextWatermarkingConfig
 
-from .configuration_domino import OWN_ARCHITECTURE, SERVING_ARCHITECTURE, SERVING_MODEL_TYPE
+from .configuration_domino import OWN_ARCHITECTURE, SERVING_ARCHITECTURE, SERVING_MODEL_TYPE, target_depth
 from .modeling_domino import DOMINO_HEAD_DEFAULT
 from .target_modules_domino import target_execution_device
 
@@ -206,7 +206,7 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
     config, target_config = drafter.config, target.config.get_text_config()
     if getattr(target.config, "is_encoder_decoder", False):
         raise ValueError("Domino drafters work with decoder-only targets; this target is an encoder-decoder model.")
-    num_layers = getattr(target_config, "num_hidden_layers", None)
+    num_layers = target_depth(target_config)
     if num_layers is None:
         raise ValueError(
             f"{type(target).__name__} does not report num_hidden_layers, so it cannot provide the per-layer hidden "
