@@ -232,6 +232,15 @@ def test_default_layer_choice_is_dflash_spacing():
     assert config.has_domino_head and config.shift_label and config.mask_token_id == 0  # pad token as mask
 
 
+def test_from_target_reads_configs_without_a_pad_token_field():
+    """CodeGen's and RWKV's configs have no pad_token_id attribute at all: EOS is the mask, no pad token."""
+    import transformers
+
+    for target_config in (transformers.CodeGenConfig(eos_token_id=7), transformers.RwkvConfig(eos_token_id=7)):
+        config = DominoConfig.from_target(target_config)
+        assert (config.mask_token_id, config.eos_token_id, config.pad_token_id) == (7, 7, None)
+
+
 # ------------------------------------------------------------------------------------------ our own save format
 def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
     target = tiny_target("qwen3")

@@ -298,9 +298,10 @@ class DominoConfig(Qwen3Config):
             "max_position_embeddings": _target_value(text_config, "max_position_embeddings") or 32768,
             "rope_parameters": _full_attention_rope(text_config),
             "vocab_size": text_config.vocab_size,
-            "eos_token_id": text_config.eos_token_id,
-            "pad_token_id": text_config.pad_token_id,
-            "bos_token_id": text_config.bos_token_id,
+            # Older configs (CodeGen's, RWKV's) have no pad_token_id at all
+            "eos_token_id": _target_value(text_config, "eos_token_id"),
+            "pad_token_id": _target_value(text_config, "pad_token_id"),
+            "bos_token_id": _target_value(text_config, "bos_token_id"),
         }
         backbone.update(backbone_kwargs)
         return cls(
@@ -358,7 +359,7 @@ def _full_attention_rope(text_config: PretrainedConfig) -> dict | None:
 
 def _default_mask_token_id(text_config: PretrainedConfig) -> int:
     # Any id works as long as training and inference agree; the pad token is the usual choice, EOS the fallback.
-    for candidate in (text_config.pad_token_id, text_config.eos_token_id):
+    for candidate in (_target_value(text_config, "pad_token_id"), _target_value(text_config, "eos_token_id")):
         if isinstance(candidate, list):
             candidate = candidate[0] if candidate else None
         if candidate is not None:
