@@ -266,11 +266,25 @@ def test_latent_and_sparse_attention_caches_compacted_every_cycle_give_the_same_
     assert sum(compactions) > 3
 
 
-def test_targets_with_several_residual_streams_are_refused_naming_the_fix():
-    """Hyper-connections (Hunyuan V4's) keep several residual streams between layers, merged only before the LM head: no drafter format reads such hidden states, so a call says so instead of failing inside the
-    drafter's attention."""
-    streams = {"hy_v4": ("HYV4Config", "HYV4ForCausalLM", {})}
-    target = architecture_target("hy_v4", streams)
+@pytest.mark.parametrize("name", ["hy_v4", "gemma3n"])
+def test_targets_with_several_residual_streams_are_refused_naming_the_fix(name):
+    """Hyper-connections (Hunyuan V4's) and AltUp (Gemma 3n's) keep several residual streams between layers, merged
+    only before the LM head: no drafter format reads such hidden states, so a call says so instead of failing inside
+    the drafter's attention."""
+    streams = {
+        "hy_v4": ("HYV4Config", "HYV4ForCausalLM", {}),
+        "gemma3n": (
+            "Gemma3nTextConfig",
+            "Gemma3nForCausalLM",
+            {
+                **ARCHITECTURES["gemma4"][2],  # the same per-layer embeddings and shared keys and values
+                "laurel_rank": 4,
+                "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+                "altup_num_inputs": 2,  # and MLP widths listed per layer
+            },
+        ),
+    }
+    target = architecture_target(name, streams)
     drafter = tiny_drafter(target)
     for inputs in ({"input_ids": torch.tensor([PROMPT])}, left_padded(ROWS)):
         with pytest.raises(ValueError, match="several residual streams.*Generate without the drafter"):

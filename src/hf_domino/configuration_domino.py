@@ -341,11 +341,12 @@ def _target_value(text_config: PretrainedConfig, name: str) -> Any:
 
 
 def _mlp_width(text_config: PretrainedConfig) -> int:
-    # Families name it differently (Falcon's ffn_hidden_size, GPT-2's n_inner) or derive it (MPT); the drafter's MLP
-    # is its own, so a target without one gets the common 4 x hidden.
+    # Families name it differently (Falcon's ffn_hidden_size, GPT-2's n_inner), derive it (MPT) or list it per layer
+    # (Gemma 3n); the drafter's MLP is its own, so a target without one gets the common 4 x hidden.
     for name in ("intermediate_size", "ffn_hidden_size", "n_inner"):
-        if _target_value(text_config, name):
-            return _target_value(text_config, name)
+        width = _target_value(text_config, name)
+        if width:
+            return max(width) if isinstance(width, (list, tuple)) else width
     return 4 * text_config.hidden_size
 
 

@@ -65,14 +65,14 @@ def context_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[
 
 def check_context_features(features: torch.Tensor, config: DominoConfig) -> None:
     """Raises, naming the fix, where a target's hidden states are not one `[b, n, hidden_size]` state per layer: those
-    with hyper-connections (Hunyuan V4's) carry several residual streams between layers, merged only before their LM
-    head, which no drafter format reads yet."""
+    with hyper-connections (Hunyuan V4's) or AltUp (Gemma 3n's) carry several residual streams between layers, merged
+    only before their LM head, which no drafter format reads yet."""
     if features.dim() != 3 or features.shape[-1] != config.context_size:
         raise ValueError(
             f"The target's hidden states after the {len(config.target_layer_ids)} layers the drafter reads come as "
             f"{tuple(features.shape)}, where a drafter reads [batch, tokens, {config.context_size}] (one hidden state "
             f"of hidden_size {config.hidden_size} per layer): this target keeps several residual streams between its "
-            "layers (hyper-connections), which no drafter format reads yet. Generate without the drafter."
+            "layers (hyper-connections, AltUp), which no drafter format reads yet. Generate without the drafter."
         )
 
 
