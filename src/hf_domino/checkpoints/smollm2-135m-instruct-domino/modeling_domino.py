@@ -543,6 +543,7 @@ __all__ = [
     "DominoForSpeculation",
     "DominoPreTrainedModel",
     "TargetModules",
+    "check_context_features",
     "context_features",
     "hidden_state_indices",
 ]
