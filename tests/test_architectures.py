@@ -291,6 +291,25 @@ def test_targets_with_several_residual_streams_are_refused_naming_the_fix(name):
             target.generate(**inputs, max_new_tokens=8, assistant_model=drafter, **GREEDY)
 
 
+def test_the_architecture_sweep_runs_as_documented_and_tells_served_from_refused():
+    """examples/architecture_sweep.py as a user runs it, on a few families: one served, one refused, one whose generic
+    tiny sizes do not fit its config; exit status 0 (no defect)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "architecture_sweep.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "qwen3", "hy_v4", "zaya"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = dict(line.split(maxsplit=1) for line in done.stdout.splitlines()[1:-1])
+    assert lines["qwen3"] == "ok"
+    assert lines["hy_v4"].startswith("refused: The target's hidden states")
+    assert lines["zaya"].startswith("not built")
+    assert done.stdout.splitlines()[-1] == "0 defects"
+
+
 def test_the_sliding_targets_cover_each_kind_of_mask():
     from transformers.cache_utils import DynamicCache
 

@@ -232,6 +232,18 @@ def test_default_layer_choice_is_dflash_spacing():
     assert config.has_domino_head and config.shift_label and config.mask_token_id == 0  # pad token as mask
 
 
+def test_from_target_takes_rotary_parameters_of_another_layer_type_where_full_layers_have_none():
+    """Beam's full-attention layers have no rotary positions (`rope_parameters["full_attention"]` is None), its sliding
+    ones do: the drafter's attention is rotary, with the sliding layers' parameters."""
+    import transformers
+
+    target_config = transformers.BeamConfig(
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 500.0}, "full_attention": None}
+    )
+    rope = DominoConfig.from_target(target_config, mask_token_id=0).rope_parameters
+    assert rope["rope_type"] == "default" and rope["rope_theta"] == 500.0
+
+
 def test_from_target_reads_configs_without_a_pad_token_field():
     """CodeGen's and RWKV's configs have no pad_token_id attribute at all: EOS is the mask, no pad token."""
     import transformers

@@ -351,10 +351,13 @@ def _mlp_width(text_config: PretrainedConfig) -> int:
 
 
 def _full_attention_rope(text_config: PretrainedConfig) -> dict | None:
-    # Hybrid targets (Gemma 3) keep one set of rotary parameters per layer type; the drafter's attention is full.
-    rope = getattr(text_config, "rope_parameters", None)
-    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
-        return dict(rope["full_attention"])
+    # Hybrid targets (Gemma 3) keep one set of rotary parameters per layer type; the drafter's attention is full and
+    # rotary: the full layers' parameters, else another type's where those have none (Beam's full-attention layers
+    # have no rotary positions), else the defaults.
+    rope = _target_value(text_config, "rope_parameters")
+    if isinstance(rope, dict) and "rope_type" not in rope:
+        by_type = [rope.get("full_attention"), *rope.values()]
+        return next((dict(parameters) for parameters in by_type if isinstance(parameters, dict)), None)
     return rope
 
 

@@ -1,0 +1,164 @@
+"""Every causal-LM family of the installed transformers as a target, tiny and random: served, refused or broken.
+
+For each model type that `AutoModelForCausalLM` maps (encoder and encoder-decoder families left out), a tiny model is
+built from its config with small generic sizes, its weights scaled up so that greedy choices depend on every layer,
+and a drafter of random weights sized for it by `DominoConfig.from_target`. Then, greedy, the target alone and
+`generate()` with the drafter (fixed policy, 4 drafts per cycle, mostly rejected), for one sequence and for a
+left-padded batch of two. One line per family:
+
+- `ok`: token-identical to the target alone, one sequence and batch (`batch refused: ...` where only batches are);
+- `refused: ...`: a ValueError that names what drafting cannot serve for it;
+- `MISMATCH` or `error: ...`: an output that differs from the target alone's, or another exception in a call with
+  the drafter: a defect of ours (the exit status is 1);
+- `not built: ...` / `target alone failed: ...`: the generic tiny sizes do not fit that family's config (its own
+  tests, tests/test_architectures.py and tests/test_recurrent_targets.py, size it by hand), nothing about drafting;
+  `timed out`: the family took longer than `--seconds`.
+
+Run it when transformers releases: a new family shows up here before a user meets it (docs/usage.md, "Which
+targets", quotes a run).
+
+    python examples/architecture_sweep.py                        # every family: about 3 minutes on 2 cores
+    python examples/architecture_sweep.py gemma4_text gpt_oss    # some
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import warnings
+
+import torch
+import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from hf_domino import DominoConfig, DominoForSpeculation
+
+# Encoders used as decoders, encoder-decoders' decoders, and models whose inputs are not token ids alone.
+NOT_DECODER_LMS = set(
+    "bart bert bert-generation big_bird bigbird_pegasus blenderbot blenderbot-small blt camembert cpmant ctrl "
+    "data2vec-text electra ernie fuyu git got_ocr2 marian mbart megatron-bert mllama moshi musicgen musicgen_melody "
+    "mvp pegasus phi4_multimodal plbart prophetnet reformer rembert roberta roberta-prelayernorm roc_bert roformer "
+    "trocr whisper xlm xlm-roberta xlm-roberta-xl xlnet xmod openai-gpt emu3".split()
+)
+# Small sizes under every name the families give them; a config takes those it has.
+SIZES = dict(
+    vocab_size=64, hidden_size=32, n_embd=32, d_model=32, intermediate_size=64, ffn_dim=64, num_hidden_layers=4,
+    n_layer=4, num_attention_heads=4, n_head=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+    n_positions=256, num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2,
+    moe_k=2, moe_topk=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, n_group=1, topk_group=1,
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+    linear_num_heads=4, linear_head_dim=8, index_n_heads=16, index_head_dim=8, index_topk=8, sliding_window=8,
+    tie_word_embeddings=False, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+)  # fmt: skip
+# Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, MiniCPM3, ...): one key/value head per query head.
+LATENT_ATTENTION = dict(num_key_value_heads=4, head_dim=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4,
+                        qk_nope_head_dim=8, v_head_dim=8)  # fmt: skip
+PROMPT = [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 5, 9, 12, 40, 41, 42, 5, 9]
+ROWS = [[11, 5, 9, 12, 7, 5, 9, 12], [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 22]]
+GREEDY = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+FIXED = {"draft_policy": "fixed", "num_speculative_tokens": 4}
+
+
+class TimedOut(BaseException):  # not an Exception: no family's own failure may swallow it
+    pass
+
+
+def tiny_target(model_type: str) -> transformers.PreTrainedModel:
+    config_class = CONFIG_MAPPING[model_type]
+    fields = config_class().to_dict()
+    sizes = {**SIZES, **LATENT_ATTENTION} if "kv_lora_rank" in fields else SIZES
+    torch.manual_seed(0)
+    config = config_class(**{name: value for name, value in sizes.items() if name in fields})
+    target = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config).eval()
+    with torch.no_grad():
+        for param in target.parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.3)
+    return target
+
+
+def random_drafter(target: transformers.PreTrainedModel) -> DominoForSpeculation:
+    config = DominoConfig.from_target(target.config, num_hidden_layers=2, block_size=6, mask_token_id=0, emb_dim=8,
+                                      gru_hidden_dim=16)  # fmt: skip
+    torch.manual_seed(1)
+    drafter = DominoForSpeculation(config).eval()
+    with torch.no_grad():
+        for param in drafter.parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.5)
+    return drafter
+
+
+def left_padded(rows: list[list[int]]) -> dict[str, torch.Tensor]:
+    width = max(map(len, rows))
+    return {
+        "input_ids": torch.tensor([[0] * (width - len(row)) + row for row in rows]),
+        "attention_mask": torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows]),
+    }
+
+
+def drafted_as_alone(target, drafter, inputs: dict, new_tokens: int) -> str | None:
+    """None where generate() with the drafter gives the target alone's tokens, else what happened."""
+    expected = target.generate(**inputs, max_new_tokens=new_tokens, **GREEDY)
+    try:
+        output = target.generate(**inputs, max_new_tokens=new_tokens, assistant_model=drafter, **GREEDY, **FIXED)
+    except ValueError as refusal:
+        return f"refused: {' '.join(str(refusal).split())}"
+    return None if torch.equal(output, expected) else "MISMATCH"
+
+
+def check_family(model_type: str) -> str:
+    try:
+        target = tiny_target(model_type)
+    except Exception as error:  # the generic sizes do not fit this config
+        return f"not built: {type(error).__name__}"
+    try:
+        target.generate(torch.tensor([PROMPT]), max_new_tokens=2, **GREEDY)
+    except Exception as error:
+        return f"target alone failed: {type(error).__name__}"
+    try:
+        drafter = random_drafter(target)
+        one = drafted_as_alone(target, drafter, {"input_ids": torch.tensor([PROMPT])}, 24)
+        if one is not None:
+            return one
+        batch = drafted_as_alone(target, drafter, left_padded(ROWS), 20)
+    except Exception as error:
+        return f"error: {type(error).__name__}: {' '.join(str(error).split())}"
+    return "ok" if batch is None else f"ok, batch {batch}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_types", nargs="*", help="model types to check (default: every causal LM)")
+    parser.add_argument("--seconds", type=int, default=60, help="per family, building included")
+    parser.add_argument("--width", type=int, default=160, help="characters per line")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(2)
+
+    def stop(*_):
+        raise TimedOut
+
+    signal.signal(signal.SIGALRM, stop)
+    model_types = args.model_types or sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - NOT_DECODER_LMS)
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}: {len(model_types)} families")
+    defects = 0
+    for model_type in model_types:
+        signal.alarm(args.seconds)
+        try:
+            outcome = check_family(model_type)
+        except TimedOut:
+            outcome = f"timed out after {args.seconds} s"
+        finally:
+            signal.alarm(0)
+        defects += outcome.startswith(("MISMATCH", "error")) or "MISMATCH" in outcome
+        print(f"{model_type:26s} {outcome}"[: args.width], flush=True)
+    print(f"{defects} defects")
+    return 1 if defects else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
