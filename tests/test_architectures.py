@@ -5,9 +5,10 @@ cache), so any decoder-only model should serve. These tiny models, built from co
 families: tied embeddings and attention biases (Qwen2), sliding-window attention in every layer (Mistral) or in
 some (Gemma 2; Gemma 3, with rotary parameters per layer type), fused projections (Phi-3, GPT-NeoX,
 GPT-2), learned absolute positions (GPT-2; OPT's, counted from the attention mask), ALiBi from the attention
-mask (Bloom, Falcon), and mixture-of-experts MLPs (Qwen3-MoE); MPT, whose ALiBi counts cache columns, is refused in
-batches. In a batch, rejected drafts
-leave holes in the cache, so a sliding window must be counted in each row's own tokens rather than in cache columns
+mask (Bloom, Falcon), mixture-of-experts MLPs (Qwen3-MoE), and the newer families listed at `ARCHITECTURES` (attention
+sinks, latent attention, sparse attention's indexer keys, head sizes per layer, layers sharing keys and values); MPT,
+whose ALiBi counts cache columns, is refused in batches, and targets whose layers pass several residual streams
+(hyper-connections, AltUp) altogether. In a batch, rejected drafts leave holes in the cache, so a sliding window must be counted in each row's own tokens rather than in cache columns
 (`ragged_cache_domino.SlidingWindow`); the windows here are far shorter than the sequences, so every row's window
 moves past holes. Also the drafter's side: saved and reloaded as remote code, and the training warm start, which
 copies only decoder layers that compute what a draft layer does.

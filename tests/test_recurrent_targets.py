@@ -1,13 +1,14 @@
 """Targets with recurrent layers (linear attention, state-space models): Qwen3.5 and Qwen3.5-MoE, Qwen3-Next,
-OLMo-Hybrid, Nemotron-H, Falcon-H1, Granite 4 (GraniteMoeHybrid), Mamba2.
+OLMo-Hybrid, Kimi-Linear, BailingHybrid, Nemotron-H, Falcon-H1, Granite 4 (GraniteMoeHybrid), Mamba2.
 
 transformers refuses assisted generation for them (`_is_stateful`): a recurrent state folds every token it reads
 into one tensor and cannot drop a verification's rejected drafts. A Domino call keeps the inputs of the family's
-scan (the Gated DeltaNet rule, the Mamba2 chunk scan) during a verification and recomputes each state after the
+scan (the Gated DeltaNet rule, Kimi Delta Attention, the Mamba2 chunk scan) during a verification and recomputes each state after the
 accepted tokens from them (`cache_domino.RecurrentRollback`); where no inputs were kept it rolls the verification back
 whole and the next forward reads its verified tokens again, drafting nothing. These tiny models, built from configs,
 check that each family continues its states exactly over a forward of several tokens (what `RECURRENT_TARGETS` rests
-on; Mamba, FalconMamba, Bamba and Jamba do not, and are refused), that the output is the target alone's for one
+on; Mamba, FalconMamba, Bamba and Jamba do not, and are refused, as are targets keeping states in a cache class of
+their own), that the output is the target alone's for one
 sequence and for batches with drafts accepted in part, in whole and not at all, that the cache a call leaves holds
 exactly the sequence's states (greedy outputs of tiny models hardly depend on them), that sampling keeps the target's
 law and verifies against its own logits, that a cache handed back continues a chat, and that what cannot be served
