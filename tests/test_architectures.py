@@ -119,8 +119,21 @@ ARCHITECTURES = {
         },
     ),
     "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", {**EXPERTS, "num_experts": 4}),  # no rms_norm_eps
+    # sparse-attention layers (the indexer's keys cached beside latents) between sliding-window ones
+    "dots3_note": (
+        "Dots3NoteTextConfig",
+        "Dots3NoteForCausalLM",
+        {
+            **MLA,
+            **EXPERTS,
+            **ROUTED_EXPERTS,
+            **INDEXER,
+            "sliding_window": WINDOW,
+            "layer_types": ["indexed_attention", "sliding_attention"] * 2,
+        },
+    ),
 }
-SLIDING = ["mistral", "gemma2", "gemma3", "cohere2", "gpt_oss", "olmo3", "exaone4", "gemma4"]
+SLIDING = ["mistral", "gemma2", "gemma3", "cohere2", "gpt_oss", "olmo3", "exaone4", "gemma4", "dots3_note"]
 # Prompts that repeat themselves, so that copied drafts are accepted too, beside the random drafter's rejected ones.
 PROMPT = [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 5, 9, 12, 40, 41, 42, 5, 9]
 ROWS = [[11, 5, 9, 12, 7, 5, 9, 12], [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 22]]
@@ -350,8 +363,9 @@ def test_a_sliding_window_counts_each_rows_tokens_not_its_columns():
     # t2 (position 2) sees t0, t1, itself; t3 (position 3) sees t1, t2, itself: the hole takes no room in the window.
     assert mask.tolist() == [[False, True, True, False, True, False], [False, False, True, False, True, True]]
     hybrid = SlidingWindow(size=3, every_layer=False, additive=True).masks(real, queries=2, dtype=torch.float32)
-    assert set(hybrid) == {"full_attention", "sliding_attention"}
+    assert set(hybrid) == {"full_attention", "indexed_attention", "sliding_attention"}  # sparse attention's: full
     assert torch.equal(hybrid["sliding_attention"] == 0, mask[None, None])
+    assert torch.equal(hybrid["indexed_attention"], hybrid["full_attention"])
     assert (hybrid["full_attention"][0, 0] == 0).tolist() == [
         [False, True, True, False, True, False],
         [False, True, True, False, True, True],

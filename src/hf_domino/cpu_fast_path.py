@@ -202,12 +202,23 @@ AttentionMaskInterface.register(GROUPED_KV_ATTENTION, sdpa_mask)
 
 def _use_grouped_kv_attention(model: nn.Module, name: str, report: CpuFastPathReport) -> None:
     config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if getattr(config, "_attn_implementation", None) != "sdpa" or not heads or kv_heads == heads:
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not _groups_key_value_heads(config):
         return
     model.set_attn_implementation(GROUPED_KV_ATTENTION)
     report.attention.append(name)
+
+
+def _groups_key_value_heads(config) -> bool:
+    """Whether some layer has fewer key/value heads than query heads; read per layer where transformers keeps head
+    counts per layer (dots.llm3's), since the grouped forward passes ungrouped layers on to `sdpa` as they are."""
+    layers = [config]
+    if getattr(config, "per_layer_config", None):
+        layers = [config.per_layer_config[index] for index in range(config.num_hidden_layers)]
+    for layer in layers:
+        heads = getattr(layer, "num_attention_heads", None)
+        if heads and (getattr(layer, "num_key_value_heads", None) or heads) != heads:
+            return True
+    return False
 
 
 def _devices(model: nn.Module) -> set[str]:

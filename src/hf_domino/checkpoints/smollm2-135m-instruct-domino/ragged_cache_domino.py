@@ -248,6 +248,11 @@ def batch_cache(cache: Any, target: PreTrainedModel) -> tuple[DynamicCache, Slid
     return cache, window
 
 
+# Layer types that see every earlier token: sparse attention's indexer (`indexed_attention`: DeepSeek-V3.2-style
+# layers beside sliding ones, as in dots.llm3) picks among them within its layer, under the full causal mask.
+FULL_ATTENTION = frozenset({"full_attention", "indexed_attention"})
+
+
 @dataclass(frozen=True)
 class SlidingWindow:
     """A target's sliding-window attention over a ragged cache: a token sees the `size` tokens up to itself.
@@ -278,7 +283,7 @@ class SlidingWindow:
         problem = None
         if len(windows) > 1:
             problem = f"its sliding layers have different windows ({sorted(windows)})"
-        elif not layer_types <= {"full_attention", "sliding_attention"}:
+        elif not layer_types <= FULL_ATTENTION | {"sliding_attention"}:
             problem = f"it has attention layers of types {sorted(layer_types)}, only full and sliding are supported"
         elif additive is None:
             problem = takes_no_4d_mask(target)
@@ -312,10 +317,8 @@ class SlidingWindow:
         sliding = (full & near)[:, None]
         if self.every_layer:
             return self._formatted(sliding, dtype)
-        return {
-            "full_attention": self._formatted(full[:, None], dtype),
-            "sliding_attention": self._formatted(sliding, dtype),
-        }
+        full = self._formatted(full[:, None], dtype)
+        return {**dict.fromkeys(FULL_ATTENTION, full), "sliding_attention": self._formatted(sliding, dtype)}
 
     def _formatted(self, mask: torch.BoolTensor, dtype: torch.dtype) -> torch.Tensor:
         return formatted_mask(mask, self.additive, dtype)
