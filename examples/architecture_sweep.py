@@ -35,7 +35,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from hf_domino import DominoConfig, DominoForSpeculation
 
-# Encoders used as decoders, encoder-decoders' decoders, and models whose inputs are not token ids alone.
+# Encoders used as decoders, encoder-decoders' decoders, models whose inputs are not token ids alone, and GPT-1,
+# which keeps no key/value cache (transformers' assisted loop fails on it with any assistant).
 NOT_DECODER_LMS = set(
     "bart bert bert-generation big_bird bigbird_pegasus blenderbot blenderbot-small blt camembert cpmant ctrl "
     "data2vec-text electra ernie fuyu git got_ocr2 marian mbart megatron-bert mllama moshi musicgen musicgen_melody "

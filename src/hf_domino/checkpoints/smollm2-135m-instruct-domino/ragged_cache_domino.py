@@ -272,8 +272,8 @@ class SlidingWindow:
         """Makes the sliding layers of `cache` plain dynamic layers and returns their window (None: none slides).
 
         Raises where the window cannot be kept exactly: a filled sliding layer that already dropped tokens, layers of
-        different windows, layer types other than full and sliding attention, or an attention implementation that
-        takes no prepared 4D mask (flash attention, flex attention)."""
+        different windows, layer types other than full (or sparse-indexed) and sliding attention, or an attention
+        implementation that takes no prepared 4D mask (flash attention, flex attention)."""
         slides = [layer for layer in cache.layers if isinstance(layer, DynamicSlidingWindowLayer)]
         if not slides:
             return None
@@ -284,7 +284,10 @@ class SlidingWindow:
         if len(windows) > 1:
             problem = f"its sliding layers have different windows ({sorted(windows)})"
         elif not layer_types <= FULL_ATTENTION | {"sliding_attention"}:
-            problem = f"it has attention layers of types {sorted(layer_types)}, only full and sliding are supported"
+            problem = (
+                f"it has attention layers of types {sorted(layer_types)}; only full (and sparse-indexed) and sliding "
+                "attention are supported"
+            )
         elif additive is None:
             problem = takes_no_4d_mask(target)
         elif any(layer.is_initialized and layer.keys.shape[-2] < layer.cumulative_length for layer in slides):
