@@ -168,6 +168,26 @@ def test_shipped_drafter_serves_a_padded_batch_losslessly(smollm2, shipped_draft
             assert any(stats.copied) and not all(stats.copied)  # rows copied where their text repeats, else drafted
 
 
+def test_shipped_drafter_serves_requests_joining_as_rows_finish(smollm2, shipped_drafter):
+    """generate_batch with the drafter, 2 rows at a time over 4 questions: each answer is the target alone's for that
+    question alone, every request joining as an earlier one finishes."""
+    from transformers import ContinuousBatchingConfig
+
+    target, tokenizer = smollm2
+    prompts = [
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        for messages in load_mtbench(limit=4)
+    ]
+    settings = dict(max_new_tokens=24, do_sample=False)
+    results = target.generate_batch(prompts, assistant_model=shipped_drafter, draft_policy="fixed",
+                                    continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=2),
+                                    **settings)  # fmt: skip
+    for prompt, result in zip(prompts, results.values()):
+        expected = target.generate(torch.tensor([prompt]), **settings)[0, len(prompt) :].tolist()
+        assert result.generated_tokens == expected
+    assert shipped_drafter.last_generation_stats.mean_acceptance_length > 1.0
+
+
 def test_token_healing_heals_a_batch_or_names_the_fix(smollm2, shipped_drafter):
     """generate()'s token_healing re-tokenizes the prompts and keeps the mask it had. Raw text that re-tokenizes to
     the same width heals in a drafted batch as the target alone heals it; a chat template's prompts lose their special

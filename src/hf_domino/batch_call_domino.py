@@ -52,6 +52,19 @@ def prompt_inputs(model_kwargs: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def check_batch_target(target: PreTrainedModel, generation_config: GenerationConfig, options: DominoOptions) -> None:
+    """Raises, naming the fix, where the target (or a tree of branches on it) cannot keep holes in its cache exactly:
+    any batched call, `generate()`'s or `generate_batch`'s."""
+    if options.domino_branches > 1:
+        _check_tree_call(target, generation_config, options.domino_branches)
+    if target.config.get_text_config().model_type in COLUMN_BIASED_ATTENTION:
+        raise ValueError(
+            f"{type(target).__name__} biases attention by cache column (ALiBi over columns), and the holes a drafted "
+            "batch leaves in the cache would change those distances: generate one prompt at a time with the drafter "
+            "(exact), or the batch without it."
+        )
+
+
 def check_batch_call(
     target: PreTrainedModel,
     input_ids: torch.LongTensor,
@@ -64,14 +77,7 @@ def check_batch_call(
 ) -> None:
     """Raises, naming the fix, for what a batched call cannot do exactly (`model_kwargs`: generate()'s, for its
     loop)."""
-    if options.domino_branches > 1:
-        _check_tree_call(target, generation_config, options.domino_branches)
-    if target.config.get_text_config().model_type in COLUMN_BIASED_ATTENTION:
-        raise ValueError(
-            f"{type(target).__name__} biases attention by cache column (ALiBi over columns), and the holes a drafted "
-            "batch leaves in the cache would change those distances: generate one prompt at a time with the drafter "
-            "(exact), or the batch without it."
-        )
+    check_batch_target(target, generation_config, options)
     # One sequence comes here only to verify trees (domino_branches), whose forwards hold the branches as rows.
     one_at_a_time = "drop domino_branches" if input_ids.shape[0] == 1 else "generate one prompt at a time"
     _check_model_inputs(target, input_ids, attention_mask, generation_config, model_kwargs or {}, one_at_a_time)
@@ -283,6 +289,7 @@ __all__ = [
     "PREFILL_ONLY_INPUTS",
     "TokenScores",
     "check_batch_call",
+    "check_batch_target",
     "compiled_plain_steps",
     "prompt_inputs",
 ]

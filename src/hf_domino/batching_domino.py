@@ -29,6 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -61,7 +62,6 @@ from .ragged_cache_domino import (
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
-    from transformers.cache_utils import DynamicCache
 
     from .modeling_domino import DominoForSpeculation
     from .options_domino import DominoOptions
@@ -86,6 +86,11 @@ PRICE_BY_MAKESPAN = False
 # the model matches simulated batches of rows that keep their pace, but real rows' paces within a call misled it
 # (slower in 7 of 9 first-call comparisons on a 2-core CPU, docs/benchmarks.md, "A batch's first call").
 ROW_PACES = False
+
+
+def _within_block(stopping_criteria: StoppingCriteriaList) -> list:
+    """The criteria that must not fire inside a block: EOS and max_length are cut there instead (`extend`)."""
+    return [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
 
 
 def along(values: torch.Tensor, path: torch.LongTensor) -> torch.Tensor:
@@ -126,15 +131,17 @@ class BatchedDecoding:
         self.layer_ids = drafter.config.target_layer_ids
         self.hidden_layers = hidden_state_indices(self.layer_ids)
         self.do_sample, self.max_length = bool(generation_config.do_sample), generation_config.max_length
-        self.pad = int(generation_config._pad_token_tensor.flatten()[0])
+        pad = generation_config._pad_token_tensor  # None: a server's call with neither pad nor EOS token
+        self.pad = 0 if pad is None else int(pad.flatten()[0])
         self.eos = generation_config._eos_token_tensor
         rows, self.prompt_length = input_ids.shape
+        # Per row: where its prompt ends and the length it may reach. A batch from generate() shares both; rows a
+        # server admits later (`admit`) bring their own.
+        self.prompt_lengths, self.max_lengths = [self.prompt_length] * rows, [self.max_length] * rows
         # Each row's stopping criteria (`row_criteria`). EOS and max_length are cut inside a block; the others (stop
         # strings, ...) must not fire inside one.
         self.stopping_criteria = row_criteria(stopping_criteria, rows)
-        self.block_criteria = row_criteria(
-            [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))], rows
-        )
+        self.block_criteria = row_criteria(_within_block(stopping_criteria), rows)
         self.per_row = row_processors(logits_processor, rows) if len(logits_processor) else None
         # A tree of first-token branches per block (`domino_branches`), verified with a 4D mask of this kind.
         self.branches, self.additive = options.domino_branches, adds_its_mask(target)
@@ -152,9 +159,10 @@ class BatchedDecoding:
         self.context = BatchedDrafterContext.empty(rows, drafter.device)
         # The drafting half: the policies, copied drafts and the head's rollout (each row's left padding is never
         # copied from).
+        self.padding = (~self.mask).sum(dim=-1).tolist()
         self.drafting = CycleDrafter(
             drafter, self.modules, options, generation_config, logits_processor, self.block_criteria, self.context,
-            self.process, self.now, padding=(~self.mask).sum(dim=-1).tolist(), timings=stats.timings,
+            self.process, self.now, padding=self.padding, timings=stats.timings,
         )  # fmt: skip
         # Whether this call drafts and copies at all (`call_speculates`), and still (`stops_speculating`), and each
         # cycle's active rows, wall time and (a plain step) what a plain-steps-only call pays for it, for `judge_call`.
@@ -171,15 +179,21 @@ class BatchedDecoding:
 
     # ------------------------------------------------------------------------------------------------------ rows
     def generated(self, row: int) -> int:
-        return self.sequences[row].shape[0] - self.prompt_length
+        return self.sequences[row].shape[0] - self.prompt_lengths[row]
 
     def active_sequences(self) -> list[torch.LongTensor]:
         return [self.sequences[row] for row in self.active]
 
-    def process(self, logits: torch.Tensor, extra: torch.LongTensor | None = None, repeats: int = 1) -> torch.Tensor:
-        """The active rows' logits `[rows, V]` through their processors, row b after its tokens plus `extra[b]`
-        (`[rows x repeats, V]` with `repeats`: each active row's `repeats` branches, one after the other)."""
-        rows = [row for row in self.active for _ in range(repeats)]
+    def process(
+        self,
+        logits: torch.Tensor,
+        extra: torch.LongTensor | None = None,
+        repeats: int = 1,
+        rows: list[int] | None = None,
+    ) -> torch.Tensor:
+        """The active rows' (or `rows`') logits `[rows, V]` through their processors, row b after its tokens plus
+        `extra[b]` (`[rows x repeats, V]` with `repeats`: each row's `repeats` branches, one after the other)."""
+        rows = [row for row in (self.active if rows is None else rows) for _ in range(repeats)]
         processors = None if self.per_row is None else [self.per_row[row] for row in rows]
         return process_rows(processors, [self.sequences[row] for row in rows], logits, extra)
 
@@ -191,8 +205,8 @@ class BatchedDecoding:
         `scores` are the processed and raw logits each token was picked from (`[len(tokens), V]` each), kept for the
         tokens appended; passed only where the call returns them (`token_scores`).
         """
-        sequence = self.sequences[row]
-        tokens = tokens[: self.max_length - sequence.shape[0]].to(sequence.device)
+        sequence, max_length = self.sequences[row], self.max_lengths[row]
+        tokens = tokens[: max_length - sequence.shape[0]].to(sequence.device)
         hit_eos = False
         if self.eos is not None:
             hits = torch.isin(tokens, self.eos.to(tokens.device)).nonzero()
@@ -201,7 +215,7 @@ class BatchedDecoding:
         if scores is not None:
             self.token_scores.add(row, *(each[: tokens.shape[0]] for each in scores))
         sequence = self.sequences[row] = torch.cat([sequence, tokens])
-        done = hit_eos or sequence.shape[0] >= self.max_length
+        done = hit_eos or sequence.shape[0] >= max_length
         return done or bool(self.stopping_criteria[row](sequence[None], None).any())
 
     def retire(self, finished: list[bool]) -> None:
@@ -244,19 +258,67 @@ class BatchedDecoding:
             inputs_embeds=embeds, prompt_inputs=self.prompt_inputs,
         )  # fmt: skip
         self.prompt_inputs = {}  # the images (their encodings) are in the cache now
+        contexts, finished = self.read_prompt(outputs, new, self.active)
+        self.context.pending = [[features] for features in contexts]
+        self.context.known = self.mask.sum(dim=-1).to(self.drafter.device)
+        return finished
+
+    def read_prompt(self, outputs, new: torch.BoolTensor, rows: list[int]) -> tuple[list[torch.Tensor], list[bool]]:
+        """What a prefill over `rows`' prompt columns `new` gives: each row's drafter context (its prompt tokens'
+        features) and its first token, appended; returns the contexts and which rows finished there."""
         logits = outputs.logits[:, -1:].float()
-        processed = self.process(logits[:, 0])[:, None]
+        processed = self.process(logits[:, 0], rows=rows)[:, None]
         first = pick_tokens(processed[:, 0], self.do_sample)
         features = context_features(outputs.hidden_states, self.layer_ids)
         drafter = self.drafter
         check_context_features(features, drafter.config)
-        self.context.pending = [[features[row, new[row]].to(drafter.device, drafter.dtype)] for row in self.active]
-        self.context.known = self.mask.sum(dim=-1).to(drafter.device)
+        contexts = [features[i, new[i]].to(drafter.device, drafter.dtype) for i in range(len(rows))]
         keep = self.token_scores is not None
-        return [
-            self.extend(row, first[row : row + 1], (processed[row], logits[row]) if keep else None)
-            for row in self.active
+        finished = [
+            self.extend(row, first[i : i + 1], (processed[i], logits[i]) if keep else None)
+            for i, row in enumerate(rows)
         ]
+        return contexts, finished
+
+    def admit(
+        self, requests: list[tuple[torch.LongTensor, LogitsProcessorList, StoppingCriteriaList, int]]
+    ) -> list[bool]:
+        """Adds prompts to the running batch as new rows (requests a server takes on as rows finish): reads them,
+        left-padded, into a cache of their own, which joins the batch's (`RaggedCache.add_rows`), and picks their
+        first tokens.
+
+        Each request is `(prompt, logits_processor, stopping_criteria, max_length)`, the processors and criteria
+        those generate() builds for that prompt alone, so that its row generates what the target alone generates
+        for it. Returns which of them finished at their first token.
+        """
+        rows = list(range(len(self.sequences), len(self.sequences) + len(requests)))
+        for prompt, logits_processor, stopping_criteria, max_length in requests:
+            self.sequences.append(prompt.to(self.device))
+            self.prompt_lengths.append(prompt.shape[0])
+            self.max_lengths.append(max_length)
+            self.padding.append(0)  # its sequence holds no padding: only its cache columns do
+            self.row_accepted.append(0)
+            self.row_cycles.append(0)
+            # In place: the drafting half reads the same lists.
+            self.stopping_criteria += row_criteria(stopping_criteria, 1)
+            self.block_criteria += row_criteria(_within_block(stopping_criteria), 1)
+            if self.per_row is not None:
+                self.per_row += row_processors(logits_processor, 1)
+        width = max(self.prompt_lengths[row] for row in rows)
+        new = torch.zeros(len(rows), width, dtype=torch.bool, device=self.device)
+        input_ids = torch.full((len(rows), width), self.pad, dtype=torch.long, device=self.device)
+        for i, row in enumerate(rows):
+            new[i, width - self.prompt_lengths[row] :] = True
+            input_ids[i, width - self.prompt_lengths[row] :] = self.sequences[row]
+        cache, window = batch_cache(DynamicCache(config=self.target.config), self.target)
+        reserve = self.options.cache_columns(self.drafter, max(self.max_lengths[row] for row in rows))
+        own = RaggedCache(buffer_layers(cache, reserve), new[:, :0], window=window)
+        outputs = ragged_forward(self.target, own, input_ids, new, self.hidden_layers, logits_to_keep=1)
+        self.target_cache.add_rows(own)
+        self.active += rows
+        contexts, finished = self.read_prompt(outputs, new, rows)
+        self.context.add_rows(contexts)
+        return finished
 
     @property
     def policy(self) -> AdaptivePolicy | FixedPolicy | None:
@@ -364,7 +426,8 @@ class BatchedDecoding:
             self.build_policies(anchors.to(self.device))
         start = self.now()
         self.target_cache.maybe_compact()
-        room = [self.max_length - sequence.shape[0] - 1 for sequence in sequences]  # the target adds one of its own
+        # The target adds one token of its own.
+        room = [self.max_lengths[row] - self.sequences[row].shape[0] - 1 for row in self.active]
         rooms = [n + 1 for n in room] if PRICE_BY_MAKESPAN else None  # tokens left, the target's own included
         paces = self.paces() if PRICE_BY_MAKESPAN and ROW_PACES else None
         if isinstance(self.policy, AdaptivePolicy):

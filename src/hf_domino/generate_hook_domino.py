@@ -2,7 +2,7 @@
 
 `target.generate(..., assistant_model=drafter)` with a `DominoForSpeculation` drafter must pick our candidate
 generator (`generation_domino.DominoCandidateGenerator`), but transformers 5.x has no public way to plug one in.
-`install_assisted_generation_hook()` wraps five `GenerationMixin` methods; each wrapper hands over to the original
+`install_assisted_generation_hook()` wraps six `GenerationMixin` methods; each wrapper hands over to the original
 unchanged unless the assistant is a Domino drafter:
 
 - `_extract_generation_mode_kwargs`: takes this call's Domino options (`DominoOptions`) out of generate()'s kwargs;
@@ -12,7 +12,9 @@ unchanged unless the assistant is a Domino drafter:
   `batching_domino`, and runs either loop with the call's attention kernels (`drafting_attention_kernels`);
 - `prepare_inputs_for_generation`: makes the loop's prefill read only that much, as the target alone's does
   (transformers' assisted loop reads the cached tokens again);
-- `_get_candidate_generator`: returns `drafter.build_candidate_generator(...)`.
+- `_get_candidate_generator`: returns `drafter.build_candidate_generator(...)`;
+- `generate_batch` (continuous batching, which drops an assistant model): serves the requests with the drafter in a
+  batch that takes on waiting requests as rows finish (`continuous_batching_domino`).
 
 The hook is installed when a drafter is built (see `DominoForSpeculation.__init__`) or `hf_domino` is imported; it
 is idempotent, and refuses to install on a transformers whose methods no longer have the parameters it relies on.
@@ -47,6 +49,7 @@ from .cache_domino import (
     has_replayable_scan,
     uncached_prompt_length,
 )
+from .continuous_batching_domino import generate_requests
 from .options_domino import (
     DominoGenerationStats,
     DominoOptions,
@@ -88,6 +91,16 @@ _REQUIRED_PARAMETERS = {
         "assistant_model",
     ),
     "prepare_inputs_for_generation": ("input_ids", "next_sequence_length", "is_first_iteration"),
+    "generate_batch": (
+        "inputs",
+        "generation_config",
+        "continuous_batching_config",
+        "record_timestamps",
+        "progress_bar",
+        "persistent_manager",
+        "warmup",
+        "kwargs",
+    ),
 }
 # Where the options travel from `_extract_generation_mode_kwargs` to `_assisted_decoding`, and whether the call
 # passed an attention mask (a padded batch without one is refused).
@@ -367,12 +380,34 @@ def _wrap_prepare_inputs_for_generation(original):
     return prepare_inputs_for_generation
 
 
+def _wrap_generate_batch(original):
+    @functools.wraps(original)
+    def generate_batch(self, *args, **kwargs):
+        # transformers' continuous batching drops an assistant model without a word; a Domino drafter's call is ours.
+        drafter = kwargs.get("assistant_model")
+        if not is_domino_drafter(drafter):
+            return original(self, *args, **kwargs)
+        arguments = _bound_arguments(original, self, args, kwargs)
+        call_kwargs = dict(arguments.pop("kwargs", {}))
+        call_kwargs.pop("assistant_model")
+        for name in ("self", "persistent_manager", "warmup"):  # no manager to keep or warm up
+            arguments.pop(name, None)
+        kernels = drafting_attention_kernels(
+            target_execution_device(self), self.dtype, bool(call_kwargs.get("domino_cudnn_attention"))
+        )
+        with kernels:
+            return generate_requests(self, drafter, **arguments, **call_kwargs)
+
+    return generate_batch
+
+
 _WRAPPERS = {
     "_extract_generation_mode_kwargs": _wrap_extract_generation_mode_kwargs,
     "_validate_generation_mode": _wrap_validate_generation_mode,
     "_assisted_decoding": _wrap_assisted_decoding,
     "_get_candidate_generator": _wrap_get_candidate_generator,
     "prepare_inputs_for_generation": _wrap_prepare_inputs_for_generation,
+    "generate_batch": _wrap_generate_batch,
 }
 
 

@@ -63,6 +63,16 @@ class BatchedDrafterContext:
             self.pending[row].append(features[row, :count])
         self.known += counts.to(self.known.device)
 
+    def add_rows(self, contexts: list[torch.Tensor]) -> None:
+        """Rows joining the batch (`BatchedDecoding.admit`), each with its prompt's features `[p, context_size]`
+        still to read; their columns in the drafter's cache are holes until then."""
+        device = self.known.device
+        self.cache.add_rows(
+            RaggedCache(DynamicCache(), torch.zeros(len(contexts), 0, dtype=torch.bool, device=device))
+        )
+        self.pending += [[features] for features in contexts]
+        self.known = torch.cat([self.known, torch.tensor([len(features) for features in contexts], device=device)])
+
     def select_rows(self, rows: torch.LongTensor) -> None:
         self.cache.select_rows(rows)
         self.pending = [self.pending[row] for row in rows.tolist()]

@@ -152,6 +152,43 @@ class RaggedCache:
                 columns_of(layer).crop(layer, -trailing)
             self.mask = self.mask[:, : self.mask.shape[1] - trailing]
 
+    def add_rows(self, other: RaggedCache) -> None:
+        """Appends the rows of `other`, a cache of the same model filled apart (a request a server admits), after
+        this cache's. The side with fewer columns gets holes on the left: both go on appending at the right. A layer
+        one side has not filled yet (the drafter's cache of a row that has not drafted) joins as holes."""
+        rows, width = (self.mask.shape[0], other.mask.shape[0]), max(self.mask.shape[1], other.mask.shape[1])
+        for cache in (self, other):
+            if cache.recurrent is not None or any(type(layer) not in JOINABLE for layer in cache.cache.layers):
+                raise ValueError(
+                    "Rows join a drafted batch only where every layer of the cache holds keys and values of full "
+                    "(or sliding-window) attention; this one has "
+                    f"{sorted({type(layer).__name__ for layer in cache.cache.layers} - {'DynamicLayer', 'BufferedLayer'})}"
+                    " layers or recurrent states: batch these prompts with generate() instead."
+                )
+        for index in range(max(len(self.cache.layers), len(other.cache.layers))):
+            sides = [cache.cache.layers[index] if index < len(cache.cache.layers) else None for cache in (self, other)]
+            filled = [layer for layer in sides if layer is not None and layer.is_initialized]
+            if not filled:
+                continue
+            if sides[0] is None:
+                sides[0] = self.cache.layer_class_to_replicate()
+                self.cache.layers.append(sides[0])
+            template = filled[0]
+            keys, values = (
+                torch.cat([_left_holes(layer, name, template, n, width) for layer, n in zip(sides, rows)])
+                for name in ("keys", "values")
+            )
+            layer = sides[0]
+            if not layer.is_initialized:
+                layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+            if isinstance(layer, BufferedLayer):
+                layer.buffers = None  # moved into new buffers at the next update
+        self.mask = torch.cat(
+            [torch.nn.functional.pad(mask.to(self.mask.device), (width - mask.shape[1], 0)) for mask in
+             (self.mask, other.mask)]
+        )  # fmt: skip
+
     def maybe_compact(self) -> bool:
         """Gathers each row's real columns to the right once holes waste enough columns of every row.
 
@@ -172,6 +209,21 @@ class RaggedCache:
             if getattr(layer, "indexer_position_ids", None) is not None:  # [position sections, rows, columns]
                 layer.indexer_position_ids = gather_columns(layer.indexer_position_ids, order, 1, 2)
         return True
+
+
+# The layers `RaggedCache.add_rows` joins: keys and values of full attention (sliding layers are made full ones for a
+# batch, `SlidingWindow.take_over`), nothing else kept per row.
+JOINABLE = (DynamicLayer, BufferedLayer)
+
+
+def _left_holes(layer: DynamicLayer | None, name: str, template: DynamicLayer, rows: int, width: int) -> torch.Tensor:
+    """A layer's keys or values (`[rows, heads, columns, dim]`) widened to `width` columns by holes on the left; zeros
+    shaped as `template`'s for a layer not filled yet."""
+    reference = getattr(template, name)
+    if layer is None or not layer.is_initialized or getattr(layer, name).numel() == 0:
+        return reference.new_zeros((rows, *reference.shape[1:-2], width, reference.shape[-1]))
+    states = getattr(layer, name)
+    return torch.nn.functional.pad(states, (0, 0, width - states.shape[-2], 0))
 
 
 def gather_columns(tensor: torch.Tensor, order: torch.LongTensor, row_dim: int, column_dim: int) -> torch.Tensor:
@@ -458,6 +510,7 @@ __all__ = [
     "columns_of",
     "formatted_mask",
     "gather_columns",
+    "JOINABLE",
     "positions_from_mask",
     "ragged_forward",
     "takes_no_4d_mask",

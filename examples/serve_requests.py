@@ -1,0 +1,112 @@
+"""Many requests, B rows at a time: requests joining the drafted batch as rows finish (`generate_batch` with the
+drafter) against fixed batches of B (`generate()`, with and without the drafter) and transformers' own continuous
+batching of the target alone, in one process on the SmolLM2 target and the shipped drafter (CPU fast path).
+
+A fixed batch ends with its last row, so its last cycles run with few rows; a refilled one stays full while requests
+wait. Each method runs the whole prompt list once per repeat, in an order that alternates between repeats, after a
+warm-up call; tokens are each request's own (to its EOS), and the rates are total tokens over total seconds, so one
+slow request weighs what it costs. Every answer with the drafter is asserted identical to the target alone's for
+that prompt. docs/benchmarks.md quotes it:
+
+    python examples/serve_requests.py --prompts mtbench --num-prompts 24 --rows 4 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import ContinuousBatchingConfig
+
+from hf_domino import prepare_for_cpu_decoding
+from hf_domino.assets import chat_token_ids, eos_token_ids, load_drafter, load_target, pad_token_id
+from hf_domino.measure_batch import left_padded_groups
+from hf_domino.prompt_sets import load_prompts
+
+
+def in_batches(target, tokenizer, prompts, rows, max_new_tokens, **extra) -> list[list[int]]:
+    """Fixed batches of `rows` prompts through generate(): each row's tokens up to its EOS."""
+    pad, answers = pad_token_id(target, tokenizer), []
+    groups = left_padded_groups(tokenizer, prompts, rows, pad)
+    for batch in groups:
+        output = target.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, **extra)
+        answers += [to_eos(row, eos_token_ids(target, tokenizer)) for row in output[:, batch["input_ids"].shape[1] :]]
+    return answers
+
+
+def to_eos(tokens: torch.Tensor, eos: list[int]) -> list[int]:
+    """A row's tokens up to its first EOS (included): what it generated before padding."""
+    tokens = tokens.tolist()
+    return tokens[: next((i + 1 for i, token in enumerate(tokens) if token in eos), len(tokens))]
+
+
+def served(target, prompts, rows, max_new_tokens, config, **extra) -> list[list[int]]:
+    """generate_batch: requests joining as rows finish. transformers' own takes the target's plain `sdpa` (it refuses
+    the fast path's attention, and switches to its paged one), then the prepared attention is put back."""
+    prepared = target.config._attn_implementation
+    if "assistant_model" not in extra:
+        target.set_attn_implementation("sdpa")
+    try:
+        results = target.generate_batch(
+            prompts, continuous_batching_config=config, max_new_tokens=max_new_tokens, do_sample=False, **extra
+        )
+    finally:
+        target.set_attn_implementation(prepared)
+    return [result.generated_tokens for result in results.values()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", default="mtbench")
+    parser.add_argument("--num-prompts", type=int, default=24)
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_target("smollm2")
+    drafter = load_drafter(None)
+    print(prepare_for_cpu_decoding(target, drafter, batch_size=args.rows))
+    prompts = [chat_token_ids(tokenizer, messages) for messages in load_prompts(args.prompts, args.num_prompts)]
+    prompts = prompts[: len(prompts) - len(prompts) % args.rows]  # whole fixed batches
+    rows, new = args.rows, args.max_new_tokens
+    # transformers' paged cache sized for the requests (by default it takes a share of the machine's memory).
+    pages = ContinuousBatchingConfig(max_requests_per_batch=rows, page_size=32,
+                                     num_blocks=rows * ((max(map(len, prompts)) + new) // 32 + 2))  # fmt: skip
+    methods = {
+        "target, fixed batches": lambda: in_batches(target, tokenizer, prompts, rows, new),
+        "target, generate_batch (transformers)": lambda: served(target, prompts, rows, new, pages),
+        "drafter, fixed batches": lambda: in_batches(target, tokenizer, prompts, rows, new, assistant_model=drafter),
+        "drafter, generate_batch (joining)": lambda: served(
+            target, prompts, rows, new, pages, assistant_model=drafter
+        ),
+    }
+    eos = eos_token_ids(target, tokenizer)
+    reference = [
+        to_eos(target.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False)[0, len(p) :], eos)
+        for p in prompts
+    ]
+    for name, run in methods.items():  # warm-up, and every method's answers checked once
+        answers = run()
+        if name.startswith("drafter"):
+            assert answers == reference, f"{name}: an answer differs from the target alone's"
+    seconds = dict.fromkeys(methods, 0.0)
+    tokens = dict.fromkeys(methods, 0)
+    for repeat in range(args.repeats):
+        for name in list(methods) if repeat % 2 == 0 else list(reversed(methods)):
+            start = time.perf_counter()
+            answers = methods[name]()
+            seconds[name] += time.perf_counter() - start
+            tokens[name] += sum(map(len, answers))
+    base = tokens["target, fixed batches"] / seconds["target, fixed batches"]
+    print(f"{args.prompts}: {len(prompts)} requests, {rows} rows at a time, {new} new tokens, greedy, "
+          f"{args.repeats} repeats, {args.threads} threads; the drafter's answers identical to the target alone's")  # fmt: skip
+    for name in methods:
+        rate = tokens[name] / seconds[name]
+        print(f"  {name:40s} {rate:7.1f} tokens/s  {rate / base:.2f}x the target in fixed batches")
+
+
+if __name__ == "__main__":
+    main()

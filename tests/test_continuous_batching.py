@@ -1,0 +1,275 @@
+"""`target.generate_batch(prompts, assistant_model=drafter)`: requests join the drafted batch as rows finish, and each
+generates what the target alone generates for it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import forcing_drafter, tiny_drafter, tiny_target
+from test_batching import left_padded
+from test_generation import chi_square_p_value, drafts_and_accepted, exact_sequence_distribution
+from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProcessorList
+from transformers.cache_utils import DynamicCache
+from transformers.generation.continuous_batching.requests import RequestStatus
+
+from hf_domino.cache_domino import buffer_layers
+from hf_domino.drafting_domino import DrafterContext, run_backbone
+from hf_domino.modeling_domino import TargetModules
+from hf_domino.ragged_batch_domino import BatchedDrafterContext, run_batched_backbone
+from hf_domino.ragged_cache_domino import RaggedCache, ragged_forward
+
+VOCAB = 32
+EOS = 1
+PROMPTS = [[4, 9, 11], [20], [7, 25, 26, 27, 28, 3, 14], [12, 13], [5, 6], [30, 2, 8, 17], [22, 23, 24]]
+
+
+def rows_at_most(rows: int) -> ContinuousBatchingConfig:
+    return ContinuousBatchingConfig(max_requests_per_batch=rows)
+
+
+def alone(target, prompt: list[int], **settings) -> list[int]:
+    """What the target alone generates for one prompt, greedy."""
+    output = target.generate(torch.tensor([prompt]), do_sample=False, pad_token_id=0, **settings)
+    return output[0, len(prompt) :].tolist()
+
+
+def followed_by(target, prompts: list[list[int]], **settings) -> list[int]:
+    """next[token] = the token the target alone put after it last, over its answers to `prompts`: a forcing drafter
+    with this table drafts the target's own continuation often, and misses where answers disagree."""
+    table = list(range(VOCAB))
+    for prompt in prompts:
+        tokens = prompt + alone(target, prompt, **settings)
+        for token, following in zip(tokens, tokens[1:]):
+            table[token] = following
+    return table
+
+
+def random_target(arch: str, **overrides):
+    return tiny_target(arch, vocab_size=VOCAB, hidden_size=32, num_layers=2, eos_token_id=EOS, seed=5, **overrides)
+
+
+# ------------------------------------------------------------------------------------------ greedy: token-identical
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_each_request_is_what_the_target_alone_generates_for_it(arch, policy, rows):
+    target = random_target(arch)
+    settings = dict(max_new_tokens=20, eos_token_id=EOS)
+    drafter = forcing_drafter(target, followed_by(target, PROMPTS, **settings), block_size=6)
+    results = target.generate_batch(
+        PROMPTS,
+        GenerationConfig(do_sample=False, pad_token_id=0, **settings),
+        continuous_batching_config=rows_at_most(rows),
+        assistant_model=drafter,
+        draft_policy=policy,
+    )
+    assert list(results) == [f"req_{i}" for i in range(len(PROMPTS))]
+    expected = [alone(target, prompt, **settings) for prompt in PROMPTS]
+    assert [result.generated_tokens for result in results.values()] == expected
+    assert {len(tokens) for tokens in expected} != {20}  # some requests stopped at EOS, others ran to the limit
+    assert all(result.status == RequestStatus.FINISHED and result.error is None for result in results.values())
+    # The same answers as transformers' continuous batching of the target alone.
+    # (Its paged cache sized by hand: by default it takes a share of the machine's memory, 14 GB here.)
+    small = ContinuousBatchingConfig(num_blocks=16, page_size=16)
+    own = target.generate_batch(PROMPTS, GenerationConfig(do_sample=False, pad_token_id=0, **settings), small)
+    assert [result.generated_tokens for result in own.values()] == expected
+    stats = drafter.last_generation_stats
+    if policy == "fixed":
+        assert len(set(stats.acceptance_lengths)) > 2  # rows accepted whole, partial and no blocks
+
+
+def test_a_row_joins_with_its_prompt_read_alone_and_its_cache_joined_to_the_batchs():
+    # Caches filled apart and joined (holes on the left of the narrower side) give each row what it gives alone.
+    target = random_target("qwen3")
+    prompts, extra = [[4, 9, 11, 3], [20]], [7, 25, 26, 27, 28, 3]
+    batch = left_padded(prompts)
+    joined = RaggedCache(buffer_layers(DynamicCache(config=target.config)), batch["attention_mask"][:, :0].bool())
+    ragged_forward(target, joined, batch["input_ids"], batch["attention_mask"].bool(), [])
+    own = RaggedCache(buffer_layers(DynamicCache(config=target.config)), torch.zeros(1, 0, dtype=torch.bool))
+    ragged_forward(target, own, torch.tensor([extra]), torch.ones(1, len(extra), dtype=torch.bool), [])
+    joined.add_rows(own)
+    assert joined.mask.tolist() == [[False, False] + [True] * 4, [False] * 5 + [True], [True] * 6]
+    step = torch.tensor([[5], [6], [8]])
+    logits = ragged_forward(target, joined, step, torch.ones(3, 1, dtype=torch.bool), []).logits[:, -1]
+    for row, prompt in enumerate([*prompts, extra]):
+        expected = target(torch.tensor([prompt + step[row].tolist()])).logits[0, -1]
+        torch.testing.assert_close(logits[row], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layers", [{}, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}])
+def test_a_joining_rows_drafter_context_gives_what_it_gives_alone(layers):
+    """A row joining the drafter's ragged context (`BatchedDrafterContext.add_rows`) after others drafted drafts what
+    the batch-1 ladder drafts for it alone, and the rows already there are unchanged."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=5, **layers)
+    modules = TargetModules.from_target(target)
+    torch.manual_seed(2)
+    size = drafter.config.context_size
+    batched, single = BatchedDrafterContext.empty(2, drafter.device), [DrafterContext() for _ in range(3)]
+    appends = [[3, 7], [2, 0], [5, 1, 0], [1, 3, 2], [0, 2, 1]]  # cycles x rows: the third row joins at cycle 2
+    for counts in appends:
+        rows = len(counts)
+        if rows > batched.known.shape[0]:  # the joining row's prompt: 6 tokens' features
+            prompt = torch.randn(6, size)
+            batched.add_rows([prompt])
+            single[2].append(prompt[None])
+        features = torch.randn(rows, max(counts), size)
+        batched.append(features, torch.tensor(counts))
+        for row, count in enumerate(counts):
+            if count:
+                single[row].append(features[row : row + 1, :count])
+        anchors = torch.randint(4, 64, (rows, 1))
+        with torch.no_grad():
+            hidden = run_batched_backbone(drafter, modules, anchors, batched, 4)
+            for row in range(rows):
+                alone = run_backbone(drafter, modules, anchors[row : row + 1], single[row], 4)
+                torch.testing.assert_close(hidden[row : row + 1], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_targets_keep_each_rows_window():
+    target = random_target("qwen3", layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+                           use_sliding_window=True)  # fmt: skip
+    settings = dict(max_new_tokens=16, eos_token_id=EOS)
+    drafter = forcing_drafter(target, followed_by(target, PROMPTS, **settings), block_size=6)
+    results = target.generate_batch(
+        PROMPTS, GenerationConfig(do_sample=False, pad_token_id=0, draft_policy="fixed", **settings),
+        continuous_batching_config=rows_at_most(3), assistant_model=drafter,
+    )  # fmt: skip
+    assert [result.generated_tokens for result in results.values()] == [alone(target, p, **settings) for p in PROMPTS]
+
+
+def test_generation_settings_act_per_request_as_generate_builds_them():
+    # Processors and criteria generate() builds from the prompt's length (min_new_tokens), and stop strings.
+    target = random_target("llama")
+    drafter = tiny_drafter(target, block_size=4)
+    for settings in (dict(max_new_tokens=12, min_new_tokens=8, eos_token_id=EOS, repetition_penalty=1.3),
+                     dict(max_new_tokens=12, no_repeat_ngram_size=2)):  # fmt: skip
+        results = target.generate_batch(PROMPTS, assistant_model=drafter, draft_policy="fixed", do_sample=False,
+                                        pad_token_id=0, continuous_batching_config=rows_at_most(2), **settings)  # fmt: skip
+        expected = [alone(target, prompt, **settings) for prompt in PROMPTS]
+        assert [result.generated_tokens for result in results.values()] == expected
+
+
+def test_results_carry_timestamps_and_lifespans_and_stats():
+    target = random_target("qwen3")
+    drafter = tiny_drafter(target, block_size=4)
+    results = target.generate_batch(PROMPTS, assistant_model=drafter, max_new_tokens=6, do_sample=False,
+                                    pad_token_id=0, record_timestamps=True, progress_bar=True,
+                                    continuous_batching_config=rows_at_most(2))  # fmt: skip
+    for result, prompt in zip(results.values(), PROMPTS):
+        assert result.prompt_ids == prompt
+        assert len(result.timestamps) == len(result.generated_tokens) > 0  # one per token (EOS may come early)
+        assert result.lifespan[0] <= result.timestamps[0] <= result.timestamps[-1] <= result.lifespan[1]
+    assert drafter.last_generation_stats.acceptance_lengths  # the call's drafting statistics
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3", "gpt_oss", "deepseek_v3", "qwen2"])
+def test_other_families_serve_requests_exactly(name):
+    # Sliding windows counted per row (Mistral, Gemma 2/3, gpt-oss), attention sinks, latent attention: joined rows
+    # with holes on their left, random drafts rejected in part.
+    from test_architectures import GREEDY, architecture_target, had_rejections
+
+    target = architecture_target(name)
+    drafter = tiny_drafter(target)
+    prompts = [[5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 22], [11, 5, 9], [40, 41, 42, 5, 9, 12, 7], [3, 4]]
+    settings = {**GREEDY, "max_new_tokens": 24}
+    results = target.generate_batch(prompts, assistant_model=drafter, draft_policy="fixed", num_speculative_tokens=4,
+                                    continuous_batching_config=rows_at_most(2), **settings)  # fmt: skip
+    expected = [target.generate(torch.tensor([p]), **settings)[0, len(p) :].tolist() for p in prompts]
+    assert [result.generated_tokens for result in results.values()] == expected
+    assert had_rejections(drafter.last_generation_stats)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v32", "mpt"])
+def test_targets_whose_cache_rows_cannot_join_are_refused(name):
+    import transformers as tf
+    from test_architectures import architecture_target
+
+    if name == "mpt":  # ALiBi over cache columns: holes would change its distances
+        torch.manual_seed(0)
+        config = tf.MptConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, use_cache=True, eos_token_id=1,
+                              pad_token_id=0)  # fmt: skip
+        target = tf.MptForCausalLM(config).eval()
+    else:  # the indexer's keys of sparse attention, a column per token beside keys and values
+        target = architecture_target(name)
+    drafter = tiny_drafter(target)
+    with pytest.raises(ValueError, match="one prompt at a time|left-padded batch"):
+        target.generate_batch([[4, 5, 6]], assistant_model=drafter, max_new_tokens=4)
+
+
+# ----------------------------------------------------------------------------------------------- sampling: the law
+def test_sampling_keeps_each_requests_law_with_num_return_sequences(gpu_like_costs):
+    vocab, num_new, draws = 5, 3, 1000
+    target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4)  # peaked laws, so that a wrong one is told apart (below)
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    prompts = [[2, 4, 1], [3]]
+    torch.manual_seed(7)
+    config = GenerationConfig(do_sample=True, temperature=0.5, max_new_tokens=num_new, num_return_sequences=draws,
+                              pad_token_id=0, draft_policy="fixed")  # fmt: skip
+    results = target.generate_batch(prompts, config, assistant_model=drafter,
+                                    continuous_batching_config=rows_at_most(64))  # fmt: skip
+    assert len(results) == 2 * draws
+    assert list(results)[draws - 2 : draws + 1] == [f"req_0__child#{draws - 2}", "req_0", "req_1__child#0"]
+    drafted, accepted = drafts_and_accepted([drafter.last_generation_stats])
+    assert 0 < accepted < drafted  # rejection sampling really ran, with both outcomes
+    counts = [{}, {}]
+    for request_id, result in results.items():
+        prompt = int(request_id.split("__")[0].removeprefix("req_"))
+        key = tuple(result.generated_tokens)
+        counts[prompt][key] = counts[prompt].get(key, 0) + 1
+    from transformers.generation.logits_process import TemperatureLogitsWarper
+
+    for prompt, observed in zip(prompts, counts):
+        probs = exact_sequence_distribution(
+            target, prompt, num_new, LogitsProcessorList([TemperatureLogitsWarper(0.5)])
+        )
+        assert chi_square_p_value(observed, probs, draws) > 1e-3
+    # The test can fail: the same draws are far from a wrong law (the untempered target).
+    wrong = exact_sequence_distribution(target, prompts[0], num_new, LogitsProcessorList())
+    assert chi_square_p_value(counts[0], wrong, draws) < 1e-6
+
+
+# --------------------------------------------------------------------------------------------------- bad requests
+def test_what_a_refilled_batch_does_not_serve_is_refused_with_the_fix():
+    target = random_target("qwen3")
+    drafter = tiny_drafter(target, block_size=4)
+    with pytest.raises(ValueError, match="return_logprobs"):
+        target.generate_batch(PROMPTS, assistant_model=drafter,
+                              continuous_batching_config=ContinuousBatchingConfig(return_logprobs=True))  # fmt: skip
+    with pytest.raises(TypeError, match="attention_mask"):
+        target.generate_batch(PROMPTS, assistant_model=drafter, attention_mask=torch.ones(1, 3))
+    with pytest.raises(ValueError, match="num_beams"):
+        target.generate_batch(PROMPTS, assistant_model=drafter, num_beams=2)
+    with pytest.raises(ValueError, match=r"prompt 1 is dict .*\['input_ids'\]"):
+        target.generate_batch([[4, 5], {"input_ids": [4, 5]}], assistant_model=drafter)
+    with pytest.raises(ValueError, match="prompt 0 is list"):
+        target.generate_batch([[[4, 5]]], assistant_model=drafter)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        target.generate_batch([[4, 5], []], assistant_model=drafter)
+    assert target.generate_batch([], assistant_model=drafter) == {}
+
+
+def test_recurrent_targets_are_refused_naming_generate():
+    from test_recurrent_targets import hybrid_target
+
+    target = hybrid_target("qwen3_5")
+    drafter = tiny_drafter(target, block_size=4)
+    with pytest.raises(ValueError, match="left-padded batch"):
+        target.generate_batch([[4, 5]], assistant_model=drafter, max_new_tokens=4)
+
+
+@pytest.mark.slow
+def test_the_serving_benchmark_runs_as_a_user_runs_it():
+    # The script docs/benchmarks.md quotes, at toy size: it asserts every drafted answer is the target alone's.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "serve_requests.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--num-prompts", "4", "--rows", "2", "--max-new-tokens", "12", "--repeats", "1"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "drafter, generate_batch (joining)" in run.stdout and "identical to the target alone's" in run.stdout
