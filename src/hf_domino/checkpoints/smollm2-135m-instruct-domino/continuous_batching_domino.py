@@ -86,8 +86,8 @@ def prepared_config(
     generation_config, unknown = target._prepare_generation_config(generation_config, **kwargs)
     if unknown:
         raise TypeError(
-            f"generate_batch with a Domino drafter takes generation settings as keyword arguments (max_new_tokens, "
-            f"do_sample, ...) and Domino options (domino_*); got {sorted(unknown)}."
+            "generate_batch with a Domino drafter takes generation settings as keyword arguments (max_new_tokens, "
+            f"do_sample, ...) and the drafter's options (draft_policy, domino_lookup, ...); got {sorted(unknown)}."
         )
     if generation_config.num_beams > 1:
         raise ValueError(
