@@ -619,7 +619,7 @@ def test_the_cost_example_runs_as_documented_at_a_smaller_depth():
         [sys.executable, str(script), "--layers", "4", "--new-tokens", "4"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,  # 50 s alone on 2 cores; 4-6 times that beside another test worker
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| 17 |" in done.stdout and "| 16 |" in done.stdout  # verification costs; after a rejection

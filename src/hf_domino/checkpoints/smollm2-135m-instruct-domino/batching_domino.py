@@ -104,7 +104,9 @@ class BatchedDecoding:
     `sequences[row]` is the row's left-padded prompt plus its tokens so far: exactly the input_ids the target alone
     would hand to logits processors and stopping criteria for that row. `active` lists the rows still generating;
     the caches hold those rows only, in that order. A call continuing a filled cache (`cached` columns of the prompt)
-    reads the rest of the prompt only, and the drafter starts from there.
+    reads the rest of the prompt only, and the drafter starts from there. Rows a server adds later (`admit`, for
+    `generate_batch`) hold their prompt unpadded, with their own prompt length and `max_length`; streaming and the
+    padded `output` are the `generate()` call's, whose rows share both.
     """
 
     def __init__(
