@@ -392,9 +392,9 @@ def _wrap_generate_batch(original):
         call_kwargs.pop("assistant_model")
         for name in ("self", "persistent_manager", "warmup"):  # no manager to keep or warm up
             arguments.pop(name, None)
-        kernels = drafting_attention_kernels(
-            target_execution_device(self), self.dtype, bool(call_kwargs.get("domino_cudnn_attention"))
-        )
+        # The call's option, else the generation config's, as generate_requests resolves the others.
+        options = DominoOptions.resolve(call_kwargs, arguments.get("generation_config") or self.generation_config)
+        kernels = drafting_attention_kernels(target_execution_device(self), self.dtype, options.domino_cudnn_attention)
         with kernels:
             return generate_requests(self, drafter, **arguments, **call_kwargs)
 
