@@ -85,7 +85,7 @@ def packed_query_attention(module, query, key, value, attention_mask, dropout=0.
     packed = query.reshape(rows, key.shape[1], group * queries, dim)
     mask = attention_mask.expand(-1, -1, queries, -1).repeat(1, 1, group, 1)
     output = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
-    return output.view(rows, heads, queries, dim).transpose(1, 2).contiguous(), None
+    return output.reshape(rows, heads, queries, dim).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(PACKED_QUERIES, packed_query_attention)
