@@ -21,24 +21,18 @@ from transformers import ContinuousBatchingConfig
 
 from hf_domino import prepare_for_cpu_decoding
 from hf_domino.assets import chat_token_ids, eos_token_ids, load_drafter, load_target, pad_token_id
-from hf_domino.measure_batch import left_padded_groups
+from hf_domino.measure_batch import left_padded_groups, row_lengths
 from hf_domino.prompt_sets import load_prompts
 
 
 def in_batches(target, tokenizer, prompts, rows, max_new_tokens, **extra) -> list[list[int]]:
-    """Fixed batches of `rows` prompts through generate(): each row's tokens up to its EOS."""
-    pad, answers = pad_token_id(target, tokenizer), []
-    groups = left_padded_groups(tokenizer, prompts, rows, pad)
-    for batch in groups:
+    """Fixed batches of `rows` prompts through generate(): each row's tokens up to its EOS (`row_lengths`)."""
+    pad, eos, answers = pad_token_id(target, tokenizer), eos_token_ids(target, tokenizer), []
+    for batch in left_padded_groups(tokenizer, prompts, rows, pad):
         output = target.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, **extra)
-        answers += [to_eos(row, eos_token_ids(target, tokenizer)) for row in output[:, batch["input_ids"].shape[1] :]]
+        width = batch["input_ids"].shape[1]
+        answers += [row[width : width + n].tolist() for row, n in zip(output, row_lengths(output, width, eos))]
     return answers
-
-
-def to_eos(tokens: torch.Tensor, eos: list[int]) -> list[int]:
-    """A row's tokens up to its first EOS (included): what it generated before padding."""
-    tokens = tokens.tolist()
-    return tokens[: next((i + 1 for i, token in enumerate(tokens) if token in eos), len(tokens))]
 
 
 def served(target, prompts, rows, max_new_tokens, config, **extra) -> list[list[int]]:
@@ -84,10 +78,10 @@ def main() -> None:
         ),
     }
     eos = eos_token_ids(target, tokenizer)
-    reference = [
-        to_eos(target.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False)[0, len(p) :], eos)
-        for p in prompts
-    ]
+    reference = []
+    for prompt in prompts:
+        output = target.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
+        reference.append(output[0, len(prompt) : len(prompt) + row_lengths(output, len(prompt), eos)[0]].tolist())
     for name, run in methods.items():  # warm-up, and every method's answers checked once
         answers = run()
         if name.startswith("drafter"):

@@ -68,7 +68,7 @@ def test_each_request_is_what_the_target_alone_generates_for_it(arch, policy, ro
     assert {len(tokens) for tokens in expected} != {20}  # some requests stopped at EOS, others ran to the limit
     assert all(result.status == RequestStatus.FINISHED and result.error is None for result in results.values())
     # The same answers as transformers' continuous batching of the target alone.
-    # (Its paged cache sized by hand: by default it takes a share of the machine's memory, 14 GB here.)
+    # (Its paged cache sized by hand: by default it takes a share of the machine's memory.)
     small = ContinuousBatchingConfig(num_blocks=16, page_size=16)
     own = target.generate_batch(PROMPTS, GenerationConfig(do_sample=False, pad_token_id=0, **settings), small)
     assert [result.generated_tokens for result in own.values()] == expected

@@ -159,11 +159,13 @@ class RaggedCache:
         rows, width = (self.mask.shape[0], other.mask.shape[0]), max(self.mask.shape[1], other.mask.shape[1])
         for cache in (self, other):
             if cache.recurrent is not None or any(type(layer) not in JOINABLE for layer in cache.cache.layers):
+                others = sorted(
+                    {type(layer).__name__ for layer in cache.cache.layers} - {t.__name__ for t in JOINABLE}
+                )
                 raise ValueError(
                     "Rows join a drafted batch only where every layer of the cache holds keys and values of full "
-                    "(or sliding-window) attention; this one has "
-                    f"{sorted({type(layer).__name__ for layer in cache.cache.layers} - {'DynamicLayer', 'BufferedLayer'})}"
-                    " layers or recurrent states: batch these prompts with generate() instead."
+                    f"(or sliding-window) attention; this one has {others} layers or recurrent states: batch these "
+                    "prompts with generate() instead."
                 )
         for index in range(max(len(self.cache.layers), len(other.cache.layers))):
             sides = [cache.cache.layers[index] if index < len(cache.cache.layers) else None for cache in (self, other)]
