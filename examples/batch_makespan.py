@@ -129,7 +129,7 @@ def target_shares(batch_sizes: list[int]) -> None:
     from hf_domino.cost_model_domino import cached_verify_cost
 
     torch.set_num_threads(2)
-    target, _ = load_target("smollm2")
+    target, _ = load_target("smollm2", device="cpu")
     prepare_for_cpu_decoding(target, load_drafter(), batch_size=max(batch_sizes))
     table, ks = cached_verify_cost(target), (0, 1, 2, 4, 8, 16)
     print("| rows | " + " | ".join(f"k = {k}" for k in ks) + " |")

@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target, tokenizer = load_target("smollm2")
+    target, tokenizer = load_target("smollm2", device="cpu")
     drafter = load_drafter()
     prepare_for_cpu_decoding(target, drafter)
     compile_config = compiling_on_any_device(CompileConfig(dynamic=True) if args.dynamic else CompileConfig())

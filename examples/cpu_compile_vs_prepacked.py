@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target, tokenizer = assets.load_target("smollm2")
+    target, tokenizer = assets.load_target("smollm2", device="cpu")
     drafter = assets.load_drafter()
     prompts = [assets.encode_chat(tokenizer, m) for m in prompt_sets.load_prompts("mtbench", args.num_prompts)]
 
@@ -65,7 +65,7 @@ def main() -> None:
     prepacked = timed_runs("prepacked", target, drafter, prompts, args.max_new_tokens)
 
     inductor_config.freezing = True
-    compiled, _ = assets.load_target("smollm2")
+    compiled, _ = assets.load_target("smollm2", device="cpu")
     compiled.forward = torch.compile(compiled.forward, dynamic=True)
     timed_runs("compiled", compiled, drafter, prompts, args.max_new_tokens)
     again = timed_runs("compiled, again", compiled, drafter, prompts, args.max_new_tokens)

@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target, tokenizer = load_target("smollm2")
+    target, tokenizer = load_target("smollm2", device="cpu")
     drafter = load_drafter(None)
     prepare_for_cpu_decoding(target, drafter)
     if args.attention:

@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target, tokenizer = load_target("smollm2")
+    target, tokenizer = load_target("smollm2", device="cpu")
     datastore = load_drafter(None).datastore
     start = time.perf_counter()
     datastore.build_index()

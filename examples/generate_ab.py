@@ -142,7 +142,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target, tokenizer = load_target("smollm2")
+    target, tokenizer = load_target("smollm2", device="cpu")
     settings = {name: setting_for(name, target, args.batch_size) for name in args.settings}
     prompts = [chat_token_ids(tokenizer, messages) for messages in load_prompts(args.prompts, args.num_prompts)]
     size, pad = args.batch_size, pad_token_id(target, tokenizer)

@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="passes over the prompts; times add up")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target, tokenizer = assets.load_target("smollm2")
+    target, tokenizer = assets.load_target("smollm2", device="cpu")
     drafter = assets.load_drafter()
     start = time.perf_counter()
     report = prepare_for_cpu_decoding(target, drafter)

@@ -58,7 +58,7 @@ def main() -> None:
         setattr(policy_domino, name, ast.literal_eval(value))  # "False" is False, 0.05 a float
     if args.peak_confidence:
         drafting_domino.draft_confidence = lambda logits, index: logits.float().softmax(-1).amax(-1)[0]
-    target, tokenizer = load_target("smollm2")
+    target, tokenizer = load_target("smollm2", device="cpu")
     drafter = load_drafter()
     hf_domino.prepare_for_cpu_decoding(target, drafter)
     sampling = dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95)

@@ -272,4 +272,5 @@ def test_the_serving_benchmark_runs_as_a_user_runs_it():
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "drafter, generate_batch (joining)" in run.stdout and "identical to the target alone's" in run.stdout
+    joining = next(line for line in run.stdout.splitlines() if "drafter, generate_batch (joining)" in line)
+    assert "0 of 4 answers differing from the target alone's" in joining, run.stdout

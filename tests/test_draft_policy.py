@@ -782,24 +782,58 @@ def test_a_new_setting_waits_before_probing_when_the_cost_model_says_drafting_wi
     assert hopeful.budget(room=100) > 0
 
 
-def test_a_new_batch_size_starts_from_the_drafters_cost_at_batch_1(monkeypatch):
+def new_batch_size_policy(monkeypatch, table: dict[int, float], rows: int = 8, acceptance: float | None = None):
+    """The policy of a first call at `rows` rows, after batch 1 learned the drafter's times (4 ms, 1 ms a position)."""
     import types
 
     from hf_domino.options_domino import DominoOptions
 
-    monkeypatch.setattr(batch_policy_domino, "measure_verify_cost", lambda *a, **k: VerifyCost({1: 0.01, 136: 0.3}))
+    monkeypatch.setattr(batch_policy_domino, "measure_verify_cost", lambda *a, **k: VerifyCost(dict(table)))
     monkeypatch.setattr(cost_model_domino, "_VERIFY_COSTS", cost_model_domino.weakref.WeakKeyDictionary())
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     shared = records_domino.drafter_record(drafter, records_domino.DraftingMode(), drafter.config.num_drafts)
     shared.backbone_seconds, shared.position_seconds = 0.004, 0.001  # learned at batch 1
-    anchors = torch.zeros(8, 1, dtype=torch.long)
+    if acceptance is not None:
+        shared.position_acceptance[:] = [acceptance] * len(shared.position_acceptance)
+    anchors = torch.zeros(rows, 1, dtype=torch.long)
     cache = types.SimpleNamespace(cache=None, recurrent=None)
     greedy = records_domino.DraftingMode()
     policy = batch_policy_domino.batch_policy(target, drafter, DominoOptions(), greedy, cache, anchors, {}, 4)
     assert policy.record is not shared and policy.record.position_acceptance is shared.position_acceptance
-    assert policy.record.backbone_seconds == pytest.approx(0.032)
-    assert policy.record.position_seconds == pytest.approx(0.008)
+    return policy
+
+
+@pytest.mark.parametrize(
+    "table, growth",
+    [
+        ({1: 0.01, 17: 0.02, 136: 0.08}, 4.0),  # a CPU: 8 rows' block costs 4x one row's
+        ({1: 0.030, 17: 0.033, 136: 0.0363}, 1.1),  # a GPU: nearly flat
+    ],
+)
+def test_a_new_batch_size_starts_from_the_drafters_cost_at_batch_1_grown_as_the_targets(monkeypatch, table, growth):
+    policy = new_batch_size_policy(monkeypatch, table)
+    assert policy.record.backbone_seconds == pytest.approx(0.004 * growth)
+    assert policy.record.position_seconds == pytest.approx(0.001 * growth)
+    assert policy.record.times_from_prior
+    # The call's first drafting cycle is not the drafter's cost (it reads the prompt); its second replaces the prior.
+    common = dict(drafted=True, verified=2, accepted=[1] * 8, verify_seconds=table[17], positions=2)
+    policy.observe(backbone_seconds=0.5, rollout_seconds=0.5, **common)
+    assert policy.record.backbone_seconds == pytest.approx(0.004 * growth)
+    policy.observe(backbone_seconds=0.006, rollout_seconds=0.004, **common)
+    assert policy.record.backbone_seconds == pytest.approx(0.006) and policy.record.position_seconds == 0.002
+    assert not policy.record.times_from_prior
+    policy.observe(backbone_seconds=0.010, rollout_seconds=0.004, **common)  # measured: learned at TIME_RATE
+    assert policy.record.backbone_seconds == pytest.approx(0.006 + cost_model_domino.TIME_RATE * 0.004)
+
+
+def test_on_a_flat_cost_table_a_new_batch_size_drafts_from_its_first_cycle(monkeypatch):
+    # An H200 (docs/benchmarks.md, "Fifth run on a GPU"): a step ~30 ms at any batch size, a 17-token verification
+    # ~10% more, the drafter's 4 ms barely growing with rows. Priced as 8 rows x the batch-1 backbone (32 ms, more than
+    # a step), a drafter that pays at batch 1 took plain steps for the first 8 cycles of each new batch size, then
+    # learned the real cost a fifth of the way per probe; 8 rows ran 0.91x the target alone.
+    policy = new_batch_size_policy(monkeypatch, {1: 0.030, 17: 0.033, 136: 0.0363}, acceptance=0.6)
+    assert policy.budget(room=100) > 0
 
 
 @pytest.mark.parametrize("rows", [1, 3])

@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / "examples" / "gpu"
 
 
-def run(command: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+def run(command: list[str], tmp_path: Path, timeout: int = 120, **env: str) -> subprocess.CompletedProcess:
     environment = {**os.environ, "S": str(tmp_path / "stage"), "W": str(ROOT), "OUT": str(tmp_path / "out"), **env}
-    return subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120)
+    return subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=timeout)
 
 
 def test_the_suite_keeps_each_failure_as_it_happens(tmp_path, monkeypatch):
@@ -67,7 +67,9 @@ def test_a_stage_is_stopped_at_the_deadline(tmp_path):
     run(["bash", str(GPU / "stages.sh"), "bf16"], tmp_path, DEADLINE=str(int(start) + 35), METHODS="target",
         PROMPTS="80", TOKENS="512")  # fmt: skip
     log = (tmp_path / "stage" / "results" / "stages.log").read_text()
-    assert "bf16: exit 124" in log and time.time() - start < 75, log
+    # Stopped by its SIGINT (124), or killed 20 s later where it did not exit in time (137: the fifth GPU run, a bench
+    # still setting up CUDA).
+    assert ("bf16: exit 124" in log or "bf16: exit 137" in log) and time.time() - start < 75, log
 
 
 def test_the_second_call_on_a_fresh_machine_says_so(tmp_path):
@@ -94,6 +96,19 @@ def test_the_costs_stage_runs_here_at_toy_shapes(tmp_path):
     assert "Implied (not measured) speedup" in log and "Ordered by: internal time" in log
     assert log.count("**cycle** (fastest head)") == 2, "the second shape's table"
     assert "packed query heads: logits within" in log and "argmax equal: True" in log
+
+
+@pytest.mark.slow  # the real SmolLM2 target, twice
+def test_the_batch_and_serve_stages_run_here_at_toy_sizes(tmp_path):
+    # Issue 20's stages as the next proof runs them first, on this CPU at toy sizes: a broken flag costs a GPU call.
+    result = run(["bash", str(GPU / "stages.sh"), "batch", "serve"], tmp_path, timeout=600, BATCH_PROMPTS="2",
+                 BATCH_TOKENS="8", BATCH_SIZES="1,2", SERVE_ARGS="--num-prompts 2 --rows 2 --max-new-tokens 8")  # fmt: skip
+    results = tmp_path / "stage" / "results"
+    stages, batch, serve = ((results / name).read_text() for name in ("stages.log", "batch.log", "serve.log"))
+    assert "batch: exit 0" in stages and "serve: exit 0" in stages, result.stderr + batch + serve
+    for method in ("target", "domino_lookup", "domino_lookup_tree4"):
+        assert f"| 2 | {method} | " in batch, batch
+    assert "drafter, generate_batch (joining)" in serve and "0 of 2 answers differing" in serve, serve
 
 
 @pytest.mark.slow  # 46 s on 2 cores; the stage is off the proof's list since the fourth run answered it

@@ -153,6 +153,47 @@ def test_cuda_static_cache_runs_the_compiled_forward_and_stays_identical():
         torch._dynamo.reset()
 
 
+def test_cuda_bench_warms_the_compiled_verification_from_prompts_kept_on_the_cpu():
+    # The bench keeps its prompts on the CPU and moves each to the target's device; the static-cache warm-up did not
+    # (fifth GPU run: position ids on the CPU beside the CUDA model, inside transformers' assisted loop).
+    from hf_domino.measure import warm_verification_lengths
+    from hf_domino.options_domino import static_caches_roll_back
+
+    if not static_caches_roll_back():
+        pytest.skip("static caches roll back from transformers 5.24")
+    target = tiny_target("qwen3").cuda()
+    drafter = tiny_drafter(target).cuda()
+    try:
+        warm_verification_lengths(
+            target, drafter, torch.tensor([[5, 17, 42, 8, 9]]), 4, {"cache_implementation": "static"}
+        )
+        assert sum(drafter.last_generation_stats.drafted) > 0
+    finally:
+        torch._dynamo.reset()
+
+
+def test_cuda_requests_join_the_drafted_batch_and_each_is_the_target_alones():
+    # `generate_batch` with the drafter: rows finish and requests join on the device, each token-identical to the
+    # target alone generating its prompt alone.
+    from test_continuous_batching import EOS, PROMPTS, followed_by, random_target, rows_at_most
+    from transformers import GenerationConfig
+
+    target = random_target("qwen3")
+    settings = dict(max_new_tokens=20, eos_token_id=EOS)
+    drafter = forcing_drafter(target, followed_by(target, PROMPTS, **settings), block_size=6)
+    target, drafter = target.cuda(), drafter.cuda()
+    expected = []
+    for prompt in PROMPTS:
+        output = target.generate(torch.tensor([prompt], device="cuda"), do_sample=False, pad_token_id=0, **settings)
+        expected.append(output[0, len(prompt) :].tolist())
+    results = target.generate_batch(
+        PROMPTS, GenerationConfig(do_sample=False, pad_token_id=0, **settings),
+        continuous_batching_config=rows_at_most(3), assistant_model=drafter,
+    )  # fmt: skip
+    assert [result.generated_tokens for result in results.values()] == expected
+    assert sum(drafter.last_generation_stats.drafted) > 0
+
+
 def test_cuda_half_precision_calls_run_without_cudnn_attention():
     # cuDNN plans every new (query, key) length; a drafting call meets new ones at every cycle (third GPU run's bf16
     # slow state). Both loops run without its kernels, unless asked, and put the switch back afterwards.

@@ -7,7 +7,7 @@
 # stage with under 20 s left is skipped. Sizes can be shrunk to check the script on a CPU:
 #   S=/tmp/stage W=$PWD PROMPTS=1 TOKENS=8 COST_SHAPE=tiny SMALL_COST_SHAPE=tiny STALL_SHAPE=tiny MICRO_REPS=2 METHODS=target,domino_vocab_k16@eager \
 #     BATCH_PROMPTS=2 BATCH_TOKENS=8 BATCH_SIZES=1,2 LAPS_DTYPES=float32 LAPS_ARGS="--new-tokens 4 --warmup-tokens 2 --rounds 1" \
-#     bash examples/gpu/stages.sh costs bf16 batch laps
+#     SERVE_ARGS="--num-prompts 2 --rows 2 --max-new-tokens 8" bash examples/gpu/stages.sh costs bf16 batch laps serve
 set -uo pipefail
 S=${S:-/root/stage}
 source "$(dirname "$0")/env.sh"
@@ -22,7 +22,9 @@ SMALL_COST_SHAPE=${SMALL_COST_SHAPE-smollm2-135m}
 # the bf16 slow state, cuDNN's attention left out and allowed (lap_probe.py); LAPS_ARGS adds options (smaller calls
 # to check it on a CPU)
 LAPS_DTYPES=${LAPS_DTYPES:-bfloat16}; LAPS_ARGS=${LAPS_ARGS:-}
-BATCH_PROMPTS=${BATCH_PROMPTS:-8}; BATCH_TOKENS=${BATCH_TOKENS:-32}; BATCH_SIZES=${BATCH_SIZES:-1,2,4,8}
+BATCH_PROMPTS=${BATCH_PROMPTS:-8}; BATCH_TOKENS=${BATCH_TOKENS:-64}; BATCH_SIZES=${BATCH_SIZES:-1,2,4,8}
+# requests joining as rows finish (`generate_batch`, examples/serve_requests.py), fp32 on the GPU; SERVE_ARGS shrinks it
+SERVE_ARGS=${SERVE_ARGS:---prompts humaneval --num-prompts 16 --rows 4 --max-new-tokens 64 --repeats 1}
 PYTEST_WORKERS=${PYTEST_WORKERS:-14}  # xdist and pytest-timeout: on the image
 VOCAB=src/hf_domino/checkpoints/smollm2-135m-instruct-domino/draft_vocab.safetensors
 # bf16 is the speed claim: the target alone, Domino (head fused) with whole blocks, and the default (adaptive, draft
@@ -41,13 +43,16 @@ STATIC_METHODS=${STATIC_METHODS:-target,domino_vocab_lookup,domino_vocab_k16@tri
 # issue 20 on a GPU: the default (the head fused for all rows, with a CUDA graph) against the batched target alone,
 # at 1, 2, 4 and 8 rows (the goal: 2-4 keep batch 1's speedup). The second run's stage (also `domino_lookup@eager` and
 # `domino_lookup_makespan`, 8 prompts x 64 tokens) wrote nothing in its 120 s, in the slow state since traced to
-# cuDNN's attention; the third ran 1 and 8 rows in 54 s, in that state too.
-BATCH_METHODS=${BATCH_METHODS:-target,domino_lookup}
+# cuDNN's attention; the third ran 1 and 8 rows in 54 s, in that state too; the fifth, 8 prompts x 32 tokens, the
+# target both ways and the default in 79 s: 2-4 rows 1.02-1.07x against 1.23x at one (most cycles of a new batch size
+# plain, priced by the batch-1 backbone times the rows; grown as the target's table since). 64 tokens, and a tree of 4
+# first-token branches, which a GPU's flat verification should pay for (docs/usage.md, "First-token branches").
+BATCH_METHODS=${BATCH_METHODS:-target,domino_lookup,domino_lookup_tree4}
 # Part B: continuations of the shipped drafter side by side, anchors drawn uniformly and among generate()'s own blocks;
 # the last FINETUNE_RESERVE seconds of the stage are for their final validation and export.
 FINETUNE_RUNS=${FINETUNE_RUNS:-uniform chain}; FINETUNE_RESERVE=${FINETUNE_RESERVE:-150}
 # for the stage functions, which run under `timeout`
-export S W R PROMPTS TOKENS MICRO_REPS VOCAB BATCH_PROMPTS BATCH_TOKENS BATCH_SIZES FINETUNE_RUNS FINETUNE_RESERVE
+export S W R PROMPTS TOKENS MICRO_REPS VOCAB BATCH_PROMPTS BATCH_TOKENS BATCH_SIZES SERVE_ARGS FINETUNE_RUNS FINETUNE_RESERVE
 
 stage() {  # stage NAME LIMIT COMMAND...
   local name=$1 limit=$2 left status; shift 2
@@ -136,7 +141,8 @@ for name in "$@"; do
     bf16) stage bf16 240 bench bfloat16 $METHODS ;;
     static) stage static 180 bench bfloat16 $STATIC_METHODS mtbench --static-cache ;;
     fp32) stage fp32 120 bench float32 $FP32_METHODS ;;
-    batch) stage batch 100 batch $BATCH_METHODS ;;
+    batch) stage batch 200 batch $BATCH_METHODS ;;
+    serve) stage serve 120 python3 examples/serve_requests.py $SERVE_ARGS --threads 8 ;;
     # An offloaded target (docs/usage.md, "Offloaded targets"): 150 MB of SmolLM2 on the GPU, the rest in CPU memory,
     # alone and with the drafter. Not in a call's default stages: STAGES=offload, where time is left.
     offload) stage offload 120 bash -c "for prompts in mtbench humaneval; do python3 examples/offloaded_target.py \

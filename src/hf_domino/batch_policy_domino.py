@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .cost_model_domino import (
+    CALIBRATION_LENGTHS,
     TIME_RATE,
     VerifyCost,
     measure_verify_cost,
@@ -65,6 +66,12 @@ class BatchVerifyCost:
     def observe(self, num_tokens: int, seconds: float) -> None:
         self.table.observe(self.rows * num_tokens, seconds)
 
+    def growth(self, branches: int = 1) -> float:
+        """How many times one row's forward over a whole block (`branches` of them) the same forward over every row
+        costs: the table's own scaling from one row to the batch, at least 1."""
+        block = CALIBRATION_LENGTHS[-1]
+        return max(self.table(self.rows * branches * block) / self.table(block), 1.0)
+
     def fixed_share(self, num_tokens: int) -> float:
         """The share of verifying `num_tokens` per row that does not grow with the rows (reading the weights, the
         loop's own work), read from the table as a cost `fixed + rows x per_row`: a batch pays it every cycle until
@@ -101,6 +108,7 @@ def batch_policy(
     cost = verify_cost_for(target, measure)
     if not cost.covers(rows):
         cost.update(measure())
+    verify_cost = BatchVerifyCost(cost, rows)
     # What pays depends on the batch size (verifying rows x (1 + k) tokens), so rates and back-off are learned per
     # batch size; how far drafts hold on this text is the drafter's, shared with every batch size and with batch 1.
     # A tree's acceptance (along the branch taken) is its own, shared by the batch sizes verifying such trees; how
@@ -112,15 +120,19 @@ def batch_policy(
     record = drafter_record(drafter, replace(mode, branches=branches, rows=rows), num_drafts)
     record.position_acceptance, record.calibration = shared.position_acceptance, shared.calibration
     if record.backbone_seconds is None and single.backbone_seconds is not None:
-        # Before this batch size drafts at all: the drafter's cost measured at batch 1, times the rows (and a tree's
-        # branches, each rolled out as a row). On a CPU it grows about so; on a GPU this overestimates, which only
-        # delays the first probe (then it is measured).
-        record.backbone_seconds = rows * single.backbone_seconds
+        # Before this batch size drafts at all: the drafter's cost measured at batch 1, grown as the target's forward
+        # grows from one row's block to all rows' (a tree's branches each rolled out as a row). A drafter is a smaller
+        # transformer on the same device, more of its time fixed per layer, so it grows less: on a 2-core CPU its
+        # backbone took 4.0/3.9/4.3/6.6 ms at 1/2/4/8 rows while the target's 17-token forward grew 3.6x to 8 rows;
+        # on an H200 5.2/4.6/4.4/7.4 ms, the target's nearly flat. An estimate too high is the costly side (drafting
+        # waits and is measured late), so the first measured cycle replaces it (`DrafterRecord.times_from_prior`).
+        record.backbone_seconds = verify_cost.growth() * single.backbone_seconds
         position = single.position_seconds
-        record.position_seconds = None if position is None else rows * branches * position
+        record.position_seconds = None if position is None else verify_cost.growth(branches) * position
+        record.times_from_prior = True
     return AdaptivePolicy(
         record,
-        BatchVerifyCost(cost, rows),
+        verify_cost,
         # A tree verifies at most what a whole block does (its cost table's widest forward): k <= K / branches.
         cap=max(1, max_drafts // branches),
         confidence_threshold=options.assistant_confidence_threshold,

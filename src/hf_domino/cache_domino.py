@@ -51,6 +51,7 @@ class BufferedLayer(DynamicLayer):
         super().__init__()
         self.reserve = reserve  # columns the call may reach (its max_length): room is never taken past it early
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.views: tuple[torch.Tensor, torch.Tensor] | None = None  # the keys and values the last update returned
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -60,9 +61,10 @@ class BufferedLayer(DynamicLayer):
         if not self._writes_in_place(key_states, start, end):
             self._move_to_buffers(key_states, value_states, start, end)
         keys, values = self.buffers
-        keys[..., start:end, :] = key_states
-        values[..., start:end, :] = value_states
-        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+        keys.narrow(-2, start, end - start).copy_(key_states)
+        values.narrow(-2, start, end - start).copy_(value_states)
+        self.keys, self.values = keys.narrow(-2, 0, end), values.narrow(-2, 0, end)
+        self.views = self.keys, self.values
         return self.keys, self.values
 
     def _writes_in_place(self, key_states: torch.Tensor, start: int, end: int) -> bool:
@@ -71,6 +73,8 @@ class BufferedLayer(DynamicLayer):
             return False
         if start == 0:
             return self.buffers[0].shape[:-2] == key_states.shape[:-2]
+        if self.keys is self.views[0] and self.values is self.views[1]:  # the views the last update made: prefixes
+            return self.keys.shape[:-2] == key_states.shape[:-2]
         return (
             all(
                 view.data_ptr() == buffer.data_ptr() and view.stride() == buffer.stride()

@@ -442,6 +442,7 @@ def warm_verification_lengths(
         return
     settings = generation_kwargs(target, warmup_tokens, temperature=0.0) | compile_settings
     settings |= {"assistant_model": drafter, "draft_policy": "fixed", "domino_lookup": False}
+    input_ids = input_ids.to(target.device)  # the bench keeps its prompts on the CPU
     attention_mask = torch.ones_like(input_ids)
     two = min(2, drafter.config.num_drafts)
     for tokens, drafts in ((warmup_tokens, 1), (warmup_tokens + 1, two), (warmup_tokens + 1, 0)):

@@ -95,7 +95,7 @@ def smollm2_batches(
     torch threads), and the first `num_prompts` chat prompts of `prompt_set` in left-padded groups of `batch_size`
     rows (`left_padded_groups`)."""
     torch.set_num_threads(threads)
-    target, tokenizer = load_target("smollm2")
+    target, tokenizer = load_target("smollm2", device="cpu")
     drafter = load_drafter(None)
     prepare_for_cpu_decoding(target, drafter, batch_size=batch_size)
     prompts = [chat_token_ids(tokenizer, messages) for messages in load_prompts(prompt_set, num_prompts)]

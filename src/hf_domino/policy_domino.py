@@ -360,9 +360,13 @@ class AdaptivePolicy:
         if self.learn_times:
             self.verify_cost.observe(forward_tokens, verify_seconds)
             if drafted and learn_draft_times:
-                record.backbone_seconds = _learned_time(record.backbone_seconds, backbone_seconds)
+                prior = record.times_from_prior  # estimated before this setting drafted: replaced by a measurement
+                record.backbone_seconds = _learned_time(record.backbone_seconds, backbone_seconds, prior)
                 if positions:
-                    record.position_seconds = _learned_time(record.position_seconds, rollout_seconds / positions)
+                    record.position_seconds = _learned_time(
+                        record.position_seconds, rollout_seconds / positions, prior
+                    )
+                record.times_from_prior = False
         for row, (row_accepted, offered) in enumerate(zip(accepted_rows, verified_rows)):
             confidence = None if confidence_rows is None else confidence_rows[row]
             learn_acceptance(record, offered, row_accepted, confidence)
@@ -488,10 +492,13 @@ def _moved(current: float | None, observed: float, rate: float) -> float:
     return observed if current is None else current + rate * (observed - current)
 
 
-def _learned_time(current: float | None, observed: float) -> float:
+def _learned_time(current: float | None, observed: float, replace: bool = False) -> float:
     """A drafting time moved towards one cycle's, which counts as at most twice (at least half) the estimate, as
     `VerifyCost.observe` bounds a verification: a one-off (a CUDA graph captured for a longer block, a stall of the
-    machine) must not price the drafter for many cycles."""
+    machine) must not price the drafter for many cycles. With `replace` (the estimate was never measured in this
+    setting), the cycle's time itself."""
+    if replace:
+        return observed
     if current is not None and current > 0:
         observed = min(max(observed, current / 2), current * 2)
     return _moved(current, observed, TIME_RATE)
