@@ -815,14 +815,16 @@ def test_a_new_batch_size_starts_from_the_drafters_cost_at_batch_1_grown_as_the_
     policy = new_batch_size_policy(monkeypatch, table)
     assert policy.record.backbone_seconds == pytest.approx(0.004 * growth)
     assert policy.record.position_seconds == pytest.approx(0.001 * growth)
-    assert policy.record.times_from_prior
-    # The call's first drafting cycle is not the drafter's cost (it reads the prompt); its second replaces the prior.
+    assert policy.record.backbone_from_prior
+    # The call's first drafting cycle is not the drafter's cost (it reads the prompt); its second replaces the prior
+    # backbone time, and moves the rollout's a bounded step (a first cycle at a new width can capture a CUDA graph).
     common = dict(drafted=True, verified=2, accepted=[1] * 8, verify_seconds=table[17], positions=2)
     policy.observe(backbone_seconds=0.5, rollout_seconds=0.5, **common)
     assert policy.record.backbone_seconds == pytest.approx(0.004 * growth)
-    policy.observe(backbone_seconds=0.006, rollout_seconds=0.004, **common)
-    assert policy.record.backbone_seconds == pytest.approx(0.006) and policy.record.position_seconds == 0.002
-    assert not policy.record.times_from_prior
+    position = policy.record.position_seconds
+    policy.observe(backbone_seconds=0.006, rollout_seconds=1.0, **common)
+    assert policy.record.backbone_seconds == pytest.approx(0.006) and not policy.record.backbone_from_prior
+    assert policy.record.position_seconds == pytest.approx(position + cost_model_domino.TIME_RATE * position)
     policy.observe(backbone_seconds=0.010, rollout_seconds=0.004, **common)  # measured: learned at TIME_RATE
     assert policy.record.backbone_seconds == pytest.approx(0.006 + cost_model_domino.TIME_RATE * 0.004)
 

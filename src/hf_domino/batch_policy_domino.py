@@ -67,8 +67,8 @@ class BatchVerifyCost:
         self.table.observe(self.rows * num_tokens, seconds)
 
     def growth(self, branches: int = 1) -> float:
-        """How many times one row's forward over a whole block (`branches` of them) the same forward over every row
-        costs: the table's own scaling from one row to the batch, at least 1."""
+        """What a forward over every row's whole block (`branches` blocks per row) costs, in multiples of one row's
+        forward over one block: the table's own scaling from one row to the batch, at least 1."""
         block = CALIBRATION_LENGTHS[-1]
         return max(self.table(self.rows * branches * block) / self.table(block), 1.0)
 
@@ -125,11 +125,11 @@ def batch_policy(
         # transformer on the same device, more of its time fixed per layer, so it grows less: on a 2-core CPU its
         # backbone took 4.0/3.9/4.3/6.6 ms at 1/2/4/8 rows while the target's 17-token forward grew 3.6x to 8 rows;
         # on an H200 5.2/4.6/4.4/7.4 ms, the target's nearly flat. An estimate too high is the costly side (drafting
-        # waits and is measured late), so the first measured cycle replaces it (`DrafterRecord.times_from_prior`).
+        # waits and is measured late), so the first measured backbone replaces it (`DrafterRecord.backbone_from_prior`).
         record.backbone_seconds = verify_cost.growth() * single.backbone_seconds
         position = single.position_seconds
         record.position_seconds = None if position is None else verify_cost.growth(branches) * position
-        record.times_from_prior = True
+        record.backbone_from_prior = True
     return AdaptivePolicy(
         record,
         verify_cost,

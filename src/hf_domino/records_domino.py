@@ -80,8 +80,8 @@ class DrafterRecord:
     calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     backbone_seconds: float | None = None
     position_seconds: float | None = None
-    # Both times above were estimated from another setting (a new batch size from batch 1), not measured in this one.
-    times_from_prior: bool = False
+    # The backbone's time was estimated from another setting (a new batch size from batch 1), not measured in this one.
+    backbone_from_prior: bool = False
     drafting_rate: float | None = None  # tokens/s of recent drafting cycles, drafting included
     skip_interval: int = 1
     skip_left: int = 0

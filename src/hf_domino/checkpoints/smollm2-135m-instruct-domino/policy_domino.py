@@ -360,13 +360,13 @@ class AdaptivePolicy:
         if self.learn_times:
             self.verify_cost.observe(forward_tokens, verify_seconds)
             if drafted and learn_draft_times:
-                prior = record.times_from_prior  # estimated before this setting drafted: replaced by a measurement
-                record.backbone_seconds = _learned_time(record.backbone_seconds, backbone_seconds, prior)
+                # A backbone time estimated before this setting drafted is replaced by its first measurement; the
+                # rollout's keeps bounded steps (a first cycle at a new width can capture a CUDA graph).
+                prior = record.backbone_from_prior
+                record.backbone_seconds = _learned_time(record.backbone_seconds, backbone_seconds, replace=prior)
+                record.backbone_from_prior = False
                 if positions:
-                    record.position_seconds = _learned_time(
-                        record.position_seconds, rollout_seconds / positions, prior
-                    )
-                record.times_from_prior = False
+                    record.position_seconds = _learned_time(record.position_seconds, rollout_seconds / positions)
         for row, (row_accepted, offered) in enumerate(zip(accepted_rows, verified_rows)):
             confidence = None if confidence_rows is None else confidence_rows[row]
             learn_acceptance(record, offered, row_accepted, confidence)
