@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicLayer
 from hf_domino import (
     batch_policy_domino,
     batching_domino,
+    cost_model_domino,
     policy_domino,
     ragged_batch_domino,
     ragged_cache_domino,
@@ -109,6 +110,33 @@ def test_plain_steps_seconds_counts_the_rows_still_generating():
     # Rows that still generate 3, 1 and 0 tokens: plain steps of 2 rows, then 1 row, then 1 row.
     assert batch_policy_domino.plain_steps_seconds([3, 1, 0], lambda rows: 10.0 * rows) == 40.0
     assert batch_policy_domino.plain_steps_seconds([0, 0], lambda rows: 1.0) == 0
+
+
+def test_plain_steps_seconds_of_a_server_joins_rows_as_places_free_up():
+    # A step costs 10 plus 1 per row. Four rows of 4 tokens, 2 at a time: two rounds of 4 two-row steps; all at once:
+    # 4 four-row steps. Rows of 3, 1 and 2 tokens, 2 at a time: the third row joins when the second finishes.
+    def seconds(rows: int) -> float:
+        return 10.0 + rows
+
+    assert batch_policy_domino.plain_steps_seconds([4, 4, 4, 4], seconds, limit=2) == 8 * 12.0
+    assert batch_policy_domino.plain_steps_seconds([4, 4, 4, 4], seconds) == 4 * 14.0
+    assert batch_policy_domino.plain_steps_seconds([3, 1, 2], seconds, limit=2) == 12.0 + 2 * 12.0
+    assert batch_policy_domino.plain_steps_seconds([], seconds, limit=2) == 0
+
+
+def test_a_servers_call_is_judged_against_plain_steps_joining_as_its_rows_joined(monkeypatch):
+    # 21 requests of 17 tokens, 3 rows at a time, in 20 cycles of 1 s, where a plain step costs 1 s at any row count:
+    # plain steps joining as the call did take 7 rounds of 17 steps (5.95x slower); all 21 at once would take 17
+    # (0.85x: a loss, which paused the next call).
+    monkeypatch.setattr(batch_policy_domino, "MAX_PLAIN_CALLS", 4)
+    record = records_domino.DrafterRecord(position_acceptance=[0.5], plain_cycle_seconds={1: 1.0, 2: 1.0, 3: 1.0})
+    table = cost_model_domino.VerifyCost({1: 1.0, 68: 1.0})
+    policy = policy_domino.AdaptivePolicy(record, batch_policy_domino.BatchVerifyCost(table, 3), cap=4)
+    cycles, steps = [(3, 1.0, None)] * 20, [17] * 21
+    assert batch_policy_domino.call_gain(policy, cycles, steps, limit=3) == pytest.approx(119 / 20)
+    assert batch_policy_domino.call_gain(policy, cycles, steps) == pytest.approx(17 / 20)
+    batch_policy_domino.judge_call(policy, cycles, steps, speculated=True, limit=3)
+    assert record.call_gain == pytest.approx(119 / 20) and batch_policy_domino.call_speculates(record)
 
 
 def test_calls_losing_on_average_pause_speculation_for_1_2_4_calls(monkeypatch):

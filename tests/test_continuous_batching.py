@@ -12,6 +12,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProce
 from transformers.cache_utils import DynamicCache
 from transformers.generation.continuous_batching.requests import RequestStatus
 
+from hf_domino import batching_domino
 from hf_domino.cache_domino import buffer_layers
 from hf_domino.drafting_domino import DrafterContext, run_backbone
 from hf_domino.modeling_domino import TargetModules
@@ -257,6 +258,25 @@ def test_recurrent_targets_are_refused_naming_generate():
     drafter = tiny_drafter(target, block_size=4)
     with pytest.raises(ValueError, match="left-padded batch"):
         target.generate_batch([[4, 5]], assistant_model=drafter, max_new_tokens=4)
+
+
+def test_a_call_is_judged_against_plain_steps_that_join_as_its_requests_join(monkeypatch):
+    # Judged as if all its requests had started together, a call of 21 requests, 3 rows at a time, read 0.27x plain
+    # steps with a drafter whose drafts held, and every second call took plain steps only (0 drafting cycles). The
+    # judge now gets the rows at a time (test_batching checks what it makes of them).
+    from conftest import successor_target
+
+    from hf_domino import batch_policy_domino
+
+    judged = []
+    judge = batch_policy_domino.judge_call
+    monkeypatch.setattr(batching_domino, "judge_call", lambda *a, **k: judged.append(a[-1]) or judge(*a, **k))
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, [(t + 1) % VOCAB for t in range(VOCAB)], block_size=6)
+    config = GenerationConfig(do_sample=False, pad_token_id=0, max_new_tokens=40, eos_token_id=EOS)
+    target.generate_batch(PROMPTS * 3, config, rows_at_most(3), assistant_model=drafter)
+    target.generate_batch(PROMPTS * 3, config, rows_at_most(2), assistant_model=drafter)
+    assert judged == [3, 2]
 
 
 @pytest.mark.slow

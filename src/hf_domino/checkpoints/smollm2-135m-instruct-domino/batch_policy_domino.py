@@ -13,6 +13,7 @@ This file is also written next to exported checkpoints as remote code (transform
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -143,12 +144,17 @@ def batch_policy(
 
 # --------------------------------------------------------------------------------------------- the judge of calls
 def judge_call(
-    policy: AdaptivePolicy, cycle_times: list[tuple[int, float, float | None]], steps: list[int], speculated: bool
+    policy: AdaptivePolicy,
+    cycle_times: list[tuple[int, float, float | None]],
+    steps: list[int],
+    speculated: bool,
+    limit: int | None = None,
 ) -> None:
     """After one batched call: learns its plain cycles' times by active rows (`cycle_times`: per cycle, its rows, its
     time and, for a plain step, what a plain-steps-only call pays for it) and, when the call speculated, whether that
     paid: its cycles against what plain steps would have taken for the tokens `steps[r]` each row generated (so its
-    stops too), which `learn_call_gain` averages over calls. Calls shorter than `CALL_MIN_CYCLES` are not judged."""
+    stops too; rows joining `limit` at a time for a server's call, `plain_steps_seconds`), which `learn_call_gain`
+    averages over calls. Calls shorter than `CALL_MIN_CYCLES` are not judged."""
     if not MAX_PLAIN_CALLS:
         return
     record = policy.record
@@ -158,14 +164,19 @@ def judge_call(
             record.plain_cycle_seconds[rows] = plain if current is None else current + TIME_RATE * (plain - current)
     if not speculated or all(plain is not None for _, _, plain in cycle_times) or len(cycle_times) < CALL_MIN_CYCLES:
         return
-    learn_call_gain(record, call_gain(policy, cycle_times, steps))
+    learn_call_gain(record, call_gain(policy, cycle_times, steps, limit))
 
 
-def call_gain(policy: AdaptivePolicy, cycle_times: list[tuple[int, float, float | None]], steps: list[int]) -> float:
+def call_gain(
+    policy: AdaptivePolicy,
+    cycle_times: list[tuple[int, float, float | None]],
+    steps: list[int],
+    limit: int | None = None,
+) -> float:
     """How many times as fast as plain steps the cycles `cycle_times` went: plain steps' time for the tokens `steps[r]`
-    each row generated in them, over their time."""
+    each row generated in them (rows joining `limit` at a time, if given), over their time."""
     spent = sum(seconds for _, seconds, _ in cycle_times)
-    plain = plain_steps_seconds(steps, lambda rows: plain_cycle_estimate(policy, rows))
+    plain = plain_steps_seconds(steps, lambda rows: plain_cycle_estimate(policy, rows), limit)
     return plain / max(spent, 1e-9)
 
 
@@ -176,11 +187,14 @@ def checks_call(cycles: int) -> bool:
 
 
 def stops_speculating(
-    policy: AdaptivePolicy, cycle_times: list[tuple[int, float, float | None]], steps: list[int]
+    policy: AdaptivePolicy,
+    cycle_times: list[tuple[int, float, float | None]],
+    steps: list[int],
+    limit: int | None = None,
 ) -> bool:
     """Whether a speculating call judged at this cycle (`checks_call`) takes plain steps from here on: when its
     cycles so far went below `CALL_STOP_GAIN` times as fast as plain steps (`call_gain`)."""
-    return call_gain(policy, cycle_times, steps) < CALL_STOP_GAIN
+    return call_gain(policy, cycle_times, steps, limit) < CALL_STOP_GAIN
 
 
 def plain_cycle_estimate(policy: AdaptivePolicy, rows: int) -> float:
@@ -218,13 +232,17 @@ def call_speculates(record: DrafterRecord) -> bool:
     return True
 
 
-def plain_steps_seconds(steps: list[int], seconds_by_rows: Callable[[int], float]) -> float:
+def plain_steps_seconds(steps: list[int], seconds_by_rows: Callable[[int], float], limit: int | None = None) -> float:
     """What plain steps take to generate `steps[r]` tokens in row r: one token per row per cycle, rows leaving the
-    batch as they finish (so between the i-th shortest row's end and the next one, `rows - i` rows step)."""
-    total, done = 0.0, 0
-    for index, end in enumerate(sorted(steps)):
-        total += (end - done) * seconds_by_rows(len(steps) - index)
-        done = end
+    batch as they finish. With `limit` (a server's rows at a time), rows join in their order as places free up, as
+    `generate_batch`'s requests do; without, all start together."""
+    waiting, running, total = deque(steps), [], 0.0
+    while waiting or running:
+        while waiting and len(running) < (limit or len(steps)):
+            running.append(waiting.popleft())
+        step = min(running)  # cycles until the next row finishes
+        total += step * seconds_by_rows(len(running))
+        running = [left - step for left in running if left > step]
     return total
 
 

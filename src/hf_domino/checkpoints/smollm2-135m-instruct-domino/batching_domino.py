@@ -170,6 +170,9 @@ class BatchedDecoding:
         # cycle's active rows, wall time and (a plain step) what a plain-steps-only call pays for it, for `judge_call`.
         self.speculated = self.speculating = True
         self.drafted_in_call = False
+        # A server's rows at a time (`continuous_batching_domino.Serving`): its rows join in their order as others
+        # finish, which the judge of the call prices plain steps by. None: all rows start together.
+        self.row_limit: int | None = None
         self.cycle_times: list[tuple[int, float, float | None]] = []
         # Per row, the drafts and copies accepted and the cycles that verified some (any row's), for `row_paces`.
         self.row_accepted, self.row_cycles = [0] * rows, [0] * rows
@@ -517,7 +520,7 @@ class BatchedDecoding:
         return (
             checks_call(len(self.cycle_times))
             and self.judges_calls
-            and stops_speculating(self.policy, self.cycle_times, self.steps())
+            and stops_speculating(self.policy, self.cycle_times, self.steps(), self.row_limit)
         )
 
     def steps(self) -> list[int]:
@@ -527,7 +530,7 @@ class BatchedDecoding:
     def judge_call(self) -> None:
         """After the call: whether speculating paid, for this batch size's next calls (`batch_policy_domino`)."""
         if self.judges_calls:
-            judge_call(self.policy, self.cycle_times, self.steps(), speculated=self.speculated)
+            judge_call(self.policy, self.cycle_times, self.steps(), self.speculated, self.row_limit)
 
 
 @torch.no_grad()

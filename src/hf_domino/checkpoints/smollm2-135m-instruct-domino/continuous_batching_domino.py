@@ -186,6 +186,7 @@ class Serving:
 
     def __init__(self, decoding: BatchedDecoding, waiting: list, limit: int, record_timestamps: bool):
         self.decoding, self.limit, self.record_timestamps = decoding, limit, record_timestamps
+        decoding.row_limit = limit  # so that the call is judged against plain steps joining as it joins
         self.waiting: deque = deque(waiting)  # (request, its processors, criteria and max_length)
         self.order = [request.request_id for request, _ in waiting]
         self.running: dict[int, Request] = {}  # row of `decoding` -> its request
