@@ -15,6 +15,7 @@ that prompt. docs/benchmarks.md quotes it:
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import torch
@@ -65,6 +66,9 @@ def main() -> None:
     target, tokenizer = load_target("smollm2", device=args.device)
     drafter = load_drafter(None).to(target.device, target.dtype)
     print(prepare_for_cpu_decoding(target, drafter, batch_size=args.rows))
+    # What the adaptive policy learns (rates, pauses, whether a batch size's calls pay) is kept per drafter object: a
+    # copy per method, so that neither method's calls start from what the other's taught it.
+    fixed, joining = drafter, copy.deepcopy(drafter)
     prompts = [chat_token_ids(tokenizer, messages) for messages in load_prompts(args.prompts, args.num_prompts)]
     prompts = prompts[: len(prompts) - len(prompts) % args.rows]  # whole fixed batches
     rows, new = args.rows, args.max_new_tokens
@@ -74,9 +78,9 @@ def main() -> None:
     methods = {
         "target, fixed batches": lambda: in_batches(target, tokenizer, prompts, rows, new),
         "target, generate_batch (transformers)": lambda: served(target, prompts, rows, new, pages),
-        "drafter, fixed batches": lambda: in_batches(target, tokenizer, prompts, rows, new, assistant_model=drafter),
+        "drafter, fixed batches": lambda: in_batches(target, tokenizer, prompts, rows, new, assistant_model=fixed),
         "drafter, generate_batch (joining)": lambda: served(
-            target, prompts, rows, new, pages, assistant_model=drafter
+            target, prompts, rows, new, pages, assistant_model=joining
         ),
     }
     eos = eos_token_ids(target, tokenizer)
