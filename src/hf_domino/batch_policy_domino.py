@@ -236,9 +236,9 @@ def plain_steps_seconds(steps: list[int], seconds_by_rows: Callable[[int], float
     """What plain steps take to generate `steps[r]` tokens in row r: one token per row per cycle, rows leaving the
     batch as they finish. With `limit` (a server's rows at a time), rows join in their order as places free up, as
     `generate_batch`'s requests do; without, all start together."""
-    waiting, running, total = deque(steps), [], 0.0
+    waiting, running, total, places = deque(steps), [], 0.0, limit or len(steps)
     while waiting or running:
-        while waiting and len(running) < (limit or len(steps)):
+        while waiting and len(running) < places:
             running.append(waiting.popleft())
         step = min(running)  # cycles until the next row finishes
         total += step * seconds_by_rows(len(running))
