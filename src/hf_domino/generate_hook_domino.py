@@ -2,7 +2,7 @@
 
 `target.generate(..., assistant_model=drafter)` with a `DominoForSpeculation` drafter must pick our candidate
 generator (`generation_domino.DominoCandidateGenerator`), but transformers 5.x has no public way to plug one in.
-`install_assisted_generation_hook()` wraps six `GenerationMixin` methods; each wrapper hands over to the original
+`install_assisted_generation_hook()` wraps eight `GenerationMixin` methods; each wrapper hands over to the original
 unchanged unless the assistant is a Domino drafter:
 
 - `_extract_generation_mode_kwargs`: takes this call's Domino options (`DominoOptions`) out of generate()'s kwargs;
@@ -14,7 +14,10 @@ unchanged unless the assistant is a Domino drafter:
   (transformers' assisted loop reads the cached tokens again);
 - `_get_candidate_generator`: returns `drafter.build_candidate_generator(...)`;
 - `generate_batch` (continuous batching, which drops an assistant model): serves the requests with the drafter in a
-  batch that takes on waiting requests as rows finish (`continuous_batching_domino`).
+  batch that takes on waiting requests as rows finish (`continuous_batching_domino`);
+- `init_continuous_batching` and `continuous_batching_context_manager` (the manager beneath it, which takes no
+  assistant): with `assistant_model=` a Domino drafter, a `DraftedBatchingManager` that serves requests added from
+  any thread the same way.
 
 The hook is installed when a drafter is built (see `DominoForSpeculation.__init__`) or `hf_domino` is imported; it
 is idempotent, and refuses to install on a transformers whose methods no longer have the parameters it relies on.
@@ -49,7 +52,7 @@ from .cache_domino import (
     has_replayable_scan,
     uncached_prompt_length,
 )
-from .continuous_batching_domino import generate_requests
+from .continuous_batching_domino import DraftedBatchingManager, generate_requests
 from .options_domino import (
     DominoGenerationStats,
     DominoOptions,
@@ -101,6 +104,8 @@ _REQUIRED_PARAMETERS = {
         "warmup",
         "kwargs",
     ),
+    "init_continuous_batching": ("generation_config", "continuous_batching_config"),
+    "continuous_batching_context_manager": ("generation_config", "block", "timeout", "continuous_batching_config"),
 }
 # Where the options travel from `_extract_generation_mode_kwargs` to `_assisted_decoding`, and whether the call
 # passed an attention mask (a padded batch without one is refused).
@@ -392,13 +397,64 @@ def _wrap_generate_batch(original):
         call_kwargs.pop("assistant_model")
         for name in ("self", "persistent_manager", "warmup"):  # no manager to keep or warm up
             arguments.pop(name, None)
-        # The call's option, else the generation config's, as generate_requests resolves the others.
-        options = DominoOptions.resolve(call_kwargs, arguments.get("generation_config") or self.generation_config)
-        kernels = drafting_attention_kernels(target_execution_device(self), self.dtype, options.domino_cudnn_attention)
-        with kernels:
-            return generate_requests(self, drafter, **arguments, **call_kwargs)
+        return generate_requests(self, drafter, **arguments, **call_kwargs)
 
     return generate_batch
+
+
+def _wrap_init_continuous_batching(original):
+    @functools.wraps(original)
+    def init_continuous_batching(self, *args, **kwargs):
+        # transformers' manager takes no assistant; a Domino drafter's is a drafted batch that requests join.
+        drafter = kwargs.pop("assistant_model", None)
+        if drafter is None or not is_domino_drafter(drafter):
+            if drafter is not None:
+                kwargs["assistant_model"] = drafter  # transformers' own error names it
+            return original(self, *args, **kwargs)
+        return _drafted_manager(original, self, drafter, args, kwargs)
+
+    return init_continuous_batching
+
+
+def _wrap_continuous_batching_context_manager(original):
+    @functools.wraps(original)
+    def continuous_batching_context_manager(self, *args, **kwargs):
+        drafter = kwargs.pop("assistant_model", None)
+        if drafter is None or not is_domino_drafter(drafter):
+            if drafter is not None:
+                kwargs["assistant_model"] = drafter
+            return original(self, *args, **kwargs)
+        arguments = _bound_arguments(original, self, args, _own(original, kwargs))
+        block, timeout = arguments.get("block", True), arguments.get("timeout")
+        return _started(_drafted_manager(original, self, drafter, args, kwargs), block, timeout)
+
+    return continuous_batching_context_manager
+
+
+def _own(method, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments `method` takes (the rest are the drafter's options)."""
+    return {name: value for name, value in kwargs.items() if name in _signature(method).parameters}
+
+
+def _drafted_manager(original, target, drafter, args, kwargs) -> DraftedBatchingManager:
+    """A `DraftedBatchingManager` from a call of transformers' manager entry point `original` with an assistant:
+    its generation and batching configs, the drafter's options among the other keyword arguments. A manager's
+    persistence, warm-up and workload hints size and keep transformers' paged cache, which a drafted batch does not
+    use."""
+    arguments = _bound_arguments(original, target, args, _own(original, kwargs))
+    options = {name: value for name, value in kwargs.items() if name not in arguments}
+    return DraftedBatchingManager(
+        target, drafter, arguments.get("generation_config"), arguments.get("continuous_batching_config"), **options
+    )
+
+
+@contextlib.contextmanager
+def _started(manager: DraftedBatchingManager, block: bool, timeout: float | None):
+    manager.start()
+    try:
+        yield manager
+    finally:
+        manager.stop(block=block, timeout=timeout)
 
 
 _WRAPPERS = {
@@ -408,6 +464,8 @@ _WRAPPERS = {
     "_get_candidate_generator": _wrap_get_candidate_generator,
     "prepare_inputs_for_generation": _wrap_prepare_inputs_for_generation,
     "generate_batch": _wrap_generate_batch,
+    "init_continuous_batching": _wrap_init_continuous_batching,
+    "continuous_batching_context_manager": _wrap_continuous_batching_context_manager,
 }
 
 

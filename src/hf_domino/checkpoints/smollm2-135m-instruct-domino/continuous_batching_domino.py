@@ -18,9 +18,13 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import queue
+import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +33,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
-from transformers.utils.logging import tqdm
+from transformers.utils.logging import get_logger, tqdm
 
 from .batch_call_domino import check_batch_target
 from .batching_domino import BatchedDecoding
@@ -42,18 +46,26 @@ if TYPE_CHECKING:
 
     from .modeling_domino import DominoForSpeculation
 
+logger = get_logger(__name__)
+
 # Rows at a time where `ContinuousBatchingConfig.max_requests_per_batch` does not say.
 DEFAULT_ROWS = 8
 
 
 @dataclass
 class Request:
-    """One sequence to generate: a prompt of `generate_batch`'s inputs, or one of its `num_return_sequences`."""
+    """One sequence to generate: a prompt of `generate_batch`'s inputs (or of a manager's request), or one of its
+    `num_return_sequences`."""
 
     request_id: str
     prompt: torch.LongTensor
-    admitted: float = 0.0
+    streaming: bool = False  # its tokens so far after each of its cycles, not only its result
+    record_timestamps: bool = False
+    created: float = field(default_factory=time.perf_counter)
+    admitted: float = -1.0
     timestamps: list[float] = field(default_factory=list)
+    streamed: int = 0  # tokens already streamed
+    cancelled: bool = False
 
 
 def requests_of(inputs: list[list[int]], num_return_sequences: int, device: torch.device) -> list[Request]:
@@ -61,21 +73,30 @@ def requests_of(inputs: list[list[int]], num_return_sequences: int, device: torc
     `req_<i>__child#<j>`."""
     requests = []
     for index, prompt in enumerate(inputs):
-        try:
-            ids = torch.as_tensor(prompt, dtype=torch.long, device=device)
-        except (TypeError, ValueError, RuntimeError):
-            ids = None
-        if ids is None or ids.dim() != 1:
-            raise ValueError(
-                f"generate_batch takes each prompt as a list of token ids; prompt {index} is {type(prompt).__name__} "
-                f"{str(prompt)[:60]!r}. Pass tokenizer(text)['input_ids'] (or apply_chat_template(..., "
-                "return_dict=True)['input_ids']) for each prompt."
-            )
-        if ids.numel() == 0:
-            raise ValueError(f"generate_batch's prompt {index} is empty: every request needs at least one token.")
-        names = [f"req_{index}__child#{child}" for child in range(num_return_sequences - 1)] + [f"req_{index}"]
-        requests += [Request(name, ids) for name in names]
+        ids = prompt_ids(prompt, device, f"generate_batch's prompt {index}")
+        requests += [Request(name, ids) for name in sequence_ids(f"req_{index}", num_return_sequences)]
     return requests
+
+
+def prompt_ids(prompt: Any, device: torch.device, what: str) -> torch.LongTensor:
+    """A request's prompt as a 1-D tensor of token ids; raises, naming the fix, for anything else."""
+    try:
+        ids = torch.as_tensor(prompt, dtype=torch.long, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        ids = None
+    if ids is None or ids.dim() != 1:
+        raise ValueError(
+            f"{what} is {type(prompt).__name__} {str(prompt)[:60]!r}, where a prompt is a list of token ids. Pass "
+            "tokenizer(text)['input_ids'] (or apply_chat_template(..., return_dict=True)['input_ids'])."
+        )
+    if ids.numel() == 0:
+        raise ValueError(f"{what} is empty: every request needs at least one token.")
+    return ids
+
+
+def sequence_ids(request_id: str, num_return_sequences: int) -> list[str]:
+    """A request's sequences as transformers names them: its extra ones `<id>__child#<j>`, then `<id>`."""
+    return [f"{request_id}__child#{child}" for child in range(num_return_sequences - 1)] + [request_id]
 
 
 def prepared_config(
@@ -138,6 +159,74 @@ def check_serving(target: PreTrainedModel, cache: DynamicCache, continuous_batch
         )
 
 
+@dataclass
+class ServingCall:
+    """What every request of a `generate_batch` call, or of a manager's, shares: the models, the generation config
+    as generate() prepares it, the drafter's options, and the rows at a time."""
+
+    target: PreTrainedModel
+    drafter: DominoForSpeculation
+    generation_config: GenerationConfig
+    options: DominoOptions
+    limit: int
+    tokenizer: Any = None  # for stop strings, as generate() takes it
+
+    @classmethod
+    def prepare(
+        cls,
+        target: PreTrainedModel,
+        drafter: DominoForSpeculation,
+        generation_config: GenerationConfig | None,
+        continuous_batching_config: Any,
+        kwargs: dict[str, Any],
+    ) -> ServingCall:
+        """The call's settings from generation settings and drafter options as keyword arguments beside a
+        `GenerationConfig`; raises, naming the fix, for what a drafted batch that rows join cannot serve."""
+        device = target_execution_device(target)
+        kwargs = dict(kwargs)
+        option_values = {name: kwargs.pop(name) for name in DominoOptions.names() if name in kwargs}
+        tokenizer = kwargs.pop("tokenizer", None)
+        generation_config = prepared_config(target, generation_config, kwargs, device)
+        check_drafter_for_target(drafter, target, generation_config)
+        options = DominoOptions.resolve(option_values, generation_config)
+        options.validate(drafter)
+        check_batch_target(target, generation_config, options)
+        check_serving(target, batch_cache(DynamicCache(config=target.config), target)[0], continuous_batching_config)
+        limit = getattr(continuous_batching_config, "max_requests_per_batch", None) or DEFAULT_ROWS
+        return cls(target, drafter, generation_config, options, limit, tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return target_execution_device(self.target)
+
+    def rules(self, prompt: torch.LongTensor, max_new_tokens: int | None = None) -> tuple:
+        """`request_rules` for `prompt`, with the request's own `max_new_tokens` where it names one."""
+        config = self.generation_config
+        if max_new_tokens is not None:
+            config = copy.copy(config)
+            config.max_new_tokens = max_new_tokens
+        return request_rules(self.target, config, prompt, self.tokenizer)
+
+    def decoding(self, rules: tuple) -> BatchedDecoding:
+        """A `BatchedDecoding` with no rows yet, for requests that join it (`BatchedDecoding.admit`) with rules of
+        the kinds of `rules` (one request's: the drafting reads them once, and every request's are of those kinds)."""
+        cache, window = batch_cache(DynamicCache(config=self.target.config), self.target)
+        config = copy.copy(self.generation_config)
+        processors, criteria, config.max_length = rules
+        stats = DominoGenerationStats(timings={} if self.options.domino_timings else None)
+        self.drafter.last_generation_stats = stats
+        return BatchedDecoding(
+            self.target, self.drafter, self.options, config, processors, criteria, stats,
+            torch.empty(0, 0, dtype=torch.long, device=self.device), None, cache, window,
+        )  # fmt: skip
+
+    def kernels(self) -> contextlib.AbstractContextManager:
+        """The attention kernels a drafting call runs with (`drafting_attention_kernels`)."""
+        from .generate_hook_domino import drafting_attention_kernels  # the hook imports this module
+
+        return drafting_attention_kernels(self.device, self.target.dtype, self.options.domino_cudnn_attention)
+
+
 @torch.no_grad()
 def generate_requests(
     target: PreTrainedModel,
@@ -154,60 +243,72 @@ def generate_requests(
     `generate_batch`'s order; `drafter.last_generation_stats` has the call's drafting statistics."""
     if not inputs:
         return {}
-    device = target_execution_device(target)
-    option_values = {name: kwargs.pop(name) for name in DominoOptions.names() if name in kwargs}
-    tokenizer = kwargs.pop("tokenizer", None)  # for stop_strings, as generate() takes it
-    generation_config = prepared_config(target, generation_config, kwargs, device)
-    check_drafter_for_target(drafter, target, generation_config)
-    options = DominoOptions.resolve(option_values, generation_config)
-    options.validate(drafter)
-    check_batch_target(target, generation_config, options)
-    cache, window = batch_cache(DynamicCache(config=target.config), target)
-    check_serving(target, cache, continuous_batching_config)
-    requests = requests_of(inputs, generation_config.num_return_sequences or 1, device)
-    rules = [request_rules(target, generation_config, request.prompt, tokenizer) for request in requests]
-    limit = getattr(continuous_batching_config, "max_requests_per_batch", None) or DEFAULT_ROWS
-
-    serving_config = copy.copy(generation_config)
-    serving_config.max_length = max(max_length for _, _, max_length in rules)
-    stats = DominoGenerationStats(timings={} if options.domino_timings else None)
-    drafter.last_generation_stats = stats
-    processors, criteria, _ = rules[0]  # every request's are of the same kinds: the call's drafting reads them
-    decoding = BatchedDecoding(
-        target, drafter, options, serving_config, processors, criteria, stats,
-        torch.empty(0, 0, dtype=torch.long, device=device), None, cache, window,
-    )  # fmt: skip
-    return Serving(decoding, list(zip(requests, rules)), limit, record_timestamps).run(progress_bar)
+    call = ServingCall.prepare(target, drafter, generation_config, continuous_batching_config, kwargs)
+    requests = requests_of(inputs, call.generation_config.num_return_sequences or 1, call.device)
+    rules = [call.rules(request.prompt) for request in requests]
+    longest = max(rules, key=lambda each: each[2])  # the decoding's max_length: the cache's first reserve
+    results: dict[str, GenerationOutput] = {}
+    with call.kernels():
+        decoding = call.decoding(longest)
+        serving = Serving(decoding, call.limit, lambda result: results.__setitem__(result.request_id, result))
+        for request, request_rules_ in zip(requests, rules):
+            request.record_timestamps = record_timestamps
+            serving.add(request, request_rules_)
+        desc = f"Solving {len(requests)} requests"
+        with tqdm(total=len(requests), disable=not progress_bar, desc=desc, unit="request") as bar:
+            while serving.busy:
+                bar.update(serving.step())
+        decoding.judge_call()
+    return {request.request_id: results[request.request_id] for request in requests}
 
 
 class Serving:
-    """One `generate_batch` call's requests: those waiting, those running as rows of `decoding` (at most `limit`),
-    and the results of those done."""
+    """One drafted batch's requests: those waiting, those running as rows of `decoding` (at most `limit`), and, as
+    each finishes, its result handed to `deliver` (a streaming request's tokens so far after each of its cycles too).
+    `generate_requests` runs one to the end; `DraftedBatchingManager` feeds one requests as they arrive."""
 
-    def __init__(self, decoding: BatchedDecoding, waiting: list, limit: int, record_timestamps: bool):
-        self.decoding, self.limit, self.record_timestamps = decoding, limit, record_timestamps
+    def __init__(self, decoding: BatchedDecoding, limit: int, deliver: Callable[[GenerationOutput], None]):
+        self.decoding, self.limit, self.deliver = decoding, limit, deliver
         decoding.row_limit = limit  # so that the call is judged against plain steps joining as it joins
-        self.waiting: deque = deque(waiting)  # (request, its processors, criteria and max_length)
-        self.order = [request.request_id for request, _ in waiting]
+        self.waiting: deque = deque()  # (request, its processors, criteria and max_length)
         self.running: dict[int, Request] = {}  # row of `decoding` -> its request
-        self.results: dict[str, GenerationOutput] = {}
+        self.finished: list[bool] = []  # per active row, whether its last cycle (or prefill) finished it
+        self.admitted = 0  # requests taken on so far
 
-    def run(self, progress_bar: bool) -> dict[str, GenerationOutput]:
-        """Admit, cycle, retire until no request waits and no row runs; results in the requests' order."""
-        decoding, finished = self.decoding, []
-        desc = f"Solving {len(self.order)} requests"
-        with tqdm(total=len(self.order), disable=not progress_bar, desc=desc, unit="request") as bar:
-            while True:
-                bar.update(self.retire(finished))
-                if self.waiting and len(decoding.active) < self.limit:
-                    finished = [False] * len(decoding.active) + self.admit()
-                    continue  # retires the requests done at their first token, then takes on more
-                if not decoding.active:
-                    break
-                finished = decoding.cycle()
-                decoding.speculating = decoding.speculating and not decoding.losing()
-        decoding.judge_call()
-        return {request_id: self.results[request_id] for request_id in self.order}
+    @property
+    def busy(self) -> bool:
+        """Whether a request waits or runs (a finished row runs until `step` retires it)."""
+        return bool(self.waiting or self.decoding.active)
+
+    def add(self, request: Request, rules: tuple) -> None:
+        self.waiting.append((request, rules))
+
+    def cancel(self, request_id: str) -> bool:
+        """Drops the request, waiting or running, without a result; False if it is neither."""
+        for entry in self.waiting:
+            if entry[0].request_id == request_id:
+                self.waiting.remove(entry)
+                return True
+        for request in self.running.values():
+            if request.request_id == request_id:
+                request.cancelled = True
+                return True
+        return False
+
+    def step(self) -> int:
+        """Retires the rows finished last, then admits waiting requests where there is room, else runs one cycle of
+        the active rows. Returns how many requests finished."""
+        decoding = self.decoding
+        done = self.retire()
+        if self.waiting and len(decoding.active) < self.limit:
+            self.finished = [False] * len(decoding.active) + self.admit()
+        elif decoding.active:
+            self.finished = decoding.cycle()
+            decoding.speculating = decoding.speculating and not decoding.losing()
+        else:
+            return done
+        self.stream()
+        return done
 
     def admit(self) -> list[bool]:
         """As many waiting requests as there is room for join the batch (`BatchedDecoding.admit`)."""
@@ -218,28 +319,293 @@ class Serving:
         for offset, (request, _) in enumerate(joining):
             request.admitted = now
             self.running[first + offset] = request
+        self.admitted += len(joining)
         return self.decoding.admit([(request.prompt, *rules) for request, rules in joining])
 
-    def retire(self, finished: list[bool]) -> int:
-        """The finished rows' requests get their results and leave the batch; returns how many."""
+    def output(self, row: int, status: RequestStatus, now: float) -> GenerationOutput:
+        request, decoding = self.running[row], self.decoding
+        return GenerationOutput(
+            request_id=request.request_id,
+            prompt_ids=request.prompt.tolist(),
+            generated_tokens=decoding.sequences[row][decoding.prompt_lengths[row] :].tolist(),
+            status=status,
+            created_time=request.created,
+            lifespan=(request.admitted, now if status == RequestStatus.FINISHED else -1),
+            timestamps=list(request.timestamps) if request.record_timestamps else None,
+        )
+
+    def stream(self) -> None:
+        """A streaming request's tokens so far, after each of its cycles that added some and did not finish it."""
         now, decoding = time.perf_counter(), self.decoding
-        if self.record_timestamps:  # the tokens each running row got since the last time
-            for row in decoding.active:
-                stamps = self.running[row].timestamps
-                stamps += [now] * (decoding.generated(row) - len(stamps))
-        done = [row for row, flag in zip(decoding.active, finished) if flag]
-        for row in done:
-            request = self.running.pop(row)
-            self.results[request.request_id] = GenerationOutput(
-                request_id=request.request_id,
-                prompt_ids=request.prompt.tolist(),
-                generated_tokens=decoding.sequences[row][decoding.prompt_lengths[row] :].tolist(),
-                status=RequestStatus.FINISHED,
-                lifespan=(request.admitted, now),
-                timestamps=request.timestamps if self.record_timestamps else None,
-            )
+        for row, done in zip(decoding.active, self.finished):
+            request = self.running[row]
+            if request.streaming and not done and not request.cancelled:
+                if decoding.generated(row) > request.streamed:
+                    request.streamed = decoding.generated(row)
+                    self.deliver(self.output(row, RequestStatus.DECODING, now))
+
+    def retire(self) -> int:
+        """The finished rows' requests get their results and leave the batch, as do cancelled ones (no result);
+        returns how many finished."""
+        now, decoding = time.perf_counter(), self.decoding
+        for row in decoding.active:  # the tokens each running row got since the last time
+            request = self.running[row]
+            if request.record_timestamps:
+                request.timestamps += [now] * (decoding.generated(row) - len(request.timestamps))
+        finished = self.finished + [False] * (len(decoding.active) - len(self.finished))
+        finished = [done or self.running[row].cancelled for row, done in zip(decoding.active, finished)]
+        delivered = 0
+        for row in [row for row, done in zip(decoding.active, finished) if done]:
+            if not self.running[row].cancelled:
+                self.deliver(self.output(row, RequestStatus.FINISHED, now))
+                delivered += 1
+            del self.running[row]
         decoding.retire(finished)
-        return len(done)
+        self.finished = []
+        return delivered
 
 
-__all__ = ["DEFAULT_ROWS", "generate_requests"]
+# Requests one drafted batch of a manager takes on; the next wait until it runs dry, and a fresh batch takes them.
+# A batch keeps each row's tokens and rules until it ends, and its policies judge it as one call, so a server that
+# is never idle still ends a batch now and then: at 8 rows of 128 tokens, a tail of a few cycles in some thousands.
+MANAGER_BATCH_REQUESTS = 1024
+
+
+class Results:
+    """A manager's results in the order they came, for readers of any request or of one: a condition variable, so
+    that a reader waiting for its request sleeps rather than taking and putting back others'."""
+
+    def __init__(self):
+        self._ready = threading.Condition()
+        self._results: deque[GenerationOutput] = deque()
+        self._producing = False  # whether a thread that puts results runs (from `open` to `close`)
+
+    def open(self) -> None:
+        with self._ready:
+            self._producing = True
+
+    def put(self, result: GenerationOutput) -> None:
+        with self._ready:
+            self._results.append(result)
+            self._ready.notify_all()
+
+    def close(self) -> None:
+        """Wakes the readers: the thread that puts results has ended."""
+        with self._ready:
+            self._producing = False
+            self._ready.notify_all()
+
+    def take(self, request_id: str | None, timeout: float | None) -> GenerationOutput | None:
+        """The oldest result (of `request_id`, if given); None after `timeout` seconds, or once none is left and no
+        thread puts more."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._ready:
+            while True:
+                for result in self._results:
+                    if request_id is None or result.request_id == request_id:
+                        self._results.remove(result)
+                        return result
+                left = None if deadline is None else deadline - time.monotonic()
+                if not self._producing or (left is not None and left <= 0):
+                    return None
+                self._ready.wait(left)
+
+
+class DraftedBatchingManager:
+    """transformers' `ContinuousBatchingManager` with a Domino drafter: requests added from any thread, while it
+    runs, join the running drafted batch as rows finish, and their results (a streaming request's tokens so far
+    too) come back through `get_result` / `request_id_iter` / iteration, as transformers' manager hands them.
+
+    Made by `target.init_continuous_batching(assistant_model=drafter, ...)` (the generate() hook) or directly; one
+    background thread does all the model work. Each request generates what `target.generate(prompt)` generates for
+    it alone (`generate_batch` with the drafter, which this serves request by request: `Serving`). Not served:
+    per-request logits-processor settings or EOS tokens (set them in the generation config), `pause()`, and result
+    handlers on an event loop (`register_result_handler`): iterate, or call `get_result`, from that loop's thread.
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        drafter: DominoForSpeculation,
+        generation_config: GenerationConfig | None = None,
+        continuous_batching_config: Any = None,
+        **kwargs: Any,
+    ):
+        self.call = ServingCall.prepare(target, drafter, generation_config, continuous_batching_config, kwargs)
+        self.generation_config = self.call.generation_config
+        self.results = Results()
+        self._incoming: queue.Queue[tuple[Request, tuple]] = queue.Queue()
+        self._cancelled: queue.Queue[str] = queue.Queue()
+        self._wake, self._stopping = threading.Event(), threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock, self._counter = threading.Lock(), 0
+        self.error: BaseException | None = None  # what stopped the background thread, if anything did
+
+    # ------------------------------------------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Starts the background thread that serves the requests."""
+        if self.is_running():
+            return
+        self._stopping.clear()
+        self.error = None
+        self.results.open()
+        self._thread = threading.Thread(target=self._serve, name="domino-batching-manager", daemon=True)
+        self._thread.start()
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, block: bool = True, timeout: float | None = None) -> None:
+        """Stops taking requests; the thread ends once those added before are done (with `block`, this waits for
+        that, at most `timeout` seconds)."""
+        self._stopping.set()
+        self._wake.set()
+        if block and self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> DraftedBatchingManager:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+    # -------------------------------------------------------------------------------------------------- requests
+    def add_request(
+        self,
+        input_ids: list[int],
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        eos_token_id: int | list[int] | None = None,
+    ) -> str:
+        """Queues one prompt (token ids) and returns its request id (`req_<n>` unless given). With `streaming`, its
+        tokens so far come back after each of its cycles (`RequestStatus.DECODING`) before its result."""
+        if self._stopping.is_set():
+            raise RuntimeError("This manager is stopping or stopped and takes no more requests: start() it again.")
+        self._check_eos(eos_token_id)
+        if request_id is None:
+            with self._lock:
+                request_id, self._counter = f"req_{self._counter}", self._counter + 1
+        prompt = prompt_ids(input_ids, self.call.device, f"add_request's prompt ({request_id})")
+        rules = self.call.rules(prompt, max_new_tokens)
+        for name in sequence_ids(request_id, self.generation_config.num_return_sequences or 1):
+            self._incoming.put((Request(name, prompt, streaming, record_timestamps), rules))
+        self._wake.set()
+        return request_id
+
+    def add_requests(
+        self,
+        inputs: list[list[int]],
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+    ) -> list[str]:
+        """`add_request` for each prompt, in order; returns their ids."""
+        return [self.add_request(ids, None, max_new_tokens, streaming, record_timestamps) for ids in inputs]
+
+    def cancel_request(self, request_id: str) -> None:
+        """Drops a request (and its other sequences) waiting or running; it gets no result."""
+        self._cancelled.put(request_id)
+        self._wake.set()
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The oldest result not yet taken (a streaming request's tokens so far, or a finished request), or with
+        `request_id` that request's; None after `timeout` seconds (None: while the thread runs), or at once when
+        none is left and the thread has ended. Other requests' results stay for their readers, so threads that each
+        wait for their own request do not take each other's (transformers' manager returns None there instead)."""
+        return self.results.take(request_id, timeout)
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        """Results as they come, until the thread has ended and none is left."""
+        while (result := self.get_result()) is not None:
+            yield result
+
+    def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
+        """One request's results as they come, up to its finished one."""
+        while (result := self.get_result(request_id)) is not None:
+            yield result
+            if result.is_finished():
+                return
+
+    def _check_eos(self, eos_token_id: int | list[int] | None) -> None:
+        if eos_token_id is None:
+            return
+        configured = self.generation_config.eos_token_id
+        listed = lambda ids: sorted([ids] if isinstance(ids, int) else list(ids or []))  # noqa: E731
+        if listed(eos_token_id) != listed(configured):
+            raise ValueError(
+                f"This drafted batch stops every request at the generation config's EOS tokens ({configured}); got "
+                f"eos_token_id={eos_token_id}. Set it in the GenerationConfig the manager is made with."
+            )
+
+    # --------------------------------------------------------------------------------------- background thread
+    def _serve(self) -> None:
+        """Takes on added requests, drops cancelled ones, steps the running batch; ends when stopping and idle."""
+        pending: deque = deque()
+        serving: Serving | None = None
+        try:
+            self._serve_until_stopped(pending, serving)
+        finally:
+            self.results.close()
+
+    def _serve_until_stopped(self, pending: deque, serving: Serving | None) -> None:
+        try:
+            with torch.no_grad(), self.call.kernels():
+                while True:
+                    while not self._incoming.empty():
+                        pending.append(self._incoming.get())
+                    while not self._cancelled.empty():
+                        self._cancel(self._cancelled.get(), pending, serving)
+                    if serving is not None and not serving.busy:  # ran dry: judged as one call
+                        serving.decoding.judge_call()
+                        serving = None
+                    if pending and serving is None:
+                        serving = Serving(self.call.decoding(pending[0][1]), self.call.limit, self.results.put)
+                    while pending and serving.admitted + len(serving.waiting) < MANAGER_BATCH_REQUESTS:
+                        serving.add(*pending.popleft())
+                    if serving is not None:
+                        serving.step()
+                    elif self._stopping.is_set():
+                        return
+                    else:
+                        self._wake.wait(timeout=0.1)
+                        self._wake.clear()
+        except Exception as error:  # every request still held fails with it, as transformers' manager fails them
+            self.error = error
+            logger.error(f"The drafted batching manager stopped: {error!r}")
+            held = [request for request, _ in pending]
+            if serving is not None:
+                held += [request for request, _ in serving.waiting] + list(serving.running.values())
+            for request in held:
+                self.results.put(
+                    GenerationOutput(
+                        request_id=request.request_id,
+                        prompt_ids=request.prompt.tolist(),
+                        error=repr(error),
+                        status=RequestStatus.FAILED,
+                        created_time=request.created,
+                    )
+                )
+
+    @staticmethod
+    def _cancel(request_id: str, pending: deque, serving: Serving | None) -> None:
+        names = {request_id, *_children(request_id, pending, serving)}
+        for entry in [entry for entry in pending if entry[0].request_id in names]:
+            pending.remove(entry)
+        if serving is not None:
+            for name in names:
+                serving.cancel(name)
+
+
+def _children(request_id: str, pending: deque, serving: Serving | None) -> list[str]:
+    """The ids of `request_id`'s extra sequences (`sequence_ids`) among those held."""
+    held = [request for request, _ in pending]
+    if serving is not None:
+        held += [request for request, _ in serving.waiting] + list(serving.running.values())
+    prefix = f"{request_id}__child#"
+    return [request.request_id for request in held if request.request_id.startswith(prefix)]
+
+
+__all__ = ["DEFAULT_ROWS", "DraftedBatchingManager", "generate_requests"]

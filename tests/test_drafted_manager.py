@@ -1,0 +1,189 @@
+"""`target.init_continuous_batching(assistant_model=drafter)`: requests added from any thread while the drafted batch
+runs, each what the target alone generates for it; streaming, cancellation, failures and bad input."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import forcing_drafter
+from test_continuous_batching import EOS, PROMPTS, alone, followed_by, random_target, rows_at_most
+from transformers import GenerationConfig
+from transformers.generation.continuous_batching.requests import RequestStatus
+
+from hf_domino import batching_domino, continuous_batching_domino
+from hf_domino.continuous_batching_domino import DraftedBatchingManager
+
+SETTINGS = dict(max_new_tokens=20, eos_token_id=EOS)
+
+
+def greedy(**extra) -> GenerationConfig:
+    return GenerationConfig(do_sample=False, pad_token_id=0, **SETTINGS, **extra)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = random_target("qwen3")
+    drafter = forcing_drafter(target, followed_by(target, PROMPTS, **SETTINGS), block_size=6)
+    return target, drafter
+
+
+def results_of(manager, count: int, timeout: float = 60) -> tuple[dict, list]:
+    """The next `count` finished results by request id, and every result before them (streamed ones included)."""
+    finished, seen = {}, []
+    while len(finished) < count:
+        result = manager.get_result(timeout=timeout)
+        assert result is not None, "no result within the timeout"
+        seen.append(result)
+        if result.is_finished():
+            finished[result.request_id] = result
+    return finished, seen
+
+
+def test_requests_added_from_threads_while_it_runs_are_each_the_target_alones(models, monkeypatch):
+    target, drafter = models
+    # A batch of at most 3 requests: the 7 requests run through several batches that run dry and start again.
+    monkeypatch.setattr(continuous_batching_domino, "MANAGER_BATCH_REQUESTS", 3)
+    batches = []
+    start_batch = continuous_batching_domino.ServingCall.decoding
+    monkeypatch.setattr(
+        continuous_batching_domino.ServingCall,
+        "decoding",
+        lambda self, rules: batches.append(1) or start_batch(self, rules),
+    )
+    manager = target.init_continuous_batching(greedy(), rows_at_most(2), assistant_model=drafter)
+    assert isinstance(manager, DraftedBatchingManager)
+    manager.start()
+    first = manager.add_requests(PROMPTS[:2])
+    early, _ = results_of(manager, 1)  # a request finished: the rest join a batch that is running or ran dry
+    threads = [
+        threading.Thread(target=manager.add_request, args=(prompt,), kwargs={"request_id": f"late_{i}"})
+        for i, prompt in enumerate(PROMPTS[2:])
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    later, _ = results_of(manager, len(PROMPTS) - 1)
+    manager.stop()
+    assert not manager.is_running() and manager.error is None
+    results = {**early, **later}
+    ids = first + [f"late_{i}" for i in range(len(PROMPTS) - 2)]
+    expected = [alone(target, prompt, **SETTINGS) for prompt in PROMPTS]
+    assert [results[request_id].generated_tokens for request_id in ids] == expected
+    assert all(results[request_id].prompt_ids == prompt for request_id, prompt in zip(ids, PROMPTS))
+    assert all(result.status == RequestStatus.FINISHED and result.lifespan[1] > 0 for result in results.values())
+    assert manager.get_result(timeout=0.1) is None  # nothing left, and no thread to produce more
+    assert len(batches) >= 3  # at most 3 requests a batch
+
+
+def test_a_streaming_request_gets_its_tokens_so_far_then_its_result(models):
+    target, drafter = models
+    with target.continuous_batching_context_manager(
+        greedy(), assistant_model=drafter, draft_policy="fixed"
+    ) as manager:
+        plain = manager.add_request(PROMPTS[0], max_new_tokens=6, record_timestamps=True)
+        streamed = manager.add_request(PROMPTS[2], streaming=True)
+        outputs = list(manager.request_id_iter(streamed))
+        result = manager.get_result(plain, timeout=60)
+    assert not manager.is_running()
+    expected = alone(target, PROMPTS[2], **SETTINGS)
+    assert outputs[-1].status == RequestStatus.FINISHED and outputs[-1].generated_tokens == expected
+    partial = [output.generated_tokens for output in outputs[:-1]]
+    assert partial and all(output.status == RequestStatus.DECODING for output in outputs[:-1])
+    assert all(tokens == expected[: len(tokens)] for tokens in partial)  # prefixes of the answer
+    assert [len(tokens) for tokens in partial] == sorted({len(tokens) for tokens in partial})  # each adds some
+    assert len(partial) < len(expected)  # some cycles accepted drafts: fewer updates than tokens
+    # A request's own max_new_tokens, and its timestamps, one per token.
+    assert result.generated_tokens == alone(target, PROMPTS[0], max_new_tokens=6, eos_token_id=EOS)
+    assert len(result.timestamps) == len(result.generated_tokens)
+
+
+def test_cancelled_requests_leave_without_a_result(models):
+    target, drafter = models
+    manager = target.init_continuous_batching(greedy(), rows_at_most(1), assistant_model=drafter)
+    ids = manager.add_requests(PROMPTS[:3])  # queued before the thread starts
+    manager.cancel_request(ids[1])
+    manager.start()
+    results, _ = results_of(manager, 2)
+    assert set(results) == {ids[0], ids[2]}
+    # A running request: the batch drops its row at its next step, and it never finishes.
+    running = manager.add_request(PROMPTS[2], max_new_tokens=1000, streaming=True)
+    manager.get_result(running, timeout=60)  # its first tokens: it runs
+    manager.cancel_request(running)
+    manager.stop()
+    assert manager.error is None
+    left = []
+    while (result := manager.get_result(timeout=0.1)) is not None:
+        left.append(result)
+    assert all(not result.is_finished() for result in left)
+    assert sum(drafter.last_generation_stats.acceptance_lengths) < 500  # its row left: it did not run to the end
+
+
+def test_num_return_sequences_come_back_as_transformers_names_them(models):
+    target, drafter = models
+    config = GenerationConfig(do_sample=True, num_return_sequences=3, pad_token_id=0, **SETTINGS)
+    torch.manual_seed(0)
+    with target.continuous_batching_context_manager(config, assistant_model=drafter) as manager:
+        request_id = manager.add_request(PROMPTS[0], request_id="mine")
+        results, _ = results_of(manager, 3)
+    assert request_id == "mine"
+    assert set(results) == {"mine", "mine__child#0", "mine__child#1"}
+    assert all(len(result.generated_tokens) > 0 for result in results.values())
+
+
+def test_a_failure_in_the_thread_fails_every_request_it_held(models, monkeypatch):
+    target, drafter = models
+
+    def broken(self):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(batching_domino.BatchedDecoding, "cycle", broken)
+    manager = target.init_continuous_batching(greedy(), rows_at_most(2), assistant_model=drafter)
+    manager.add_requests(PROMPTS[:4])
+    manager.start()
+    results, _ = results_of(manager, 4)
+    manager.stop()
+    assert {result.status for result in results.values()} == {RequestStatus.FAILED}
+    assert all("device lost" in result.error for result in results.values())
+    assert isinstance(manager.error, RuntimeError) and not manager.is_running()
+
+
+def test_what_a_manager_cannot_serve_is_refused_with_the_fix(models):
+    target, drafter = models
+    manager = target.init_continuous_batching(greedy(), assistant_model=drafter)
+    with pytest.raises(ValueError, match="Set it in the GenerationConfig"):
+        manager.add_request(PROMPTS[0], eos_token_id=EOS + 1)
+    manager.add_request(PROMPTS[0], eos_token_id=[EOS])  # the config's own: accepted
+    with pytest.raises(ValueError, match="list of token ids"):
+        manager.add_request("a prompt as text")
+    manager.start()
+    manager.stop()
+    with pytest.raises(RuntimeError, match=r"start\(\) it again"):
+        manager.add_request(PROMPTS[0])
+    with pytest.raises(TypeError, match="generation settings as keyword arguments"):
+        target.init_continuous_batching(greedy(), assistant_model=drafter, not_a_setting=1)
+    with pytest.raises(ValueError, match="draft_policy"):
+        target.init_continuous_batching(greedy(), assistant_model=drafter, draft_policy="sometimes")
+    with pytest.raises(TypeError, match="assistant_model"):  # another assistant: transformers' own error
+        target.init_continuous_batching(greedy(), assistant_model=target)
+    # Without an assistant, transformers' own manager.
+    assert type(target.init_continuous_batching(greedy())).__name__ == "ContinuousBatchingManager"
+
+
+@pytest.mark.slow
+def test_the_arrivals_benchmark_runs_as_a_user_runs_it():
+    # The script docs/benchmarks.md quotes, at toy size: it asserts every drafted answer is the target alone's.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "serve_arrivals.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--num-prompts", "4", "--rows", "2", "--max-new-tokens", "12", "--rate", "8"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [line for line in run.stdout.splitlines() if "manager" in line and "tokens/s" in line]
+    assert len(lines) == 3 and all("0 of 4 answers differing" in line for line in lines), run.stdout
