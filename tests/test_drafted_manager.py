@@ -3,6 +3,7 @@ runs, each what the target alone generates for it; streaming, cancellation, fail
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -119,6 +120,49 @@ def test_cancelled_requests_leave_without_a_result(models):
         left.append(result)
     assert all(not result.is_finished() for result in left)
     assert sum(drafter.last_generation_stats.acceptance_lengths) < 500  # its row left: it did not run to the end
+
+
+def test_a_paused_manager_steps_no_further_until_the_last_pause_ends(models):
+    target, drafter = models
+    with target.continuous_batching_context_manager(greedy(), assistant_model=drafter) as manager:
+        with manager.pause():
+            request_id = manager.add_request(PROMPTS[0])
+            with manager.pause():  # pauses nest, from one thread or several
+                assert manager.get_result(timeout=0.3) is None  # no step while paused
+            assert manager.get_result(timeout=0.3) is None
+            with pytest.raises(RuntimeError, match="Leave the pause first"):
+                manager.stop()
+        result = manager.get_result(request_id, timeout=60)
+    assert result.generated_tokens == alone(target, PROMPTS[0], **SETTINGS)
+    with pytest.raises(RuntimeError, match=r"start\(\) it first"):
+        with manager.pause():
+            pass
+
+
+def test_results_go_to_a_handler_on_the_event_loop(models):
+    target, drafter = models
+
+    async def serve_one(manager) -> list:
+        loop, seen = asyncio.get_running_loop(), []
+        finished = loop.create_future()
+
+        def on_result(result) -> None:
+            assert threading.current_thread() is threading.main_thread()  # called on the loop's thread
+            seen.append(result)
+            if result.is_finished():
+                finished.set_result(result)
+
+        request_id = manager.add_request(PROMPTS[2], streaming=True)
+        manager.register_result_handler(request_id, on_result)
+        await asyncio.wait_for(finished, 60)
+        return seen
+
+    with target.continuous_batching_context_manager(greedy(), assistant_model=drafter) as manager:
+        seen = asyncio.run(serve_one(manager))
+        assert manager.get_result(timeout=0.2) is None  # nothing of it went to the queue
+    expected = alone(target, PROMPTS[2], **SETTINGS)
+    assert seen[-1].generated_tokens == expected and len(seen) > 1
+    assert all(result.generated_tokens == expected[: len(result.generated_tokens)] for result in seen)
 
 
 def test_num_return_sequences_come_back_as_transformers_names_them(models):

@@ -194,6 +194,33 @@ def test_cuda_requests_join_the_drafted_batch_and_each_is_the_target_alones():
     assert sum(drafter.last_generation_stats.drafted) > 0
 
 
+def test_cuda_the_drafted_manager_serves_requests_added_while_it_runs():
+    # init_continuous_batching(assistant_model=drafter): the background thread drafts on the device, a streaming
+    # request's tokens so far are prefixes of its answer, and every answer is the target alone's.
+    from test_continuous_batching import EOS, PROMPTS, followed_by, random_target, rows_at_most
+    from transformers import GenerationConfig
+
+    target = random_target("qwen3")
+    settings = dict(max_new_tokens=20, eos_token_id=EOS)
+    drafter = forcing_drafter(target, followed_by(target, PROMPTS, **settings), block_size=6)
+    target, drafter = target.cuda(), drafter.cuda()
+    expected = []
+    for prompt in PROMPTS:
+        output = target.generate(torch.tensor([prompt], device="cuda"), do_sample=False, pad_token_id=0, **settings)
+        expected.append(output[0, len(prompt) :].tolist())
+    config = GenerationConfig(do_sample=False, pad_token_id=0, **settings)
+    rows = rows_at_most(3)
+    with target.continuous_batching_context_manager(
+        config, continuous_batching_config=rows, assistant_model=drafter
+    ) as manager:
+        ids = [manager.add_request(prompt, streaming=True) for prompt in PROMPTS]
+        outputs = {request_id: list(manager.request_id_iter(request_id)) for request_id in ids}
+    assert [outputs[request_id][-1].generated_tokens for request_id in ids] == expected
+    for request_id, answer in zip(ids, expected):
+        assert all(output.generated_tokens == answer[: len(output.generated_tokens)] for output in outputs[request_id])
+    assert sum(drafter.last_generation_stats.drafted) > 0
+
+
 def test_cuda_half_precision_calls_run_without_cudnn_attention():
     # cuDNN plans every new (query, key) length; a drafting call meets new ones at every cycle (third GPU run's bf16
     # slow state). Both loops run without its kernels, unless asked, and put the switch back afterwards.

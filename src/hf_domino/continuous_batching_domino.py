@@ -18,12 +18,13 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -379,6 +380,7 @@ class Results:
         self._ready = threading.Condition()
         self._results: deque[GenerationOutput] = deque()
         self._producing = False  # whether a thread that puts results runs (from `open` to `close`)
+        self._handlers: dict[str, tuple[Callable[[GenerationOutput], Any], Any]] = {}  # request id -> (callback, loop)
 
     def open(self) -> None:
         with self._ready:
@@ -386,8 +388,26 @@ class Results:
 
     def put(self, result: GenerationOutput) -> None:
         with self._ready:
-            self._results.append(result)
-            self._ready.notify_all()
+            handler = self._handlers.get(result.request_id)
+            if handler is None:
+                self._results.append(result)
+                self._ready.notify_all()
+                return
+            if result.is_finished():
+                del self._handlers[result.request_id]
+        callback, loop = handler
+        loop.call_soon_threadsafe(callback, result)
+
+    def handle(self, request_id: str, callback: Callable[[GenerationOutput], Any], loop: Any) -> None:
+        """From now on `request_id`'s results go to `callback`, called on the event loop `loop`, up to its finished
+        one; those already here go first."""
+        with self._ready:
+            self._handlers[request_id] = (callback, loop)
+            waiting = [result for result in self._results if result.request_id == request_id]
+            for result in waiting:
+                self._results.remove(result)
+        for result in waiting:
+            self.put(result)
 
     def close(self) -> None:
         """Wakes the readers: the thread that puts results has ended."""
@@ -419,8 +439,7 @@ class DraftedBatchingManager:
     Made by `target.init_continuous_batching(assistant_model=drafter, ...)` (the generate() hook) or directly; one
     background thread does all the model work. Each request generates what `target.generate(prompt)` generates for
     it alone (`generate_batch` with the drafter, which this serves request by request: `Serving`). Not served:
-    per-request logits-processor settings or EOS tokens (set them in the generation config), `pause()`, and result
-    handlers on an event loop (`register_result_handler`): iterate, or call `get_result`, from that loop's thread.
+    per-request logits-processor settings or EOS tokens (set them in the generation config).
     """
 
     def __init__(
@@ -440,6 +459,8 @@ class DraftedBatchingManager:
         self._thread: threading.Thread | None = None
         self._lock, self._counter = threading.Lock(), 0
         self.error: BaseException | None = None  # what stopped the background thread, if anything did
+        # pause(): how many threads hold one and which, and whether the background thread waits for them now.
+        self._pause, self._pausing, self._holders, self._paused = threading.Condition(), 0, Counter(), False
 
     # ------------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -458,10 +479,55 @@ class DraftedBatchingManager:
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
         """Stops taking requests; the thread ends once those added before are done (with `block`, this waits for
         that, at most `timeout` seconds)."""
+        if block and self._holders[threading.get_ident()] > 0:
+            raise RuntimeError(
+                "Cannot stop the manager from inside its pause(): the paused thread would wait for the pause to end "
+                "and this call for the thread. Leave the pause first."
+            )
         self._stopping.set()
         self._wake.set()
         if block and self._thread is not None:
             self._thread.join(timeout)
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Pauses the background thread between two steps, so that the calling thread can use the models (update
+        the target's weights in place, say); it resumes, its requests and caches kept, once the last thread holding
+        a pause leaves."""
+        if not self.is_running():
+            raise RuntimeError("Cannot pause a manager whose thread is not running: start() it first.")
+        with self._pause:
+            self._pausing += 1
+            self._holders[threading.get_ident()] += 1
+            self._wake.set()
+            while not self._paused:
+                if not self.is_running():
+                    self._pausing -= 1
+                    self._holders[threading.get_ident()] -= 1
+                    raise RuntimeError(f"The manager's thread ended while pausing: {self.error!r}")
+                self._pause.wait(0.1)
+        try:
+            yield
+        finally:
+            with self._pause:
+                self._pausing -= 1
+                self._holders[threading.get_ident()] -= 1
+                self._pause.notify_all()
+
+    def _pause_point(self) -> None:
+        """Between two steps: waits while a thread holds a pause."""
+        with self._pause:
+            if not self._pausing:
+                return
+            self._paused = True
+            self._pause.notify_all()
+            self._pause.wait_for(lambda: self._pausing == 0)
+            self._paused = False
+
+    def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], Any]) -> None:
+        """Hands `request_id`'s results (each streamed one, then its finished one) to `callback`, called on the
+        asyncio event loop running in the calling thread, instead of to `get_result`."""
+        self.results.handle(request_id, callback, asyncio.get_running_loop())
 
     def __enter__(self) -> DraftedBatchingManager:
         self.start()
@@ -554,6 +620,7 @@ class DraftedBatchingManager:
         try:
             with torch.no_grad(), self.call.kernels():
                 while True:
+                    self._pause_point()
                     while not self._incoming.empty():
                         pending.append(self._incoming.get())
                     while not self._cancelled.empty():
