@@ -214,6 +214,9 @@ def test_what_a_manager_cannot_serve_is_refused_with_the_fix(models):
         target.init_continuous_batching(greedy(), assistant_model=target)
     # Without an assistant, transformers' own manager.
     assert type(target.init_continuous_batching(greedy())).__name__ == "ContinuousBatchingManager"
+    assert (
+        type(target.init_continuous_batching(greedy(), assistant_model=None)).__name__ == "ContinuousBatchingManager"
+    )
 
 
 @pytest.mark.slow

@@ -406,10 +406,8 @@ def _wrap_init_continuous_batching(original):
     @functools.wraps(original)
     def init_continuous_batching(self, *args, **kwargs):
         # transformers' manager takes no assistant; a Domino drafter's is a drafted batch that requests join.
-        drafter = kwargs.pop("assistant_model", None)
-        if drafter is None or not is_domino_drafter(drafter):
-            if drafter is not None:
-                kwargs["assistant_model"] = drafter  # transformers' own error names it
+        drafter = _domino_assistant(kwargs)
+        if drafter is None:
             return original(self, *args, **kwargs)
         return _drafted_manager(original, self, drafter, args, kwargs)
 
@@ -419,16 +417,23 @@ def _wrap_init_continuous_batching(original):
 def _wrap_continuous_batching_context_manager(original):
     @functools.wraps(original)
     def continuous_batching_context_manager(self, *args, **kwargs):
-        drafter = kwargs.pop("assistant_model", None)
-        if drafter is None or not is_domino_drafter(drafter):
-            if drafter is not None:
-                kwargs["assistant_model"] = drafter
+        drafter = _domino_assistant(kwargs)
+        if drafter is None:
             return original(self, *args, **kwargs)
         arguments = _bound_arguments(original, self, args, _own(original, kwargs))
         block, timeout = arguments.get("block", True), arguments.get("timeout")
         return _started(_drafted_manager(original, self, drafter, args, kwargs), block, timeout)
 
     return continuous_batching_context_manager
+
+
+def _domino_assistant(kwargs: dict[str, Any]) -> Any:
+    """Takes a Domino drafter passed as `assistant_model` out of `kwargs`; None for anything else (`assistant_model=
+    None` dropped, another assistant left for transformers' own error, which names it)."""
+    if kwargs.get("assistant_model") is None:
+        kwargs.pop("assistant_model", None)
+        return None
+    return kwargs.pop("assistant_model") if is_domino_drafter(kwargs["assistant_model"]) else None
 
 
 def _own(method, kwargs: dict[str, Any]) -> dict[str, Any]:
