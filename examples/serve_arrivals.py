@@ -21,10 +21,11 @@ import threading
 import time
 
 import torch
-from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers import GenerationConfig
 
 from hf_domino import prepare_for_cpu_decoding
 from hf_domino.assets import chat_token_ids, load_drafter, load_target
+from hf_domino.measure_batch import paged_cache_for
 from hf_domino.prompt_sets import load_prompts
 
 
@@ -92,9 +93,7 @@ def main() -> None:
     prompts = [chat_token_ids(tokenizer, messages) for messages in load_prompts(args.prompts, args.num_prompts)]
     new = args.max_new_tokens
     config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=target.generation_config.eos_token_id)
-    # transformers' paged cache sized for the requests (by default it takes a share of the machine's memory).
-    pages = ContinuousBatchingConfig(max_requests_per_batch=args.rows, page_size=32,
-                                     num_blocks=args.rows * ((max(map(len, prompts)) + new) // 32 + 2))  # fmt: skip
+    pages = paged_cache_for(prompts, args.rows, new)
     drafted = dict(assistant_model=drafter)
     methods = {
         "target, transformers' manager": {},

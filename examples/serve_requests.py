@@ -19,11 +19,10 @@ import copy
 import time
 
 import torch
-from transformers import ContinuousBatchingConfig
 
 from hf_domino import prepare_for_cpu_decoding
 from hf_domino.assets import chat_token_ids, eos_token_ids, load_drafter, load_target, pad_token_id
-from hf_domino.measure_batch import left_padded_groups, row_lengths
+from hf_domino.measure_batch import left_padded_groups, paged_cache_for, row_lengths
 from hf_domino.prompt_sets import load_prompts
 
 
@@ -72,9 +71,7 @@ def main() -> None:
     prompts = [chat_token_ids(tokenizer, messages) for messages in load_prompts(args.prompts, args.num_prompts)]
     prompts = prompts[: len(prompts) - len(prompts) % args.rows]  # whole fixed batches
     rows, new = args.rows, args.max_new_tokens
-    # transformers' paged cache sized for the requests (by default it takes a share of the machine's memory).
-    pages = ContinuousBatchingConfig(max_requests_per_batch=rows, page_size=32,
-                                     num_blocks=rows * ((max(map(len, prompts)) + new) // 32 + 2))  # fmt: skip
+    pages = paged_cache_for(prompts, rows, new)
     methods = {
         "target, fixed batches": lambda: in_batches(target, tokenizer, prompts, rows, new),
         "target, generate_batch (transformers)": lambda: served(target, prompts, rows, new, pages),

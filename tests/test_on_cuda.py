@@ -172,10 +172,10 @@ def test_cuda_bench_warms_the_compiled_verification_from_prompts_kept_on_the_cpu
         torch._dynamo.reset()
 
 
-def test_cuda_requests_join_the_drafted_batch_and_each_is_the_target_alones():
-    # `generate_batch` with the drafter: rows finish and requests join on the device, each token-identical to the
-    # target alone generating its prompt alone.
-    from test_continuous_batching import EOS, PROMPTS, followed_by, random_target, rows_at_most
+def requests_on_cuda():
+    """A toy target whose forcing drafter often drafts its own answers, both on the device, the greedy generation
+    config of the requests, and each request's answer from the target alone on the device."""
+    from test_continuous_batching import EOS, PROMPTS, followed_by, random_target
     from transformers import GenerationConfig
 
     target = random_target("qwen3")
@@ -186,10 +186,18 @@ def test_cuda_requests_join_the_drafted_batch_and_each_is_the_target_alones():
     for prompt in PROMPTS:
         output = target.generate(torch.tensor([prompt], device="cuda"), do_sample=False, pad_token_id=0, **settings)
         expected.append(output[0, len(prompt) :].tolist())
+    return target, drafter, GenerationConfig(do_sample=False, pad_token_id=0, **settings), expected
+
+
+def test_cuda_requests_join_the_drafted_batch_and_each_is_the_target_alones():
+    # `generate_batch` with the drafter: rows finish and requests join on the device, each token-identical to the
+    # target alone generating its prompt alone.
+    from test_continuous_batching import PROMPTS, rows_at_most
+
+    target, drafter, config, expected = requests_on_cuda()
     results = target.generate_batch(
-        PROMPTS, GenerationConfig(do_sample=False, pad_token_id=0, **settings),
-        continuous_batching_config=rows_at_most(3), assistant_model=drafter,
-    )  # fmt: skip
+        PROMPTS, config, continuous_batching_config=rows_at_most(3), assistant_model=drafter
+    )
     assert [result.generated_tokens for result in results.values()] == expected
     assert sum(drafter.last_generation_stats.drafted) > 0
 
@@ -197,18 +205,9 @@ def test_cuda_requests_join_the_drafted_batch_and_each_is_the_target_alones():
 def test_cuda_the_drafted_manager_serves_requests_added_while_it_runs():
     # init_continuous_batching(assistant_model=drafter): the background thread drafts on the device, a streaming
     # request's tokens so far are prefixes of its answer, and every answer is the target alone's.
-    from test_continuous_batching import EOS, PROMPTS, followed_by, random_target, rows_at_most
-    from transformers import GenerationConfig
+    from test_continuous_batching import PROMPTS, rows_at_most
 
-    target = random_target("qwen3")
-    settings = dict(max_new_tokens=20, eos_token_id=EOS)
-    drafter = forcing_drafter(target, followed_by(target, PROMPTS, **settings), block_size=6)
-    target, drafter = target.cuda(), drafter.cuda()
-    expected = []
-    for prompt in PROMPTS:
-        output = target.generate(torch.tensor([prompt], device="cuda"), do_sample=False, pad_token_id=0, **settings)
-        expected.append(output[0, len(prompt) :].tolist())
-    config = GenerationConfig(do_sample=False, pad_token_id=0, **settings)
+    target, drafter, config, expected = requests_on_cuda()
     rows = rows_at_most(3)
     with target.continuous_batching_context_manager(
         config, continuous_batching_config=rows, assistant_model=drafter

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import ContinuousBatchingConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import batching_domino
 from .assets import chat_token_ids, eos_token_ids, load_drafter, load_target, pad_token_id
@@ -86,6 +86,13 @@ def left_padded_groups(
         left_padded_batch(tokenizer, conversations[i : i + size], pad)
         for i in range(0, len(conversations) - size + 1, size)
     ]
+
+
+def paged_cache_for(prompts: Sequence[list[int]], rows: int, max_new_tokens: int) -> ContinuousBatchingConfig:
+    """transformers' continuous batching of the target alone, `rows` requests at a time, its paged cache sized for
+    these requests (by default it takes a share of the machine's memory)."""
+    pages_per_row = (max(map(len, prompts)) + max_new_tokens) // 32 + 2
+    return ContinuousBatchingConfig(max_requests_per_batch=rows, page_size=32, num_blocks=rows * pages_per_row)
 
 
 def smollm2_batches(
