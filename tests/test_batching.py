@@ -124,6 +124,24 @@ def test_plain_steps_seconds_of_a_server_joins_rows_as_places_free_up():
     assert batch_policy_domino.plain_steps_seconds([], seconds, limit=2) == 0
 
 
+def test_plain_steps_seconds_takes_no_request_on_before_it_came():
+    # A step costs 10 plus 1 per row. Two requests of 64 tokens, the second arriving after 21 one-row steps: 21
+    # one-row steps, 43 two-row steps (the first done), 21 one-row steps; all at once, 64 two-row steps, which priced
+    # a manager's calls as losing whenever its requests came while others ran. A request coming after the others
+    # finished: the idle time between does not count.
+    def seconds(rows: int) -> float:
+        return 10.0 + rows
+
+    came = [0.0, 21 * 11.0]
+    assert batch_policy_domino.plain_steps_seconds([64, 64], seconds, 4, came) == 42 * 11.0 + 43 * 12.0
+    assert batch_policy_domino.plain_steps_seconds([64, 64], seconds, 4) == 64 * 12.0
+    assert batch_policy_domino.plain_steps_seconds([5, 5], seconds, 4, [0.0, 1000.0]) == 10 * 11.0
+    # One arriving between two steps joins at the next one; places still limit who joins.
+    assert batch_policy_domino.plain_steps_seconds([4, 4], seconds, 4, [0.0, 5.0]) == 11.0 + 3 * 12.0 + 11.0
+    assert batch_policy_domino.plain_steps_seconds([4, 4, 4], seconds, 2, [0.0, 0.0, 0.0]) == 4 * 12.0 + 4 * 11.0
+    assert batch_policy_domino.plain_steps_seconds([3, 0, 2], seconds, 2, [0.0, 1.0, 50.0]) == 3 * 11.0 + 2 * 11.0
+
+
 def test_a_servers_call_is_judged_against_plain_steps_joining_as_its_rows_joined(monkeypatch):
     # 21 requests of 17 tokens, 3 rows at a time, in 20 cycles of 1 s, where a plain step costs 1 s at any row count:
     # plain steps joining as the call did take 7 rounds of 17 steps (5.95x slower); all 21 at once would take 17

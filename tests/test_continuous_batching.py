@@ -270,13 +270,14 @@ def test_a_call_is_judged_against_plain_steps_that_join_as_its_requests_join(mon
 
     judged = []
     judge = batch_policy_domino.judge_call
-    monkeypatch.setattr(batching_domino, "judge_call", lambda *a, **k: judged.append(a[-1]) or judge(*a, **k))
+    monkeypatch.setattr(batching_domino, "judge_call", lambda *a, **k: judged.append(a[4:]) or judge(*a, **k))
     target = successor_target("qwen3", VOCAB)
     drafter = forcing_drafter(target, [(t + 1) % VOCAB for t in range(VOCAB)], block_size=6)
     config = GenerationConfig(do_sample=False, pad_token_id=0, max_new_tokens=40, eos_token_id=EOS)
     target.generate_batch(PROMPTS * 3, config, rows_at_most(3), assistant_model=drafter)
     target.generate_batch(PROMPTS * 3, config, rows_at_most(2), assistant_model=drafter)
-    assert judged == [3, 2]
+    # The rows at a time, and when each request came: all at the call's start.
+    assert judged == [(3, [0.0] * 21), (2, [0.0] * 21)]
 
 
 @pytest.mark.slow

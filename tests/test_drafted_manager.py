@@ -165,6 +165,24 @@ def test_results_go_to_a_handler_on_the_event_loop(models):
     assert all(result.generated_tokens == expected[: len(result.generated_tokens)] for result in seen)
 
 
+def test_a_batch_is_judged_with_when_its_requests_came(models, monkeypatch):
+    # Plain steps would not have taken a request on before it came: the judge of a manager's batch is told when each
+    # came (test_batching checks what it makes of that).
+    target, drafter = models
+    judged = []
+    judge = batching_domino.judge_call
+    monkeypatch.setattr(batching_domino, "judge_call", lambda *a, **k: judged.append(a[5]) or judge(*a, **k))
+    config = GenerationConfig(do_sample=False, pad_token_id=0, max_new_tokens=300)
+    with target.continuous_batching_context_manager(config, assistant_model=drafter) as manager:
+        first = manager.add_request(PROMPTS[2], streaming=True)  # 300 tokens without an EOS
+        manager.get_result(first, timeout=60)  # it runs
+        second = manager.add_request(PROMPTS[0], max_new_tokens=5)
+        assert manager.get_result(second, timeout=60).is_finished()
+        *_, last = manager.request_id_iter(first)
+    assert last.is_finished() and len(judged) == 1
+    assert judged[0][0] == 0.0 and judged[0][1] > 0.0
+
+
 def test_num_return_sequences_come_back_as_transformers_names_them(models):
     target, drafter = models
     config = GenerationConfig(do_sample=True, num_return_sequences=3, pad_token_id=0, **SETTINGS)

@@ -173,6 +173,9 @@ class BatchedDecoding:
         # A server's rows at a time (`continuous_batching_domino.Serving`): its rows join in their order as others
         # finish, which the judge of the call prices plain steps by. None: all rows start together.
         self.row_limit: int | None = None
+        # And per row, when its request came, in seconds after the server's first one (a manager's requests arrive
+        # while it runs): the judge's plain steps take none on before it came. None: all came at the start.
+        self.row_arrivals: list[float] | None = None
         self.cycle_times: list[tuple[int, float, float | None]] = []
         # Per row, the drafts and copies accepted and the cycles that verified some (any row's), for `row_paces`.
         self.row_accepted, self.row_cycles = [0] * rows, [0] * rows
@@ -520,7 +523,7 @@ class BatchedDecoding:
         return (
             checks_call(len(self.cycle_times))
             and self.judges_calls
-            and stops_speculating(self.policy, self.cycle_times, self.steps(), self.row_limit)
+            and stops_speculating(self.policy, self.cycle_times, self.steps(), self.row_limit, self.row_arrivals)
         )
 
     def steps(self) -> list[int]:
@@ -530,7 +533,7 @@ class BatchedDecoding:
     def judge_call(self) -> None:
         """After the call: whether speculating paid, for this batch size's next calls (`batch_policy_domino`)."""
         if self.judges_calls:
-            judge_call(self.policy, self.cycle_times, self.steps(), self.speculated, self.row_limit)
+            judge_call(self.policy, self.cycle_times, self.steps(), self.speculated, self.row_limit, self.row_arrivals)
 
 
 @torch.no_grad()

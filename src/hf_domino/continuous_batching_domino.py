@@ -270,7 +270,9 @@ class Serving:
 
     def __init__(self, decoding: BatchedDecoding, limit: int, deliver: Callable[[GenerationOutput], None]):
         self.decoding, self.limit, self.deliver = decoding, limit, deliver
-        decoding.row_limit = limit  # so that the call is judged against plain steps joining as it joins
+        # So that the call is judged against plain steps joining as its requests joined, none before it came.
+        decoding.row_limit, decoding.row_arrivals = limit, []
+        self.started: float | None = None  # when the first request joined
         self.waiting: deque = deque()  # (request, its processors, criteria and max_length)
         self.running: dict[int, Request] = {}  # row of `decoding` -> its request
         self.finished: list[bool] = []  # per active row, whether its last cycle (or prefill) finished it
@@ -317,9 +319,11 @@ class Serving:
             self.waiting.popleft() for _ in range(min(len(self.waiting), self.limit - len(self.decoding.active)))
         ]
         now, first = time.perf_counter(), len(self.decoding.sequences)
+        self.started = now if self.started is None else self.started
         for offset, (request, _) in enumerate(joining):
             request.admitted = now
             self.running[first + offset] = request
+            self.decoding.row_arrivals.append(max(0.0, request.created - self.started))
         self.admitted += len(joining)
         return self.decoding.admit([(request.prompt, *rules) for request, rules in joining])
 

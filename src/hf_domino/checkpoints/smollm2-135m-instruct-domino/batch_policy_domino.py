@@ -12,6 +12,7 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -149,12 +150,14 @@ def judge_call(
     steps: list[int],
     speculated: bool,
     limit: int | None = None,
+    arrivals: list[float] | None = None,
 ) -> None:
     """After one batched call: learns its plain cycles' times by active rows (`cycle_times`: per cycle, its rows, its
     time and, for a plain step, what a plain-steps-only call pays for it) and, when the call speculated, whether that
     paid: its cycles against what plain steps would have taken for the tokens `steps[r]` each row generated (so its
-    stops too; rows joining `limit` at a time for a server's call, `plain_steps_seconds`), which `learn_call_gain`
-    averages over calls. Calls shorter than `CALL_MIN_CYCLES` are not judged."""
+    stops too; for a server's call, rows joining `limit` at a time, each no earlier than its request's `arrivals`:
+    `plain_steps_seconds`), which `learn_call_gain` averages over calls. Calls shorter than `CALL_MIN_CYCLES` are not
+    judged."""
     if not MAX_PLAIN_CALLS:
         return
     record = policy.record
@@ -164,7 +167,7 @@ def judge_call(
             record.plain_cycle_seconds[rows] = plain if current is None else current + TIME_RATE * (plain - current)
     if not speculated or all(plain is not None for _, _, plain in cycle_times) or len(cycle_times) < CALL_MIN_CYCLES:
         return
-    learn_call_gain(record, call_gain(policy, cycle_times, steps, limit))
+    learn_call_gain(record, call_gain(policy, cycle_times, steps, limit, arrivals))
 
 
 def call_gain(
@@ -172,11 +175,13 @@ def call_gain(
     cycle_times: list[tuple[int, float, float | None]],
     steps: list[int],
     limit: int | None = None,
+    arrivals: list[float] | None = None,
 ) -> float:
     """How many times as fast as plain steps the cycles `cycle_times` went: plain steps' time for the tokens `steps[r]`
-    each row generated in them (rows joining `limit` at a time, if given), over their time."""
+    each row generated in them (rows joining `limit` at a time and no earlier than their `arrivals`, if given), over
+    their time."""
     spent = sum(seconds for _, seconds, _ in cycle_times)
-    plain = plain_steps_seconds(steps, lambda rows: plain_cycle_estimate(policy, rows), limit)
+    plain = plain_steps_seconds(steps, lambda rows: plain_cycle_estimate(policy, rows), limit, arrivals)
     return plain / max(spent, 1e-9)
 
 
@@ -191,10 +196,11 @@ def stops_speculating(
     cycle_times: list[tuple[int, float, float | None]],
     steps: list[int],
     limit: int | None = None,
+    arrivals: list[float] | None = None,
 ) -> bool:
     """Whether a speculating call judged at this cycle (`checks_call`) takes plain steps from here on: when its
     cycles so far went below `CALL_STOP_GAIN` times as fast as plain steps (`call_gain`)."""
-    return call_gain(policy, cycle_times, steps, limit) < CALL_STOP_GAIN
+    return call_gain(policy, cycle_times, steps, limit, arrivals) < CALL_STOP_GAIN
 
 
 def plain_cycle_estimate(policy: AdaptivePolicy, rows: int) -> float:
@@ -232,18 +238,35 @@ def call_speculates(record: DrafterRecord) -> bool:
     return True
 
 
-def plain_steps_seconds(steps: list[int], seconds_by_rows: Callable[[int], float], limit: int | None = None) -> float:
+def plain_steps_seconds(
+    steps: list[int],
+    seconds_by_rows: Callable[[int], float],
+    limit: int | None = None,
+    arrivals: list[float] | None = None,
+) -> float:
     """What plain steps take to generate `steps[r]` tokens in row r: one token per row per cycle, rows leaving the
     batch as they finish. With `limit` (a server's rows at a time), rows join in their order as places free up, as
-    `generate_batch`'s requests do; without, all start together."""
-    waiting, running, total, places = deque(steps), [], 0.0, limit or len(steps)
+    `generate_batch`'s requests do; without, all start together. With `arrivals` (seconds after the call's start at
+    which each row's request came: a manager's requests arrive while it runs), a row joins no earlier than that, and
+    the time the batch would have stood idle waiting for one does not count."""
+    arrivals = arrivals or [0.0] * len(steps)
+    waiting = deque(row for row, count in enumerate(steps) if count > 0)
+    running: dict[int, int] = {}  # row -> tokens left
+    places, clock, busy = limit or len(steps), 0.0, 0.0
     while waiting or running:
-        while waiting and len(running) < places:
-            running.append(waiting.popleft())
-        step = min(running)  # cycles until the next row finishes
-        total += step * seconds_by_rows(len(running))
-        running = [left - step for left in running if left > step]
-    return total
+        while waiting and len(running) < places and arrivals[waiting[0]] <= clock:
+            row = waiting.popleft()
+            running[row] = steps[row]
+        if not running:
+            clock = arrivals[waiting[0]]  # idle until the next request comes
+            continue
+        cost = max(seconds_by_rows(len(running)), 1e-12)
+        cycles = min(running.values())  # until the next row finishes
+        if waiting and len(running) < places:  # or the next request comes and joins
+            cycles = max(1, min(cycles, math.ceil((arrivals[waiting[0]] - clock) / cost)))
+        clock, busy = clock + cycles * cost, busy + cycles * cost
+        running = {row: left - cycles for row, left in running.items() if left > cycles}
+    return busy
 
 
 __all__ = [
