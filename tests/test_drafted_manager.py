@@ -85,7 +85,7 @@ def test_a_streaming_request_gets_its_tokens_so_far_then_its_result(models):
         greedy(), assistant_model=drafter, draft_policy="fixed"
     ) as manager:
         plain = manager.add_request(PROMPTS[0], max_new_tokens=6, record_timestamps=True)
-        streamed = manager.add_request(PROMPTS[2], streaming=True)
+        streamed = manager.add_request(PROMPTS[2], streaming=True, record_timestamps=True)
         outputs = list(manager.request_id_iter(streamed))
         result = manager.get_result(plain, timeout=60)
     assert not manager.is_running()
@@ -95,6 +95,7 @@ def test_a_streaming_request_gets_its_tokens_so_far_then_its_result(models):
     assert partial and all(output.status == RequestStatus.DECODING for output in outputs[:-1])
     assert all(tokens == expected[: len(tokens)] for tokens in partial)  # prefixes of the answer
     assert [len(tokens) for tokens in partial] == sorted({len(tokens) for tokens in partial})  # each adds some
+    assert all(len(output.timestamps) == len(output.generated_tokens) for output in outputs)
     assert len(partial) < len(expected)  # some cycles accepted drafts: fewer updates than tokens
     # A request's own max_new_tokens, and its timestamps, one per token.
     assert result.generated_tokens == alone(target, PROMPTS[0], max_new_tokens=6, eos_token_id=EOS)

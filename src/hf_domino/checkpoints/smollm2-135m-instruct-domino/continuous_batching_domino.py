@@ -327,7 +327,14 @@ class Serving:
         self.admitted += len(joining)
         return self.decoding.admit([(request.prompt, *rules) for request, rules in joining])
 
+    def stamp(self, row: int, now: float) -> None:
+        """A request that records timestamps: `now` for each token its row got since the last time."""
+        request = self.running[row]
+        if request.record_timestamps:
+            request.timestamps += [now] * (self.decoding.generated(row) - len(request.timestamps))
+
     def output(self, row: int, status: RequestStatus, now: float) -> GenerationOutput:
+        self.stamp(row, now)
         request, decoding = self.running[row], self.decoding
         return GenerationOutput(
             request_id=request.request_id,
@@ -353,10 +360,8 @@ class Serving:
         """The finished rows' requests get their results and leave the batch, as do cancelled ones (no result);
         returns how many finished."""
         now, decoding = time.perf_counter(), self.decoding
-        for row in decoding.active:  # the tokens each running row got since the last time
-            request = self.running[row]
-            if request.record_timestamps:
-                request.timestamps += [now] * (decoding.generated(row) - len(request.timestamps))
+        for row in decoding.active:
+            self.stamp(row, now)
         finished = self.finished + [False] * (len(decoding.active) - len(self.finished))
         finished = [done or self.running[row].cancelled for row, done in zip(decoding.active, finished)]
         delivered = 0
