@@ -13,7 +13,7 @@ from test_continuous_batching import EOS, PROMPTS, alone, followed_by, random_ta
 from transformers import GenerationConfig
 from transformers.generation.continuous_batching.requests import RequestStatus
 
-from hf_domino import batching_domino, continuous_batching_domino
+from hf_domino import batching_domino, continuous_batching_domino, records_domino
 from hf_domino.continuous_batching_domino import DraftedBatchingManager
 
 SETTINGS = dict(max_new_tokens=20, eos_token_id=EOS)
@@ -171,8 +171,10 @@ def test_a_batch_is_judged_with_when_its_requests_came(models, monkeypatch):
     # came (test_batching checks what it makes of that).
     target, drafter = models
     judged = []
-    judge = batching_domino.judge_call
-    monkeypatch.setattr(batching_domino, "judge_call", lambda *a, **k: judged.append(a[5]) or judge(*a, **k))
+    judge = continuous_batching_domino.judge_call
+    monkeypatch.setattr(
+        continuous_batching_domino, "judge_call", lambda *a, **k: judged.append(a[5]) or judge(*a, **k)
+    )
     config = GenerationConfig(do_sample=False, pad_token_id=0, max_new_tokens=300)
     with target.continuous_batching_context_manager(config, assistant_model=drafter) as manager:
         first = manager.add_request(PROMPTS[2], streaming=True)  # 300 tokens without an EOS
@@ -182,6 +184,34 @@ def test_a_batch_is_judged_with_when_its_requests_came(models, monkeypatch):
         *_, last = manager.request_id_iter(first)
     assert last.is_finished() and len(judged) == 1
     assert judged[0][0] == 0.0 and judged[0][1] > 0.0
+
+
+def test_a_batch_that_never_runs_dry_is_judged_a_window_at_a_time(models, monkeypatch):
+    # A server always busy would judge its batch only when 1024 requests had gone through it, and pause whole batches.
+    # Every MANAGER_JUDGE_CYCLES cycles its window is judged as a call; a losing one pauses the next window (1, then
+    # 2, ... windows of plain steps), and every answer is still the target alone's.
+    from hf_domino import batch_policy_domino
+
+    target, drafter = models
+    records_domino.forget_records(drafter)  # from a first batch: nothing learned by the other tests' batches
+    monkeypatch.setattr(continuous_batching_domino, "MANAGER_JUDGE_CYCLES", 8)
+    monkeypatch.setattr(batch_policy_domino, "CALL_MIN_CYCLES", 1)
+    monkeypatch.setattr(batch_policy_domino, "call_gain", lambda *args: 0.5)  # every speculating window loses
+    windows = []
+    judge = continuous_batching_domino.judge_call
+    monkeypatch.setattr(
+        continuous_batching_domino, "judge_call", lambda *a, **k: windows.append((len(a[1]), a[3])) or judge(*a, **k)
+    )
+    config = GenerationConfig(do_sample=False, pad_token_id=0, max_new_tokens=200)
+    with target.continuous_batching_context_manager(config, rows_at_most(2), assistant_model=drafter) as manager:
+        ids = manager.add_requests([PROMPTS[2], PROMPTS[5]])  # 200 tokens each, without an EOS
+        results = [manager.get_result(request_id, timeout=60) for request_id in ids]
+    assert [result.generated_tokens for result in results] == [
+        alone(target, prompt, max_new_tokens=200) for prompt in (PROMPTS[2], PROMPTS[5])
+    ]
+    assert len(windows) >= 5 and all(cycles <= 8 for cycles, _ in windows[:-1])  # one batch, judged in windows
+    speculated = [flag for _, flag in windows]
+    assert speculated[:5] == [True, False, True, False, False]  # paused 1 window, then 2
 
 
 def test_num_return_sequences_come_back_as_transformers_names_them(models):

@@ -37,6 +37,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.utils.logging import get_logger, tqdm
 
 from .batch_call_domino import check_batch_target
+from .batch_policy_domino import call_speculates, judge_call
 from .batching_domino import BatchedDecoding
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
 from .ragged_cache_domino import JOINABLE, batch_cache
@@ -273,6 +274,9 @@ class Serving:
         # So that the call is judged against plain steps joining as its requests joined, none before it came.
         decoding.row_limit, decoding.row_arrivals = limit, []
         self.started: float | None = None  # when the first request joined
+        # A manager judges its batch a window of cycles at a time (`judge_window`): where the window started, in
+        # seconds after `started`, and each row's tokens then.
+        self.window_start, self.window_steps = 0.0, []
         self.waiting: deque = deque()  # (request, its processors, criteria and max_length)
         self.running: dict[int, Request] = {}  # row of `decoding` -> its request
         self.finished: list[bool] = []  # per active row, whether its last cycle (or prefill) finished it
@@ -312,6 +316,27 @@ class Serving:
             return done
         self.stream()
         return done
+
+    def judge_window(self, final: bool = False) -> None:
+        """For a server that may never run dry: once `MANAGER_JUDGE_CYCLES` cycles have run since the last time (or
+        the batch is done, `final`), judges them as a call (`judge_call`: the tokens each row generated in them, rows
+        there at the window's start taken as come then), and the next window speculates or takes plain steps as the
+        judge's pauses say (`call_speculates`), as a batch size's next call would."""
+        decoding = self.decoding
+        cycles = decoding.cycle_times
+        if not cycles or (not final and len(cycles) < MANAGER_JUDGE_CYCLES):
+            return
+        now, steps = time.perf_counter() - (self.started or 0.0), decoding.steps()
+        if decoding.judges_calls:
+            in_window = [n - (self.window_steps[r] if r < len(self.window_steps) else 0) for r, n in enumerate(steps)]
+            arrivals = [max(0.0, came - self.window_start) for came in decoding.row_arrivals]
+            judge_call(decoding.policy, cycles, in_window, decoding.speculated, decoding.row_limit, arrivals)
+            if not final:
+                decoding.speculated = decoding.speculating = call_speculates(decoding.policy.record)
+                if decoding.speculating:
+                    decoding.drafting.index_datastore()
+        cycles.clear()
+        self.window_start, self.window_steps = now, steps
 
     def admit(self) -> list[bool]:
         """As many waiting requests as there is room for join the batch (`BatchedDecoding.admit`)."""
@@ -375,6 +400,9 @@ class Serving:
         return delivered
 
 
+# A manager's batch is judged every this many cycles (`Serving.judge_window`), so that a server never idle still
+# learns within a batch whether speculating pays, and pauses for a window of cycles rather than whole batches.
+MANAGER_JUDGE_CYCLES = 256
 # Requests one drafted batch of a manager takes on; the next wait until it runs dry, and a fresh batch takes them.
 # A batch keeps each row's tokens and rules until it ends, and its policies judge it as one call, so a server that
 # is never idle still ends a batch now and then: at 8 rows of 128 tokens, a tail of a few cycles in some thousands.
@@ -634,8 +662,8 @@ class DraftedBatchingManager:
                         pending.append(self._incoming.get())
                     while not self._cancelled.empty():
                         self._cancel(self._cancelled.get(), pending, serving)
-                    if serving is not None and not serving.busy:  # ran dry: judged as one call
-                        serving.decoding.judge_call()
+                    if serving is not None and not serving.busy:  # ran dry: its last window judged
+                        serving.judge_window(final=True)
                         serving = None
                     if pending and serving is None:
                         serving = Serving(self.call.decoding(pending[0][1]), self.call.limit, self.results.put)
@@ -643,6 +671,7 @@ class DraftedBatchingManager:
                         serving.add(*pending.popleft())
                     if serving is not None:
                         serving.step()
+                        serving.judge_window()
                     elif self._stopping.is_set():
                         return
                     else:
