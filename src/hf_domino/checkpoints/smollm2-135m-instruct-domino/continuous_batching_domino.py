@@ -404,8 +404,8 @@ class Serving:
 # learns within a batch whether speculating pays, and pauses for a window of cycles rather than whole batches.
 MANAGER_JUDGE_CYCLES = 256
 # Requests one drafted batch of a manager takes on; the next wait until it runs dry, and a fresh batch takes them.
-# A batch keeps each row's tokens and rules until it ends, and its policies judge it as one call, so a server that
-# is never idle still ends a batch now and then: at 8 rows of 128 tokens, a tail of a few cycles in some thousands.
+# A batch keeps each row's tokens and rules until it ends, so a server that is never idle still ends a batch now and
+# then: at 8 rows of 128 tokens, a tail of a few cycles in some thousands.
 MANAGER_BATCH_REQUESTS = 1024
 
 
