@@ -13,8 +13,8 @@ from test_continuous_batching import EOS, PROMPTS, alone, followed_by, random_ta
 from transformers import GenerationConfig
 from transformers.generation.continuous_batching.requests import RequestStatus
 
-from hf_domino import batching_domino, continuous_batching_domino, records_domino
-from hf_domino.continuous_batching_domino import DraftedBatchingManager
+from hf_domino import batching_domino, batching_manager_domino, continuous_batching_domino, records_domino
+from hf_domino.batching_manager_domino import DraftedBatchingManager
 
 SETTINGS = dict(max_new_tokens=20, eos_token_id=EOS)
 
@@ -45,7 +45,7 @@ def results_of(manager, count: int, timeout: float = 60) -> tuple[dict, list]:
 def test_requests_added_from_threads_while_it_runs_are_each_the_target_alones(models, monkeypatch):
     target, drafter = models
     # A batch of at most 3 requests: the 7 requests run through several batches that run dry and start again.
-    monkeypatch.setattr(continuous_batching_domino, "MANAGER_BATCH_REQUESTS", 3)
+    monkeypatch.setattr(batching_manager_domino, "MANAGER_BATCH_REQUESTS", 3)
     batches = []
     start_batch = continuous_batching_domino.ServingCall.decoding
     monkeypatch.setattr(
@@ -194,7 +194,7 @@ def test_a_batch_that_never_runs_dry_is_judged_a_window_at_a_time(models, monkey
 
     target, drafter = models
     records_domino.forget_records(drafter)  # from a first batch: nothing learned by the other tests' batches
-    monkeypatch.setattr(continuous_batching_domino, "MANAGER_JUDGE_CYCLES", 8)
+    monkeypatch.setattr(batching_manager_domino, "MANAGER_JUDGE_CYCLES", 8)
     monkeypatch.setattr(batch_policy_domino, "CALL_MIN_CYCLES", 1)
     monkeypatch.setattr(batch_policy_domino, "call_gain", lambda *args: 0.5)  # every speculating window loses
     windows = []

@@ -17,7 +17,7 @@ unchanged unless the assistant is a Domino drafter:
   batch that takes on waiting requests as rows finish (`continuous_batching_domino`);
 - `init_continuous_batching` and `continuous_batching_context_manager` (the manager beneath it, which takes no
   assistant): with `assistant_model=` a Domino drafter, a `DraftedBatchingManager` that serves requests added from
-  any thread the same way.
+  any thread the same way (`batching_manager_domino`).
 
 The hook is installed when a drafter is built (see `DominoForSpeculation.__init__`) or `hf_domino` is imported; it
 is idempotent, and refuses to install on a transformers whose methods no longer have the parameters it relies on.
@@ -42,6 +42,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .batching_domino import batched_assisted_decoding
+from .batching_manager_domino import DraftedBatchingManager
 from .cache_domino import (
     CACHE_ARGUMENT,
     RecurrentRollback,
@@ -52,7 +53,7 @@ from .cache_domino import (
     has_replayable_scan,
     uncached_prompt_length,
 )
-from .continuous_batching_domino import DraftedBatchingManager, generate_requests
+from .continuous_batching_domino import generate_requests
 from .options_domino import (
     DominoGenerationStats,
     DominoOptions,
