@@ -4,6 +4,7 @@ runs, each what the target alone generates for it; streaming, cancellation, fail
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -77,6 +78,38 @@ def test_requests_added_from_threads_while_it_runs_are_each_the_target_alones(mo
     assert all(result.status == RequestStatus.FINISHED and result.lifespan[1] > 0 for result in results.values())
     assert manager.get_result(timeout=0.1) is None  # nothing left, and no thread to produce more
     assert len(batches) >= 3  # at most 3 requests a batch
+
+
+def test_starting_on_a_cpu_releases_the_callers_openmp_workers(models, monkeypatch):
+    target, drafter = models
+    released = []
+    monkeypatch.setattr(batching_manager_domino, "release_openmp_workers", lambda: released.append(1) or True)
+    for release in (True, False):
+        monkeypatch.setattr(batching_manager_domino, "RELEASE_CALLER_OPENMP", release)
+        with target.continuous_batching_context_manager(greedy(), assistant_model=drafter) as manager:
+            result = manager.get_result(manager.add_request(PROMPTS[0]), timeout=60)
+        assert result.generated_tokens == alone(target, PROMPTS[0], **SETTINGS)
+        assert len(released) == 1  # on start with the switch on, not with it off
+
+
+@pytest.mark.skipif(
+    not os.path.isdir("/proc/self/task") or not batching_manager_domino._openmp_runtimes(),
+    reason="counts this process's threads in /proc, on torch's OpenMP runtime",
+)
+def test_released_openmp_workers_end_until_the_threads_next_parallel_work():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        running = lambda: set(os.listdir("/proc/self/task"))  # noqa: E731
+        torch.ones(1 << 22).sum()  # parallel work: this thread's OpenMP worker starts (or is still there)
+        before = running()
+        assert batching_manager_domino.release_openmp_workers()
+        assert before - running(), "no thread ended"
+        after = running()
+        torch.ones(1 << 22).sum()
+        assert running() - after, "no worker started again"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_streaming_request_gets_its_tokens_so_far_then_its_result(models):
@@ -283,3 +316,19 @@ def test_the_arrivals_benchmark_runs_as_a_user_runs_it():
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [line for line in run.stdout.splitlines() if "manager" in line and "tokens/s" in line]
     assert len(lines) == 3 and all("0 of 4 answers differing" in line for line in lines), run.stdout
+
+
+@pytest.mark.slow
+def test_the_thread_penalty_example_runs_as_a_user_runs_it():
+    # The script behind docs/benchmarks.md's "torch's work in a second thread", at toy size: every way it measures
+    # runs (the manager's own thread among them) and gets a figure.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "thread_penalty.py"
+    args = ["--prompts", "1", "--tokens", "4", "--rounds", "1"]
+    run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    figures = [line for line in run.stdout.splitlines() if line.startswith("  ") and line.rstrip().endswith("]")]
+    assert len(figures) == 5 + 8 and all(float(line.split()[-2]) > 0 for line in figures), run.stdout

@@ -8,6 +8,7 @@ import importlib
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .batching_manager_domino import release_openmp_workers
 from .configuration_domino import DominoConfig, default_target_layer_ids
 from .cpu_fast_path import CpuFastPathReport, prepare_for_cpu_decoding
 from .generate_hook_domino import install_assisted_generation_hook
@@ -40,4 +41,5 @@ __all__ = [
     "check_drafter_for_target",
     "default_target_layer_ids",
     "prepare_for_cpu_decoding",
+    "release_openmp_workers",
 ]

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import glob
+import os
 import queue
 import threading
 import time
@@ -41,6 +44,11 @@ MANAGER_JUDGE_CYCLES = 256
 # A batch keeps each row's tokens and rules until it ends, so a server that is never idle still ends a batch now and
 # then: at 8 rows of 128 tokens, a tail of a few cycles in some thousands.
 MANAGER_BATCH_REQUESTS = 1024
+# On a CPU, `start()` releases the OpenMP worker threads of the thread that calls it (`release_openmp_workers`): with
+# them and the manager thread's own, a process has more OpenMP threads than cores, and libgomp then puts idle workers
+# to sleep at once, so that each of the thread's parallel regions pays for waking them (docs/benchmarks.md, "On a
+# CPU, torch's work in a second thread"). The caller's next parallel work brings its workers back.
+RELEASE_CALLER_OPENMP = True
 
 
 class Results:
@@ -141,6 +149,8 @@ class DraftedBatchingManager:
         self._stopping.clear()
         self.error = None
         self.results.open()
+        if RELEASE_CALLER_OPENMP and self.call.device.type == "cpu":
+            release_openmp_workers()
         self._thread = threading.Thread(target=self._serve, name="domino-batching-manager", daemon=True)
         self._thread.start()
 
@@ -322,6 +332,32 @@ class DraftedBatchingManager:
             self.results.close()
 
 
+def release_openmp_workers() -> bool:
+    """Ends the calling thread's OpenMP worker threads (`omp_pause_resource_all`, OpenMP 5.0), where the OpenMP
+    runtime torch runs on offers it; returns whether it did. The thread's next parallel region starts them again."""
+    for path in _openmp_runtimes():
+        try:
+            pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
+        except OSError:  # a mapped file that is gone, or not a library this process can open again
+            continue
+        if pause is not None:
+            pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+            return pause(1) == 0  # omp_pause_soft
+    return False
+
+
+def _openmp_runtimes() -> list[str]:
+    """Paths of the OpenMP runtimes this process has loaded (libgomp, LLVM's libomp, Intel's libiomp5), read from
+    `/proc/self/maps`; elsewhere the one bundled with torch, which importing torch loaded."""
+    names = ("libgomp", "libomp", "libiomp5")
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "/lib" in line}
+    except OSError:
+        paths = set(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "lib*omp*")))
+    return sorted(path for path in paths if os.path.basename(path).startswith(names))
+
+
 def _held(pending: deque, serving: Serving | None) -> list[Request]:
     """The requests a manager's thread holds: not yet in a batch, waiting in it, or running."""
     held = [request for request, _ in pending]
@@ -343,4 +379,11 @@ def _cancel(request_id: str, pending: deque, serving: Serving | None) -> None:
             serving.cancel(name)
 
 
-__all__ = ["MANAGER_BATCH_REQUESTS", "MANAGER_JUDGE_CYCLES", "DraftedBatchingManager", "Results"]
+__all__ = [
+    "MANAGER_BATCH_REQUESTS",
+    "MANAGER_JUDGE_CYCLES",
+    "RELEASE_CALLER_OPENMP",
+    "DraftedBatchingManager",
+    "Results",
+    "release_openmp_workers",
+]
