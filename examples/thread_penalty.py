@@ -67,9 +67,22 @@ def region_microseconds(repeats: int = 3000) -> float:
     return statistics.median(times[repeats // 6 :]) * 1e6
 
 
+def through_manager(target, drafter, config, prompts, release: bool, **options) -> list[float]:
+    """Seconds per request through a drafted manager, one request at a time (`RELEASE_CALLER_OPENMP` as `release`,
+    the main thread's workers running before `start()`)."""
+    batching_manager_domino.RELEASE_CALLER_OPENMP = release
+    keep_workers()
+    seconds = []
+    with target.continuous_batching_context_manager(config, assistant_model=drafter, **options) as manager:
+        for prompt in prompts:
+            start = time.perf_counter()
+            manager.get_result(manager.add_request(prompt), timeout=600)
+            seconds.append(time.perf_counter() - start)
+    return seconds
+
+
 def manager_region_microseconds(target, drafter, config, prompt, release: bool) -> float:
-    """`region_microseconds` in a drafted manager's thread, before its first step (`RELEASE_CALLER_OPENMP` as
-    `release`, the main thread's workers running before `start()`)."""
+    """`region_microseconds` in a drafted manager's thread, before its first step (`through_manager`)."""
     measured, step = [], continuous_batching_domino.Serving.step
 
     def measuring_step(serving):
@@ -77,12 +90,9 @@ def manager_region_microseconds(target, drafter, config, prompt, release: bool) 
             measured.append(region_microseconds())
         return step(serving)
 
-    batching_manager_domino.RELEASE_CALLER_OPENMP = release
-    keep_workers()
     continuous_batching_domino.Serving.step = measuring_step
     try:
-        with target.continuous_batching_context_manager(config, assistant_model=drafter) as manager:
-            manager.get_result(manager.add_request(prompt), timeout=600)
+        through_manager(target, drafter, config, [prompt], release)
     finally:
         continuous_batching_domino.Serving.step = step
     return measured[0]
@@ -113,15 +123,8 @@ def main() -> None:
         return statistics.fmean(seconds[1:])
 
     def managed(release: bool, **options) -> float:
-        batching_manager_domino.RELEASE_CALLER_OPENMP = release
-        keep_workers()  # start() releases them, or not
-        seconds = []
-        with target.continuous_batching_context_manager(config, assistant_model=drafter, **options) as manager:
-            for prompt in [prompts[0], *prompts]:
-                start = time.perf_counter()
-                manager.get_result(manager.add_request(prompt), timeout=600)
-                seconds.append(time.perf_counter() - start)
-        return statistics.fmean(seconds[1:])
+        seconds = through_manager(target, drafter, config, [prompts[0], *prompts], release, **options)
+        return statistics.fmean(seconds[1:])  # the first a warm-up
 
     regions = {
         "main thread": lambda: keep_workers() or region_microseconds(),

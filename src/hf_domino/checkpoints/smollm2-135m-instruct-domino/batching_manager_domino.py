@@ -333,8 +333,10 @@ class DraftedBatchingManager:
 
 
 def release_openmp_workers() -> bool:
-    """Ends the calling thread's OpenMP worker threads (`omp_pause_resource_all`, OpenMP 5.0), where the OpenMP
-    runtime torch runs on offers it; returns whether it did. The thread's next parallel region starts them again."""
+    """Ends the calling thread's OpenMP worker threads (`omp_pause_resource_all`, OpenMP 5.0) in every OpenMP runtime
+    the process has loaded that offers it (torch's, and any other library's own copy); returns whether one did. The
+    thread's next parallel region starts them again."""
+    released = False
     for path in _openmp_runtimes():
         try:
             pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
@@ -342,8 +344,8 @@ def release_openmp_workers() -> bool:
             continue
         if pause is not None:
             pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-            return pause(1) == 0  # omp_pause_soft
-    return False
+            released = pause(1) == 0 or released  # omp_pause_soft
+    return released
 
 
 def _openmp_runtimes() -> list[str]:
