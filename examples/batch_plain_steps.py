@@ -11,6 +11,7 @@ quotes the pairs after it:
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 from hf_domino import assets, policy_domino
@@ -31,6 +32,7 @@ def main() -> None:
     forward = {"calls": 0, "seconds": 0.0}
     untimed = target.forward
 
+    @functools.wraps(untimed)  # its signature: generate() passes logits_to_keep only to a forward that names it
     def timed(*positional, **keywords):
         start = time.perf_counter()
         output = untimed(*positional, **keywords)

@@ -70,14 +70,17 @@ def region_microseconds(repeats: int = 3000) -> float:
 def through_manager(target, drafter, config, prompts, release: bool, **options) -> list[float]:
     """Seconds per request through a drafted manager, one request at a time (`RELEASE_CALLER_OPENMP` as `release`,
     the main thread's workers running before `start()`)."""
-    batching_manager_domino.RELEASE_CALLER_OPENMP = release
+    default, batching_manager_domino.RELEASE_CALLER_OPENMP = batching_manager_domino.RELEASE_CALLER_OPENMP, release
     keep_workers()
     seconds = []
-    with target.continuous_batching_context_manager(config, assistant_model=drafter, **options) as manager:
-        for prompt in prompts:
-            start = time.perf_counter()
-            manager.get_result(manager.add_request(prompt), timeout=600)
-            seconds.append(time.perf_counter() - start)
+    try:
+        with target.continuous_batching_context_manager(config, assistant_model=drafter, **options) as manager:
+            for prompt in prompts:
+                start = time.perf_counter()
+                manager.get_result(manager.add_request(prompt), timeout=600)
+                seconds.append(time.perf_counter() - start)
+    finally:
+        batching_manager_domino.RELEASE_CALLER_OPENMP = default
     return seconds
 
 
@@ -156,7 +159,6 @@ def main() -> None:
     report(regions, args.rounds, order)
     print(f"one request of {args.tokens} tokens, mean of {args.prompts}, seconds:")
     report(ways, args.rounds, order)
-    batching_manager_domino.RELEASE_CALLER_OPENMP = True
 
 
 def report(ways: dict[str, Callable[[], float]], rounds: int, order: random.Random) -> None:

@@ -529,6 +529,48 @@ def test_prompt_penalties_read_each_rows_own_prompt(penalty, sequences):
     assert not torch.equal(expected, plain)  # the penalty bites
 
 
+def prefill_rows(target) -> tuple[list[int], object]:
+    """The rows of each forward that keeps only the last position's logits (a prefill's), and the hook recording
+    them (`.remove()` it)."""
+    rows = []
+
+    def record(module, args, kwargs):
+        if kwargs.get("logits_to_keep") == 1:
+            rows.append(kwargs["input_ids"].shape[0])
+
+    return rows, target.register_forward_pre_hook(record, with_kwargs=True)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_a_prompts_copies_are_read_once_and_each_generates_what_it_generates_alone(arch):
+    # num_return_sequences repeats each row (and a batch may hold one prompt twice): the prefill reads each distinct
+    # prompt once and its copies share its cache columns. top-k 1 makes sampling as deterministic as greedy.
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target)
+    torch.manual_seed(6)
+    first, second = (torch.randint(4, 64, (n,)).tolist() for n in (7, 3))
+    batch = left_padded([first, second, first])
+    decoding = dict(do_sample=True, top_k=1, num_return_sequences=2, max_new_tokens=12)
+    expected = target.generate(**batch, **decoding)
+    rows, hook = prefill_rows(target)
+    try:
+        output = target.generate(**batch, **decoding, assistant_model=drafter, draft_policy="fixed")
+    finally:
+        hook.remove()
+    assert torch.equal(output, expected)
+    assert rows == [2]  # 6 rows, 2 distinct prompts
+    assert drafts_and_accepted([drafter.last_generation_stats])[0] > 0  # the copies drafted after it
+
+
+def test_repeated_rows_tell_prompts_apart_by_their_real_tokens():
+    ids = torch.tensor([[0, 5, 6], [5, 5, 6], [0, 5, 6], [1, 2, 3], [9, 5, 6]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1], [0, 1, 1]], dtype=torch.bool)
+    distinct, copies = ragged_batch_domino.repeated_rows(ids, mask)
+    assert distinct.tolist() == [0, 1, 3]  # row 4 is row 0 (its padding differs), row 2 too; row 1 is longer
+    assert copies.tolist() == [0, 1, 0, 2, 0]
+    assert ragged_batch_domino.repeated_rows(ids[:2], mask[:2]) == (None, None)
+
+
 # ------------------------------------------------------------------------------------------------------- sampling
 @pytest.mark.parametrize(
     "draft_vocab, branches, policy",

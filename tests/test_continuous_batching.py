@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import forcing_drafter, tiny_drafter, tiny_target
-from test_batching import left_padded
+from test_batching import left_padded, prefill_rows
 from test_generation import chi_square_p_value, drafts_and_accepted, exact_sequence_distribution
 from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import DynamicCache
@@ -76,6 +76,25 @@ def test_each_request_is_what_the_target_alone_generates_for_it(arch, policy, ro
     stats = drafter.last_generation_stats
     if policy == "fixed":
         assert len(set(stats.acceptance_lengths)) > 2  # rows accepted whole, partial and no blocks
+
+
+def test_a_requests_sequences_read_its_prompt_once(arch):
+    # num_return_sequences: a request's copies join together, read their prompt once and share its cache columns;
+    # each generates what the target alone does (top-k 1 makes sampling as deterministic as greedy).
+    target = random_target(arch)
+    settings = dict(max_new_tokens=12, eos_token_id=EOS)
+    drafter = forcing_drafter(target, followed_by(target, PROMPTS[:3], **settings), block_size=4)
+    config = GenerationConfig(do_sample=True, top_k=1, num_return_sequences=3, pad_token_id=0, **settings)
+    rows, hook = prefill_rows(target)
+    try:
+        results = target.generate_batch(PROMPTS[:3], config, continuous_batching_config=rows_at_most(6),
+                                        assistant_model=drafter, draft_policy="fixed")  # fmt: skip
+    finally:
+        hook.remove()
+    for request_id, result in results.items():
+        prompt = PROMPTS[int(request_id.split("__")[0].removeprefix("req_"))]
+        assert result.generated_tokens == alone(target, prompt, **settings), request_id
+    assert len(results) == 9 and sum(rows) == 3  # each prompt read once: 3 rows in all
 
 
 def test_a_row_joins_with_its_prompt_read_alone_and_its_cache_joined_to_the_batchs():

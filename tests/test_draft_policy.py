@@ -624,6 +624,22 @@ def test_options_come_from_the_call_or_the_generation_config():
     assert set(drafter.last_generation_stats.drafted) == {0}
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_no_drafts_allowed_are_plain_steps_with_the_adaptive_policy_too(rows, gpu_like_costs):
+    # num_speculative_tokens=0 allows no drafts and no copies under the default policy too, one sequence or a batch
+    # (a batch's policy had kept k >= 1, the floor of a tree's share of the block). Drafts that would all hold and
+    # text that repeats, so that any draft or copy offered would show.
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, [(t + 1) % VOCAB for t in range(VOCAB)], block_size=8)
+    prompt = torch.tensor([[4, 5, 6, 4, 5], [9, 10, 11, 9, 10], [4, 5, 6, 4, 5]][:rows])
+    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=20)
+    output = greedy(target, prompt, **kwargs, assistant_model=drafter, num_speculative_tokens=0)
+    assert torch.equal(output, greedy(target, prompt, **kwargs))
+    assert set(drafter.last_generation_stats.drafted) == {0}
+    greedy(target, prompt, **kwargs, assistant_model=drafter)  # the test can fail: the default drafts here
+    assert max(drafter.last_generation_stats.drafted) > 0
+
+
 def test_confidence_threshold_stops_drafting_like_transformers():
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)  # random: its drafts are far from certain

@@ -247,6 +247,34 @@ def test_a_batch_that_never_runs_dry_is_judged_a_window_at_a_time(models, monkey
     assert speculated[:5] == [True, False, True, False, False]  # paused 1 window, then 2
 
 
+def test_a_check_within_a_window_weighs_the_windows_own_tokens(models, monkeypatch):
+    # A check every CALL_CHECK_CYCLES cycles (`losing`) weighs the window's cycles against plain steps for the tokens
+    # generated in them, counted from the window's start, as the window's judge does: not every token since the batch
+    # began, which made a later window's cycles look far faster than plain steps.
+    from hf_domino import batch_policy_domino
+
+    target, drafter = models
+    records_domino.forget_records(drafter)
+    monkeypatch.setattr(batching_manager_domino, "MANAGER_JUDGE_CYCLES", 8)
+    monkeypatch.setattr(batch_policy_domino, "CALL_CHECK_CYCLES", 4)
+    checks = []
+    check = batching_domino.stops_speculating
+    monkeypatch.setattr(
+        batching_domino, "stops_speculating", lambda *a: checks.append((len(a[1]), a[2], a[4])) or check(*a)
+    )
+    config = GenerationConfig(do_sample=False, pad_token_id=0, max_new_tokens=120)
+    with target.continuous_batching_context_manager(config, rows_at_most(2), assistant_model=drafter) as manager:
+        ids = manager.add_requests([PROMPTS[2], PROMPTS[5]])
+        results = [manager.get_result(request_id, timeout=60) for request_id in ids]
+    assert [result.generated_tokens for result in results] == [
+        alone(target, prompt, max_new_tokens=120) for prompt in (PROMPTS[2], PROMPTS[5])
+    ]
+    assert len(checks) >= 4  # checks in several windows
+    block = drafter.config.num_drafts + 1  # a row's most tokens per cycle
+    assert all(0 < sum(steps) and max(steps) <= cycles * block for cycles, steps, _ in checks)
+    assert all(min(arrivals) >= 0.0 for _, _, arrivals in checks)
+
+
 def test_num_return_sequences_come_back_as_transformers_names_them(models):
     target, drafter = models
     config = GenerationConfig(do_sample=True, num_return_sequences=3, pad_token_id=0, **SETTINGS)
@@ -310,12 +338,13 @@ def test_the_arrivals_benchmark_runs_as_a_user_runs_it():
 
     script = Path(__file__).resolve().parents[1] / "examples" / "serve_arrivals.py"
     run = subprocess.run(
-        [sys.executable, str(script), "--num-prompts", "4", "--rows", "2", "--max-new-tokens", "12", "--rate", "8"],
+        [sys.executable, str(script), "--num-prompts", "4", "--rows", "2", "--max-new-tokens", "12", "--rate", "8",
+         "--show-calls"],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [line for line in run.stdout.splitlines() if "manager" in line and "tokens/s" in line]
-    assert len(lines) == 3 and all("0 of 4 answers differing" in line for line in lines), run.stdout
+    assert len(lines) == 4 and all("0 of 4 answers differing" in line for line in lines), run.stdout
 
 
 @pytest.mark.slow

@@ -135,8 +135,9 @@ def batch_policy(
     return AdaptivePolicy(
         record,
         verify_cost,
-        # A tree verifies at most what a whole block does (its cost table's widest forward): k <= K / branches.
-        cap=max(1, max_drafts // branches),
+        # A tree verifies at most what a whole block does (its cost table's widest forward): k <= K / branches, at
+        # least 1 unless the call allows no drafts (num_speculative_tokens=0: plain steps).
+        cap=max(1, max_drafts // branches) if max_drafts else 0,
         confidence_threshold=options.assistant_confidence_threshold,
         per_position=timing_is_free(drafter.device),
         branches=branches,

@@ -269,9 +269,6 @@ class Serving:
         # So that the call is judged against plain steps joining as its requests joined, none before it came.
         decoding.row_limit, decoding.row_arrivals = limit, []
         self.started: float | None = None  # when the first request joined
-        # A manager judges its batch a window of cycles at a time (`judge_window`): where the window started, in
-        # seconds after `started`, and each row's tokens then.
-        self.window_start, self.window_steps = 0.0, []
         self.waiting: deque = deque()  # (request, its processors, criteria and max_length)
         self.running: dict[int, Request] = {}  # row of `decoding` -> its request
         self.finished: list[bool] = []  # per active row, whether its last cycle (or prefill) finished it
@@ -321,17 +318,14 @@ class Serving:
         cycles = decoding.cycle_times
         if not cycles or (not final and len(cycles) < every):
             return
-        now, steps = time.perf_counter() - (self.started or 0.0), decoding.steps()
         if decoding.judges_calls:
-            in_window = [n - (self.window_steps[r] if r < len(self.window_steps) else 0) for r, n in enumerate(steps)]
-            arrivals = [max(0.0, came - self.window_start) for came in decoding.row_arrivals]
-            judge_call(decoding.policy, cycles, in_window, decoding.speculated, decoding.row_limit, arrivals)
+            judge_call(decoding.policy, cycles, decoding.steps(), decoding.speculated, decoding.row_limit,
+                       decoding.arrivals())  # fmt: skip
             if not final:
                 decoding.speculated = decoding.speculating = call_speculates(decoding.policy.record)
                 if decoding.speculating:
                     decoding.drafting.index_datastore()
-        cycles.clear()
-        self.window_start, self.window_steps = now, steps
+        decoding.next_window(time.perf_counter() - (self.started or 0.0))
 
     def admit(self) -> list[bool]:
         """As many waiting requests as there is room for join the batch (`BatchedDecoding.admit`)."""

@@ -108,6 +108,12 @@ class RaggedCache:
         self.mask, self.last_width = self.attention_mask(new_columns), new_columns.shape[1]
 
     @property
+    def joinable(self) -> bool:
+        """Whether every layer holds keys and values of full attention only (`JOINABLE`), no recurrent state: rows
+        of such a cache are copied, joined and dropped by their columns alone."""
+        return self.recurrent is None and all(type(layer) in JOINABLE for layer in self.cache.layers)
+
+    @property
     def attention_layers(self) -> list[DynamicLayer]:
         """The layers holding keys and values: their columns are the mask's. A layer that also keeps a recurrent
         state (Falcon-H1's) has its columns handled here through `DynamicLayer`'s methods, its state by `recurrent`."""
@@ -158,7 +164,7 @@ class RaggedCache:
         one side has not filled yet (the drafter's cache of a row that has not drafted) joins as holes."""
         rows, width = (self.mask.shape[0], other.mask.shape[0]), max(self.mask.shape[1], other.mask.shape[1])
         for cache in (self, other):
-            if cache.recurrent is not None or any(type(layer) not in JOINABLE for layer in cache.cache.layers):
+            if not cache.joinable:
                 others = sorted(
                     {type(layer).__name__ for layer in cache.cache.layers} - {t.__name__ for t in JOINABLE}
                 )

@@ -47,6 +47,7 @@ from .ragged_batch_domino import (
     accept_rows,
     pick_tokens,
     process_rows,
+    repeated_rows,
     row_criteria,
     row_processors,
 )
@@ -86,6 +87,9 @@ PRICE_BY_MAKESPAN = False
 # the model matches simulated batches of rows that keep their pace, but real rows' paces within a call misled it
 # (slower in 7 of 9 first-call comparisons on a 2-core CPU, docs/benchmarks.md, "A batch's first call").
 ROW_PACES = False
+# Rows that repeat a prompt (`num_return_sequences`' copies) are read once by the prefill and share its columns
+# (`repeated_rows`); False reads every copy, as the target alone does (for measuring it: examples/prompt_copies.py).
+SHARE_PROMPT_COPIES = True
 
 
 def _within_block(stopping_criteria: StoppingCriteriaList) -> list:
@@ -177,6 +181,10 @@ class BatchedDecoding:
         # while it runs): the judge's plain steps take none on before it came. None: all came at the start.
         self.row_arrivals: list[float] | None = None
         self.cycle_times: list[tuple[int, float, float | None]] = []
+        # A manager judges its batch a window of cycles at a time (`next_window`): each row's tokens before the window
+        # and when it started, in seconds after the server's first request, from which `steps` and `arrivals` count.
+        self.steps_before: list[int] = []
+        self.window_start = 0.0
         # Per row, the drafts and copies accepted and the cycles that verified some (any row's), for `row_paces`.
         self.row_accepted, self.row_cycles = [0] * rows, [0] * rows
 
@@ -258,26 +266,40 @@ class BatchedDecoding:
     def prefill(self, input_ids: torch.LongTensor) -> list[bool]:
         """The prompt through the target (its columns after those a filled cache holds): every token it reads becomes
         drafter context, the first token is picked."""
-        new = self.mask[:, self.cached :]
+        new, input_ids = self.mask[:, self.cached :], input_ids[:, self.cached :]
         embeds = None if self.prompt_embeds is None else self.prompt_embeds[:, self.cached :]
         self.prompt_embeds = None
+        # A prompt's copies (num_return_sequences) are read once and share its columns, where nothing but its tokens
+        # is read (no cache filled before, no embeddings or images) into layers of keys and values only.
+        plain = not (self.cached or self.prompt_inputs) and embeds is None and self.target_cache.joinable
+        distinct, copies = repeated_rows(input_ids, new) if plain and SHARE_PROMPT_COPIES else (None, None)
+        if distinct is not None:
+            self.target_cache.select_rows(distinct)
+            input_ids, new = input_ids[distinct], new[distinct]
         outputs = ragged_forward(
-            self.target, self.target_cache, input_ids[:, self.cached :], new, self.hidden_layers, logits_to_keep=1,
+            self.target, self.target_cache, input_ids, new, self.hidden_layers, logits_to_keep=1,
             inputs_embeds=embeds, prompt_inputs=self.prompt_inputs,
         )  # fmt: skip
         self.prompt_inputs = {}  # the images (their encodings) are in the cache now
-        contexts, finished = self.read_prompt(outputs, new, self.active)
+        if copies is not None:
+            self.target_cache.select_rows(copies)
+        contexts, finished = self.read_prompt(outputs, new, self.active, copies)
         self.context.pending = [[features] for features in contexts]
         self.context.known = self.mask.sum(dim=-1).to(self.drafter.device)
         return finished
 
-    def read_prompt(self, outputs, new: torch.BoolTensor, rows: list[int]) -> tuple[list[torch.Tensor], list[bool]]:
+    def read_prompt(
+        self, outputs, new: torch.BoolTensor, rows: list[int], copies: torch.LongTensor | None = None
+    ) -> tuple[list[torch.Tensor], list[bool]]:
         """What a prefill over `rows`' prompt columns `new` gives: each row's drafter context (its prompt tokens'
-        features) and its first token, appended; returns the contexts and which rows finished there."""
+        features) and its first token, appended; returns the contexts and which rows finished there. With `copies`,
+        the prefill read each distinct prompt once, and row i is a copy of its `copies[i]`-th row."""
         logits = outputs.logits[:, -1:].float()
-        processed = self.process(logits[:, 0], rows=rows)[:, None]
-        first = pick_tokens(processed[:, 0], self.do_sample)
         features = context_features(outputs.hidden_states, self.layer_ids)
+        if copies is not None:
+            logits, features, new = logits[copies], features[copies], new[copies]
+        processed = self.process(logits[:, 0], rows=rows)[:, None]
+        first = pick_tokens(processed[:, 0], self.do_sample)  # each copy picks its own
         drafter = self.drafter
         check_context_features(features, drafter.config)
         contexts = [features[i, new[i]].to(drafter.device, drafter.dtype) for i in range(len(rows))]
@@ -318,13 +340,18 @@ class BatchedDecoding:
         for i, row in enumerate(rows):
             new[i, width - self.prompt_lengths[row] :] = True
             input_ids[i, width - self.prompt_lengths[row] :] = self.sequences[row]
+        distinct, copies = repeated_rows(input_ids, new) if SHARE_PROMPT_COPIES else (None, None)
+        if distinct is not None:  # a request's sequences (num_return_sequences) read its prompt once
+            input_ids, new = input_ids[distinct], new[distinct]
         cache, window = batch_cache(DynamicCache(config=self.target.config), self.target)
         reserve = self.options.cache_columns(self.drafter, max(self.max_lengths[row] for row in rows))
         own = RaggedCache(buffer_layers(cache, reserve), new[:, :0], window=window)
         outputs = ragged_forward(self.target, own, input_ids, new, self.hidden_layers, logits_to_keep=1)
+        if copies is not None:
+            own.select_rows(copies)
         self.target_cache.add_rows(own)
         self.active += rows
-        contexts, finished = self.read_prompt(outputs, new, rows)
+        contexts, finished = self.read_prompt(outputs, new, rows, copies)
         self.context.add_rows(contexts)
         return finished
 
@@ -523,17 +550,30 @@ class BatchedDecoding:
         return (
             checks_call(len(self.cycle_times))
             and self.judges_calls
-            and stops_speculating(self.policy, self.cycle_times, self.steps(), self.row_limit, self.row_arrivals)
+            and stops_speculating(self.policy, self.cycle_times, self.steps(), self.row_limit, self.arrivals())
         )
 
     def steps(self) -> list[int]:
-        """Per row, the tokens its cycles generated so far (the prefill picked the first)."""
-        return [self.generated(row) - 1 for row in range(len(self.sequences))]
+        """Per row, the tokens its cycles generated so far in the window judged (the prefill picked the first)."""
+        before = self.steps_before + [0] * (len(self.sequences) - len(self.steps_before))
+        return [self.generated(row) - 1 - before[row] for row in range(len(self.sequences))]
+
+    def arrivals(self) -> list[float] | None:
+        """When each row's request came, in seconds after the window's start (None: every row at the call's)."""
+        if self.row_arrivals is None:
+            return None
+        return [max(0.0, came - self.window_start) for came in self.row_arrivals]
+
+    def next_window(self, start: float) -> None:
+        """A manager's next window of cycles to judge starts at `start` (seconds after its first request)."""
+        self.steps_before = [self.generated(row) - 1 for row in range(len(self.sequences))]
+        self.window_start = start
+        self.cycle_times.clear()
 
     def judge_call(self) -> None:
         """After the call: whether speculating paid, for this batch size's next calls (`batch_policy_domino`)."""
         if self.judges_calls:
-            judge_call(self.policy, self.cycle_times, self.steps(), self.speculated, self.row_limit, self.row_arrivals)
+            judge_call(self.policy, self.cycle_times, self.steps(), self.speculated, self.row_limit, self.arrivals())
 
 
 @torch.no_grad()

@@ -244,6 +244,24 @@ def process_rows(
     return torch.cat(rows)
 
 
+def repeated_rows(
+    input_ids: torch.LongTensor, mask: torch.BoolTensor
+) -> tuple[torch.LongTensor | None, torch.LongTensor | None]:
+    """Where rows of a prompt batch repeat one another (`num_return_sequences`' copies, or one prompt sent twice):
+    the first row of each distinct prompt, and per row which of those it is; (None, None) where every row differs."""
+    first: dict[tuple, int] = {}
+    copies = [
+        first.setdefault(tuple(token if real else None for token, real in zip(ids, reals)), row)
+        for row, (ids, reals) in enumerate(zip(input_ids.tolist(), mask.tolist()))
+    ]
+    if len(first) == len(copies):
+        return None, None
+    distinct = sorted(first.values())
+    position = {row: i for i, row in enumerate(distinct)}
+    device = input_ids.device
+    return torch.tensor(distinct, device=device), torch.tensor([position[row] for row in copies], device=device)
+
+
 def pick_tokens(logits: torch.Tensor, do_sample: bool) -> torch.LongTensor:
     """One token per row from processed logits `[rows, V]`: argmax, or a draw."""
     if do_sample:
@@ -388,6 +406,7 @@ __all__ = [
     "batched_rollout",
     "pick_tokens",
     "process_rows",
+    "repeated_rows",
     "row_criteria",
     "row_processors",
     "run_batched_backbone",
