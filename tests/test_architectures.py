@@ -20,7 +20,7 @@ import pytest
 import torch
 import transformers
 from conftest import SPECIAL_TOKENS, tiny_drafter
-from test_batching import left_padded
+from test_batching import left_padded, prefill_rows
 
 from hf_domino.cache_domino import CACHE_ARGUMENT, cache_argument
 from hf_domino.ragged_cache_domino import SlidingWindow
@@ -191,6 +191,21 @@ def test_greedy_output_is_the_target_alone_for_one_sequence_and_a_batch(name):
         assert had_rejections(drafter.last_generation_stats)
     if name in SLIDING:  # the window is counted in each row's tokens: outputs far longer than it, holes in them
         assert expected.shape[1] > 4 * WINDOW
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_a_prompts_copies_read_once_keep_their_windows_on_a_sliding_target(name):
+    # num_return_sequences' copies share their prompt's prefill; each copy's window is still counted in its own
+    # tokens past the holes its rejections leave. top-k 1 makes sampling as deterministic as greedy.
+    target = architecture_target(name)
+    drafter = tiny_drafter(target)
+    batch = left_padded(ROWS)
+    decoding = {**GREEDY, "do_sample": True, "top_k": 1, "num_return_sequences": 2, "max_new_tokens": 30}
+    expected = target.generate(**batch, **decoding)
+    with prefill_rows(target) as rows:
+        output = target.generate(**batch, **decoding, assistant_model=drafter, draft_policy="fixed")
+    assert torch.equal(output, expected)
+    assert rows == [len(ROWS)] and had_rejections(drafter.last_generation_stats)
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -529,16 +530,20 @@ def test_prompt_penalties_read_each_rows_own_prompt(penalty, sequences):
     assert not torch.equal(expected, plain)  # the penalty bites
 
 
-def prefill_rows(target) -> tuple[list[int], object]:
-    """The rows of each forward that keeps only the last position's logits (a prefill's), and the hook recording
-    them (`.remove()` it)."""
+@contextlib.contextmanager
+def prefill_rows(target):
+    """Within it, the rows of each forward of `target` that keeps only the last position's logits (a prefill's)."""
     rows = []
 
     def record(module, args, kwargs):
         if kwargs.get("logits_to_keep") == 1:
             rows.append(kwargs["input_ids"].shape[0])
 
-    return rows, target.register_forward_pre_hook(record, with_kwargs=True)
+    hook = target.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield rows
+    finally:
+        hook.remove()
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -552,11 +557,8 @@ def test_a_prompts_copies_are_read_once_and_each_generates_what_it_generates_alo
     batch = left_padded([first, second, first])
     decoding = dict(do_sample=True, top_k=1, num_return_sequences=2, max_new_tokens=12)
     expected = target.generate(**batch, **decoding)
-    rows, hook = prefill_rows(target)
-    try:
+    with prefill_rows(target) as rows:
         output = target.generate(**batch, **decoding, assistant_model=drafter, draft_policy="fixed")
-    finally:
-        hook.remove()
     assert torch.equal(output, expected)
     assert rows == [2]  # 6 rows, 2 distinct prompts
     assert drafts_and_accepted([drafter.last_generation_stats])[0] > 0  # the copies drafted after it

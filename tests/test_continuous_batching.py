@@ -85,12 +85,9 @@ def test_a_requests_sequences_read_its_prompt_once(arch):
     settings = dict(max_new_tokens=12, eos_token_id=EOS)
     drafter = forcing_drafter(target, followed_by(target, PROMPTS[:3], **settings), block_size=4)
     config = GenerationConfig(do_sample=True, top_k=1, num_return_sequences=3, pad_token_id=0, **settings)
-    rows, hook = prefill_rows(target)
-    try:
+    with prefill_rows(target) as rows:
         results = target.generate_batch(PROMPTS[:3], config, continuous_batching_config=rows_at_most(6),
                                         assistant_model=drafter, draft_policy="fixed")  # fmt: skip
-    finally:
-        hook.remove()
     for request_id, result in results.items():
         prompt = PROMPTS[int(request_id.split("__")[0].removeprefix("req_"))]
         assert result.generated_tokens == alone(target, prompt, **settings), request_id
