@@ -63,12 +63,15 @@ def main() -> None:
 
     def call(batch, way: dict, seed: int) -> tuple[float, float]:
         options = dict(way)
-        batching_domino.SHARE_PROMPT_COPIES = options.pop("share", True)
+        default, batching_domino.SHARE_PROMPT_COPIES = batching_domino.SHARE_PROMPT_COPIES, options.pop("share", True)
         prefill.clear()
         torch.manual_seed(seed)
         start = time.perf_counter()
-        target.generate(**batch, do_sample=True, num_return_sequences=args.copies,
-                        max_new_tokens=args.max_new_tokens, **options)  # fmt: skip
+        try:
+            target.generate(**batch, do_sample=True, num_return_sequences=args.copies,
+                            max_new_tokens=args.max_new_tokens, **options)  # fmt: skip
+        finally:
+            batching_domino.SHARE_PROMPT_COPIES = default
         return time.perf_counter() - start, prefill[0]
 
     call(batches[0], ways["drafter, each prompt read once (default)"], 0)  # warm-up: the policy's cost table
@@ -82,7 +85,6 @@ def main() -> None:
                 wall, read = call(batch, ways[name], args.seed + 1000 * repeat + index)
                 seconds[name][index].append(wall)
                 prefills[name][index].append(read)
-    batching_domino.SHARE_PROMPT_COPIES = True
     widths = [batch["input_ids"].shape[1] for batch in batches]
     print(f"{args.prompts}: {len(batches)} prompts of {min(widths)}-{max(widths)} tokens, {args.copies} sequences "
           f"each, {args.max_new_tokens} new tokens, sampling, {torch.get_num_threads()} threads; medians of "

@@ -128,7 +128,7 @@ def main() -> None:
     config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=target.generation_config.eos_token_id)
     pages = paged_cache_for(prompts, args.rows, new)
     drafted = dict(assistant_model=drafter)
-    methods = {  # --methods key: (its name, the manager's options, whether the caller's OpenMP workers go first)
+    methods = {  # --methods key: (its name, the manager's options, whether the caller's OpenMP workers are released)
         "kept": ("target, transformers' manager", {}, False),
         "released": ("target, transformers' manager, released", {}, True),
         "plain": (

@@ -1044,3 +1044,18 @@ def test_trees_refuse_what_they_cannot_serve_naming_the_fix():
     prompt = torch.tensor([[4, 5]])
     with pytest.raises(ValueError, match="from 1 to 8"):
         target.generate(prompt, max_new_tokens=4, assistant_model=drafter, draft_policy="fixed", domino_branches=0)
+
+
+@pytest.mark.slow
+def test_the_prompt_copies_example_runs_as_a_user_runs_it():
+    # The script behind docs/benchmarks.md's "A prompt's copies read once", at toy size: every way gets its figures.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "prompt_copies.py"
+    args = ["--num-prompts", "1", "--copies", "2", "--max-new-tokens", "4", "--repeats", "1"]
+    run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [line for line in run.stdout.splitlines() if "the target alone), prefill" in line]
+    assert len(lines) == 3 and all(float(line.split(" s (")[0].split()[-1]) > 0 for line in lines), run.stdout
