@@ -158,6 +158,19 @@ def test_a_servers_call_is_judged_against_plain_steps_joining_as_its_rows_joined
     assert record.call_gain == pytest.approx(119 / 20) and batch_policy_domino.call_speculates(record)
 
 
+def test_a_window_counts_tokens_and_arrivals_from_its_start():
+    # A server's window of cycles counts each row's tokens from the window's start (rows admitted since held none),
+    # and a request that came before the window's start came at its start.
+    window = batch_policy_domino.CallWindow(limit=2, arrivals=[0.0, 3.0])
+    window.cycles.append((2, 1.0, None))
+    assert window.steps([5, 2]) == [5, 2] and window.arrived() == [0.0, 3.0]
+    window.next(start=4.0, tokens=[5, 2])
+    assert window.cycles == [] and window.start == 4.0
+    window.arrivals.append(6.5)  # a third request joins during the window
+    assert window.steps([9, 3, 4]) == [4, 1, 4] and window.arrived() == [0.0, 0.0, 2.5]
+    assert batch_policy_domino.CallWindow().arrived() is None
+
+
 def test_calls_losing_on_average_pause_speculation_for_1_2_4_calls(monkeypatch):
     monkeypatch.setattr(batch_policy_domino, "MAX_PLAIN_CALLS", 4)
     record = records_domino.DrafterRecord(position_acceptance=[0.5])

@@ -12,7 +12,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProce
 from transformers.cache_utils import DynamicCache
 from transformers.generation.continuous_batching.requests import RequestStatus
 
-from hf_domino import batching_domino
+from hf_domino import batch_policy_domino
 from hf_domino.cache_domino import buffer_layers
 from hf_domino.drafting_domino import DrafterContext, run_backbone
 from hf_domino.modeling_domino import TargetModules
@@ -282,11 +282,9 @@ def test_a_call_is_judged_against_plain_steps_that_join_as_its_requests_join(mon
     # judge now gets the rows at a time (test_batching checks what it makes of them).
     from conftest import successor_target
 
-    from hf_domino import batch_policy_domino
-
     judged = []
     judge = batch_policy_domino.judge_call
-    monkeypatch.setattr(batching_domino, "judge_call", lambda *a, **k: judged.append(a[4:]) or judge(*a, **k))
+    monkeypatch.setattr(batch_policy_domino, "judge_call", lambda *a, **k: judged.append(a[4:]) or judge(*a, **k))
     target = successor_target("qwen3", VOCAB)
     drafter = forcing_drafter(target, [(t + 1) % VOCAB for t in range(VOCAB)], block_size=6)
     config = GenerationConfig(do_sample=False, pad_token_id=0, max_new_tokens=40, eos_token_id=EOS)

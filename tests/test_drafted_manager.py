@@ -14,7 +14,13 @@ from test_continuous_batching import EOS, PROMPTS, alone, followed_by, random_ta
 from transformers import GenerationConfig
 from transformers.generation.continuous_batching.requests import RequestStatus
 
-from hf_domino import batching_domino, batching_manager_domino, continuous_batching_domino, records_domino
+from hf_domino import (
+    batch_policy_domino,
+    batching_domino,
+    batching_manager_domino,
+    continuous_batching_domino,
+    records_domino,
+)
 from hf_domino.batching_manager_domino import DraftedBatchingManager
 
 SETTINGS = dict(max_new_tokens=20, eos_token_id=EOS)
@@ -204,10 +210,8 @@ def test_a_batch_is_judged_with_when_its_requests_came(models, monkeypatch):
     # came (test_batching checks what it makes of that).
     target, drafter = models
     judged = []
-    judge = continuous_batching_domino.judge_call
-    monkeypatch.setattr(
-        continuous_batching_domino, "judge_call", lambda *a, **k: judged.append(a[5]) or judge(*a, **k)
-    )
+    judge = batch_policy_domino.judge_call
+    monkeypatch.setattr(batch_policy_domino, "judge_call", lambda *a, **k: judged.append(a[5]) or judge(*a, **k))
     config = GenerationConfig(do_sample=False, pad_token_id=0, max_new_tokens=300)
     with target.continuous_batching_context_manager(config, assistant_model=drafter) as manager:
         first = manager.add_request(PROMPTS[2], streaming=True)  # 300 tokens without an EOS
@@ -223,17 +227,15 @@ def test_a_batch_that_never_runs_dry_is_judged_a_window_at_a_time(models, monkey
     # A server always busy would judge its batch only when 1024 requests had gone through it, and pause whole batches.
     # Every MANAGER_JUDGE_CYCLES cycles its window is judged as a call; a losing one pauses the next window (1, then
     # 2, ... windows of plain steps), and every answer is still the target alone's.
-    from hf_domino import batch_policy_domino
-
     target, drafter = models
     records_domino.forget_records(drafter)  # from a first batch: nothing learned by the other tests' batches
     monkeypatch.setattr(batching_manager_domino, "MANAGER_JUDGE_CYCLES", 8)
     monkeypatch.setattr(batch_policy_domino, "CALL_MIN_CYCLES", 1)
     monkeypatch.setattr(batch_policy_domino, "call_gain", lambda *args: 0.5)  # every speculating window loses
     windows = []
-    judge = continuous_batching_domino.judge_call
+    judge = batch_policy_domino.judge_call
     monkeypatch.setattr(
-        continuous_batching_domino, "judge_call", lambda *a, **k: windows.append((len(a[1]), a[3])) or judge(*a, **k)
+        batch_policy_domino, "judge_call", lambda *a, **k: windows.append((len(a[1]), a[3])) or judge(*a, **k)
     )
     config = GenerationConfig(do_sample=False, pad_token_id=0, max_new_tokens=200)
     with target.continuous_batching_context_manager(config, rows_at_most(2), assistant_model=drafter) as manager:
@@ -251,16 +253,14 @@ def test_a_check_within_a_window_weighs_the_windows_own_tokens(models, monkeypat
     # A check every CALL_CHECK_CYCLES cycles (`losing`) weighs the window's cycles against plain steps for the tokens
     # generated in them, counted from the window's start, as the window's judge does: not every token since the batch
     # began, which made a later window's cycles look far faster than plain steps.
-    from hf_domino import batch_policy_domino
-
     target, drafter = models
     records_domino.forget_records(drafter)
     monkeypatch.setattr(batching_manager_domino, "MANAGER_JUDGE_CYCLES", 8)
     monkeypatch.setattr(batch_policy_domino, "CALL_CHECK_CYCLES", 4)
     checks = []
-    check = batching_domino.stops_speculating
+    check = batch_policy_domino.stops_speculating
     monkeypatch.setattr(
-        batching_domino, "stops_speculating", lambda *a: checks.append((len(a[1]), a[2], a[4])) or check(*a)
+        batch_policy_domino, "stops_speculating", lambda *a: checks.append((len(a[1]), a[2], a[4])) or check(*a)
     )
     config = GenerationConfig(do_sample=False, pad_token_id=0, max_new_tokens=120)
     with target.continuous_batching_context_manager(config, rows_at_most(2), assistant_model=drafter) as manager:

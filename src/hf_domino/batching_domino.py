@@ -36,7 +36,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch_call_domino import TokenScores, check_batch_call, compiled_plain_steps, prompt_inputs
 from .batch_drafts_domino import CycleDrafter, CycleDrafts
-from .batch_policy_domino import call_speculates, checks_call, judge_call, stops_speculating
+from .batch_policy_domino import CallWindow, call_speculates
 from .cache_domino import CACHE_ARGUMENT, RecurrentRollback, buffer_layers, has_recurrent_layers
 from .cost_model_domino import row_paces, settle_for_timing
 from .drafting_domino import judge_copy
@@ -45,6 +45,7 @@ from .policy_domino import AdaptivePolicy, FixedPolicy
 from .ragged_batch_domino import (
     BatchedDrafterContext,
     accept_rows,
+    along,
     pick_tokens,
     process_rows,
     repeated_rows,
@@ -95,11 +96,6 @@ SHARE_PROMPT_COPIES = True
 def _within_block(stopping_criteria: StoppingCriteriaList) -> list:
     """The criteria that must not fire inside a block: EOS and max_length are cut there instead (`extend`)."""
     return [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
-
-
-def along(values: torch.Tensor, path: torch.LongTensor) -> torch.Tensor:
-    """`values[row, path[row]]`: `[rows, columns, X]` read along each row's columns `path` (`[rows, p]`)."""
-    return values.gather(1, path[..., None].expand(-1, -1, values.shape[-1]))
 
 
 class BatchedDecoding:
@@ -170,21 +166,11 @@ class BatchedDecoding:
             drafter, self.modules, options, generation_config, logits_processor, self.block_criteria, self.context,
             self.process, self.now, padding=self.padding, timings=stats.timings,
         )  # fmt: skip
-        # Whether this call drafts and copies at all (`call_speculates`), and still (`stops_speculating`), and each
-        # cycle's active rows, wall time and (a plain step) what a plain-steps-only call pays for it, for `judge_call`.
+        # Whether this call drafts and copies at all (`call_speculates`), and still (`stops_speculating`), and the
+        # cycles the judge of calls weighs against plain steps (a server sets its rows' limit and arrivals there).
         self.speculated = self.speculating = True
         self.drafted_in_call = False
-        # A server's rows at a time (`continuous_batching_domino.Serving`): its rows join in their order as others
-        # finish, which the judge of the call prices plain steps by. None: all rows start together.
-        self.row_limit: int | None = None
-        # And per row, when its request came, in seconds after the server's first one (a manager's requests arrive
-        # while it runs): the judge's plain steps take none on before it came. None: all came at the start.
-        self.row_arrivals: list[float] | None = None
-        self.cycle_times: list[tuple[int, float, float | None]] = []
-        # A manager judges its batch a window of cycles at a time (`next_window`): each row's tokens before the window
-        # and when it started, in seconds after the server's first request, from which `steps` and `arrivals` count.
-        self.steps_before: list[int] = []
-        self.window_start = 0.0
+        self.window = CallWindow()
         # Per row, the drafts and copies accepted and the cycles that verified some (any row's), for `row_paces`.
         self.row_accepted, self.row_cycles = [0] * rows, [0] * rows
 
@@ -499,7 +485,7 @@ class BatchedDecoding:
         return finished
 
     def time_cycle(self, rows: int, seconds: float, verified_seconds: float, drafts: CycleDrafts) -> None:
-        """Logs a cycle for `judge_call`: its active rows, its time and, for a plain step, what a call taking plain
+        """Logs a cycle for the judge of calls (`CallWindow`): its active rows, its time and, for a plain step, what a call taking plain
         steps only would have paid for it (from the verification on: no lookups, no policy). The call's first
         drafting cycle counts at most what the cost model expects: it reads the prompt's whole context, and first in
         a process pays one-time set-up (see `AdaptivePolicy.observe`)."""
@@ -508,7 +494,7 @@ class BatchedDecoding:
             if self.policy.adaptive:
                 positions = drafts.observed["positions"]
                 seconds = min(seconds, self.policy.cycle_seconds(positions, drafts.width, drafts.columns))
-        self.cycle_times.append((rows, seconds, verified_seconds if drafts.width == 0 else None))
+        self.window.cycles.append((rows, seconds, verified_seconds if drafts.width == 0 else None))
 
     def learn(self, cycle: CycleDrafts, matches: list[int], offered: list[int], verify_seconds: float) -> None:
         """The policies learn from the cycle (`CycleDrafter.learn`); each row's pace counts the cycles that verified
@@ -545,35 +531,19 @@ class BatchedDecoding:
         return self.policy is not None and self.policy.adaptive and self.policy.learn_times
 
     def losing(self) -> bool:
-        """Whether the call's cycles so far lost to plain steps, at a check (`checks_call`, `stops_speculating`):
-        then it takes plain steps for the rest of the call."""
-        return (
-            checks_call(len(self.cycle_times))
-            and self.judges_calls
-            and stops_speculating(self.policy, self.cycle_times, self.steps(), self.row_limit, self.arrivals())
-        )
+        """Whether the call's cycles so far lost to plain steps, at a check (`CallWindow.losing`): then it takes plain
+        steps for the rest of the call."""
+        return self.judges_calls and self.window.losing(self.policy, self.cycle_tokens())
 
-    def steps(self) -> list[int]:
-        """Per row, the tokens its cycles generated so far in the window judged (the prefill picked the first)."""
-        before = self.steps_before + [0] * (len(self.sequences) - len(self.steps_before))
-        return [self.generated(row) - 1 - before[row] for row in range(len(self.sequences))]
-
-    def arrivals(self) -> list[float] | None:
-        """When each row's request came, in seconds after the window's start (None: every row at the call's)."""
-        if self.row_arrivals is None:
-            return None
-        return [max(0.0, came - self.window_start) for came in self.row_arrivals]
-
-    def next_window(self, start: float) -> None:
-        """A manager's next window of cycles to judge starts at `start` (seconds after its first request)."""
-        self.steps_before = [self.generated(row) - 1 for row in range(len(self.sequences))]
-        self.window_start = start
-        self.cycle_times.clear()
+    def cycle_tokens(self) -> list[int]:
+        """Per row, the tokens its cycles generated so far (the prefill picked the first)."""
+        return [self.generated(row) - 1 for row in range(len(self.sequences))]
 
     def judge_call(self) -> None:
-        """After the call: whether speculating paid, for this batch size's next calls (`batch_policy_domino`)."""
+        """After the call (a server's window of cycles): whether speculating paid, for this batch size's next calls
+        (`batch_policy_domino.judge_call`)."""
         if self.judges_calls:
-            judge_call(self.policy, self.cycle_times, self.steps(), self.speculated, self.row_limit, self.arrivals())
+            self.window.judge(self.policy, self.cycle_tokens(), self.speculated)
 
 
 @torch.no_grad()

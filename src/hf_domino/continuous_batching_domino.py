@@ -34,7 +34,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.utils.logging import tqdm
 
 from .batch_call_domino import check_batch_target
-from .batch_policy_domino import call_speculates, judge_call
+from .batch_policy_domino import call_speculates
 from .batching_domino import BatchedDecoding
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
 from .ragged_cache_domino import JOINABLE, batch_cache
@@ -267,7 +267,7 @@ class Serving:
     def __init__(self, decoding: BatchedDecoding, limit: int, deliver: Callable[[GenerationOutput], None]):
         self.decoding, self.limit, self.deliver = decoding, limit, deliver
         # So that the call is judged against plain steps joining as its requests joined, none before it came.
-        decoding.row_limit, decoding.row_arrivals = limit, []
+        decoding.window.limit, decoding.window.arrivals = limit, []
         self.started: float | None = None  # when the first request joined
         self.waiting: deque = deque()  # (request, its processors, criteria and max_length)
         self.running: dict[int, Request] = {}  # row of `decoding` -> its request
@@ -315,17 +315,15 @@ class Serving:
         there at the window's start taken as come then), and the next window speculates or takes plain steps as the
         judge's pauses say (`call_speculates`), as a batch size's next call would."""
         decoding = self.decoding
-        cycles = decoding.cycle_times
+        cycles = decoding.window.cycles
         if not cycles or (not final and len(cycles) < every):
             return
-        if decoding.judges_calls:
-            judge_call(decoding.policy, cycles, decoding.steps(), decoding.speculated, decoding.row_limit,
-                       decoding.arrivals())  # fmt: skip
-            if not final:
-                decoding.speculated = decoding.speculating = call_speculates(decoding.policy.record)
-                if decoding.speculating:
-                    decoding.drafting.index_datastore()
-        decoding.next_window(time.perf_counter() - (self.started or 0.0))
+        decoding.judge_call()
+        if decoding.judges_calls and not final:
+            decoding.speculated = decoding.speculating = call_speculates(decoding.policy.record)
+            if decoding.speculating:
+                decoding.drafting.index_datastore()
+        decoding.window.next(time.perf_counter() - (self.started or 0.0), decoding.cycle_tokens())
 
     def admit(self) -> list[bool]:
         """As many waiting requests as there is room for join the batch (`BatchedDecoding.admit`)."""
@@ -337,7 +335,7 @@ class Serving:
         for offset, (request, _) in enumerate(joining):
             request.admitted = now
             self.running[first + offset] = request
-            self.decoding.row_arrivals.append(max(0.0, request.created - self.started))
+            self.decoding.window.arrivals.append(max(0.0, request.created - self.started))
         self.admitted += len(joining)
         return self.decoding.admit([(request.prompt, *rules) for request, rules in joining])
 

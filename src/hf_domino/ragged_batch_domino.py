@@ -340,6 +340,11 @@ def batched_rollout(
 
 
 # ---------------------------------------------------------------------------------------------- acceptance, per row
+def along(values: torch.Tensor, path: torch.LongTensor) -> torch.Tensor:
+    """`values[row, path[row]]`: `[rows, columns, X]` read along each row's columns `path` (`[rows, p]`)."""
+    return values.gather(1, path[..., None].expand(-1, -1, values.shape[-1]))
+
+
 def accept_rows(
     processed: torch.Tensor,
     candidates: torch.LongTensor,
@@ -403,6 +408,7 @@ __all__ = [
     "BatchDrafts",
     "BatchedDrafterContext",
     "accept_rows",
+    "along",
     "batched_rollout",
     "pick_tokens",
     "process_rows",

@@ -5,7 +5,8 @@ the tokens of a forward (`BatchVerifyCost`) and its records kept per batch size.
 each cycle by its rows' mean tokens; a batch finishes with its last row, so after each call `judge_call` compares
 the call with what plain steps would have taken for the same tokens, and `call_speculates` makes a batch size whose
 calls lose on average take plain steps only in its next calls (docs/architecture.md, "Across calls");
-`stops_speculating` can make the same comparison within a call (off: `CALL_CHECK_CYCLES`).
+`stops_speculating` can make the same comparison within a call (off: `CALL_CHECK_CYCLES`). A `CallWindow` holds
+the cycles judged: a call's, or a server's window of them.
 
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
 """
@@ -16,7 +17,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -145,6 +146,50 @@ def batch_policy(
 
 
 # --------------------------------------------------------------------------------------------- the judge of calls
+@dataclass
+class CallWindow:
+    """The cycles the judge of calls weighs against plain steps: a batched call's, or a manager's window of them.
+
+    Per cycle (`cycles`): its active rows, its time and, for a plain step, what a plain-steps-only call pays for it.
+    `tokens` arguments are per row, what its cycles generated since it started (`BatchedDecoding.cycle_tokens`); a
+    window counts from those it held at its `start` (`next`). A server's batch also says how many rows it runs at a
+    time (`limit`: its rows join in their order as others finish) and, per row, when its request came (`arrivals`,
+    seconds after the server's first one: plain steps take no row on before it came). None: all rows start together.
+    """
+
+    limit: int | None = None
+    arrivals: list[float] | None = None
+    cycles: list[tuple[int, float, float | None]] = field(default_factory=list)
+    tokens_before: list[int] = field(default_factory=list)
+    start: float = 0.0
+
+    def steps(self, tokens: list[int]) -> list[int]:
+        """Per row, the tokens its cycles generated in this window."""
+        before = self.tokens_before + [0] * (len(tokens) - len(self.tokens_before))
+        return [count - earlier for count, earlier in zip(tokens, before)]
+
+    def arrived(self) -> list[float] | None:
+        """When each row's request came, in seconds after the window's start (None: every row at its start)."""
+        if self.arrivals is None:
+            return None
+        return [max(0.0, came - self.start) for came in self.arrivals]
+
+    def losing(self, policy: AdaptivePolicy, tokens: list[int]) -> bool:
+        """Whether the cycles so far lost to plain steps, at a check (`checks_call`, `stops_speculating`)."""
+        return checks_call(len(self.cycles)) and stops_speculating(
+            policy, self.cycles, self.steps(tokens), self.limit, self.arrived()
+        )
+
+    def judge(self, policy: AdaptivePolicy, tokens: list[int], speculated: bool) -> None:
+        """Whether speculating paid in these cycles, for this batch size's next calls (`judge_call`)."""
+        judge_call(policy, self.cycles, self.steps(tokens), speculated, self.limit, self.arrived())
+
+    def next(self, start: float, tokens: list[int]) -> None:
+        """The next window starts at `start` (seconds after the server's first request), its rows holding `tokens`."""
+        self.cycles.clear()
+        self.tokens_before, self.start = list(tokens), start
+
+
 def judge_call(
     policy: AdaptivePolicy,
     cycle_times: list[tuple[int, float, float | None]],
@@ -272,6 +317,7 @@ def plain_steps_seconds(
 
 __all__ = [
     "BatchVerifyCost",
+    "CallWindow",
     "batch_policy",
     "call_gain",
     "call_speculates",
