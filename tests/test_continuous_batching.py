@@ -279,7 +279,7 @@ def test_recurrent_targets_are_refused_naming_generate():
 def test_a_call_is_judged_against_plain_steps_that_join_as_its_requests_join(monkeypatch):
     # Judged as if all its requests had started together, a call of 21 requests, 3 rows at a time, read 0.27x plain
     # steps with a drafter whose drafts held, and every second call took plain steps only (0 drafting cycles). The
-    # judge now gets the rows at a time (test_batching checks what it makes of them).
+    # judge now gets the rows at a time (test_batch_judge checks what it makes of them).
     from conftest import successor_target
 
     judged = []

@@ -207,7 +207,7 @@ def test_results_go_to_a_handler_on_the_event_loop(models):
 
 def test_a_batch_is_judged_with_when_its_requests_came(models, monkeypatch):
     # Plain steps would not have taken a request on before it came: the judge of a manager's batch is told when each
-    # came (test_batching checks what it makes of that).
+    # came (test_batch_judge checks what it makes of that).
     target, drafter = models
     judged = []
     judge = batch_policy_domino.judge_call
