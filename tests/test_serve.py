@@ -1,0 +1,215 @@
+"""A drafter attached to its target (`attach_drafter`), and `hf-domino serve`: transformers' OpenAI-compatible server
+answering with the target alone's tokens while it drafts, one request at a time and continuously batched."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
+from test_batching import left_padded
+from test_generation import VOCAB, successor
+from transformers import GenerationConfig
+from transformers.utils import is_serve_available
+
+import hf_domino
+from hf_domino.batching_manager_domino import DraftedBatchingManager
+
+PROMPT = torch.tensor([[4, 9, 11]])
+
+
+@pytest.fixture
+def attached():
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, successor(1), block_size=6)  # every draft right
+    alone = target.generate(PROMPT, do_sample=False, max_new_tokens=20)
+    hf_domino.attach_drafter(target, drafter)
+    yield target, drafter, alone
+    hf_domino.detach_drafter(target)
+
+
+def drafted(drafter) -> bool:
+    """Whether the call just made drafted with `drafter` (and so reset its statistics)."""
+    stats, drafter.last_generation_stats = drafter.last_generation_stats, None
+    return stats is not None and stats.mean_acceptance_length > 1
+
+
+def test_an_attached_drafter_drafts_every_call_that_names_no_assistant(attached):
+    target, drafter, alone = attached
+    drafter.last_generation_stats = None
+    assert torch.equal(target.generate(PROMPT, do_sample=False, max_new_tokens=20), alone) and drafted(drafter)
+    batch = left_padded([[4, 9, 11], [20], [12, 13]])
+    with_drafter = target.generate(**batch, do_sample=False, max_new_tokens=12)
+    assert drafted(drafter)
+    hf_domino.detach_drafter(target)
+    assert hf_domino.attached_drafter(target) is None
+    assert torch.equal(with_drafter, target.generate(**batch, do_sample=False, max_new_tokens=12))
+    assert not drafted(drafter)
+    hf_domino.attach_drafter(target, drafter)
+    assert hf_domino.attached_drafter(target) is drafter
+    # The entry points of continuous batching, which take no assistant in transformers.
+    config = GenerationConfig(do_sample=False, max_new_tokens=20, pad_token_id=0)
+    results = target.generate_batch([PROMPT[0].tolist()], config)
+    assert results["req_0"].generated_tokens == alone[0, 3:].tolist() and drafted(drafter)
+    manager = target.init_continuous_batching(generation_config=config)
+    assert isinstance(manager, DraftedBatchingManager) and manager.background_thread_status.fatal_error is None
+    # Not a submodule of the target: its parameters, state dict and devices are the target's alone.
+    assert all(module is not drafter for module in target.modules())
+
+
+def test_an_attached_drafters_options_are_the_calls_defaults(attached):
+    target, drafter, alone = attached
+    hf_domino.attach_drafter(target, drafter, num_speculative_tokens=2)
+    assert torch.equal(target.generate(PROMPT, do_sample=False, max_new_tokens=20), alone)
+    assert max(drafter.last_generation_stats.drafted) == 2
+    target.generate(PROMPT, do_sample=False, max_new_tokens=20, num_speculative_tokens=4)  # the call's own wins
+    assert max(drafter.last_generation_stats.drafted) == 4
+
+
+def test_calls_that_ask_for_something_else_run_as_without_the_drafter(attached, caplog):
+    target, drafter, _ = attached
+    drafter.last_generation_stats = None
+    for settings in (dict(num_beams=2), dict(prompt_lookup_num_tokens=3), dict(assistant_model=None, num_beams=2)):
+        hf_domino.detach_drafter(target)
+        expected = target.generate(PROMPT, do_sample=False, max_new_tokens=8, **settings)
+        hf_domino.attach_drafter(target, drafter)
+        assert torch.equal(target.generate(PROMPT, do_sample=False, max_new_tokens=8, **settings), expected)
+        assert not drafted(drafter), settings
+    # Refused by the drafter before any work (classifier-free guidance keeps state across a call): the target alone
+    # serves it, and says why once.
+    hf_domino.detach_drafter(target)
+    expected = target.generate(PROMPT, do_sample=False, max_new_tokens=8, guidance_scale=1.5)
+    hf_domino.attach_drafter(target, drafter)
+    with caplog.at_level("WARNING"):
+        output = target.generate(PROMPT, do_sample=False, max_new_tokens=8, guidance_scale=1.5)
+    assert torch.equal(output, expected) and not drafted(drafter)
+    assert "does not serve this call" in caplog.text and "guidance_scale" in caplog.text
+
+
+def test_a_streamer_gets_what_the_plain_loop_hands_it(attached):
+    # transformers' assisted loop puts `[1, n]` after the prompt, its plain loop `[n]`: a streamer written for the
+    # plain loop (transformers serve's reads `value.tolist()` as token ids) gets token rows.
+    target, _, alone = attached
+
+    class Shapes:
+        def __init__(self):
+            self.values = []
+
+        def put(self, value):
+            self.values.append(value)
+
+        def end(self):
+            self.values.append(None)
+
+    streamer = Shapes()
+    target.generate(PROMPT, do_sample=False, max_new_tokens=20, streamer=streamer)
+    prompt, *tokens, end = streamer.values
+    assert prompt.shape == (1, 3) and end is None and all(value.dim() == 1 for value in tokens) and len(tokens) < 20
+    assert torch.cat(tokens).tolist() == alone[0, 3:].tolist()
+
+
+def test_attach_refuses_what_cannot_draft_naming_the_fix():
+    target = tiny_target()
+    with pytest.raises(TypeError, match="takes a Domino drafter"):
+        hf_domino.attach_drafter(target, tiny_target())
+    drafter = tiny_drafter(target)
+    with pytest.raises(TypeError, match="unknown options \\['domino_lookahead'\\]"):
+        hf_domino.attach_drafter(target, drafter, domino_lookahead=3)
+    with pytest.raises(ValueError, match="draft_policy"):
+        hf_domino.attach_drafter(target, drafter, draft_policy="greedy")
+    with pytest.raises(ValueError, match="vocab"):
+        hf_domino.attach_drafter(tiny_target(vocab_size=128), drafter)
+    assert hf_domino.attached_drafter(target) is None
+
+
+# ------------------------------------------------------------------------------------------- hf-domino serve
+needs_serving = pytest.mark.skipif(not is_serve_available(), reason='needs pip install "hf-domino[serve]"')
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+MESSAGES = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(port: int, running=lambda: True, seconds: float = 240, log=None) -> None:
+    """Until the server on `port` answers (`running()` says whether it still can; `log`, its output's file)."""
+    deadline = time.time() + seconds
+    while True:
+        try:
+            urllib.request.urlopen(f"http://localhost:{port}/health", timeout=5)
+            return
+        except OSError:
+            assert running() and time.time() < deadline, log.read_text() if log else "the server did not come up"
+            time.sleep(0.5)
+
+
+def ask(port: int, stream: bool, max_tokens: int = 24) -> str:
+    """A greedy chat completion's text, as an OpenAI client gets it (streamed: its deltas joined)."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    request = urllib.request.Request(
+        f"http://localhost:{port}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        if not stream:
+            return json.loads(response.read())["choices"][0]["message"]["content"]
+        lines = [line.decode()[len("data: ") :] for line in response if line.startswith(b"data: {")]
+    return "".join(json.loads(line)["choices"][0]["delta"].get("content") or "" for line in lines)
+
+
+@pytest.fixture(scope="module")
+def smollm2_answer():
+    """The target alone's greedy answer to MESSAGES, as transformers serve builds and decodes it."""
+    from hf_domino.assets import load_target
+
+    target, tokenizer = load_target("smollm2", device="cpu")
+    inputs = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    output = target.generate(**inputs, do_sample=False, max_new_tokens=24)
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+@needs_serving
+@pytest.mark.parametrize("continuous_batching", [False, True], ids=["generate", "continuous-batching"])
+def test_the_server_answers_as_the_target_alone_and_drafts(continuous_batching, smollm2_answer):
+    from hf_domino.serve import serve
+
+    port = free_port()
+    server = serve(continuous_batching=continuous_batching, cpu_fast_path=False, port=port, non_blocking=True)
+    try:
+        wait_for(port)
+        (loaded,) = server._model_manager.loaded_models.values()
+        drafter = hf_domino.attached_drafter(loaded.model)
+        for stream in (False, True):
+            drafter.last_generation_stats = None
+            assert ask(port, stream) == smollm2_answer, stream
+            assert drafter.last_generation_stats.mean_acceptance_length > 1
+    finally:
+        server.kill_server()
+
+
+@needs_serving
+def test_hf_domino_serve_runs_as_a_user_runs_it(smollm2_answer, tmp_path):
+    port = free_port()
+    command = [sys.executable, "-m", "hf_domino", "serve", "--port", str(port), "--no-cpu-fast-path"]
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    try:
+        wait_for(port, running=lambda: server.poll() is None, log=tmp_path / "serve.log")
+        with urllib.request.urlopen(f"http://localhost:{port}/v1/models", timeout=30) as response:
+            assert [model["id"] for model in json.loads(response.read())["data"]] == [MODEL]
+        assert ask(port, stream=True) == smollm2_answer
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()
