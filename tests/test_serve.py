@@ -58,6 +58,8 @@ def test_an_attached_drafter_drafts_every_call_that_names_no_assistant(attached)
     config = GenerationConfig(do_sample=False, max_new_tokens=20, pad_token_id=0)
     results = target.generate_batch([PROMPT[0].tolist()], config)
     assert results["req_0"].generated_tokens == alone[0, 3:].tolist() and drafted(drafter)
+    paged = target.generate(PROMPT, config, cache_implementation="paged")  # generate() hands it to generate_batch
+    assert paged[0, 0].tolist() == alone[0].tolist() and drafted(drafter)
     manager = target.init_continuous_batching(generation_config=config)
     assert isinstance(manager, DraftedBatchingManager) and manager.background_thread_status.fatal_error is None
     # Not a submodule of the target: its parameters, state dict and devices are the target's alone.

@@ -8,10 +8,11 @@ import importlib
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .attached_drafter_domino import attach_drafter, attached_drafter, detach_drafter
 from .batching_manager_domino import release_openmp_workers
 from .configuration_domino import DominoConfig, default_target_layer_ids
 from .cpu_fast_path import CpuFastPathReport, prepare_for_cpu_decoding
-from .generate_hook_domino import attach_drafter, attached_drafter, detach_drafter, install_assisted_generation_hook
+from .generate_hook_domino import install_assisted_generation_hook
 from .generation_domino import DominoCandidateGenerator
 from .modeling_domino import DominoForSpeculation, TargetModules
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target

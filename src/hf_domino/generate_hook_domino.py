@@ -43,9 +43,16 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging
 
+from .attached_drafter_domino import (
+    ATTACHED_CALL,
+    DrafterDeclined,
+    PlainLoopStreamer,
+    attachment,
+    is_domino_drafter,
+    wants_the_attached_drafter,
+)
 from .batching_domino import batched_assisted_decoding
 from .batching_manager_domino import DraftedBatchingManager
 from .cache_domino import (
@@ -68,9 +75,8 @@ from .options_domino import (
 from .target_modules_domino import target_execution_device
 
 if TYPE_CHECKING:
-    from transformers import GenerationConfig, PreTrainedModel
+    from transformers import GenerationConfig
 
-    from .modeling_domino import DominoForSpeculation
 
 logger = logging.get_logger(__name__)
 
@@ -122,10 +128,6 @@ _REQUIRED_PARAMETERS = {
 # passed an attention mask (a padded batch without one is refused).
 _OPTIONS_KEY = "domino_options"
 _MASK_GIVEN_KEY = "domino_attention_mask_given"
-
-
-def is_domino_drafter(model: Any) -> bool:
-    return bool(getattr(model, "_is_domino_drafter", False))
 
 
 @functools.cache
@@ -181,8 +183,8 @@ def _wrap_validate_generation_mode(original):
                 with _recurrent_state_check_waived(self):
                     return original(*bound.args, **bound.kwargs)
             except ValueError as error:
-                if _ATTACHED_CALL.get():  # the call did not ask for the drafter: the target alone serves it
-                    raise _DrafterDeclined(str(error)) from error
+                if ATTACHED_CALL.get():  # the call did not ask for the drafter: the target alone serves it
+                    raise DrafterDeclined(str(error)) from error
                 raise
         elif assistant is not None:
             refuse_a_drafter_built_as_another_model(assistant)
@@ -448,7 +450,7 @@ def _domino_assistant(target, kwargs: dict[str, Any]) -> Any:
     assistant left for transformers' own error, which names it)."""
     if kwargs.get("assistant_model") is None:
         kwargs.pop("assistant_model", None)
-        attached = getattr(target, _ATTACHED, None)
+        attached = attachment(target)
         if attached is None:
             return None
         for name, value in attached.options.items():
@@ -483,123 +485,28 @@ def _started(manager: DraftedBatchingManager, block: bool, timeout: float | None
         manager.stop(block=block, timeout=timeout)
 
 
-# ------------------------------------------------------------------------------------- a drafter attached to a target
-_ATTACHED = "_domino_attached"  # the target's attribute, set past nn.Module's registries (not a submodule)
-# Whether the running generate() call drafts because a drafter is attached (not asked for): a refusal of the drafter
-# before any work then hands the call to the target alone (`_DrafterDeclined`).
-_ATTACHED_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("domino_attached_call", default=False)
-# Settings under which generate() runs a decoding mode of its own or another assistant: no drafter is attached there.
-_OTHER_MODES = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "dola_layers", "constraints")
-
-
-class _Attachment(NamedTuple):
-    drafter: Any
-    options: dict[str, Any]
-
-
-class _DrafterDeclined(Exception):
-    """A generate() call that did not ask for the attached drafter cannot be served by it (the reason)."""
-
-
-def attach_drafter(target: PreTrainedModel, drafter: DominoForSpeculation, **options: Any) -> PreTrainedModel:
-    """Makes `drafter` the assistant of `target`'s calls that name none: `generate()` (and so pipelines),
-    `generate_batch()`, `init_continuous_batching()` and `continuous_batching_context_manager()`, with `options`
-    (Domino options, e.g. `domino_lookup=False`) where a call sets none. For code that calls `generate()` without an
-    assistant (`transformers serve`, evaluation harnesses): their outputs are the target alone's, as with
-    `assistant_model=drafter`.
-
-    A call that passes its own `assistant_model`, or asks for beam search, prompt lookup, DoLa or a `custom_generate`,
-    runs as it would without the drafter; so does one the drafter refuses before any work (logged once per reason).
-    Returns `target`; `detach_drafter` undoes it. The attachment is the target object's (a deep copy carries a copy).
-    """
-    if not is_domino_drafter(drafter):
-        raise TypeError(
-            f"attach_drafter takes a Domino drafter (DominoForSpeculation), got {type(drafter).__name__}: load one "
-            "with AutoModel.from_pretrained(path, trust_remote_code=True)."
-        )
-    unknown = sorted(set(options) - set(DominoOptions.names()))
-    if unknown:
-        raise TypeError(
-            f"attach_drafter got unknown options {unknown}: Domino options are {list(DominoOptions.names())}."
-        )
-    check_drafter_for_target(drafter, target)
-    DominoOptions.resolve(options, target.generation_config).validate(drafter)
-    install_assisted_generation_hook()
-    object.__setattr__(target, _ATTACHED, _Attachment(drafter, dict(options)))
-    return target
-
-
-def detach_drafter(target: PreTrainedModel) -> DominoForSpeculation | None:
-    """Undoes `attach_drafter`: `target`'s calls run without a drafter again. Returns the drafter (None if none)."""
-    attached = target.__dict__.pop(_ATTACHED, None)
-    return None if attached is None else attached.drafter
-
-
-def attached_drafter(target: PreTrainedModel) -> DominoForSpeculation | None:
-    """The drafter `attach_drafter` gave `target`, or None."""
-    attached = getattr(target, _ATTACHED, None)
-    return None if attached is None else attached.drafter
-
-
-def _setting(name: str, generation_config, kwargs: dict[str, Any], target) -> Any:
-    """A generation setting as generate() will read it: the call's keyword, its config's, else the model's."""
-    for source in (kwargs, vars(generation_config) if generation_config is not None else {}):
-        if source.get(name) is not None:
-            return source[name]
-    return getattr(target.generation_config, name, None)
-
-
-def _wants_the_attached_drafter(arguments: dict[str, Any], target) -> bool:
-    """Whether a generate() call may draft with the attached drafter: it names no assistant, decoding mode or
-    `custom_generate` of its own, and searches greedily or samples (num_beams 1)."""
-    if arguments.get("assistant_model") is not None or arguments.get("custom_generate") is not None:
-        return False
-    config, kwargs = arguments.get("generation_config"), arguments.get("kwargs", {})
-    if any(_setting(name, config, kwargs, target) for name in _OTHER_MODES):
-        return False
-    return (_setting("num_beams", config, kwargs, target) or 1) == 1
-
-
-class _PlainLoopStreamer(BaseStreamer):
-    """A streamer fed as generate()'s plain loop feeds it: transformers' assisted loop puts each cycle's tokens as
-    `[1, n]`, where the plain loop puts `[n]` after the prompt, which streamers written for it iterate
-    (`transformers serve`'s reads `value.tolist()` as token ids)."""
-
-    def __init__(self, streamer: BaseStreamer):
-        self.streamer, self.prompt_put = streamer, False
-
-    def put(self, value: torch.Tensor) -> None:
-        if self.prompt_put and value.dim() == 2 and value.shape[0] == 1:
-            value = value[0]
-        self.prompt_put = True
-        self.streamer.put(value)
-
-    def end(self) -> None:
-        self.streamer.end()
-
-
 def _wrap_generate(original):
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
-        attached = getattr(self, _ATTACHED, None)
+        attached = attachment(self)
         if attached is None:
             return original(self, *args, **kwargs)
         bound = _signature(original).bind(self, *args, **kwargs)
-        if not _wants_the_attached_drafter(bound.arguments, self):
+        if not wants_the_attached_drafter(bound.arguments, self):
             return original(self, *args, **kwargs)
         bound.arguments["assistant_model"] = attached.drafter
         bound.arguments["kwargs"] = {**attached.options, **bound.arguments.get("kwargs", {})}
         if bound.arguments.get("streamer") is not None:
-            bound.arguments["streamer"] = _PlainLoopStreamer(bound.arguments["streamer"])
-        token = _ATTACHED_CALL.set(True)
+            bound.arguments["streamer"] = PlainLoopStreamer(bound.arguments["streamer"])
+        token = ATTACHED_CALL.set(True)
         try:
             return original(*bound.args, **bound.kwargs)
-        except _DrafterDeclined as declined:
+        except DrafterDeclined as declined:
             logger.warning_once(
                 f"The attached Domino drafter does not serve this call, the target alone does: {declined}"
             )
         finally:
-            _ATTACHED_CALL.reset(token)
+            ATTACHED_CALL.reset(token)
         plain = {name: value for name, value in kwargs.items() if name not in DominoOptions.names()}
         return original(self, *args, **plain)
 

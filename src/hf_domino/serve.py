@@ -16,7 +16,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from .assets import OFFLINE_TARGETS, hub_id, load_drafter, load_target
-from .generate_hook_domino import attach_drafter
+from .attached_drafter_domino import attach_drafter
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -65,6 +65,7 @@ def drafting_model_manager(
 ) -> type:
     """A subclass of transformers' serving `ModelManager` that attaches a drafter to every target it loads (unless
     not `attach`), and serves `preloaded` targets (`{hub id: (model, tokenizer)}`) without loading them."""
+    from .batching_manager_domino import release_openmp_workers
     from .cpu_fast_path import prepare_for_cpu_decoding
 
     class DraftingModelManager(base):
@@ -82,8 +83,12 @@ def drafting_model_manager(
                 else super()._load_model(model_id_and_revision, *args, **kwargs)
             )
             drafter = load_drafter(drafter_path, dtype=target.dtype).to(target.device) if attach else None
-            if cpu_fast_path and target.device.type == "cpu":
-                print(prepare_for_cpu_decoding(target, drafter), flush=True)
+            if target.device.type == "cpu":
+                if cpu_fast_path:
+                    print(prepare_for_cpu_decoding(target, drafter), flush=True)
+                # The server generates in threads of its own (one request at a time, or the manager's): this thread's
+                # OpenMP workers, alive from loading, would make each of their parallel regions wake sleeping ones.
+                release_openmp_workers()
             return target if drafter is None else attach_drafter(target, drafter)
 
         def get_gen_models(self, cache_dir: str | None = None) -> list[dict]:
