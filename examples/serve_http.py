@@ -3,8 +3,10 @@ same server): each request's latency and the tokens per second, one request at a
 path) or, with `--continuous-batching`, all sent at once (the server's continuous-batching manager).
 
 Each way runs as a server process of its own, one at a time, in an order that alternates between repeats, each after
-a warm-up request. Greedy (temperature 0), fp32 on a CPU with its fast path (both ways): every answer with the drafter
-is asserted identical to the target alone's. docs/benchmarks.md quotes it:
+a warm-up request. Greedy (temperature 0), fp32 on a CPU with its fast path (both ways). One at a time, every answer
+with the drafter is asserted identical to the target alone's; continuously batched, the target alone is transformers'
+manager, whose paged attention rounds otherwise, and the count of identical answers is printed. docs/benchmarks.md
+quotes it:
 
     python examples/serve_http.py --prompts mtbench --num-prompts 8 --max-tokens 64 --repeats 2
 """
@@ -103,9 +105,14 @@ def main() -> None:
             latencies[way].append([seconds for _, _, seconds in answers])
             walls[way].append(wall)
             print(f"repeat {repeat}, {way}: {wall:.1f} s, {tokens[way]} tokens", flush=True)
-    assert texts["drafter"] == texts["target alone"], "an answer with the drafter differs from the target alone's"
+    same = sum(a == b for a, b in zip(texts["drafter"], texts["target alone"]))
+    if not args.continuous_batching:
+        assert same == len(prompts), "an answer with the drafter differs from the target alone's"
     mode = "all at once, continuous batching" if args.continuous_batching else "one at a time"
-    print(f"\n{len(prompts)} {args.prompts} prompts, {args.max_tokens} tokens at most, {mode}; answers identical")
+    # transformers' manager reads the target through its paged attention, which rounds otherwise than `generate()`.
+    print(
+        f"\n{len(prompts)} {args.prompts} prompts, {args.max_tokens} tokens at most, {mode}; {same} answers identical"
+    )
     print("| way | median latency | wall (median of repeats) | tokens/s | against the target alone |")
     print("| --- | ---: | ---: | ---: | ---: |")
     base = statistics.median(walls["target alone"])

@@ -61,11 +61,18 @@ def load_offline(name: str, dtype: str, device: str) -> tuple[PreTrainedModel, P
 
 
 def drafting_model_manager(
-    base: type, drafter_path: str | None, preloaded: dict[str, tuple[Any, Any]], cpu_fast_path: bool, attach: bool
+    base: type,
+    drafter_path: str | None,
+    preloaded: dict[str, tuple[Any, Any]],
+    *,
+    cpu_fast_path: bool,
+    attach: bool,
+    continuous_batching: bool,
 ) -> type:
     """A subclass of transformers' serving `ModelManager` that attaches a drafter to every target it loads (unless
     not `attach`), and serves `preloaded` targets (`{hub id: (model, tokenizer)}`) without loading them."""
     from .batching_manager_domino import release_openmp_workers
+    from .continuous_batching_domino import DEFAULT_ROWS
     from .cpu_fast_path import prepare_for_cpu_decoding
 
     class DraftingModelManager(base):
@@ -85,7 +92,12 @@ def drafting_model_manager(
             drafter = load_drafter(drafter_path, dtype=target.dtype).to(target.device) if attach else None
             if target.device.type == "cpu":
                 if cpu_fast_path:
-                    print(prepare_for_cpu_decoding(target, drafter), flush=True)
+                    # A continuously batched server runs up to DEFAULT_ROWS requests together: their verifications'
+                    # costs are measured here rather than in its first batch's cycles.
+                    rows = DEFAULT_ROWS if continuous_batching else 1
+                    print(prepare_for_cpu_decoding(target, drafter, batch_size=rows), flush=True)
+                    if drafter is None and continuous_batching:  # transformers' manager takes `sdpa`, not ours
+                        target.set_attn_implementation("sdpa")
                 # The server generates in threads of its own (one request at a time, or the manager's): this thread's
                 # OpenMP workers, alive from loading, would make each of their parallel regions wake sleeping ones.
                 release_openmp_workers()
@@ -132,7 +144,9 @@ def serve(
     if model in OFFLINE_TARGETS:
         preloaded[hub_id(model)] = load_offline(model, dtype, device)
     base = model_manager.ModelManager
-    model_manager.ModelManager = drafting_model_manager(base, drafter, preloaded, cpu_fast_path, attach)
+    model_manager.ModelManager = drafting_model_manager(
+        base, drafter, preloaded, cpu_fast_path=cpu_fast_path, attach=attach, continuous_batching=continuous_batching
+    )
     try:  # Serve() builds its model manager (and loads the pinned model) in its constructor
         return transformers_serve.Serve(
             force_model=hub_id(model),
