@@ -215,3 +215,19 @@ def test_hf_domino_serve_runs_as_a_user_runs_it(smollm2_answer, tmp_path):
         server.terminate()
         server.wait(30)
         log.close()
+
+
+@needs_serving
+@pytest.mark.slow  # four server processes, each loading SmolLM2
+@pytest.mark.parametrize("batched", [False, True], ids=["one-at-a-time", "continuous-batching"])
+def test_the_http_benchmark_runs_as_a_user_runs_it(batched):
+    # The script behind docs/benchmarks.md's "Over HTTP", at toy size: both ways answer, and their table comes out.
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "serve_http.py"
+    args = ["--num-prompts", "2", "--max-tokens", "8", "--repeats", "1"] + (
+        ["--continuous-batching"] if batched else []
+    )
+    run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "2 answers identical" in run.stdout and run.stdout.count("x |") == 2, run.stdout

@@ -43,7 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="the port to listen on")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:0, ...")
     parser.add_argument(
-        "--dtype", default="float32", help="the target's dtype: float32 (outputs the target's own), bfloat16, ..."
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the target's dtype (float32: each answer token for token the target alone's)",
     )
     parser.add_argument(
         "--no-cpu-fast-path",
@@ -135,7 +138,7 @@ def serve(
     if not is_serve_available():
         raise ImportError(
             "Serving needs FastAPI, uvicorn, pydantic and openai, which transformers serve uses: "
-            'pip install "hf-domino[serve]".'
+            'pip install "hf-domino[serve]" (in a clone: pip install -e ".[serve]").'
         )
     from transformers.cli import serve as transformers_serve
     from transformers.cli.serving import model_manager
