@@ -260,6 +260,7 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
     drafter.save_pretrained(tmp_path / "d")
     files = sorted(p.name for p in (tmp_path / "d").iterdir())
     assert files == [
+        "attached_drafter_domino.py",
         "batch_call_domino.py",
         "batch_drafts_domino.py",
         "batch_policy_domino.py",
