@@ -66,6 +66,26 @@ def test_an_attached_drafter_drafts_every_call_that_names_no_assistant(attached)
     assert all(module is not drafter for module in target.modules())
 
 
+def test_a_pipeline_over_an_attached_target_drafts(attached):
+    # pipeline() calls generate() without an assistant: one prompt, and a list in batches (left-padded).
+    from test_generation import letter_tokenizer
+    from transformers import pipeline
+
+    target, drafter, _ = attached
+    tokenizer = letter_tokenizer()
+    tokenizer.padding_side = "left"
+    generator = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    calls = [("abc", {}), (["abc", "hijkl"], {"batch_size": 2})]
+    drafted_answers = []
+    for prompts, batching in calls:
+        drafted_answers.append(generator(prompts, max_new_tokens=8, do_sample=False, **batching))
+        assert drafted(drafter)
+    hf_domino.detach_drafter(target)
+    alone = [generator(prompts, max_new_tokens=8, do_sample=False, **batching) for prompts, batching in calls]
+    assert drafted_answers == alone and not drafted(drafter)
+    assert alone[0][0]["generated_text"] == "abcdefghijk"  # the successor target, eight letters on
+
+
 def test_an_attached_drafters_options_are_the_calls_defaults(attached):
     target, drafter, alone = attached
     hf_domino.attach_drafter(target, drafter, num_speculative_tokens=2)
