@@ -485,10 +485,10 @@ class BatchedDecoding:
         return finished
 
     def time_cycle(self, rows: int, seconds: float, verified_seconds: float, drafts: CycleDrafts) -> None:
-        """Logs a cycle for the judge of calls (`CallWindow`): its active rows, its time and, for a plain step, what a call taking plain
-        steps only would have paid for it (from the verification on: no lookups, no policy). The call's first
-        drafting cycle counts at most what the cost model expects: it reads the prompt's whole context, and first in
-        a process pays one-time set-up (see `AdaptivePolicy.observe`)."""
+        """Logs a cycle for the judge of calls (`CallWindow`): its active rows, its time and, for a plain step, what
+        a call taking plain steps only would have paid for it (from the verification on: no lookups, no policy). The
+        call's first drafting cycle counts at most what the cost model expects: it reads the prompt's whole context,
+        and first in a process pays one-time set-up (see `AdaptivePolicy.observe`)."""
         if drafts.observed["drafted"] and not self.drafted_in_call:
             self.drafted_in_call = True
             if self.policy.adaptive:
