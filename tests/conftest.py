@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import torch
@@ -36,6 +37,13 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
         with open(path, "a") as log:
             log.write(f"{report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
+def free_port() -> int:
+    """A local TCP port nobody listens on now (a server's, or torch.distributed's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def sharegpt_installed() -> bool:

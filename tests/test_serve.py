@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
+from conftest import forcing_drafter, free_port, successor_target, tiny_drafter, tiny_target
 from test_batching import left_padded
 from test_generation import VOCAB, successor
 from transformers import GenerationConfig
@@ -155,12 +154,6 @@ def test_attach_refuses_what_cannot_draft_naming_the_fix():
 needs_serving = pytest.mark.skipif(not is_serve_available(), reason='needs pip install "hf-domino[serve]"')
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MESSAGES = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(port: int, running=lambda: True, seconds: float = 240, log=None) -> None:

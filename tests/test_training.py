@@ -7,7 +7,6 @@ import itertools
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import free_port
 from conftest import tiny_target as conftest_tiny_target
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -396,12 +396,6 @@ def test_trained_checkpoint_drafts_losslessly(target, trained_run):
 
 
 # ------------------------------------------------------------------------------------------------------ two ranks
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _ddp_worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -427,7 +421,7 @@ def test_two_processes_agree_on_weights(tmp_path, monkeypatch):
     # CPU processes (gloo): accelerate's barrier names the process's GPU (`device_ids=[local rank]`) whenever CUDA is
     # visible, even with cpu=True, so on a one-GPU machine rank 1 would name a GPU that is not there.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
     initial = tiny_drafter(tiny_target()).state_dict()

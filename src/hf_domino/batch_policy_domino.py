@@ -174,11 +174,13 @@ class CallWindow:
             return None
         return [max(0.0, came - self.start) for came in self.arrivals]
 
+    def checks(self) -> bool:
+        """Whether the cycles so far are judged now (`checks_call`): every `CALL_CHECK_CYCLES`-th, never when None."""
+        return checks_call(len(self.cycles))
+
     def losing(self, policy: AdaptivePolicy, tokens: list[int]) -> bool:
-        """Whether the cycles so far lost to plain steps, at a check (`checks_call`, `stops_speculating`)."""
-        return checks_call(len(self.cycles)) and stops_speculating(
-            policy, self.cycles, self.steps(tokens), self.limit, self.arrived()
-        )
+        """Whether the cycles so far lost to plain steps (`stops_speculating`), asked where `checks` says."""
+        return stops_speculating(policy, self.cycles, self.steps(tokens), self.limit, self.arrived())
 
     def judge(self, policy: AdaptivePolicy, tokens: list[int], speculated: bool) -> None:
         """Whether speculating paid in these cycles, for this batch size's next calls (`judge_call`)."""

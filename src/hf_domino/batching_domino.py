@@ -532,8 +532,8 @@ class BatchedDecoding:
 
     def losing(self) -> bool:
         """Whether the call's cycles so far lost to plain steps, at a check (`CallWindow.losing`): then it takes plain
-        steps for the rest of the call."""
-        return self.judges_calls and self.window.losing(self.policy, self.cycle_tokens())
+        steps for the rest of the call. Asked every cycle: the rows' tokens are counted only at a check."""
+        return self.judges_calls and self.window.checks() and self.window.losing(self.policy, self.cycle_tokens())
 
     def cycle_tokens(self) -> list[int]:
         """Per row, the tokens its cycles generated so far (the prefill picked the first)."""

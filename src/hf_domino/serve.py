@@ -78,20 +78,18 @@ def drafting_model_manager(
     from .continuous_batching_domino import DEFAULT_ROWS
     from .cpu_fast_path import prepare_for_cpu_decoding
 
+    def preloaded_pair(model_id_and_revision: str) -> tuple[Any, Any] | None:
+        # transformers names what it loads `'repo@revision'`
+        return preloaded.get(model_id_and_revision.rpartition("@")[0] or model_id_and_revision)
+
     class DraftingModelManager(base):
         def _load_processor(self, model_id_and_revision: str, *args: Any, **kwargs: Any) -> Any:
-            name = model_id_and_revision.rpartition("@")[0] or model_id_and_revision
-            if name in preloaded:
-                return preloaded[name][1]
-            return super()._load_processor(model_id_and_revision, *args, **kwargs)
+            pair = preloaded_pair(model_id_and_revision)
+            return pair[1] if pair else super()._load_processor(model_id_and_revision, *args, **kwargs)
 
         def _load_model(self, model_id_and_revision: str, *args: Any, **kwargs: Any) -> PreTrainedModel:
-            name = model_id_and_revision.rpartition("@")[0] or model_id_and_revision
-            target = (
-                preloaded[name][0]
-                if name in preloaded
-                else super()._load_model(model_id_and_revision, *args, **kwargs)
-            )
+            pair = preloaded_pair(model_id_and_revision)
+            target = pair[0] if pair else super()._load_model(model_id_and_revision, *args, **kwargs)
             drafter = load_drafter(drafter_path, dtype=target.dtype).to(target.device) if attach else None
             if target.device.type == "cpu":
                 if cpu_fast_path:
