@@ -195,10 +195,16 @@ def smollm2_answer():
 @needs_serving
 @pytest.mark.parametrize("continuous_batching", [False, True], ids=["generate", "continuous-batching"])
 def test_the_server_answers_as_the_target_alone_and_drafts(continuous_batching, smollm2_answer):
+    from concurrent.futures import ThreadPoolExecutor
+
     from hf_domino.serve import serve
 
     port = free_port()
-    server = serve(continuous_batching=continuous_batching, cpu_fast_path=False, port=port, non_blocking=True)
+    # Continuously batched: 2 rows at a time (transformers serve has no option for it), 3 drafts at most per cycle.
+    batch = (
+        {"max_requests_per_batch": 2, "drafter_options": {"num_speculative_tokens": 3}} if continuous_batching else {}
+    )
+    server = serve(continuous_batching=continuous_batching, cpu_fast_path=False, port=port, non_blocking=True, **batch)
     try:
         wait_for(port)
         (loaded,) = server._model_manager.loaded_models.values()
@@ -207,8 +213,53 @@ def test_the_server_answers_as_the_target_alone_and_drafts(continuous_batching, 
             drafter.last_generation_stats = None
             assert ask(port, stream) == smollm2_answer, stream
             assert drafter.last_generation_stats.mean_acceptance_length > 1
+        if continuous_batching:
+            with ThreadPoolExecutor(3) as pool:  # more requests than rows: the third joins as a row finishes
+                assert list(pool.map(lambda stream: ask(port, stream), [False, True, False])) == [smollm2_answer] * 3
+            assert server._generation_state._cb_manager._cb.call.limit == 2
+            assert max(drafter.last_generation_stats.drafted) <= 3 < drafter.config.num_drafts
     finally:
         server.kill_server()
+
+
+def test_serve_reads_drafter_options_as_their_types():
+    import argparse
+
+    from hf_domino.serve import drafter_option
+
+    assert drafter_option("num_speculative_tokens=4") == ("num_speculative_tokens", 4)
+    assert drafter_option("num_speculative_tokens=none") == ("num_speculative_tokens", None)
+    assert drafter_option("domino_lookup=False") == ("domino_lookup", False)
+    assert drafter_option("assistant_confidence_threshold=0.4") == ("assistant_confidence_threshold", 0.4)
+    assert drafter_option("draft_policy=fixed") == ("draft_policy", "fixed")
+    for text, says in [
+        ("bogus=1", "NAME one of draft_policy"),
+        ("domino_lookup", "NAME=VALUE"),
+        ("domino_lookup=maybe", "domino_lookup takes true or false"),
+        ("domino_branches=two", "domino_branches takes an integer"),
+        ("draft_vocab=none", "draft_vocab takes true or false, got 'none'"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            drafter_option(text)
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--max-requests-per-batch", "2"], "add continuous_batching=True (--continuous-batching)"),
+        (["--no-drafter", "--drafter-option", "domino_lookup=false"], "drop them to serve the target alone"),
+        (["--drafter-option", "num_speculative_tokens=99"], "from 0 to the drafter's 16 drafts per block"),
+        (["--drafter-option", "bogus=1"], "expected NAME=VALUE with NAME one of"),
+        (["--drafter", "no/such/folder"], "No drafter checkpoint at no/such/folder"),
+    ],
+    ids=["rows-without-batching", "options-without-drafter", "option-out-of-range", "unknown-option", "no-drafter"],
+)
+def test_hf_domino_serve_refuses_bad_settings_before_loading(args, says):
+    run = subprocess.run(
+        [sys.executable, "-m", "hf_domino", "serve", *args], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 2 and says in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and not run.stdout  # refused in a line, nothing loaded or printed
 
 
 @needs_serving

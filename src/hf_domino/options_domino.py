@@ -21,7 +21,13 @@ import torch
 from transformers.cache_utils import StaticLayer
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS, SynthIDTextWatermarkingConfig
 
-from .configuration_domino import OWN_ARCHITECTURE, SERVING_ARCHITECTURE, SERVING_MODEL_TYPE, target_depth
+from .configuration_domino import (
+    OWN_ARCHITECTURE,
+    SERVING_ARCHITECTURE,
+    SERVING_MODEL_TYPE,
+    DominoConfig,
+    target_depth,
+)
 from .modeling_domino import DOMINO_HEAD_DEFAULT
 from .target_modules_domino import target_execution_device
 
@@ -139,10 +145,14 @@ class DominoOptions:
 
     def validate(self, drafter: DominoForSpeculation) -> None:
         """Raises a `ValueError` naming the option, the bad value and what is allowed."""
+        self.validate_for(drafter.config)
+
+    def validate_for(self, config: DominoConfig) -> None:
+        """`validate` against a drafter's config, before (or without) loading its weights."""
         if self.draft_policy not in DRAFT_POLICIES:
             raise ValueError(f"draft_policy must be one of {DRAFT_POLICIES}, got {self.draft_policy!r}.")
         cap = self.num_speculative_tokens
-        block = drafter.config.num_drafts
+        block = config.num_drafts
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= block):
             raise ValueError(
                 f"num_speculative_tokens must be an int from 0 to the drafter's {block} drafts per block (or None for "
@@ -165,7 +175,7 @@ class DominoOptions:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}.")
-        if self.domino_head and not drafter.config.has_domino_head:
+        if self.domino_head and not config.has_domino_head:
             raise ValueError("domino_head=True needs a drafter with a Domino head; this one drafts as DFlash.")
         if self.domino_rollout not in ROLLOUTS:
             raise ValueError(f"domino_rollout must be one of {ROLLOUTS}, got {self.domino_rollout!r}.")

@@ -13,10 +13,17 @@ under their Hub ids; any other model id or folder is loaded by transformers as `
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .assets import OFFLINE_TARGETS, hub_id, load_drafter, load_target
-from .attached_drafter_domino import attach_drafter
+from .assets import OFFLINE_TARGETS, drafter_folder, hub_id, load_drafter, load_target
+from .attached_drafter_domino import attach_drafter, check_options
+from .cli import positive_int
+from .continuous_batching_domino import DEFAULT_ROWS
+from .options_domino import DominoOptions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -39,6 +46,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve requests together, joining a drafted batch as rows finish (else one request at a time)",
     )
+    parser.add_argument(
+        "--max-requests-per-batch",
+        type=positive_int,
+        default=None,
+        help=f"with --continuous-batching: requests generated together, as the rows of one batch (default: {DEFAULT_ROWS} "
+        "drafted, transformers' own choice with --no-drafter)",
+    )
+    parser.add_argument(
+        "--drafter-option",
+        dest="drafter_options",
+        type=drafter_option,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a Domino option of every drafted call, e.g. num_speculative_tokens=4 or domino_lookup=false (repeat "
+        f"for more; names: {', '.join(DominoOptions.names())}; docs/usage.md)",
+    )
     parser.add_argument("--host", default="localhost", help="the address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="the port to listen on")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:0, ...")
@@ -56,6 +80,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="warning", help="transformers' log level: warning, info, ...")
 
 
+def drafter_option(text: str) -> tuple[str, Any]:
+    """argparse type of `--drafter-option NAME=VALUE`: a Domino option's name, and VALUE read as its type (`true` /
+    `false`, a number, `none` where it may be unset, a word)."""
+    kinds = {field.name: str(field.type) for field in dataclasses.fields(DominoOptions)}
+    name, equals, value = (part.strip() for part in text.partition("="))
+    if name not in kinds or not equals:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME one of {', '.join(kinds)}, got {text!r}")
+    kind = kinds[name]
+    if value.lower() == "none" and "None" in kind:
+        return name, None
+    readers = {"bool": lambda word: {"true": True, "false": False}[word.lower()], "int": int, "float": float}
+    reader = next((read for prefix, read in readers.items() if kind.startswith(prefix)), str)
+    try:
+        return name, reader(value)
+    except (KeyError, ValueError):
+        expected = {"bool": "true or false", "int": "an integer", "float": "a number"}[kind.split(" ")[0]]
+        raise argparse.ArgumentTypeError(
+            f"{name} takes {expected}{' or none' if 'None' in kind else ''}, got {value!r}"
+        ) from None
+
+
+def check_serving(
+    drafter: str | None,
+    drafter_options: dict[str, Any] | None,
+    attach: bool,
+    continuous_batching: bool,
+    max_requests_per_batch: int | None,
+) -> None:
+    """Raises, naming the fix, for settings `serve` refuses, before the target loads: options that the drafter
+    (folder; None: the shipped one) refuses, read from its config alone, or that there is no drafter for, and a batch
+    size without continuous batching."""
+    from .configuration_domino import DominoConfig
+
+    if max_requests_per_batch is not None and not continuous_batching:
+        raise ValueError(
+            "max_requests_per_batch (--max-requests-per-batch) sizes a continuously batched server: add "
+            "continuous_batching=True (--continuous-batching), or drop it to serve one request at a time."
+        )
+    if drafter_options and not attach:
+        raise ValueError(
+            "drafter_options (--drafter-option) are the drafter's: drop them to serve the target alone "
+            "(attach=False, --no-drafter)."
+        )
+    if attach:
+        check_options(drafter_options or {}, DominoConfig.from_pretrained(drafter_folder(drafter)))
+
+
 def load_offline(name: str, dtype: str, device: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """An offline target and its tokenizer, on `device` (auto: cuda where there is one)."""
     import torch
@@ -71,11 +142,13 @@ def drafting_model_manager(
     cpu_fast_path: bool,
     attach: bool,
     continuous_batching: bool,
+    drafter_options: dict[str, Any] | None = None,
+    rows: int | None = None,
 ) -> type:
     """A subclass of transformers' serving `ModelManager` that attaches a drafter to every target it loads (unless
-    not `attach`), and serves `preloaded` targets (`{hub id: (model, tokenizer)}`) without loading them."""
+    not `attach`) with `drafter_options`, and serves `preloaded` targets (`{hub id: (model, tokenizer)}`) without
+    loading them. `rows`: the requests a continuously batched server runs together (default `DEFAULT_ROWS`)."""
     from .batching_manager_domino import release_openmp_workers
-    from .continuous_batching_domino import DEFAULT_ROWS
     from .cpu_fast_path import prepare_for_cpu_decoding
 
     def preloaded_pair(model_id_and_revision: str) -> tuple[Any, Any] | None:
@@ -93,16 +166,16 @@ def drafting_model_manager(
             drafter = load_drafter(drafter_path, dtype=target.dtype).to(target.device) if attach else None
             if target.device.type == "cpu":
                 if cpu_fast_path:
-                    # A continuously batched server runs up to DEFAULT_ROWS requests together: their verifications'
-                    # costs are measured here rather than in its first batch's cycles.
-                    rows = DEFAULT_ROWS if continuous_batching else 1
-                    print(prepare_for_cpu_decoding(target, drafter, batch_size=rows), flush=True)
+                    # A continuously batched server runs up to `rows` requests together: their verifications' costs
+                    # are measured here rather than in its first batch's cycles.
+                    batch_size = (rows or DEFAULT_ROWS) if continuous_batching else 1
+                    print(prepare_for_cpu_decoding(target, drafter, batch_size=batch_size), flush=True)
                     if drafter is None and continuous_batching:  # transformers' manager takes `sdpa`, not ours
                         target.set_attn_implementation("sdpa")
                 # The server generates in threads of its own (one request at a time, or the manager's): this thread's
                 # OpenMP workers, alive from loading, would make each of their parallel regions wake sleeping ones.
                 release_openmp_workers()
-            return target if drafter is None else attach_drafter(target, drafter)
+            return target if drafter is None else attach_drafter(target, drafter, **(drafter_options or {}))
 
         def get_gen_models(self, cache_dir: str | None = None) -> list[dict]:
             # transformers 5.23's /v1/models lists the Hub cache (and fails where there is none) instead of the one
@@ -114,11 +187,39 @@ def drafting_model_manager(
     return DraftingModelManager
 
 
+def batch_rows_generation_state(base: type, rows: int) -> type:
+    """A subclass of transformers' serving `GenerationState` whose continuous-batching config runs `rows` requests
+    together (`max_requests_per_batch`, which `transformers serve` has no option for)."""
+
+    class BatchRowsGenerationState(base):
+        def __init__(self, *args: Any, cb_config: Any = None, **kwargs: Any):
+            from transformers import ContinuousBatchingConfig
+
+            cb_config = dataclasses.replace(cb_config or ContinuousBatchingConfig(), max_requests_per_batch=rows)
+            super().__init__(*args, cb_config=cb_config, **kwargs)
+
+    return BatchRowsGenerationState
+
+
+@contextlib.contextmanager
+def swapped(module: Any, name: str, replacement: Any) -> Iterator[None]:
+    """`module.name` is `replacement` inside the block. `Serve()` imports its `ModelManager` and `GenerationState`
+    from their modules when it is built, and takes neither as an argument."""
+    original = getattr(module, name)
+    setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
 def serve(
     model: str = "smollm2",
     drafter: str | None = None,
     *,
+    drafter_options: dict[str, Any] | None = None,
     continuous_batching: bool = False,
+    max_requests_per_batch: int | None = None,
     device: str = "auto",
     dtype: str = "float32",
     cpu_fast_path: bool = True,
@@ -126,10 +227,13 @@ def serve(
     **serve_options: Any,
 ) -> Any:
     """Runs `transformers serve` pinned to `model`, its target drafting with `drafter` (default: the shipped one;
-    none with `attach=False`), on a CPU through `prepare_for_cpu_decoding` unless `cpu_fast_path=False`.
+    none with `attach=False`) and `drafter_options` (Domino options, as `attach_drafter` takes them), on a CPU through
+    `prepare_for_cpu_decoding` unless `cpu_fast_path=False`. With `continuous_batching`, `max_requests_per_batch`
+    requests run together (default: `DEFAULT_ROWS` drafted, transformers' own choice with `attach=False`).
 
-    `serve_options` are `transformers.cli.serve.Serve`'s (`host`, `port`, `log_level`, `non_blocking`, ...). Returns
-    the `Serve` object once the server stops (at once with `non_blocking=True`: stop it with `.kill_server()`).
+    `serve_options` are `transformers.cli.serve.Serve`'s (`host`, `port`, `log_level`, `non_blocking`, `cb_...`).
+    Returns the `Serve` object once the server stops (at once with `non_blocking=True`: stop it with
+    `.kill_server()`).
     """
     from transformers.utils import is_serve_available
 
@@ -138,17 +242,29 @@ def serve(
             "Serving needs FastAPI, uvicorn, pydantic and openai, which transformers serve uses: "
             'pip install "hf-domino[serve]" (in a clone: pip install -e ".[serve]").'
         )
+    check_serving(drafter, drafter_options, attach, continuous_batching, max_requests_per_batch)
     from transformers.cli import serve as transformers_serve
-    from transformers.cli.serving import model_manager
+    from transformers.cli.serving import model_manager, utils
 
     preloaded = {}
     if model in OFFLINE_TARGETS:
         preloaded[hub_id(model)] = load_offline(model, dtype, device)
-    base = model_manager.ModelManager
-    model_manager.ModelManager = drafting_model_manager(
-        base, drafter, preloaded, cpu_fast_path=cpu_fast_path, attach=attach, continuous_batching=continuous_batching
+    manager = drafting_model_manager(
+        model_manager.ModelManager,
+        drafter,
+        preloaded,
+        cpu_fast_path=cpu_fast_path,
+        attach=attach,
+        continuous_batching=continuous_batching,
+        drafter_options=drafter_options,
+        rows=max_requests_per_batch,
     )
-    try:  # Serve() builds its model manager (and loads the pinned model) in its constructor
+    state = utils.GenerationState
+    if max_requests_per_batch is not None:
+        state = batch_rows_generation_state(state, max_requests_per_batch)
+    # Serve() builds both (and loads the pinned model) in its constructor; two serve() calls starting at once in one
+    # process would see each other's.
+    with swapped(model_manager, "ModelManager", manager), swapped(utils, "GenerationState", state):
         return transformers_serve.Serve(
             force_model=hub_id(model),
             continuous_batching=continuous_batching,
@@ -156,15 +272,23 @@ def serve(
             dtype=dtype,
             **serve_options,
         )
-    finally:
-        model_manager.ModelManager = base
 
 
 def run(args: argparse.Namespace) -> int:
+    options = dict(args.drafter_options)
+    try:  # refused before the target loads, in one line
+        check_serving(
+            args.drafter, options, not args.no_drafter, args.continuous_batching, args.max_requests_per_batch
+        )
+    except (TypeError, ValueError) as error:
+        print(f"hf-domino serve: {error}", file=sys.stderr)
+        return 2
     serve(
         args.model,
         args.drafter,
+        drafter_options=options,
         continuous_batching=args.continuous_batching,
+        max_requests_per_batch=args.max_requests_per_batch,
         device=args.device,
         dtype=args.dtype,
         cpu_fast_path=not args.no_cpu_fast_path,

@@ -22,6 +22,7 @@ from .options_domino import DominoOptions, check_drafter_for_target
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from .configuration_domino import DominoConfig
     from .modeling_domino import DominoForSpeculation
 
 
@@ -62,15 +63,21 @@ def attach_drafter(target: PreTrainedModel, drafter: DominoForSpeculation, **opt
             f"attach_drafter takes a Domino drafter (DominoForSpeculation), got {type(drafter).__name__}: load one "
             "with AutoModel.from_pretrained(path, trust_remote_code=True)."
         )
+    check_drafter_for_target(drafter, target)
+    check_options(options, drafter.config, target.generation_config)
+    object.__setattr__(target, ATTACHED, Attachment(drafter, dict(options)))
+    return target
+
+
+def check_options(options: dict[str, Any], drafter_config: DominoConfig, generation_config=None) -> None:
+    """Raises, naming the fix, for `options` that `attach_drafter` refuses with a drafter of `drafter_config`:
+    unknown names (`TypeError`), values out of range (`ValueError`)."""
     unknown = sorted(set(options) - set(DominoOptions.names()))
     if unknown:
         raise TypeError(
             f"attach_drafter got unknown options {unknown}: Domino options are {list(DominoOptions.names())}."
         )
-    check_drafter_for_target(drafter, target)
-    DominoOptions.resolve(options, target.generation_config).validate(drafter)
-    object.__setattr__(target, ATTACHED, Attachment(drafter, dict(options)))
-    return target
+    DominoOptions.resolve(options, generation_config).validate_for(drafter_config)
 
 
 def attachment(target) -> Attachment | None:
@@ -136,6 +143,7 @@ __all__ = [
     "attach_drafter",
     "attached_drafter",
     "attachment",
+    "check_options",
     "detach_drafter",
     "is_domino_drafter",
     "wants_the_attached_drafter",
