@@ -4,6 +4,7 @@ greedy output as the prepared target alone, with tiny real models and the real S
 from __future__ import annotations
 
 import copy
+import logging
 import pickle
 import warnings
 from types import SimpleNamespace
@@ -127,6 +128,32 @@ def test_prepare_for_a_batch_size_measures_its_shapes_so_no_batched_call_does(mo
     # A larger batch than prepared for measures its own shapes at its first call, as without preparing.
     monkeypatch.undo()
     assert prepare_for_cpu_decoding(target, drafter, batch_size=4).verify_ms.keys() >= {4 * n for n in lengths}
+
+
+def test_an_unprepared_cpu_target_whose_short_verifications_cost_much_is_told_the_fix(monkeypatch, caplog):
+    from hf_domino.cost_model_domino import VerifyCost, cpu_fast_path_hint
+
+    target = tiny_target("qwen3", vocab_size=96, hidden_size=64)
+    drafter = tiny_drafter(target, block_size=5)
+    slow = VerifyCost({1: 0.010, 2: 0.017, 3: 0.021, 5: 0.022})  # this 2-core EPYC's eager products, in shape
+    assert "1.7x" in cpu_fast_path_hint(target, slow) and "prepare_for_cpu_decoding(target, drafter)" in (
+        cpu_fast_path_hint(target, slow)
+    )
+    assert cpu_fast_path_hint(target, VerifyCost({1: 0.010, 2: 0.011, 3: 0.012})) is None  # nothing to gain
+    assert cpu_fast_path_hint(target, VerifyCost({2: 0.010, 4: 0.017})) is None  # a batch's table: per-row costs
+
+    # Said once, when a call measures such a table; the call is the target's own as ever.
+    monkeypatch.setattr(generation_domino, "measure_verify_cost", lambda *args, **kwargs: VerifyCost(slow.seconds))
+    cost_model_domino.swap_verify_cost(target, None)
+    logging.Logger.warning_once.cache_clear()  # transformers' once-per-message warnings (another test's table)
+    input_ids = prompt(96)
+    expected = greedy(target, input_ids)
+    with caplog.at_level("WARNING"):
+        assert torch.equal(greedy(target, input_ids, assistant_model=drafter), expected)
+    assert caplog.text.count("prepare_for_cpu_decoding(target, drafter)") == 1
+
+    prepare_for_cpu_decoding(target, drafter)
+    assert cpu_fast_path_hint(target, slow) is None  # prepared: its products are packed already
 
 
 def test_models_off_the_cpu_are_left_untouched():

@@ -18,9 +18,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers.utils import logging
 
 from .cache_domino import RecurrentRollback, cache_argument, has_recurrent_layers
 from .target_modules_domino import target_execution_device
+
+logger = logging.get_logger(__name__)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -176,7 +179,33 @@ def verify_cost_for(target: PreTrainedModel, measure) -> VerifyCost:
     costs, key = _VERIFY_COSTS.setdefault(target, {}), (str(target.device), str(target.dtype))
     if key not in costs:
         costs[key] = measure()
+        hint = cpu_fast_path_hint(target, costs[key])
+        if hint:
+            logger.warning_once(hint)
     return costs[key]
+
+
+# A CPU where a forward over 2 tokens costs this many times one over 1 token packs each weight again for every
+# product over more than one row (MKL's sgemm, prepacked_linear.py): there `prepare_for_cpu_decoding`'s packed products make short verifications nearly as cheap as one
+# token (docs/benchmarks.md: 1.7x -> 1.1x on a 2-core EPYC, drafting 1.1-1.2x -> 1.5x the eager target alone).
+SLOW_SHORT_VERIFY = 1.4
+
+
+def cpu_fast_path_hint(target: PreTrainedModel, table: VerifyCost) -> str | None:
+    """What to tell the user of an unprepared CPU target whose short verifications, just measured, cost far more
+    than one token; None where they do not, or the target is elsewhere or already prepared."""
+    one, two = table.seconds.get(1), table.seconds.get(2)
+    if target_execution_device(target).type != "cpu" or not one or not two or two / one < SLOW_SHORT_VERIFY:
+        return None
+    if any(type(module).__name__ == "PrepackedLinear" for module in target.modules()):
+        return None
+    return (
+        f"Drafting on a CPU: a target forward over 2 tokens costs {two / one:.1f}x one over 1 token here (on this "
+        "CPU every product over more than one row packs its weight again), so verifying drafts gains little. "
+        "`hf_domino.prepare_for_cpu_decoding(target, drafter)` (pip install hf-domino) keeps packed weights "
+        "instead: on such CPUs drafting then ran about 1.5x the target alone (docs/benchmarks.md). Its products equal "
+        "the eager ones up to rounding."
+    )
 
 
 def swap_verify_cost(target: PreTrainedModel, table: VerifyCost | None) -> VerifyCost | None:
