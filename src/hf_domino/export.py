@@ -75,7 +75,7 @@ eager PyTorch packs each weight matrix again for every product over more than on
 it does not (CPUs with AMX, for one), 2-3 tokens cost about one and drafting pays as it is. With `pip install
 hf-domino`, one line before `generate()`, `hf_domino.prepare_for_cpu_decoding(target, drafter)` (oneDNN-prepacked
 weights where they measure faster; same weights, same output) makes verifying a few drafts cost about one step on
-either kind.
+either kind; the first `generate()` with the drafter on an unprepared CPU target where it would pay says so once.
 
 ## Drafter
 
