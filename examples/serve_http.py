@@ -9,6 +9,8 @@ manager, whose paged attention rounds otherwise, and the count of identical answ
 quotes it:
 
     python examples/serve_http.py --prompts mtbench --num-prompts 8 --max-tokens 64 --repeats 2
+    python examples/serve_http.py --prompts mtbench --num-prompts 8 --max-tokens 64 --repeats 2 \
+        --continuous-batching --max-requests-per-batch 4
 """
 
 from __future__ import annotations
@@ -92,14 +94,18 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--continuous-batching", action="store_true")
+    parser.add_argument(
+        "--max-requests-per-batch", type=int, default=None, help="with --continuous-batching: rows, both servers"
+    )
     args = parser.parse_args()
+    rows = ["--max-requests-per-batch", str(args.max_requests_per_batch)] if args.max_requests_per_batch else []
     prompts = [messages[:1] for messages in load_prompts(args.prompts, args.num_prompts)]  # first turns
     latencies = {way: [] for way in WAYS}  # per way, per repeat: each request's seconds
     walls = {way: [] for way in WAYS}
     texts, tokens = {}, {}
     for repeat in range(args.repeats):
         for way in list(WAYS)[:: 1 if repeat % 2 == 0 else -1]:
-            answers, wall = run_way(WAYS[way], prompts, args.max_tokens, args.continuous_batching)
+            answers, wall = run_way(WAYS[way] + rows, prompts, args.max_tokens, args.continuous_batching)
             texts.setdefault(way, [text for text, _, _ in answers])
             tokens[way] = sum(count for _, count, _ in answers)
             latencies[way].append([seconds for _, _, seconds in answers])
@@ -109,6 +115,8 @@ def main() -> None:
     if not args.continuous_batching:
         assert same == len(prompts), "an answer with the drafter differs from the target alone's"
     mode = "all at once, continuous batching" if args.continuous_batching else "one at a time"
+    if rows:
+        mode += f", {args.max_requests_per_batch} rows at a time"
     # transformers' manager reads the target through its paged attention, which rounds otherwise than `generate()`.
     print(
         f"\n{len(prompts)} {args.prompts} prompts, {args.max_tokens} tokens at most, {mode}; {same} answers identical"

@@ -145,7 +145,7 @@ def _quiet_gguf_loading() -> Iterator[None]:
     # The de-quantization loop uses plain `tqdm`, which transformers' progress bar switch does not reach.
     gguf_tqdm = getattr(modeling_gguf_pytorch_utils, "tqdm", None)
     silence_gguf = (
-        _patched_attribute(modeling_gguf_pytorch_utils, "tqdm", functools.partial(gguf_tqdm, disable=True))
+        patched_attribute(modeling_gguf_pytorch_utils, "tqdm", functools.partial(gguf_tqdm, disable=True))
         if gguf_tqdm is not None
         else contextlib.nullcontext()
     )
@@ -168,7 +168,9 @@ def _no_progress_bars() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _patched_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
+def patched_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """`owner.name` is `value` inside the block: for library code that reads a module attribute and takes no
+    argument for it (transformers' GGUF loader's progress bar, `transformers serve`'s model manager)."""
     original = getattr(owner, name)
     setattr(owner, name, value)
     try:

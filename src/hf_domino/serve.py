@@ -13,16 +13,15 @@ under their Hub ids; any other model id or folder is loaded by transformers as `
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import sys
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .assets import OFFLINE_TARGETS, drafter_folder, hub_id, load_drafter, load_target
 from .attached_drafter_domino import attach_drafter, check_options
 from .cli import positive_int
 from .continuous_batching_domino import DEFAULT_ROWS
+from .dense_gguf import patched_attribute
 from .options_domino import DominoOptions
 
 if TYPE_CHECKING:
@@ -201,18 +200,6 @@ def batch_rows_generation_state(base: type, rows: int) -> type:
     return BatchRowsGenerationState
 
 
-@contextlib.contextmanager
-def swapped(module: Any, name: str, replacement: Any) -> Iterator[None]:
-    """`module.name` is `replacement` inside the block. `Serve()` imports its `ModelManager` and `GenerationState`
-    from their modules when it is built, and takes neither as an argument."""
-    original = getattr(module, name)
-    setattr(module, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
-
-
 def serve(
     model: str = "smollm2",
     drafter: str | None = None,
@@ -262,9 +249,9 @@ def serve(
     state = utils.GenerationState
     if max_requests_per_batch is not None:
         state = batch_rows_generation_state(state, max_requests_per_batch)
-    # Serve() builds both (and loads the pinned model) in its constructor; two serve() calls starting at once in one
-    # process would see each other's.
-    with swapped(model_manager, "ModelManager", manager), swapped(utils, "GenerationState", state):
+    # Serve() imports both from their modules as it is built (and loads the pinned model then), taking neither as an
+    # argument; two serve() calls starting at once in one process would see each other's.
+    with patched_attribute(model_manager, "ModelManager", manager), patched_attribute(utils, "GenerationState", state):
         return transformers_serve.Serve(
             force_model=hub_id(model),
             continuous_batching=continuous_batching,
