@@ -152,6 +152,11 @@ def test_an_unprepared_cpu_target_whose_short_verifications_cost_much_is_told_th
         assert torch.equal(greedy(target, input_ids, assistant_model=drafter), expected)
     assert caplog.text.count("prepare_for_cpu_decoding(target, drafter)") == 1
 
+    hooked = copy.deepcopy(target)  # offloaded by accelerate: preparing leaves hooked layers as they are
+    for module in hooked.modules():
+        module._hf_hook = None
+    assert cpu_fast_path_hint(hooked, slow) is None
+    assert cpu_fast_path_hint(copy.deepcopy(target).to("meta"), slow) is None  # not (all) on the CPU
     prepare_for_cpu_decoding(target, drafter)
     assert cpu_fast_path_hint(target, slow) is None  # prepared: its products are packed already
 
