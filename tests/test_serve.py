@@ -263,9 +263,14 @@ def test_hf_domino_serve_refuses_bad_settings_before_loading(args, says):
 
 
 @needs_serving
-def test_hf_domino_serve_runs_as_a_user_runs_it(smollm2_answer, tmp_path):
+@pytest.mark.parametrize(
+    "options",
+    [[], ["--continuous-batching", "--max-requests-per-batch", "2", "--drafter-option", "num_speculative_tokens=4"]],
+    ids=["defaults", "continuous-batching-with-options"],
+)
+def test_hf_domino_serve_runs_as_a_user_runs_it(options, smollm2_answer, tmp_path):
     port = free_port()
-    command = [sys.executable, "-m", "hf_domino", "serve", "--port", str(port), "--no-cpu-fast-path"]
+    command = [sys.executable, "-m", "hf_domino", "serve", "--port", str(port), "--no-cpu-fast-path", *options]
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
@@ -275,6 +280,10 @@ def test_hf_domino_serve_runs_as_a_user_runs_it(smollm2_answer, tmp_path):
         with urllib.request.urlopen(f"http://localhost:{port}/v1/models", timeout=30) as response:
             assert [model["id"] for model in json.loads(response.read())["data"]] == [MODEL]
         assert ask(port, stream=True) == smollm2_answer
+        said = (tmp_path / "serve.log").read_text().splitlines()[0]  # what it is, before it loads
+        assert said.startswith(f"hf-domino serve: {MODEL} (requests name it so), drafting with the shipped drafter")
+        if options:
+            assert "(num_speculative_tokens=4), continuously batched, 2 requests at a time" in said, said
     finally:
         server.terminate()
         server.wait(30)

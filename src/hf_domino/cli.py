@@ -38,12 +38,14 @@ EPILOG = "Run `hf-domino COMMAND -h` for the options of one command."
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """argparse's defaults formatter, minus the noise: no "(default: None)" for options unset by default, no default
-    for on/off switches (`--no-progress`'s would read "default: True"), none added to help lines that state theirs."""
+    """argparse's defaults formatter, minus the noise: no "(default: None)" for options unset by default (nor "[]"
+    for repeatable ones), no default for on/off switches (`--no-progress`'s would read "default: True"), none added to
+    help lines that state theirs."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help_text = action.help or ""
-        if action.default is None or action.nargs == 0 or re.search(r"\bdefault\b", help_text, re.IGNORECASE):
+        unset = action.default is None or action.default == []
+        if unset or action.nargs == 0 or re.search(r"\bdefault\b", help_text, re.IGNORECASE):
             return help_text
         return super()._get_help_string(action)
 

@@ -261,6 +261,28 @@ def serve(
         )
 
 
+def banner(args: argparse.Namespace) -> str:
+    """What the server will be, in one line before it loads: the model name requests must give, the drafter and its
+    options, and how requests are served."""
+    from .assets import SHIPPED_DRAFTER
+
+    drafting = (
+        "the target alone"
+        if args.no_drafter
+        else f"drafting with {args.drafter or f'the shipped drafter ({SHIPPED_DRAFTER.name})'}"
+    )
+    if args.drafter_options:
+        drafting += f" ({', '.join(f'{name}={value}' for name, value in args.drafter_options)})"
+    how = "one request at a time"
+    if args.continuous_batching:
+        rows = args.max_requests_per_batch or (DEFAULT_ROWS if not args.no_drafter else None)
+        how = f"continuously batched, {rows or 'as many as transformers chooses'} requests at a time"
+    return (
+        f"hf-domino serve: {hub_id(args.model)} (requests name it so), {drafting}, {how}, on "
+        f"http://{args.host}:{args.port}/v1 (OpenAI-compatible)"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     options = dict(args.drafter_options)
     try:  # refused before the target loads, in one line
@@ -270,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as error:
         print(f"hf-domino serve: {error}", file=sys.stderr)
         return 2
+    print(banner(args), flush=True)
     serve(
         args.model,
         args.drafter,
