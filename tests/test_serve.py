@@ -20,6 +20,7 @@ from transformers.utils import is_serve_available
 
 import hf_domino
 from hf_domino.batching_manager_domino import DraftedBatchingManager
+from hf_domino.cpu_fast_path import is_prepared_for_cpu_decoding
 
 PROMPT = torch.tensor([[4, 9, 11]])
 
@@ -241,6 +242,21 @@ def test_serve_reads_drafter_options_as_their_types():
     ]:
         with pytest.raises(argparse.ArgumentTypeError, match=says):
             drafter_option(text)
+
+
+@needs_serving
+def test_a_drafter_that_does_not_fit_the_served_target_is_refused_naming_both():
+    from transformers.cli.serving.model_manager import ModelManager
+
+    from hf_domino.serve import NotServable, drafting_model_manager
+
+    target = tiny_target("qwen3", vocab_size=96)  # the shipped drafter's vocabulary is SmolLM2's 49152 tokens
+    manager = drafting_model_manager(
+        ModelManager, None, {"tiny/model": (target, None)}, cpu_fast_path=True, attach=True, continuous_batching=False
+    )
+    with pytest.raises(NotServable, match=r"tiny/model@main with this drafter: The drafter's vocab_size \(49152\)"):
+        manager._load_model(object.__new__(manager), "tiny/model@main")  # as transformers loads a pinned model
+    assert hf_domino.attached_drafter(target) is None and not is_prepared_for_cpu_decoding(target)  # refused first
 
 
 @pytest.mark.parametrize(

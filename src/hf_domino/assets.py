@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .dense_gguf import cache_root, load_dense_gguf, load_dense_gguf_tokenizer
+from .dense_gguf import MissingPackageError, cache_root, load_dense_gguf, load_dense_gguf_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -43,11 +43,11 @@ def package_dir(package: str, pip_install: str) -> Path:
         pip_install: what to pass to `pip install` to get it, quoted in the error message.
 
     Raises:
-        ModuleNotFoundError: if the package is not installed.
+        MissingPackageError (a ModuleNotFoundError): if the package is not installed.
     """
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
+        raise MissingPackageError(
             f"This needs the files of the `{package}` package, which is not installed: `pip install {pip_install}`.",
             name=package,
         )

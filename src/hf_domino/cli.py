@@ -9,6 +9,7 @@ import re
 import sys
 from collections.abc import Callable
 
+from .dense_gguf import MissingPackageError
 from .prompt_sets import InputDataError
 
 # Each module exposes `add_arguments(parser)` and `run(args) -> int | None`.
@@ -122,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     args = command_parser(known.command).parse_args(argv[1:])
     try:
         return int(importlib.import_module(COMMANDS[known.command][0]).run(args) or 0)
-    except (FileNotFoundError, InputDataError) as error:
-        # A file that is not there (a path given on the command line, a package's data) or a line of one that holds
-        # something else: every such error of ours names the file (and line) and the fix, so one line says it better
-        # than a traceback.
+    except (FileNotFoundError, InputDataError, MissingPackageError) as error:
+        # A file that is not there (a path given on the command line, a package's data), a line of one that holds
+        # something else, or a package of models or prompts not installed: every such error of ours names the file
+        # (and line) or the `pip install`, so one line says it better than a traceback.
         print(f"hf-domino {known.command}: {error}", file=sys.stderr)
         return 2
 

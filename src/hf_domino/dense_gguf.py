@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
+class MissingPackageError(ModuleNotFoundError):
+    """A PyPI package whose files (a model, a prompt set) or code a command needs is not installed; the message names
+    the `pip install` that fixes it."""
+
+
 def cache_root() -> Path:
     """Where this package keeps what it derives once from installed files: `$HF_DOMINO_CACHE`, else
     `~/.cache/hf_domino`."""
@@ -74,7 +79,7 @@ def _dequantized_gguf(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError(
+        raise MissingPackageError(
             f"Reading the GGUF checkpoint {gguf_path.name} needs the `gguf` package: `pip install {pip_install}`.",
             name="gguf",
         )

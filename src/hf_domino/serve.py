@@ -79,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="warning", help="transformers' log level: warning, info, ...")
 
 
+class NotServable(ValueError):
+    """Settings, or a drafter and target, that `serve` cannot serve; the message names the fix."""
+
+
 def drafter_option(text: str) -> tuple[str, Any]:
     """argparse type of `--drafter-option NAME=VALUE`: a Domino option's name, and VALUE read as its type (`true` /
     `false`, a number, `none` where it may be unset, a word)."""
@@ -107,23 +111,26 @@ def check_serving(
     continuous_batching: bool,
     max_requests_per_batch: int | None,
 ) -> None:
-    """Raises, naming the fix, for settings `serve` refuses, before the target loads: options that the drafter
-    (folder; None: the shipped one) refuses, read from its config alone, or that there is no drafter for, and a batch
-    size without continuous batching."""
+    """Raises `NotServable`, naming the fix, for settings `serve` refuses, before the target loads: options that the
+    drafter (folder; None: the shipped one) refuses, read from its config alone, or that there is no drafter for, and a
+    batch size without continuous batching."""
     from .configuration_domino import DominoConfig
 
     if max_requests_per_batch is not None and not continuous_batching:
-        raise ValueError(
+        raise NotServable(
             "max_requests_per_batch (--max-requests-per-batch) sizes a continuously batched server: add "
             "continuous_batching=True (--continuous-batching), or drop it to serve one request at a time."
         )
     if drafter_options and not attach:
-        raise ValueError(
+        raise NotServable(
             "drafter_options (--drafter-option) are the drafter's: drop them to serve the target alone "
             "(attach=False, --no-drafter)."
         )
     if attach:
-        check_options(drafter_options or {}, DominoConfig.from_pretrained(drafter_folder(drafter)))
+        try:
+            check_options(drafter_options or {}, DominoConfig.from_pretrained(drafter_folder(drafter)))
+        except (TypeError, ValueError) as error:
+            raise NotServable(str(error)) from error
 
 
 def load_offline(name: str, dtype: str, device: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -163,6 +170,11 @@ def drafting_model_manager(
             pair = preloaded_pair(model_id_and_revision)
             target = pair[0] if pair else super()._load_model(model_id_and_revision, *args, **kwargs)
             drafter = load_drafter(drafter_path, dtype=target.dtype).to(target.device) if attach else None
+            if drafter is not None:
+                try:
+                    attach_drafter(target, drafter, **(drafter_options or {}))
+                except (TypeError, ValueError) as error:  # the pair: another tokenizer, an unsupported target, ...
+                    raise NotServable(f"{model_id_and_revision} with this drafter: {error}") from error
             if target.device.type == "cpu":
                 if cpu_fast_path:
                     # A continuously batched server runs up to `rows` requests together: their verifications' costs
@@ -174,7 +186,7 @@ def drafting_model_manager(
                 # The server generates in threads of its own (one request at a time, or the manager's): this thread's
                 # OpenMP workers, alive from loading, would make each of their parallel regions wake sleeping ones.
                 release_openmp_workers()
-            return target if drafter is None else attach_drafter(target, drafter, **(drafter_options or {}))
+            return target
 
         def get_gen_models(self, cache_dir: str | None = None) -> list[dict]:
             # transformers 5.23's /v1/models lists the Hub cache (and fails where there is none) instead of the one
@@ -285,26 +297,26 @@ def banner(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     options = dict(args.drafter_options)
-    try:  # refused before the target loads, in one line
+    try:  # refused in one line: settings before anything loads, a drafter that does not fit the target once it has
         check_serving(
             args.drafter, options, not args.no_drafter, args.continuous_batching, args.max_requests_per_batch
         )
-    except (TypeError, ValueError) as error:
+        print(banner(args), flush=True)
+        serve(
+            args.model,
+            args.drafter,
+            drafter_options=options,
+            continuous_batching=args.continuous_batching,
+            max_requests_per_batch=args.max_requests_per_batch,
+            device=args.device,
+            dtype=args.dtype,
+            cpu_fast_path=not args.no_cpu_fast_path,
+            attach=not args.no_drafter,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+        )
+    except NotServable as error:
         print(f"hf-domino serve: {error}", file=sys.stderr)
         return 2
-    print(banner(args), flush=True)
-    serve(
-        args.model,
-        args.drafter,
-        drafter_options=options,
-        continuous_batching=args.continuous_batching,
-        max_requests_per_batch=args.max_requests_per_batch,
-        device=args.device,
-        dtype=args.dtype,
-        cpu_fast_path=not args.no_cpu_fast_path,
-        attach=not args.no_drafter,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-    )
     return 0
