@@ -191,10 +191,14 @@ def verify_cost_for(target: PreTrainedModel, measure) -> VerifyCost:
 SLOW_SHORT_VERIFY = 1.4
 
 
+def _bf16_packs(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def _preparing_would_pack(target: PreTrainedModel) -> bool:
     """Whether `prepare_for_cpu_decoding` would pack some of `target`'s products, by its rules in short: every
     parameter on the CPU (not another device, nor offloaded), nothing packed yet, and some `nn.Linear` of a plain float
-    weight (not quantized) without accelerate's hook."""
+    weight (not quantized; float32, or bfloat16 where oneDNN packs it) without accelerate's hook."""
     if not torch.backends.mkldnn.is_available() or any(p.device.type != "cpu" for p in target.parameters()):
         return False
     if any(type(module).__name__ == "PrepackedLinear" for module in target.modules()):
@@ -203,7 +207,7 @@ def _preparing_would_pack(target: PreTrainedModel) -> bool:
         type(module) is torch.nn.Linear
         and not hasattr(module, "_hf_hook")
         and type(module.weight) in (torch.Tensor, torch.nn.Parameter)
-        and module.weight.dtype in (torch.float32, torch.bfloat16)
+        and (module.weight.dtype == torch.float32 or _bf16_packs(module.weight.dtype))
         for module in target.modules()
     )
 

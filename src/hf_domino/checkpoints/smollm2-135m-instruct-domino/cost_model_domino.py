@@ -191,13 +191,33 @@ def verify_cost_for(target: PreTrainedModel, measure) -> VerifyCost:
 SLOW_SHORT_VERIFY = 1.4
 
 
+def _bf16_packs(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _preparing_would_pack(target: PreTrainedModel) -> bool:
+    """Whether `prepare_for_cpu_decoding` would pack some of `target`'s products, by its rules in short: every
+    parameter on the CPU (not another device, nor offloaded), nothing packed yet, and some `nn.Linear` of a plain float
+    weight (not quantized; float32, or bfloat16 where oneDNN packs it) without accelerate's hook."""
+    if not torch.backends.mkldnn.is_available() or any(p.device.type != "cpu" for p in target.parameters()):
+        return False
+    if any(type(module).__name__ == "PrepackedLinear" for module in target.modules()):
+        return False
+    return any(
+        type(module) is torch.nn.Linear
+        and not hasattr(module, "_hf_hook")
+        and type(module.weight) in (torch.Tensor, torch.nn.Parameter)
+        and (module.weight.dtype == torch.float32 or _bf16_packs(module.weight.dtype))
+        for module in target.modules()
+    )
+
+
 def cpu_fast_path_hint(target: PreTrainedModel, table: VerifyCost) -> str | None:
     """What to tell the user of an unprepared CPU target whose short verifications, just measured, cost far more
-    than one token; None where they do not, or the target is elsewhere or already prepared."""
+    than one token; None where they do not, or where preparing would pack nothing (the target elsewhere, offloaded,
+    quantized, or prepared already)."""
     one, two = table.seconds.get(1), table.seconds.get(2)
-    if target_execution_device(target).type != "cpu" or not one or not two or two / one < SLOW_SHORT_VERIFY:
-        return None
-    if any(type(module).__name__ == "PrepackedLinear" for module in target.modules()):
+    if not one or not two or two / one < SLOW_SHORT_VERIFY or not _preparing_would_pack(target):
         return None
     return (
         f"Drafting on a CPU: a target forward over 2 tokens costs {two / one:.1f}x one over 1 token here (on this "
