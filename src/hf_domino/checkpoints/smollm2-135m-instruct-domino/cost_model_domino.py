@@ -186,8 +186,9 @@ def verify_cost_for(target: PreTrainedModel, measure) -> VerifyCost:
 
 
 # A CPU where a forward over 2 tokens costs this many times one over 1 token packs each weight again for every
-# product over more than one row (MKL's sgemm, prepacked_linear.py): there `prepare_for_cpu_decoding`'s packed products make short verifications nearly as cheap as one
-# token (docs/benchmarks.md: 1.7x -> 1.1x on a 2-core EPYC, drafting 1.1-1.2x -> 1.5x the eager target alone).
+# product over more than one row (MKL's sgemm, prepacked_linear.py): there `prepare_for_cpu_decoding`'s packed
+# products make short verifications nearly as cheap as one token (docs/benchmarks.md: 1.7x -> 1.1x on a 2-core EPYC,
+# drafting 1.1-1.2x -> 1.5x the eager target alone).
 SLOW_SHORT_VERIFY = 1.4
 
 
@@ -220,8 +221,8 @@ def cpu_fast_path_hint(target: PreTrainedModel, table: VerifyCost) -> str | None
     if not one or not two or two / one < SLOW_SHORT_VERIFY or not _preparing_would_pack(target):
         return None
     return (
-        f"Drafting on a CPU: a target forward over 2 tokens costs {two / one:.1f}x one over 1 token here (on this "
-        "CPU every product over more than one row packs its weight again), so verifying drafts gains little. "
+        f"Drafting on a CPU: a target forward over 2 tokens costs {two / one:.1f}x one over 1 token here (eager "
+        "products over more than one row pack their weights again on many CPUs), so verifying drafts gains little. "
         "`hf_domino.prepare_for_cpu_decoding(target, drafter)` (pip install hf-domino) keeps packed weights "
         "instead: on such CPUs drafting then ran about 1.5x the target alone (docs/benchmarks.md). Its products equal "
         "the eager ones up to rounding."
