@@ -55,7 +55,7 @@ from .prepacked_linear import (
     measure_linear_dispatch,
     packable_dtypes,
 )
-from .target_modules_domino import execution_device
+from .target_modules_domino import dense_weight, execution_device, offload_hooked
 
 logger = logging.getLogger(__name__)
 
@@ -236,12 +236,6 @@ def _on_cpu(model: nn.Module) -> bool:
     return _devices(model) == {"cpu"}
 
 
-def _hooked(module: nn.Module) -> bool:
-    # A model dispatched with offloading has accelerate's hook on every module: it calls the forward the module had
-    # when it was dispatched (a packed class would never run) and may put other weights in place for each forward.
-    return hasattr(module, "_hf_hook") or module.weight.device.type == "meta"
-
-
 def _prepare(model: nn.Module, name: str, report: CpuFastPathReport, measure_products: bool) -> None:
     if not PACKABLE_DTYPES:
         report.skipped[name] = "this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"
@@ -254,7 +248,7 @@ def _prepare(model: nn.Module, name: str, report: CpuFastPathReport, measure_pro
     for module_name, module in model.named_modules():
         if isinstance(module, PrepackedLinear):
             already += 1
-        elif type(module) is nn.Linear and _hooked(module):
+        elif type(module) is nn.Linear and offload_hooked(module):
             report.hooked[name] = report.hooked.get(name, 0) + 1
         elif type(module) is nn.Linear and _plain_float(module.weight):
             module.__class__ = PrepackedLinear
@@ -275,9 +269,8 @@ def _prepare(model: nn.Module, name: str, report: CpuFastPathReport, measure_pro
 
 
 def _plain_float(weight: torch.Tensor) -> bool:
-    # A quantized weight (torchao's tensor subclasses) reports the float dtype it computes in, but oneDNN cannot
-    # repack it: the module keeps its own quantized product.
-    return type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype in PACKABLE_DTYPES
+    # A quantized weight keeps its own product: oneDNN cannot repack it.
+    return dense_weight(weight) and weight.dtype in PACKABLE_DTYPES
 
 
 def _pack_draft_vocabulary(target: nn.Module, drafter: nn.Module) -> None:

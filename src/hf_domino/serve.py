@@ -17,7 +17,7 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .assets import OFFLINE_TARGETS, drafter_folder, hub_id, load_drafter, load_target
+from .assets import OFFLINE_TARGETS, SHIPPED_DRAFTER, drafter_folder, hub_id, load_drafter, load_target
 from .attached_drafter_domino import attach_drafter, check_options
 from .cli import positive_int
 from .continuous_batching_domino import DEFAULT_ROWS
@@ -93,12 +93,15 @@ def drafter_option(text: str) -> tuple[str, Any]:
     kind = kinds[name]
     if value.lower() == "none" and "None" in kind:
         return name, None
-    readers = {"bool": lambda word: {"true": True, "false": False}[word.lower()], "int": int, "float": float}
-    reader = next((read for prefix, read in readers.items() if kind.startswith(prefix)), str)
+    readers = {  # by the option's type: how VALUE is read, and what it must be
+        "bool": (lambda word: {"true": True, "false": False}[word.lower()], "true or false"),
+        "int": (int, "an integer"),
+        "float": (float, "a number"),
+    }
+    reader, expected = next((read for prefix, read in readers.items() if kind.startswith(prefix)), (str, "a word"))
     try:
         return name, reader(value)
     except (KeyError, ValueError):
-        expected = {"bool": "true or false", "int": "an integer", "float": "a number"}[kind.split(" ")[0]]
         raise argparse.ArgumentTypeError(
             f"{name} takes {expected}{' or none' if 'None' in kind else ''}, got {value!r}"
         ) from None
@@ -212,6 +215,31 @@ def batch_rows_generation_state(base: type, rows: int) -> type:
     return BatchRowsGenerationState
 
 
+def banner(
+    model: str,
+    drafter: str | None,
+    drafter_options: dict[str, Any] | None,
+    attach: bool,
+    continuous_batching: bool,
+    max_requests_per_batch: int | None,
+    address: str,
+) -> str:
+    """What the server will be, in one line before it loads: the model name requests must give, the drafter and its
+    options, and how requests are served."""
+    drafting = (
+        f"drafting with {drafter or f'the shipped drafter ({SHIPPED_DRAFTER.name})'}" if attach else "the target alone"
+    )
+    if drafter_options:
+        drafting += f" ({', '.join(f'{name}={value}' for name, value in drafter_options.items())})"
+    how = "one request at a time"
+    if continuous_batching:
+        rows = max_requests_per_batch or (DEFAULT_ROWS if attach else None)
+        how = f"continuously batched, {rows or 'as many as transformers chooses'} requests at a time"
+    return (
+        f"hf-domino serve: {hub_id(model)} (requests name it so), {drafting}, {how}, on {address} (OpenAI-compatible)"
+    )
+
+
 def serve(
     model: str = "smollm2",
     drafter: str | None = None,
@@ -242,6 +270,11 @@ def serve(
             'pip install "hf-domino[serve]" (in a clone: pip install -e ".[serve]").'
         )
     check_serving(drafter, drafter_options, attach, continuous_batching, max_requests_per_batch)
+    address = f"http://{serve_options.get('host', 'localhost')}:{serve_options.get('port', 8000)}/v1"
+    print(
+        banner(model, drafter, drafter_options, attach, continuous_batching, max_requests_per_batch, address),
+        flush=True,
+    )
     from transformers.cli import serve as transformers_serve
     from transformers.cli.serving import model_manager, utils
 
@@ -273,39 +306,12 @@ def serve(
         )
 
 
-def banner(args: argparse.Namespace) -> str:
-    """What the server will be, in one line before it loads: the model name requests must give, the drafter and its
-    options, and how requests are served."""
-    from .assets import SHIPPED_DRAFTER
-
-    drafting = (
-        "the target alone"
-        if args.no_drafter
-        else f"drafting with {args.drafter or f'the shipped drafter ({SHIPPED_DRAFTER.name})'}"
-    )
-    if args.drafter_options:
-        drafting += f" ({', '.join(f'{name}={value}' for name, value in args.drafter_options)})"
-    how = "one request at a time"
-    if args.continuous_batching:
-        rows = args.max_requests_per_batch or (DEFAULT_ROWS if not args.no_drafter else None)
-        how = f"continuously batched, {rows or 'as many as transformers chooses'} requests at a time"
-    return (
-        f"hf-domino serve: {hub_id(args.model)} (requests name it so), {drafting}, {how}, on "
-        f"http://{args.host}:{args.port}/v1 (OpenAI-compatible)"
-    )
-
-
 def run(args: argparse.Namespace) -> int:
-    options = dict(args.drafter_options)
     try:  # refused in one line: settings before anything loads, a drafter that does not fit the target once it has
-        check_serving(
-            args.drafter, options, not args.no_drafter, args.continuous_batching, args.max_requests_per_batch
-        )
-        print(banner(args), flush=True)
         serve(
             args.model,
             args.drafter,
-            drafter_options=options,
+            drafter_options=dict(args.drafter_options),
             continuous_batching=args.continuous_batching,
             max_requests_per_batch=args.max_requests_per_batch,
             device=args.device,

@@ -21,7 +21,7 @@ import torch
 from transformers.utils import logging
 
 from .cache_domino import RecurrentRollback, cache_argument, has_recurrent_layers
-from .target_modules_domino import target_execution_device
+from .target_modules_domino import dense_weight, offload_hooked, target_execution_device
 
 logger = logging.get_logger(__name__)
 
@@ -197,17 +197,17 @@ def _bf16_packs(dtype: torch.dtype) -> bool:
 
 
 def _preparing_would_pack(target: PreTrainedModel) -> bool:
-    """Whether `prepare_for_cpu_decoding` would pack some of `target`'s products, by its rules in short: every
-    parameter on the CPU (not another device, nor offloaded), nothing packed yet, and some `nn.Linear` of a plain float
-    weight (not quantized; float32, or bfloat16 where oneDNN packs it) without accelerate's hook."""
+    """Whether `prepare_for_cpu_decoding` would pack some of `target`'s products, by its rules (the same
+    `offload_hooked` and `dense_weight`; of the dtypes, float32, and bfloat16 where oneDNN packs it): every parameter
+    on the CPU, nothing packed yet, and some `nn.Linear` that is neither offloaded nor quantized."""
     if not torch.backends.mkldnn.is_available() or any(p.device.type != "cpu" for p in target.parameters()):
         return False
     if any(type(module).__name__ == "PrepackedLinear" for module in target.modules()):
         return False
     return any(
         type(module) is torch.nn.Linear
-        and not hasattr(module, "_hf_hook")
-        and type(module.weight) in (torch.Tensor, torch.nn.Parameter)
+        and not offload_hooked(module)
+        and dense_weight(module.weight)
         and (module.weight.dtype == torch.float32 or _bf16_packs(module.weight.dtype))
         for module in target.modules()
     )

@@ -118,6 +118,18 @@ def _accelerate_hooks(module: nn.Module) -> tuple:
     return () if hook is None else getattr(hook, "hooks", (hook,))  # a SequentialHook chains several
 
 
+def offload_hooked(module: nn.Module) -> bool:
+    """Whether accelerate dispatched `module` with offloading: its hook calls the forward the module had when it was
+    dispatched (a class swapped in since would never run) and may put other weights in place for each forward."""
+    return hasattr(module, "_hf_hook") or module.weight.device.type == "meta"
+
+
+def dense_weight(weight: torch.Tensor) -> bool:
+    """Whether `weight` is a plain tensor: a quantized one (torchao's tensor subclasses) reports the float dtype it
+    computes in, but only its own kernels read it."""
+    return type(weight) in (torch.Tensor, nn.Parameter)
+
+
 def offloaded_weights(module: nn.Module) -> Mapping[str, torch.Tensor]:
     """The weights accelerate keeps for an offloaded `module` (in CPU memory, or read from disk), by parameter name."""
     return next(
@@ -154,7 +166,9 @@ def offloaded_vocab_rows(
 
 __all__ = [
     "TargetModules",
+    "dense_weight",
     "execution_device",
+    "offload_hooked",
     "offloaded_vocab_rows",
     "offloaded_weights",
     "target_execution_device",
