@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache, NemotronHConfig, NemotronHForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from hf_domino import DominoConfig, DominoForSpeculation, prepare_for_cpu_decoding
-from hf_domino.cache_domino import RecurrentRollback, cache_argument
+from hf_domino.cache_domino import RecurrentRollback, cache_argument, record_past
 from hf_domino.cost_model_domino import synchronize
 
 # Qwen3.5-0.8B's sizes (three Gated DeltaNet layers to one attention layer); Nemotron-H-8B's (Mamba2 mixers, MLPs and
@@ -75,7 +75,7 @@ def forward_ms(target, context: torch.Tensor, tokens: int, verifying: str | None
             target(context, use_cache=True, **cache_argument(cache), logits_to_keep=1)
             rollback = None
             if verifying is not None:
-                cache.activate_past_recording()
+                record_past(cache)
             if verifying == "drafting":
                 rollback = RecurrentRollback.install(cache, committed=context.shape[1], target=target)
                 rollback.feed(context.shape[1] + tokens)
@@ -99,7 +99,7 @@ def after_rejection_ms(
         for _ in range(reps + 1):
             cache = DynamicCache(config=target.config)
             target(context, use_cache=True, **cache_argument(cache), logits_to_keep=1)
-            cache.activate_past_recording()
+            record_past(cache)
             rollback = RecurrentRollback.install(cache, committed=context.shape[1], target=target)
             rollback.feed(context.shape[1] + block)
             target(context[:, -block:], use_cache=True, **cache_argument(cache), logits_to_keep=block)

@@ -12,6 +12,7 @@ import pytest
 import hf_domino
 from hf_domino import cli
 from hf_domino.assets import SHIPPED_DRAFTER
+from hf_domino.cache_domino import TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -252,6 +253,8 @@ def test_bench_runs_a_target_with_recurrent_layers(tmp_path):
     argv += ["--max-new-tokens", "8", "--warmup-tokens", "2", "--device", "cpu", "--output-dir", str(tmp_path / "out")]
     result = run_cli(*argv)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "Skipping prompt_lookup and manual for Qwen3_5ForCausalLM" in result.stdout
+    # transformers >= 5.25 rolls the states back for its own prompt lookup; the manual loop crops a cache.
+    lookup = TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES
+    assert f"Skipping {'' if lookup else 'prompt_lookup and '}manual for Qwen3_5ForCausalLM" in result.stdout
     report = (tmp_path / "out" / "bench.md").read_text()
-    assert "| domino |" in report and "| dflash |" in report and "| prompt_lookup |" not in report
+    assert "| domino |" in report and "| dflash |" in report and ("| prompt_lookup |" in report) is lookup

@@ -351,9 +351,10 @@ def test_remote_code_works_without_hf_domino(tmp_path):
         text=True,
         timeout=300,
         # A bare environment (no caches, no hub), but the same transformers as the suite: where PYTHONPATH supplies it
-        # (the GPU machine's pinned copy), keep it; `BlockHfDomino` keeps hf_domino out either way.
+        # (the GPU machine's pinned copy, CI's other releases), keep it, and USE_HUB_KERNELS (CI's) with it;
+        # `BlockHfDomino` keeps hf_domino out either way.
         env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-        | ({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}),
+        | {name: os.environ[name] for name in ("PYTHONPATH", "USE_HUB_KERNELS") if name in os.environ},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("TOKENS")]

@@ -1,8 +1,9 @@
 """Targets with recurrent layers (linear attention, state-space models): Qwen3.5 and Qwen3.5-MoE, Qwen3-Next,
 OLMo-Hybrid, Kimi-Linear, BailingHybrid, Nemotron-H, Falcon-H1, Granite 4 (GraniteMoeHybrid), Mamba2.
 
-transformers refuses assisted generation for them (`_is_stateful`): a recurrent state folds every token it reads
-into one tensor and cannot drop a verification's rejected drafts. A Domino call keeps the inputs of the family's
+A recurrent state folds every token it reads into one tensor and cannot drop a verification's rejected drafts:
+transformers < 5.25 refuses assisted generation for them (`_is_stateful`), later releases run the last tokens of
+every forward one by one to keep a state per token. A Domino call keeps the inputs of the family's
 scan (the Gated DeltaNet rule, Kimi Delta Attention, the Mamba2 chunk scan) during a verification and recomputes each state after the
 accepted tokens from them (`cache_domino.RecurrentRollback`); where no inputs were kept it rolls the verification back
 whole and the next forward reads its verified tokens again, drafting nothing. These tiny models, built from configs,
@@ -29,7 +30,14 @@ from packaging.version import Version
 from test_batching import left_padded
 
 from hf_domino import cache_domino, prepare_for_cpu_decoding
-from hf_domino.cache_domino import CACHE_ARGUMENT, RECURRENT_TARGETS, RULE_INPUT_TOKENS, RecurrentRollback
+from hf_domino.cache_domino import (
+    CACHE_ARGUMENT,
+    RECURRENT_TARGETS,
+    RULE_INPUT_TOKENS,
+    TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES,
+    RecurrentRollback,
+    keeps_recurrent_states,
+)
 from hf_domino.options_domino import static_caches_roll_back
 
 VOCAB = 32
@@ -208,8 +216,14 @@ def test_families_whose_scans_restart_from_empty_states_are_refused(name):
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_transformers_refuses_an_assistant_for_them(name):
+def test_transformers_refuses_an_assistant_for_them_before_5_25(name):
+    """Why RecurrentRollback exists: transformers < 5.25 refuses any assistant for these targets. Later releases roll
+    states back themselves (each forward keeps a state per token for its last tokens, run one by one), and no longer
+    mark them `_is_stateful`: `keeps_recurrent_states` tells from their layer types."""
     target = hybrid_target(name)
+    assert keeps_recurrent_states(target)
+    if TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES:
+        return
     assert target._is_stateful
     with pytest.raises(ValueError, match="stateful"):
         target.generate(PROMPT, assistant_model=hybrid_target(name), max_new_tokens=4, **GREEDY)

@@ -193,9 +193,18 @@ def smollm2_answer():
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
+def models_load_in_processes_of_their_own() -> bool:
+    """transformers >= 5.25 serves each model from a process of its own (`hf_domino.serve_loader`)."""
+    from transformers.cli.serving import model_manager
+
+    return hasattr(model_manager, "ModelLoader")
+
+
 @needs_serving
 @pytest.mark.parametrize("continuous_batching", [False, True], ids=["generate", "continuous-batching"])
 def test_the_server_answers_as_the_target_alone_and_drafts(continuous_batching, smollm2_answer):
+    if models_load_in_processes_of_their_own():
+        pytest.skip("the model runs in a process of its own: test_the_model_process_drafts_with_the_servers_settings")
     from concurrent.futures import ThreadPoolExecutor
 
     from hf_domino.serve import serve
@@ -225,6 +234,53 @@ def test_the_server_answers_as_the_target_alone_and_drafts(continuous_batching, 
         server.kill_server()
 
 
+@needs_serving
+def test_the_model_process_drafts_with_the_servers_settings(smollm2_answer):
+    """transformers >= 5.25: the server pickles its loader and generation state into the model's process, which loads
+    the target and runs transformers' continuous-batching runner on it. Both keep the command line's settings through
+    the pickle; the runner serves 3 requests 2 at a time, each the target alone's answer, drafting 3 a cycle."""
+    import pickle
+
+    if not models_load_in_processes_of_their_own():
+        pytest.skip("transformers < 5.25 loads models in the server's process: test_the_server_answers_...")
+    from transformers.cli.serving.utils import CBGenerateRunner, canonical_model_id
+
+    from hf_domino.assets import offline_folder
+    from hf_domino.serve import Drafting
+    from hf_domino.serve_loader import BatchRowsGenerationState, DraftingModelLoader, configured
+
+    options = {"draft_policy": "fixed", "num_speculative_tokens": 3, "domino_lookup": False}
+    drafting = Drafting(options=options, cpu_fast_path=False, continuous_batching=True, rows=2)
+    with configured(drafting, {MODEL: str(offline_folder("smollm2"))}):
+        loader = DraftingModelLoader(device="cpu", dtype="float32")
+        state = BatchRowsGenerationState(continuous_batching=True)
+    loader, state = pickle.loads(pickle.dumps((loader, state)))  # as the model's process gets them
+    assert loader.drafting == drafting and state.cb_config.max_requests_per_batch == 2
+    model, processor = loader.load_model_and_processor(canonical_model_id(MODEL))
+    drafter = hf_domino.attached_drafter(model)
+    assert drafter is not None and not is_prepared_for_cpu_decoding(model)
+
+    results = {}
+    runner = CBGenerateRunner(
+        model, processor, lambda ids, tokens, finished: results.update(finished), state.cb_config
+    )
+    try:
+        inputs = processor.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)
+        settings = {"do_sample": False, "max_new_tokens": 24, "eos_token_id": model.generation_config.eos_token_id}
+        for request_id in range(3):  # more requests than rows: the third joins as a row finishes
+            runner.generate(request_id, {"input_ids": list(inputs["input_ids"])}, dict(settings), stream=False)
+        deadline = time.time() + 300
+        while len(results) < 3 and time.time() < deadline:
+            time.sleep(0.2)
+    finally:
+        runner.manager.stop()
+    answers = [processor.decode(results[request_id], skip_special_tokens=True) for request_id in range(3)]
+    assert answers == [smollm2_answer] * 3
+    assert runner.manager.call.limit == 2
+    drafted = drafter.last_generation_stats.drafted
+    assert max(drafted) == 3 and drafted.count(3) > len(drafted) // 2, drafted
+
+
 def test_serve_reads_drafter_options_as_their_types():
     import argparse
 
@@ -247,16 +303,26 @@ def test_serve_reads_drafter_options_as_their_types():
 
 
 @needs_serving
-def test_a_drafter_that_does_not_fit_the_served_target_is_refused_naming_both():
-    from transformers.cli.serving.model_manager import ModelManager
-
-    from hf_domino.serve import NotServable, drafting_model_manager
+def test_a_drafter_that_does_not_fit_the_served_target_is_refused_naming_both(tmp_path):
+    from hf_domino.serve import Drafting, NotServable
 
     target = tiny_target("qwen3", vocab_size=96)  # the shipped drafter's vocabulary is SmolLM2's 49152 tokens
-    manager = drafting_model_manager(
-        ModelManager, None, {"tiny/model": (target, None)}, cpu_fast_path=True, attach=True, continuous_batching=False
-    )
-    with pytest.raises(NotServable, match=r"tiny/model@main with this drafter: The drafter's vocab_size \(49152\)"):
+    says = r"tiny/model@main with this drafter: The drafter's vocab_size \(49152\)"
+    if models_load_in_processes_of_their_own():  # refused as the server reads the config, before the process starts
+        from hf_domino.serve_loader import DraftingModelLoader, configured
+
+        target.save_pretrained(tmp_path)
+        with configured(Drafting(), {"tiny/model": str(tmp_path)}):
+            loader = DraftingModelLoader(device="cpu")
+        with pytest.raises(NotServable, match=says):
+            loader.load_config("tiny/model@main")
+        return
+    from transformers.cli.serving.model_manager import ModelManager
+
+    from hf_domino.serve import drafting_model_manager
+
+    manager = drafting_model_manager(ModelManager, Drafting(), {"tiny/model": (target, None)})
+    with pytest.raises(NotServable, match=says):
         manager._load_model(object.__new__(manager), "tiny/model@main")  # as transformers loads a pinned model
     assert hf_domino.attached_drafter(target) is None and not is_prepared_for_cpu_decoding(target)  # refused first
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .dense_gguf import MissingPackageError, cache_root, load_dense_gguf, load_dense_gguf_tokenizer
+from .dense_gguf import MissingPackageError, cache_root, dense_gguf_folder, load_dense_gguf, load_dense_gguf_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -163,6 +163,12 @@ OFFLINE_TARGETS = {
 def offline_gguf_path(target: str) -> Path | None:
     """The GGUF checkpoint of an offline target name (`OFFLINE_TARGETS`), None for any other value."""
     return OFFLINE_TARGETS[target].gguf_path() if target in OFFLINE_TARGETS else None
+
+
+def offline_folder(target: str) -> Path:
+    """An offline target's model as a folder `from_pretrained` reads (its GGUF checkpoint de-quantized once, under
+    `dense_gguf.cache_root()`)."""
+    return dense_gguf_folder(offline_gguf_path(target))
 
 
 def hub_id(target: str) -> str:

@@ -164,6 +164,19 @@ class DraftedBatchingManager:
         error that stopped it (`error`), else None."""
         return SimpleNamespace(fatal_error=self.error)
 
+    # What transformers' serving (>= 5.25, `CBGenerateRunner`) reads of its own manager besides the above.
+    batch_processor = None  # its paged cache and scheduler, for a stats line: a drafted batch has neither
+
+    @property
+    def logit_processor(self) -> SimpleNamespace:
+        """The sampling settings a request may set for itself (`supported_keys`, name -> type): none; every request
+        samples as the generation config says."""
+        return SimpleNamespace(supported_keys={})
+
+    def warmup(self) -> None:
+        """Nothing to warm up: transformers' manager captures its CUDA graphs here; a drafted batch measures its
+        verification costs when the models are prepared (`prepare_for_cpu_decoding`), else in its first cycles."""
+
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
         """Stops taking requests; the thread ends once those added before are done (with `block`, this waits for
         that, at most `timeout` seconds)."""

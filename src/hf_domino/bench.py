@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from . import assets, prompt_sets
+from .cache_domino import TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES, keeps_recurrent_states
 from .cli import non_negative_int, number_in, positive_int
 from .cpu_fast_path import prepare_for_cpu_decoding
 from .generate_hook_domino import cudnn_attention_applies
@@ -300,16 +301,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _runnable_methods(methods: list[str], target) -> list[str]:
-    """`methods` without those the target cannot run, each named: transformers refuses any assistant (its prompt
-    lookup too) for a target with recurrent states (Qwen3.5, Nemotron-H, ...), whose states the manual loop's cache
-    crop cannot roll back either; generate() with a Domino drafter serves them."""
-    if not getattr(target, "_is_stateful", False):
+    """`methods` without those the target cannot run, each named: for a target with recurrent states (Qwen3.5,
+    Nemotron-H, ...) the manual loop's cache crop cannot roll them back, and transformers before 5.25 refuses it any
+    assistant (its prompt lookup too); generate() with a Domino drafter serves them."""
+    if not keeps_recurrent_states(target):
         return methods
-    skipped = [method for method in methods if method in ("prompt_lookup", "manual")]
+    cannot = ("manual",) if TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES else ("prompt_lookup", "manual")
+    skipped = [method for method in methods if method in cannot]
     if skipped:
         print(
             f"Skipping {' and '.join(skipped)} for {type(target).__name__}: its recurrent states cannot roll back "
-            "rejected drafts there (transformers refuses it any assistant; the manual loop crops a cache)."
+            "rejected drafts there (the manual loop crops a cache; transformers before 5.25 refuses any assistant)."
         )
     return [method for method in methods if method not in skipped]
 

@@ -20,6 +20,7 @@ from transformers.cache_utils import (
     DynamicCache,
     DynamicLayer,
     LinearAttentionCacheLayerMixin,
+    get_layer_types_and_kwargs,
 )
 from transformers.generation import GenerationMixin
 
@@ -30,6 +31,12 @@ CACHE_ARGUMENT = (
     "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
     else "past_key_values"
 )  # fmt: skip
+
+# transformers >= 5.25 rolls recurrent states back in its own assisted loop (per-token states kept by each forward),
+# and no longer marks the models that keep them `_is_stateful`, which earlier releases refuse an assistant for.
+TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES = (
+    "recurrent_states_to_keep" in inspect.signature(LinearAttentionCacheLayerMixin.activate_past_recording).parameters
+)
 
 
 def cache_argument(cache: DynamicCache | None) -> dict[str, DynamicCache | None]:
@@ -289,6 +296,32 @@ def _keep_state_before(self, recurrent_states: torch.Tensor, state_idx: int = 0,
     return self.recurrent_states[state_idx]
 
 
+# transformers >= 5.25 can keep a recurrent layer's state after each of a forward's last tokens, to crop it later:
+# it then runs those tokens one by one through the recurrent rule. `RecurrentRollback` keeps the state a forward
+# started from and its scan's inputs instead, so it asks for none.
+_KEEP_NO_STATES = {"recurrent_states_to_keep": 0} if TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES else {}
+
+
+def record_past(cache: Cache) -> None:
+    """`cache.activate_past_recording()` keeping no per-token recurrent states (any transformers version)."""
+    cache.activate_past_recording(**_KEEP_NO_STATES)
+
+
+def _record_no_states(self, **kwargs) -> None:
+    """`activate_past_recording` of a snapshot layer: whatever transformers' loop asks to keep, no per-token states."""
+    super(type(self), self).activate_past_recording(**_KEEP_NO_STATES)
+
+
+def _crop_to_chosen_states(self, tokens_to_remove: int) -> None:
+    """`crop` of a snapshot layer, whose recurrent states `RecurrentRollback` has already set. transformers >= 5.25
+    sets each from the per-token history it keeps (`recurrent_states_history`), which these layers do not keep: the
+    history it reads holds the state already chosen."""
+    if TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES:  # also where no loop asked to record (a batch, a measurement)
+        steps = abs(tokens_to_remove)
+        self.recurrent_states_history = {index: [state] * steps for index, state in self.recurrent_states.items()}
+    super(type(self), self).crop(tokens_to_remove)
+
+
 def _restore_state_before(self) -> None:
     """Puts back the recurrent states the last forward started from."""
     for index, initialized in self.is_recurrent_states_initialized.items():
@@ -313,6 +346,8 @@ def _snapshot_class(layer_class: type) -> type:
         {
             "update_recurrent_state": _keep_state_before,
             "restore": _restore_state_before,
+            "activate_past_recording": _record_no_states,
+            "crop": _crop_to_chosen_states,
             "is_croppable": property(lambda self: True),  # whole forwards, through `RecurrentRollback`
         },
     )
@@ -516,6 +551,20 @@ RECURRENT_TARGETS = frozenset(
 )
 
 
+# Layer types whose cache layers hold a recurrent state; a "conv" layer (LFM2's) keeps a window that crops as keys do.
+RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "hybrid", "hybrid_sliding"})
+
+
+def keeps_recurrent_states(target) -> bool:
+    """Whether `target` keeps recurrent states (linear attention, state-space layers), which cannot drop a
+    verification's rejected drafts the way keys and values are cropped: `_is_stateful` where transformers marks it,
+    else its layer types."""
+    if not TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES:
+        return bool(getattr(target, "_is_stateful", False))
+    layer_types, _ = get_layer_types_and_kwargs(target.config.get_text_config(decoder=True))
+    return not RECURRENT_LAYER_TYPES.isdisjoint(layer_types)
+
+
 def check_recurrent_target(target) -> None:
     """Raises, naming the fix, for a target with recurrent states that drafting cannot serve exactly."""
     model_type = target.config.get_text_config().model_type
@@ -589,6 +638,8 @@ __all__ = [
     "check_recurrent_target",
     "has_recurrent_layers",
     "has_replayable_scan",
+    "keeps_recurrent_states",
+    "record_past",
     "replayable_scan",
     "uncached_prompt_length",
 ]

@@ -36,6 +36,7 @@ from transformers.utils.logging import tqdm
 from .batch_call_domino import check_batch_target
 from .batch_policy_domino import call_speculates
 from .batching_domino import BatchedDecoding
+from .cache_domino import keeps_recurrent_states
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
 from .ragged_cache_domino import JOINABLE, batch_cache
 from .target_modules_domino import target_execution_device
@@ -150,7 +151,7 @@ def check_serving(target: PreTrainedModel, cache: DynamicCache, continuous_batch
             "or call generate(..., output_scores=True) with the drafter on a padded batch."
         )
     others = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in JOINABLE})
-    if getattr(target, "_is_stateful", False) or others:
+    if keeps_recurrent_states(target) or others:
         kept = ", ".join(others) or "its recurrent states"
         raise ValueError(
             f"{type(target).__name__}'s cache keeps more than keys and values per token ({kept}), which rows joining "

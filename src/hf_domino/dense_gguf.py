@@ -72,6 +72,15 @@ def load_dense_gguf(
     return model.eval(), tokenizer
 
 
+def dense_gguf_folder(gguf_path: Path, pip_install: str = "gguf") -> Path:
+    """`dense_gguf_cache(gguf_path)`, converted there first where no load has yet: a folder any
+    `from_pretrained` reads (a server's model processes load the model from it)."""
+    folder = dense_gguf_cache(gguf_path)
+    if not folder.is_dir():
+        load_dense_gguf(gguf_path, pip_install=pip_install)
+    return folder
+
+
 def _dequantized_gguf(
     gguf_path: Path, dtype: torch.dtype, pip_install: str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

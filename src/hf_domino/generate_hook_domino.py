@@ -57,12 +57,14 @@ from .batching_domino import batched_assisted_decoding
 from .batching_manager_domino import DraftedBatchingManager
 from .cache_domino import (
     CACHE_ARGUMENT,
+    TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES,
     RecurrentRollback,
     buffer_layers,
     cached_tokens,
     check_recurrent_target,
     has_recurrent_layers,
     has_replayable_scan,
+    keeps_recurrent_states,
     uncached_prompt_length,
 )
 from .continuous_batching_domino import generate_requests
@@ -199,10 +201,13 @@ def _recurrent_state_check_waived(target):
     drafts; a Domino call rolls them back (`RecurrentRollback`) for the families that continue their states exactly
     over a forward of several tokens (`check_recurrent_target`, else refused here), and refuses before the prefill a
     call whose cache or shape does not let it (`_check_recurrent_call`)."""
-    if not getattr(target, "_is_stateful", False):
+    if not keeps_recurrent_states(target):
         yield
         return
     check_recurrent_target(target)
+    if TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES:  # no such refusal to waive
+        yield
+        return
     target.__dict__["_is_stateful"] = False  # this instance, for transformers' check only
     try:
         yield
@@ -217,7 +222,7 @@ def _check_recurrent_call(target, cache, generation_config, batched: bool, branc
             f"{type(target).__name__} keeps per-layer states (linear attention, convolution or state-space layers), "
             "which a tree of first-token branches cannot keep per branch: draft plain blocks (domino_branches=1)."
         )
-    if batched and getattr(target, "_is_stateful", False) and not has_replayable_scan(target):
+    if batched and keeps_recurrent_states(target) and not has_replayable_scan(target):
         raise ValueError(
             f"{type(target).__name__} keeps per-layer states that a drafted batch cannot keep row by row (only "
             "families whose scan can be replayed over each row's kept tokens can: the Gated DeltaNet and Mamba2 "
@@ -318,7 +323,7 @@ def _wrap_assisted_decoding(original):
         model_kwargs, generation_config = arguments.get("model_kwargs", {}), arguments["generation_config"]
         cache = model_kwargs.get(CACHE_ARGUMENT)
         # transformers rolls convolution-only layers back itself; recurrent states are ours to roll back.
-        recurrent = getattr(self, "_is_stateful", False)
+        recurrent = keeps_recurrent_states(self)
         if recurrent or (batched and has_recurrent_layers(cache)):
             _check_recurrent_call(self, cache, generation_config, batched, options.domino_branches)
         if batched:

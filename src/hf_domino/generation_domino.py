@@ -192,6 +192,12 @@ class DominoCandidateGenerator(CandidateGenerator):
             logits = spread_to_vocabulary(logits, self.vocab, vocab_size)
         return candidates, logits
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most drafts one verification offers (transformers >= 5.25 reads it to size what a cache keeps for a
+        rollback; this generator's recurrent targets roll back through `RecurrentRollback` instead)."""
+        return self.max_drafts
+
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         # Every target forward after the prefill counts, plain steps included: the mean is then exactly generated
         # tokens per decoding forward.

@@ -43,7 +43,7 @@ from transformers.cache_utils import DynamicCache
 
 from .acceptance import acceptance_from_cache_lengths, record_target_forwards
 from .assets import eos_token_ids, pad_token_id
-from .cache_domino import RecurrentRollback, cache_argument, has_recurrent_layers
+from .cache_domino import RecurrentRollback, cache_argument, has_recurrent_layers, record_past
 from .cost_model_domino import VerifyCost, cached_verify_cost, swap_verify_cost, synchronize
 from .cpu_fast_path import compiling_on_any_device
 from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
@@ -334,7 +334,7 @@ def measure_forward_ms(
     # Recurrent layers: each forward as a drafting call's verification runs it, keeping one token (`rollback`).
     rollback = None
     if has_recurrent_layers(cache):
-        cache.activate_past_recording()
+        record_past(cache)
         rollback = RecurrentRollback.install(cache, input_ids.shape[1], target)
     costs = {}
     try:

@@ -13,11 +13,21 @@ under their Hub ids; any other model id or folder is loaded by transformers as `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .assets import OFFLINE_TARGETS, SHIPPED_DRAFTER, drafter_folder, hub_id, load_drafter, load_target
+from .assets import (
+    OFFLINE_TARGETS,
+    SHIPPED_DRAFTER,
+    drafter_folder,
+    hub_id,
+    load_drafter,
+    load_target,
+    offline_folder,
+)
 from .attached_drafter_domino import attach_drafter, check_options
 from .cli import positive_int
 from .continuous_batching_domino import DEFAULT_ROWS
@@ -136,6 +146,60 @@ def check_serving(
             raise NotServable(str(error)) from error
 
 
+@dataclasses.dataclass(frozen=True)
+class Drafting:
+    """What `hf-domino serve` makes of each target it loads, in the process that loads it (transformers >= 5.25 loads
+    each model in a process of its own, which gets a pickled copy): `drafter` (folder; None: the shipped one)
+    attached with `options` unless not `attach`, and on a CPU `prepare_for_cpu_decoding` (unless not
+    `cpu_fast_path`) for `rows` requests at once."""
+
+    drafter: str | None = None
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    attach: bool = True
+    cpu_fast_path: bool = True
+    continuous_batching: bool = False
+    rows: int | None = None  # the requests a continuously batched server runs together (None: DEFAULT_ROWS)
+
+    def check_target_config(self, model_id: str, target_config: Any) -> None:
+        """Raises `NotServable` for a target whose config the drafter does not fit (another vocabulary, ...)."""
+        from .configuration_domino import DominoConfig
+        from .options_domino import check_drafter_config_for_target_config
+
+        if not self.attach:
+            return
+        try:
+            check_drafter_config_for_target_config(
+                DominoConfig.from_pretrained(drafter_folder(self.drafter)), target_config
+            )
+        except ValueError as error:
+            raise NotServable(f"{model_id} with this drafter: {error}") from error
+
+    def ready(self, target: PreTrainedModel, model_id: str) -> PreTrainedModel:
+        """`target`, just loaded, with the drafter attached and on a CPU prepared."""
+        from .batching_manager_domino import release_openmp_workers
+        from .cpu_fast_path import prepare_for_cpu_decoding
+
+        self.check_target_config(model_id, target.config)
+        drafter = load_drafter(self.drafter, dtype=target.dtype).to(target.device) if self.attach else None
+        if drafter is not None:
+            try:
+                attach_drafter(target, drafter, **self.options)
+            except (TypeError, ValueError) as error:  # what the configs do not show: an unsupported target, ...
+                raise NotServable(f"{model_id} with this drafter: {error}") from error
+        if target.device.type == "cpu":
+            if self.cpu_fast_path:
+                # A continuously batched server runs up to `rows` requests together: their verifications' costs are
+                # measured here rather than in its first batch's cycles.
+                batch_size = (self.rows or DEFAULT_ROWS) if self.continuous_batching else 1
+                print(prepare_for_cpu_decoding(target, drafter, batch_size=batch_size), flush=True)
+                if drafter is None and self.continuous_batching:  # transformers' manager takes `sdpa`, not ours
+                    target.set_attn_implementation("sdpa")
+            # The server generates in threads of its own (one request at a time, or the manager's): this thread's
+            # OpenMP workers, alive from loading, would make each of their parallel regions wake sleeping ones.
+            release_openmp_workers()
+        return target
+
+
 def load_offline(name: str, dtype: str, device: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """An offline target and its tokenizer, on `device` (auto: cuda where there is one)."""
     import torch
@@ -143,22 +207,9 @@ def load_offline(name: str, dtype: str, device: str) -> tuple[PreTrainedModel, P
     return load_target(name, dtype=getattr(torch, dtype), device=None if device == "auto" else device)
 
 
-def drafting_model_manager(
-    base: type,
-    drafter_path: str | None,
-    preloaded: dict[str, tuple[Any, Any]],
-    *,
-    cpu_fast_path: bool,
-    attach: bool,
-    continuous_batching: bool,
-    drafter_options: dict[str, Any] | None = None,
-    rows: int | None = None,
-) -> type:
-    """A subclass of transformers' serving `ModelManager` that attaches a drafter to every target it loads (unless
-    not `attach`) with `drafter_options`, and serves `preloaded` targets (`{hub id: (model, tokenizer)}`) without
-    loading them. `rows`: the requests a continuously batched server runs together (default `DEFAULT_ROWS`)."""
-    from .batching_manager_domino import release_openmp_workers
-    from .cpu_fast_path import prepare_for_cpu_decoding
+def drafting_model_manager(base: type, drafting: Drafting, preloaded: dict[str, tuple[Any, Any]]) -> type:
+    """transformers < 5.25: a subclass of its serving `ModelManager` that makes every target it loads ready to draft
+    (`drafting`), and serves `preloaded` targets (`{hub id: (model, tokenizer)}`) without loading them."""
 
     def preloaded_pair(model_id_and_revision: str) -> tuple[Any, Any] | None:
         # transformers names what it loads `'repo@revision'`
@@ -172,24 +223,7 @@ def drafting_model_manager(
         def _load_model(self, model_id_and_revision: str, *args: Any, **kwargs: Any) -> PreTrainedModel:
             pair = preloaded_pair(model_id_and_revision)
             target = pair[0] if pair else super()._load_model(model_id_and_revision, *args, **kwargs)
-            drafter = load_drafter(drafter_path, dtype=target.dtype).to(target.device) if attach else None
-            if drafter is not None:
-                try:
-                    attach_drafter(target, drafter, **(drafter_options or {}))
-                except (TypeError, ValueError) as error:  # the pair: another tokenizer, an unsupported target, ...
-                    raise NotServable(f"{model_id_and_revision} with this drafter: {error}") from error
-            if target.device.type == "cpu":
-                if cpu_fast_path:
-                    # A continuously batched server runs up to `rows` requests together: their verifications' costs
-                    # are measured here rather than in its first batch's cycles.
-                    batch_size = (rows or DEFAULT_ROWS) if continuous_batching else 1
-                    print(prepare_for_cpu_decoding(target, drafter, batch_size=batch_size), flush=True)
-                    if drafter is None and continuous_batching:  # transformers' manager takes `sdpa`, not ours
-                        target.set_attn_implementation("sdpa")
-                # The server generates in threads of its own (one request at a time, or the manager's): this thread's
-                # OpenMP workers, alive from loading, would make each of their parallel regions wake sleeping ones.
-                release_openmp_workers()
-            return target
+            return drafting.ready(target, model_id_and_revision)
 
         def get_gen_models(self, cache_dir: str | None = None) -> list[dict]:
             # transformers 5.23's /v1/models lists the Hub cache (and fails where there is none) instead of the one
@@ -201,18 +235,18 @@ def drafting_model_manager(
     return DraftingModelManager
 
 
-def batch_rows_generation_state(base: type, rows: int) -> type:
-    """A subclass of transformers' serving `GenerationState` whose continuous-batching config runs `rows` requests
-    together (`max_requests_per_batch`, which `transformers serve` has no option for)."""
+def batch_rows_generation_state(base: type, rows: int) -> Callable[..., Any]:
+    """transformers < 5.25: makes its serving `GenerationState`s (`base`) whose continuous-batching config runs `rows`
+    requests together (`max_requests_per_batch`, which `transformers serve` has no option for; later releases:
+    `serve_loader.BatchRowsGenerationState`)."""
 
-    class BatchRowsGenerationState(base):
-        def __init__(self, *args: Any, cb_config: Any = None, **kwargs: Any):
-            from transformers import ContinuousBatchingConfig
+    def generation_state(*args: Any, cb_config: Any = None, **kwargs: Any) -> Any:
+        from transformers import ContinuousBatchingConfig
 
-            cb_config = dataclasses.replace(cb_config or ContinuousBatchingConfig(), max_requests_per_batch=rows)
-            super().__init__(*args, cb_config=cb_config, **kwargs)
+        cb_config = dataclasses.replace(cb_config or ContinuousBatchingConfig(), max_requests_per_batch=rows)
+        return base(*args, cb_config=cb_config, **kwargs)
 
-    return BatchRowsGenerationState
+    return generation_state
 
 
 def banner(
@@ -275,28 +309,42 @@ def serve(
         banner(model, drafter, drafter_options, attach, continuous_batching, max_requests_per_batch, address),
         flush=True,
     )
+    import transformers
     from transformers.cli import serve as transformers_serve
     from transformers.cli.serving import model_manager, utils
 
-    preloaded = {}
-    if model in OFFLINE_TARGETS:
-        preloaded[hub_id(model)] = load_offline(model, dtype, device)
-    manager = drafting_model_manager(
-        model_manager.ModelManager,
-        drafter,
-        preloaded,
-        cpu_fast_path=cpu_fast_path,
-        attach=attach,
-        continuous_batching=continuous_batching,
-        drafter_options=drafter_options,
-        rows=max_requests_per_batch,
+    drafting = Drafting(
+        drafter, dict(drafter_options or {}), attach, cpu_fast_path, continuous_batching, max_requests_per_batch
     )
-    state = utils.GenerationState
-    if max_requests_per_batch is not None:
-        state = batch_rows_generation_state(state, max_requests_per_batch)
-    # Serve() imports both from their modules as it is built (and loads the pinned model then), taking neither as an
+    # Serve() imports these from their modules as it is built (and loads the pinned model then), taking none as an
     # argument; two serve() calls starting at once in one process would see each other's.
-    with patched_attribute(model_manager, "ModelManager", manager), patched_attribute(utils, "GenerationState", state):
+    if hasattr(model_manager, "ModelLoader"):  # transformers >= 5.25: each model loads in a process of its own
+        from . import serve_loader
+
+        if serve_options.pop("non_blocking", False):
+            raise NotServable(
+                f"non_blocking: the server of transformers {transformers.__version__} runs until it stops; run serve() "
+                "in a process of its own (multiprocessing), or `hf-domino serve` in a shell."
+            )
+        folders = {hub_id(model): str(offline_folder(model))} if model in OFFLINE_TARGETS else {}
+        settings = serve_loader.configured(drafting, folders)
+        patches = [
+            (model_manager, "ModelLoader", serve_loader.DraftingModelLoader),
+            (utils, "GenerationState", serve_loader.BatchRowsGenerationState),
+        ]
+    else:
+        preloaded = {hub_id(model): load_offline(model, dtype, device)} if model in OFFLINE_TARGETS else {}
+        settings = contextlib.nullcontext()
+        patches = [
+            (model_manager, "ModelManager", drafting_model_manager(model_manager.ModelManager, drafting, preloaded))
+        ]
+        if max_requests_per_batch is not None:
+            state = batch_rows_generation_state(utils.GenerationState, max_requests_per_batch)
+            patches.append((utils, "GenerationState", state))
+    with contextlib.ExitStack() as patched:
+        patched.enter_context(settings)
+        for owner, name, value in patches:
+            patched.enter_context(patched_attribute(owner, name, value))
         return transformers_serve.Serve(
             force_model=hub_id(model),
             continuous_batching=continuous_batching,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.utils import logging
 
-from .cache_domino import RecurrentRollback, cache_argument, has_recurrent_layers
+from .cache_domino import RecurrentRollback, cache_argument, has_recurrent_layers, record_past
 from .target_modules_domino import dense_weight, offload_hooked, target_execution_device
 
 logger = logging.get_logger(__name__)
@@ -162,8 +162,7 @@ def measure_verify_cost_on_scratch(
 
     context = torch.zeros(rows, CALIBRATION_CONTEXT, dtype=torch.long, device=target_execution_device(target))
     cache = DynamicCache(config=target.config)
-    if hasattr(cache, "activate_past_recording"):  # sliding-window layers must give the measured blocks back
-        cache.activate_past_recording()
+    record_past(cache)  # sliding-window layers must give the measured blocks back
     target(input_ids=context, use_cache=True, **cache_argument(cache))
     if not has_recurrent_layers(cache):
         return measure_verify_cost(target, cache, context[:, -1:], forward_kwargs)

@@ -32,7 +32,7 @@ from .modeling_domino import DOMINO_HEAD_DEFAULT
 from .target_modules_domino import target_execution_device
 
 if TYPE_CHECKING:
-    from transformers import GenerationConfig, PreTrainedModel
+    from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
     from .modeling_domino import DominoForSpeculation
 
@@ -211,16 +211,16 @@ def static_caches_roll_back() -> bool:
     return bool(getattr(StaticLayer, "is_croppable", False))
 
 
-def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedModel, generation_config=None) -> None:
-    """Raises a `ValueError` that names the problem and the fix when `drafter` cannot draft for `target`."""
-    config, target_config = drafter.config, target.config.get_text_config()
-    if getattr(target.config, "is_encoder_decoder", False):
+def check_drafter_config_for_target_config(config: DominoConfig, target_model_config: PretrainedConfig) -> None:
+    """The part of `check_drafter_for_target` that the two configs decide (a server checks it before loading)."""
+    target_config = target_model_config.get_text_config()
+    if getattr(target_model_config, "is_encoder_decoder", False):
         raise ValueError("Domino drafters work with decoder-only targets; this target is an encoder-decoder model.")
     num_layers = target_depth(target_config)
     if num_layers is None:
         raise ValueError(
-            f"{type(target).__name__} does not report num_hidden_layers, so it cannot provide the per-layer hidden "
-            "states (output_hidden_states) a Domino drafter reads."
+            f"{type(target_model_config).__name__} does not report num_hidden_layers, so its model cannot provide the "
+            "per-layer hidden states (output_hidden_states) a Domino drafter reads."
         )
     if target_config.vocab_size != config.vocab_size:
         raise ValueError(
@@ -238,6 +238,11 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
             f"target_layer_ids {bad_layers} are outside the target's {num_layers} layers: this drafter was built for "
             f"a deeper target (num_target_layers={config.num_target_layers})."
         )
+
+
+def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedModel, generation_config=None) -> None:
+    """Raises a `ValueError` that names the problem and the fix when `drafter` cannot draft for `target`."""
+    check_drafter_config_for_target_config(drafter.config, target.config)
     supports_dynamic_cache = getattr(type(target), "_supports_default_dynamic_cache", lambda: True)
     if not supports_dynamic_cache():
         # transformers' assisted loop then fails with "Assisted decoding requires a cache".
@@ -363,6 +368,7 @@ def _refuse_per_token_state(generation_config: GenerationConfig) -> None:
 __all__ = [
     "DominoGenerationStats",
     "DominoOptions",
+    "check_drafter_config_for_target_config",
     "check_drafter_for_target",
     "refuse_a_drafter_built_as_another_model",
 ]
