@@ -212,6 +212,9 @@ def test_a_batch_is_judged_with_when_its_requests_came(models, monkeypatch):
     judged = []
     judge = batch_policy_domino.judge_call
     monkeypatch.setattr(batch_policy_domino, "judge_call", lambda *a, **k: judged.append(a[5]) or judge(*a, **k))
+    # One judgement, of the whole batch: no window of MANAGER_JUDGE_CYCLES inside it, which the first request's 300
+    # tokens reach where the policy takes plain steps (a loaded machine's costs).
+    monkeypatch.setattr(batching_manager_domino, "MANAGER_JUDGE_CYCLES", 10**6)
     config = GenerationConfig(do_sample=False, pad_token_id=0, max_new_tokens=300)
     with target.continuous_batching_context_manager(config, assistant_model=drafter) as manager:
         first = manager.add_request(PROMPTS[2], streaming=True)  # 300 tokens without an EOS

@@ -292,9 +292,9 @@ def serve(
     `prepare_for_cpu_decoding` unless `cpu_fast_path=False`. With `continuous_batching`, `max_requests_per_batch`
     requests run together (default: `DEFAULT_ROWS` drafted, transformers' own choice with `attach=False`).
 
-    `serve_options` are `transformers.cli.serve.Serve`'s (`host`, `port`, `log_level`, `non_blocking`, `cb_...`).
-    Returns the `Serve` object once the server stops (at once with `non_blocking=True`: stop it with
-    `.kill_server()`).
+    `serve_options` are `transformers.cli.serve.Serve`'s (`host`, `port`, `log_level`, `cb_...`; `non_blocking` before
+    transformers 5.25). Returns the `Serve` object once the server stops (at once with `non_blocking=True`: stop it
+    with `.kill_server()`).
     """
     from transformers.utils import is_serve_available
 
@@ -304,28 +304,30 @@ def serve(
             'pip install "hf-domino[serve]" (in a clone: pip install -e ".[serve]").'
         )
     check_serving(drafter, drafter_options, attach, continuous_batching, max_requests_per_batch)
+    import transformers
+    from transformers.cli import serve as transformers_serve
+    from transformers.cli.serving import model_manager, utils
+
+    processes = hasattr(model_manager, "ModelLoader")  # transformers >= 5.25: each model loads in a process of its own
+    if processes and serve_options.get("non_blocking"):
+        raise NotServable(
+            f"non_blocking: the server of transformers {transformers.__version__} runs until it stops; run serve() in "
+            "a process of its own (multiprocessing), or `hf-domino serve` in a shell."
+        )
     address = f"http://{serve_options.get('host', 'localhost')}:{serve_options.get('port', 8000)}/v1"
     print(
         banner(model, drafter, drafter_options, attach, continuous_batching, max_requests_per_batch, address),
         flush=True,
     )
-    import transformers
-    from transformers.cli import serve as transformers_serve
-    from transformers.cli.serving import model_manager, utils
-
     drafting = Drafting(
         drafter, dict(drafter_options or {}), attach, cpu_fast_path, continuous_batching, max_requests_per_batch
     )
     # Serve() imports these from their modules as it is built (and loads the pinned model then), taking none as an
     # argument; two serve() calls starting at once in one process would see each other's.
-    if hasattr(model_manager, "ModelLoader"):  # transformers >= 5.25: each model loads in a process of its own
+    if processes:
         from . import serve_loader
 
-        if serve_options.pop("non_blocking", False):
-            raise NotServable(
-                f"non_blocking: the server of transformers {transformers.__version__} runs until it stops; run serve() "
-                "in a process of its own (multiprocessing), or `hf-domino serve` in a shell."
-            )
+        serve_options.pop("non_blocking", None)
         folders = {hub_id(model): str(offline_folder(model))} if model in OFFLINE_TARGETS else {}
         settings = serve_loader.configured(drafting, folders)
         patches = [
