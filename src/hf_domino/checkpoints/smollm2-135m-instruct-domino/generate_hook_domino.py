@@ -197,10 +197,10 @@ def _wrap_validate_generation_mode(original):
 
 @contextlib.contextmanager
 def _recurrent_state_check_waived(target):
-    """transformers refuses an assistant for a target with recurrent states (`_is_stateful`), which cannot drop rejected
-    drafts; a Domino call rolls them back (`RecurrentRollback`) for the families that continue their states exactly
-    over a forward of several tokens (`check_recurrent_target`, else refused here), and refuses before the prefill a
-    call whose cache or shape does not let it (`_check_recurrent_call`)."""
+    """transformers < 5.25 refuses an assistant for a target with recurrent states (`_is_stateful`), which cannot
+    drop rejected drafts; a Domino call rolls them back (`RecurrentRollback`) for the families that continue their
+    states exactly over a forward of several tokens (`check_recurrent_target`, else refused here, on every release),
+    and refuses before the prefill a call whose cache or shape does not let it (`_check_recurrent_call`)."""
     if not keeps_recurrent_states(target):
         yield
         return
