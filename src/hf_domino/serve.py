@@ -179,12 +179,11 @@ class Drafting:
         from .batching_manager_domino import release_openmp_workers
         from .cpu_fast_path import prepare_for_cpu_decoding
 
-        self.check_target_config(model_id, target.config)
         drafter = load_drafter(self.drafter, dtype=target.dtype).to(target.device) if self.attach else None
         if drafter is not None:
             try:
                 attach_drafter(target, drafter, **self.options)
-            except (TypeError, ValueError) as error:  # what the configs do not show: an unsupported target, ...
+            except (TypeError, ValueError) as error:  # the pair: another vocabulary, an unsupported target, ...
                 raise NotServable(f"{model_id} with this drafter: {error}") from error
         if target.device.type == "cpu":
             if self.cpu_fast_path:
@@ -241,12 +240,16 @@ def batch_rows_generation_state(base: type, rows: int) -> Callable[..., Any]:
     `serve_loader.BatchRowsGenerationState`)."""
 
     def generation_state(*args: Any, cb_config: Any = None, **kwargs: Any) -> Any:
-        from transformers import ContinuousBatchingConfig
-
-        cb_config = dataclasses.replace(cb_config or ContinuousBatchingConfig(), max_requests_per_batch=rows)
-        return base(*args, cb_config=cb_config, **kwargs)
+        return base(*args, cb_config=with_rows(cb_config, rows), **kwargs)
 
     return generation_state
+
+
+def with_rows(cb_config: Any, rows: int) -> Any:
+    """A copy of transformers' `ContinuousBatchingConfig` (None: the default one) running `rows` requests together."""
+    from transformers import ContinuousBatchingConfig
+
+    return dataclasses.replace(cb_config or ContinuousBatchingConfig(), max_requests_per_batch=rows)
 
 
 def banner(

@@ -11,14 +11,13 @@ extra installed): earlier releases load models in the server's own process (`ser
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
 from transformers.cli.serving.model_manager import ModelLoader
 from transformers.cli.serving.utils import GenerationState, parse_model_id
 
-from .serve import Drafting
+from .serve import Drafting, with_rows
 
 _CONFIGURATION: tuple[Drafting, dict[str, str]] | None = None
 
@@ -70,9 +69,5 @@ class BatchRowsGenerationState(GenerationState):
     (`max_requests_per_batch`, which `transformers serve` has no option for)."""
 
     def __init__(self, *args: Any, cb_config: Any = None, **kwargs: Any):
-        from transformers import ContinuousBatchingConfig
-
         rows = _configuration()[0].rows
-        if rows is not None:
-            cb_config = dataclasses.replace(cb_config or ContinuousBatchingConfig(), max_requests_per_batch=rows)
-        super().__init__(*args, cb_config=cb_config, **kwargs)
+        super().__init__(*args, cb_config=cb_config if rows is None else with_rows(cb_config, rows), **kwargs)
