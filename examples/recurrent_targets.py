@@ -3,7 +3,7 @@
 No drafter is trained for such a target and none installs offline, so acceptance is not measured here; what is:
 
 - a target forward over 1, 2, 3, 5, 9 and 17 tokens of a filled cache, as a verification runs it (the scan's inputs
-  kept, and on a CPU the scan as one chunk of the forward's tokens: `cache_domino.RecurrentRollback`), beside the
+  kept, and on a CPU the scan as one chunk of the forward's tokens: `recurrent_cache_domino.RecurrentRollback`), beside the
   same forward with the scan's own chunks, against the target alone's one-token step;
 - what a verification with rejected drafts costs after it: the state after its accepted tokens recomputed from the
   scan's own inputs (the default) against the forward that re-reads them (the fallback where no inputs were kept);
@@ -28,8 +28,9 @@ import torch
 from transformers import DynamicCache, NemotronHConfig, NemotronHForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from hf_domino import DominoConfig, DominoForSpeculation, prepare_for_cpu_decoding
-from hf_domino.cache_domino import RecurrentRollback, cache_argument, record_past
+from hf_domino.cache_domino import cache_argument
 from hf_domino.cost_model_domino import synchronize
+from hf_domino.recurrent_cache_domino import RecurrentRollback, record_past
 
 # Qwen3.5-0.8B's sizes (three Gated DeltaNet layers to one attention layer); Nemotron-H-8B's (Mamba2 mixers, MLPs and
 # one attention layer in eight, its first layers' pattern repeated), chunks of 128 tokens.

@@ -12,7 +12,7 @@ import pytest
 import hf_domino
 from hf_domino import cli
 from hf_domino.assets import SHIPPED_DRAFTER
-from hf_domino.cache_domino import TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES
+from hf_domino.recurrent_cache_domino import TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ A recurrent state folds every token it reads into one tensor and cannot drop a v
 transformers < 5.25 refuses assisted generation for them (`_is_stateful`), later releases run the last tokens of
 every forward one by one to keep a state per token. A Domino call keeps the inputs of the family's
 scan (the Gated DeltaNet rule, Kimi Delta Attention, the Mamba2 chunk scan) during a verification and recomputes each state after the
-accepted tokens from them (`cache_domino.RecurrentRollback`); where no inputs were kept it rolls the verification back
+accepted tokens from them (`recurrent_cache_domino.RecurrentRollback`); where no inputs were kept it rolls the verification back
 whole and the next forward reads its verified tokens again, drafting nothing. These tiny models, built from configs,
 check that each family continues its states exactly over a forward of several tokens (what `RECURRENT_TARGETS` rests
 on; Mamba, FalconMamba, Bamba and Jamba do not, and are refused, as are targets keeping states in a cache class of
@@ -29,16 +29,16 @@ from conftest import SPECIAL_TOKENS, forcing_drafter, tiny_drafter
 from packaging.version import Version
 from test_batching import left_padded
 
-from hf_domino import cache_domino, prepare_for_cpu_decoding
-from hf_domino.cache_domino import (
-    CACHE_ARGUMENT,
+from hf_domino import prepare_for_cpu_decoding, recurrent_cache_domino
+from hf_domino.cache_domino import CACHE_ARGUMENT
+from hf_domino.options_domino import static_caches_roll_back
+from hf_domino.recurrent_cache_domino import (
     RECURRENT_TARGETS,
     RULE_INPUT_TOKENS,
     TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES,
     RecurrentRollback,
     keeps_recurrent_states,
 )
-from hf_domino.options_domino import static_caches_roll_back
 
 VOCAB = 32
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, tie_word_embeddings=False, **SPECIAL_TOKENS)
@@ -256,7 +256,7 @@ def test_greedy_output_is_the_target_alone_with_drafts_accepted_in_part_in_whole
 def test_without_kept_scan_inputs_a_rejected_verification_is_read_again(name, monkeypatch):
     """Where no scan inputs are kept (a kernel that replaces a whole layer, a compiled forward), a verification with a
     rejected draft is rolled back whole and the next forward reads its verified tokens again, drafting nothing."""
-    monkeypatch.setattr(cache_domino, "SCAN_FAMILIES", ())
+    monkeypatch.setattr(recurrent_cache_domino, "SCAN_FAMILIES", ())
     target = hybrid_target(name)
     expected = target.generate(PROMPT, max_new_tokens=48, **GREEDY)
     drafter = forcing_drafter(target, successor_table(expected))
@@ -305,13 +305,13 @@ def test_the_verify_cost_table_times_forwards_as_drafting_runs_them(name, monkey
     from hf_domino.measure import measure_forward_ms
 
     target, chunked = hybrid_target(name), []
-    one_chunk = cache_domino._one_chunk_on_cpu
+    one_chunk = recurrent_cache_domino._one_chunk_on_cpu
 
     def counting(names, args, kwargs, tokens):
         chunked.append(tokens.shape[1])
         return one_chunk(names, args, kwargs, tokens)
 
-    monkeypatch.setattr(cache_domino, "_one_chunk_on_cpu", counting)
+    monkeypatch.setattr(recurrent_cache_domino, "_one_chunk_on_cpu", counting)
     cost = measure_verify_cost_on_scratch(target, {})
     assert cost(17) > 0 and 17 in chunked and 1 not in chunked  # one-token forwards take the in-place step
     chunked.clear()

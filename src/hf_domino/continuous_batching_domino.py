@@ -36,9 +36,9 @@ from transformers.utils.logging import tqdm
 from .batch_call_domino import check_batch_target
 from .batch_policy_domino import call_speculates
 from .batching_domino import BatchedDecoding
-from .cache_domino import keeps_recurrent_states
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
 from .ragged_cache_domino import JOINABLE, batch_cache
+from .recurrent_cache_domino import keeps_recurrent_states
 from .target_modules_domino import target_execution_device
 
 if TYPE_CHECKING:

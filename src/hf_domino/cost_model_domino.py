@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.utils import logging
 
-from .cache_domino import RecurrentRollback, cache_argument, has_recurrent_layers, record_past
+from .cache_domino import cache_argument
+from .recurrent_cache_domino import RecurrentRollback, has_recurrent_layers, record_past
 from .target_modules_domino import dense_weight, offload_hooked, target_execution_device
 
 logger = logging.get_logger(__name__)

@@ -55,24 +55,21 @@ from .attached_drafter_domino import (
 )
 from .batching_domino import batched_assisted_decoding
 from .batching_manager_domino import DraftedBatchingManager
-from .cache_domino import (
-    CACHE_ARGUMENT,
-    TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES,
-    RecurrentRollback,
-    buffer_layers,
-    cached_tokens,
-    check_recurrent_target,
-    has_recurrent_layers,
-    has_replayable_scan,
-    keeps_recurrent_states,
-    uncached_prompt_length,
-)
+from .cache_domino import CACHE_ARGUMENT, buffer_layers, cached_tokens, uncached_prompt_length
 from .continuous_batching_domino import generate_requests
 from .options_domino import (
     DominoGenerationStats,
     DominoOptions,
     check_drafter_for_target,
     refuse_a_drafter_built_as_another_model,
+)
+from .recurrent_cache_domino import (
+    TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES,
+    RecurrentRollback,
+    check_recurrent_target,
+    has_recurrent_layers,
+    has_replayable_scan,
+    keeps_recurrent_states,
 )
 from .target_modules_domino import target_execution_device
 

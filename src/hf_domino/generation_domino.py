@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from .cache_domino import CACHE_ARGUMENT, RecurrentRollback, has_recurrent_layers
+from .cache_domino import CACHE_ARGUMENT
 from .cost_model_domino import (
     VerifyCost,
     measure_verify_cost,
@@ -44,6 +44,7 @@ from .modeling_domino import TargetModules, check_context_features, context_feat
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
 from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy
 from .records_domino import DraftingMode, copy_records, drafter_record
+from .recurrent_cache_domino import RecurrentRollback, has_recurrent_layers
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel

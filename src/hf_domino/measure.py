@@ -43,13 +43,14 @@ from transformers.cache_utils import DynamicCache
 
 from .acceptance import acceptance_from_cache_lengths, record_target_forwards
 from .assets import eos_token_ids, pad_token_id
-from .cache_domino import RecurrentRollback, cache_argument, has_recurrent_layers, record_past
+from .cache_domino import cache_argument
 from .cost_model_domino import VerifyCost, cached_verify_cost, swap_verify_cost, synchronize
 from .cpu_fast_path import compiling_on_any_device
 from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
 from .generate_hook_domino import drafting_attention_kernels
 from .modeling_domino import DominoForSpeculation, TargetModules, context_features, hidden_state_indices
 from .prepacked_linear import eager_linears
+from .recurrent_cache_domino import RecurrentRollback, has_recurrent_layers, record_past
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

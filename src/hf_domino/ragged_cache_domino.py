@@ -32,14 +32,8 @@ from transformers.cache_utils import (
 )
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
-from .cache_domino import (
-    CACHE_ARGUMENT,
-    BufferedLayer,
-    RecurrentRollback,
-    cache_argument,
-    cached_tokens,
-    uncached_prompt_length,
-)
+from .cache_domino import CACHE_ARGUMENT, BufferedLayer, cache_argument, cached_tokens, uncached_prompt_length
+from .recurrent_cache_domino import RecurrentRollback
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel

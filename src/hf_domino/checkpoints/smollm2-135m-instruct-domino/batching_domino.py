@@ -37,7 +37,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .batch_call_domino import TokenScores, check_batch_call, compiled_plain_steps, prompt_inputs
 from .batch_drafts_domino import CycleDrafter, CycleDrafts
 from .batch_policy_domino import CallWindow, call_speculates
-from .cache_domino import CACHE_ARGUMENT, RecurrentRollback, buffer_layers, has_recurrent_layers
+from .cache_domino import CACHE_ARGUMENT, buffer_layers
 from .cost_model_domino import row_paces, settle_for_timing
 from .drafting_domino import judge_copy
 from .modeling_domino import TargetModules, check_context_features, context_features, hidden_state_indices
@@ -61,6 +61,7 @@ from .ragged_cache_domino import (
     cached_columns,
     ragged_forward,
 )
+from .recurrent_cache_domino import RecurrentRollback, has_recurrent_layers
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
