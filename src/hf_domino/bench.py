@@ -112,7 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--methods",
         type=_methods,
         default=list(METHODS),
-        help=f"comma-separated (default {','.join(METHODS)}); also domino_vocab, domino_k<N>, dflash_k<N>, and "
+        help=f"comma-separated (default {','.join(METHODS)}: `default` is the drafter with generate()'s defaults, "
+        "`domino` the drafter alone over the whole vocabulary); also domino_vocab, domino_k<N>, dflash_k<N>, and "
         "domino...@eager|@triton|@triton+graph (the head's rollout), target_no_cudnn (the target alone with a drafting "
         "call's attention kernels: no cuDNN; added beside target on CUDA in half precision)",
     )

@@ -15,6 +15,8 @@ Methods (`parse_method`):
   from the drafter only; `domino_vocab`: the same over the drafter's draft vocabulary; `domino_k<N>`
   (`domino_vocab_k<N>`): a fixed N drafts per forward; `_lookup` after `domino`/`domino_vocab` also copies drafts
   from the text (`domino_lookup=True`, what generate() does by default: `domino_vocab_lookup` is a user's default);
+- `default`: `generate(assistant_model=drafter)` with no option at all, whatever the drafter's defaults are (the
+  shipped drafter's: `domino_vocab_lookup`): what a user runs;
 - `dflash`, `dflash_k<N>`: the same with the Domino head switched off (DFlash drafting, same weights);
 - a Domino method with `@eager`, `@triton` or `@triton+graph` appended (`domino_vocab_k16@eager`) forces that
   `domino_rollout` (the default, `auto`, fuses the head on CUDA where it applies), to time the head's paths;
@@ -55,7 +57,9 @@ from .recurrent_cache_domino import RecurrentRollback, has_recurrent_layers, rec
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-METHODS = ("target", "prompt_lookup", "dflash", "domino", "manual")
+# `default` is what a user's `generate(assistant_model=drafter)` runs (generate()'s defaults: the draft vocabulary,
+# copied and retrieved drafts); `domino` is the drafter alone over the whole vocabulary, as `manual` runs it.
+METHODS = ("target", "prompt_lookup", "dflash", "domino", "default", "manual")
 # Per-cycle pieces, in cycle order as plotted: draft (backbone, base logits, head rollout), then target verify.
 TIMING_KEYS = ("backbone", "lm_head", "head", "verify")
 _DRAFTER_METHOD = re.compile(
@@ -78,17 +82,18 @@ class MethodSpec:
 
 
 def parse_method(name: str) -> MethodSpec:
-    """`target`, `prompt_lookup`, `manual`, or `domino`/`dflash`, then optionally `_vocab`, `_lookup` (copies from the
-    text and the drafter's datastore, as generate() by default) or `_copies` (from the text only), `_k<N>`,
-    `_tree<N>` (N first-token branches, `domino_branches`; after `_k<N>` with the fixed policy), `@<rollout>`."""
+    """`target`, `prompt_lookup`, `manual`, `default` (the drafter with generate()'s defaults), or `domino`/`dflash`,
+    then optionally `_vocab`, `_lookup` (copies from the text and the drafter's datastore, as generate() by default) or
+    `_copies` (from the text only), `_k<N>`, `_tree<N>` (N first-token branches, `domino_branches`; after `_k<N>` with
+    the fixed policy), `@<rollout>`."""
     if name in ("target", "target_eager", "target_no_cudnn", "prompt_lookup"):
         return MethodSpec(name)
-    if name == "manual":
+    if name in ("manual", "default"):
         return MethodSpec(name, uses_drafter=True)
     match = _DRAFTER_METHOD.match(name)
     if match is None:
         raise ValueError(
-            f"Unknown method {name!r}; choose among target, target_eager, target_no_cudnn, prompt_lookup, manual, domino, dflash, domino_vocab, "
+            f"Unknown method {name!r}; choose among target, target_eager, target_no_cudnn, prompt_lookup, manual, default, domino, dflash, domino_vocab, "
             "domino_k<N>, domino_vocab_k<N>, domino_vocab_lookup, domino_vocab_copies (and the same for dflash), each optionally with @eager, @triton or "
             "@triton+graph (the Domino head's rollout)."
         )
