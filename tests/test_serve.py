@@ -305,6 +305,27 @@ def test_serve_reads_drafter_options_as_their_types():
             drafter_option(text)
 
 
+def test_serve_reads_transformers_serve_options_as_their_types():
+    import argparse
+
+    from hf_domino.serve import serve_option
+
+    assert serve_option("cb_num_blocks=512") == ("cb_num_blocks", 512)
+    assert serve_option("cb_use_cuda_graph=none") == ("cb_use_cuda_graph", None)
+    assert serve_option("trust_remote_code=true") == ("trust_remote_code", True)
+    assert serve_option("attn_implementation=sdpa") == ("attn_implementation", "sdpa")
+    assert serve_option("reasoning=off")[1].value == "off"  # transformers' ReasoningMode
+    for text, says in [
+        ("port=8001", "port is set by hf-domino serve's --port"),
+        ("continuous_batching=true", "set by hf-domino serve's --continuous-batching"),
+        ("bogus=1", "NAME one of attn_implementation"),
+        ("cb_num_blocks=many", "cb_num_blocks takes an integer or none, got 'many'"),
+        ("reasoning=maybe", "reasoning takes one of on, off, auto"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            serve_option(text)
+
+
 @needs_serving
 def test_a_drafter_that_does_not_fit_the_served_target_is_refused_naming_both(tmp_path):
     from hf_domino.serve import Drafting, NotServable
@@ -324,10 +345,10 @@ def test_a_drafter_that_does_not_fit_the_served_target_is_refused_naming_both(tm
 
     from hf_domino.serve import drafting_model_manager
 
-    manager = drafting_model_manager(ModelManager, Drafting(), {"tiny/model": (target, None)})
+    target.save_pretrained(tmp_path)
+    manager = drafting_model_manager(ModelManager, Drafting(), {"tiny/model": str(tmp_path)})(device="cpu")
     with pytest.raises(NotServable, match=says):
-        manager._load_model(object.__new__(manager), "tiny/model@main")  # as transformers loads a pinned model
-    assert hf_domino.attached_drafter(target) is None and not is_prepared_for_cpu_decoding(target)  # refused first
+        manager._load_model("tiny/model@main")  # as transformers loads a pinned model
 
 
 @pytest.mark.parametrize(
@@ -338,8 +359,16 @@ def test_a_drafter_that_does_not_fit_the_served_target_is_refused_naming_both(tm
         (["--drafter-option", "num_speculative_tokens=99"], "from 0 to the drafter's 16 drafts per block"),
         (["--drafter-option", "bogus=1"], "expected NAME=VALUE with NAME one of"),
         (["--drafter", "no/such/folder"], "No drafter checkpoint at no/such/folder"),
+        (["--serve-option", "port=8001"], "port is set by hf-domino serve's --port"),
     ],
-    ids=["rows-without-batching", "options-without-drafter", "option-out-of-range", "unknown-option", "no-drafter"],
+    ids=[
+        "rows-without-batching",
+        "options-without-drafter",
+        "option-out-of-range",
+        "unknown-option",
+        "no-drafter",
+        "serve-option-of-its-own",
+    ],
 )
 def test_hf_domino_serve_refuses_bad_settings_before_loading(args, says):
     run = subprocess.run(
@@ -349,11 +378,23 @@ def test_hf_domino_serve_refuses_bad_settings_before_loading(args, says):
     assert "Traceback" not in run.stderr and not run.stdout  # refused in a line, nothing loaded or printed
 
 
+def transformers_serve_options() -> list[str]:
+    """Options of transformers' own server, as `hf-domino serve` passes them on: from transformers 5.25, two API
+    server processes sharing the model's process."""
+    if is_serve_available() and models_load_in_processes_of_their_own():
+        return ["--serve-option", "api_server_count=2", "--serve-option", "model_timeout=600"]
+    return ["--serve-option", "model_timeout=600"]
+
+
 @needs_serving
 @pytest.mark.parametrize(
     "options",
-    [[], ["--continuous-batching", "--max-requests-per-batch", "2", "--drafter-option", "num_speculative_tokens=4"]],
-    ids=["defaults", "continuous-batching-with-options"],
+    [
+        [],
+        ["--continuous-batching", "--max-requests-per-batch", "2", "--drafter-option", "num_speculative_tokens=4"],
+        transformers_serve_options(),
+    ],
+    ids=["defaults", "continuous-batching-with-options", "transformers-serve-options"],
 )
 def test_hf_domino_serve_runs_as_a_user_runs_it(options, smollm2_answer, tmp_path):
     port = free_port()
@@ -369,8 +410,11 @@ def test_hf_domino_serve_runs_as_a_user_runs_it(options, smollm2_answer, tmp_pat
         assert ask(port, stream=True) == smollm2_answer
         said = (tmp_path / "serve.log").read_text().splitlines()[0]  # what it is, before it loads
         assert said.startswith(f"hf-domino serve: {MODEL} (requests name it so), drafting with the shipped drafter")
-        if options:
+        if "--continuous-batching" in options:
             assert "(num_speculative_tokens=4), continuously batched, 2 requests at a time" in said, said
+        if "api_server_count=2" in options:  # each API server answers what the one model process drafts
+            assert ask(port, stream=False) == smollm2_answer
+            assert (tmp_path / "serve.log").read_text().count("Started server process") == 2
     finally:
         server.terminate()
         server.wait(30)

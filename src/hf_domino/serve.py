@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import enum
 import sys
+import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +27,6 @@ from .assets import (
     drafter_folder,
     hub_id,
     load_drafter,
-    load_target,
     offline_folder,
 )
 from .attached_drafter_domino import attach_drafter, check_options
@@ -35,7 +36,7 @@ from .dense_gguf import patched_attribute
 from .options_domino import DominoOptions
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedModel
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +73,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a Domino option of every drafted call, e.g. num_speculative_tokens=4 or domino_lookup=false (repeat "
         f"for more; names: {', '.join(DominoOptions.names())}; docs/usage.md)",
     )
+    parser.add_argument(
+        "--serve-option",
+        dest="serve_options",
+        type=serve_option,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an option of transformers serve (`transformers serve --help`, dashes as underscores), e.g. "
+        "cb_num_blocks=512, attn_implementation=sdpa or, from transformers 5.25, api_server_count=2 (repeat for more)",
+    )
     parser.add_argument("--host", default="localhost", help="the address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="the port to listen on")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:0, ...")
@@ -96,24 +107,64 @@ class NotServable(ValueError):
 def drafter_option(text: str) -> tuple[str, Any]:
     """argparse type of `--drafter-option NAME=VALUE`: a Domino option's name, and VALUE read as its type (`true` /
     `false`, a number, `none` where it may be unset, a word)."""
-    kinds = {field.name: str(field.type) for field in dataclasses.fields(DominoOptions)}
+    return typed_option(text, typing.get_type_hints(DominoOptions))
+
+
+# transformers serve's options that `hf-domino serve` sets with flags of its own (or, non_blocking, not from a shell)
+OWN_SERVE_OPTIONS = {
+    "force_model": "the model argument",
+    "continuous_batching": "--continuous-batching",
+    "device": "--device",
+    "dtype": "--dtype",
+    "host": "--host",
+    "port": "--port",
+    "log_level": "--log-level",
+    "non_blocking": "serve(..., non_blocking=True) in Python",
+}
+
+
+def serve_option(text: str) -> tuple[str, Any]:
+    """argparse type of `--serve-option NAME=VALUE`: an option of the installed transformers' server
+    (`transformers.cli.serve.Serve`: `transformers serve --name-with-dashes`), VALUE read as its type."""
+    from transformers.cli.serve import Serve
+
+    name = text.partition("=")[0].strip()
+    if name in OWN_SERVE_OPTIONS:
+        raise argparse.ArgumentTypeError(f"{name} is set by hf-domino serve's {OWN_SERVE_OPTIONS[name]}")
+    kinds = {
+        option: typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Annotated else hint
+        for option, hint in typing.get_type_hints(Serve.__init__, include_extras=True).items()
+        if option not in OWN_SERVE_OPTIONS and option != "return"
+    }
+    return typed_option(text, kinds)
+
+
+def typed_option(text: str, kinds: dict[str, Any]) -> tuple[str, Any]:
+    """`NAME=VALUE` with NAME one of `kinds` (`{name: type}`), VALUE read as that type: `true` / `false`, a number, one
+    of an enumeration's values, `none` where the type allows None, else a word."""
     name, equals, value = (part.strip() for part in text.partition("="))
     if name not in kinds or not equals:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME one of {', '.join(kinds)}, got {text!r}")
     kind = kinds[name]
-    if value.lower() == "none" and "None" in kind:
+    optional = type(None) in typing.get_args(kind)
+    if optional:
+        kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+    if optional and value.lower() == "none":
         return name, None
-    readers = {  # by the option's type: how VALUE is read, and what it must be
-        "bool": (lambda word: {"true": True, "false": False}[word.lower()], "true or false"),
-        "int": (int, "an integer"),
-        "float": (float, "a number"),
-    }
-    reader, expected = next((read for prefix, read in readers.items() if kind.startswith(prefix)), (str, "a word"))
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        reader, expected = kind, f"one of {', '.join(str(member.value) for member in kind)}"
+    else:
+        readers = {  # by the option's type: how VALUE is read, and what it must be
+            bool: (lambda word: {"true": True, "false": False}[word.lower()], "true or false"),
+            int: (int, "an integer"),
+            float: (float, "a number"),
+        }
+        reader, expected = readers.get(kind, (str, "a word"))
     try:
         return name, reader(value)
     except (KeyError, ValueError):
         raise argparse.ArgumentTypeError(
-            f"{name} takes {expected}{' or none' if 'None' in kind else ''}, got {value!r}"
+            f"{name} takes {expected}{' or none' if optional else ''}, got {value!r}"
         ) from None
 
 
@@ -199,29 +250,22 @@ class Drafting:
         return target
 
 
-def load_offline(name: str, dtype: str, device: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """An offline target and its tokenizer, on `device` (auto: cuda where there is one)."""
-    import torch
-
-    return load_target(name, dtype=getattr(torch, dtype), device=None if device == "auto" else device)
-
-
-def drafting_model_manager(base: type, drafting: Drafting, preloaded: dict[str, tuple[Any, Any]]) -> type:
+def drafting_model_manager(base: type, drafting: Drafting, folders: dict[str, str]) -> type:
     """transformers < 5.25: a subclass of its serving `ModelManager` that makes every target it loads ready to draft
-    (`drafting`), and serves `preloaded` targets (`{hub id: (model, tokenizer)}`) without loading them."""
+    (`drafting`), and loads the offline targets from their folders (`{Hub id: folder}`) while requests name them by
+    their Hub ids."""
 
-    def preloaded_pair(model_id_and_revision: str) -> tuple[Any, Any] | None:
+    def located(model_id_and_revision: str) -> str:
         # transformers names what it loads `'repo@revision'`
-        return preloaded.get(model_id_and_revision.rpartition("@")[0] or model_id_and_revision)
+        repo, at, revision = model_id_and_revision.partition("@")
+        return f"{folders[repo]}{at}{revision}" if repo in folders else model_id_and_revision
 
     class DraftingModelManager(base):
         def _load_processor(self, model_id_and_revision: str, *args: Any, **kwargs: Any) -> Any:
-            pair = preloaded_pair(model_id_and_revision)
-            return pair[1] if pair else super()._load_processor(model_id_and_revision, *args, **kwargs)
+            return super()._load_processor(located(model_id_and_revision), *args, **kwargs)
 
         def _load_model(self, model_id_and_revision: str, *args: Any, **kwargs: Any) -> PreTrainedModel:
-            pair = preloaded_pair(model_id_and_revision)
-            target = pair[0] if pair else super()._load_model(model_id_and_revision, *args, **kwargs)
+            target = super()._load_model(located(model_id_and_revision), *args, **kwargs)
             return drafting.ready(target, model_id_and_revision)
 
         def get_gen_models(self, cache_dir: str | None = None) -> list[dict]:
@@ -327,21 +371,20 @@ def serve(
     )
     # Serve() imports these from their modules as it is built (and loads the pinned model then), taking none as an
     # argument; two serve() calls starting at once in one process would see each other's.
+    folders = {hub_id(model): str(offline_folder(model))} if model in OFFLINE_TARGETS else {}
     if processes:
         from . import serve_loader
 
         serve_options.pop("non_blocking", None)
-        folders = {hub_id(model): str(offline_folder(model))} if model in OFFLINE_TARGETS else {}
         settings = serve_loader.configured(drafting, folders)
         patches = [
             (model_manager, "ModelLoader", serve_loader.DraftingModelLoader),
             (utils, "GenerationState", serve_loader.BatchRowsGenerationState),
         ]
     else:
-        preloaded = {hub_id(model): load_offline(model, dtype, device)} if model in OFFLINE_TARGETS else {}
         settings = contextlib.nullcontext()
         patches = [
-            (model_manager, "ModelManager", drafting_model_manager(model_manager.ModelManager, drafting, preloaded))
+            (model_manager, "ModelManager", drafting_model_manager(model_manager.ModelManager, drafting, folders))
         ]
         if max_requests_per_batch is not None:
             state = batch_rows_generation_state(utils.GenerationState, max_requests_per_batch)
@@ -374,6 +417,7 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             log_level=args.log_level,
+            **dict(args.serve_options),
         )
     except NotServable as error:
         print(f"hf-domino serve: {error}", file=sys.stderr)
