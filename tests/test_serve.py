@@ -318,7 +318,8 @@ def test_serve_reads_transformers_serve_options_as_their_types():
     for text, says in [
         ("port=8001", "port is set by hf-domino serve's --port"),
         ("continuous_batching=true", "set by hf-domino serve's --continuous-batching"),
-        ("bogus=1", "NAME one of attn_implementation"),
+        ("bogus=1", r"bogus is no option of the server of transformers 5\.\d+\.\d+; its options: attn_implementation"),
+        ("cb_num_blocks", "expected NAME=VALUE"),
         ("cb_num_blocks=many", "cb_num_blocks takes an integer or none, got 'many'"),
         ("reasoning=maybe", "reasoning takes one of on, off, auto"),
     ]:

@@ -126,6 +126,7 @@ OWN_SERVE_OPTIONS = {
 def serve_option(text: str) -> tuple[str, Any]:
     """argparse type of `--serve-option NAME=VALUE`: an option of the installed transformers' server
     (`transformers.cli.serve.Serve`: `transformers serve --name-with-dashes`), VALUE read as its type."""
+    import transformers
     from transformers.cli.serve import Serve
 
     name = text.partition("=")[0].strip()
@@ -136,6 +137,11 @@ def serve_option(text: str) -> tuple[str, Any]:
         for option, hint in typing.get_type_hints(Serve.__init__, include_extras=True).items()
         if option not in OWN_SERVE_OPTIONS and option != "return"
     }
+    if name and name not in kinds:
+        raise argparse.ArgumentTypeError(
+            f"{name} is no option of the server of transformers {transformers.__version__}; its options: "
+            f"{', '.join(kinds)}"
+        )
     return typed_option(text, kinds)
 
 
