@@ -346,10 +346,18 @@ def test_a_drafter_that_does_not_fit_the_served_target_is_refused_naming_both(tm
 
     from hf_domino.serve import drafting_model_manager
 
-    target.save_pretrained(tmp_path)
-    manager = drafting_model_manager(ModelManager, Drafting(), {"tiny/model": str(tmp_path)})(device="cpu")
+    loaded = []
+
+    class Loading(ModelManager):  # transformers' loading, which here hands over the target already built
+        def _load_model(self, model_id_and_revision, *args, **kwargs):
+            loaded.append(model_id_and_revision)
+            return target
+
+    manager = drafting_model_manager(Loading, Drafting(), {"tiny/model": "/folder/of/tiny"})(device="cpu")
     with pytest.raises(NotServable, match=says):
         manager._load_model("tiny/model@main")  # as transformers loads a pinned model
+    assert loaded == ["/folder/of/tiny@main"]  # loaded from its folder, under the revision asked for
+    assert hf_domino.attached_drafter(target) is None and not is_prepared_for_cpu_decoding(target)  # refused first
 
 
 @pytest.mark.parametrize(
