@@ -327,6 +327,16 @@ def test_serve_reads_transformers_serve_options_as_their_types():
             serve_option(text)
 
 
+def test_an_offline_target_is_loaded_from_its_folder_under_the_revision_a_request_names():
+    from hf_domino.serve import located
+
+    folders = {"HuggingFaceTB/SmolLM2-135M-Instruct": "/cache/smollm2"}
+    assert located("HuggingFaceTB/SmolLM2-135M-Instruct", folders) == "/cache/smollm2"
+    assert located("HuggingFaceTB/SmolLM2-135M-Instruct@main", folders) == "/cache/smollm2@main"
+    for other in ["org/model@main", "/tmp/ckpt@1000", "HuggingFaceTB/SmolLM2-135M-Instruct-other@main"]:
+        assert located(other, folders) == other  # transformers reads these as it always does
+
+
 @needs_serving
 def test_a_drafter_that_does_not_fit_the_served_target_is_refused_naming_both(tmp_path):
     from hf_domino.serve import Drafting, NotServable

@@ -256,22 +256,25 @@ class Drafting:
         return target
 
 
+def located(model_id: str, folders: dict[str, str]) -> str:
+    """What transformers serve loads for the model a request names: an offline target's folder (`folders`:
+    `{Hub id: folder}`) in place of its Hub id, the `@revision` after it kept (transformers 5.23 expects one, and
+    every release ignores it for a folder); any other model as named."""
+    repo, at, revision = model_id.partition("@")
+    return f"{folders[repo]}{at}{revision}" if repo in folders else model_id
+
+
 def drafting_model_manager(base: type, drafting: Drafting, folders: dict[str, str]) -> type:
     """transformers < 5.25: a subclass of its serving `ModelManager` that makes every target it loads ready to draft
     (`drafting`), and loads the offline targets from their folders (`{Hub id: folder}`) while requests name them by
     their Hub ids."""
 
-    def located(model_id_and_revision: str) -> str:
-        # transformers names what it loads `'repo@revision'`
-        repo, at, revision = model_id_and_revision.partition("@")
-        return f"{folders[repo]}{at}{revision}" if repo in folders else model_id_and_revision
-
     class DraftingModelManager(base):
         def _load_processor(self, model_id_and_revision: str, *args: Any, **kwargs: Any) -> Any:
-            return super()._load_processor(located(model_id_and_revision), *args, **kwargs)
+            return super()._load_processor(located(model_id_and_revision, folders), *args, **kwargs)
 
         def _load_model(self, model_id_and_revision: str, *args: Any, **kwargs: Any) -> PreTrainedModel:
-            target = super()._load_model(located(model_id_and_revision), *args, **kwargs)
+            target = super()._load_model(located(model_id_and_revision, folders), *args, **kwargs)
             return drafting.ready(target, model_id_and_revision)
 
         def get_gen_models(self, cache_dir: str | None = None) -> list[dict]:

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from transformers.cli.serving.model_manager import ModelLoader
-from transformers.cli.serving.utils import GenerationState, parse_model_id
+from transformers.cli.serving.utils import GenerationState
 
-from .serve import Drafting, with_rows
+from .serve import Drafting, located, with_rows
 
 _CONFIGURATION: tuple[Drafting, dict[str, str]] | None = None
 
@@ -48,20 +48,16 @@ class DraftingModelLoader(ModelLoader):
         super().__init__(**loader_options)
         self.drafting, self.folders = _configuration()
 
-    def _located(self, model_id: str) -> str:
-        repo, _, _ = parse_model_id(model_id)
-        return self.folders.get(repo, model_id)
-
     def load_config(self, model_id: str) -> tuple[Any, Any]:
-        config, generation_config = super().load_config(self._located(model_id))
+        config, generation_config = super().load_config(located(model_id, self.folders))
         self.drafting.check_target_config(model_id, config)
         return config, generation_config
 
     def load_processor(self, model_id: str) -> Any:
-        return super().load_processor(self._located(model_id))
+        return super().load_processor(located(model_id, self.folders))
 
     def _load_model(self, model_id: str, *args: Any, **kwargs: Any) -> Any:
-        return self.drafting.ready(super()._load_model(self._located(model_id), *args, **kwargs), model_id)
+        return self.drafting.ready(super()._load_model(located(model_id, self.folders), *args, **kwargs), model_id)
 
 
 class BatchRowsGenerationState(GenerationState):
