@@ -13,6 +13,7 @@ No drafter is trained for such a target and none installs offline, so acceptance
 
     python examples/recurrent_targets.py                 # Qwen3.5-0.8B's widths, 24 layers: about 2 minutes here
     python examples/recurrent_targets.py --layers 4      # quicker
+    python examples/recurrent_targets.py --layers 4 --context 64 --repeats 1 --threads 1   # the tests' smoke run
     python examples/recurrent_targets.py --prepared      # after prepare_for_cpu_decoding(target, drafter)
     python examples/recurrent_targets.py --family nemotron_h --layers 8   # Nemotron-H-8B's widths, 8 of its layers
     python examples/recurrent_targets.py --device cuda --dtype bfloat16   # a GPU (examples/gpu/stages.sh recurrent)
@@ -133,6 +134,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen3.5-0.8B has 24)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per generate() call")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=256, help="tokens cached under each measured forward")
+    parser.add_argument("--repeats", type=int, default=4, help="timed forwards per figure, after a warm-up")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--prepared", action="store_true", help="prepare_for_cpu_decoding(target, drafter) first")
@@ -153,27 +156,28 @@ def main() -> None:
     drafter = drafter.eval().to(args.device, dtype)
     if args.prepared:
         print(prepare_for_cpu_decoding(target, drafter), "\n")
-    context = torch.randint(0, 1000, (1, 256), device=args.device)
+    context = torch.randint(0, 1000, (1, args.context), device=args.device)
 
-    forward_ms(target, context, 1, verifying=None)  # a warm-up: the first forwards after loading or packing are slower
-    step = forward_ms(target, context, 1, verifying=None)
+    # A warm-up: the first forwards after loading or packing are slower.
+    forward_ms(target, context, 1, None, args.repeats)
+    step = forward_ms(target, context, 1, None, args.repeats)
     print(f"{args.family}, {args.layers} layers, {sum(p.numel() for p in target.parameters()) / 1e6:.0f}M parameters, "
-          f"{args.dtype} on {args.device}, {args.threads} threads, 256 tokens cached"
+          f"{args.dtype} on {args.device}, {args.threads} threads, {args.context} tokens cached"
           f"{', prepared' if args.prepared else ''}\n")  # fmt: skip
     print("| tokens | as drafting verifies, ms | x the step | with the scan's own chunks, ms | x the step |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     print(f"| 1 (the target alone's step) | {step:.1f} | 1.00 | | |")
     for tokens in LENGTHS:
-        drafting, own = (forward_ms(target, context, tokens, verifying=how) for how in ("drafting", "own chunks"))
+        drafting, own = (forward_ms(target, context, tokens, how, args.repeats) for how in ("drafting", "own chunks"))
         print(f"| {tokens} | {drafting:.1f} | {drafting / step:.2f} | {own:.1f} | {own / step:.2f} |")
 
     print("\n| tokens kept of a 17-token verification | states from the scan's inputs, ms | re-read forward, ms |")
     print("| ---: | ---: | ---: |")
     for kept in (1, 4, 16):
-        replay, reread = after_rejection_ms(target, context, kept)
+        replay, reread = after_rejection_ms(target, context, kept, reps=args.repeats)
         print(f"| {kept} | {replay:.1f} | {reread:.1f} |")
 
-    prompt, options = context[:, :64], dict(max_new_tokens=args.new_tokens, do_sample=False)
+    prompt, options = context[:, : min(64, args.context)], dict(max_new_tokens=args.new_tokens, do_sample=False)
     target.generate(prompt, max_new_tokens=2, do_sample=False)  # warm-up
     print("\n| call | target alone, s | with the drafter, s | speedup | drafts verified | identical |")
     print("| ---: | ---: | ---: | ---: | ---: | --- |")

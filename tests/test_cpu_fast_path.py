@@ -516,22 +516,16 @@ def test_real_smollm2_with_the_shipped_drafter_on_the_fast_path():
     from hf_domino.assets import SHIPPED_DRAFTER, encode_chat, load_smollm2
     from hf_domino.prompt_sets import load_mtbench
 
-    torch.set_num_threads(2)
-    try:
-        target, tokenizer = load_smollm2()
-        drafter = hf_domino.DominoForSpeculation.from_pretrained(SHIPPED_DRAFTER).eval()  # fp16, as shipped
-        input_ids = encode_chat(tokenizer, load_mtbench(limit=1)[0])
-        with torch.no_grad():
-            eager_logits = target(input_ids).logits[0, -4:]
-        report = prepare_for_cpu_decoding(target, drafter)
-        assert drafter.dtype == torch.float32 and len(report.prepacked["target"]) == 30 * 7 + 1
-        with torch.no_grad():
-            # Another kernel sums in another order: the same logits up to fp32 rounding, not bit for bit.
-            assert torch.allclose(target(input_ids).logits[0, -4:], eager_logits, atol=2e-3, rtol=0)
-        expected = greedy(target, input_ids, max_new_tokens=32)
-        for options in ({"draft_policy": "fixed", "num_speculative_tokens": 2}, {}):
-            assert torch.equal(
-                greedy(target, input_ids, max_new_tokens=32, assistant_model=drafter, **options), expected
-            )
-    finally:
-        torch.set_num_threads(1)
+    target, tokenizer = load_smollm2()
+    drafter = hf_domino.DominoForSpeculation.from_pretrained(SHIPPED_DRAFTER).eval()  # fp16, as shipped
+    input_ids = encode_chat(tokenizer, load_mtbench(limit=1)[0])
+    with torch.no_grad():
+        eager_logits = target(input_ids).logits[0, -4:]
+    report = prepare_for_cpu_decoding(target, drafter)
+    assert drafter.dtype == torch.float32 and len(report.prepacked["target"]) == 30 * 7 + 1
+    with torch.no_grad():
+        # Another kernel sums in another order: the same logits up to fp32 rounding, not bit for bit.
+        assert torch.allclose(target(input_ids).logits[0, -4:], eager_logits, atol=2e-3, rtol=0)
+    expected = greedy(target, input_ids, max_new_tokens=32)
+    for options in ({"draft_policy": "fixed", "num_speculative_tokens": 2}, {}):
+        assert torch.equal(greedy(target, input_ids, max_new_tokens=32, assistant_model=drafter, **options), expected)

@@ -93,7 +93,8 @@ def localize(code: str, target_dir: Path, cuda: bool) -> str:
 def script_for(document: str, target_dir: Path, cuda: bool) -> tuple[str, list[tuple[int, int]], int]:
     """One script of the document's runnable blocks, the (script line, document line) where each starts, and how
     many blocks were skipped (for want of CUDA or of a later transformers)."""
-    header = "import torch\ntorch.manual_seed(0)\ntorch.set_num_threads(2)\n"
+    # One thread, as the test workers run: two beside another worker's run several times slower.
+    header = "import torch\ntorch.manual_seed(0)\ntorch.set_num_threads(1)\n"
     parts, starts, skipped = [header], [], 0
     line = header.count("\n") + 1
     for block in python_blocks((ROOT / document).read_text()):

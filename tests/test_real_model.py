@@ -297,7 +297,12 @@ def test_the_readme_demo_command_runs_as_a_user_runs_it():
     bin_dir = str(Path(sys.executable).parent)  # this environment's console scripts, as `pip install` put them
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
-        ["bash", "-c", f"{demo} --max-new-tokens 8"], capture_output=True, text=True, timeout=600, env=env
+        # One thread, as the test workers run (the demo's default, every core, beside another worker runs slower).
+        ["bash", "-c", f"{demo} --max-new-tokens 8 --threads 1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Assistant:" in result.stdout and "tokens per target forward" in result.stdout, result.stdout
