@@ -159,8 +159,8 @@ def main() -> None:
     context = torch.randint(0, 1000, (1, args.context), device=args.device)
 
     # A warm-up: the first forwards after loading or packing are slower.
-    forward_ms(target, context, 1, None, args.repeats)
-    step = forward_ms(target, context, 1, None, args.repeats)
+    forward_ms(target, context, 1, verifying=None, reps=args.repeats)
+    step = forward_ms(target, context, 1, verifying=None, reps=args.repeats)
     print(f"{args.family}, {args.layers} layers, {sum(p.numel() for p in target.parameters()) / 1e6:.0f}M parameters, "
           f"{args.dtype} on {args.device}, {args.threads} threads, {args.context} tokens cached"
           f"{', prepared' if args.prepared else ''}\n")  # fmt: skip
@@ -168,7 +168,9 @@ def main() -> None:
     print("| ---: | ---: | ---: | ---: | ---: |")
     print(f"| 1 (the target alone's step) | {step:.1f} | 1.00 | | |")
     for tokens in LENGTHS:
-        drafting, own = (forward_ms(target, context, tokens, how, args.repeats) for how in ("drafting", "own chunks"))
+        drafting, own = (
+            forward_ms(target, context, tokens, verifying=how, reps=args.repeats) for how in ("drafting", "own chunks")
+        )
         print(f"| {tokens} | {drafting:.1f} | {drafting / step:.2f} | {own:.1f} | {own / step:.2f} |")
 
     print("\n| tokens kept of a 17-token verification | states from the scan's inputs, ms | re-read forward, ms |")

@@ -631,20 +631,7 @@ def test_the_cost_example_runs_as_documented_at_a_smaller_depth():
     script = Path(__file__).resolve().parents[1] / "examples" / "recurrent_targets.py"
     done = subprocess.run(
         # One thread, as the test workers run: two threads beside another worker's made it 4-6 times slower.
-        [
-            sys.executable,
-            str(script),
-            "--layers",
-            "4",
-            "--new-tokens",
-            "4",
-            "--context",
-            "64",
-            "--repeats",
-            "1",
-            "--threads",
-            "1",
-        ],
+        [sys.executable, str(script), *"--layers 4 --new-tokens 4 --context 64 --repeats 1 --threads 1".split()],
         capture_output=True,
         text=True,
         timeout=600,
