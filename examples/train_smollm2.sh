@@ -2,7 +2,8 @@
 # Training stage of the at-scale SmolLM2 drafter on the committed regenerated data (data/smollm2-regen/, see
 # examples/regenerate_smollm2.sh). docs/training.md ("The drafter at scale") has the stages the shipped drafter ran.
 #
-# The same command runs on this CPU and on a GPU (bf16 autocast there). Resumable: rerun with the same OUTPUT and it
+# The same command runs on this CPU and on a GPU (bf16 autocast there; on a CPU with AMX,
+# ACCELERATE_MIXED_PRECISION=bf16 halves a step, docs/training.md). Resumable: rerun with the same OUTPUT and it
 # continues from its latest checkpoint, bit for bit; STAGE_MINUTES checkpoints and stops a stage early. The held-out
 # slice of the mix (heldout_ids.safetensors) is the validation set: every checkpoint logs its teacher-forced tau~
 # to OUTPUT/validation.jsonl, which is what picks the drafter to ship, not the training loss.

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -531,6 +532,14 @@ def test_cli_regenerate_then_train_any_causal_lm(model, tokenizer, tmp_path):
                for k in [int(key.rsplit("k", 1)[1])])  # fmt: skip
     with pytest.raises(SystemExit, match=r"--draft-lengths \[5\]: each must be between 1 and the block's 4"):
         cli.main([*evaluation, "--draft-lengths", "5"])
+    # A float16 folder (as drafters ship) drafts in the target's dtype, as it does for a user once prepared.
+    half = tmp_path / "half"
+    DominoForSpeculation.from_pretrained(tmp_path / "a" / "final").half().save_pretrained(half)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        halved = [str(half) if arg == str(tmp_path / "a" / "final") else arg for arg in evaluation]
+        assert cli.main([*halved, "--draft-lengths", "4"]) == 0
+    assert not [w for w in caught if "float16" in str(w.message)]
 
     # A drafter folder that cannot serve --target (another target's, or none) is named before any work.
     from hf_domino import DominoConfig

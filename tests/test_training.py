@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import math
@@ -615,12 +616,20 @@ def test_validation_logs_generate_tau(target, tmp_path):
     )
 
 
-def test_teacher_forced_metrics_match_the_validation_log(target, trained_run, tmp_path):
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_teacher_forced_metrics_match_the_validation_log(target, tmp_path, draft_vocab):
+    """The example that scores a shipped drafter (examples/heldout_teacher_forced.py) gives a run's own figures, over
+    the draft vocabulary too when the run trained over it."""
     from hf_domino.training import teacher_forced_metrics
 
-    config = TrainConfig(total_steps=10, batch_size=2, num_anchors=4, learning_rate=1e-2, save_every=10)
+    config = TrainConfig(
+        total_steps=10, batch_size=2, num_anchors=4, learning_rate=1e-2, save_every=10, draft_vocab=draft_vocab
+    )
     held_out = toy_examples(count=10)[8:]
-    drafter = train(tiny_drafter(target), target, toy_examples(), config, tmp_path, validation_examples=held_out)
+    drafter = tiny_drafter(target)
+    if draft_vocab:
+        drafter.set_draft_vocab(DRAFT_VOCAB)
+    drafter = train(drafter, target, toy_examples(), config, tmp_path, validation_examples=held_out)
     logged = read_log(tmp_path / "validation.jsonl")[-1]
     drafter.eval()
     metrics = teacher_forced_metrics(drafter, target, held_out, config)
@@ -628,6 +637,9 @@ def test_teacher_forced_metrics_match_the_validation_log(target, trained_run, tm
     for key in ("base_loss", "final_loss", "train_tau"):
         assert metrics[key] == pytest.approx(logged[key], rel=1e-5), key
     assert metrics["final_acc"] == logged["final_acc"]
+    if draft_vocab:  # the toy labels outside it make the two scores differ
+        whole = teacher_forced_metrics(drafter, target, held_out, dataclasses.replace(config, draft_vocab=False))
+        assert whole["final_loss"] != pytest.approx(logged["final_loss"], rel=1e-3)
 
 
 # ---------------------------------------------------------------------------------------------------- distillation

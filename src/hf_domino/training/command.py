@@ -360,7 +360,8 @@ def _run_eval(args: argparse.Namespace, target_model: PreTrainedModel, tokenizer
     """`--eval-only`: acceptance lengths of `--drafter` per prompt set, head on and/or off, optionally as json."""
     if args.drafter is None:
         raise SystemExit("--eval-only needs --drafter.")
-    drafter = _drafter_for(args.drafter, "--drafter", target_model).eval()
+    # In the target's dtype, as drafting runs once prepared (a float16 folder would otherwise draft in float16).
+    drafter = _drafter_for(args.drafter, "--drafter", target_model, dtype=target_model.dtype).eval()
     heads = {"on": [True], "off": [False], "both": [True, False]}[args.head]
     if not drafter.config.has_domino_head:
         heads = [False]

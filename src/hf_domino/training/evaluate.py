@@ -26,7 +26,7 @@ from ..acceptance import generate_with_acceptance, mean_acceptance_length
 from ..modeling_domino import DominoForSpeculation, TargetModules
 from ..prompt_sets import Messages
 from .data import Example, target_context_features
-from .loop import TrainConfig, held_out_window, metrics_record
+from .loop import TrainConfig, held_out_window, metrics_record, scored_vocab
 from .loss import DominoTrainingModule
 
 if TYPE_CHECKING:
@@ -45,7 +45,9 @@ def teacher_forced_metrics(
     """Losses (at lam = 0), per-position accuracies and teacher-forced tau of `drafter` on `examples`.
 
     The numbers `--validation-examples` logs, for any drafter and any regenerated examples (e.g. held-out prompts):
-    anchors are fixed per example (`config.seed`, `config.num_anchors`), target features are computed in-process.
+    anchors are fixed per example (`config.seed`, `config.num_anchors`), target features are computed in-process,
+    and drafts are scored over the drafter's draft vocabulary with `config.draft_vocab`, as a run trained with it
+    validates.
     With `config.generate_tau`, also `generate_tau`: on the target's own greedy answers, the acceptance greedy
     `generate()` with whole blocks has on their prompts (`DominoTrainingModule.generate_blocks`).
     """
@@ -53,7 +55,8 @@ def teacher_forced_metrics(
 
     accelerator = Accelerator(cpu=drafter.device.type == "cpu")
     config = config or TrainConfig()
-    module = DominoTrainingModule(drafter, TargetModules.from_target(target_model)).train(drafter.training)
+    vocab = scored_vocab(drafter, config)
+    module = DominoTrainingModule(drafter, TargetModules.from_target(target_model), vocab).train(drafter.training)
     window = held_out_window(accelerator, module, target_model, examples, config, 0.0, pad_token_id)
     record = metrics_record(accelerator, window, 0, 0.0, 0.0, 0.0, time.perf_counter())
     keys = (*TEACHER_FORCED_KEYS, "generate_tau") if config.generate_tau else TEACHER_FORCED_KEYS

@@ -258,6 +258,18 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> int:
 
 
 # ============================================================================================================ train
+def scored_vocab(drafter: DominoForSpeculation, config: TrainConfig) -> torch.Tensor | None:
+    """The columns drafts are trained and scored over: the drafter's draft vocabulary with `config.draft_vocab`."""
+    if not config.draft_vocab:
+        return None
+    if drafter.draft_vocab is None:
+        raise ValueError(
+            "TrainConfig(draft_vocab=True) trains over the drafter's draft vocabulary, but it has none: give it one "
+            "with drafter.set_draft_vocab(...) (`hf-domino train --draft-vocab FILE`)."
+        )
+    return drafter.draft_vocab
+
+
 def default_accelerator() -> Accelerator:
     """accelerate's own settings where they are given (`accelerate launch`, `ACCELERATE_USE_CPU`,
     `ACCELERATE_MIXED_PRECISION`); else the GPU under bf16 autocast when there is one, the CPU in fp32 otherwise."""
@@ -296,11 +308,7 @@ def train(
 
     Runs where `accelerator` (default: `default_accelerator()`) puts it; `target_model` and `drafter` move there.
     """
-    if config.draft_vocab and drafter.draft_vocab is None:
-        raise ValueError(
-            "TrainConfig(draft_vocab=True) trains over the drafter's draft vocabulary, but it has none: give it one "
-            "with drafter.set_draft_vocab(...) (`hf-domino train --draft-vocab FILE`)."
-        )
+    scored_vocab(drafter, config)  # refuses a missing draft vocabulary before anything is written
     accelerator = accelerator or default_accelerator()
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -320,7 +328,7 @@ def train(
         weight_decay=config.weight_decay,
     )
     scheduler = cosine_schedule(optimizer, config.total_steps, config.warmup_ratio)
-    vocab = drafter.draft_vocab if config.draft_vocab else None
+    vocab = scored_vocab(drafter, config)  # where the drafter now is
     module = DominoTrainingModule(drafter, TargetModules.from_target(target_model), vocab)
     module, optimizer = accelerator.prepare(module, optimizer)
     # The scheduler stays unprepared (accelerate's wrapper steps it once per process, which breaks the schedule);
