@@ -338,6 +338,20 @@ def test_an_offline_target_is_loaded_from_its_folder_under_the_revision_a_reques
 
 
 @needs_serving
+def test_a_second_server_while_one_holds_the_process_is_refused_naming_the_fix(capsys):
+    """serve() patches transformers serve's modules for its drafter while its server is built (and, on 5.25, runs):
+    a second serve() from another thread then would serve with the first one's drafter."""
+    from hf_domino.serve import NotServable, serve, serving_alone
+
+    with serving_alone():  # what a first serve() holds until it returns
+        with pytest.raises(NotServable, match="another serve\\(\\) of this process .* in a process of its own"):
+            serve(cpu_fast_path=False, port=free_port())
+    assert "http://" not in capsys.readouterr().out  # no banner for a server that never starts
+    with serving_alone():  # and gives back, refused or not
+        pass
+
+
+@needs_serving
 def test_a_drafter_that_does_not_fit_the_served_target_is_refused_naming_both(tmp_path):
     from hf_domino.serve import Drafting, NotServable
 

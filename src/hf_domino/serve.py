@@ -17,8 +17,9 @@ import contextlib
 import dataclasses
 import enum
 import sys
+import threading
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .assets import (
@@ -370,16 +371,11 @@ def serve(
             f"non_blocking: the server of transformers {transformers.__version__} runs until it stops; run serve() in "
             "a process of its own (multiprocessing), or `hf-domino serve` in a shell."
         )
-    address = f"http://{serve_options.get('host', 'localhost')}:{serve_options.get('port', 8000)}/v1"
-    print(
-        banner(model, drafter, drafter_options, attach, continuous_batching, max_requests_per_batch, address),
-        flush=True,
-    )
     drafting = Drafting(
         drafter, dict(drafter_options or {}), attach, cpu_fast_path, continuous_batching, max_requests_per_batch
     )
     # Serve() imports these from their modules as it is built (and loads the pinned model then), taking none as an
-    # argument; two serve() calls starting at once in one process would see each other's.
+    # argument: they hold for one server at a time in a process (`_SERVING`).
     folders = {hub_id(model): str(offline_folder(model))} if model in OFFLINE_TARGETS else {}
     if processes:
         from . import serve_loader
@@ -399,9 +395,15 @@ def serve(
             state = batch_rows_generation_state(utils.GenerationState, max_requests_per_batch)
             patches.append((utils, "GenerationState", state))
     with contextlib.ExitStack() as patched:
+        patched.enter_context(serving_alone())
         patched.enter_context(settings)
         for owner, name, value in patches:
             patched.enter_context(patched_attribute(owner, name, value))
+        address = f"http://{serve_options.get('host', 'localhost')}:{serve_options.get('port', 8000)}/v1"
+        print(
+            banner(model, drafter, drafter_options, attach, continuous_batching, max_requests_per_batch, address),
+            flush=True,
+        )
         return transformers_serve.Serve(
             force_model=hub_id(model),
             continuous_batching=continuous_batching,
@@ -409,6 +411,25 @@ def serve(
             dtype=dtype,
             **serve_options,
         )
+
+
+_SERVING = threading.Lock()
+
+
+@contextlib.contextmanager
+def serving_alone() -> Iterator[None]:
+    """Holds the process's serving patches for one `serve()` call, from building its server until it returns; a
+    second call meanwhile (another thread) would serve with the first one's drafter, so it is refused."""
+    if not _SERVING.acquire(blocking=False):
+        raise NotServable(
+            "another serve() of this process is building or running its server, and the two would share one "
+            "drafter's settings: start the second once the first has returned (with non_blocking=True it returns "
+            "once it serves, on transformers < 5.25), or run each in a process of its own."
+        )
+    try:
+        yield
+    finally:
+        _SERVING.release()
 
 
 def run(args: argparse.Namespace) -> int:
