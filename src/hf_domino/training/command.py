@@ -166,7 +166,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     evaluation = parser.add_argument_group("evaluation")
     evaluation.add_argument("--eval-only", action="store_true", help="Measure acceptance lengths of --drafter.")
-    evaluation.add_argument("--drafter", type=Path, help="Drafter folder to evaluate.")
+    evaluation.add_argument(
+        "--drafter", type=Path, help="Drafter folder to evaluate (loaded in the target's dtype, as it drafts)."
+    )
     evaluation.add_argument(
         "--eval-prompts",
         nargs="+",
