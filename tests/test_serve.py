@@ -343,9 +343,11 @@ def test_a_second_server_while_one_holds_the_process_is_refused_naming_the_fix(c
     a second serve() from another thread then would serve with the first one's drafter."""
     from hf_domino.serve import NotServable, serve, serving_alone
 
+    # Before 5.25, non_blocking: were the guard gone, the call would return a server (and fail here), not serve on.
+    returning = {} if models_load_in_processes_of_their_own() else {"non_blocking": True}
     with serving_alone():  # what a first serve() holds until it returns
         with pytest.raises(NotServable, match="another serve\\(\\) of this process .* in a process of its own"):
-            serve(cpu_fast_path=False, port=free_port())
+            serve(cpu_fast_path=False, port=free_port(), **returning)
     assert "http://" not in capsys.readouterr().out  # no banner for a server that never starts
     with serving_alone():  # and gives back, refused or not
         pass
