@@ -22,7 +22,8 @@
 #                 narrower than the target's starts fresh (only same-shape weights are copied)
 #   BATCH_SIZE    sequences per step (default 16); NUM_ANCHORS blocks per sequence (default 32)
 #   ANCHOR_CHAIN=1  draw anchors among generate()'s own blocks over each answer, not uniformly (docs/training.md,
-#                 "Where blocks start"); GENERATE_TAU=1 also logs generate()'s acceptance on the held-out answers
+#                 "Where blocks start"; 100 steps of it on a CPU gained no more than random anchors, at 3.5x a step);
+#                 GENERATE_TAU=1 also logs generate()'s acceptance on the held-out answers
 #   SAVE_EVERY    steps between checkpoints and validations (default 500); STAGE_MINUTES; THREADS (default 2)
 # Extra arguments go to `hf-domino train` as they are.
 set -euo pipefail
