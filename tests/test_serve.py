@@ -350,7 +350,7 @@ def test_a_second_server_while_one_holds_the_process_is_refused_naming_the_fix(c
     def second_server() -> None:
         try:
             serve(cpu_fast_path=False, port=free_port())
-        except Exception as error:  # noqa: BLE001 - whatever it raised is checked below
+        except Exception as error:  # whatever it raised is checked below
             outcome.append(error)
 
     # From another thread, as the guard's case: were the guard gone, this serve() would serve on (it blocks), and the
