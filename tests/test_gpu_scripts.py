@@ -171,11 +171,19 @@ def test_the_laps_behind_the_slow_state_section_come_from_the_committed_records(
     }
 
 
-def test_cycle_ops_counts_what_a_drafting_cycle_dispatches_beyond_a_plain_step():
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_cycle_ops_counts_what_a_drafting_cycle_dispatches_beyond_a_plain_step(batch_size):
     # examples/cycle_ops.py, as docs/fast_path.md runs it but at toy widths: the GPU's host cost, counted on a CPU.
     command = [sys.executable, "examples/cycle_ops.py", "--tiny", "--new-tokens", "6", "--top", "5"]
+    command += ["--batch-size", str(batch_size)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     step, cycle = map(int, re.search(r"ops per plain step (\d+), per drafting cycle (\d+)", result.stdout).groups())
     assert 1000 < step < cycle, result.stdout  # 30 layers of a dozen or more ops each, and a cycle drafts too
     assert "(repeat_kv)" in result.stdout, "a verification's masked attention copies its key/value heads"
+    kinds = re.search(r"a plain step: (\d+) kernels, (\d+) views, (\d+) allocations, (\d+) syncs", result.stdout)
+    assert sum(map(int, kinds.groups())) == step, result.stdout  # every op has one kind
+    ours = re.search(r"ops per plain step of our batched loop (\d+)", result.stdout)
+    assert (ours is not None) == (batch_size > 1), result.stdout
+    if ours:  # the same forwards, plus our loop's bookkeeping (the cache's masks, per-row stops)
+        assert int(ours.group(1)) > step, result.stdout
