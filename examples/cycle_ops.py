@@ -119,10 +119,9 @@ def left_padded_prompts(batch_size: int, vocab_size: int, pad_token_id: int) -> 
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
-def per_forward(calls: tuple[OpCounter, int], once: tuple[OpCounter, int]) -> tuple[collections.Counter, float]:
-    """The sites of a call's forwards after the prefill (a one-token call's ops left out), and their mean op count."""
-    sites, forwards = calls[0].sites - once[0].sites, calls[1] - once[1]
-    return sites, sites.total() / forwards
+def after_prefill(calls: tuple[OpCounter, int], once: tuple[OpCounter, int]) -> tuple[collections.Counter, int]:
+    """The sites of a call's forwards after the prefill (a one-token call's ops left out), and how many there were."""
+    return calls[0].sites - once[0].sites, calls[1] - once[1]
 
 
 def extra_sites(cycle: collections.Counter, cycles: int, step: collections.Counter, steps: int) -> collections.Counter:
@@ -166,19 +165,20 @@ def main() -> None:
         # A call of one new token is the prefill and the call's setup: what every call pays once, left out below.
         once = {name: count_ops(call, 1, target) for name, call in calls.items()}
         counted = {name: count_ops(call, args.new_tokens, target) for name, call in calls.items()}
-    per = {name: per_forward(counted[name], once[name]) for name in calls}
-    (step_sites, per_step), (cycle_sites, per_cycle) = per["plain"], per["drafted"]
-    steps, cycles = counted["plain"][1] - once["plain"][1], counted["drafted"][1] - once["drafted"][1]
+    runs = {name: after_prefill(counted[name], once[name]) for name in calls}
+    (step_sites, steps), (cycle_sites, cycles) = runs["plain"], runs["drafted"]
+    per_step, per_cycle = step_sites.total() / steps, cycle_sites.total() / cycles
     print(f"torch {torch.__version__}; {args.batch_size} row(s), {args.new_tokens} new tokens: {steps} plain steps or "
           f"{cycles} drafting cycles")  # fmt: skip
     print(f"once per call: {once['plain'][0].sites.total()} ops without the drafter, "
           f"{once['drafted'][0].sites.total()} with it")  # fmt: skip
     print(f"ops per plain step {per_step:.0f}, per drafting cycle {per_cycle:.0f} ({per_cycle / per_step:.2f}x)")
     print(f"  a plain step: {by_kind(step_sites, steps)}; a drafting cycle: {by_kind(cycle_sites, cycles)}")
-    if "ours, plain" in per:
-        ours = per["ours, plain"][1]
+    if "ours, plain" in runs:
+        ours_sites, ours_steps = runs["ours, plain"]
+        ours = ours_sites.total() / ours_steps
         print(f"ops per plain step of our batched loop {ours:.0f} ({ours / per_step:.2f}x transformers'): "
-              f"{by_kind(per['ours, plain'][0], counted['ours, plain'][1] - once['ours, plain'][1])}")  # fmt: skip
+              f"{by_kind(ours_sites, ours_steps)}")  # fmt: skip
     print("\n| ops per cycle beyond a plain step's | kind | issued at |\n| ---: | --- | --- |")
     for (name, key), value in extra_sites(cycle_sites, cycles, step_sites, steps).most_common(args.top):
         print(f"| {value:.1f} | {name} | `{key}` |")
