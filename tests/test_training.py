@@ -321,15 +321,31 @@ def test_training_reduces_both_losses(target, trained_run):
     assert len(records[-1]["final_acc"]) == BLOCK and records[-1]["base_loss"] < records[0]["base_loss"]
 
 
-def test_resume_continues_bit_for_bit(target, tmp_path):
-    config = TrainConfig(total_steps=4, batch_size=2, num_anchors=3, learning_rate=1e-2, save_every=100)
-    straight = train(tiny_drafter(target), target, toy_examples(), config, tmp_path / "straight")
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_resume_continues_bit_for_bit(target, tmp_path, draft_vocab):
+    """A stage stopped after every step ends where one straight run ends. With a draft vocabulary (its file sits
+    beside the weights in each checkpoint) and validation at every stop, as the CPU stages of docs/training.md run."""
+
+    def drafter(seed: int = 0) -> DominoForSpeculation:
+        model = tiny_drafter(target, seed=seed)
+        if draft_vocab:
+            model.set_draft_vocab(DRAFT_VOCAB)
+        return model
+
+    config = TrainConfig(
+        total_steps=4, batch_size=2, num_anchors=3, learning_rate=1e-2, save_every=100, draft_vocab=draft_vocab
+    )
+    examples, held_out = toy_examples(10)[:8], toy_examples(10)[8:] if draft_vocab else ()
+    straight = train(drafter(), target, examples, config, tmp_path / "straight", validation_examples=held_out)
 
     staged_config = TrainConfig(**{**config.__dict__, "stop_after_seconds": 0.0})  # stop after every step
     for stage in range(4):
         # Later stages start from another init: the checkpoint must overwrite it.
-        fresh = tiny_drafter(target, seed=stage)
-        staged = train(fresh, target, toy_examples(), staged_config, tmp_path / "staged")
+        staged = train(
+            drafter(seed=stage), target, examples, staged_config, tmp_path / "staged", validation_examples=held_out
+        )
+    if draft_vocab:  # a validation record at every stop, each where the straight run would have scored
+        assert [record["step"] for record in read_log(tmp_path / "staged" / "validation.jsonl")] == [1, 2, 3, 4]
     assert sorted(p.name for p in (tmp_path / "staged").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
     for (name, a), (_, b) in zip(straight.state_dict().items(), staged.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

@@ -243,7 +243,8 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> int:
 
     def load_drafter(models: list[nn.Module], directory: str) -> None:
         weights = {}
-        for file in sorted(Path(directory).glob("*.safetensors")):
+        # model.safetensors or its shards only: a drafter folder also holds draft_vocab/draft_datastore files.
+        for file in sorted(Path(directory).glob("model*.safetensors")):
             weights.update(load_file(file))
         for model in models:
             accelerator.unwrap_model(model).drafter.load_state_dict(weights, strict=True)
@@ -408,6 +409,9 @@ def train(
             _append_record(accelerator, output_dir / LOG_FILE, record, _console_line(record))
         out_of_time = _agree(accelerator, config.stop_after_seconds, time.perf_counter() - start_time)
         if step % config.save_every == 0 or step == config.total_steps or out_of_time:
+            # Saved before validating: a stage cut short during the (minutes-long) validation keeps its steps.
+            # Validation draws its anchors from its own seeded generators, so the order leaves resumption exact.
+            save_checkpoint(accelerator, module, output_dir, step, config)
             if validation_examples:
                 held_out = held_out_window(
                     accelerator, module, target_model, validation_examples, config, lam, pad_token_id
@@ -419,7 +423,6 @@ def train(
                 if "generate_tau" in record:
                     line += f" | generate() tau {record['generate_tau']:.2f}"
                 _append_record(accelerator, output_dir / VALIDATION_LOG_FILE, record, line)
-            save_checkpoint(accelerator, module, output_dir, step, config)
         if out_of_time and step < config.total_steps:
             accelerator.print(f"Stopping at step {step} after {config.stop_after_seconds:.0f}s; rerun to resume.")
             break
