@@ -165,8 +165,8 @@ def test_ragged_drafter_context_matches_one_row_at_a_time(layers):
     batched = BatchedDrafterContext.empty(3, drafter.device)
     single = [DrafterContext() for _ in range(3)]
     for cycle in range(len(appends)):
-        counts = torch.tensor([appends[cycle][row] for row in range(3)])
-        features = torch.randn(3, int(counts.max()), size)
+        counts = [appends[cycle][row] for row in range(3)]
+        features = torch.randn(3, max(counts), size)
         batched.append(features, counts)
         for row in range(3):
             if counts[row]:

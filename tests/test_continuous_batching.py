@@ -130,7 +130,7 @@ def test_a_joining_rows_drafter_context_gives_what_it_gives_alone(layers):
             batched.add_rows([prompt])
             single[2].append(prompt[None])
         features = torch.randn(rows, max(counts), size)
-        batched.append(features, torch.tensor(counts))
+        batched.append(features, counts)
         for row, count in enumerate(counts):
             if count:
                 single[row].append(features[row : row + 1, :count])

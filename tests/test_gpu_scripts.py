@@ -187,3 +187,6 @@ def test_cycle_ops_counts_what_a_drafting_cycle_dispatches_beyond_a_plain_step(b
     assert (ours is not None) == (batch_size > 1), result.stdout
     if ours:  # the same forwards, plus our loop's bookkeeping (the cache's masks, per-row stops)
         assert int(ours.group(1)) > step, result.stdout
+        # A GPU waits at each read back: our plain step reads its tokens and its stopping criteria once for all rows.
+        syncs = re.search(r"of our batched loop \d+ .*?, (\d+) syncs", result.stdout)
+        assert int(syncs.group(1)) <= 2, result.stdout

@@ -136,7 +136,8 @@ class BatchedDecoding:
         self.do_sample, self.max_length = bool(generation_config.do_sample), generation_config.max_length
         pad = generation_config._pad_token_tensor  # None: a server's call with neither pad nor EOS token
         self.pad = 0 if pad is None else int(pad.flatten()[0])
-        self.eos = generation_config._eos_token_tensor
+        eos = generation_config._eos_token_tensor
+        self.eos_ids = set() if eos is None else set(eos.flatten().tolist())
         rows, self.prompt_length = input_ids.shape
         # Per row: where its prompt ends and the length it may reach. A batch from generate() shares both; rows a
         # server admits later (`admit`) bring their own.
@@ -201,25 +202,32 @@ class BatchedDecoding:
         return process_rows(processors, [self.sequences[row] for row in rows], logits, extra)
 
     def extend(
-        self, row: int, tokens: torch.LongTensor, scores: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> bool:
-        """Appends tokens to a row, cut at EOS and max_length as the target alone would; True when the row is done.
+        self, rows: list[int], tokens: list[torch.LongTensor], scores: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> list[bool]:
+        """Appends `tokens[i]` to row `rows[i]`, cut at EOS and max_length as the target alone would; per row, whether
+        it is done.
 
-        `scores` are the processed and raw logits each token was picked from (`[len(tokens), V]` each), kept for the
-        tokens appended; passed only where the call returns them (`token_scores`).
+        `scores` are the processed and raw logits the tokens were picked from (`[rows, n, V]` each), kept for the
+        tokens appended; passed only where the call returns them (`token_scores`). The tokens, then the stopping
+        criteria's answers, are read back once for all rows: on a GPU every read waits for the device.
         """
-        sequence, max_length = self.sequences[row], self.max_lengths[row]
-        tokens = tokens[: max_length - sequence.shape[0]].to(sequence.device)
-        hit_eos = False
-        if self.eos is not None:
-            hits = torch.isin(tokens, self.eos.to(tokens.device)).nonzero()
-            if hits.numel():
-                tokens, hit_eos = tokens[: int(hits[0]) + 1], True
-        if scores is not None:
-            self.token_scores.add(row, *(each[: tokens.shape[0]] for each in scores))
-        sequence = self.sequences[row] = torch.cat([sequence, tokens])
-        done = hit_eos or sequence.shape[0] >= max_length
-        return done or bool(self.stopping_criteria[row](sequence[None], None).any())
+        values, start, done = torch.cat(tokens).tolist(), 0, []
+        for i, (row, row_tokens) in enumerate(zip(rows, tokens)):
+            sequence = self.sequences[row]
+            kept = values[start : start + row_tokens.shape[0]][: self.max_lengths[row] - sequence.shape[0]]
+            start += row_tokens.shape[0]
+            ends = [at for at, token in enumerate(kept) if token in self.eos_ids]
+            kept = kept[: ends[0] + 1] if ends else kept
+            if scores is not None:
+                self.token_scores.add(row, *(each[i, : len(kept)] for each in scores))
+            sequence = self.sequences[row] = torch.cat([sequence, row_tokens[: len(kept)].to(sequence.device)])
+            done.append(bool(ends) or sequence.shape[0] >= self.max_lengths[row])
+        asked = [i for i, finished in enumerate(done) if not finished]
+        if asked:
+            answers = [self.stopping_criteria[rows[i]](self.sequences[rows[i]][None], None).any() for i in asked]
+            for i, answer in zip(asked, torch.stack(answers).tolist()):
+                done[i] = answer
+        return done
 
     def retire(self, finished: list[bool]) -> None:
         """Finished rows leave the batch and both caches."""
@@ -291,10 +299,7 @@ class BatchedDecoding:
         check_context_features(features, drafter.config)
         contexts = [features[i, new[i]].to(drafter.device, drafter.dtype) for i in range(len(rows))]
         keep = self.token_scores is not None
-        finished = [
-            self.extend(row, first[i : i + 1], (processed[i], logits[i]) if keep else None)
-            for i, row in enumerate(rows)
-        ]
+        finished = self.extend(rows, list(first[:, None]), (processed, logits) if keep else None)
         return contexts, finished
 
     def admit(
@@ -365,7 +370,7 @@ class BatchedDecoding:
 
     def verify(
         self, anchors: torch.LongTensor, cycle: CycleDrafts
-    ) -> tuple[list[torch.LongTensor], torch.LongTensor, tuple[torch.Tensor, torch.Tensor], torch.LongTensor]:
+    ) -> tuple[list[torch.LongTensor], list[int], tuple[torch.Tensor, torch.Tensor], list[int]]:
         """One target forward over every row's `[anchor, drafts]` (or tree); per row, the tokens it adds and drafts
         matched, the processed and raw logits `[rows, 1 + width, V]` its tokens were picked from (the first ones),
         and the drafts it offered (in a tree: along the branch the target's first token chose).
@@ -402,13 +407,13 @@ class BatchedDecoding:
         tokens, matches = accept_rows(processed, candidates, lengths, cycle.draft_logits(), self.do_sample, copied,
                                       first)  # fmt: skip
         if path is None:
-            self.target_cache.keep_appended(1 + matches)
+            self.target_cache.keep_appended([1 + n for n in matches])
         else:  # the anchor and the chosen branch's accepted drafts
-            kept = torch.arange(path.shape[1], device=device)[None] <= matches[:, None]
+            kept = torch.arange(path.shape[1], device=device)[None] <= torch.tensor(matches, device=device)[:, None]
             keep = torch.zeros(path.shape[0], self.target_cache.last_width, dtype=torch.bool, device=device)
             self.target_cache.keep_columns(keep.scatter_(1, path, kept))
-        self.context.append(features, (1 + matches).to(self.drafter.device))
-        return tokens, matches, (processed, logits), lengths
+        self.context.append(features, [1 + n for n in matches])
+        return tokens, matches, (processed, logits), cycle.verified()
 
     def forward_tree(
         self, anchors: torch.LongTensor, cycle: CycleDrafts
@@ -466,21 +471,17 @@ class BatchedDecoding:
         verify_seconds = self.now() - verify_start
         if self.stats.timings is not None and drafts.drafts is not None:
             self.stats.timings.setdefault("verify", []).append(verify_seconds)
-        self.learn(drafts, matches.tolist(), verified_lengths.tolist(), verify_seconds)
+        self.learn(drafts, matches, verified_lengths, verify_seconds)
         for i, found in declined.items():  # judged against what the row generated instead
             offered, accepted = judge_copy(found, tokens[i])
             sources[i].observe(verified=offered, accepted=accepted)
-        self.stats.acceptance_lengths.extend((1 + matches).tolist())
+        self.stats.acceptance_lengths.extend(1 + n for n in matches)
         if self.branches > 1:  # a block, or a plain step, goes on along the first branch
             self.stats.branches.extend(drafts.taken or [0] * len(self.active))
-        self.stats.drafted.extend(verified_lengths.tolist())
+        self.stats.drafted.extend(verified_lengths)
         self.stats.copied.extend(drafts.copied(len(self.active), self.drafting.lookup_policy))
         self.stats.retrieved.extend(drafts.copied(len(self.active), self.drafting.datastore_policy))
-        keep = self.token_scores is not None
-        finished = [
-            self.extend(row, tokens[i], (scores[0][i], scores[1][i]) if keep else None)
-            for i, row in enumerate(self.active)
-        ]
+        finished = self.extend(self.active, tokens, scores if self.token_scores is not None else None)
         end = self.now()
         self.time_cycle(len(self.active), end - start, end - verify_start, drafts)
         return finished

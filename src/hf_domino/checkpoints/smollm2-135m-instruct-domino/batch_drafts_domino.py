@@ -60,10 +60,16 @@ class CycleDrafts:
         return cls(None, torch.zeros(rows, dtype=torch.long), {"drafted": False})
 
     def offered(self) -> torch.LongTensor:
-        """`[rows, branches]`: the drafts each row offers in each branch (a block: one column)."""
+        """`[rows, branches]`: the drafts each row offers in each branch (a block: one column). On the host."""
         if self.branches is None:
             return self.lengths[:, None]
         return torch.cat([self.lengths[:, None], self.branch_lengths], dim=1)
+
+    def verified(self) -> list[int]:
+        """Per row, the drafts its verification offered: its block's, in a tree the branch it went on along."""
+        if self.drafts is None and not self.copies:  # a plain step
+            return [0] * len(self.lengths)
+        return [row[taken] for row, taken in zip(self.offered().tolist(), self.taken or [0] * len(self.lengths))]
 
     @property
     def width(self) -> int:

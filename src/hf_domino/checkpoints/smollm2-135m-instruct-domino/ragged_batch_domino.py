@@ -56,12 +56,12 @@ class BatchedDrafterContext:
             known=torch.zeros(rows, dtype=torch.long, device=device),
         )
 
-    def append(self, features: torch.Tensor, counts: torch.LongTensor) -> None:
+    def append(self, features: torch.Tensor, counts: list[int]) -> None:
         """Row b's next `counts[b]` verified tokens have target features `features[b, :counts[b]]`."""
         features = features.to(self.known.device)
-        for row, count in enumerate(counts.tolist()):
+        for row, count in enumerate(counts):
             self.pending[row].append(features[row, :count])
-        self.known += counts.to(self.known.device)
+        self.known += torch.tensor(counts, device=self.known.device)
 
     def add_rows(self, contexts: list[torch.Tensor]) -> None:
         """Rows joining the batch (`BatchedDecoding.admit`), each with its prompt's features `[p, context_size]`
@@ -353,8 +353,9 @@ def accept_rows(
     do_sample: bool,
     copied: list[bool],
     first: torch.LongTensor | None = None,
-) -> tuple[list[torch.LongTensor], torch.LongTensor]:
-    """Per row: the tokens a verification adds (accepted drafts + the target's own) and how many drafts matched.
+) -> tuple[list[torch.LongTensor], list[int]]:
+    """Per row: the tokens a verification adds (accepted drafts + the target's own) and how many drafts matched (read
+    back once: everything after the verification counts on the host).
 
     Greedy: the longest prefix equal to the target's argmax. Sampling: transformers' `_speculative_sampling` on the
     row, with the exact processed logits each draft was drawn from, which keeps the target's distribution. Copied
@@ -367,11 +368,14 @@ def accept_rows(
     first token is the target's own draw, and each later draft was drawn by the drafter after it, so the law is kept.
     """
     width = candidates.shape[1]
+    if width == 0 and first is None:  # a plain step: each row's own token, nothing to read back
+        picked = pick_tokens(processed[:, 0], do_sample)
+        return list(picked[:, None]), [0] * len(picked)
     if not do_sample:
         selected = processed.argmax(dim=-1)
         offered = torch.arange(width, device=lengths.device)[None] < lengths[:, None]
-        matches = ((candidates == selected[:, :width]) & offered).long().cumprod(dim=-1).sum(dim=-1)
-        return [selected[row, : n + 1] for row, n in enumerate(matches.tolist())], matches
+        matches = ((candidates == selected[:, :width]) & offered).long().cumprod(dim=-1).sum(dim=-1).tolist()
+        return [selected[row, : n + 1] for row, n in enumerate(matches)], matches
     tokens, matches = [], []
     for row, length in enumerate(lengths.tolist()):
         start = 0
@@ -388,7 +392,7 @@ def accept_rows(
         )  # fmt: skip
         tokens.append(valid if not start else torch.cat([first[row : row + 1], valid]))
         matches.append(start + n)
-    return tokens, torch.tensor(matches, device=lengths.device)
+    return tokens, matches
 
 
 def _accept_row(

@@ -118,14 +118,17 @@ class RaggedCache:
         if self.recurrent is not None:
             self.recurrent.before_rows_forward(width, first=self.mask.shape[1] == 0)
 
-    def keep_appended(self, keep: torch.LongTensor) -> None:
-        """Of the columns appended last, row b keeps its first `keep[b]`: the rest become holes."""
+    def keep_appended(self, keep: list[int]) -> None:
+        """Of the columns appended last, row b keeps its first `keep[b]` (at least one, all of them real): the rest
+        become holes."""
         first_new = self.mask.shape[1] - self.last_width
         columns = torch.arange(self.mask.shape[1], device=self.mask.device)
-        self.mask &= columns[None] < first_new + keep.to(self.mask.device)[:, None]
+        kept = torch.tensor(keep)  # on the host: the recurrent states read it back as a list
+        self.mask &= columns[None] < first_new + kept.to(self.mask.device)[:, None]
         if self.recurrent is not None:
-            self.recurrent.keep_rows(keep)
-        self._crop_trailing_holes()
+            self.recurrent.keep_rows(kept)
+        # The longest row's last kept column is real: what follows it is holes in every row, known on the host.
+        self._crop_trailing(self.last_width - max(keep, default=self.last_width))
 
     def keep_columns(self, keep: torch.BoolTensor) -> None:
         """Of the columns appended last, row b keeps those where `keep[b]` (`[rows, last_width]`) is True: a tree's
@@ -146,7 +149,10 @@ class RaggedCache:
 
     def _crop_trailing_holes(self) -> None:
         real = self.mask.any(dim=0).nonzero()
-        trailing = self.mask.shape[1] - (int(real[-1]) + 1 if real.numel() else 0)
+        self._crop_trailing(self.mask.shape[1] - (int(real[-1]) + 1 if real.numel() else 0))
+
+    def _crop_trailing(self, trailing: int) -> None:
+        """Drops the last `trailing` columns, holes in every row."""
         if trailing:
             for layer in self.attention_layers:
                 columns_of(layer).crop(layer, -trailing)
