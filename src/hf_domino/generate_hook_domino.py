@@ -2,8 +2,8 @@
 
 `target.generate(..., assistant_model=drafter)` with a `DominoForSpeculation` drafter must pick our candidate
 generator (`generation_domino.DominoCandidateGenerator`), but transformers 5.x has no public way to plug one in.
-`install_assisted_generation_hook()` wraps eight `GenerationMixin` methods; each wrapper hands over to the original
-unchanged unless the assistant is a Domino drafter:
+`install_assisted_generation_hook()` wraps nine `GenerationMixin` methods; each wrapper hands over to the original
+unchanged unless the assistant is a Domino drafter this copy of the code built (see the end of this docstring):
 
 - `_extract_generation_mode_kwargs`: takes this call's Domino options (`DominoOptions`) out of generate()'s kwargs;
 - `_validate_generation_mode`: validates them and the drafter/target pair, once, before any generation work;
