@@ -335,7 +335,8 @@ def test_resume_continues_bit_for_bit(target, tmp_path, draft_vocab):
     config = TrainConfig(
         total_steps=4, batch_size=2, num_anchors=3, learning_rate=1e-2, save_every=100, draft_vocab=draft_vocab
     )
-    examples, held_out = toy_examples(10)[:8], toy_examples(10)[8:] if draft_vocab else ()
+    examples = toy_examples(10)
+    examples, held_out = examples[:8], (examples[8:] if draft_vocab else ())
     straight = train(drafter(), target, examples, config, tmp_path / "straight", validation_examples=held_out)
 
     staged_config = TrainConfig(**{**config.__dict__, "stop_after_seconds": 0.0})  # stop after every step

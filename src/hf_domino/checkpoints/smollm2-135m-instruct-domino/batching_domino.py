@@ -216,12 +216,12 @@ class BatchedDecoding:
             sequence = self.sequences[row]
             kept = values[start : start + row_tokens.shape[0]][: self.max_lengths[row] - sequence.shape[0]]
             start += row_tokens.shape[0]
-            ends = [at for at, token in enumerate(kept) if token in self.eos_ids]
-            kept = kept[: ends[0] + 1] if ends else kept
+            end = next((at for at, token in enumerate(kept) if token in self.eos_ids), None)
+            kept = kept if end is None else kept[: end + 1]
             if scores is not None:
                 self.token_scores.add(row, *(each[i, : len(kept)] for each in scores))
             sequence = self.sequences[row] = torch.cat([sequence, row_tokens[: len(kept)].to(sequence.device)])
-            done.append(bool(ends) or sequence.shape[0] >= self.max_lengths[row])
+            done.append(end is not None or sequence.shape[0] >= self.max_lengths[row])
         asked = [i for i, finished in enumerate(done) if not finished]
         if asked:
             answers = [self.stopping_criteria[rows[i]](self.sequences[rows[i]][None], None).any() for i in asked]
