@@ -362,6 +362,76 @@ def test_remote_code_works_without_hf_domino(tmp_path):
     assert len(lines) == 2 and all(line.split(" ", 1)[1].startswith(str(expected[0].tolist())) for line in lines)
 
 
+ANOTHER_RELEASE = """
+import json, sys, torch
+from transformers import AutoModel, AutoModelForCausalLM
+target = AutoModelForCausalLM.from_pretrained({target!r})
+load_remote = lambda: AutoModel.from_pretrained({drafter!r}, trust_remote_code=True)
+remote = load_remote() if {remote_first} else None
+assert "hf_domino" not in sys.modules  # the remote code imports no hf_domino
+import hf_domino
+package = hf_domino.DominoForSpeculation.from_pretrained({drafter!r})
+remote = remote or load_remote()
+prompt, greedy = torch.tensor([[5, 6, 7]]), dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+batch = dict(input_ids=torch.tensor([[0, 5, 6, 7], [9, 10, 11, 12]]), attention_mask=torch.tensor([[0, 1, 1, 1], [1] * 4]))
+results = {{}}
+fixed = {{"draft_policy": "fixed", "num_speculative_tokens": 2}}  # options that must reach the drafter's own code
+for name, drafter, options in (("package", package, fixed), ("remote", remote, {{**fixed, "domino_release_probe": True}})):
+    code = lambda: (type(drafter.last_generation_stats).__module__.rpartition(".")[0], max(drafter.last_generation_stats.drafted))
+    run = {{"one": target.generate(prompt, assistant_model=drafter, **options, **greedy).tolist(), "one_code": code()}}
+    run |= {{"batch": target.generate(**batch, assistant_model=drafter, **options, **greedy).tolist(), "batch_code": code()}}
+    hf_domino.attach_drafter(target, drafter)
+    run["attached"] = target.generate(prompt, **greedy).tolist()
+    run["attached_code"], drafter.last_generation_stats = code(), None
+    run["declined"] = target.generate(prompt, guidance_scale=1.5, **greedy).tolist()  # the target alone serves it
+    run["declined_stats"] = drafter.last_generation_stats is None
+    hf_domino.detach_drafter(target)
+    results[name] = run
+print("RESULTS", json.dumps({{"results": results, "remote_code": type(remote).__module__.rpartition(".")[0]}}))
+"""
+
+
+@pytest.mark.parametrize("remote_first", [False, True])
+def test_remote_code_of_another_release_drafts_with_its_own_code(tmp_path, remote_first):
+    # The package and a drafter folder's remote code of another release (here: one with an option the package lacks)
+    # in one process, either imported first: each drafter drafts with its own copy's code, through every entry point
+    # (batch 1, a batch, an attached drafter and its fallback to the target alone), losslessly.
+    target = tiny_target("qwen3")
+    target.save_pretrained(tmp_path / "target")
+    export_drafter(tiny_drafter(target), tmp_path / "drafter", base_model="tiny/target")
+    options_file = tmp_path / "drafter" / "options_domino.py"
+    source = options_file.read_text()
+    assert source.count("    domino_branches: int = 1\n") == 1
+    options_file.write_text(
+        source.replace(
+            "    domino_branches: int = 1\n", "    domino_branches: int = 1\n    domino_release_probe: bool = False\n"
+        )
+    )
+    script = ANOTHER_RELEASE.format(
+        target=str(tmp_path / "target"), drafter=str(tmp_path / "drafter"), remote_first=remote_first
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+        env=os.environ | {"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.split("RESULTS ", 1)[1])
+    assert report["remote_code"].startswith("transformers_modules")
+    greedy = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    prompt = torch.tensor([[5, 6, 7]])
+    batch = dict(
+        input_ids=torch.tensor([[0, 5, 6, 7], [9, 10, 11, 12]]), attention_mask=torch.tensor([[0, 1, 1, 1], [1] * 4])
+    )
+    alone, guided = (target.generate(prompt, **greedy, **cfg).tolist() for cfg in ({}, {"guidance_scale": 1.5}))
+    for name, code in (("package", "hf_domino"), ("remote", report["remote_code"])):
+        run = report["results"][name]
+        assert run["one"] == run["attached"] == alone and run["declined"] == guided, name
+        assert run["batch"] == target.generate(**batch, **greedy).tolist(), name
+        assert run["one_code"] == run["batch_code"] == [code, 2], name
+        assert run["attached_code"][0] == code, name
+        assert run["declined_stats"], name
+
+
 @pytest.mark.parametrize("layout", ["ours", "published"])
 @pytest.mark.parametrize("auto_class", [AutoModel, AutoModelForCausalLM])
 def test_a_drafter_built_as_a_plain_qwen3_model_is_refused_naming_the_loader(tmp_path, layout, auto_class):

@@ -27,7 +27,17 @@ if TYPE_CHECKING:
 
 
 def is_domino_drafter(model: Any) -> bool:
+    """Whether `model` is a Domino drafter of any copy of this code (the package's, or a checkpoint's remote code)."""
     return bool(getattr(model, "_is_domino_drafter", False))
+
+
+def drafter_code(model: Any) -> str | None:
+    """The package of the copy of this code that built `model` ("hf_domino", or a checkpoint's remote-code package
+    such as "transformers_modules.my_drafter"), subclasses included; None for no Domino drafter."""
+    for cls in type(model).__mro__:
+        if "_is_domino_drafter" in vars(cls):
+            return cls.__module__.rpartition(".")[0]
+    return None
 
 
 ATTACHED = "_domino_attached"  # the target's attribute, set past nn.Module's registries (not a submodule)
@@ -145,6 +155,7 @@ __all__ = [
     "attachment",
     "check_options",
     "detach_drafter",
+    "drafter_code",
     "is_domino_drafter",
     "wants_the_attached_drafter",
 ]

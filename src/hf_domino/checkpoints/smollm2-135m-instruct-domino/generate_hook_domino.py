@@ -2,8 +2,8 @@
 
 `target.generate(..., assistant_model=drafter)` with a `DominoForSpeculation` drafter must pick our candidate
 generator (`generation_domino.DominoCandidateGenerator`), but transformers 5.x has no public way to plug one in.
-`install_assisted_generation_hook()` wraps eight `GenerationMixin` methods; each wrapper hands over to the original
-unchanged unless the assistant is a Domino drafter:
+`install_assisted_generation_hook()` wraps nine `GenerationMixin` methods; each wrapper hands over to the original
+unchanged unless the assistant is a Domino drafter this copy of the code built (see the end of this docstring):
 
 - `_extract_generation_mode_kwargs`: takes this call's Domino options (`DominoOptions`) out of generate()'s kwargs;
 - `_validate_generation_mode`: validates them and the drafter/target pair, once, before any generation work;
@@ -24,6 +24,8 @@ unchanged unless the assistant is a Domino drafter:
 
 The hook is installed when a drafter is built (see `DominoForSpeculation.__init__`) or `hf_domino` is imported; it
 is idempotent, and refuses to install on a transformers whose methods no longer have the parameters it relies on.
+Each copy of this code in a process (the package, each drafter folder's remote code, maybe of other releases)
+installs a layer of its own, which serves only the drafters that copy built: a drafter drafts with its own code.
 This file is also written next to exported checkpoints as remote code, so it imports only transformers and torch.
 """
 
@@ -34,6 +36,7 @@ import contextvars
 import copy
 import functools
 import inspect
+import sys
 import threading
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -50,6 +53,7 @@ from .attached_drafter_domino import (
     DrafterDeclined,
     PlainLoopStreamer,
     attachment,
+    drafter_code,
     is_domino_drafter,
     wants_the_attached_drafter,
 )
@@ -139,18 +143,55 @@ def _bound_arguments(method, self, args, kwargs) -> dict[str, Any]:
     return _signature(method).bind(self, *args, **kwargs).arguments
 
 
+# -------------------------------------------------------------------------------------------- one layer per copy
+# A process can hold several copies of this code: the package and the remote code of each drafter folder loaded with
+# trust_remote_code, maybe of other releases. Each copy installs a layer of wrappers, and a layer drafts only with
+# the drafters its own copy built, calling transformers' method beneath every layer: a drafter always drafts with its
+# own code, and what a call keeps between wrappers (`_CALL`, `ATTACHED_CALL`, the options' keys) is one copy's.
+_CODE = __name__.rpartition(".")[0]  # "hf_domino", or a checkpoint's remote-code package
+_THIS_MODULE = __name__.rpartition(".")[2]
+
+
+def _is_hook(method) -> bool:
+    return bool(getattr(method, "__domino_hook__", False))
+
+
+def _beneath_hooks(method):
+    """transformers' own method under every copy's layer: what a layer that serves a call calls."""
+    while _is_hook(method):
+        method = method.__wrapped__
+    return method
+
+
+def _serves(model: Any, original) -> bool:
+    """Whether this copy's wrapper of `original` drafts with `model`: a drafter this copy built; or one of a copy
+    whose hook predates layers per copy (such a hook wraps every drafter, and installs nothing over another hook)
+    when no hook lies beneath this one, as before."""
+    code = drafter_code(model)
+    if code is None:
+        return False
+    if code == _CODE:
+        return True
+    if hasattr(sys.modules.get(f"{code}.{_THIS_MODULE}"), "_CODE"):  # a copy with a layer of its own
+        return False
+    return not _is_hook(original)
+
+
 def _wrap_extract_generation_mode_kwargs(original):
+    unwrapped = _beneath_hooks(original)  # what this layer calls where it serves the call
+
     @functools.wraps(original)
     def _extract_generation_mode_kwargs(self, *args, **kwargs):
         arguments = _bound_arguments(original, self, args, kwargs)
-        mode_kwargs = original(self, *args, **kwargs)
-        if is_domino_drafter(arguments.get("assistant_model")):
-            # generate()'s own kwargs dict: what we pop here never reaches the model as an unknown model kwarg.
-            call_kwargs = arguments["kwargs"]
-            mode_kwargs[_OPTIONS_KEY] = {
-                name: call_kwargs.pop(name) for name in DominoOptions.names() if name in call_kwargs
-            }
-            mode_kwargs[_MASK_GIVEN_KEY] = call_kwargs.get("attention_mask") is not None
+        if not _serves(arguments.get("assistant_model"), original):
+            return original(self, *args, **kwargs)
+        mode_kwargs = unwrapped(self, *args, **kwargs)
+        # generate()'s own kwargs dict: what we pop here never reaches the model as an unknown model kwarg.
+        call_kwargs = arguments["kwargs"]
+        mode_kwargs[_OPTIONS_KEY] = {
+            name: call_kwargs.pop(name) for name in DominoOptions.names() if name in call_kwargs
+        }
+        mode_kwargs[_MASK_GIVEN_KEY] = call_kwargs.get("attention_mask") is not None
         return mode_kwargs
 
     return _extract_generation_mode_kwargs
@@ -164,12 +205,14 @@ def _single_sequence_view(generation_config: GenerationConfig) -> GenerationConf
 
 
 def _wrap_validate_generation_mode(original):
+    unwrapped = _beneath_hooks(original)  # what this layer calls where it serves the call
+
     @functools.wraps(original)
     def _validate_generation_mode(self, *args, **kwargs):
         arguments = _bound_arguments(original, self, args, kwargs)
         mode_kwargs = arguments.get("generation_mode_kwargs") or {}
         assistant = mode_kwargs.get("assistant_model")
-        if is_domino_drafter(assistant):
+        if _serves(assistant, original):
             try:
                 check_drafter_for_target(assistant, self, arguments["generation_config"])
                 options = DominoOptions.resolve(mode_kwargs.get(_OPTIONS_KEY, {}), arguments["generation_config"])
@@ -180,12 +223,12 @@ def _wrap_validate_generation_mode(original):
                     # transformers refuses several sequences per prompt for an assistant; ours serves them as a batch.
                     bound.arguments["generation_config"] = _single_sequence_view(arguments["generation_config"])
                 with _recurrent_state_check_waived(self):
-                    return original(*bound.args, **bound.kwargs)
+                    return unwrapped(*bound.args, **bound.kwargs)
             except ValueError as error:
                 if ATTACHED_CALL.get():  # the call did not ask for the drafter: the target alone serves it
                     raise DrafterDeclined(str(error)) from error
                 raise
-        elif assistant is not None:
+        elif assistant is not None and not is_domino_drafter(assistant):  # another copy's drafter: its layer's
             refuse_a_drafter_built_as_another_model(assistant)
         return original(self, *args, **kwargs)
 
@@ -302,14 +345,16 @@ def _cudnn_attention_off():
 
 
 def _wrap_assisted_decoding(original):
+    unwrapped = _beneath_hooks(original)  # what this layer calls where it serves the call
+
     @functools.wraps(original)
     def _assisted_decoding(self, *args, **kwargs):
+        drafter = _bound_arguments(original, self, args, kwargs).get("assistant_model")
+        if not _serves(drafter, original):
+            return original(self, *args, **kwargs)
         options = kwargs.pop(_OPTIONS_KEY, None)
         attention_mask_given = kwargs.pop(_MASK_GIVEN_KEY, True)
         arguments = _bound_arguments(original, self, args, kwargs)
-        drafter = arguments.get("assistant_model")
-        if not is_domino_drafter(drafter):
-            return original(self, *args, **kwargs)
         if not isinstance(options, DominoOptions):  # reached without generate()'s validation
             options = DominoOptions.resolve(options or {}, arguments["generation_config"])
             options.validate(drafter)
@@ -352,7 +397,7 @@ def _wrap_assisted_decoding(original):
         token = _CALL.set(_DominoCall(options, arguments.get("stopping_criteria"), prefill_length, rollback))
         try:
             with kernels:
-                return original(self, *args, **kwargs)
+                return unwrapped(self, *args, **kwargs)
         finally:
             _CALL.reset(token)
             if rollback is not None:
@@ -366,7 +411,7 @@ def _wrap_get_candidate_generator(original):
     def _get_candidate_generator(self, *args, **kwargs):
         arguments = _bound_arguments(original, self, args, kwargs)
         assistant = arguments.get("assistant_model")
-        if not is_domino_drafter(assistant):
+        if not _serves(assistant, original):
             return original(self, *args, **kwargs)
         call = _CALL.get() or _DominoCall(None, None, None)
         return assistant.build_candidate_generator(
@@ -384,23 +429,26 @@ def _wrap_get_candidate_generator(original):
 
 
 def _wrap_prepare_inputs_for_generation(original):
+    unwrapped = _beneath_hooks(original)  # what this layer calls where it serves the call
+
     @functools.wraps(original)
     def prepare_inputs_for_generation(self, *args, **kwargs):
         # transformers' assisted loop asks its first forward (the prefill) for the whole prompt, also when the call
         # continues a filled cache: inside a Domino call, read only what the cache does not hold, as `_prefill` does.
         call = _CALL.get()
-        if call is not None and call.rollback is not None:
+        if call is None:  # no call of this copy's drafters
+            return original(self, *args, **kwargs)
+        if call.rollback is not None:
             # Everything the cache does not hold for certain: after a rolled-back verification, its verified tokens too.
             input_ids = args[0] if args else kwargs["input_ids"]  # once per forward: no signature binding
             kwargs["next_sequence_length"] = call.rollback.feed(input_ids.shape[1])
         elif (
-            call is not None
-            and call.prefill_length is not None
+            call.prefill_length is not None
             and kwargs.get("is_first_iteration")
             and kwargs.get("next_sequence_length") is None
         ):
             kwargs["next_sequence_length"] = call.prefill_length
-        return original(self, *args, **kwargs)
+        return unwrapped(self, *args, **kwargs)
 
     return prepare_inputs_for_generation
 
@@ -409,7 +457,7 @@ def _wrap_generate_batch(original):
     @functools.wraps(original)
     def generate_batch(self, *args, **kwargs):
         # transformers' continuous batching drops an assistant model without a word; a Domino drafter's call is ours.
-        drafter = _domino_assistant(self, kwargs)
+        drafter = _domino_assistant(self, kwargs, original)
         if drafter is None:
             return original(self, *args, **kwargs)
         arguments = _bound_arguments(original, self, args, kwargs)
@@ -425,7 +473,7 @@ def _wrap_init_continuous_batching(original):
     @functools.wraps(original)
     def init_continuous_batching(self, *args, **kwargs):
         # transformers' manager takes no assistant; a Domino drafter's is a drafted batch that requests join.
-        drafter = _domino_assistant(self, kwargs)
+        drafter = _domino_assistant(self, kwargs, original)
         if drafter is None:
             return original(self, *args, **kwargs)
         return _drafted_manager(original, self, drafter, args, kwargs)
@@ -436,7 +484,7 @@ def _wrap_init_continuous_batching(original):
 def _wrap_continuous_batching_context_manager(original):
     @functools.wraps(original)
     def continuous_batching_context_manager(self, *args, **kwargs):
-        drafter = _domino_assistant(self, kwargs)
+        drafter = _domino_assistant(self, kwargs, original)
         if drafter is None:
             return original(self, *args, **kwargs)
         arguments = _bound_arguments(original, self, args, _own(original, kwargs))
@@ -446,19 +494,20 @@ def _wrap_continuous_batching_context_manager(original):
     return continuous_batching_context_manager
 
 
-def _domino_assistant(target, kwargs: dict[str, Any]) -> Any:
-    """Takes a Domino drafter passed as `assistant_model` out of `kwargs`, else the one attached to `target` (its
-    options added where the call sets none); None for anything else (`assistant_model=None` dropped, another
-    assistant left for transformers' own error, which names it)."""
+def _domino_assistant(target, kwargs: dict[str, Any], original) -> Any:
+    """Takes a drafter this layer (the wrapper of `original`) serves, passed as `assistant_model`, out of `kwargs`,
+    else the one attached to `target` (its options added where the call sets none); None for anything else
+    (`assistant_model=None` dropped, another copy's drafter left for its layer, another assistant for transformers'
+    own error, which names it)."""
     if kwargs.get("assistant_model") is None:
         kwargs.pop("assistant_model", None)
         attached = attachment(target)
-        if attached is None:
+        if attached is None or not _serves(attached.drafter, original):
             return None
         for name, value in attached.options.items():
             kwargs.setdefault(name, value)
         return attached.drafter
-    return kwargs.pop("assistant_model") if is_domino_drafter(kwargs["assistant_model"]) else None
+    return kwargs.pop("assistant_model") if _serves(kwargs["assistant_model"], original) else None
 
 
 def _own(method, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -488,10 +537,12 @@ def _started(manager: DraftedBatchingManager, block: bool, timeout: float | None
 
 
 def _wrap_generate(original):
+    unwrapped = _beneath_hooks(original)  # what this layer calls where it serves the call
+
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
         attached = attachment(self)
-        if attached is None:
+        if attached is None or not _serves(attached.drafter, original):
             return original(self, *args, **kwargs)
         bound = _signature(original).bind(self, *args, **kwargs)
         if not wants_the_attached_drafter(bound.arguments, self):
@@ -502,7 +553,7 @@ def _wrap_generate(original):
             bound.arguments["streamer"] = PlainLoopStreamer(bound.arguments["streamer"])
         token = ATTACHED_CALL.set(True)
         try:
-            return original(*bound.args, **bound.kwargs)
+            return unwrapped(*bound.args, **bound.kwargs)
         except DrafterDeclined as declined:
             logger.warning_once(
                 f"The attached Domino drafter does not serve this call, the target alone does: {declined}"
@@ -510,7 +561,7 @@ def _wrap_generate(original):
         finally:
             ATTACHED_CALL.reset(token)
         plain = {name: value for name, value in kwargs.items() if name not in DominoOptions.names()}
-        return original(self, *args, **plain)
+        return unwrapped(self, *args, **plain)
 
     return generate
 
@@ -532,8 +583,8 @@ def install_assisted_generation_hook() -> None:
     """Lets `generate(assistant_model=<Domino drafter>)` use `DominoCandidateGenerator`; other calls are untouched."""
     for name, wrap in _WRAPPERS.items():
         current = getattr(GenerationMixin, name, None)
-        if getattr(current, "__domino_hook__", False):
-            continue  # already installed (by this module or by another copy of it, e.g. remote code)
+        if _layer_installed(current):
+            continue
         parameters = inspect.signature(current).parameters if current is not None else {}
         missing = [p for p in _REQUIRED_PARAMETERS[name] if p not in parameters]
         if current is None or missing or not hasattr(CandidateGenerator, "requires_model_outputs"):
@@ -543,5 +594,15 @@ def install_assisted_generation_hook() -> None:
                 f"which transformers {transformers.__version__} changed. Install transformers>=5.23,<6."
             )
         wrapper = wrap(current)
-        wrapper.__domino_hook__ = True
+        wrapper.__domino_hook__ = True  # what copies before layers per copy look for: they then install nothing
+        wrapper.__domino_code__ = _CODE
         setattr(GenerationMixin, name, wrapper)
+
+
+def _layer_installed(method) -> bool:
+    """Whether this copy's layer already wraps `method` (beneath other copies' layers, maybe)."""
+    while _is_hook(method):
+        if getattr(method, "__domino_code__", None) == _CODE:
+            return True
+        method = method.__wrapped__
+    return False
