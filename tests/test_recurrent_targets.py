@@ -483,6 +483,44 @@ def test_a_batch_is_the_target_alones_row_by_row(name):
     assert torch.equal(output, expected)
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h"])
+def test_the_scans_arguments_are_named_as_the_reference_names_them(name):
+    # With the `kernels` package installed, transformers >= 5.25 turns each scan into a module taking *args, **kwargs:
+    # the recording reads the function's own names, without which it kept nothing (every rejection read again).
+    family = recurrent_cache_domino.replayable_scan(hybrid_target(name))
+    names = recurrent_cache_domino._parameter_names(getattr(family.module, family.chunked))
+    assert (
+        names[: len(family.per_token) + 1]
+        == {
+            "qwen3_5": ["query", "key", "value", "g", "beta", "chunk_size"],
+            "nemotron_h": ["hidden_states", "dt", "A", "B", "C"],
+        }[name]
+    )
+
+
+def test_each_copy_of_the_code_in_a_process_records_its_own_verifications(tmp_path):
+    """A drafter folder's remote code beside the package (a notebook that loads both, a test worker): each copy
+    records the scan's inputs of its own verifications, whichever copy wrapped the scan first, one sequence and
+    batches."""
+    from transformers import AutoModel
+
+    target = hybrid_target("qwen3_5")
+    expected = target.generate(PROMPT, max_new_tokens=40, **GREEDY)
+    package = forcing_drafter(target, successor_table(expected))
+    package.save_pretrained(tmp_path)
+    remote = AutoModel.from_pretrained(tmp_path, trust_remote_code=True)
+    assert type(remote).__module__.startswith("transformers_modules")
+    batch = left_padded(BATCH)
+    expected_batch = target.generate(**batch, max_new_tokens=20, **GREEDY)
+    for drafter in (remote, package, remote):
+        output = target.generate(PROMPT, assistant_model=drafter, max_new_tokens=40, draft_policy="fixed", **GREEDY)
+        assert torch.equal(output, expected)
+        stats = drafter.last_generation_stats
+        assert rolled_back(stats) > 0 and stats.rereads == 0, type(drafter).__module__
+        output = target.generate(**batch, assistant_model=drafter, max_new_tokens=20, draft_policy="fixed", **GREEDY)
+        assert torch.equal(output, expected_batch)  # a batch keeps its rows' states from the recorded inputs only
+
+
 def assert_rows_sampled_from_their_own_logits(target, drafter, batch: dict, new_tokens: int = 24) -> None:
     """A sampled batch with drafts rejected in part: the logits each row sampled from are those of one plain forward
     over its finished sequence."""

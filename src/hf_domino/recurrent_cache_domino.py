@@ -141,11 +141,22 @@ def _one_chunk_on_cpu(names: list[str], args: tuple, kwargs: dict, tokens: torch
     return args[:position], {**kwargs, "chunk_size": tokens.shape[1]}
 
 
-def _recording(scan: Callable, family: type[ScanFamily]) -> Callable:
-    """`scan` (a family's multi-token scan), keeping its inputs where a verification asks for them."""
-    names = list(inspect.signature(scan).parameters)  # its arguments by name, without binding at every layer
+def _parameter_names(scan: Callable) -> list[str]:
+    """The names of `scan`'s parameters, in order. With the `kernels` package installed, transformers >= 5.25 makes
+    each function a hub kernel may replace a module (kernels' `Func`) whose forward, taking `*args, **kwargs`, calls
+    the function: the names are that function's, read from the forward's closure."""
+    function = inspect.unwrap(scan)  # beneath other copies' recording wrappers
+    if isinstance(function, torch.nn.Module):
+        cells = getattr(type(function).forward, "__closure__", None) or ()
+        function = next((cell.cell_contents for cell in cells if inspect.isfunction(cell.cell_contents)), function)
+    return list(inspect.signature(function).parameters)
 
-    @functools.wraps(scan)
+
+def _recording(scan: Callable, family: type[ScanFamily]) -> Callable:
+    """`scan` (a family's multi-token scan), keeping its inputs where one of this copy's verifications asks for them."""
+    names = _parameter_names(scan)  # its arguments by name, without binding at every layer
+
+    @functools.wraps(scan, updated=())  # `updated=()`: a kernels `Func` module's attributes stay on the module
     def recording_scan(*args, **kwargs):
         # A compiled forward (the user's own) is traced through untouched, the context variable never read there.
         kept = None if torch.compiler.is_compiling() else _RULE_INPUTS.get()
@@ -158,8 +169,19 @@ def _recording(scan: Callable, family: type[ScanFamily]) -> Callable:
                 kept.append(None)
         return scan(*args, **kwargs)
 
-    recording_scan.domino_records = True
+    recording_scan.domino_records = _RULE_INPUTS  # whose verifications it records: this copy's
     return recording_scan
+
+
+def _records_for_this_copy(scan: Callable) -> bool:
+    """Whether this copy's recording wrapper is among those around `scan`. Each copy of this code in a process (the
+    package, a drafter folder's remote code) keeps a verification's inputs in a context variable of its own, so each
+    wraps the scan once; the wrappers of copies that are not verifying pass the call through."""
+    while hasattr(scan, "domino_records"):
+        if scan.domino_records is _RULE_INPUTS:
+            return True
+        scan = scan.__wrapped__
+    return False
 
 
 def _scan_family(target) -> ScanFamily | None:
@@ -177,11 +199,11 @@ def has_replayable_scan(target) -> bool:
 
 
 def replayable_scan(target) -> ScanFamily | None:
-    """The scan family of `target`, its multi-token scan wrapped to keep a verification's inputs (once per process:
-    the wrapper passes calls through unchanged outside a drafting call), or None for a family without one, whose
-    rejected verifications are rolled back whole."""
+    """The scan family of `target`, its multi-token scan wrapped to keep a verification's inputs (once per process
+    and copy of this code: the wrapper passes calls through unchanged outside a drafting call), or None for a family
+    without one, whose rejected verifications are rolled back whole."""
     family = _scan_family(target)
-    if family is not None and not getattr(getattr(family.module, family.chunked), "domino_records", False):
+    if family is not None and not _records_for_this_copy(getattr(family.module, family.chunked)):
         setattr(family.module, family.chunked, _recording(getattr(family.module, family.chunked), type(family)))
     return family
 
