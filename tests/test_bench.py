@@ -83,15 +83,6 @@ def make_drafter(target: transformers.PreTrainedModel, block_size: int = 4) -> D
     return DominoForSpeculation(config).eval()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls gain nothing from threads, and on a busy machine thread synchronization makes them 10x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return make_tokenizer()
