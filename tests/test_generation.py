@@ -20,7 +20,7 @@ from transformers import (
 )
 from transformers.generation.streamers import BaseStreamer
 
-from hf_domino import generate_hook_domino
+from hf_domino import attention_kernels_domino, generate_hook_domino
 from hf_domino.cache_domino import cache_argument
 from hf_domino.modeling_domino import DOMINO_HEAD_DEFAULT, TargetModules
 
@@ -567,7 +567,7 @@ def test_drafting_attention_kernels_leave_out_cudnn_on_cuda_in_half_precision():
     assert before["cudnn"]
     cuda = torch.device("cuda")
     for dtype in (torch.bfloat16, torch.float16):
-        with generate_hook_domino.drafting_attention_kernels(cuda, dtype):
+        with attention_kernels_domino.drafting_attention_kernels(cuda, dtype):
             assert sdpa_switches() == before | {"cudnn": False}
         assert sdpa_switches() == before
     unchanged = [
@@ -576,7 +576,7 @@ def test_drafting_attention_kernels_leave_out_cudnn_on_cuda_in_half_precision():
         (cuda, torch.bfloat16, True),
     ]
     for device, dtype, allow_cudnn in unchanged:
-        with generate_hook_domino.drafting_attention_kernels(device, dtype, allow_cudnn):
+        with attention_kernels_domino.drafting_attention_kernels(device, dtype, allow_cudnn):
             assert sdpa_switches() == before, (device, dtype, allow_cudnn)
 
 
@@ -588,7 +588,7 @@ def test_drafting_attention_kernels_never_enable_what_the_user_disabled():
     ):
         enable(False)
         try:
-            with generate_hook_domino.drafting_attention_kernels(cuda, torch.bfloat16):
+            with attention_kernels_domino.drafting_attention_kernels(cuda, torch.bfloat16):
                 assert not sdpa_switches()["cudnn"] and not sdpa_switches()[switch]
             assert not sdpa_switches()[switch], switch
         finally:
@@ -599,8 +599,8 @@ def test_overlapping_calls_share_one_switch_and_the_last_one_restores_it():
     # Threads serving requests (or a streamer's generation thread) overlap their calls: the first call to finish must
     # not turn cuDNN back on under the other, nor may the other then leave it off for good.
     cuda = torch.device("cuda")
-    first = generate_hook_domino.drafting_attention_kernels(cuda, torch.bfloat16)
-    second = generate_hook_domino.drafting_attention_kernels(cuda, torch.float16)
+    first = attention_kernels_domino.drafting_attention_kernels(cuda, torch.bfloat16)
+    second = attention_kernels_domino.drafting_attention_kernels(cuda, torch.float16)
     first.__enter__()
     second.__enter__()
     try:

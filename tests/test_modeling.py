@@ -261,6 +261,7 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
     files = sorted(p.name for p in (tmp_path / "d").iterdir())
     assert files == [
         "attached_drafter_domino.py",
+        "attention_kernels_domino.py",
         "batch_call_domino.py",
         "batch_drafts_domino.py",
         "batch_policy_domino.py",

@@ -36,10 +36,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_domino import DominoConfig, DominoForSpeculation, TargetModules
+from hf_domino.attention_kernels_domino import drafting_attention_kernels
 from hf_domino.cache_domino import CACHE_ARGUMENT, buffer_layers, cache_argument
 from hf_domino.cost_model_domino import synchronize
 from hf_domino.drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
-from hf_domino.generate_hook_domino import drafting_attention_kernels
 from hf_domino.modeling_domino import context_features
 
 SHAPES = {
@@ -312,7 +312,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"{args.shape}, {args.dtype}, {name}, torch {torch.__version__}, context {args.context_tokens} tokens, "
-        "attention kernels of a drafting call (generate_hook_domino.drafting_attention_kernels)\n"
+        "attention kernels of a drafting call (attention_kernels_domino.drafting_attention_kernels)\n"
     )
     print("| cost | ms |\n| --- | ---: |")
     for key, value in costs.items():

@@ -8,7 +8,7 @@ later ones 26-29; fp32 never slowed, nor did `stall_probe.py`, which repeats one
 bf16 attention running cuDNN's kernels (`aten::_cudnn_attention_forward`): PyTorch's CUDA 13 builds try cuDNN first
 on Hopper, and cuDNN builds an execution plan for every new (query length, key length) before it runs it. A
 drafting call meets a new pair at every cycle, which is why `generate()` with a drafter now leaves cuDNN out in half
-precision (`generate_hook_domino.drafting_attention_kernels`). This checks that, A against B on the same prompts: each
+precision (`attention_kernels_domino.drafting_attention_kernels`). This checks that, A against B on the same prompts: each
 round takes a new MT-Bench prompt (new lengths) through whole blocks with cuDNN left out (the default) and allowed
 (`domino_cudnn_attention=True`, what the third run did), the user's default method, and the target alone with and
 without cuDNN; for each call, its laps (the first cycles' and the later ones' median backbone lap, the verify lap),

@@ -19,9 +19,9 @@ import torch
 import transformers
 
 from . import assets, prompt_sets
+from .attention_kernels_domino import cudnn_attention_applies
 from .cli import non_negative_int, number_in, positive_int
 from .cpu_fast_path import prepare_for_cpu_decoding
-from .generate_hook_domino import cudnn_attention_applies
 from .measure import COMPILE_MODES, METHODS, BenchResult, BenchSettings, parse_method, run_benchmark
 from .measure_batch import BATCH_METHODS, batch_markdown, parse_batch_method, run_batch_benchmark
 from .options_domino import check_drafter_for_target

@@ -33,6 +33,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.utils.logging import tqdm
 
+from .attention_kernels_domino import drafting_attention_kernels
 from .batch_call_domino import check_batch_target
 from .batch_policy_domino import call_speculates
 from .batching_domino import BatchedDecoding
@@ -223,8 +224,6 @@ class ServingCall:
 
     def kernels(self) -> contextlib.AbstractContextManager:
         """The attention kernels a drafting call runs with (`drafting_attention_kernels`)."""
-        from .generate_hook_domino import drafting_attention_kernels  # the hook imports this module
-
         return drafting_attention_kernels(self.device, self.target.dtype, self.options.domino_cudnn_attention)
 
 

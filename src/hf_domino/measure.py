@@ -7,7 +7,7 @@ Methods (`parse_method`):
   always on the default dynamic cache: the target alone as it runs without the CPU fast path, and without the
   compiled forward of a static cache, when the run has them;
 - `target_no_cudnn`: the target alone with the attention kernels a drafting call runs with
-  (`generate_hook_domino.drafting_attention_kernels`: cuDNN's left out on CUDA in float16/bfloat16; elsewhere the same
+  (`attention_kernels_domino.drafting_attention_kernels`: cuDNN's left out on CUDA in float16/bfloat16; elsewhere the same
   as `target`; the bench adds it beside `target` where it differs), so that a drafter's speedup can be read apart
   from the kernel choice;
 - `prompt_lookup`: transformers' n-gram prompt lookup (`prompt_lookup_num_tokens`), a drafter-free peer;
@@ -45,11 +45,11 @@ from transformers.cache_utils import DynamicCache
 
 from .acceptance import acceptance_from_cache_lengths, record_target_forwards
 from .assets import eos_token_ids, pad_token_id
+from .attention_kernels_domino import drafting_attention_kernels
 from .cache_domino import cache_argument
 from .cost_model_domino import VerifyCost, cached_verify_cost, swap_verify_cost, synchronize
 from .cpu_fast_path import compiling_on_any_device
 from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
-from .generate_hook_domino import drafting_attention_kernels
 from .modeling_domino import DominoForSpeculation, TargetModules, context_features, hidden_state_indices
 from .prepacked_linear import eager_linears
 from .recurrent_cache_domino import RecurrentRollback, has_recurrent_layers, record_past

@@ -30,7 +30,7 @@ from .prompt_sets import load_prompts
 
 BATCH_METHODS = ("target", "domino", "domino_lookup")
 # The batched target alone: as it runs by default, and with a drafting call's attention kernels (no cuDNN on CUDA in
-# half precision: `generate_hook_domino.drafting_attention_kernels`).
+# half precision: `attention_kernels_domino.drafting_attention_kernels`).
 TARGET_METHODS = ("target", "target_no_cudnn")
 _BATCH_METHOD = re.compile(
     r"domino(?:(_rowk)|_k(\d+))?(_lookup2|_lookup|_copies)?(_makespan)?(?:_tree(\d+))?(?:@(eager|triton|triton\+graph))?"

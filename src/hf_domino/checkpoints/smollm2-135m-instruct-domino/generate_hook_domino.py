@@ -37,10 +37,8 @@ import copy
 import functools
 import inspect
 import sys
-import threading
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
 import transformers
 from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
@@ -57,9 +55,10 @@ from .attached_drafter_domino import (
     is_domino_drafter,
     wants_the_attached_drafter,
 )
+from .attention_kernels_domino import drafting_attention_kernels
 from .batching_domino import batched_assisted_decoding
 from .batching_manager_domino import DraftedBatchingManager
-from .cache_domino import CACHE_ARGUMENT, buffer_layers, cached_tokens, uncached_prompt_length
+from .cache_domino import CACHE_ARGUMENT, buffer_layers, uncached_prompt_length
 from .continuous_batching_domino import generate_requests
 from .options_domino import (
     DominoGenerationStats,
@@ -68,12 +67,11 @@ from .options_domino import (
     refuse_a_drafter_built_as_another_model,
 )
 from .recurrent_cache_domino import (
-    TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES,
     RecurrentRollback,
-    check_recurrent_target,
+    check_recurrent_call,
     has_recurrent_layers,
-    has_replayable_scan,
     keeps_recurrent_states,
+    recurrent_state_check_waived,
 )
 from .target_modules_domino import target_execution_device
 
@@ -222,7 +220,7 @@ def _wrap_validate_generation_mode(original):
                 if arguments["generation_config"].num_return_sequences > 1:
                     # transformers refuses several sequences per prompt for an assistant; ours serves them as a batch.
                     bound.arguments["generation_config"] = _single_sequence_view(arguments["generation_config"])
-                with _recurrent_state_check_waived(self):
+                with recurrent_state_check_waived(self):
                     return unwrapped(*bound.args, **bound.kwargs)
             except ValueError as error:
                 if ATTACHED_CALL.get():  # the call did not ask for the drafter: the target alone serves it
@@ -233,115 +231,6 @@ def _wrap_validate_generation_mode(original):
         return original(self, *args, **kwargs)
 
     return _validate_generation_mode
-
-
-@contextlib.contextmanager
-def _recurrent_state_check_waived(target):
-    """transformers < 5.25 refuses an assistant for a target with recurrent states (`_is_stateful`), which cannot
-    drop rejected drafts; a Domino call rolls them back (`RecurrentRollback`) for the families that continue their
-    states exactly over a forward of several tokens (`check_recurrent_target`, else refused here, on every release),
-    and refuses before the prefill a call whose cache or shape does not let it (`_check_recurrent_call`)."""
-    if not keeps_recurrent_states(target):
-        yield
-        return
-    check_recurrent_target(target)
-    if TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES:  # no such refusal to waive
-        yield
-        return
-    target.__dict__["_is_stateful"] = False  # this instance, for transformers' check only
-    try:
-        yield
-    finally:
-        target.__dict__.pop("_is_stateful", None)
-
-
-def _check_recurrent_call(target, cache, generation_config, batched: bool, branches: int = 1) -> None:
-    """Raises, naming the fix, for a call on a target with recurrent states that a Domino drafter cannot serve."""
-    if batched and branches > 1:
-        raise ValueError(
-            f"{type(target).__name__} keeps per-layer states (linear attention, convolution or state-space layers), "
-            "which a tree of first-token branches cannot keep per branch: draft plain blocks (domino_branches=1)."
-        )
-    if batched and keeps_recurrent_states(target) and not has_replayable_scan(target):
-        raise ValueError(
-            f"{type(target).__name__} keeps per-layer states that a drafted batch cannot keep row by row (only "
-            "families whose scan can be replayed over each row's kept tokens can: the Gated DeltaNet and Mamba2 "
-            "ones): generate one sequence at a time with the drafter, or the batch without it."
-        )
-    if batched and cached_tokens(cache):
-        raise ValueError(
-            f"A drafted batch of {type(target).__name__} starts from its prompts: its linear-attention states hold no "
-            "count of their tokens per row. Pass the whole conversations without the cache, or one sequence at a "
-            "time."
-        )
-    if not has_recurrent_layers(cache):
-        raise ValueError(
-            f"{type(target).__name__} keeps its recurrent states outside a cache of linear-attention layers passed "
-            f"through generate() (got {type(cache).__name__}), where drafting cannot roll them back after a rejected "
-            "draft (transformers 5.24 moved state-space models' states there): upgrade transformers, or generate "
-            "without the drafter."
-        )
-    if generation_config.return_dict_in_generate and (
-        generation_config.output_attentions or generation_config.output_hidden_states
-    ):
-        raise ValueError(
-            f"With a drafter, {type(target).__name__}'s forwards may read again the tokens of a verification rolled "
-            "back whole (its recurrent states cannot drop rejected drafts where the scan kept no inputs, as in a "
-            "compiled forward), so they return no attentions or hidden states per generated token: drop "
-            "output_attentions/output_hidden_states (output_scores and output_logits work)."
-        )
-
-
-def _cudnn_eligible(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether cuDNN's attention can serve tensors on `device` in `dtype` at all: CUDA, half precision."""
-    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-
-
-def cudnn_attention_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether scaled_dot_product_attention may pick cuDNN's kernels for tensors on `device` in `dtype` now: eligible,
-    and the process's cuDNN switch on (a drafting call turns it off while it runs)."""
-    return _cudnn_eligible(device, dtype) and torch.backends.cuda.cudnn_sdp_enabled()
-
-
-def drafting_attention_kernels(
-    device: torch.device, dtype: torch.dtype, allow_cudnn: bool = False
-) -> contextlib.AbstractContextManager:
-    """The scaled_dot_product_attention kernels a drafting call runs with: on CUDA in float16/bfloat16, every enabled
-    kernel but cuDNN's; elsewhere, or with `allow_cudnn`, the process's own choice.
-
-    PyTorch builds with a cuDNN newer than 9.15 (its CUDA 13 wheels) try cuDNN's attention first on Hopper and
-    Blackwell GPUs, and cuDNN builds an execution plan for each new shape (query length, key length) before it runs
-    it, which costs milliseconds where the kernel costs microseconds. Plain decoding meets each key length once per
-    call and the next call finds most of them planned, but a drafting call verifies a new (drafts, context) pair at
-    every cycle and the drafter attends from its block to a new context length, so each cycle pays for new plans.
-    """
-    if allow_cudnn or not _cudnn_eligible(device, dtype):
-        return contextlib.nullcontext()
-    return _cudnn_attention_off()
-
-
-# cuDNN's SDPA switch is process-wide: calls that overlap (threads serving requests, a streamer's generation thread)
-# share one "off", and the last one to finish puts back what the first one found.
-_CUDNN_SWITCH_LOCK = threading.Lock()
-_calls_without_cudnn = 0
-_cudnn_switch_found = True
-
-
-@contextlib.contextmanager
-def _cudnn_attention_off():
-    global _calls_without_cudnn, _cudnn_switch_found
-    with _CUDNN_SWITCH_LOCK:
-        if _calls_without_cudnn == 0:
-            _cudnn_switch_found = torch.backends.cuda.cudnn_sdp_enabled()
-            torch.backends.cuda.enable_cudnn_sdp(False)
-        _calls_without_cudnn += 1
-    try:
-        yield
-    finally:
-        with _CUDNN_SWITCH_LOCK:
-            _calls_without_cudnn -= 1
-            if _calls_without_cudnn == 0:
-                torch.backends.cuda.enable_cudnn_sdp(_cudnn_switch_found)
 
 
 def _wrap_assisted_decoding(original):
@@ -367,7 +256,7 @@ def _wrap_assisted_decoding(original):
         # transformers rolls convolution-only layers back itself; recurrent states are ours to roll back.
         recurrent = keeps_recurrent_states(self)
         if recurrent or (batched and has_recurrent_layers(cache)):
-            _check_recurrent_call(self, cache, generation_config, batched, options.domino_branches)
+            check_recurrent_call(self, cache, generation_config, batched, options.domino_branches)
         if batched:
             stats = DominoGenerationStats(timings={} if options.domino_timings else None)
             drafter.last_generation_stats = stats

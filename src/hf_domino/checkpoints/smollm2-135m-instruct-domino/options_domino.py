@@ -104,7 +104,7 @@ class DominoOptions:
         domino_cudnn_attention: let scaled_dot_product_attention pick cuDNN's kernels during the call (default
             False: on CUDA in float16/bfloat16 the call runs with every other enabled SDPA kernel; on a CPU, or in
             float32, nothing changes). cuDNN builds an execution plan for each new pair of query and key lengths,
-            and a drafting cycle meets a new pair at every forward (`generate_hook_domino.drafting_attention_kernels`).
+            and a drafting cycle meets a new pair at every forward (`attention_kernels_domino.drafting_attention_kernels`).
         domino_branches: verify each drafted block as a tree of this many branches (default 1: one block), one per
             first draft among the drafter's likeliest, each continued by the Domino head from its own first draft, in
             one target forward of 1 + branches x k tokens; the branch whose first draft the target picks goes on.

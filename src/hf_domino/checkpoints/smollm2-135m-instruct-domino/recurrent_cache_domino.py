@@ -1,13 +1,15 @@
 """How a cache with recurrent layers (linear attention, state-space models) gives back a verification's rejected
 drafts: `RecurrentRollback` keeps the states each forward started from and, where the family's scan allows, the inputs
 it read, so that a state holds exactly the tokens kept; which targets keep such states (`keeps_recurrent_states`) and
-which of them can verify drafts at all (`check_recurrent_target`).
+which of them can verify drafts at all (`check_recurrent_target`), and which calls on them a drafter serves
+(`check_recurrent_call`).
 
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -16,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin, get_layer_types_and_kwargs
+
+from .cache_domino import cached_tokens
 
 # transformers >= 5.25 rolls recurrent states back in its own assisted loop (per-token states kept by each forward),
 # and no longer marks the models that keep them `_is_stateful`, which earlier releases refuse an assistant for.
@@ -507,15 +511,74 @@ def has_recurrent_layers(cache: Cache | None) -> bool:
     return cache is not None and any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
 
 
+@contextlib.contextmanager
+def recurrent_state_check_waived(target):
+    """transformers < 5.25 refuses an assistant for a target with recurrent states (`_is_stateful`), which cannot
+    drop rejected drafts; a Domino call rolls them back (`RecurrentRollback`) for the families that continue their
+    states exactly over a forward of several tokens (`check_recurrent_target`, else refused here, on every release),
+    and refuses before the prefill a call whose cache or shape does not let it (`check_recurrent_call`)."""
+    if not keeps_recurrent_states(target):
+        yield
+        return
+    check_recurrent_target(target)
+    if TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES:  # no such refusal to waive
+        yield
+        return
+    target.__dict__["_is_stateful"] = False  # this instance, for transformers' check only
+    try:
+        yield
+    finally:
+        target.__dict__.pop("_is_stateful", None)
+
+
+def check_recurrent_call(target, cache, generation_config, batched: bool, branches: int = 1) -> None:
+    """Raises, naming the fix, for a call on a target with recurrent states that a Domino drafter cannot serve."""
+    if batched and branches > 1:
+        raise ValueError(
+            f"{type(target).__name__} keeps per-layer states (linear attention, convolution or state-space layers), "
+            "which a tree of first-token branches cannot keep per branch: draft plain blocks (domino_branches=1)."
+        )
+    if batched and keeps_recurrent_states(target) and not has_replayable_scan(target):
+        raise ValueError(
+            f"{type(target).__name__} keeps per-layer states that a drafted batch cannot keep row by row (only "
+            "families whose scan can be replayed over each row's kept tokens can: the Gated DeltaNet and Mamba2 "
+            "ones): generate one sequence at a time with the drafter, or the batch without it."
+        )
+    if batched and cached_tokens(cache):
+        raise ValueError(
+            f"A drafted batch of {type(target).__name__} starts from its prompts: its linear-attention states hold no "
+            "count of their tokens per row. Pass the whole conversations without the cache, or one sequence at a "
+            "time."
+        )
+    if not has_recurrent_layers(cache):
+        raise ValueError(
+            f"{type(target).__name__} keeps its recurrent states outside a cache of linear-attention layers passed "
+            f"through generate() (got {type(cache).__name__}), where drafting cannot roll them back after a rejected "
+            "draft (transformers 5.24 moved state-space models' states there): upgrade transformers, or generate "
+            "without the drafter."
+        )
+    if generation_config.return_dict_in_generate and (
+        generation_config.output_attentions or generation_config.output_hidden_states
+    ):
+        raise ValueError(
+            f"With a drafter, {type(target).__name__}'s forwards may read again the tokens of a verification rolled "
+            "back whole (its recurrent states cannot drop rejected drafts where the scan kept no inputs, as in a "
+            "compiled forward), so they return no attentions or hidden states per generated token: drop "
+            "output_attentions/output_hidden_states (output_scores and output_logits work)."
+        )
+
+
 __all__ = [
     "RECURRENT_TARGETS",
     "RecurrentRollback",
     "SCAN_FAMILIES",
     "TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES",
+    "check_recurrent_call",
     "check_recurrent_target",
     "has_recurrent_layers",
     "has_replayable_scan",
     "keeps_recurrent_states",
     "record_past",
+    "recurrent_state_check_waived",
     "replayable_scan",
 ]
