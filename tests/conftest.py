@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +42,41 @@ def one_torch_thread():
     yield
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
+
+
+# Threads tests left running, and the test that left each (what a later test's failure names).
+_LEFT_BY: dict[threading.Thread, str] = {}
+
+
+def _cpu_seconds(thread: threading.Thread) -> float:
+    """CPU time the thread has used (Linux; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, in clock ticks
+
+
+@pytest.fixture(autouse=True)
+def no_busy_thread_left_behind(request):
+    """Fails a test during which a thread an earlier test left running kept a core busy. Such a thread slows every
+    later test in its worker, and it showed only as slow tests: transformers' serving runner, asking its stopped
+    manager for outputs in a loop, took the interpreter's lock from each op of the tests after it (one test took
+    250 s instead of 0.3 s, the suite 14.7 minutes instead of 10)."""
+    before = {thread: _cpu_seconds(thread) for thread in _LEFT_BY if thread.is_alive()}
+    start = time.perf_counter()
+    yield
+    elapsed = time.perf_counter() - start
+    for thread, seconds in before.items():
+        used = _cpu_seconds(thread) - seconds
+        if thread.is_alive() and used > max(1.0, elapsed / 4):
+            pytest.fail(
+                f"Thread {thread.name!r}, left running by {_LEFT_BY[thread]}, used {used:.1f} s of CPU during "
+                f"this test of {elapsed:.1f} s: end it in the test that starts it."
+            )
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and thread not in _LEFT_BY:
+            _LEFT_BY[thread] = request.node.nodeid
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
