@@ -37,8 +37,9 @@ os.environ.setdefault("ACCELERATE_USE_CPU", "true")
 def one_torch_thread():
     """Every test ends with one torch thread again: the CLI commands the suite calls in its own process (bench, demo,
     train, regenerate) set the threads a user asks for, the cores by default, and two workers left with two threads
-    each on two cores made the tiny models' products wait on each other (the 2,500-draw sampling tests ran 10x slower
-    after such a call: 250-310 s against 22-32 s)."""
+    each on two cores made the tiny models' products wait on each other (without this fixture the 2,500-draw sampling
+    tests took 98-140 s against 26-28 s, the suite 14.4 minutes against 10.3: the README's test command with
+    `--durations=30`, 2026-12-04, no thread left busy by another test)."""
     yield
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
