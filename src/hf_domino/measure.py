@@ -20,6 +20,9 @@ Methods (`parse_method`):
 - `dflash`, `dflash_k<N>`: the same with the Domino head switched off (DFlash drafting, same weights);
 - a Domino method with `@eager`, `@triton` or `@triton+graph` appended (`domino_vocab_k16@eager`) forces that
   `domino_rollout` (the default, `auto`, fuses the head on CUDA where it applies), to time the head's paths;
+- `transformers_dflash`: transformers' own DFlash drafting (`speculation_type="dflash"`) with the drafter converted by
+  `to_transformers_dflash` (a `shift_label=False` drafter; a Domino head is left out): a whole block every cycle over
+  the whole vocabulary, the drafts `dflash_k<block - 1>` proposes, on transformers' code;
 - `manual`: a minimal hand-written greedy draft/verify loop (`manual_generate`) over the same drafting ladder and
   the target's `DynamicCache`, to price what transformers' assisted-decoding loop costs around the same work.
 
@@ -36,6 +39,7 @@ import copy
 import re
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -53,6 +57,7 @@ from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_back
 from .modeling_domino import DominoForSpeculation, TargetModules, context_features, hidden_state_indices
 from .prepacked_linear import eager_linears
 from .recurrent_cache_domino import RecurrentRollback, has_recurrent_layers, record_past
+from .transformers_dflash import to_transformers_dflash
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -78,7 +83,11 @@ class MethodSpec:
     @property
     def adaptive(self) -> bool:
         """Whether its generate() call chooses its draft lengths with the adaptive policy (a drafter, no `_k<N>`)."""
-        return self.uses_drafter and self.name != "manual" and self.options.get("draft_policy") != "fixed"
+        return (
+            self.uses_drafter
+            and self.name not in ("manual", "transformers_dflash")
+            and self.options.get("draft_policy") != "fixed"
+        )
 
 
 def parse_method(name: str) -> MethodSpec:
@@ -88,12 +97,12 @@ def parse_method(name: str) -> MethodSpec:
     the fixed policy), `@<rollout>`."""
     if name in ("target", "target_eager", "target_no_cudnn", "prompt_lookup"):
         return MethodSpec(name)
-    if name in ("manual", "default"):
+    if name in ("manual", "default", "transformers_dflash"):
         return MethodSpec(name, uses_drafter=True)
     match = _DRAFTER_METHOD.match(name)
     if match is None:
         raise ValueError(
-            f"Unknown method {name!r}; choose among target, target_eager, target_no_cudnn, prompt_lookup, manual, default, domino, dflash, domino_vocab, "
+            f"Unknown method {name!r}; choose among target, target_eager, target_no_cudnn, prompt_lookup, manual, default, transformers_dflash, domino, dflash, domino_vocab, "
             "domino_k<N>, domino_vocab_k<N>, domino_vocab_lookup, domino_vocab_copies (and the same for dflash), each optionally with @eager, @triton or "
             "@triton+graph (the Domino head's rollout)."
         )
@@ -243,6 +252,17 @@ def method_context(method: str, target: PreTrainedModel) -> contextlib.AbstractC
     return contextlib.nullcontext()
 
 
+# Each drafter's conversion for `transformers_dflash`, made once (a drafter's weights do not change during a bench).
+_TRANSFORMERS_DFLASH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def transformers_dflash_model(drafter: DominoForSpeculation) -> torch.nn.Module:
+    """`to_transformers_dflash(drafter)`, converted on first use."""
+    if drafter not in _TRANSFORMERS_DFLASH:
+        _TRANSFORMERS_DFLASH[drafter] = to_transformers_dflash(drafter)
+    return _TRANSFORMERS_DFLASH[drafter]
+
+
 def run_method(
     method: str,
     target: PreTrainedModel,
@@ -275,7 +295,8 @@ def run_method(
     if spec.options.get("draft_vocab") and drafter.draft_vocab is None:
         raise ValueError(f"Method {method!r} needs a drafter with a draft vocabulary (see `hf-domino draft-vocab`).")
     input_ids = input_ids.to(target.device)
-    timings = {} if record_timings and spec.uses_drafter else None
+    ours = spec.uses_drafter and method != "transformers_dflash"  # drafting through hf-domino
+    timings = {} if record_timings and ours else None
     drafted = copied = None
     with record_target_forwards(target) as cache_lengths, method_context(method, target):
         start = time.perf_counter()
@@ -297,6 +318,8 @@ def run_method(
                 kwargs |= compile_kwargs(cache_implementation, compile)
             if method == "prompt_lookup":
                 kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
+            elif method == "transformers_dflash":
+                kwargs |= {"assistant_model": transformers_dflash_model(drafter), "speculation_type": "dflash"}
             elif spec.uses_drafter:
                 kwargs |= {"assistant_model": drafter, "domino_timings": record_timings, **spec.options}
                 if num_speculative_tokens is not None and "num_speculative_tokens" not in spec.options:
@@ -304,7 +327,7 @@ def run_method(
             output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
         synchronize(target.device)
         seconds = time.perf_counter() - start
-    if spec.uses_drafter and method != "manual":
+    if ours and method != "manual":
         stats = drafter.last_generation_stats
         drafted = list(stats.drafted)
         copied = [text or store for text, store in zip(stats.copied, stats.retrieved)]  # no drafter ran

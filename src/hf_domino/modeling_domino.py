@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -41,6 +42,8 @@ from .target_modules_domino import TargetModules, vocab_rows
 
 # A drafter's optional draft vocabulary lives in this file next to model.safetensors.
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+# Tensors that transformers' own DFlash assistant (`MuseGlimmerAssistantModel`) names otherwise: ours -> theirs.
+TRANSFORMERS_DFLASH_NAMES = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
 # `with drafter.domino_head(False):` sets the default of generate()'s `domino_head` option for the block (None: on
 # when the drafter has a head).
 DOMINO_HEAD_DEFAULT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("domino_head_default", default=None)
@@ -427,13 +430,17 @@ class DominoForSpeculation(DominoPreTrainedModel):
         return_loading_info = kwargs.pop("output_loading_info", False)
         # Let mis-shaped tensors through to the loading report so that our error can name them.
         strict_shapes = not kwargs.pop("ignore_mismatched_sizes", False)
+        renamed = {f"^{re.escape(theirs)}$": ours for ours, theirs in TRANSFORMERS_DFLASH_NAMES.items()}
         model, info = super().from_pretrained(
             pretrained_model_name_or_path,
             *model_args,
             output_loading_info=True,
             ignore_mismatched_sizes=True,
+            key_mapping={**renamed, **(kwargs.pop("key_mapping", None) or {})},
             **kwargs,
         )
+        # Whatever layout it was read from, a drafter saves in the published one, not back in the folder's.
+        model._weight_conversions = None
         if not strict_shapes:
             info = {**info, "mismatched_keys": []}
         _raise_on_loading_problems(info, pretrained_model_name_or_path)

@@ -300,7 +300,9 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
     if getattr(generation_config, "speculation_type", None) is not None:
         raise ValueError(
             f"speculation_type={generation_config.speculation_type!r} selects another transformers drafting path; "
-            "a Domino drafter drafts by itself. Remove it (for DFlash-style drafting use drafter.domino_head(False))."
+            "a Domino drafter drafts by itself. Remove it (for DFlash-style drafting use drafter.domino_head(False)); "
+            "to draft on transformers' own DFlash path instead, pass hf_domino.to_transformers_dflash(drafter) as the "
+            "assistant_model (shift_label=False drafters only)."
         )
 
 

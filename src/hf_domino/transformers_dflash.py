@@ -1,0 +1,87 @@
+"""A drafter's backbone as transformers' own DFlash assistant (`generate(..., speculation_type="dflash")`).
+
+Every transformers release hf-domino supports drafts DFlash-style by itself: `DFlashTokenCandidateGenerator` with a
+`MuseGlimmerAssistantModel`, the same backbone as ours (a projection of the target's hidden states, non-causal
+Qwen3-style layers with q/k norms, the target's embeddings and LM head) under other tensor names.
+`to_transformers_dflash` builds that model from a DFlash drafter, so that the drafter runs in transformers with no
+remote code and no hf-domino, or is compared with ours: on the same weights both draft the same tokens at every cycle
+(tests/test_transformers_dflash.py). Folders it saves load back with `DominoForSpeculation.from_pretrained`.
+
+What does not carry over: the Domino head, the draft vocabulary (transformers drafts over the whole vocabulary),
+and drafters trained with `shift_label=True` (every published Domino drafter, and ours): transformers reads the drafts
+from block positions 1 to B - 1, where such a drafter predicts from position 0.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+from .configuration_domino import TRANSFORMERS_DFLASH_FIELDS
+from .modeling_domino import TRANSFORMERS_DFLASH_NAMES, DominoForSpeculation
+
+HEAD_PREFIXES = ("prefix_gru.", "embed_proj.")
+
+
+def to_transformers_dflash(
+    drafter: DominoForSpeculation, *, drop_domino_head: bool = False
+) -> MuseGlimmerAssistantModel:
+    """transformers' `MuseGlimmerAssistantModel` with `drafter`'s backbone, on its device and in its dtype.
+
+    Use it as transformers' own DFlash drafter: `target.generate(**inputs, assistant_model=model,
+    speculation_type="dflash")`, or `model.save_pretrained(folder)` for a folder `AutoModel.from_pretrained` loads
+    without `trust_remote_code`. Raises `ValueError` for a drafter transformers' path would run differently:
+    `shift_label=True`, a Domino head (unless `drop_domino_head=True`, which drafts as `domino_head=False` does
+    here), attention biases or partial RoPE.
+    """
+    config = drafter.config
+    _refuse_what_does_not_carry_over(config, drop_domino_head)
+    native = MuseGlimmerAssistantModel(MuseGlimmerAssistantConfig(**_native_config_fields(config))).eval()
+    weights = {
+        TRANSFORMERS_DFLASH_NAMES.get(name, name): tensor
+        for name, tensor in drafter.state_dict().items()
+        if not name.startswith(HEAD_PREFIXES)
+    }
+    native.load_state_dict(weights, strict=True)
+    return native.to(device=drafter.device, dtype=drafter.dtype)
+
+
+def _refuse_what_does_not_carry_over(config: Any, drop_domino_head: bool) -> None:
+    if config.shift_label:
+        raise ValueError(
+            "This drafter was trained with shift_label=True (block position i predicts token start + i + 1, as every "
+            "published Domino drafter does); transformers' DFlash path reads block position i as token start + i, so "
+            "every draft would come one token late and almost none would be accepted. Draft with it through "
+            "hf-domino (target.generate(..., assistant_model=drafter)); only shift_label=False (DFlash) drafters "
+            "convert."
+        )
+    if config.has_domino_head and not drop_domino_head:
+        raise ValueError(
+            "transformers' DFlash assistant has no Domino head (the GRU and logit correction, prefix_gru.* and "
+            "embed_proj.*): converting keeps the backbone only, which drafts as domino_head=False does here. Pass "
+            "drop_domino_head=True to convert without it, or draft with the head through hf-domino."
+        )
+    if config.attention_bias:
+        raise ValueError(
+            "This drafter's attention projections have biases (attention_bias=True); transformers' DFlash assistant "
+            "has none. Draft with it through hf-domino."
+        )
+    rope = config.rope_parameters or {}
+    if "rope_theta" not in rope or rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"This drafter's RoPE ({rope}) is not one transformers' DFlash assistant builds (one set of parameters "
+            "for every layer, rotating the whole head). Draft with it through hf-domino."
+        )
+
+
+def _native_config_fields(config: Any) -> dict[str, Any]:
+    fields = {name: copy.deepcopy(getattr(config, name)) for name in TRANSFORMERS_DFLASH_FIELDS}
+    fields["layer_types"] = fields["layer_types"] or ["full_attention"] * config.num_hidden_layers
+    if "sliding_attention" in fields["layer_types"]:
+        # Ours (and DFlash's) sees keys with |query - key| < window; transformers' bidirectional window is inclusive.
+        fields["sliding_window"] = config.sliding_window - 1
+    # Not a field of transformers' config, which keeps it: DominoForSpeculation.from_pretrained reads it back.
+    fields["vocab_size"] = config.vocab_size
+    return fields

@@ -1,0 +1,137 @@
+"""transformers' own DFlash path (`speculation_type="dflash"`) and ours, on the same weights.
+
+`to_transformers_dflash` builds transformers' `MuseGlimmerAssistantModel` from a DFlash drafter. transformers'
+implementation is a second reference for our backbone: run through its own `DFlashTokenCandidateGenerator`, it must
+propose exactly the drafts ours proposes at every cycle, and both outputs must be the target's own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_drafter, tiny_target
+from transformers import AutoModel
+
+from hf_domino import DominoForSpeculation
+from hf_domino.generation_domino import DominoCandidateGenerator
+from hf_domino.transformers_dflash import to_transformers_dflash
+
+BLOCK = 6
+SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}
+
+
+def record_drafts(monkeypatch, generator_class) -> list[tuple[int, list[int]]]:
+    """(context length, drafted tokens) of every cycle in which `generator_class` drafted."""
+    drafts: list[tuple[int, list[int]]] = []
+    get_candidates = generator_class.get_candidates
+
+    def recording(self, input_ids, *args, **kwargs):
+        candidates = get_candidates(self, input_ids, *args, **kwargs)
+        if candidates[0].shape[1] > input_ids.shape[1]:
+            drafts.append((input_ids.shape[1], candidates[0][0, input_ids.shape[1] :].tolist()))
+        return candidates
+
+    monkeypatch.setattr(generator_class, "get_candidates", recording)
+    return drafts
+
+
+@pytest.mark.parametrize("layers", ["full", "sliding"])
+def test_transformers_dflash_drafts_what_we_draft(arch, layers, monkeypatch):
+    from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
+
+    target = tiny_target(arch)
+    window = SLIDING if layers == "sliding" else {}
+    drafter = tiny_drafter(target, head=False, shift_label=False, block_size=BLOCK, **window)
+    native = to_transformers_dflash(drafter)
+    theirs = record_drafts(monkeypatch, DFlashTokenCandidateGenerator)
+    ours = record_drafts(monkeypatch, DominoCandidateGenerator)
+    max_new_tokens = 48
+    for seed in range(3):
+        prompt = torch.randint(4, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(seed))
+        alone = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False)
+        theirs.clear(), ours.clear()
+        by_transformers = target.generate(
+            prompt, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=native, speculation_type="dflash"
+        )
+        by_us = target.generate(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            assistant_model=drafter,
+            draft_policy="fixed",
+            domino_lookup=False,
+        )
+        assert torch.equal(by_transformers, alone) and torch.equal(by_us, alone)
+        assert len(ours) == len(theirs) > max_new_tokens // 2
+        # Near max_new_tokens we draft only what can still be kept; transformers drafts a whole block regardless.
+        end = prompt.shape[1] + max_new_tokens - BLOCK
+        assert [(n, d[: len(mine)]) for (n, d), (_, mine) in zip(theirs, ours)] == ours
+        assert all(d == mine for (n, d), (_, mine) in zip(theirs, ours) if n < end)
+
+
+def test_a_saved_conversion_loads_without_remote_code(tmp_path):
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target, head=False, shift_label=False, block_size=BLOCK)
+    to_transformers_dflash(drafter).save_pretrained(tmp_path)
+    loaded = AutoModel.from_pretrained(tmp_path)
+    assert type(loaded).__name__ == "MuseGlimmerAssistantModel"
+    prompt = torch.tensor([[5, 9, 11, 20, 7, 30, 12]])
+    assert torch.equal(
+        target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=loaded, speculation_type="dflash"),
+        target.generate(prompt, max_new_tokens=24, do_sample=False),
+    )
+
+
+def test_what_does_not_carry_over_is_refused_by_name():
+    target = tiny_target("qwen3")
+    with pytest.raises(ValueError, match="shift_label=True .* one token late"):
+        to_transformers_dflash(tiny_drafter(target, head=False, shift_label=True))
+    with_head = tiny_drafter(target, head=True, shift_label=False, block_size=BLOCK)
+    with pytest.raises(ValueError, match="no Domino head .* drop_domino_head=True"):
+        to_transformers_dflash(with_head)
+    backbone = to_transformers_dflash(with_head, drop_domino_head=True).state_dict()
+    assert backbone["encoder.fc.weight"].equal(with_head.fc.weight) and not any("gru" in name for name in backbone)
+    with pytest.raises(ValueError, match="attention_bias=True"):
+        to_transformers_dflash(tiny_drafter(target, head=False, shift_label=False, attention_bias=True))
+
+
+@pytest.mark.parametrize("layers", ["full", "sliding"])
+def test_a_transformers_dflash_folder_loads_as_the_drafter_it_came_from(layers, tmp_path):
+    """Back from transformers' layout: the same tensors and config, drafting as before, and saved in ours."""
+    from safetensors import safe_open
+
+    target = tiny_target("llama")
+    window = SLIDING if layers == "sliding" else {}
+    drafter = tiny_drafter(target, head=False, shift_label=False, block_size=BLOCK, **window)
+    to_transformers_dflash(drafter).save_pretrained(tmp_path / "theirs")
+    loaded = DominoForSpeculation.from_pretrained(tmp_path / "theirs")
+    assert loaded.state_dict().keys() == drafter.state_dict().keys()
+    assert all(loaded.state_dict()[name].equal(tensor) for name, tensor in drafter.state_dict().items())
+    for field in ("sliding_window", "layer_types", "vocab_size", "block_size", "mask_token_id", "target_layer_ids"):
+        assert getattr(loaded.config, field) == getattr(drafter.config, field), field
+    assert not loaded.config.shift_label and not loaded.config.has_domino_head
+    loaded.save_pretrained(tmp_path / "ours")
+    with safe_open(tmp_path / "ours" / "model.safetensors", "pt") as saved:
+        assert {"fc.weight", "hidden_norm.weight"} <= set(saved.keys())
+    prompt = torch.tensor([[5, 9, 11, 20, 7, 30, 12]])
+    options = dict(max_new_tokens=24, do_sample=False, draft_policy="fixed", domino_lookup=False)
+    assert torch.equal(
+        target.generate(prompt, assistant_model=loaded, **options),
+        target.generate(prompt, assistant_model=drafter, **options),
+    )
+    assert loaded.last_generation_stats.acceptance_lengths == drafter.last_generation_stats.acceptance_lengths
+
+
+def test_a_folder_without_its_vocabulary_size_asks_for_it(tmp_path):
+    """Folders transformers wrote itself record no vocabulary size: the error says which to pass."""
+    import json
+
+    target = tiny_target("qwen3")
+    to_transformers_dflash(tiny_drafter(target, head=False, shift_label=False)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["vocab_size"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"pass the target's, .*vocab_size=target\.config\.vocab_size"):
+        DominoForSpeculation.from_pretrained(tmp_path)
+    loaded = DominoForSpeculation.from_pretrained(tmp_path, vocab_size=target.config.vocab_size)
+    assert loaded.config.vocab_size == target.config.vocab_size
