@@ -39,6 +39,8 @@ DOCUMENTS = ("README.md", "docs/usage.md", "src/hf_domino/checkpoints/smollm2-13
 GPU_MARKER = "<!-- gpu -->"
 TRANSFORMERS_MARKER = re.compile(r"<!-- transformers>=([\d.]+) -->")
 NEW_TOKENS = 4
+# One thread, as the test workers run: two beside another worker's run several times slower.
+SCRIPT_HEADER = "import torch\ntorch.manual_seed(0)\ntorch.set_num_threads(1)\n"
 TARGET_IDS = ("HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen3-8B")
 DRAFTER_IDS = ("Huang2020/Qwen3-8B-Domino-b16", "path/to/drafter", "smollm2-135m-instruct-domino")
 DFLASH_DRAFTER_IDS = ("path/to/dflash-drafter",)  # a DFlash (shift_label=False) drafter for the target
@@ -98,10 +100,8 @@ def localize(code: str, target_dir: Path, cuda: bool) -> str:
 def script_for(document: str, target_dir: Path, cuda: bool) -> tuple[str, list[tuple[int, int]], int]:
     """One script of the document's runnable blocks, the (script line, document line) where each starts, and how
     many blocks were skipped (for want of CUDA or of a later transformers)."""
-    # One thread, as the test workers run: two beside another worker's run several times slower.
-    header = "import torch\ntorch.manual_seed(0)\ntorch.set_num_threads(1)\n"
-    parts, starts, skipped = [header], [], 0
-    line = header.count("\n") + 1
+    parts, starts, skipped = [SCRIPT_HEADER], [], 0
+    line = SCRIPT_HEADER.count("\n") + 1
     for block in python_blocks((ROOT / document).read_text()):
         if not block.runs_here(cuda):
             skipped += 1
@@ -251,6 +251,32 @@ def test_python_blocks_run_as_written(document, target_dir, tmp_path):
     script, starts, skipped = script_for(document, target_dir, cuda)
     if not starts:
         pytest.skip(f"{document}: no python block runs here ({skipped} skipped)")
+    run_as_a_script(script, starts, document, tmp_path)
+
+
+def test_a_card_in_transformers_dflash_layout_runs_as_written(target_dir, tmp_path):
+    """The card `hf-domino export --layout transformers-dflash` writes: its usage, with the exported folder for the
+    repository id, drafts through transformers' own DFlash path with no hf-domino import."""
+    from hf_domino.assets import backbone_as_dflash, load_drafter
+    from hf_domino.export import export_drafter
+
+    repo_id = "org/smollm2-dflash"
+    folder = export_drafter(
+        backbone_as_dflash(load_drafter()),
+        tmp_path / "exported",
+        base_model=TARGET_IDS[0],
+        repo_id=repo_id,
+        layout="transformers-dflash",
+    )
+    blocks = python_blocks((folder / "README.md").read_text())
+    assert len(blocks) == 1 and "import hf_domino" not in blocks[0].code
+    code = localize(blocks[0].code, target_dir, torch.cuda.is_available()).replace(f'"{repo_id}"', repr(str(folder)))
+    run_as_a_script(SCRIPT_HEADER + code, [(SCRIPT_HEADER.count("\n") + 1, blocks[0].line)], "the card", tmp_path)
+
+
+def run_as_a_script(script: str, starts: list[tuple[int, int]], document: str, tmp_path: Path) -> None:
+    """Runs `script` in a subprocess, offline, and fails naming the document line of the block that raised."""
+    cuda = torch.cuda.is_available()
     path = tmp_path / "doc_blocks.py"
     path.write_text(script)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -135,3 +135,35 @@ def test_a_folder_without_its_vocabulary_size_asks_for_it(tmp_path):
         DominoForSpeculation.from_pretrained(tmp_path)
     loaded = DominoForSpeculation.from_pretrained(tmp_path, vocab_size=target.config.vocab_size)
     assert loaded.config.vocab_size == target.config.vocab_size
+
+
+def test_export_in_transformers_layout_writes_a_folder_transformers_drafts_with_alone(tmp_path):
+    """`hf-domino export --layout transformers-dflash`: weights and config transformers loads without remote code,
+    a card whose usage names `speculation_type="dflash"`, no remote code or draft vocabulary; a drafter the layout
+    cannot hold is refused with the reason, and nothing is written."""
+    from hf_domino.cli import main
+
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target, head=False, shift_label=False, block_size=BLOCK)
+    drafter.set_draft_vocab(torch.arange(10, 40))
+    drafter.save_pretrained(tmp_path / "trained")
+    argv = ["export", str(tmp_path / "trained"), str(tmp_path / "hub"), "--base-model", "org/t", "--dtype", "bfloat16"]
+    assert main([*argv, "--layout", "transformers-dflash"]) == 0
+    written = sorted(path.name for path in (tmp_path / "hub").iterdir())
+    assert written == ["README.md", "config.json", "model.safetensors"]
+    card = (tmp_path / "hub" / "README.md").read_text()
+    assert 'speculation_type="dflash"' in card and "trust_remote_code" not in card and "draft vocabulary" not in card
+    loaded = AutoModel.from_pretrained(tmp_path / "hub")
+    assert type(loaded).__name__ == "MuseGlimmerAssistantModel" and loaded.dtype == torch.bfloat16
+    prompt = torch.tensor([[5, 9, 11, 20, 7, 30, 12]])
+    assert torch.equal(
+        target.generate(
+            prompt, max_new_tokens=24, do_sample=False, assistant_model=loaded.float(), speculation_type="dflash"
+        ),
+        target.generate(prompt, max_new_tokens=24, do_sample=False),
+    )
+    tiny_drafter(target, head=True, shift_label=True).save_pretrained(tmp_path / "domino")
+    argv[1:3] = [str(tmp_path / "domino"), str(tmp_path / "never")]
+    with pytest.raises(SystemExit, match="--layout transformers-dflash: .*shift_label=True"):
+        main([*argv, "--layout", "transformers-dflash"])
+    assert not (tmp_path / "never").exists()

@@ -4,6 +4,8 @@
 implementation and SGLang read, see docs/model.md) and the remote-code files. `export_drafter` adds the target's
 tokenizer (so that `pipeline(..., assistant_model="path")` finds one) and a model card, writes everything atomically
 (the folder appears complete or not at all), and warns when SGLang could not serve the result as it stands.
+`layout="transformers-dflash"` writes a DFlash drafter in transformers' own DFlash layout instead
+(`to_transformers_dflash`: no remote code, for `generate(..., speculation_type="dflash")`), with a card of its own.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from safetensors import safe_open
 
 from .configuration_domino import SERVING_ARCHITECTURE, SERVING_MODEL_TYPE
 from .modeling_domino import DominoForSpeculation
+from .transformers_dflash import HEAD_PREFIXES, to_transformers_dflash
+
+# What `export_drafter` writes: our layout (the published DFlash/Domino one, with our remote code), or transformers'
+# own DFlash assistant's.
+LAYOUTS = ("hf-domino", "transformers-dflash")
 
 CARD_TEMPLATE = """\
 ---
@@ -85,6 +92,59 @@ either kind; the first `generate()` with the drafter on an unprepared CPU target
 {results_section}{training_section}"""
 
 
+TRANSFORMERS_DFLASH_CARD_TEMPLATE = """\
+---
+{card_data}
+---
+
+# {title}
+
+A speculative-decoding drafter for [{base_model}](https://huggingface.co/{base_model}) in transformers' own DFlash
+layout (`MuseGlimmerAssistantModel`; [DFlash](https://arxiv.org/abs/2602.06036)): it drafts {num_drafts} tokens per
+target forward in one parallel pass from the target's hidden states, and transformers' assisted decoding verifies
+them: greedy output is identical to the target alone, and sampling keeps the target's distribution. It loads without
+remote code.
+
+## Usage
+
+```python
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+target = AutoModelForCausalLM.from_pretrained("{base_model}")
+tokenizer = AutoTokenizer.from_pretrained("{base_model}")
+drafter = AutoModel.from_pretrained("{repo_id}").to(target.device, target.dtype)
+
+messages = [{{"role": "user", "content": "Explain speculative decoding in one paragraph."}}]
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+inputs = inputs.to(target.device)
+# Greedy (do_sample=False): the output is exactly the target's own.
+output = target.generate(
+    **inputs, assistant_model=drafter, speculation_type="dflash", max_new_tokens=256, do_sample=False
+)
+print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+```
+
+transformers verifies a whole block at every target forward, one sequence at a time. With `pip install hf-domino`,
+`hf_domino.DominoForSpeculation.from_pretrained("{repo_id}")` loads the same weights as its drafter
+(`target.generate(..., assistant_model=drafter)`, no `speculation_type`): the same drafts, plus batches, a draft
+length chosen per block from what verifying costs, and drafts copied from the text.
+
+## Drafter
+
+| | |
+|---|---|
+{shape_rows}
+{results_section}{training_section}"""
+# Rows of `drafter_shape` that a transformers-layout folder does not carry.
+NOT_IN_TRANSFORMERS_LAYOUT = (
+    "Domino head",
+    "GRU hidden / correction rank",
+    "pure draft prefix",
+    "draft vocabulary",
+    "datastore",
+)
+
+
 def drafter_shape(drafter: DominoForSpeculation, dtype: torch.dtype | None = None) -> dict[str, Any]:
     config = drafter.config
     shape = {
@@ -126,9 +186,12 @@ def model_card(
     results: list[dict[str, Any]] | None = None,
     training_summary: str | None = None,
     dtype: torch.dtype | None = None,
+    layout: str = "hf-domino",
 ) -> ModelCard:
-    """The drafter's Hub model card: YAML metadata, usage for generate() and pipeline(), shape, results."""
+    """The drafter's Hub model card: YAML metadata, usage for generate() and pipeline() (transformers' own DFlash
+    path for `layout="transformers-dflash"`), shape, results."""
     config = drafter.config
+    native = layout == "transformers-dflash"
     card_data = ModelCardData(
         library_name="transformers",
         base_model=base_model,
@@ -144,15 +207,21 @@ def model_card(
     )
     results_section = f"\n## Results\n\n{_markdown_table(results)}\n" if results else ""
     training_section = f"\n## Training\n\n{training_summary}\n" if training_summary else ""
-    content = CARD_TEMPLATE.format(
+    shape = drafter_shape(drafter, dtype)
+    if native:
+        shape = {key: value for key, value in shape.items() if key not in NOT_IN_TRANSFORMERS_LAYOUT}
+        backbone = (p.numel() for name, p in drafter.named_parameters() if not name.startswith(HEAD_PREFIXES))
+        shape["parameters"] = f"{sum(backbone) / 1e6:.1f}M"
+    content = (TRANSFORMERS_DFLASH_CARD_TEMPLATE if native else CARD_TEMPLATE).format(
         card_data=card_data.to_yaml(),
-        title=f"{base_model.split('/')[-1]} {'Domino' if config.has_domino_head else 'DFlash'} drafter",
+        title=f"{base_model.split('/')[-1]} {'Domino' if config.has_domino_head else 'DFlash'} drafter"
+        + (" (transformers' DFlash layout)" if native else ""),
         base_model=base_model,
         repo_id=repo_id,
         kind="Domino" if config.has_domino_head else "DFlash",
         num_drafts=config.num_drafts,
         head_sentence=head_sentence,
-        shape_rows="\n".join(f"| {key} | {value} |" for key, value in drafter_shape(drafter, dtype).items()),
+        shape_rows="\n".join(f"| {key} | {value} |" for key, value in shape.items()),
         results_section=results_section,
         training_section=training_section,
     )
@@ -171,6 +240,7 @@ def export_drafter(
     license: str = "apache-2.0",
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
+    layout: str = "hf-domino",
 ) -> Path:
     """Writes a Hub-ready drafter folder: weights, config, remote code, model card and (optionally) the tokenizer.
 
@@ -182,20 +252,27 @@ def export_drafter(
         results: rows for the card's results table (e.g. `{"prompts": "MT-Bench", "acceptance length": 3.2}`).
         training_summary: a paragraph on how the drafter was trained.
         dtype: save the weights in this dtype (e.g. `torch.float16` to halve the size).
+        layout: `"hf-domino"` (the published DFlash/Domino layout, with our remote code), or `"transformers-dflash"`
+            (transformers' own DFlash assistant, for `generate(..., speculation_type="dflash")`, no remote code: a
+            `shift_label=False` drafter without a Domino head; `to_transformers_dflash` raises a `ValueError` for
+            others, before anything is written). Draft vocabulary and datastore stay out of the second.
     """
     output_dir = Path(output_dir)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: choose among {', '.join(LAYOUTS)}.")
     if problem := _output_problem(output_dir, overwrite, "overwrite=True"):
         raise FileExistsError(f"{problem}.")
+    model = to_transformers_dflash(drafter) if layout == "transformers-dflash" else drafter
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output_dir.parent, prefix=f".{output_dir.name}.") as staging:
         staging_dir = Path(staging) / "drafter"
-        original_dtype = drafter.dtype
+        original_dtype = model.dtype
         try:
             if dtype is not None:
-                drafter.to(dtype)
-            drafter.save_pretrained(staging_dir)
+                model.to(dtype)
+            model.save_pretrained(staging_dir)
         finally:
-            drafter.to(original_dtype)
+            model.to(original_dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging_dir)
         card = model_card(
@@ -206,10 +283,11 @@ def export_drafter(
             results=results,
             training_summary=training_summary,
             dtype=dtype,
+            layout=layout,
         )
         card.save(staging_dir / "README.md")
         _apply_umask_permissions(staging_dir)
-        problems = sglang_serving_problems(staging_dir)
+        problems = sglang_serving_problems(staging_dir) if layout == "hf-domino" else []
         if output_dir.exists():
             shutil.rmtree(output_dir)
         staging_dir.rename(output_dir)
@@ -457,6 +535,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--training-summary", help="text file with a paragraph on training")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="convert the weights")
     parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists and is not empty")
+    parser.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="hf-domino",
+        help="hf-domino: the published DFlash/Domino layout with our remote code; transformers-dflash: transformers' "
+        "own DFlash assistant (generate(..., speculation_type='dflash'), no remote code; a shift_label=False drafter "
+        "without a Domino head)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -470,16 +556,20 @@ def run(args: argparse.Namespace) -> int:
     training_summary = Path(args.training_summary).read_text() if args.training_summary else None
     drafter = DominoForSpeculation.from_pretrained(drafter_folder(args.drafter))
     tokenizer = load_tokenizer(args.tokenizer, gguf_file=args.tokenizer_gguf_file) if args.tokenizer else None
-    export_drafter(
-        drafter,
-        output,
-        base_model=args.base_model,
-        tokenizer=tokenizer,
-        results=results,
-        training_summary=training_summary,
-        dtype=getattr(torch, args.dtype) if args.dtype else None,
-        overwrite=args.overwrite,
-    )
+    try:
+        export_drafter(
+            drafter,
+            output,
+            base_model=args.base_model,
+            tokenizer=tokenizer,
+            results=results,
+            training_summary=training_summary,
+            dtype=getattr(torch, args.dtype) if args.dtype else None,
+            overwrite=args.overwrite,
+            layout=args.layout,
+        )
+    except ValueError as error:  # a drafter the layout cannot hold: nothing was written
+        raise SystemExit(f"hf-domino export --layout {args.layout}: {error}") from None
     print(f"wrote {args.output}")
     return 0
 
