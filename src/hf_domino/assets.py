@@ -281,7 +281,8 @@ def backbone_as_dflash(drafter: DominoForSpeculation) -> DominoForSpeculation:
     config = copy.deepcopy(drafter.config)
     config.shift_label, config.projector_type = False, None
     backbone = DominoForSpeculation(config).eval()
-    backbone.load_state_dict({name: drafter.state_dict()[name] for name in backbone.state_dict()}, strict=True)
+    weights = drafter.state_dict()
+    backbone.load_state_dict({name: weights[name] for name in backbone.state_dict()}, strict=True)
     backbone.datastore = drafter.datastore
     if drafter.draft_vocab is not None:
         backbone.set_draft_vocab(drafter.draft_vocab)

@@ -22,19 +22,12 @@ from . import assets, prompt_sets
 from .attention_kernels_domino import cudnn_attention_applies
 from .cli import non_negative_int, number_in, positive_int
 from .cpu_fast_path import prepare_for_cpu_decoding
-from .measure import (
-    COMPILE_MODES,
-    METHODS,
-    BenchResult,
-    BenchSettings,
-    parse_method,
-    run_benchmark,
-    transformers_dflash_model,
-)
+from .measure import COMPILE_MODES, METHODS, BenchResult, BenchSettings, parse_method, run_benchmark
 from .measure_batch import BATCH_METHODS, batch_markdown, parse_batch_method, run_batch_benchmark
 from .options_domino import check_drafter_for_target
 from .recurrent_cache_domino import TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES, keeps_recurrent_states
 from .report import markdown_report, write_report
+from .transformers_dflash import check_convertible
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -253,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     drafter = _drafter_for(target, args, dtype) if needs_drafter else None
     if "transformers_dflash" in methods:
         try:
-            transformers_dflash_model(drafter)
+            check_convertible(drafter.config)
         except ValueError as error:
             raise SystemExit(f"hf-domino bench: the transformers_dflash method: {error}") from None
     methods = _runnable_methods(methods, target)

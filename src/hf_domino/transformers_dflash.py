@@ -37,7 +37,7 @@ def to_transformers_dflash(
     here), attention biases or partial RoPE.
     """
     config = drafter.config
-    _refuse_what_does_not_carry_over(config, drop_domino_head)
+    check_convertible(config, drop_domino_head=drop_domino_head)
     native = MuseGlimmerAssistantModel(MuseGlimmerAssistantConfig(**_native_config_fields(config))).eval()
     weights = {
         TRANSFORMERS_DFLASH_NAMES.get(name, name): tensor
@@ -48,7 +48,8 @@ def to_transformers_dflash(
     return native.to(device=drafter.device, dtype=drafter.dtype)
 
 
-def _refuse_what_does_not_carry_over(config: Any, drop_domino_head: bool) -> None:
+def check_convertible(config: Any, *, drop_domino_head: bool = False) -> None:
+    """Raises the `ValueError` `to_transformers_dflash` would raise for a drafter with this config, naming why."""
     if config.shift_label:
         raise ValueError(
             "This drafter was trained with shift_label=True (block position i predicts token start + i + 1, as every "
