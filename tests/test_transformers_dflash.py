@@ -167,3 +167,24 @@ def test_export_in_transformers_layout_writes_a_folder_transformers_drafts_with_
     with pytest.raises(SystemExit, match="--layout transformers-dflash: .*shift_label=True"):
         main([*argv, "--layout", "transformers-dflash"])
     assert not (tmp_path / "never").exists()
+
+
+def test_a_published_dflash_checkpoint_drafts_the_same_on_transformers_path(tmp_path, monkeypatch):
+    """A folder in z-lab's published DFlash layout, loaded here and converted: transformers' generator drafts what
+    ours drafts from it."""
+    from test_modeling import published_config, published_tensors, write_folder
+    from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
+
+    folder = write_folder(tmp_path / "published", published_config(domino=False), published_tensors(domino=False))
+    drafter = DominoForSpeculation.from_pretrained(folder)
+    target = tiny_target("qwen3", num_layers=36)  # the published configs read layers 1, 17 and 33
+    theirs = record_drafts(monkeypatch, DFlashTokenCandidateGenerator)
+    ours = record_drafts(monkeypatch, DominoCandidateGenerator)
+    prompt = torch.tensor([[7, 8, 9, 21, 30]])
+    options = dict(max_new_tokens=40, do_sample=False)
+    native = to_transformers_dflash(drafter)
+    by_transformers = target.generate(prompt, assistant_model=native, speculation_type="dflash", **options)
+    by_us = target.generate(prompt, assistant_model=drafter, draft_policy="fixed", domino_lookup=False, **options)
+    assert torch.equal(by_transformers, by_us)
+    end = prompt.shape[1] + options["max_new_tokens"] - drafter.config.block_size
+    assert [d for n, d in theirs if n < end] == [d for n, d in ours if n < end] and len(ours) > 10
