@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from .configuration_domino import SERVING_ARCHITECTURE, SERVING_MODEL_TYPE
 from .modeling_domino import DominoForSpeculation
-from .transformers_dflash import HEAD_PREFIXES, to_transformers_dflash
+from .transformers_dflash import to_transformers_dflash
 
 # What `export_drafter` writes: our layout (the published DFlash/Domino one, with our remote code), or transformers'
 # own DFlash assistant's.
@@ -126,8 +126,8 @@ print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_to
 
 transformers verifies a whole block at every target forward, one sequence at a time. With `pip install hf-domino`,
 `hf_domino.DominoForSpeculation.from_pretrained("{repo_id}")` loads the same weights as its drafter
-(`target.generate(..., assistant_model=drafter)`, no `speculation_type`): the same drafts, plus batches, a draft
-length chosen per block from what verifying costs, and drafts copied from the text.
+(`target.generate(..., assistant_model=drafter)`, no `speculation_type`): the same drafts per block, plus batches,
+a draft length chosen per block from what verifying costs, and drafts copied from the text.
 
 ## Drafter
 
@@ -210,8 +210,6 @@ def model_card(
     shape = drafter_shape(drafter, dtype)
     if native:
         shape = {key: value for key, value in shape.items() if key not in NOT_IN_TRANSFORMERS_LAYOUT}
-        backbone = (p.numel() for name, p in drafter.named_parameters() if not name.startswith(HEAD_PREFIXES))
-        shape["parameters"] = f"{sum(backbone) / 1e6:.1f}M"
     content = (TRANSFORMERS_DFLASH_CARD_TEMPLATE if native else CARD_TEMPLATE).format(
         card_data=card_data.to_yaml(),
         title=f"{base_model.split('/')[-1]} {'Domino' if config.has_domino_head else 'DFlash'} drafter"
