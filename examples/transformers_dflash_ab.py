@@ -98,12 +98,13 @@ def main() -> None:
             assert torch.equal(output, reference), f"{method}: output differs from the target alone's"
             seconds[method].append(elapsed)
             # Target forwards, the prefill's included: transformers' generator is asked for drafts before each.
-            stats = drafter.last_generation_stats
-            forwards[method] += len(theirs) if method == "transformers_dflash" else len(stats.acceptance_lengths) + 1
             if method == "transformers_dflash":
+                forwards[method] += len(theirs)
                 native_drafts = [d for d in theirs if d]
-            elif method == "ours_same_work":
-                same_work_drafts = [d for d in ours if d]
+            else:
+                forwards[method] += len(drafter.last_generation_stats.acceptance_lengths) + 1
+                if method == "ours_same_work":
+                    same_work_drafts = [d for d in ours if d]
         # Ours drafts only what max_new_tokens can still keep: compare each cycle up to the shorter of the two.
         assert len(native_drafts) == len(same_work_drafts), "the two paths verified a different number of blocks"
         assert all(n[: len(o)] == o for n, o in zip(native_drafts, same_work_drafts)), "the two paths drafted apart"

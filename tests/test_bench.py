@@ -743,6 +743,7 @@ def test_cli_bench_times_transformers_own_dflash_path_on_the_same_drafts(target,
     assert all(summary["greedy_mismatches"] == 0 for summary in written["summary"].values())
     ours, theirs = written["records"][f"dflash_k{k}"], written["records"]["transformers_dflash"]
     assert [r["acceptance_lengths"] for r in theirs] == [r["acceptance_lengths"] for r in ours]
+    assert any(n > 1 for r in ours for n in r["acceptance_lengths"])  # drafts were accepted: a comparison
     assert "| transformers_dflash |" in capsys.readouterr().out
     # The shipped kind of drafter (shift_label=True) is refused before any prompt runs, with the reason.
     argv = saved_bench_argv(target, drafter, tokenizer, tmp_path / "shifted") + ["--no-progress"]

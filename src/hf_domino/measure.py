@@ -296,6 +296,8 @@ def run_method(
         raise ValueError(f"Method {method!r} needs a drafter with a draft vocabulary (see `hf-domino draft-vocab`).")
     input_ids = input_ids.to(target.device)
     ours = spec.uses_drafter and method != "transformers_dflash"  # drafting through hf-domino
+    # Converted before the clock starts (and once per drafter): the conversion copies the drafter's weights.
+    native = transformers_dflash_model(drafter) if method == "transformers_dflash" else None
     timings = {} if record_timings and ours else None
     drafted = copied = None
     with record_target_forwards(target) as cache_lengths, method_context(method, target):
@@ -319,7 +321,7 @@ def run_method(
             if method == "prompt_lookup":
                 kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
             elif method == "transformers_dflash":
-                kwargs |= {"assistant_model": transformers_dflash_model(drafter), "speculation_type": "dflash"}
+                kwargs |= {"assistant_model": native, "speculation_type": "dflash"}
             elif spec.uses_drafter:
                 kwargs |= {"assistant_model": drafter, "domino_timings": record_timings, **spec.options}
                 if num_speculative_tokens is not None and "num_speculative_tokens" not in spec.options:
