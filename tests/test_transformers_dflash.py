@@ -14,7 +14,7 @@ from transformers import AutoModel
 
 from hf_domino import DominoForSpeculation
 from hf_domino.generation_domino import DominoCandidateGenerator
-from hf_domino.transformers_dflash import to_transformers_dflash
+from hf_domino.transformers_dflash import from_transformers_dflash, to_transformers_dflash
 
 BLOCK = 6
 SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}
@@ -168,6 +168,26 @@ def test_export_in_transformers_layout_writes_a_folder_transformers_drafts_with_
         main([*argv, "--layout", "transformers-dflash"])
     assert not (tmp_path / "never").exists()
 
+    # A DFlash drafter with a Domino head: its backbone only, on request, and the card describes what was written.
+    with_head = tiny_drafter(target, head=True, shift_label=False, block_size=BLOCK)
+    with_head.save_pretrained(tmp_path / "with-head")
+    argv[1:3] = [str(tmp_path / "with-head"), str(tmp_path / "backbone")]
+    with pytest.raises(SystemExit, match="no Domino head .*--drop-domino-head"):
+        main([*argv, "--layout", "transformers-dflash"])
+    with pytest.raises(SystemExit, match="--drop-domino-head.* applies to layout='transformers-dflash' only"):
+        main([*argv, "--drop-domino-head"])
+    assert not (tmp_path / "backbone").exists()
+    assert main([*argv, "--layout", "transformers-dflash", "--drop-domino-head"]) == 0
+    backbone = AutoModel.from_pretrained(tmp_path / "backbone")
+    card = (tmp_path / "backbone" / "README.md").read_text()
+    assert "DFlash drafter (transformers' DFlash layout)" in card and "\n- dflash\n" in card
+    assert "Domino head" not in card and "GRU" not in card and "\n- domino\n" not in card
+    options = dict(max_new_tokens=24, do_sample=False)
+    assert torch.equal(
+        target.generate(prompt, assistant_model=backbone.float(), speculation_type="dflash", **options),
+        target.generate(prompt, assistant_model=with_head, domino_head=False, draft_policy="fixed", **options),
+    )
+
 
 def test_a_published_dflash_checkpoint_drafts_the_same_on_transformers_path(tmp_path, monkeypatch):
     """A folder in z-lab's published DFlash layout, loaded here and converted: transformers' generator drafts what
@@ -188,3 +208,55 @@ def test_a_published_dflash_checkpoint_drafts_the_same_on_transformers_path(tmp_
     assert torch.equal(by_transformers, by_us)
     end = prompt.shape[1] + options["max_new_tokens"] - drafter.config.block_size
     assert [d for n, d in theirs if n < end] == [d for n, d in ours if n < end] and len(ours) > 10
+
+
+def test_an_assistant_transformers_built_drafts_through_us_in_batches(monkeypatch):
+    """`from_transformers_dflash`: a `MuseGlimmerAssistantModel` transformers built alone drafts through hf-domino what
+    transformers' own path drafts from it, and serves a left-padded batch, which transformers' path refuses."""
+    from test_batching import left_padded
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+    from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
+
+    target = tiny_target("qwen3")
+    torch.manual_seed(0)
+    config = MuseGlimmerAssistantConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        block_size=BLOCK,
+        mask_token_id=3,
+        target_layer_ids=[0, 2],
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+    )
+    native = MuseGlimmerAssistantModel(config).eval()
+    with torch.no_grad():  # transformers' initial weights are small: drafts would hardly vary with the context
+        for param in native.parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.5)
+    with pytest.raises(ValueError, match=r"from_transformers_dflash\(model, vocab_size=target\.config\.vocab_size\)"):
+        from_transformers_dflash(native)
+    drafter = from_transformers_dflash(native.to(torch.float64), vocab_size=target.config.vocab_size)
+    assert drafter.dtype == torch.float64 and drafter.config.sliding_window == 5  # transformers' window is inclusive
+    assert not drafter.config.shift_label and not drafter.config.has_domino_head
+    target, native, drafter = target.double(), native.double(), drafter.double()
+
+    theirs = record_drafts(monkeypatch, DFlashTokenCandidateGenerator)
+    ours = record_drafts(monkeypatch, DominoCandidateGenerator)
+    prompt = torch.tensor([[7, 8, 9, 21, 30, 11, 12, 40, 41]])  # longer than the window: both layers kinds matter
+    options = dict(max_new_tokens=40, do_sample=False)
+    by_transformers = target.generate(prompt, assistant_model=native, speculation_type="dflash", **options)
+    by_us = target.generate(prompt, assistant_model=drafter, draft_policy="fixed", domino_lookup=False, **options)
+    assert torch.equal(by_transformers, by_us)
+    end = prompt.shape[1] + options["max_new_tokens"] - BLOCK
+    assert [d for n, d in theirs if n < end] == [d for n, d in ours if n < end] and len(ours) > 10
+
+    batch = left_padded([[5, 9, 11, 20], [7], [30, 12, 13]])
+    with pytest.raises(ValueError, match="batch_size = 1"):
+        target.generate(**batch, assistant_model=native, speculation_type="dflash", **options)
+    drafted = target.generate(**batch, assistant_model=drafter, draft_policy="fixed", domino_lookup=False, **options)
+    assert torch.equal(drafted, target.generate(**batch, **options))
+    assert sum(drafter.last_generation_stats.drafted) > 3 * options["max_new_tokens"]  # it drafted all along

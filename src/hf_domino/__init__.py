@@ -16,7 +16,7 @@ from .generate_hook_domino import install_assisted_generation_hook
 from .generation_domino import DominoCandidateGenerator
 from .modeling_domino import DominoForSpeculation, TargetModules
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
-from .transformers_dflash import to_transformers_dflash
+from .transformers_dflash import from_transformers_dflash, to_transformers_dflash
 
 install_assisted_generation_hook()  # also done by every drafter's __init__; here so that the hook is in place early
 AutoConfig.register(DominoConfig.model_type, DominoConfig, exist_ok=True)
@@ -45,6 +45,7 @@ __all__ = [
     "check_drafter_for_target",
     "default_target_layer_ids",
     "detach_drafter",
+    "from_transformers_dflash",
     "prepare_for_cpu_decoding",
     "release_openmp_workers",
     "to_transformers_dflash",

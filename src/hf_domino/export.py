@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from .configuration_domino import SERVING_ARCHITECTURE, SERVING_MODEL_TYPE
 from .modeling_domino import DominoForSpeculation
-from .transformers_dflash import to_transformers_dflash
+from .transformers_dflash import from_transformers_dflash, to_transformers_dflash
 
 # What `export_drafter` writes: our layout (the published DFlash/Domino one, with our remote code), or transformers'
 # own DFlash assistant's.
@@ -239,6 +239,7 @@ def export_drafter(
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
     layout: str = "hf-domino",
+    drop_domino_head: bool = False,
 ) -> Path:
     """Writes a Hub-ready drafter folder: weights, config, remote code, model card and (optionally) the tokenizer.
 
@@ -254,13 +255,22 @@ def export_drafter(
             (transformers' own DFlash assistant, for `generate(..., speculation_type="dflash")`, no remote code: a
             `shift_label=False` drafter without a Domino head; `to_transformers_dflash` raises a `ValueError` for
             others, before anything is written). Draft vocabulary and datastore stay out of the second.
+        drop_domino_head: with `layout="transformers-dflash"`, write a `shift_label=False` drafter's backbone without
+            its Domino head (transformers' assistant has none; it drafts as `domino_head=False` does here).
     """
     output_dir = Path(output_dir)
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: choose among {', '.join(LAYOUTS)}.")
+    if drop_domino_head and layout != "transformers-dflash":
+        raise ValueError(
+            "drop_domino_head=True (--drop-domino-head) applies to layout='transformers-dflash' only: the hf-domino "
+            "layout keeps the "
+            "Domino head (a drafter drafts without it when called with domino_head=False)."
+        )
     if problem := _output_problem(output_dir, overwrite, "overwrite=True"):
         raise FileExistsError(f"{problem}.")
-    model = to_transformers_dflash(drafter) if layout == "transformers-dflash" else drafter
+    native = layout == "transformers-dflash"
+    model = to_transformers_dflash(drafter, drop_domino_head=drop_domino_head) if native else drafter
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output_dir.parent, prefix=f".{output_dir.name}.") as staging:
         staging_dir = Path(staging) / "drafter"
@@ -274,7 +284,7 @@ def export_drafter(
         if tokenizer is not None:
             tokenizer.save_pretrained(staging_dir)
         card = model_card(
-            drafter,
+            from_transformers_dflash(model) if native else drafter,  # what the folder holds
             base_model=base_model,
             repo_id=repo_id or output_dir.name,
             license=license,
@@ -541,6 +551,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "own DFlash assistant (generate(..., speculation_type='dflash'), no remote code; a shift_label=False drafter "
         "without a Domino head)",
     )
+    parser.add_argument(
+        "--drop-domino-head",
+        action="store_true",
+        help="with --layout transformers-dflash: write a shift_label=False drafter's backbone without its Domino head",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -565,6 +580,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=getattr(torch, args.dtype) if args.dtype else None,
             overwrite=args.overwrite,
             layout=args.layout,
+            drop_domino_head=args.drop_domino_head,
         )
     except ValueError as error:  # a drafter the layout cannot hold: nothing was written
         raise SystemExit(f"hf-domino export --layout {args.layout}: {error}") from None

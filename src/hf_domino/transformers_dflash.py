@@ -5,7 +5,8 @@ Every transformers release hf-domino supports drafts DFlash-style by itself: `DF
 Qwen3-style layers with q/k norms, the target's embeddings and LM head) under other tensor names.
 `to_transformers_dflash` builds that model from a DFlash drafter, so that the drafter runs in transformers with no
 remote code and no hf-domino, or is compared with ours: on the same weights both draft the same tokens at every cycle
-(tests/test_transformers_dflash.py). Folders it saves load back with `DominoForSpeculation.from_pretrained`.
+(tests/test_transformers_dflash.py). `from_transformers_dflash` goes back, in memory, so that transformers' assistant
+drafts through hf-domino (batches, the adaptive policy); folders load back with `DominoForSpeculation.from_pretrained`.
 
 What does not carry over: the Domino head, the draft vocabulary (transformers drafts over the whole vocabulary),
 and drafters trained with `shift_label=True` (every published Domino drafter, and ours): transformers reads the drafts
@@ -19,7 +20,7 @@ from typing import Any
 
 from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
-from .configuration_domino import TRANSFORMERS_DFLASH_FIELDS
+from .configuration_domino import TRANSFORMERS_DFLASH_FIELDS, DominoConfig
 from .modeling_domino import TRANSFORMERS_DFLASH_NAMES, DominoForSpeculation
 
 HEAD_PREFIXES = ("prefix_gru.", "embed_proj.")
@@ -48,6 +49,30 @@ def to_transformers_dflash(
     return native.to(device=drafter.device, dtype=drafter.dtype)
 
 
+def from_transformers_dflash(
+    model: MuseGlimmerAssistantModel, *, vocab_size: int | None = None
+) -> DominoForSpeculation:
+    """The `DominoForSpeculation` drafter with `model`'s weights (a DFlash drafter: `shift_label=False`, no Domino
+    head), on its device and in its dtype.
+
+    `target.generate(**batch, assistant_model=drafter)` then drafts what transformers' own path drafts, with what
+    hf-domino adds (batches, the adaptive policy, copied drafts). `vocab_size` is the target's; a model that
+    `to_transformers_dflash` built records it, one transformers built alone does not, and is refused without it.
+    """
+    config_dict = model.config.to_dict()
+    if vocab_size is not None:
+        config_dict["vocab_size"] = vocab_size
+    elif "vocab_size" not in config_dict:
+        raise ValueError(
+            "This MuseGlimmerAssistantModel's config does not record the vocabulary it drafts over: pass the "
+            "target's, from_transformers_dflash(model, vocab_size=target.config.vocab_size)."
+        )
+    drafter = DominoForSpeculation(DominoConfig.from_dict(config_dict)).eval()
+    ours = {theirs: mine for mine, theirs in TRANSFORMERS_DFLASH_NAMES.items()}
+    drafter.load_state_dict({ours.get(name, name): tensor for name, tensor in model.state_dict().items()}, strict=True)
+    return drafter.to(device=model.device, dtype=model.dtype)
+
+
 def check_convertible(config: Any, *, drop_domino_head: bool = False) -> None:
     """Raises the `ValueError` `to_transformers_dflash` would raise for a drafter with this config, naming why."""
     if config.shift_label:
@@ -62,7 +87,8 @@ def check_convertible(config: Any, *, drop_domino_head: bool = False) -> None:
         raise ValueError(
             "transformers' DFlash assistant has no Domino head (the GRU and logit correction, prefix_gru.* and "
             "embed_proj.*): converting keeps the backbone only, which drafts as domino_head=False does here. Pass "
-            "drop_domino_head=True to convert without it, or draft with the head through hf-domino."
+            "drop_domino_head=True (hf-domino export: --drop-domino-head) to convert without it, or draft with the "
+            "head through hf-domino."
         )
     if config.attention_bias:
         raise ValueError(
