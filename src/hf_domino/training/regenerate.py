@@ -382,7 +382,7 @@ def _append_run_log(
 ) -> None:
     """One line of timings per run in `out.log.jsonl`: what each stage of a long regeneration cost."""
     line = {
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         **stats,
         "seconds": round(seconds, 1),
         "response_tokens_per_s": round(stats["response_tokens"] / max(seconds, 1e-9), 1),
