@@ -14,6 +14,7 @@ from conftest import SPECIAL_TOKENS, forcing_drafter, successor_target, tiny_dra
 from test_batching import PARTIAL, both, left_padded
 from test_datastore_drafts import own_answers_datastore
 from test_generation import VOCAB, attention_switches_seen_by, sdpa_switches
+from test_option_mixes import greedy_mix
 
 from hf_domino import batching_domino
 
@@ -49,6 +50,13 @@ def test_cuda_batch_is_identical_to_the_target_alone(arch, policy):
     assert output.device.type == "cuda" and torch.equal(output, expected)
     if policy == "fixed":
         assert len(set(drafter.last_generation_stats.acceptance_lengths)) > 2
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cuda_option_mixes_are_the_target_alones(seed):
+    # test_option_mixes.py's greedy mixes on the device: processors, stopping rules, scores, batches, policies,
+    # copies, branches, the head off, the fused head or the eager one.
+    greedy_mix(seed, device="cuda")
 
 
 def test_cuda_batch_retrieves_and_stays_identical(monkeypatch):

@@ -21,11 +21,11 @@ from hf_domino.cache_domino import CACHE_ARGUMENT
 from hf_domino.options_domino import static_caches_roll_back
 
 
-def random_models(rng: random.Random):
+def random_models(rng: random.Random, random_weights: bool = True):
     """(target, drafter, vocabulary size): a successor target with a drafter right at all, most or half of its
-    drafts, or a random target and drafter."""
+    drafts, or (unless `random_weights=False`) a random target and drafter."""
     arch = rng.choice(["qwen3", "llama"])
-    if rng.random() < 2 / 3:
+    if rng.random() < 2 / 3 or not random_weights:
         vocab, step = 32, rng.choice([1, 2, 3])
         target = successor_target(arch, vocab, step=step)
         right = rng.choice([1.0, 0.8, 0.5])
@@ -104,26 +104,39 @@ def sequences(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.sequences
 
 
-@pytest.mark.parametrize("seed", range(32))
-def test_greedy_option_mixes_are_the_target_alones(seed):
+def greedy_mix(seed: int, device: str = "cpu") -> None:
+    """One greedy mix: the drafter call's sequences, and the scores of the rows still generating, are the target
+    alone's. On CUDA (test_on_cuda.py) only the exact models are drawn (successor targets and forcing drafters, whose
+    logits have no near-ties for the device's rounding to flip), and the default rollout runs the fused head."""
     rng = random.Random(seed)
-    target, drafter, vocab = random_models(rng)
+    target, drafter, vocab = random_models(rng, random_weights=device == "cpu")
+    target, drafter = target.to(device), drafter.to(device)
     batch = left_padded(random_rows(rng, vocab, rng.choice([1, 1, 2, 3, 4])))
+    batch = {name: tensor.to(device) for name, tensor in batch.items()}
     options, ours = random_options(rng, range(4, vocab), 1, drafter)
-    if batch["input_ids"].shape[0] == 1 and rng.random() < 0.3 and static_caches_roll_back():
+    if device == "cpu" and batch["input_ids"].shape[0] == 1 and rng.random() < 0.3 and static_caches_roll_back():
         options["cache_implementation"] = "static"  # (refused on 5.23, naming the fix: test_static_cache.py)
+    if device != "cpu" and rng.random() < 0.3:
+        ours["domino_rollout"] = "eager"  # else "auto": the fused head where it applies
     alone, drafted = both_outputs(target, drafter, batch, options, ours)
     mix = f"options {options}, drafter options {ours}"
-    assert torch.equal(sequences(drafted), sequences(alone)), mix
+    assert sequences(drafted).device.type == torch.device(device).type and torch.equal(
+        sequences(drafted), sequences(alone)
+    ), mix
     if not options.get("return_dict_in_generate"):
         return
     eos = options.get("eos_token_id", target.generation_config.eos_token_id)
-    live = live_rows(alone.sequences, batch["input_ids"].shape[1], eos)
+    live = [rows.to(device) for rows in live_rows(alone.sequences.cpu(), batch["input_ids"].shape[1], eos)]
     for field in ("scores", "logits"):
         expected, got = getattr(alone, field), getattr(drafted, field)
         assert (expected is None) == (got is None), (field, mix)
         for i, (a, b) in enumerate(zip(expected or (), got or (), strict=True)):
             assert torch.allclose(a[live[i]], b[live[i]], atol=1e-4, rtol=1e-4), (field, i, mix)
+
+
+@pytest.mark.parametrize("seed", range(32))
+def test_greedy_option_mixes_are_the_target_alones(seed):
+    greedy_mix(seed)
 
 
 @pytest.mark.parametrize("seed", range(16))
