@@ -52,13 +52,6 @@ def test_cuda_batch_is_identical_to_the_target_alone(arch, policy):
         assert len(set(drafter.last_generation_stats.acceptance_lengths)) > 2
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_cuda_option_mixes_are_the_target_alones(seed):
-    # test_option_mixes.py's greedy mixes on the device: processors, stopping rules, scores, batches, policies,
-    # copies, branches, the head off, the fused head or the eager one.
-    greedy_mix(seed, device="cuda")
-
-
 def test_cuda_batch_retrieves_and_stays_identical(monkeypatch):
     monkeypatch.setattr(batching_domino, "RETRIEVAL_MAX_ROWS", None)
     target = tiny_target("qwen3")
@@ -244,3 +237,11 @@ def test_cuda_half_precision_calls_run_without_cudnn_attention():
             target, **inputs, assistant_model=drafter, max_new_tokens=6, domino_cudnn_attention=True
         )
         assert seen and all(switches == before for switches in seen)
+
+
+# Last in the file: the GPU run's `cuda` stage has a deadline, and these compile the fused head for new shapes.
+@pytest.mark.parametrize("seed", range(8))
+def test_cuda_option_mixes_are_the_target_alones(seed):
+    # test_option_mixes.py's greedy mixes on the device: processors, stopping rules, scores, batches, policies,
+    # copies, branches, the head off, the fused head or the eager one.
+    greedy_mix(seed, device="cuda")
