@@ -264,8 +264,7 @@ def export_drafter(
     if drop_domino_head and layout != "transformers-dflash":
         raise ValueError(
             "drop_domino_head=True (--drop-domino-head) applies to layout='transformers-dflash' only: the hf-domino "
-            "layout keeps the "
-            "Domino head (a drafter drafts without it when called with domino_head=False)."
+            "layout keeps the Domino head (a drafter drafts without it when called with domino_head=False)."
         )
     if problem := _output_problem(output_dir, overwrite, "overwrite=True"):
         raise FileExistsError(f"{problem}.")
