@@ -21,7 +21,8 @@ from transformers import AutoConfig, AutoModel, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from hf_domino import DominoConfig, DominoForSpeculation, default_target_layer_ids
-from hf_domino.export import ServingCompatibilityWarning, export_drafter, sglang_serving_problems
+from hf_domino.export import export_drafter
+from hf_domino.sglang_serving import ServingCompatibilityWarning, sglang_serving_problems
 
 SHIPPED = Path(__file__).parents[1] / "src" / "hf_domino" / "checkpoints" / "smollm2-135m-instruct-domino"
 # A Qwen3-like RoPE base: far enough from transformers 4's default of 10000 that reading the wrong one shows.
