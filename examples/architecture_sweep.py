@@ -17,7 +17,7 @@ left-padded batch of two. One line per family:
 Run it when transformers releases: a new family shows up here before a user meets it (docs/usage.md, "Which
 targets", quotes a run).
 
-    python examples/architecture_sweep.py                        # every family: about 3 minutes on 2 cores
+    python examples/architecture_sweep.py                        # every family: about 2 minutes on 2 cores
     python examples/architecture_sweep.py gemma4_text gpt_oss    # some
 """
 
@@ -51,6 +51,7 @@ SIZES = dict(
     moe_k=2, moe_topk=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, n_group=1, topk_group=1,
     linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
     linear_num_heads=4, linear_head_dim=8, index_n_heads=16, index_head_dim=8, index_topk=8, sliding_window=8,
+    sliding_window_size=8, unpadded_vocab_size=64,
     tie_word_embeddings=False, pad_token_id=0, bos_token_id=2, eos_token_id=1,
 )  # fmt: skip
 # Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, MiniCPM3, ...): one key/value head per query head.
@@ -66,12 +67,22 @@ class TimedOut(BaseException):  # not an Exception: no family's own failure may 
     pass
 
 
-def tiny_target(model_type: str) -> transformers.PreTrainedModel:
-    config_class = CONFIG_MAPPING[model_type]
-    fields = config_class().to_dict()
+def tiny_config(config_class: type[transformers.PretrainedConfig]) -> transformers.PretrainedConfig:
+    """The config with the small sizes it has fields for, its sub-configs (text, vision, audio) small too: else a
+    vision-language family would build its full-size towers."""
+    default = config_class()
+    fields = default.to_dict()
     sizes = {**SIZES, **LATENT_ATTENTION} if "kv_lora_rank" in fields else SIZES
+    small = {name: value for name, value in sizes.items() if name in fields}
+    for name in getattr(config_class, "sub_configs", {}):
+        if isinstance(sub_config := getattr(default, name, None), transformers.PretrainedConfig):
+            small[name] = tiny_config(type(sub_config)).to_dict()
+    return config_class(**small)
+
+
+def tiny_target(model_type: str) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
-    config = config_class(**{name: value for name, value in sizes.items() if name in fields})
+    config = tiny_config(CONFIG_MAPPING[model_type])
     target = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config).eval()
     with torch.no_grad():
         for param in target.parameters():

@@ -320,22 +320,46 @@ def test_targets_with_several_residual_streams_are_refused_naming_the_fix(name):
             target.generate(**inputs, max_new_tokens=8, assistant_model=drafter, **GREEDY)
 
 
+def test_a_target_whose_cache_layers_cannot_be_cropped_is_refused_before_its_prefill():
+    """DeepSeek-V4's compressed-attention cache layers say they cannot be cropped (`is_croppable`): rejected drafts
+    could not be dropped. transformers' assisted loop found it only after the prefill, naming no fix, and a batch was
+    told to go one prompt at a time, which then failed too; both are refused before any forward, naming the fix
+    (before transformers 5.25, which marks the model stateful, as a family with states drafting does not serve)."""
+    compressed = {"deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", {**EXPERTS, **ROUTED_EXPERTS})}
+    target = architecture_target("deepseek_v4", compressed)
+    drafter = tiny_drafter(target)
+    forwards = []
+    target.register_forward_pre_hook(lambda *args: forwards.append(1))
+    for inputs in ({"input_ids": torch.tensor([PROMPT])}, left_padded(ROWS)):
+        with pytest.raises(
+            ValueError,
+            match=r"DeepseekV4ForCausalLM.*(cannot be cropped|keeps recurrent).*generate without the drafter",
+        ):
+            target.generate(**inputs, max_new_tokens=8, assistant_model=drafter, **GREEDY)
+    assert forwards == []
+
+
 def test_the_architecture_sweep_runs_as_documented_and_tells_served_from_refused():
     """examples/architecture_sweep.py as a user runs it, on a few families: one served, one refused, one whose generic
-    tiny sizes do not fit its config; exit status 0 (no defect)."""
+    tiny sizes do not fit its config, and a vision-language one (its towers built small too, in seconds); exit
+    status 0 (no defect)."""
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "examples" / "architecture_sweep.py"
     done = subprocess.run(
-        [sys.executable, str(script), "qwen3", "hy_v4", "zaya"], capture_output=True, text=True, timeout=300
+        [sys.executable, str(script), "qwen3", "hy_v4", "zaya", "gemma3", "--seconds", "60"],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     lines = dict(line.split(maxsplit=1) for line in done.stdout.splitlines()[1:-1])
     assert lines["qwen3"] == "ok"
     assert lines["hy_v4"].startswith("refused: The target's hidden states")
     assert lines["zaya"].startswith("not built")
+    assert lines["gemma3"] == "ok"
     assert done.stdout.splitlines()[-1] == "0 defects"
 
 

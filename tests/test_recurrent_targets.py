@@ -596,6 +596,31 @@ def test_a_batch_of_lfm2_keeps_each_rows_convolution_window(name):
     assert_rows_sampled_from_their_own_logits(target, drafter, batch)
 
 
+# Inkling's layers, at tiny sizes: sliding keys and values with short convolutions, full ones with them too.
+INKLING = dict(
+    **ATTENTION, head_dim=8, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8,
+    sliding_window_size=4, unpadded_vocab_size=VOCAB, moe_intermediate_size=16, n_routed_experts=4,
+    num_experts_per_tok=2, n_layers_per_attn_res_block=2, layer_types=["hybrid_sliding", "hybrid"] * 2,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["Inkling", "Inkling2"])
+def test_inklings_convolution_windows_are_cropped_for_one_sequence_and_a_batch_is_refused(name):
+    """Inkling's "hybrid" and "hybrid_sliding" layers are the types transformers gives layers keeping linear-attention
+    states beside keys and values, but Inkling keeps only short-convolution windows there, which crop exactly: one
+    sequence runs transformers' own loop, rejected drafts cropped (from transformers 5.25 the layer types alone
+    called it recurrent and refused it). A batch is refused naming the fix (its layer types get no per-row masks)."""
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{name}TextConfig")(**COMMON, **INKLING)
+    target = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    alone = target.generate(PROMPT, max_new_tokens=40, **GREEDY)
+    drafter = forcing_drafter(target, successor_table(alone))
+    output = target.generate(PROMPT, assistant_model=drafter, max_new_tokens=40, draft_policy="fixed", **GREEDY)
+    assert torch.equal(output, alone) and rolled_back(drafter.last_generation_stats) > 0
+    with pytest.raises(ValueError, match="generate one prompt at a time"):
+        target.generate(**left_padded(BATCH), assistant_model=drafter, max_new_tokens=8, **GREEDY)
+
+
 def test_per_token_attentions_and_hidden_states_are_refused():
     target = hybrid_target("qwen3_5")
     with pytest.raises(ValueError, match="output_scores and output_logits work"):

@@ -164,6 +164,30 @@ def test_releases_that_cannot_roll_a_static_cache_back_say_to_upgrade(monkeypatc
     assert forwards == []
 
 
+@rolls_back
+def test_a_static_sliding_layer_longer_than_its_window_is_refused_before_the_prefill():
+    """A static cache's sliding layer keeps only its window's last tokens, so beyond the window it cannot take rejected
+    drafts back (`is_croppable` False): refused before any forward, naming the dynamic cache, which serves the call."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )  # fmt: skip
+    target = MistralForCausalLM(config).eval()
+    drafter = tiny_drafter(target)
+    prompt = prompts(1)[0]
+    forwards = []
+    hook = target.register_forward_pre_hook(lambda *args: forwards.append(1))
+    with pytest.raises(ValueError, match=r"StaticSlidingWindowLayer layers cannot be cropped.*default dynamic cache"):
+        target.generate(prompt, max_new_tokens=12, cache_implementation="static", assistant_model=drafter)
+    assert forwards == []
+    hook.remove()
+    expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter), expected)
+
+
 # ------------------------------------------------------------------------------ prepare_for_cpu_decoding(compile=True)
 @rolls_back
 def test_prepare_with_compile_makes_plain_generate_compile_on_the_cpu(fresh_dynamo):

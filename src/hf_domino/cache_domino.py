@@ -10,7 +10,14 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicCache,
+    DynamicLayer,
+    LinearAttentionCacheLayerMixin,
+    StaticCache,
+)
 from transformers.generation import GenerationMixin
 
 # transformers 5.24 renamed the key/value cache from `past_key_values` to `cache`: in a model's forward() arguments, in
@@ -149,11 +156,42 @@ def uncached_prompt_length(
     return input_ids.shape[1] - cached
 
 
+def check_croppable(target, cache: Cache | None, batched: bool) -> None:
+    """Raises, naming the fix, for a cache whose layers say they cannot drop the drafts a verification rejects
+    (`is_croppable`, transformers >= 5.24: DeepSeek-V4's compressed attention, quantized layers, a static sliding
+    layer longer than its window). transformers' assisted loop finds it only after the prefill, with no fix named,
+    and a batch would not ask. A batch on a static cache drafts on a dynamic one (batching_domino), so it is let be.
+    Linear-attention layers are left out: transformers 5.24 calls them uncroppable until they hold a state, and their
+    windows crop while their recurrent states roll back here (recurrent_cache_domino)."""
+    if cache is None or (batched and isinstance(cache, StaticCache)):
+        return
+    layers = sorted(
+        {
+            type(layer).__name__
+            for layer in cache.layers
+            if not getattr(layer, "is_croppable", True) and not isinstance(layer, LinearAttentionCacheLayerMixin)
+        }
+    )
+    if not layers:
+        return
+    fix = (
+        "generate without the drafter"
+        if type(cache) is DynamicCache
+        else "use the default dynamic cache (no cache_implementation, no cache of this kind passed in) or generate "
+        "without the drafter"
+    )
+    raise ValueError(
+        f"{type(target).__name__}'s {type(cache).__name__} cannot drop the drafts a verification rejects (its "
+        f"{', '.join(layers)} layers cannot be cropped), which drafting needs: {fix}."
+    )
+
+
 __all__ = [
     "CACHE_ARGUMENT",
     "BufferedLayer",
     "buffer_layers",
     "cache_argument",
     "cached_tokens",
+    "check_croppable",
     "uncached_prompt_length",
 ]

@@ -483,6 +483,9 @@ RECURRENT_TARGETS = frozenset(
 
 # Layer types whose cache layers hold a recurrent state; a "conv" layer (LFM2's) keeps a window that crops as keys do.
 RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "hybrid", "hybrid_sliding"})
+# Families whose "hybrid" and "hybrid_sliding" cache layers hold short-convolution windows beside keys and values and
+# no recurrent state (their modeling code never writes one), so they crop as LFM2's "conv" layers do.
+CONVOLUTION_WINDOW_TARGETS = frozenset({"inkling_text", "inkling2_text", "inkling2_loop_text"})
 
 
 def keeps_recurrent_states(target) -> bool:
@@ -491,7 +494,10 @@ def keeps_recurrent_states(target) -> bool:
     else its layer types."""
     if not TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES:
         return bool(getattr(target, "_is_stateful", False))
-    layer_types, _ = get_layer_types_and_kwargs(target.config.get_text_config(decoder=True))
+    text_config = target.config.get_text_config(decoder=True)
+    if text_config.model_type in CONVOLUTION_WINDOW_TARGETS:
+        return False
+    layer_types, _ = get_layer_types_and_kwargs(text_config)
     return not RECURRENT_LAYER_TYPES.isdisjoint(layer_types)
 
 

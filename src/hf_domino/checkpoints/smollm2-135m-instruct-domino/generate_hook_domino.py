@@ -58,7 +58,7 @@ from .attached_drafter_domino import (
 from .attention_kernels_domino import drafting_attention_kernels
 from .batching_domino import batched_assisted_decoding
 from .batching_manager_domino import DraftedBatchingManager
-from .cache_domino import CACHE_ARGUMENT, buffer_layers, uncached_prompt_length
+from .cache_domino import CACHE_ARGUMENT, buffer_layers, check_croppable, uncached_prompt_length
 from .continuous_batching_domino import generate_requests
 from .options_domino import (
     DominoGenerationStats,
@@ -255,6 +255,7 @@ def _wrap_assisted_decoding(original):
         cache = model_kwargs.get(CACHE_ARGUMENT)
         # transformers rolls convolution-only layers back itself; recurrent states are ours to roll back.
         recurrent = keeps_recurrent_states(self)
+        check_croppable(self, cache, batched)
         if recurrent or (batched and has_recurrent_layers(cache)):
             check_recurrent_call(self, cache, generation_config, batched, options.domino_branches)
         if batched:
