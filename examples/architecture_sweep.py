@@ -81,9 +81,11 @@ def tiny_config(config_class: type[transformers.PretrainedConfig]) -> transforme
 
 
 def tiny_target(model_type: str) -> transformers.PreTrainedModel:
+    model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     torch.manual_seed(0)
-    config = tiny_config(CONFIG_MAPPING[model_type])
-    target = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config).eval()
+    # A multimodal family's type maps to its text model (Qwen3.5, Llama 4), which takes the text config
+    config = tiny_config(getattr(model_class, "config_class", None) or CONFIG_MAPPING[model_type])
+    target = model_class(config).eval()
     with torch.no_grad():
         for param in target.parameters():
             if param.dim() > 1:

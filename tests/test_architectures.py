@@ -341,15 +341,15 @@ def test_a_target_whose_cache_layers_cannot_be_cropped_is_refused_before_its_pre
 
 def test_the_architecture_sweep_runs_as_documented_and_tells_served_from_refused():
     """examples/architecture_sweep.py as a user runs it, on a few families: one served, one refused, one whose generic
-    tiny sizes do not fit its config, and a vision-language one (its towers built small too, in seconds); exit
-    status 0 (no defect)."""
+    tiny sizes do not fit its config, a vision-language one (its towers built small too, in seconds), and one whose
+    type maps to its text model (Qwen3.5, recurrent layers); exit status 0 (no defect)."""
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "examples" / "architecture_sweep.py"
     done = subprocess.run(
-        [sys.executable, str(script), "qwen3", "hy_v4", "zaya", "gemma3", "--seconds", "60"],
+        [sys.executable, str(script), "qwen3", "hy_v4", "zaya", "gemma3", "qwen3_5", "--seconds", "60"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -360,6 +360,7 @@ def test_the_architecture_sweep_runs_as_documented_and_tells_served_from_refused
     assert lines["hy_v4"].startswith("refused: The target's hidden states")
     assert lines["zaya"].startswith("not built")
     assert lines["gemma3"] == "ok"
+    assert lines["qwen3_5"] == "ok"  # built as the text model its type maps to, with that model's config
     assert done.stdout.splitlines()[-1] == "0 defects"
 
 
