@@ -284,6 +284,89 @@ def default_accelerator() -> Accelerator:
     return Accelerator(cpu=cpu, mixed_precision=precision)
 
 
+def prepare_training(
+    accelerator: Accelerator, drafter: DominoForSpeculation, target_model: PreTrainedModel, config: TrainConfig
+) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """The drafter's training module, its optimizer and its schedule, on `accelerator`'s device and prepared by it;
+    the frozen target moved there too."""
+    device = accelerator.device
+    target_model.requires_grad_(False).eval().to(device)
+    drafter.to(device).train()
+    if config.gradient_checkpointing:
+        if hasattr(drafter, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            drafter.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            drafter.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW(
+        [p for p in drafter.parameters() if p.requires_grad],
+        lr=config.learning_rate,
+        weight_decay=config.weight_decay,
+    )
+    scheduler = cosine_schedule(optimizer, config.total_steps, config.warmup_ratio)
+    vocab = scored_vocab(drafter, config)  # where the drafter now is
+    module = DominoTrainingModule(drafter, TargetModules.from_target(target_model), vocab)
+    module, optimizer = accelerator.prepare(module, optimizer)
+    # The scheduler stays unprepared (accelerate's wrapper steps it once per process, which breaks the schedule);
+    # registering it puts it in the checkpoints all the same.
+    accelerator.register_for_checkpointing(scheduler)
+    return module, optimizer, scheduler
+
+
+def micro_batch_inputs(
+    accelerator: Accelerator,
+    module: nn.Module,
+    target_model: PreTrainedModel,
+    examples: Sequence[Example],
+    feature_cache: FeatureCache | None,
+    config: TrainConfig,
+    step: int,
+    micro_step: int,
+    pad_token_id: int,
+    mask_dtype: torch.dtype,
+) -> dict[str, torch.Tensor | None]:
+    """What the training module reads for one micro step of this process: its examples (`example_indices`), the
+    target's features of them (precomputed, or from the target's forward here, with its last hidden state for
+    distillation) and the blocks' anchors, all functions of `(seed, step, micro_step, rank)` only."""
+    device, rank = accelerator.device, accelerator.process_index
+    indices = example_indices(
+        step, micro_step, rank, config=config, world_size=accelerator.num_processes, num_examples=len(examples)
+    )
+    features = [feature_cache.get(i) for i in indices] if feature_cache is not None else None
+    batch = collate([examples[i] for i in indices], pad_token_id, features)
+    input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+    last_hidden = None
+    if batch.context_features is None:
+        # Under the mixed-precision autocast: on a GPU the frozen target's forward is most of a step.
+        with accelerator.autocast():
+            context_features, last_hidden = target_hidden_states(
+                target_model,
+                input_ids,
+                attention_mask,
+                accelerator.unwrap_model(module).drafter.config.target_layer_ids,
+            )
+    else:
+        context_features = batch.context_features.to(device)
+    generator = anchor_generator(config.seed, (step * config.gradient_accumulation_steps + micro_step) * 1024 + rank)
+    loss_mask = batch.loss_mask.to(device)
+    if config.anchor_chain:  # where generate() starts its blocks (a no-grad pass over every anchor first)
+        with accelerator.autocast():
+            chains = accelerator.unwrap_model(module).generate_blocks(
+                input_ids, loss_mask, attention_mask, context_features, mask_dtype
+            )
+        anchors, anchor_valid = sample_chain_anchors(chains, config.num_anchors, generator)
+    else:
+        anchors, anchor_valid = sample_anchors(batch.loss_mask, config.num_anchors, generator)
+    return {
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "attention_mask": attention_mask,
+        "context_features": context_features,
+        "anchors": anchors.to(device),
+        "anchor_valid": anchor_valid.to(device),
+        "target_last_hidden": last_hidden,
+    }
+
+
 def train(
     drafter: DominoForSpeculation,
     target_model: PreTrainedModel,
@@ -313,85 +396,27 @@ def train(
     accelerator = accelerator or default_accelerator()
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    device = accelerator.device
-    world_size, rank = accelerator.num_processes, accelerator.process_index
-
-    target_model.requires_grad_(False).eval().to(device)
-    drafter.to(device).train()
-    if config.gradient_checkpointing:
-        if hasattr(drafter, "activation_checkpointing_enable"):  # transformers >= 5.x name
-            drafter.activation_checkpointing_enable({"use_reentrant": False})
-        else:
-            drafter.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = torch.optim.AdamW(
-        [p for p in drafter.parameters() if p.requires_grad],
-        lr=config.learning_rate,
-        weight_decay=config.weight_decay,
-    )
-    scheduler = cosine_schedule(optimizer, config.total_steps, config.warmup_ratio)
-    vocab = scored_vocab(drafter, config)  # where the drafter now is
-    module = DominoTrainingModule(drafter, TargetModules.from_target(target_model), vocab)
-    module, optimizer = accelerator.prepare(module, optimizer)
-    # The scheduler stays unprepared (accelerate's wrapper steps it once per process, which breaks the schedule);
-    # registering it puts it in the checkpoints all the same.
-    accelerator.register_for_checkpointing(scheduler)
-
+    module, optimizer, scheduler = prepare_training(accelerator, drafter, target_model, config)
     step = 0
     checkpoint = latest_checkpoint(output_dir) if resume else None
     if checkpoint is not None:
         step = load_checkpoint(accelerator, checkpoint)
         accelerator.print(f"Resumed from {checkpoint} at step {step}.")
     mask_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
-    layer_ids = drafter.config.target_layer_ids
 
     start_time = time.perf_counter()
     window: dict[str, torch.Tensor] = {}
     while step < config.total_steps:
         lam = curriculum_lambda(step, config.total_steps, config.curriculum)
         for micro_step in range(config.gradient_accumulation_steps):
-            indices = example_indices(
-                step, micro_step, rank, config=config, world_size=world_size, num_examples=len(examples)
-            )
-            features = [feature_cache.get(i) for i in indices] if feature_cache is not None else None
-            batch = collate([examples[i] for i in indices], pad_token_id, features)
-            input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-            last_hidden = None
-            if batch.context_features is None:
-                # Under the mixed-precision autocast: on a GPU the frozen target's forward is most of a step.
-                with accelerator.autocast():
-                    context_features, last_hidden = target_hidden_states(
-                        target_model, input_ids, attention_mask, layer_ids
-                    )
-            else:
-                context_features = batch.context_features.to(device)
-            stream = (step * config.gradient_accumulation_steps + micro_step) * 1024 + rank
-            generator = anchor_generator(config.seed, stream)
-            loss_mask = batch.loss_mask.to(device)
-            if config.anchor_chain:  # where generate() starts its blocks (a no-grad pass over every anchor first)
-                with accelerator.autocast():
-                    chains = accelerator.unwrap_model(module).generate_blocks(
-                        input_ids, loss_mask, attention_mask, context_features, mask_dtype
-                    )
-                anchors, anchor_valid = sample_chain_anchors(chains, config.num_anchors, generator)
-            else:
-                anchors, anchor_valid = sample_anchors(batch.loss_mask, config.num_anchors, generator)
-            anchors, anchor_valid = anchors.to(device), anchor_valid.to(device)
+            inputs = micro_batch_inputs(
+                accelerator, module, target_model, examples, feature_cache, config, step, micro_step, pad_token_id,
+                mask_dtype,
+            )  # fmt: skip
             last_micro = micro_step == config.gradient_accumulation_steps - 1
-            sync = contextlib.nullcontext() if last_micro else accelerator.no_sync(module)
-            with sync:
+            with contextlib.nullcontext() if last_micro else accelerator.no_sync(module):
                 with accelerator.autocast():
-                    out = module(
-                        input_ids,
-                        loss_mask,
-                        attention_mask,
-                        context_features,
-                        anchors,
-                        anchor_valid,
-                        lam,
-                        mask_dtype,
-                        last_hidden,
-                        config.kl_weight,
-                    )
+                    out = module(**inputs, lam=lam, mask_dtype=mask_dtype, kl_weight=config.kl_weight)
                 accelerator.backward(out.loss / config.gradient_accumulation_steps)
             accumulate_metrics(window, out)
         grad_norm = accelerator.clip_grad_norm_(module.parameters(), config.max_grad_norm)
@@ -404,7 +429,7 @@ def train(
         if step % config.log_every == 0 or step == config.total_steps:
             record = metrics_record(accelerator, window, step, lam, lr, grad_norm, start_time)
             # The last batch's padded length: on a GPU, attention kernels may plan each new shape (docs/training.md).
-            record["seq_len"] = int(input_ids.shape[1])
+            record["seq_len"] = int(inputs["input_ids"].shape[1])
             window = {}
             _append_record(accelerator, output_dir / LOG_FILE, record, _console_line(record))
         out_of_time = _agree(accelerator, config.stop_after_seconds, time.perf_counter() - start_time)
@@ -416,13 +441,9 @@ def train(
                 held_out = held_out_window(
                     accelerator, module, target_model, validation_examples, config, lam, pad_token_id
                 )
-                record = metrics_record(accelerator, held_out, step, lam, lr, 0.0, start_time)
-                record = {key: value for key, value in record.items() if key not in ("lr", "grad_norm")}
-                losses = f"base {record['base_loss']:.4f} | final {record['final_loss']:.4f}"
-                line = f"validation step {step}: {losses} | tau~{record['train_tau']:.2f}"
-                if "generate_tau" in record:
-                    line += f" | generate() tau {record['generate_tau']:.2f}"
-                _append_record(accelerator, output_dir / VALIDATION_LOG_FILE, record, line)
+                log_validation(
+                    accelerator, output_dir, metrics_record(accelerator, held_out, step, lam, lr, 0.0, start_time)
+                )
         if out_of_time and step < config.total_steps:
             accelerator.print(f"Stopping at step {step} after {config.stop_after_seconds:.0f}s; rerun to resume.")
             break
@@ -535,6 +556,16 @@ def _append_record(accelerator: Accelerator, path: Path, record: dict[str, Any],
         with open(path, "a") as file:
             file.write(json.dumps(record) + "\n")
         print(line, flush=True)
+
+
+def log_validation(accelerator: Accelerator, output_dir: Path, record: dict[str, Any]) -> None:
+    """A held-out window's record to `validation.jsonl` and the console (no learning rate or gradient norm)."""
+    record = {key: value for key, value in record.items() if key not in ("lr", "grad_norm")}
+    line = f"validation step {record['step']}: base {record['base_loss']:.4f} | final {record['final_loss']:.4f}"
+    line += f" | tau~{record['train_tau']:.2f}"
+    if "generate_tau" in record:
+        line += f" | generate() tau {record['generate_tau']:.2f}"
+    _append_record(accelerator, output_dir / VALIDATION_LOG_FILE, record, line)
 
 
 def _agree(accelerator: Accelerator, budget: float | None, elapsed: float) -> bool:
