@@ -658,6 +658,37 @@ def test_a_batch_continuing_a_filled_cache_is_identical_to_the_target_alone(arch
 
 
 # ---------------------------------------------------------------------------- trees of first-token branches
+@pytest.mark.parametrize("eos", [False, True])
+def test_a_call_of_one_row_leaves_its_cache_as_the_target_alone_does(arch, eos):
+    # A tree of branches runs in the batch loop with one row: its cache ends as the target alone's (every token but
+    # the last, no holes; also in the output with return_dict_in_generate), so a chat's next turn reads only its new
+    # tokens. Stopped at EOS inside a verified block, the drafts accepted after it are not kept.
+    from hf_domino.cache_domino import CACHE_ARGUMENT
+
+    target = successor_target(arch, VOCAB)
+    drafter = forcing_drafter(target, PARTIAL)  # right, but where the target's token is a multiple of 5
+    prompt = torch.tensor([[3, 9, 4, 12, 5, 6]])
+    eos_token = (6 + 18) % VOCAB if eos else None  # 18 tokens into the answer, inside a verified block
+    options = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0, "eos_token_id": eos_token}
+    alone_cache, cache = DynamicCache(config=target.config), DynamicCache(config=target.config)
+    expected = target.generate(prompt, **options, **cache_argument(alone_cache))
+    output = target.generate(prompt, **options, **cache_argument(cache), assistant_model=drafter, domino_branches=2,
+                             draft_policy="fixed", return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(output.sequences, expected) and getattr(output, CACHE_ARGUMENT) is cache
+    assert max(drafter.last_generation_stats.acceptance_lengths) > 2
+    assert cache.get_seq_length() == alone_cache.get_seq_length() == expected.shape[1] - 1
+    for ours, alone in zip(cache.layers, alone_cache.layers):
+        torch.testing.assert_close(ours.keys, alone.keys)
+    turn = torch.cat([expected, torch.tensor([[7, 8, 9]])], dim=-1)
+    read = []
+    hook = target.register_forward_pre_hook(lambda module, args, kwargs: read.append(kwargs["input_ids"].shape[1]),
+                                            with_kwargs=True)  # fmt: skip
+    second = target.generate(turn, **options, **cache_argument(cache), assistant_model=drafter, domino_branches=2)
+    hook.remove()
+    assert read[0] == 4  # the answer's last token and the new ones, as the target alone reads them
+    assert torch.equal(second, target.generate(turn, **options, **cache_argument(alone_cache)))
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_a_tree_forward_gives_each_branch_what_a_forward_of_that_branch_alone_gives(arch, attention):
     # Each branch sees the cache, the anchor and its own drafts at the right positions, never another branch's.

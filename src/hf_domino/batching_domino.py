@@ -175,6 +175,9 @@ class BatchedDecoding:
         self.window = CallWindow()
         # Per row, the drafts and copies accepted and the cycles that verified some (any row's), for `row_paces`.
         self.row_accepted, self.row_cycles = [0] * rows, [0] * rows
+        # A generate() call of one unpadded row (a tree of branches, an offloaded target) keeps its row in the cache
+        # it was given, as the target alone does, for a chat's next turn (`settled_cache`); rows of a batch leave.
+        self.keeps_its_row = False
 
     def now(self) -> float:
         """Host time; where the call reads it (`DominoOptions.reads_cycle_times`), after the device finished."""
@@ -232,11 +235,21 @@ class BatchedDecoding:
     def retire(self, finished: list[bool]) -> None:
         """Finished rows leave the batch and both caches."""
         keep = [i for i, done in enumerate(finished) if not done]
-        if len(keep) < len(self.active):
+        if not keep and self.keeps_its_row:
+            self.active = []
+        elif len(keep) < len(self.active):
             index = torch.tensor(keep, dtype=torch.long)
             self.target_cache.select_rows(index)
             self.context.select_rows(index)
             self.active = [self.active[i] for i in keep]
+
+    def settled_cache(self) -> DynamicCache | None:
+        """The target's cache after the call: with the row it kept (`keeps_its_row`), compacted and cut to the
+        target alone's length (every token but the last); None where the rows left it."""
+        if not self.keeps_its_row:
+            return None
+        self.target_cache.settle(self.sequences[0].shape[0] - 1)
+        return self.target_cache.cache
 
     def stream(self, streamer, emitted: int) -> int:
         """Puts every token column all unfinished rows have reached, as the target alone streams one per step."""
@@ -582,16 +595,23 @@ def batched_assisted_decoding(
         target, drafter, options, generation_config, logits_processor, stopping_criteria, stats, input_ids,
         attention_mask, cache, window, model_kwargs.get("inputs_embeds"), prompt_inputs(model_kwargs),
     )  # fmt: skip
+    decoding.keeps_its_row = (
+        input_ids.shape[0] == 1
+        and bool(decoding.mask.all())
+        and window is None
+        and decoding.target_cache.recurrent is None
+    )
     try:
         sequences = decoding.run(input_ids, streamer)
     finally:
         if decoding.target_cache.recurrent is not None:  # the cache's layers as they were built
             decoding.target_cache.recurrent.remove()
+    cache = decoding.settled_cache()
     if generation_config.return_dict_in_generate:
         scores = logits = None
         if decoding.token_scores is not None:
             scores, logits = decoding.token_scores.columns(sequences.shape[1] - input_ids.shape[1], decoding.pad)
-        return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
+        return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, **{CACHE_ARGUMENT: cache})
     return sequences
 
 

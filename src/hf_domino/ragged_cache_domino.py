@@ -206,6 +206,17 @@ class RaggedCache:
         needed = int(self.lengths.max()) if width else 0
         if width - needed < max(MIN_COMPACT_COLUMNS, COMPACT_FRACTION * width):
             return False
+        self._compact(width, needed)
+        return True
+
+    def settle(self, tokens: int) -> None:
+        """A one-row cache as the target alone leaves it after generate(): its first `tokens` real columns, in order,
+        no holes, so that a call passed it (a chat's next turn) reads on after them."""
+        width = self.mask.shape[1]
+        self._compact(width, int(self.lengths.max()) if width else 0)
+        self._crop_trailing(max(self.mask.shape[1] - tokens, 0))
+
+    def _compact(self, width: int, needed: int) -> None:
         # A stable sort puts each row's holes first and its real columns after them, in order.
         order = torch.sort(self.mask.to(torch.int8), dim=-1, stable=True).indices[:, width - needed :]
         self.mask = torch.gather(self.mask, 1, order)
@@ -216,7 +227,6 @@ class RaggedCache:
                 layer.indexer_keys = gather_columns(layer.indexer_keys, order, 0, 1)
             if getattr(layer, "indexer_position_ids", None) is not None:  # [position sections, rows, columns]
                 layer.indexer_position_ids = gather_columns(layer.indexer_position_ids, order, 1, 2)
-        return True
 
 
 # The layers `RaggedCache.add_rows` joins: keys and values of full attention (sliding layers are made full ones for a
