@@ -604,15 +604,19 @@ INKLING = dict(
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["Inkling", "Inkling2"])
-def test_inklings_convolution_windows_are_cropped_for_one_sequence_and_a_batch_is_refused(name):
+# Named whole: the GPU payload keeps the modeling code of the classes the tests name (examples/gpu/prepare_payload.sh).
+@pytest.mark.parametrize(
+    "config_class, model_class",
+    [("InklingTextConfig", "InklingForCausalLM"), ("Inkling2TextConfig", "Inkling2ForCausalLM")],
+)
+def test_inklings_convolution_windows_are_cropped_for_one_sequence_and_a_batch_is_refused(config_class, model_class):
     """Inkling's "hybrid" and "hybrid_sliding" layers are the types transformers gives layers keeping linear-attention
     states beside keys and values, but Inkling keeps only short-convolution windows there, which crop exactly: one
     sequence runs transformers' own loop, rejected drafts cropped (from transformers 5.25 the layer types alone
     called it recurrent and refused it). A batch is refused naming the fix (its layer types get no per-row masks)."""
     torch.manual_seed(0)
-    config = getattr(transformers, f"{name}TextConfig")(**COMMON, **INKLING)
-    target = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    config = getattr(transformers, config_class)(**COMMON, **INKLING)
+    target = getattr(transformers, model_class)(config).eval()
     alone = target.generate(PROMPT, max_new_tokens=40, **GREEDY)
     drafter = forcing_drafter(target, successor_table(alone))
     output = target.generate(PROMPT, assistant_model=drafter, max_new_tokens=40, draft_policy="fixed", **GREEDY)
