@@ -72,6 +72,28 @@ def test_an_offloaded_target_drafts_as_the_target_loaded_whole(resident, tmp_pat
         assert drafter.last_generation_stats.acceptance_lengths == resident_lengths
 
 
+def test_a_chat_continues_the_cache_of_a_target_whose_embeddings_are_offloaded(resident, tmp_path):
+    # Its calls run in the batch loop (the target's device is the meta device), one row: the cache is left as the
+    # target alone leaves it, and the next turn continues it.
+    from transformers import DynamicCache
+
+    from hf_domino.cache_domino import cache_argument
+
+    target = offloaded(resident, tmp_path, EMBEDDINGS_OFFLOADED)
+    drafter = drafter_for(resident, draft_vocab=False)
+    cache = DynamicCache(config=target.config)
+    first = target.generate(
+        PROMPT, max_new_tokens=12, do_sample=False, assistant_model=drafter, **cache_argument(cache)
+    )
+    assert torch.equal(first, resident.generate(PROMPT, max_new_tokens=12, do_sample=False))
+    assert cache.get_seq_length() == first.shape[1] - 1
+    turn = torch.cat([first, torch.tensor([[11, 12, 13]])], dim=-1)
+    second = target.generate(
+        turn, max_new_tokens=12, do_sample=False, assistant_model=drafter, **cache_argument(cache)
+    )
+    assert torch.equal(second, resident.generate(turn, max_new_tokens=12, do_sample=False))
+
+
 @pytest.mark.parametrize("parts", [HEAD_OFFLOADED, EMBEDDINGS_OFFLOADED], ids=["head", "embeddings"])
 def test_an_offloaded_target_samples_as_the_target_loaded_whole(resident, tmp_path, parts):
     target = offloaded(resident, tmp_path, parts)
