@@ -323,8 +323,9 @@ def test_targets_with_several_residual_streams_are_refused_naming_the_fix(name):
 def test_a_target_whose_cache_layers_cannot_be_cropped_is_refused_before_its_prefill():
     """DeepSeek-V4's compressed-attention cache layers say they cannot be cropped (`is_croppable`): rejected drafts
     could not be dropped. transformers' assisted loop found it only after the prefill, naming no fix, and a batch was
-    told to go one prompt at a time, which then failed too; both are refused before any forward, naming the fix
-    (before transformers 5.25, which marks the model stateful, as a family with states drafting does not serve)."""
+    told to go one prompt at a time, which then failed too; both, and requests joining a batch (generate_batch), are
+    refused before any forward, naming the fix (before transformers 5.25, which marks the model stateful, as a
+    family with states drafting does not serve)."""
     compressed = {"deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", {**EXPERTS, **ROUTED_EXPERTS})}
     target = architecture_target("deepseek_v4", compressed)
     drafter = tiny_drafter(target)
@@ -336,6 +337,10 @@ def test_a_target_whose_cache_layers_cannot_be_cropped_is_refused_before_its_pre
             match=r"DeepseekV4ForCausalLM.*(cannot be cropped|keeps recurrent).*generate without the drafter",
         ):
             target.generate(**inputs, max_new_tokens=8, assistant_model=drafter, **GREEDY)
+    if not getattr(transformers.DynamicCache(config=target.config), "is_croppable", True):  # its layers from 5.25
+        with pytest.raises(ValueError, match=r"DeepseekV4ForCausalLM.*cannot be cropped"):  # requests that join
+            config = transformers.GenerationConfig(max_new_tokens=8)
+            target.generate_batch(ROWS, generation_config=config, assistant_model=drafter)
     assert forwards == []
 
 

@@ -37,6 +37,7 @@ from .attention_kernels_domino import drafting_attention_kernels
 from .batch_call_domino import check_batch_target
 from .batch_policy_domino import call_speculates
 from .batching_domino import BatchedDecoding
+from .cache_domino import check_croppable
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
 from .ragged_cache_domino import JOINABLE, batch_cache
 from .recurrent_cache_domino import keeps_recurrent_states
@@ -193,6 +194,7 @@ class ServingCall:
         options = DominoOptions.resolve(option_values, generation_config)
         options.validate(drafter)
         check_batch_target(target, generation_config, options)
+        check_croppable(target, DynamicCache(config=target.config), batched=True)
         check_serving(target, batch_cache(DynamicCache(config=target.config), target)[0], continuous_batching_config)
         limit = getattr(continuous_batching_config, "max_requests_per_batch", None) or DEFAULT_ROWS
         return cls(target, drafter, generation_config, options, limit, tokenizer)
