@@ -1,7 +1,8 @@
 """Batched speculative decoding: one Domino drafter serves a whole left-padded batch inside `generate()`.
 
 transformers' assisted-decoding loop verifies one sequence per target forward. For a batch, `generate()` hands over
-to `batched_assisted_decoding` (see the hook in `generate_hook_domino`), a loop of ours built from transformers' pieces
+to `batch_generate_domino.batched_assisted_decoding` (see the hook in `generate_hook_domino`), which runs
+`BatchedDecoding`, a loop of ours built from transformers' pieces
 (logits processors, stopping criteria, the streamer protocol, `_speculative_sampling`) and our drafting ladder.
 
 Rows accept different numbers of drafts in a cycle; both caches stay rectangular with holes where rejected drafts
@@ -32,12 +33,11 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .batch_call_domino import TokenScores, check_batch_call, compiled_plain_steps, prompt_inputs
+from .batch_call_domino import TokenScores
 from .batch_drafts_domino import CycleDrafter, CycleDrafts
 from .batch_policy_domino import CallWindow, call_speculates
-from .cache_domino import CACHE_ARGUMENT, buffer_layers
+from .cache_domino import buffer_layers
 from .cost_model_domino import row_paces, settle_for_timing
 from .drafting_domino import judge_copy
 from .modeling_domino import TargetModules, check_context_features, context_features, hidden_state_indices
@@ -125,6 +125,7 @@ class BatchedDecoding:
         window: SlidingWindow | None = None,
         inputs_embeds: torch.Tensor | None = None,
         prompt_inputs: dict[str, Any] | None = None,
+        continues_cache: bool = False,
     ):
         self.target, self.drafter, self.options, self.stats = target, drafter, options, stats
         # Read by the prefill alone, as the target alone reads them: the prompt's embeddings, and a multimodal
@@ -175,9 +176,14 @@ class BatchedDecoding:
         self.window = CallWindow()
         # Per row, the drafts and copies accepted and the cycles that verified some (any row's), for `row_paces`.
         self.row_accepted, self.row_cycles = [0] * rows, [0] * rows
-        # A generate() call of one unpadded row (a tree of branches, an offloaded target) keeps its row in the cache
-        # it was given, as the target alone does, for a chat's next turn (`settled_cache`); rows of a batch leave.
-        self.keeps_its_row = False
+        # A generate() call (`continues_cache`) of one unpadded row (a tree of branches, an offloaded target) keeps
+        # its row in the cache it was given, as the target alone does, for a chat's next turn (`settled_cache`); rows
+        # of a batch, or of a server's batch that rows join, leave it. Sliding layers were made full ones for the call
+        # and recurrent states are kept per row, so those caches are left to end empty too.
+        self.keeps_its_row = (
+            continues_cache and rows == 1 and bool(self.mask.all()) and window is None
+            and self.target_cache.recurrent is None
+        )  # fmt: skip
 
     def now(self) -> float:
         """Host time; where the call reads it (`DominoOptions.reads_cycle_times`), after the device finished."""
@@ -561,58 +567,4 @@ class BatchedDecoding:
             self.window.judge(self.policy, self.cycle_tokens(), self.speculated)
 
 
-@torch.no_grad()
-def batched_assisted_decoding(
-    target: PreTrainedModel,
-    input_ids: torch.LongTensor,
-    logits_processor: LogitsProcessorList,
-    stopping_criteria: StoppingCriteriaList,
-    generation_config: GenerationConfig,
-    drafter: DominoForSpeculation,
-    options: DominoOptions,
-    stats,
-    streamer=None,
-    attention_mask_given: bool = True,
-    **model_kwargs: Any,
-) -> torch.LongTensor | GenerateDecoderOnlyOutput:
-    """Speculative decoding of a left-padded batch: each row's output is what the target alone generates for it.
-
-    Called by the generate() hook for `generate(**batch, assistant_model=drafter)` with more than one sequence
-    (`num_return_sequences > 1` included); `stats` is the call's `DominoGenerationStats`. Returns the sequences padded
-    as the target alone pads them.
-    """
-    attention_mask = model_kwargs.get("attention_mask")
-    check_batch_call(
-        target, input_ids, attention_mask, logits_processor, generation_config, attention_mask_given, options,
-        model_kwargs,
-    )  # fmt: skip
-    if target._valid_auto_compile_criteria(model_kwargs, generation_config):
-        return compiled_plain_steps(
-            target, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs
-        )
-    cache, window = batch_cache(model_kwargs.get(CACHE_ARGUMENT), target)
-    decoding = BatchedDecoding(
-        target, drafter, options, generation_config, logits_processor, stopping_criteria, stats, input_ids,
-        attention_mask, cache, window, model_kwargs.get("inputs_embeds"), prompt_inputs(model_kwargs),
-    )  # fmt: skip
-    decoding.keeps_its_row = (
-        input_ids.shape[0] == 1
-        and bool(decoding.mask.all())
-        and window is None
-        and decoding.target_cache.recurrent is None
-    )
-    try:
-        sequences = decoding.run(input_ids, streamer)
-    finally:
-        if decoding.target_cache.recurrent is not None:  # the cache's layers as they were built
-            decoding.target_cache.recurrent.remove()
-    cache = decoding.settled_cache()
-    if generation_config.return_dict_in_generate:
-        scores = logits = None
-        if decoding.token_scores is not None:
-            scores, logits = decoding.token_scores.columns(sequences.shape[1] - input_ids.shape[1], decoding.pad)
-        return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, **{CACHE_ARGUMENT: cache})
-    return sequences
-
-
-__all__ = ["BatchedDecoding", "batched_assisted_decoding"]
+__all__ = ["BatchedDecoding"]

@@ -56,7 +56,7 @@ from .attached_drafter_domino import (
     wants_the_attached_drafter,
 )
 from .attention_kernels_domino import drafting_attention_kernels
-from .batching_domino import batched_assisted_decoding
+from .batch_generate_domino import batched_assisted_decoding
 from .batching_manager_domino import DraftedBatchingManager
 from .cache_domino import CACHE_ARGUMENT, buffer_layers, check_croppable, uncached_prompt_length
 from .continuous_batching_domino import generate_requests
