@@ -160,9 +160,9 @@ def check_croppable(target, cache: Cache | None, batched: bool) -> None:
     """Raises, naming the fix, for a cache whose layers say they cannot drop the drafts a verification rejects
     (`is_croppable`, transformers >= 5.24: DeepSeek-V4's compressed attention, quantized layers, a static sliding
     layer longer than its window). transformers' assisted loop finds it only after the prefill, with no fix named,
-    and a batch would not ask. A batch on a static cache drafts on a dynamic one (batching_domino), so it is let be.
-    Linear-attention layers are left out: transformers 5.24 calls them uncroppable until they hold a state, and their
-    windows crop while their recurrent states roll back here (recurrent_cache_domino)."""
+    and a batch would not ask. A batch on a static cache drafts on a dynamic one (`ragged_cache_domino.batch_cache`),
+    so it is let be. Linear-attention layers are left out: transformers 5.24 calls them uncroppable until they hold a
+    state, and their windows crop while their recurrent states roll back here (recurrent_cache_domino)."""
     if cache is None or (batched and isinstance(cache, StaticCache)):
         return
     layers = sorted(
