@@ -641,13 +641,12 @@ def test_a_batch_continuing_a_filled_cache_is_identical_to_the_target_alone(arch
     )  # fmt: skip
     assert torch.equal(expected, fresh)
     assert torch.equal(output, expected)
-    # A batch's own cache ends empty (rows leave it as they finish, and all-hole columns are cropped): continuing it
-    # reads every column again, which is still exact.
-    emptied = DynamicCache(config=target.config)
-    output = target.generate(**first, do_sample=False, max_new_tokens=6, min_new_tokens=6, **cache_argument(emptied),
+    # A batch's own cache, filled by the first turn with the drafter, is continued the same way.
+    own = DynamicCache(config=target.config)
+    output = target.generate(**first, do_sample=False, max_new_tokens=6, min_new_tokens=6, **cache_argument(own),
                              assistant_model=drafter, draft_policy=policy)  # fmt: skip
-    assert torch.equal(output, answered) and emptied.get_seq_length() == 0
-    assert torch.equal(target.generate(**batch, do_sample=False, max_new_tokens=13, **cache_argument(emptied),
+    assert torch.equal(output, answered) and own.get_seq_length() == cache.get_seq_length()
+    assert torch.equal(target.generate(**batch, do_sample=False, max_new_tokens=13, **cache_argument(own),
                                        assistant_model=drafter, draft_policy=policy), fresh)  # fmt: skip
     with pytest.raises(ValueError, match="the whole sequences"):  # new columns only: the rows' padding is unknown
         target.generate(turn, attention_mask=batch["attention_mask"], max_new_tokens=4, **cache_argument(copy.deepcopy(cache)),
@@ -687,6 +686,88 @@ def test_a_call_of_one_row_leaves_its_cache_as_the_target_alone_does(arch, eos):
     hook.remove()
     assert read[0] == 4  # the answer's last token and the new ones, as the target alone reads them
     assert torch.equal(second, target.generate(turn, **options, **cache_argument(alone_cache)))
+
+
+def attended_columns(batch: dict[str, torch.Tensor], sequences: torch.LongTensor) -> torch.BoolTensor:
+    """The columns of a batch's cache after generate() that a next turn attends to: the prompt's mask, then every
+    token generated (the padding after a row's end included), but the last."""
+    answers = torch.ones(sequences.shape[0], sequences.shape[1] - batch["input_ids"].shape[1], dtype=torch.long)
+    return torch.cat([batch["attention_mask"], answers], dim=-1)[:, :-1].bool()
+
+
+def assert_same_columns(cache: DynamicCache, reference: DynamicCache, columns: torch.BoolTensor) -> None:
+    assert cache.get_seq_length() == reference.get_seq_length() == columns.shape[1]
+    for ours, alone in zip(cache.layers, reference.layers):
+        for mine, theirs in ((ours.keys, alone.keys), (ours.values, alone.values)):
+            attended = columns[:, None, :, None].expand_as(mine)
+            torch.testing.assert_close(mine[attended], theirs[attended])
+
+
+def forwards_of(target, call) -> int:
+    count = []
+    hook = target.register_forward_pre_hook(lambda *_: count.append(1))
+    try:
+        call()
+    finally:
+        hook.remove()
+    return len(count)
+
+
+def test_a_batch_leaves_its_cache_as_the_target_alone_does(arch):
+    # Rows of different lengths that end at EOS at different times (inside verified blocks): the cache passed to the
+    # call, also in the output dict, holds what the target alone's holds at every column a next turn attends to:
+    # each row's tokens but the last, and the padding the target alone reads after a row's end (read in one forward
+    # after the loop, and only where the caller sees the cache). The next turn reads only its new tokens.
+    from hf_domino.cache_domino import CACHE_ARGUMENT
+
+    target = successor_target(arch, VOCAB)
+    drafter = forcing_drafter(target, PARTIAL)  # right, but where the target's token is a multiple of 5
+    batch = left_padded([[3, 9, 4, 12, 5, 6], [20, 21], [7, 8, 9, 10]])
+    options = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0, "eos_token_id": 28}  # after 22, 7, 18
+    alone_cache, cache = DynamicCache(config=target.config), DynamicCache(config=target.config)
+    expected = target.generate(**batch, **options, **cache_argument(alone_cache))
+    output = target.generate(**batch, **options, **cache_argument(cache), assistant_model=drafter,
+                             draft_policy="fixed", return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(output.sequences, expected) and getattr(output, CACHE_ARGUMENT) is cache
+    assert (expected[:, -1] == 0).sum() == 2 and max(drafter.last_generation_stats.acceptance_lengths) > 2
+    columns = attended_columns(batch, expected)
+    assert_same_columns(cache, alone_cache, columns)
+    mask = torch.cat([columns.long(), torch.ones(3, 4, dtype=torch.long)], dim=-1)
+    turn = {"input_ids": torch.cat([expected, torch.tensor([[7, 8, 9]] * 3)], dim=-1), "attention_mask": mask}
+    read = []
+    hook = target.register_forward_pre_hook(lambda module, args, kwargs: read.append(kwargs["input_ids"].shape[1]),
+                                            with_kwargs=True)  # fmt: skip
+    second = target.generate(**turn, **options, **cache_argument(cache), assistant_model=drafter)
+    hook.remove()
+    assert read[0] == 4  # the answers' last column and the new ones, as the target alone reads them
+    assert torch.equal(second, target.generate(**turn, **options, **cache_argument(alone_cache)))
+    # A call whose caller sees no cache reads nothing past the rows' ends.
+    drafted = {**options, "assistant_model": drafter, "draft_policy": "fixed"}
+    seen = forwards_of(target, lambda: target.generate(**batch, **drafted, return_dict_in_generate=True))
+    assert forwards_of(target, lambda: target.generate(**batch, **drafted)) == seen - 1
+
+
+def test_a_sampled_batchs_cache_holds_what_a_forward_over_its_output_computes(arch):
+    # Sampling several sequences per prompt, rows ending at different times: the returned cache is, at every column
+    # a next turn attends to, what the target computes reading the output in one forward.
+    from hf_domino.cache_domino import CACHE_ARGUMENT
+
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target)
+    torch.manual_seed(3)
+    batch = left_padded([torch.randint(13, 64, (n,)).tolist() for n in (5, 2)])
+    output = target.generate(**batch, do_sample=True, max_new_tokens=14, num_return_sequences=2, pad_token_id=0,
+                             eos_token_id=list(range(4, 13)), assistant_model=drafter, draft_policy="fixed",
+                             return_dict_in_generate=True)  # fmt: skip
+    lengths = (output.sequences != 0).sum(dim=-1)
+    assert len(set(lengths.tolist())) > 1  # the rows ended at different times
+    repeated = {name: value.repeat_interleave(2, dim=0) for name, value in batch.items()}
+    columns = attended_columns(repeated, output.sequences)
+    reference = DynamicCache(config=target.config)
+    positions = (columns.long().cumsum(dim=-1) - 1).masked_fill(~columns, 1)
+    target(output.sequences[:, :-1], attention_mask=columns.long(), position_ids=positions,
+           **cache_argument(reference))  # fmt: skip
+    assert_same_columns(getattr(output, CACHE_ARGUMENT), reference, columns)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])

@@ -168,6 +168,37 @@ def test_shipped_drafter_serves_a_padded_batch_losslessly(smollm2, shipped_draft
             assert any(stats.copied) and not all(stats.copied)  # rows copied where their text repeats, else drafted
 
 
+def test_a_batch_passing_its_cache_back_gets_the_target_alones_answers(smollm2, shipped_drafter):
+    """Two turns of three chats in one batch, the second continuing the first's cache with the follow-up's tokens
+    appended to every row: each turn's rows are the target alone's, computed without a cache, and the second turn
+    reads only the answers' last column and the follow-up."""
+    target, tokenizer = smollm2
+    batch = mtbench_batch(tokenizer, 3)
+    follow_up = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Now say it in two sentences."}], add_generation_prompt=True, tokenize=False
+    )
+    follow_up = tokenizer(follow_up, return_tensors="pt", add_special_tokens=False)["input_ids"].repeat(3, 1)
+    cache = DynamicCache(config=target.config)
+    first = target.generate(**batch, max_new_tokens=24, do_sample=False, **cache_argument(cache),
+                            assistant_model=shipped_drafter)  # fmt: skip
+    assert torch.equal(first, target.generate(**batch, max_new_tokens=24, do_sample=False))
+    answered = first.shape[1] - batch["input_ids"].shape[1]
+    turn = {
+        "input_ids": torch.cat([first, follow_up], dim=-1),
+        "attention_mask": torch.cat(
+            [batch["attention_mask"], torch.ones(3, answered + follow_up.shape[1], dtype=torch.long)], dim=-1
+        ),
+    }
+    read = []
+    hook = target.register_forward_pre_hook(lambda module, args, kwargs: read.append(kwargs["input_ids"].shape[1]),
+                                            with_kwargs=True)  # fmt: skip
+    second = target.generate(**turn, max_new_tokens=24, do_sample=False, **cache_argument(cache),
+                             assistant_model=shipped_drafter)  # fmt: skip
+    hook.remove()
+    assert read[0] == 1 + follow_up.shape[1]
+    assert torch.equal(second, target.generate(**turn, max_new_tokens=24, do_sample=False))
+
+
 def test_shipped_drafter_serves_requests_joining_as_rows_finish(smollm2, shipped_drafter):
     """generate_batch with the drafter, 2 rows at a time over 4 questions: each answer is the target alone's for that
     question alone, every request joining as an earlier one finishes."""

@@ -41,13 +41,15 @@ def batched_assisted_decoding(
     stats,
     streamer=None,
     attention_mask_given: bool = True,
+    cache_given: bool = False,
     **model_kwargs: Any,
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     """Speculative decoding of a left-padded batch: each row's output is what the target alone generates for it.
 
     Called by the generate() hook for `generate(**batch, assistant_model=drafter)` with more than one sequence
     (`num_return_sequences > 1` included); `stats` is the call's `DominoGenerationStats`. Returns the sequences padded
-    as the target alone pads them.
+    as the target alone pads them; the call's cache is left as the target alone leaves it where the caller sees it
+    (`cache_given`: generate() was passed one; or the output dict, which carries it).
     """
     attention_mask = model_kwargs.get("attention_mask")
     check_batch_call(
@@ -62,14 +64,14 @@ def batched_assisted_decoding(
     decoding = BatchedDecoding(
         target, drafter, options, generation_config, logits_processor, stopping_criteria, stats, input_ids,
         attention_mask, cache, window, model_kwargs.get("inputs_embeds"), prompt_inputs(model_kwargs),
-        continues_cache=True,
+        returns_cache=cache_given or bool(generation_config.return_dict_in_generate),
     )  # fmt: skip
     try:
         sequences = decoding.run(input_ids, streamer)
     finally:
         if decoding.target_cache.recurrent is not None:  # the cache's layers as they were built
             decoding.target_cache.recurrent.remove()
-    cache = decoding.settled_cache()
+    cache = decoding.settled_cache(sequences)
     if generation_config.return_dict_in_generate:
         scores = logits = None
         if decoding.token_scores is not None:

@@ -125,10 +125,12 @@ _REQUIRED_PARAMETERS = {
     "continuous_batching_context_manager": ("generation_config", "block", "timeout", "continuous_batching_config"),
     "generate": ("generation_config", "assistant_model", "streamer", "custom_generate", "kwargs"),
 }
-# Where the options travel from `_extract_generation_mode_kwargs` to `_assisted_decoding`, and whether the call
-# passed an attention mask (a padded batch without one is refused).
+# Where the options travel from `_extract_generation_mode_kwargs` to `_assisted_decoding`, whether the call passed an
+# attention mask (a padded batch without one is refused), and whether it passed a cache (which the caller then sees
+# after the call, so a batch leaves it as the target alone does).
 _OPTIONS_KEY = "domino_options"
 _MASK_GIVEN_KEY = "domino_attention_mask_given"
+_CACHE_GIVEN_KEY = "domino_cache_given"
 
 
 @functools.cache
@@ -190,6 +192,8 @@ def _wrap_extract_generation_mode_kwargs(original):
             name: call_kwargs.pop(name) for name in DominoOptions.names() if name in call_kwargs
         }
         mode_kwargs[_MASK_GIVEN_KEY] = call_kwargs.get("attention_mask") is not None
+        # Either name: transformers 5.24+ still takes the old one (`CACHE_ARGUMENT`).
+        mode_kwargs[_CACHE_GIVEN_KEY] = any(call_kwargs.get(name) is not None for name in ("cache", "past_key_values"))
         return mode_kwargs
 
     return _extract_generation_mode_kwargs
@@ -243,6 +247,7 @@ def _wrap_assisted_decoding(original):
             return original(self, *args, **kwargs)
         options = kwargs.pop(_OPTIONS_KEY, None)
         attention_mask_given = kwargs.pop(_MASK_GIVEN_KEY, True)
+        cache_given = kwargs.pop(_CACHE_GIVEN_KEY, True)
         arguments = _bound_arguments(original, self, args, kwargs)
         if not isinstance(options, DominoOptions):  # reached without generate()'s validation
             options = DominoOptions.resolve(options or {}, arguments["generation_config"])
@@ -273,6 +278,7 @@ def _wrap_assisted_decoding(original):
                     stats,
                     streamer=arguments.get("streamer"),
                     attention_mask_given=attention_mask_given,
+                    cache_given=cache_given,
                     **arguments.get("model_kwargs", {}),
                 )
         prefill_length = uncached_prompt_length(

@@ -209,12 +209,39 @@ class RaggedCache:
         self._compact(width, needed)
         return True
 
-    def settle(self, tokens: int) -> None:
-        """A one-row cache as the target alone leaves it after generate(): its first `tokens` real columns, in order,
-        no holes, so that a call passed it (a chat's next turn) reads on after them."""
-        width = self.mask.shape[1]
-        self._compact(width, int(self.lengths.max()) if width else 0)
-        self._crop_trailing(max(self.mask.shape[1] - tokens, 0))
+    def copied_rows(self, rows: list[int], tokens: list[int]) -> RaggedCache:
+        """A cache of its own holding copies of these rows, row i cut to its first `tokens[i]` real columns: what a
+        finished row leaves for the cache a call returns. Joinable caches only (`joinable`)."""
+        index = torch.tensor(rows, device=self.mask.device)
+        cache = DynamicCache()
+        cache.layers = []
+        for layer in self.cache.layers:
+            copy = DynamicLayer()
+            if layer.is_initialized:
+                keys, values = layer.keys[index.to(layer.keys.device)], layer.values[index.to(layer.keys.device)]
+                copy.lazy_initialization(keys, values)
+                copy.keys, copy.values = keys, values
+            cache.layers.append(copy)
+        mask = self.mask[index]
+        mask &= mask.cumsum(dim=-1) <= torch.tensor(tokens, device=mask.device)[:, None]
+        copied = RaggedCache(cache, mask)
+        copied._crop_trailing_holes()
+        return copied
+
+    def arrange(self, layout: torch.BoolTensor) -> None:
+        """Moves each row's real columns, in order, to where `layout` (`[rows, columns]`) is True, zeros elsewhere:
+        the columns of the attention mask a caller continues the cache with, as the target alone's cache has them."""
+        if not torch.equal(self.lengths, layout.sum(dim=-1)):
+            raise RuntimeError(f"Rows of {self.lengths.tolist()} tokens cannot fill {layout.sum(dim=-1).tolist()}.")
+        real_first = torch.sort((~self.mask).to(torch.int8), dim=-1, stable=True).indices
+        source = torch.gather(real_first, 1, (layout.long().cumsum(dim=-1) - 1).clamp(min=0))
+        for layer in self.attention_layers:
+            if layer.is_initialized and layer.keys.numel():
+                keep = layout[:, None, :, None].to(layer.keys.device)
+                layer.keys, layer.values = (
+                    gather_columns(kv, source, 0, 2).where(keep, 0) for kv in (layer.keys, layer.values)
+                )
+        self.mask = layout
 
     def _compact(self, width: int, needed: int) -> None:
         # A stable sort puts each row's holes first and its real columns after them, in order.
