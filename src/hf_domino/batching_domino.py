@@ -37,7 +37,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from .batch_call_domino import TokenScores
 from .batch_drafts_domino import CycleDrafter, CycleDrafts
 from .batch_policy_domino import CallWindow, call_speculates
-from .cache_domino import BufferedLayer, buffer_layers
+from .cache_domino import buffer_layers
 from .cost_model_domino import row_paces, settle_for_timing
 from .drafting_domino import judge_copy
 from .modeling_domino import TargetModules, check_context_features, context_features, hidden_state_indices
@@ -66,6 +66,7 @@ from .recurrent_cache_domino import RecurrentRollback, has_recurrent_layers
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
 
+    from .batch_generate_domino import FinishedRows
     from .modeling_domino import DominoForSpeculation
     from .options_domino import DominoOptions
 
@@ -125,7 +126,7 @@ class BatchedDecoding:
         window: SlidingWindow | None = None,
         inputs_embeds: torch.Tensor | None = None,
         prompt_inputs: dict[str, Any] | None = None,
-        returns_cache: bool = False,
+        finished_rows: FinishedRows | None = None,
     ):
         self.target, self.drafter, self.options, self.stats = target, drafter, options, stats
         # Read by the prefill alone, as the target alone reads them: the prompt's embeddings, and a multimodal
@@ -176,13 +177,10 @@ class BatchedDecoding:
         self.window = CallWindow()
         # Per row, the drafts and copies accepted and the cycles that verified some (any row's), for `row_paces`.
         self.row_accepted, self.row_cycles = [0] * rows, [0] * rows
-        # A generate() call whose caller sees the target's cache afterwards (`returns_cache`: it passed one, or asked
-        # for the output dict) gets it back as the target alone leaves it, for a chat's next turn (`settled_cache`):
-        # each row's columns are copied out as it finishes (`kept`, in `kept_order`). Sliding layers were made full
-        # ones for the call and recurrent states are kept per row: those caches, and a server's, end empty.
-        self.keeps_rows = returns_cache and window is None and self.target_cache.joinable
-        self.kept: RaggedCache | None = None
-        self.kept_order: list[int] = []
+        # Where a generate() call returns its cache, each row's columns are copied out as it finishes (`FinishedRows`),
+        # which the call's output then leaves as the target alone leaves its cache. Sliding layers were made full ones
+        # for the call and recurrent states are kept per row: those caches, and a server's, end empty.
+        self.finished_rows = finished_rows if window is None and self.target_cache.joinable else None
 
     def now(self) -> float:
         """Host time; where the call reads it (`DominoOptions.reads_cycle_times`), after the device finished."""
@@ -242,57 +240,16 @@ class BatchedDecoding:
         keep = [i for i, done in enumerate(finished) if not done]
         if len(keep) == len(self.active):
             return
-        if self.keeps_rows:
-            self.keep_rows([i for i, done in enumerate(finished) if done])
+        if self.finished_rows is not None:
+            # Every token of a row but its last: the target alone reads a token in the step after it picks it.
+            rows = [self.active[i] for i, done in enumerate(finished) if done]
+            tokens = [int(self.mask[row].sum()) + self.generated(row) - 1 for row in rows]
+            positions = [i for i, done in enumerate(finished) if done]
+            self.finished_rows.add(self.target_cache.copied_rows(positions, tokens), rows)
         index = torch.tensor(keep, dtype=torch.long)
         self.target_cache.select_rows(index)
         self.context.select_rows(index)
         self.active = [self.active[i] for i in keep]
-
-    def keep_rows(self, positions: list[int]) -> None:
-        """Copies the finished rows at these positions of the batch out of the target's cache (`kept`), with every
-        token of theirs but the last: the target alone reads a token in the step after it picks it."""
-        rows = [self.active[i] for i in positions]
-        tokens = [int(self.mask[row].sum()) + self.generated(row) - 1 for row in rows]
-        leaving = self.target_cache.copied_rows(positions, tokens)
-        if self.kept is None:
-            self.kept = leaving
-        else:
-            self.kept.add_rows(leaving)
-        self.kept_order += rows
-
-    def settled_cache(self, sequences: torch.LongTensor) -> DynamicCache | None:
-        """The target's cache after the call, as the target alone leaves it for its output `sequences`: each row's
-        tokens but the last column's, at the columns of the row's attention mask (holes, zeros in the keys and
-        values, where it has none). None where the rows were not kept (`keeps_rows`)."""
-        if self.kept is None:
-            return None
-        kept = self.kept
-        kept.select_rows(torch.tensor(self.kept_order).argsort())
-        self.read_past_ends(kept, sequences)
-        answers = self.mask.new_ones(len(self.sequences), sequences.shape[1] - self.prompt_length)
-        kept.arrange(torch.cat([self.mask, answers], dim=-1)[:, :-1])
-        cache = self.target_cache.cache  # the caller's object, filled in place as the target alone fills it
-        for layer, filled in zip(cache.layers, kept.cache.layers):
-            if filled.is_initialized:
-                layer.keys, layer.values = filled.keys, filled.values
-                if isinstance(layer, BufferedLayer):
-                    layer.buffers = None  # moved into new buffers at the next update
-        return cache
-
-    def read_past_ends(self, kept: RaggedCache, sequences: torch.LongTensor) -> None:
-        """Reads into `kept` what the target alone reads after each row's end, since it steps every row until the
-        longest is done: the row's last token, then the padding, up to the output's last column (never read)."""
-        ends = torch.tensor([sequence.shape[0] for sequence in self.sequences], device=sequences.device)
-        missing = sequences.shape[1] - ends
-        steps = int(missing.max())
-        if not steps:
-            return
-        columns = torch.arange(steps, device=sequences.device)
-        new = columns[None] < missing[:, None]
-        at = (ends[:, None] - 1 + columns[None]).clamp(max=sequences.shape[1] - 1)
-        input_ids = torch.gather(sequences, 1, at).masked_fill(~new, self.pad)
-        ragged_forward(self.target, kept, input_ids, new, [], logits_to_keep=1)
 
     def stream(self, streamer, emitted: int) -> int:
         """Puts every token column all unfinished rows have reached, as the target alone streams one per step."""

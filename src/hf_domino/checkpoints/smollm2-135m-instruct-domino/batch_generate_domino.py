@@ -3,24 +3,27 @@ more than one sequence (or a tree of branches, or a target whose first weights a
 
 The call's checks (`batch_call_domino.check_batch_call`), then either the compiled target alone's steps where
 generate() compiles the batch's forward, or the drafting loop (`batching_domino.BatchedDecoding`) on the cache the
-call starts from (`ragged_cache_domino.batch_cache`), and the output as the target alone returns it.
+call starts from (`ragged_cache_domino.batch_cache`), and the output as the target alone returns it, its cache
+included (`FinishedRows`, `settled_cache`).
 
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch_call_domino import check_batch_call, compiled_plain_steps, prompt_inputs
 from .batching_domino import BatchedDecoding
-from .cache_domino import CACHE_ARGUMENT
-from .ragged_cache_domino import batch_cache
+from .cache_domino import CACHE_ARGUMENT, BufferedLayer
+from .ragged_cache_domino import RaggedCache, batch_cache, ragged_forward
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
@@ -61,17 +64,19 @@ def batched_assisted_decoding(
             target, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs
         )
     cache, window = batch_cache(model_kwargs.get(CACHE_ARGUMENT), target)
+    # Kept where the caller sees the cache after the call: it passed one, or asks for the output dict, which carries it.
+    finished_rows = FinishedRows() if cache_given or generation_config.return_dict_in_generate else None
     decoding = BatchedDecoding(
         target, drafter, options, generation_config, logits_processor, stopping_criteria, stats, input_ids,
         attention_mask, cache, window, model_kwargs.get("inputs_embeds"), prompt_inputs(model_kwargs),
-        returns_cache=cache_given or bool(generation_config.return_dict_in_generate),
+        finished_rows,
     )  # fmt: skip
     try:
         sequences = decoding.run(input_ids, streamer)
     finally:
         if decoding.target_cache.recurrent is not None:  # the cache's layers as they were built
             decoding.target_cache.recurrent.remove()
-    cache = decoding.settled_cache(sequences)
+    cache = None if finished_rows is None else settled_cache(decoding, finished_rows, sequences)
     if generation_config.return_dict_in_generate:
         scores = logits = None
         if decoding.token_scores is not None:
@@ -80,4 +85,60 @@ def batched_assisted_decoding(
     return sequences
 
 
-__all__ = ["batched_assisted_decoding"]
+@dataclass
+class FinishedRows:
+    """The target's cache rows of a batch's finished rows, copied out as they leave the loop's cache
+    (`BatchedDecoding.retire`), for the cache the call returns (`settled_cache`)."""
+
+    cache: RaggedCache | None = None  # the rows in the order they finished
+    order: list[int] = field(default_factory=list)  # their rows in the batch
+
+    def add(self, rows_cache: RaggedCache, rows: list[int]) -> None:
+        if self.cache is None:
+            self.cache = rows_cache
+        else:
+            self.cache.add_rows(rows_cache)
+        self.order += rows
+
+
+def settled_cache(
+    decoding: BatchedDecoding, finished: FinishedRows, sequences: torch.LongTensor
+) -> DynamicCache | None:
+    """The call's cache as the target alone leaves it for its output `sequences`: each row's tokens but the last
+    column's, at the columns of the row's attention mask (zeros in the keys and values where the mask has none), in
+    the cache object the call was given. None where the loop kept no rows (sliding-window or recurrent layers)."""
+    if finished.cache is None:
+        return None
+    rows = finished.cache
+    rows.select_rows(torch.tensor(finished.order).argsort())
+    ends = torch.tensor([sequence.shape[0] for sequence in decoding.sequences], device=sequences.device)
+    read_past_ends(decoding.target, rows, sequences, ends, decoding.pad)
+    answers = decoding.mask.new_ones(sequences.shape[0], sequences.shape[1] - decoding.prompt_length)
+    rows.arrange(torch.cat([decoding.mask, answers], dim=-1)[:, :-1])
+    cache = decoding.target_cache.cache  # the caller's object, filled in place as the target alone fills it
+    for layer, filled in zip(cache.layers, rows.cache.layers):
+        if filled.is_initialized:
+            layer.keys, layer.values = filled.keys, filled.values
+            if isinstance(layer, BufferedLayer):
+                layer.buffers = None  # moved into new buffers at the next update
+    return cache
+
+
+def read_past_ends(
+    target: PreTrainedModel, rows: RaggedCache, sequences: torch.LongTensor, ends: torch.LongTensor, pad: int
+) -> None:
+    """Reads into `rows` what the target alone reads after each row's end (`ends[row]` tokens), since it steps every
+    row until the longest is done: the row's last token, then the padding, up to the output's last column (never
+    read). One forward for all rows, after the loop."""
+    missing = sequences.shape[1] - ends
+    steps = int(missing.max())
+    if not steps:
+        return
+    columns = torch.arange(steps, device=sequences.device)
+    new = columns[None] < missing[:, None]
+    at = (ends[:, None] - 1 + columns[None]).clamp(max=sequences.shape[1] - 1)
+    input_ids = torch.gather(sequences, 1, at).masked_fill(~new, pad)
+    ragged_forward(target, rows, input_ids, new, [], logits_to_keep=1)
+
+
+__all__ = ["FinishedRows", "batched_assisted_decoding", "read_past_ends", "settled_cache"]
