@@ -469,7 +469,8 @@ def test_return_dict_gives_the_sequences():
 
 def test_scores_and_logits_are_the_target_alones_for_every_token_of_every_row():
     # Greedy with a processor (so scores differ from logits), rows ending at different columns (EOS 1 after 0, the
-    # successor of 31, or token 12), and drafts accepted: each row's scores come from verification forwards.
+    # successor of 31, or token 12), and drafts accepted: each row's scores come from verification forwards, and
+    # after its end from one forward over the padding the target alone feeds it.
     target = successor_target("qwen3", VOCAB)
     drafter = forcing_drafter(target, PARTIAL, block_size=8)
     batch = left_padded([[4, 5], [6, 7, 8, 9], [20, 21, 22]])
@@ -483,16 +484,10 @@ def test_scores_and_logits_are_the_target_alones_for_every_token_of_every_row():
     generated = expected.sequences[:, batch["input_ids"].shape[1] :]
     ends = [int(torch.isin(row, torch.tensor([1, 12])).nonzero()[0]) + 1 for row in generated]
     assert ends == [7, 3, 11]  # rows finish at different columns
-    emits_pad = torch.full((VOCAB,), -float("inf"))
-    emits_pad[0] = 0.0
+    # After a row's end too: the target alone's scores for the padding it feeds the row (read after the loop).
     for column in range(11):
-        for row, end in enumerate(ends):
-            if column < end:
-                torch.testing.assert_close(output.scores[column][row], expected.scores[column][row])
-                torch.testing.assert_close(output.logits[column][row], expected.logits[column][row])
-            else:  # a finished row emits the pad token with certainty
-                assert torch.equal(output.scores[column][row], emits_pad)
-                assert torch.equal(output.logits[column][row], emits_pad)
+        torch.testing.assert_close(output.scores[column], expected.scores[column])
+        torch.testing.assert_close(output.logits[column], expected.logits[column])
     assert not torch.equal(output.scores[1], output.logits[1])  # the bias acted
     only = target.generate(**batch, **{**kwargs, "output_logits": False}, assistant_model=drafter)
     assert only.logits is None and len(only.scores) == 11
@@ -500,15 +495,18 @@ def test_scores_and_logits_are_the_target_alones_for_every_token_of_every_row():
 
 def test_sampled_scores_are_what_each_token_was_drawn_from():
     # Sampled rows differ from the target alone's, so check each token's raw logits against one forward over the
-    # row's own output, and its scores against them through the call's warper (temperature).
+    # row's own output, and its scores against them through the call's warper (temperature); after a row's end, what
+    # the target alone computes from the padding it feeds the row.
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     torch.manual_seed(3)
-    batch = left_padded([torch.randint(4, 64, (n,)).tolist() for n in (5, 2)])
+    batch = left_padded([torch.randint(13, 64, (n,)).tolist() for n in (5, 2)])
     output = target.generate(**batch, max_new_tokens=10, do_sample=True, temperature=0.7, top_k=0,
                              num_return_sequences=2, return_dict_in_generate=True, output_scores=True,
-                             output_logits=True, assistant_model=drafter, draft_policy="fixed")  # fmt: skip
+                             output_logits=True, assistant_model=drafter, draft_policy="fixed", pad_token_id=0,
+                             eos_token_id=list(range(4, 13)))  # fmt: skip
     sequences, width = output.sequences, batch["input_ids"].shape[1]
+    assert sequences.shape[1] == width + 10 and (sequences[:, -1] == 0).any()  # a row ended before the last
     mask = torch.cat([batch["attention_mask"].repeat_interleave(2, dim=0), torch.ones(4, 10, dtype=torch.long)], -1)
     logits = target(sequences, attention_mask=mask).logits.float()
     for column in range(10):

@@ -89,14 +89,6 @@ def random_rows(rng: random.Random, vocab: int, rows: int) -> list[list[int]]:
     return [[rng.randrange(4, vocab) for _ in range(rng.randint(1, 7))] for _ in range(rows)]
 
 
-def live_rows(sequences: torch.Tensor, prompt_length: int, eos) -> list[torch.BoolTensor]:
-    """Per generated position, the rows that had not ended before it (a finished row's later scores are documented
-    to differ: it emits the pad token, where the target alone keeps scoring the pads it feeds)."""
-    new = sequences[:, prompt_length:]
-    ended = torch.isin(new, torch.tensor(eos if isinstance(eos, list) else [eos])).int().cumsum(1)
-    return [(ended[:, :i] == 0).all(1) for i in range(new.shape[1])]
-
-
 def both_outputs(target, drafter, batch: dict, options: dict, ours: dict):
     """(the target alone's output, the drafter call's); a mix transformers refuses for the target alone is skipped."""
     try:
@@ -111,7 +103,7 @@ def sequences(output) -> torch.Tensor:
 
 
 def greedy_mix(seed: int, device: str = "cpu") -> None:
-    """One greedy mix: the drafter call's sequences, and the scores of the rows still generating, are the target
+    """One greedy mix: the drafter call's sequences and scores (a finished row's after its end too) are the target
     alone's. On CUDA (test_on_cuda.py) only the exact models are drawn (successor targets and forcing drafters, whose
     logits have no near-ties for the device's rounding to flip), and the default rollout runs the fused head."""
     rng = random.Random(seed)
@@ -131,13 +123,11 @@ def greedy_mix(seed: int, device: str = "cpu") -> None:
     ), mix
     if not options.get("return_dict_in_generate"):
         return
-    eos = options.get("eos_token_id", target.generation_config.eos_token_id)
-    live = [rows.to(device) for rows in live_rows(alone.sequences.cpu(), batch["input_ids"].shape[1], eos)]
     for field in ("scores", "logits"):
         expected, got = getattr(alone, field), getattr(drafted, field)
         assert (expected is None) == (got is None), (field, mix)
         for i, (a, b) in enumerate(zip(expected or (), got or (), strict=True)):
-            assert torch.allclose(a[live[i]], b[live[i]], atol=1e-4, rtol=1e-4), (field, i, mix)
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (field, i, mix)
 
 
 @pytest.mark.parametrize("seed", seeds(32))
@@ -147,24 +137,27 @@ def test_greedy_option_mixes_are_the_target_alones(seed):
 
 @pytest.mark.parametrize("seed", seeds(16))
 def test_a_second_turn_on_the_first_turns_cache_is_the_target_alones(seed):
+    # One conversation or a batch of them, each turn's follow-up appended to every row (the mask says which columns
+    # are tokens: the prompts' left padding is not; what the rows generated, their padding included, and the
+    # follow-ups are).
     rng = random.Random(seed)
     target, drafter, vocab = random_models(rng)
-    prompt = torch.tensor(random_rows(rng, vocab, 1))
+    prompt = left_padded(random_rows(rng, vocab, rng.choice([1, 1, 2, 3])))
+    rows = prompt["input_ids"].shape[0]
     turns = []
     for _ in range(2):
         options, ours = random_options(rng, range(4, vocab), 1, drafter)
         for name in ("return_dict_in_generate", "output_scores", "output_logits"):
             options.pop(name, None)
-        turns.append((options, ours, torch.tensor(random_rows(rng, vocab, 1))))
+        turns.append((options, ours, torch.tensor(random_rows(rng, vocab, 1)).repeat(rows, 1)))
 
     def conversation(with_drafter: bool) -> torch.Tensor:
-        cache, ids = DynamicCache(config=target.config), prompt
+        cache, ids, mask = DynamicCache(config=target.config), prompt["input_ids"], prompt["attention_mask"]
         for options, ours, follow_up in turns:
             drafting = dict(ours, assistant_model=drafter) if with_drafter else {}
-            # The mask is explicit: generate() would mask out a generated pad token (0) of a mask-less prompt.
-            mask = torch.ones_like(ids)
-            ids = target.generate(ids, attention_mask=mask, **{CACHE_ARGUMENT: cache}, **options, **drafting)
-            ids = torch.cat([ids, follow_up], dim=1)
+            generated = target.generate(ids, attention_mask=mask, **{CACHE_ARGUMENT: cache}, **options, **drafting)
+            ids = torch.cat([generated, follow_up], dim=1)
+            mask = torch.cat([mask, torch.ones(rows, ids.shape[1] - mask.shape[1], dtype=torch.long)], dim=1)
         return ids
 
     try:

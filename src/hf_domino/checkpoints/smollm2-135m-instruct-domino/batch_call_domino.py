@@ -217,9 +217,10 @@ class TokenScores:
     """What `output_scores` / `output_logits` return for a batch: per row, the processed and raw logits each of its
     tokens was picked from, then as generate() returns them, one `[rows, V]` tensor per generated column.
 
-    A row that has finished emits the pad token in every later column, and its scores there say so (0 for the pad
-    token, -inf elsewhere); the target alone would compute them from the pad tokens it feeds that row, which a batch
-    with a drafter does not run.
+    A row that has finished emits the pad token in every later column. The target alone computes its scores there
+    from the pad tokens it feeds the row, which the call reads after its loop where it keeps its rows' cache
+    (`batch_generate_domino.score_past_ends`); where it does not (sliding-window, sparse-indexed and recurrent
+    layers), those columns say the row emits the pad token (0 for it, -inf elsewhere).
     """
 
     def __init__(self, rows: int, keep_scores: bool, keep_logits: bool):

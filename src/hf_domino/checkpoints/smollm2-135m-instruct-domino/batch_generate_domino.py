@@ -23,6 +23,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .batch_call_domino import check_batch_call, compiled_plain_steps, prompt_inputs
 from .batching_domino import BatchedDecoding
 from .cache_domino import CACHE_ARGUMENT, BufferedLayer
+from .ragged_batch_domino import process_rows
 from .ragged_cache_domino import RaggedCache, batch_cache, ragged_forward
 
 if TYPE_CHECKING:
@@ -90,15 +91,20 @@ class FinishedRows:
     """The target's cache rows of a batch's finished rows, copied out as they leave the loop's cache
     (`BatchedDecoding.retire`), for the cache the call returns (`settled_cache`)."""
 
-    cache: RaggedCache | None = None  # the rows in the order they finished
+    pieces: list[RaggedCache] = field(default_factory=list)  # the rows, as they finished
     order: list[int] = field(default_factory=list)  # their rows in the batch
 
     def add(self, rows_cache: RaggedCache, rows: list[int]) -> None:
-        if self.cache is None:
-            self.cache = rows_cache
-        else:
-            self.cache.add_rows(rows_cache)
+        self.pieces.append(rows_cache)
         self.order += rows
+
+    def joined(self) -> RaggedCache | None:
+        """The rows in one cache, in the batch's order (None: none kept)."""
+        if not self.pieces:
+            return None
+        rows = RaggedCache.stacked(self.pieces)
+        rows.select_rows(torch.tensor(self.order).argsort())
+        return rows
 
 
 def settled_cache(
@@ -106,13 +112,15 @@ def settled_cache(
 ) -> DynamicCache | None:
     """The call's cache as the target alone leaves it for its output `sequences`: each row's tokens but the last
     column's, at the columns of the row's attention mask (zeros in the keys and values where the mask has none), in
-    the cache object the call was given. None where the loop kept no rows (sliding-window or recurrent layers)."""
-    if finished.cache is None:
+    the cache object the call was given. None where the loop kept no rows (sliding-window, sparse-indexed or recurrent
+    layers)."""
+    rows = finished.joined()
+    if rows is None:
         return None
-    rows = finished.cache
-    rows.select_rows(torch.tensor(finished.order).argsort())
     ends = torch.tensor([sequence.shape[0] for sequence in decoding.sequences], device=sequences.device)
-    read_past_ends(decoding.target, rows, sequences, ends, decoding.pad)
+    logits = read_past_ends(decoding.target, rows, sequences, ends, decoding.pad, decoding.token_scores is not None)
+    if logits is not None:
+        score_past_ends(decoding, logits, sequences, ends.tolist())
     answers = decoding.mask.new_ones(sequences.shape[0], sequences.shape[1] - decoding.prompt_length)
     rows.arrange(torch.cat([decoding.mask, answers], dim=-1)[:, :-1])
     cache = decoding.target_cache.cache  # the caller's object, filled in place as the target alone fills it
@@ -125,20 +133,42 @@ def settled_cache(
 
 
 def read_past_ends(
-    target: PreTrainedModel, rows: RaggedCache, sequences: torch.LongTensor, ends: torch.LongTensor, pad: int
-) -> None:
+    target: PreTrainedModel,
+    rows: RaggedCache,
+    sequences: torch.LongTensor,
+    ends: torch.LongTensor,
+    pad: int,
+    keep_logits: bool = False,
+) -> torch.Tensor | None:
     """Reads into `rows` what the target alone reads after each row's end (`ends[row]` tokens), since it steps every
     row until the longest is done: the row's last token, then the padding, up to the output's last column (never
-    read). One forward for all rows, after the loop."""
+    read). One forward for all rows, after the loop; with `keep_logits`, returns its logits `[rows, columns, V]`
+    (None where no row ended early)."""
     missing = sequences.shape[1] - ends
     steps = int(missing.max())
     if not steps:
-        return
+        return None
     columns = torch.arange(steps, device=sequences.device)
     new = columns[None] < missing[:, None]
     at = (ends[:, None] - 1 + columns[None]).clamp(max=sequences.shape[1] - 1)
     input_ids = torch.gather(sequences, 1, at).masked_fill(~new, pad)
-    ragged_forward(target, rows, input_ids, new, [], logits_to_keep=1)
+    outputs = ragged_forward(target, rows, input_ids, new, [], logits_to_keep=None if keep_logits else 1)
+    return outputs.logits if keep_logits else None
 
 
-__all__ = ["FinishedRows", "batched_assisted_decoding", "read_past_ends", "settled_cache"]
+def score_past_ends(
+    decoding: BatchedDecoding, logits: torch.Tensor, sequences: torch.LongTensor, ends: list[int]
+) -> None:
+    """The scores and logits of the columns after each row's end (`output_scores`, `output_logits`), as the target
+    alone computes them: its logits for the row's last token and the padding it feeds the row afterwards
+    (`read_past_ends`), through the row's processors, each seeing the row's sequence up to there."""
+    for column in range(logits.shape[1]):
+        rows = [row for row, end in enumerate(ends) if end + column < sequences.shape[1]]
+        raw = logits[rows, column].float()
+        processors = None if decoding.per_row is None else [decoding.per_row[row] for row in rows]
+        processed = process_rows(processors, [sequences[row, : ends[row] + column] for row in rows], raw)
+        for i, row in enumerate(rows):
+            decoding.token_scores.add(row, processed[i : i + 1], raw[i : i + 1])
+
+
+__all__ = ["FinishedRows", "batched_assisted_decoding", "read_past_ends", "score_past_ends", "settled_cache"]

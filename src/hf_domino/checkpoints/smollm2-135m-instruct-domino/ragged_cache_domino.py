@@ -228,6 +228,27 @@ class RaggedCache:
         copied._crop_trailing_holes()
         return copied
 
+    @classmethod
+    def stacked(cls, pieces: list[RaggedCache]) -> RaggedCache:
+        """The rows of `pieces` (copies of the same cache's rows, `copied_rows`) in one cache, in order, each widened
+        by holes on the left to the widest: one copy, where joining them one by one (`add_rows`) copies every time."""
+        width = max(piece.mask.shape[1] for piece in pieces)
+        cache = DynamicCache()
+        cache.layers = []
+        for layers in zip(*(piece.cache.layers for piece in pieces)):
+            joined, filled = DynamicLayer(), [layer for layer in layers if layer.is_initialized]
+            if filled:
+                rows = [piece.mask.shape[0] for piece in pieces]
+                keys, values = (
+                    torch.cat([_left_holes(layer, name, filled[0], n, width) for layer, n in zip(layers, rows)])
+                    for name in ("keys", "values")
+                )
+                joined.lazy_initialization(keys, values)
+                joined.keys, joined.values = keys, values
+            cache.layers.append(joined)
+        mask = torch.cat([torch.nn.functional.pad(piece.mask, (width - piece.mask.shape[1], 0)) for piece in pieces])
+        return cls(cache, mask)
+
     def arrange(self, layout: torch.BoolTensor) -> None:
         """Moves each row's real columns, in order, to where `layout` (`[rows, columns]`) is True, zeros elsewhere:
         the columns of the attention mask a caller continues the cache with, as the target alone's cache has them."""
