@@ -433,6 +433,44 @@ def test_sliding_window_masks_match_transformers_where_a_batch_has_no_holes():
     assert torch.equal(ours[:, 0] & queries, expected[:, 0] & queries)
 
 
+def test_sliding_window_masks_match_transformers_where_a_mask_leaves_out_columns_inside_rows():
+    # transformers counts the window in columns, those the mask leaves out included (`prompt_gaps` adds them back).
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    from hf_domino.ragged_cache_domino import prompt_gaps
+
+    target = architecture_target("mistral")
+    batch = left_padded([[1 + i for i in range(20)], [3 + i for i in range(13)]])
+    batch["attention_mask"][0, 4:9] = 0
+    batch["attention_mask"][1, 10:12] = 0
+    real = batch["attention_mask"].bool()
+    assert prompt_gaps(left_padded([[1, 2], [3]])["attention_mask"].bool()) is None  # left padding only
+    embeds = target.get_input_embeddings()(batch["input_ids"])
+    expected = create_sliding_window_causal_mask(
+        config=target.config, inputs_embeds=embeds, attention_mask=batch["attention_mask"], **cache_argument(None)
+    )
+    window = SlidingWindow(size=WINDOW, every_layer=True, additive=False)
+    ours = window.masks(real, real.shape[1], torch.float32, prompt_gaps(real))
+    queries = real[:, :, None]
+    assert torch.equal(ours[:, 0] & queries, expected[:, 0] & queries)
+    assert not torch.equal(window.masks(real, real.shape[1], torch.float32)[:, 0] & queries, ours[:, 0] & queries)
+
+
+@pytest.mark.parametrize("name", SLIDING)
+def test_a_sliding_batch_whose_mask_leaves_out_columns_inside_rows_is_the_target_alones(name):
+    # Padding inside a row (a chat's answer padding masked out, say) counts in the target alone's window.
+    target = architecture_target(name)
+    drafter = tiny_drafter(target)
+    batch = left_padded(ROWS)
+    batch["attention_mask"][0, 3:6] = 0
+    batch["attention_mask"][1, 2] = 0
+    expected = target.generate(**batch, max_new_tokens=30, **GREEDY)
+    output = target.generate(**batch, max_new_tokens=30, assistant_model=drafter, **GREEDY, draft_policy="fixed",
+                             num_speculative_tokens=4)  # fmt: skip
+    assert torch.equal(output, expected)
+    assert had_rejections(drafter.last_generation_stats)
+
+
 def test_a_batch_continuing_a_cache_whose_window_dropped_tokens_is_refused():
     from transformers import DynamicCache
 

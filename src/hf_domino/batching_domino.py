@@ -59,6 +59,7 @@ from .ragged_cache_domino import (
     adds_its_mask,
     batch_cache,
     cached_columns,
+    prompt_gaps,
     ragged_forward,
 )
 from .recurrent_cache_domino import RecurrentRollback, has_recurrent_layers
@@ -159,7 +160,10 @@ class BatchedDecoding:
         # Steps append in place, into room never taken past what the call can write (its holes aside).
         reserve = options.cache_columns(drafter, self.max_length)
         self.cached = cached_columns(cache, input_ids, attention_mask, generation_config)
-        self.target_cache = RaggedCache(buffer_layers(cache, reserve), self.mask[:, : self.cached], window=window)
+        self.target_cache = RaggedCache(
+            buffer_layers(cache, reserve), self.mask[:, : self.cached], window=window,
+            gaps=prompt_gaps(self.mask) if window is not None else None,
+        )  # fmt: skip
         if has_recurrent_layers(cache):  # a replayable scan (generate_hook_domino checked the family)
             self.target_cache.recurrent = RecurrentRollback.install_for_rows(cache, target)
         self.context = BatchedDrafterContext.empty(rows, drafter.device)

@@ -61,6 +61,9 @@ class RaggedCache:
     # The linear-attention and state-space layers of a target with a replayable scan (Qwen3.5, Nemotron-H, ...): no
     # columns, one state per row, kept to what each row accepted (`RecurrentRollback.keep_rows`).
     recurrent: RecurrentRollback | None = None
+    # With `window`: per row, the columns its prompt's mask leaves out after its first token, before each of its
+    # tokens (`prompt_gaps`), which the target alone counts in its window; None where no row has any.
+    gaps: torch.LongTensor | None = None
 
     @staticmethod
     def check(cache: Any, who: str) -> None:
@@ -145,6 +148,8 @@ class RaggedCache:
         if self.recurrent is not None:
             self.recurrent.select_rows(rows)
         self.mask = self.mask[rows]
+        if self.gaps is not None:
+            self.gaps = self.gaps[rows.to(self.gaps.device)]
         self._crop_trailing_holes()
 
     def _crop_trailing_holes(self) -> None:
@@ -163,6 +168,8 @@ class RaggedCache:
         this cache's. The side with fewer columns gets holes on the left: both go on appending at the right. A layer
         one side has not filled yet (the drafter's cache of a row that has not drafted) joins as holes."""
         rows, width = (self.mask.shape[0], other.mask.shape[0]), max(self.mask.shape[1], other.mask.shape[1])
+        if self.gaps is not None or other.gaps is not None:  # a server's rows are unpadded prompts: never here
+            raise ValueError("Rows join a drafted batch only where no prompt's mask leaves out columns inside it.")
         for cache in (self, other):
             if not cache.joinable:
                 others = sorted(
@@ -425,15 +432,18 @@ class SlidingWindow:
         return cls(size=windows.pop(), every_layer=every_layer, additive=additive)
 
     def masks(
-        self, real: torch.BoolTensor, queries: int, dtype: torch.dtype
+        self, real: torch.BoolTensor, queries: int, dtype: torch.dtype, gaps: torch.LongTensor | None = None
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """The attention masks of a forward whose last `queries` columns of `real` (`[rows, columns]`, True for a
         row's tokens, False for holes) are its queries: causal over columns, holes masked, and for sliding layers
-        only keys fewer than `size` positions before the query (positions: each row's count of its tokens)."""
+        only keys fewer than `size` positions before the query (positions: each row's count of its tokens, plus the
+        columns its prompt's mask left out before each, `gaps`: the target alone's columns)."""
         columns = torch.arange(real.shape[1], device=real.device)
         causal = columns[None, :] <= columns[-queries:, None]  # [queries, columns]
         full = real[:, None, :] & causal[None]
         positions = real.long().cumsum(dim=-1)
+        if gaps is not None:
+            positions = positions + gaps.gather(1, (positions - 1).clamp(0, gaps.shape[1] - 1))
         near = positions[:, -queries:, None] - positions[:, None, :] < self.size
         sliding = (full & near)[:, None]
         if self.every_layer:
@@ -443,6 +453,24 @@ class SlidingWindow:
 
     def _formatted(self, mask: torch.BoolTensor, dtype: torch.dtype) -> torch.Tensor:
         return formatted_mask(mask, self.additive, dtype)
+
+
+def prompt_gaps(mask: torch.BoolTensor) -> torch.LongTensor | None:
+    """Per row of a batch's prompt mask, the columns it leaves out after the row's first token, counted before each
+    of the row's tokens: `[rows, most tokens + 1]`, entry k before its token k, the last (and those past its own
+    tokens) for every token after the prompt. None where the mask leaves out nothing but left padding.
+
+    The target alone counts a sliding window in cache columns, so such columns (padding inside a sequence, an answer's
+    padding masked out in a chat's next turn) count in its window though they are no tokens."""
+    started = mask.long().cumsum(dim=-1) > 0
+    before = (started & ~mask).long().cumsum(dim=-1)  # at each column, the left-out columns up to it
+    if not mask.numel() or not before[:, -1].any():  # (a server's batch starts with no rows)
+        return None
+    tokens = mask.sum(dim=-1).tolist()
+    table = before[:, -1:].repeat(1, max(tokens) + 1)
+    for row, count in enumerate(tokens):
+        table[row, :count] = before[row, mask[row]]
+    return table
 
 
 def adds_its_mask(target: PreTrainedModel) -> bool | None:
@@ -550,7 +578,7 @@ def ragged_forward(
     elif cache.window is None:
         attention_mask = attention_mask.long()
     else:
-        attention_mask = cache.window.masks(attention_mask, new_columns.shape[1], target.dtype)
+        attention_mask = cache.window.masks(attention_mask, new_columns.shape[1], target.dtype, cache.gaps)
     if inputs_embeds is not None:
         kwargs["inputs_embeds"], input_ids = inputs_embeds, None
     outputs = target(
@@ -578,6 +606,7 @@ __all__ = [
     "gather_columns",
     "JOINABLE",
     "positions_from_mask",
+    "prompt_gaps",
     "ragged_forward",
     "takes_no_4d_mask",
 ]
