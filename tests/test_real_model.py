@@ -338,3 +338,21 @@ def test_the_readme_demo_command_runs_as_a_user_runs_it():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Assistant:" in result.stdout and "tokens per target forward" in result.stdout, result.stdout
     assert "output identical to the target's own" in result.stdout, result.stdout
+
+
+@pytest.mark.slow
+def test_the_chat_turns_benchmark_runs_batches_as_documented():
+    """`examples/chat_turns.py --batch-size 2` (docs/benchmarks.md, "Batches of chats") at a short length: the second
+    turns continue each batch's cache, every method's answers asserted identical to the target alone's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "chat_turns.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--num-prompts", "2", "--max-new-tokens", "8", "--batch-size", "2", "--threads",
+         "1"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 second turns x 8 tokens, 2 per batch" in result.stdout and "| default |" in result.stdout, result.stdout
