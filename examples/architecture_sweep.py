@@ -3,10 +3,11 @@
 For each model type that `AutoModelForCausalLM` maps (encoder and encoder-decoder families left out), a tiny model is
 built from its config with small generic sizes, its weights scaled up so that greedy choices depend on every layer,
 and a drafter of random weights sized for it by `DominoConfig.from_target`. Then, greedy, the target alone and
-`generate()` with the drafter (fixed policy, 4 drafts per cycle, mostly rejected), for one sequence and for a
-left-padded batch of two. One line per family:
+`generate()` with the drafter (fixed policy, 4 drafts per cycle, mostly rejected), for one sequence, for a
+left-padded batch of two, and for that batch with columns its mask leaves out inside the rows (padding inside a
+sequence). One line per family:
 
-- `ok`: token-identical to the target alone, one sequence and batch (`batch refused: ...` where only batches are);
+- `ok`: token-identical to the target alone, one sequence and batches (`batch refused: ...` where only batches are);
 - `refused: ...`: a ValueError that names what drafting cannot serve for it;
 - `MISMATCH` or `error: ...`: an output that differs from the target alone's, or another exception in a call with
   the drafter: a defect of ours (the exit status is 1);
@@ -113,6 +114,13 @@ def left_padded(rows: list[list[int]]) -> dict[str, torch.Tensor]:
     }
 
 
+def with_gaps(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`left_padded(ROWS)` with columns its mask leaves out inside each row, as padding inside a sequence."""
+    mask = batch["attention_mask"].clone()
+    mask[0, -6:-4], mask[1, 3] = 0, 0
+    return {**batch, "attention_mask": mask}
+
+
 def drafted_as_alone(target, drafter, inputs: dict, new_tokens: int) -> str | None:
     """None where generate() with the drafter gives the target alone's tokens, else what happened."""
     expected = target.generate(**inputs, max_new_tokens=new_tokens, **GREEDY)
@@ -138,6 +146,9 @@ def check_family(model_type: str) -> str:
         if one is not None:
             return one
         batch = drafted_as_alone(target, drafter, left_padded(ROWS), 20)
+        if batch is None:
+            gaps = drafted_as_alone(target, drafter, with_gaps(left_padded(ROWS)), 20)
+            batch = None if gaps is None else f"with columns left out inside rows {gaps}"
     except Exception as error:
         return f"error: {type(error).__name__}: {' '.join(str(error).split())}"
     return "ok" if batch is None else f"ok, batch {batch}"

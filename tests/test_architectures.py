@@ -444,7 +444,8 @@ def test_sliding_window_masks_match_transformers_where_a_mask_leaves_out_columns
     batch["attention_mask"][0, 4:9] = 0
     batch["attention_mask"][1, 10:12] = 0
     real = batch["attention_mask"].bool()
-    assert prompt_gaps(left_padded([[1, 2], [3]])["attention_mask"].bool()) is None  # left padding only
+    assert prompt_gaps(torch.ones(2, 3, dtype=torch.bool)) is None
+    assert prompt_gaps(left_padded([[1, 2], [3]])["attention_mask"].bool()).tolist() == [[0, 0, 0], [1, 1, 1]]
     embeds = target.get_input_embeddings()(batch["input_ids"])
     expected = create_sliding_window_causal_mask(
         config=target.config, inputs_embeds=embeds, attention_mask=batch["attention_mask"], **cache_argument(None)

@@ -768,6 +768,43 @@ def test_a_sampled_batchs_cache_holds_what_a_forward_over_its_output_computes(ar
     assert_same_columns(getattr(output, CACHE_ARGUMENT), reference, columns)
 
 
+def placed_by_column(target):
+    """`target` as a family whose forward names no `position_ids` (as MOSS-Transcribe-Diarize's): generate() then
+    makes none, and the model places each token at its cache column, columns its mask leaves out included."""
+
+    class PlacedByColumn(type(target)):
+        def forward(self, input_ids=None, attention_mask=None, **kwargs):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    target.__class__ = PlacedByColumn
+    return target
+
+
+def test_a_target_placing_tokens_by_column_is_the_target_alone_in_a_batch(arch):
+    # Left padding and columns left out inside a row count in its positions: the batch's rows, the cache it returns
+    # (rows ending at different times) and a next turn on it are the target alone's.
+    target = placed_by_column(tiny_target(arch))
+    drafter = tiny_drafter(target)
+    torch.manual_seed(4)
+    batch = left_padded([torch.randint(13, 64, (n,)).tolist() for n in (9, 4, 7)])
+    batch["attention_mask"][0, 3:5] = 0
+    options = {"max_new_tokens": 16, "do_sample": False, "pad_token_id": 0, "eos_token_id": list(range(4, 13))}
+    alone_cache, cache = DynamicCache(config=target.config), DynamicCache(config=target.config)
+    expected = target.generate(**batch, **options, **cache_argument(alone_cache))
+    output = target.generate(**batch, **options, **cache_argument(cache), assistant_model=drafter,
+                             draft_policy="fixed")  # fmt: skip
+    assert torch.equal(output, expected) and (expected[:, -1] == 0).any()
+    assert any(drafter.last_generation_stats.drafted)  # drafts verified (and rejected: holes in the cache)
+    columns = attended_columns(batch, expected)
+    assert_same_columns(cache, alone_cache, columns)
+    turn = {
+        "input_ids": torch.cat([expected, torch.tensor([[20, 21, 22]] * 3)], dim=-1),
+        "attention_mask": torch.cat([columns.long(), torch.ones(3, 4, dtype=torch.long)], dim=-1),
+    }
+    second = target.generate(**turn, **options, **cache_argument(cache), assistant_model=drafter)
+    assert torch.equal(second, target.generate(**turn, **options, **cache_argument(alone_cache)))
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_a_tree_forward_gives_each_branch_what_a_forward_of_that_branch_alone_gives(arch, attention):
     # Each branch sees the cache, the anchor and its own drafts at the right positions, never another branch's.

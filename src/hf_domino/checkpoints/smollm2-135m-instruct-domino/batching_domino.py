@@ -59,6 +59,7 @@ from .ragged_cache_domino import (
     adds_its_mask,
     batch_cache,
     cached_columns,
+    places_by_column,
     prompt_gaps,
     ragged_forward,
 )
@@ -160,9 +161,10 @@ class BatchedDecoding:
         # Steps append in place, into room never taken past what the call can write (its holes aside).
         reserve = options.cache_columns(drafter, self.max_length)
         self.cached = cached_columns(cache, input_ids, attention_mask, generation_config)
+        by_column = places_by_column(target)
         self.target_cache = RaggedCache(
             buffer_layers(cache, reserve), self.mask[:, : self.cached], window=window,
-            gaps=prompt_gaps(self.mask) if window is not None else None,
+            gaps=prompt_gaps(self.mask) if window is not None or by_column else None, by_column=by_column,
         )  # fmt: skip
         if has_recurrent_layers(cache):  # a replayable scan (generate_hook_domino checked the family)
             self.target_cache.recurrent = RecurrentRollback.install_for_rows(cache, target)
@@ -354,7 +356,9 @@ class BatchedDecoding:
             input_ids, new = input_ids[distinct], new[distinct]
         cache, window = batch_cache(DynamicCache(config=self.target.config), self.target)
         reserve = self.options.cache_columns(self.drafter, max(self.max_lengths[row] for row in rows))
-        own = RaggedCache(buffer_layers(cache, reserve), new[:, :0], window=window)
+        own = RaggedCache(
+            buffer_layers(cache, reserve), new[:, :0], window=window, by_column=self.target_cache.by_column
+        )
         outputs = ragged_forward(self.target, own, input_ids, new, self.hidden_layers, logits_to_keep=1)
         if copies is not None:
             own.select_rows(copies)

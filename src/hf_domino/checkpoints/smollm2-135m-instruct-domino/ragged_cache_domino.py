@@ -61,9 +61,11 @@ class RaggedCache:
     # The linear-attention and state-space layers of a target with a replayable scan (Qwen3.5, Nemotron-H, ...): no
     # columns, one state per row, kept to what each row accepted (`RecurrentRollback.keep_rows`).
     recurrent: RecurrentRollback | None = None
-    # With `window`: per row, the columns its prompt's mask leaves out after its first token, before each of its
-    # tokens (`prompt_gaps`), which the target alone counts in its window; None where no row has any.
+    # Per row, the columns its prompt's mask leaves out (left padding, padding inside), counted before each of its
+    # tokens (`prompt_gaps`): no tokens, but columns, which the target alone counts in a sliding window, and in its
+    # positions where it places tokens by column (`by_column`, `places_by_column`). None where neither applies.
     gaps: torch.LongTensor | None = None
+    by_column: bool = False
 
     @staticmethod
     def check(cache: Any, who: str) -> None:
@@ -168,8 +170,6 @@ class RaggedCache:
         this cache's. The side with fewer columns gets holes on the left: both go on appending at the right. A layer
         one side has not filled yet (the drafter's cache of a row that has not drafted) joins as holes."""
         rows, width = (self.mask.shape[0], other.mask.shape[0]), max(self.mask.shape[1], other.mask.shape[1])
-        if self.gaps is not None or other.gaps is not None:  # a server's rows are unpadded prompts: never here
-            raise ValueError("Rows join a drafted batch only where no prompt's mask leaves out columns inside it.")
         for cache in (self, other):
             if not cache.joinable:
                 others = sorted(
@@ -203,6 +203,7 @@ class RaggedCache:
             [torch.nn.functional.pad(mask.to(self.mask.device), (width - mask.shape[1], 0)) for mask in
              (self.mask, other.mask)]
         )  # fmt: skip
+        self.gaps = joined_gaps([self, other])
 
     def maybe_compact(self) -> bool:
         """Gathers each row's real columns to the right once holes waste enough columns of every row.
@@ -231,7 +232,8 @@ class RaggedCache:
             cache.layers.append(copy)
         mask = self.mask[index]
         mask &= mask.cumsum(dim=-1) <= torch.tensor(tokens, device=mask.device)[:, None]
-        copied = RaggedCache(cache, mask)
+        gaps = None if self.gaps is None else self.gaps[index.to(self.gaps.device)]
+        copied = RaggedCache(cache, mask, gaps=gaps, by_column=self.by_column)
         copied._crop_trailing_holes()
         return copied
 
@@ -254,7 +256,14 @@ class RaggedCache:
                 joined.keys, joined.values = keys, values
             cache.layers.append(joined)
         mask = torch.cat([torch.nn.functional.pad(piece.mask, (width - piece.mask.shape[1], 0)) for piece in pieces])
-        return cls(cache, mask)
+        return cls(cache, mask, gaps=joined_gaps(pieces), by_column=pieces[0].by_column)
+
+    def column_positions(self, positions: torch.LongTensor) -> torch.LongTensor:
+        """Tokens' positions (`[rows, n]`: each row's count of its tokens before) as the target alone's columns:
+        plus the columns the prompt's mask left out before each (`gaps`)."""
+        if self.gaps is None:
+            return positions
+        return positions + self.gaps.gather(1, positions.clamp(0, self.gaps.shape[1] - 1))
 
     def arrange(self, layout: torch.BoolTensor) -> None:
         """Moves each row's real columns, in order, to where `layout` (`[rows, columns]`) is True, zeros elsewhere:
@@ -437,7 +446,7 @@ class SlidingWindow:
         """The attention masks of a forward whose last `queries` columns of `real` (`[rows, columns]`, True for a
         row's tokens, False for holes) are its queries: causal over columns, holes masked, and for sliding layers
         only keys fewer than `size` positions before the query (positions: each row's count of its tokens, plus the
-        columns its prompt's mask left out before each, `gaps`: the target alone's columns)."""
+        columns its prompt's mask left out before each, `gaps`: the target alone's columns, whose differences count)."""
         columns = torch.arange(real.shape[1], device=real.device)
         causal = columns[None, :] <= columns[-queries:, None]  # [queries, columns]
         full = real[:, None, :] & causal[None]
@@ -456,14 +465,14 @@ class SlidingWindow:
 
 
 def prompt_gaps(mask: torch.BoolTensor) -> torch.LongTensor | None:
-    """Per row of a batch's prompt mask, the columns it leaves out after the row's first token, counted before each
-    of the row's tokens: `[rows, most tokens + 1]`, entry k before its token k, the last (and those past its own
-    tokens) for every token after the prompt. None where the mask leaves out nothing but left padding.
+    """Per row of a batch's prompt mask, the columns it leaves out, counted before each of the row's tokens: `[rows,
+    most tokens + 1]`, entry k before its token k, the last (and those past its own tokens) for every token after the
+    prompt. None where the mask leaves out nothing.
 
-    The target alone counts a sliding window in cache columns, so such columns (padding inside a sequence, an answer's
-    padding masked out in a chat's next turn) count in its window though they are no tokens."""
-    started = mask.long().cumsum(dim=-1) > 0
-    before = (started & ~mask).long().cumsum(dim=-1)  # at each column, the left-out columns up to it
+    The target alone counts a sliding window in cache columns, and where it places tokens by column
+    (`places_by_column`) its positions too: such columns (left padding, padding inside a sequence, an answer's padding
+    masked out in a chat's next turn) count there though they are no tokens."""
+    before = (~mask).long().cumsum(dim=-1)  # at each column, the left-out columns up to it
     if not mask.numel() or not before[:, -1].any():  # (a server's batch starts with no rows)
         return None
     tokens = mask.sum(dim=-1).tolist()
@@ -471,6 +480,23 @@ def prompt_gaps(mask: torch.BoolTensor) -> torch.LongTensor | None:
     for row, count in enumerate(tokens):
         table[row, :count] = before[row, mask[row]]
     return table
+
+
+def joined_gaps(caches: list[RaggedCache]) -> torch.LongTensor | None:
+    """The `gaps` of caches whose rows join, in one table (none for rows that had none; a shorter table's last
+    column, for every token after its prompts, repeats)."""
+    if all(cache.gaps is None for cache in caches):
+        return None
+    tables = [cache.gaps if cache.gaps is not None else cache.mask.new_zeros((cache.mask.shape[0], 1), dtype=torch.long)
+              for cache in caches]  # fmt: skip
+    width = max(table.shape[1] for table in tables)
+    return torch.cat([torch.cat([table, table[:, -1:].expand(-1, width - table.shape[1])], dim=1) for table in tables])
+
+
+def places_by_column(target: PreTrainedModel) -> bool:
+    """Whether the target alone places tokens by cache column: its forward names no `position_ids`, so generate()
+    makes none and the model counts every column, those the mask leaves out included."""
+    return "position_ids" not in inspect.signature(target.forward).parameters
 
 
 def adds_its_mask(target: PreTrainedModel) -> bool | None:
@@ -579,6 +605,8 @@ def ragged_forward(
         attention_mask = attention_mask.long()
     else:
         attention_mask = cache.window.masks(attention_mask, new_columns.shape[1], target.dtype, cache.gaps)
+    if cache.by_column:
+        positions = cache.column_positions(positions)
     if inputs_embeds is not None:
         kwargs["inputs_embeds"], input_ids = inputs_embeds, None
     outputs = target(
@@ -605,6 +633,8 @@ __all__ = [
     "formatted_mask",
     "gather_columns",
     "JOINABLE",
+    "joined_gaps",
+    "places_by_column",
     "positions_from_mask",
     "prompt_gaps",
     "ragged_forward",
