@@ -258,13 +258,6 @@ class RaggedCache:
         mask = torch.cat([torch.nn.functional.pad(piece.mask, (width - piece.mask.shape[1], 0)) for piece in pieces])
         return cls(cache, mask, gaps=joined_gaps(pieces), by_column=pieces[0].by_column)
 
-    def column_positions(self, positions: torch.LongTensor) -> torch.LongTensor:
-        """Tokens' positions (`[rows, n]`: each row's count of its tokens before) as the target alone's columns:
-        plus the columns the prompt's mask left out before each (`gaps`)."""
-        if self.gaps is None:
-            return positions
-        return positions + self.gaps.gather(1, positions.clamp(0, self.gaps.shape[1] - 1))
-
     def arrange(self, layout: torch.BoolTensor) -> None:
         """Moves each row's real columns, in order, to where `layout` (`[rows, columns]`) is True, zeros elsewhere:
         the columns of the attention mask a caller continues the cache with, as the target alone's cache has them."""
@@ -450,9 +443,9 @@ class SlidingWindow:
         columns = torch.arange(real.shape[1], device=real.device)
         causal = columns[None, :] <= columns[-queries:, None]  # [queries, columns]
         full = real[:, None, :] & causal[None]
-        positions = real.long().cumsum(dim=-1)
+        positions = real.long().cumsum(dim=-1) - 1
         if gaps is not None:
-            positions = positions + gaps.gather(1, (positions - 1).clamp(0, gaps.shape[1] - 1))
+            positions = with_gaps(positions, gaps)
         near = positions[:, -queries:, None] - positions[:, None, :] < self.size
         sliding = (full & near)[:, None]
         if self.every_layer:
@@ -480,6 +473,12 @@ def prompt_gaps(mask: torch.BoolTensor) -> torch.LongTensor | None:
     for row, count in enumerate(tokens):
         table[row, :count] = before[row, mask[row]]
     return table
+
+
+def with_gaps(positions: torch.LongTensor, gaps: torch.LongTensor) -> torch.LongTensor:
+    """Tokens' positions (`[rows, n]`, each row's count of its tokens before them) as the target alone's columns:
+    plus the columns the prompt's mask left out before each (`prompt_gaps`)."""
+    return positions + gaps.gather(1, positions.clamp(0, gaps.shape[1] - 1))
 
 
 def joined_gaps(caches: list[RaggedCache]) -> torch.LongTensor | None:
@@ -605,8 +604,8 @@ def ragged_forward(
         attention_mask = attention_mask.long()
     else:
         attention_mask = cache.window.masks(attention_mask, new_columns.shape[1], target.dtype, cache.gaps)
-    if cache.by_column:
-        positions = cache.column_positions(positions)
+    if cache.by_column and cache.gaps is not None:
+        positions = with_gaps(positions, cache.gaps)
     if inputs_embeds is not None:
         kwargs["inputs_embeds"], input_ids = inputs_embeds, None
     outputs = target(
@@ -639,4 +638,5 @@ __all__ = [
     "prompt_gaps",
     "ragged_forward",
     "takes_no_4d_mask",
+    "with_gaps",
 ]
