@@ -9,7 +9,7 @@ mask (Bloom, Falcon), mixture-of-experts MLPs (Qwen3-MoE), and the newer familie
 sinks, latent attention, sparse attention's indexer keys, head sizes per layer, layers sharing keys and values); MPT,
 whose ALiBi counts cache columns, is refused in batches, and targets whose layers pass several residual streams
 (hyper-connections, AltUp) altogether. In a batch, rejected drafts leave holes in the cache, so a sliding window must be counted in each row's own tokens rather than in cache columns
-(`ragged_cache_domino.SlidingWindow`); the windows here are far shorter than the sequences, so every row's window
+(`ragged_masks_domino.SlidingWindow`); the windows here are far shorter than the sequences, so every row's window
 moves past holes. Also the drafter's side: saved and reloaded as remote code, and the training warm start, which
 copies only decoder layers that compute what a draft layer does.
 """
@@ -23,7 +23,7 @@ from conftest import SPECIAL_TOKENS, tiny_drafter
 from test_batching import left_padded, prefill_rows
 
 from hf_domino.cache_domino import CACHE_ARGUMENT, cache_argument
-from hf_domino.ragged_cache_domino import SlidingWindow
+from hf_domino.ragged_masks_domino import SlidingWindow
 
 WINDOW = 8
 EXPERTS = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
@@ -437,7 +437,7 @@ def test_sliding_window_masks_match_transformers_where_a_mask_leaves_out_columns
     # transformers counts the window in columns, those the mask leaves out included (`prompt_gaps` adds them back).
     from transformers.masking_utils import create_sliding_window_causal_mask
 
-    from hf_domino.ragged_cache_domino import prompt_gaps
+    from hf_domino.ragged_masks_domino import prompt_gaps
 
     target = architecture_target("mistral")
     batch = left_padded([[1 + i for i in range(20)], [3 + i for i in range(13)]])

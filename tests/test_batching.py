@@ -808,7 +808,8 @@ def test_a_target_placing_tokens_by_column_is_the_target_alone_in_a_batch(arch):
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_a_tree_forward_gives_each_branch_what_a_forward_of_that_branch_alone_gives(arch, attention):
     # Each branch sees the cache, the anchor and its own drafts at the right positions, never another branch's.
-    from hf_domino.ragged_cache_domino import TreeLayout, adds_its_mask, ragged_forward
+    from hf_domino.ragged_cache_domino import TreeLayout, ragged_forward
+    from hf_domino.ragged_masks_domino import adds_its_mask
 
     target = tiny_target(arch, attn_implementation=attention)
     torch.manual_seed(2)

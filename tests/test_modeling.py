@@ -282,6 +282,7 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
         "policy_domino.py",
         "ragged_batch_domino.py",
         "ragged_cache_domino.py",
+        "ragged_masks_domino.py",
         "records_domino.py",
         "recurrent_cache_domino.py",
         "target_modules_domino.py",

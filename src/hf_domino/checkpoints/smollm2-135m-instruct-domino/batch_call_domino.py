@@ -19,7 +19,8 @@ import torch
 from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL
 
 from .cache_domino import CACHE_ARGUMENT
-from .ragged_cache_domino import adds_its_mask, positions_from_mask, takes_no_4d_mask
+from .ragged_cache_domino import positions_from_mask
+from .ragged_masks_domino import adds_its_mask, takes_no_4d_mask
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel

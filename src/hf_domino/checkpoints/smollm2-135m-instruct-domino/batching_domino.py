@@ -52,17 +52,8 @@ from .ragged_batch_domino import (
     row_criteria,
     row_processors,
 )
-from .ragged_cache_domino import (
-    RaggedCache,
-    SlidingWindow,
-    TreeLayout,
-    adds_its_mask,
-    batch_cache,
-    cached_columns,
-    places_by_column,
-    prompt_gaps,
-    ragged_forward,
-)
+from .ragged_cache_domino import RaggedCache, TreeLayout, batch_cache, cached_columns, ragged_forward
+from .ragged_masks_domino import SlidingWindow, adds_its_mask, places_by_column, prompt_gaps
 from .recurrent_cache_domino import RecurrentRollback, has_recurrent_layers
 
 if TYPE_CHECKING:

@@ -6,9 +6,9 @@ tokens of each row. A rejected draft's column becomes a hole (masked out of atte
 so no accepted token is ever recomputed and no row waits for another. Positions are per row: the number of real
 columns before a token, exactly as transformers derives them from a left-padded attention mask. When holes waste
 enough of the cache, it is compacted (each row's real columns gathered to the right). Here too: the cache a batch
-starts from (`batch_cache`, `cached_columns`), sliding windows counted in each row's tokens (`SlidingWindow`), a tree
-of branches after each row's anchor (`TreeLayout`), and the target forward over such a cache (`ragged_forward`).
-`ragged_batch_domino` has the drafter's side and the acceptance rule; `batching_domino` runs the loop.
+starts from (`batch_cache`, `cached_columns`), a tree of branches after each row's anchor (`TreeLayout`), and the
+target forward over such a cache (`ragged_forward`), whose sliding windows and column positions `ragged_masks_domino`
+counts. `ragged_batch_domino` has the drafter's side and the acceptance rule; `batching_domino` runs the loop.
 
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
 """
@@ -26,13 +26,12 @@ from transformers.cache_utils import (
     DynamicCache,
     DynamicIndexedLayer,
     DynamicLayer,
-    DynamicSlidingWindowLayer,
     LinearAttentionAndFullAttentionLayer,
     LinearAttentionLayer,
 )
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
 from .cache_domino import CACHE_ARGUMENT, BufferedLayer, cache_argument, cached_tokens, uncached_prompt_length
+from .ragged_masks_domino import SlidingWindow, formatted_mask, with_gaps
 from .recurrent_cache_domino import RecurrentRollback
 
 if TYPE_CHECKING:
@@ -316,6 +315,17 @@ def columns_of(layer: DynamicLayer) -> type[DynamicLayer]:
     return type(layer) if isinstance(layer, DynamicIndexedLayer) else DynamicLayer
 
 
+def joined_gaps(caches: list[RaggedCache]) -> torch.LongTensor | None:
+    """The `gaps` of caches whose rows join, in one table (none for rows that had none; a shorter table's last
+    column, for every token after its prompts, repeats)."""
+    if all(cache.gaps is None for cache in caches):
+        return None
+    tables = [cache.gaps if cache.gaps is not None else cache.mask.new_zeros((cache.mask.shape[0], 1), dtype=torch.long)
+              for cache in caches]  # fmt: skip
+    width = max(table.shape[1] for table in tables)
+    return torch.cat([torch.cat([table, table[:, -1:].expand(-1, width - table.shape[1])], dim=1) for table in tables])
+
+
 def positions_from_mask(mask: torch.BoolTensor, first: torch.LongTensor | int = 0) -> torch.LongTensor:
     """Position of each column: real columns before it (plus `first`); holes get 1, as transformers does for pads."""
     positions = mask.long().cumsum(dim=-1) - 1 + (first[:, None] if torch.is_tensor(first) else first)
@@ -373,160 +383,6 @@ def batch_cache(cache: Any, target: PreTrainedModel) -> tuple[DynamicCache, Slid
     window = SlidingWindow.take_over(cache, target) if isinstance(cache, DynamicCache) else None
     RaggedCache.check(cache, "target")
     return cache, window
-
-
-# Layer types that see every earlier token: sparse attention's indexer (`indexed_attention`: DeepSeek-V3.2-style
-# layers beside sliding ones, as in dots.llm3) picks among them within its layer, under the full causal mask.
-FULL_ATTENTION = frozenset({"full_attention", "indexed_attention"})
-
-
-@dataclass(frozen=True)
-class SlidingWindow:
-    """A target's sliding-window attention over a ragged cache: a token sees the `size` tokens up to itself.
-
-    transformers counts a window in cache columns, which in a left-padded batch are each row's tokens. Holes break
-    that (a row's rejected drafts take columns but are no tokens), so over a ragged cache the window is counted in
-    each row's own positions, in 4D masks built here (`masks`), and the sliding layers keep every column for the call
-    (a sliding layer keeps only its last `size - 1` columns, which holes would make fewer tokens than the window).
-    """
-
-    size: int
-    every_layer: bool  # all layers slide (one mask for all); else a dict of masks by layer type, as hybrids take
-    additive: bool  # the attention implementation adds its mask (eager) rather than selecting by it (sdpa)
-
-    @classmethod
-    def take_over(cls, cache: DynamicCache, target: PreTrainedModel) -> SlidingWindow | None:
-        """Makes the sliding layers of `cache` plain dynamic layers and returns their window (None: none slides).
-
-        Raises where the window cannot be kept exactly: a filled sliding layer that already dropped tokens, layers of
-        different windows, layer types other than full (or sparse-indexed) and sliding attention, or an attention
-        implementation that takes no prepared 4D mask (flash attention, flex attention)."""
-        slides = [layer for layer in cache.layers if isinstance(layer, DynamicSlidingWindowLayer)]
-        if not slides:
-            return None
-        windows = {layer.sliding_window for layer in slides}
-        layer_types = set(getattr(target.config.get_text_config(), "layer_types", None) or ())
-        additive = adds_its_mask(target)
-        problem = None
-        if len(windows) > 1:
-            problem = f"its sliding layers have different windows ({sorted(windows)})"
-        elif not layer_types <= FULL_ATTENTION | {"sliding_attention"}:
-            problem = (
-                f"it has attention layers of types {sorted(layer_types)}; only full (and sparse-indexed) and sliding "
-                "attention are supported"
-            )
-        elif additive is None:
-            problem = takes_no_4d_mask(target)
-        elif any(layer.is_initialized and layer.keys.shape[-2] < layer.cumulative_length for layer in slides):
-            problem = (
-                "the cache passed to generate() has sliding-window layers that already dropped tokens past their "
-                "window; start the batch from its prompts (no cache)"
-            )
-        if problem is not None:
-            raise ValueError(
-                f"Batched Domino drafting counts sliding windows in each row's own tokens, which this target's cache "
-                f"cannot serve: {problem}. Or generate one prompt at a time."
-            )
-        cache.layers = [
-            _full_layer(layer) if isinstance(layer, DynamicSlidingWindowLayer) else layer for layer in cache.layers
-        ]
-        every_layer = len(slides) == len(cache.layers)
-        return cls(size=windows.pop(), every_layer=every_layer, additive=additive)
-
-    def masks(
-        self, real: torch.BoolTensor, queries: int, dtype: torch.dtype, gaps: torch.LongTensor | None = None
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The attention masks of a forward whose last `queries` columns of `real` (`[rows, columns]`, True for a
-        row's tokens, False for holes) are its queries: causal over columns, holes masked, and for sliding layers
-        only keys fewer than `size` positions before the query (positions: each row's count of its tokens, plus the
-        columns its prompt's mask left out before each, `gaps`: the target alone's columns, whose differences count)."""
-        columns = torch.arange(real.shape[1], device=real.device)
-        causal = columns[None, :] <= columns[-queries:, None]  # [queries, columns]
-        full = real[:, None, :] & causal[None]
-        positions = real.long().cumsum(dim=-1) - 1
-        if gaps is not None:
-            positions = with_gaps(positions, gaps)
-        near = positions[:, -queries:, None] - positions[:, None, :] < self.size
-        sliding = (full & near)[:, None]
-        if self.every_layer:
-            return self._formatted(sliding, dtype)
-        full = self._formatted(full[:, None], dtype)
-        return {**dict.fromkeys(FULL_ATTENTION, full), "sliding_attention": self._formatted(sliding, dtype)}
-
-    def _formatted(self, mask: torch.BoolTensor, dtype: torch.dtype) -> torch.Tensor:
-        return formatted_mask(mask, self.additive, dtype)
-
-
-def prompt_gaps(mask: torch.BoolTensor) -> torch.LongTensor | None:
-    """Per row of a batch's prompt mask, the columns it leaves out, counted before each of the row's tokens: `[rows,
-    most tokens + 1]`, entry k before its token k, the last (and those past its own tokens) for every token after the
-    prompt. None where the mask leaves out nothing.
-
-    The target alone counts a sliding window in cache columns, and where it places tokens by column
-    (`places_by_column`) its positions too: such columns (left padding, padding inside a sequence, an answer's padding
-    masked out in a chat's next turn) count there though they are no tokens."""
-    before = (~mask).long().cumsum(dim=-1)  # at each column, the left-out columns up to it
-    if not mask.numel() or not before[:, -1].any():  # (a server's batch starts with no rows)
-        return None
-    tokens = mask.sum(dim=-1).tolist()
-    table = before[:, -1:].repeat(1, max(tokens) + 1)
-    for row, count in enumerate(tokens):
-        table[row, :count] = before[row, mask[row]]
-    return table
-
-
-def with_gaps(positions: torch.LongTensor, gaps: torch.LongTensor) -> torch.LongTensor:
-    """Tokens' positions (`[rows, n]`, each row's count of its tokens before them) as the target alone's columns:
-    plus the columns the prompt's mask left out before each (`prompt_gaps`)."""
-    return positions + gaps.gather(1, positions.clamp(0, gaps.shape[1] - 1))
-
-
-def joined_gaps(caches: list[RaggedCache]) -> torch.LongTensor | None:
-    """The `gaps` of caches whose rows join, in one table (none for rows that had none; a shorter table's last
-    column, for every token after its prompts, repeats)."""
-    if all(cache.gaps is None for cache in caches):
-        return None
-    tables = [cache.gaps if cache.gaps is not None else cache.mask.new_zeros((cache.mask.shape[0], 1), dtype=torch.long)
-              for cache in caches]  # fmt: skip
-    width = max(table.shape[1] for table in tables)
-    return torch.cat([torch.cat([table, table[:, -1:].expand(-1, width - table.shape[1])], dim=1) for table in tables])
-
-
-def places_by_column(target: PreTrainedModel) -> bool:
-    """Whether the target alone places tokens by cache column: its forward names no `position_ids`, so generate()
-    makes none and the model counts every column, those the mask leaves out included."""
-    return "position_ids" not in inspect.signature(target.forward).parameters
-
-
-def adds_its_mask(target: PreTrainedModel) -> bool | None:
-    """How the target's attention takes a prepared 4D mask: added (eager, True), selected by (sdpa, False), or not at
-    all (None: flash and flex attention build their own)."""
-    mask_function = ALL_MASK_ATTENTION_FUNCTIONS.get(target.config._attn_implementation)
-    return {sdpa_mask: False, eager_mask: True}.get(mask_function)
-
-
-def takes_no_4d_mask(target: PreTrainedModel) -> str:
-    """Why a target whose attention builds its own mask (`adds_its_mask` is None) cannot serve holes or trees, and the
-    fix."""
-    return (
-        f"its attention implementation {target.config._attn_implementation!r} takes no prepared 4D mask; load the "
-        'target with attn_implementation="sdpa" (or "eager")'
-    )
-
-
-def formatted_mask(mask: torch.BoolTensor, additive: bool, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean 4D mask as the attention takes it: as is (sdpa), or 0 / the dtype's minimum (eager)."""
-    if not additive:
-        return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-
-
-def _full_layer(layer: DynamicSlidingWindowLayer) -> DynamicLayer:
-    full = DynamicLayer()
-    if layer.is_initialized:
-        full.lazy_initialization(layer.keys, layer.values)
-        full.keys, full.values = layer.keys, layer.values
-    return full
 
 
 # --------------------------------------------------------------------------- trees, and one forward over the cache
@@ -623,20 +479,13 @@ def ragged_forward(
 
 __all__ = [
     "RaggedCache",
-    "SlidingWindow",
     "TreeLayout",
-    "adds_its_mask",
     "batch_cache",
     "cached_columns",
     "columns_of",
-    "formatted_mask",
     "gather_columns",
     "JOINABLE",
     "joined_gaps",
-    "places_by_column",
     "positions_from_mask",
-    "prompt_gaps",
     "ragged_forward",
-    "takes_no_4d_mask",
-    "with_gaps",
 ]
