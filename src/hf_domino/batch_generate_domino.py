@@ -22,7 +22,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch_call_domino import check_batch_call, compiled_plain_steps, prompt_inputs
 from .batching_domino import BatchedDecoding
-from .cache_domino import CACHE_ARGUMENT, BufferedLayer
+from .cache_domino import CACHE_ARGUMENT, set_states
 from .ragged_batch_domino import process_rows
 from .ragged_cache_domino import RaggedCache, batch_cache, ragged_forward
 
@@ -126,9 +126,7 @@ def settled_cache(
     cache = decoding.target_cache.cache  # the caller's object, filled in place as the target alone fills it
     for layer, filled in zip(cache.layers, rows.cache.layers):
         if filled.is_initialized:
-            layer.keys, layer.values = filled.keys, filled.values
-            if isinstance(layer, BufferedLayer):
-                layer.buffers = None  # moved into new buffers at the next update
+            set_states(layer, filled.keys, filled.values)
     return cache
 
 

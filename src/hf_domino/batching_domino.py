@@ -153,10 +153,12 @@ class BatchedDecoding:
         reserve = options.cache_columns(drafter, self.max_length)
         self.cached = cached_columns(cache, input_ids, attention_mask, generation_config)
         by_column = places_by_column(target)
+        gaps = prompt_gaps(self.mask) if window is not None or by_column else None
+        if gaps is not None and not by_column and bool((gaps == gaps[:, :1]).all()):
+            gaps = None  # left padding alone: a window reads differences of positions, which it changes for none
         self.target_cache = RaggedCache(
-            buffer_layers(cache, reserve), self.mask[:, : self.cached], window=window,
-            gaps=prompt_gaps(self.mask) if window is not None or by_column else None, by_column=by_column,
-        )  # fmt: skip
+            buffer_layers(cache, reserve), self.mask[:, : self.cached], window=window, gaps=gaps, by_column=by_column
+        )
         if has_recurrent_layers(cache):  # a replayable scan (generate_hook_domino checked the family)
             self.target_cache.recurrent = RecurrentRollback.install_for_rows(cache, target)
         self.context = BatchedDrafterContext.empty(rows, drafter.device)
@@ -238,10 +240,11 @@ class BatchedDecoding:
         if len(keep) == len(self.active):
             return
         if self.finished_rows is not None:
-            # Every token of a row but its last: the target alone reads a token in the step after it picks it.
-            rows = [self.active[i] for i, done in enumerate(finished) if done]
-            tokens = [int(self.mask[row].sum()) + self.generated(row) - 1 for row in rows]
+            # Every token of a row but its last (its padding aside): the target alone reads a token in the step after
+            # it picks it.
             positions = [i for i, done in enumerate(finished) if done]
+            rows = [self.active[i] for i in positions]
+            tokens = [self.sequences[row].shape[0] - self.padding[row] - 1 for row in rows]
             self.finished_rows.add(self.target_cache.copied_rows(positions, tokens), rows)
         index = torch.tensor(keep, dtype=torch.long)
         self.target_cache.select_rows(index)

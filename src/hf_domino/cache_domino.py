@@ -104,6 +104,17 @@ def buffer_layers(cache: DynamicCache, reserve: int = 0) -> DynamicCache:
     return cache
 
 
+def set_states(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
+    """`layer` holding these keys and values (initialized where it was not); a `BufferedLayer` moves them into new
+    buffers at its next update. Returns the layer."""
+    if not layer.is_initialized:
+        layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    if isinstance(layer, BufferedLayer):
+        layer.buffers = None
+    return layer
+
+
 def _buffered(layer: DynamicLayer, reserve: int) -> BufferedLayer:
     buffered = BufferedLayer(reserve)
     if layer.is_initialized:

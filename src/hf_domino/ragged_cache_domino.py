@@ -30,7 +30,14 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-from .cache_domino import CACHE_ARGUMENT, BufferedLayer, cache_argument, cached_tokens, uncached_prompt_length
+from .cache_domino import (
+    CACHE_ARGUMENT,
+    BufferedLayer,
+    cache_argument,
+    cached_tokens,
+    set_states,
+    uncached_prompt_length,
+)
 from .ragged_masks_domino import SlidingWindow, formatted_mask, with_gaps
 from .recurrent_cache_domino import RecurrentRollback
 
@@ -192,12 +199,7 @@ class RaggedCache:
                 torch.cat([_left_holes(layer, name, template, n, width) for layer, n in zip(sides, rows)])
                 for name in ("keys", "values")
             )
-            layer = sides[0]
-            if not layer.is_initialized:
-                layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
-            if isinstance(layer, BufferedLayer):
-                layer.buffers = None  # moved into new buffers at the next update
+            set_states(sides[0], keys, values)
         self.mask = torch.cat(
             [torch.nn.functional.pad(mask.to(self.mask.device), (width - mask.shape[1], 0)) for mask in
              (self.mask, other.mask)]
@@ -220,15 +222,13 @@ class RaggedCache:
         """A cache of its own holding copies of these rows, row i cut to its first `tokens[i]` real columns: what a
         finished row leaves for the cache a call returns. Joinable caches only (`joinable`)."""
         index = torch.tensor(rows, device=self.mask.device)
-        cache = DynamicCache()
-        cache.layers = []
+        layers = []
         for layer in self.cache.layers:
-            copy = DynamicLayer()
-            if layer.is_initialized:
-                keys, values = layer.keys[index.to(layer.keys.device)], layer.values[index.to(layer.keys.device)]
-                copy.lazy_initialization(keys, values)
-                copy.keys, copy.values = keys, values
-            cache.layers.append(copy)
+            own = index.to(layer.keys.device) if layer.is_initialized else None
+            layers.append(
+                DynamicLayer() if own is None else set_states(DynamicLayer(), layer.keys[own], layer.values[own])
+            )
+        cache = _cache_of(layers)
         mask = self.mask[index]
         mask &= mask.cumsum(dim=-1) <= torch.tensor(tokens, device=mask.device)[:, None]
         gaps = None if self.gaps is None else self.gaps[index.to(self.gaps.device)]
@@ -240,20 +240,19 @@ class RaggedCache:
     def stacked(cls, pieces: list[RaggedCache]) -> RaggedCache:
         """The rows of `pieces` (copies of the same cache's rows, `copied_rows`) in one cache, in order, each widened
         by holes on the left to the widest: one copy, where joining them one by one (`add_rows`) copies every time."""
-        width = max(piece.mask.shape[1] for piece in pieces)
-        cache = DynamicCache()
-        cache.layers = []
+        width, rows = max(piece.mask.shape[1] for piece in pieces), [piece.mask.shape[0] for piece in pieces]
+        joined = []
         for layers in zip(*(piece.cache.layers for piece in pieces)):
-            joined, filled = DynamicLayer(), [layer for layer in layers if layer.is_initialized]
-            if filled:
-                rows = [piece.mask.shape[0] for piece in pieces]
-                keys, values = (
-                    torch.cat([_left_holes(layer, name, filled[0], n, width) for layer, n in zip(layers, rows)])
-                    for name in ("keys", "values")
-                )
-                joined.lazy_initialization(keys, values)
-                joined.keys, joined.values = keys, values
-            cache.layers.append(joined)
+            filled = [layer for layer in layers if layer.is_initialized]
+            if not filled:
+                joined.append(DynamicLayer())
+                continue
+            keys, values = (
+                torch.cat([_left_holes(layer, name, filled[0], n, width) for layer, n in zip(layers, rows)])
+                for name in ("keys", "values")
+            )
+            joined.append(set_states(DynamicLayer(), keys, values))
+        cache = _cache_of(joined)
         mask = torch.cat([torch.nn.functional.pad(piece.mask, (width - piece.mask.shape[1], 0)) for piece in pieces])
         return cls(cache, mask, gaps=joined_gaps(pieces), by_column=pieces[0].by_column)
 
@@ -288,6 +287,13 @@ class RaggedCache:
 # The layers `RaggedCache.add_rows` joins: keys and values of full attention (sliding layers are made full ones for a
 # batch, `SlidingWindow.take_over`), nothing else kept per row.
 JOINABLE = (DynamicLayer, BufferedLayer)
+
+
+def _cache_of(layers: list[DynamicLayer]) -> DynamicCache:
+    """A `DynamicCache` holding these layers (copies of rows, made here, not by a model)."""
+    cache = DynamicCache()
+    cache.layers = layers
+    return cache
 
 
 def _left_holes(layer: DynamicLayer | None, name: str, template: DynamicLayer, rows: int, width: int) -> torch.Tensor:

@@ -19,6 +19,8 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
+from .cache_domino import set_states
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -159,11 +161,7 @@ def formatted_mask(mask: torch.BoolTensor, additive: bool, dtype: torch.dtype) -
 
 
 def _full_layer(layer: DynamicSlidingWindowLayer) -> DynamicLayer:
-    full = DynamicLayer()
-    if layer.is_initialized:
-        full.lazy_initialization(layer.keys, layer.values)
-        full.keys, full.values = layer.keys, layer.values
-    return full
+    return set_states(DynamicLayer(), layer.keys, layer.values) if layer.is_initialized else DynamicLayer()
 
 
 __all__ = [

@@ -194,8 +194,9 @@ class ServingCall:
         options = DominoOptions.resolve(option_values, generation_config)
         options.validate(drafter)
         check_batch_target(target, generation_config, options)
-        check_croppable(target, DynamicCache(config=target.config), batched=True)
-        check_serving(target, batch_cache(DynamicCache(config=target.config), target)[0], continuous_batching_config)
+        cache = DynamicCache(config=target.config)
+        check_croppable(target, cache, batched=True)
+        check_serving(target, batch_cache(cache, target)[0], continuous_batching_config)
         limit = getattr(continuous_batching_config, "max_requests_per_batch", None) or DEFAULT_ROWS
         return cls(target, drafter, generation_config, options, limit, tokenizer)
 
