@@ -156,6 +156,8 @@ def test_a_second_turn_on_the_first_turns_cache_is_the_target_alones(seed):
         for options, ours, follow_up in turns:
             drafting = dict(ours, assistant_model=drafter) if with_drafter else {}
             generated = target.generate(ids, attention_mask=mask, **{CACHE_ARGUMENT: cache}, **options, **drafting)
+            # Left as the target alone leaves it (so the next turn continues it rather than reading it all again).
+            assert cache.get_seq_length() == generated.shape[1] - 1, (with_drafter, turns)
             ids = torch.cat([generated, follow_up], dim=1)
             mask = torch.cat([mask, torch.ones(rows, ids.shape[1] - mask.shape[1], dtype=torch.long)], dim=1)
         return ids
