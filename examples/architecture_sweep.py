@@ -4,8 +4,9 @@ For each model type that `AutoModelForCausalLM` maps (encoder and encoder-decode
 built from its config with small generic sizes, its weights scaled up so that greedy choices depend on every layer,
 and a drafter of random weights sized for it by `DominoConfig.from_target`. Then, greedy, the target alone and
 `generate()` with the drafter (fixed policy, 4 drafts per cycle, mostly rejected), for one sequence, for a
-left-padded batch of two, and for that batch with columns its mask leaves out inside the rows (padding inside a
-sequence). One line per family:
+left-padded batch of two, for that batch with columns its mask leaves out inside the rows (padding inside a
+sequence), and for the batch's next turn, drafted on the cache its drafted first turn left (as a chat continues it)
+against the target alone continuing its own. One line per family:
 
 - `ok`: token-identical to the target alone, one sequence and batches (`batch refused: ...` where only batches are);
 - `refused: ...`: a ValueError that names what drafting cannot serve for it;
@@ -35,6 +36,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from hf_domino import DominoConfig, DominoForSpeculation
+from hf_domino.cache_domino import cache_argument
 
 # Encoders used as decoders, encoder-decoders' decoders, models whose inputs are not token ids alone, and GPT-1,
 # which keeps no key/value cache (transformers' assisted loop fails on it with any assistant).
@@ -131,6 +133,34 @@ def drafted_as_alone(target, drafter, inputs: dict, new_tokens: int) -> str | No
     return None if torch.equal(output, expected) else "MISMATCH"
 
 
+def next_turn_as_alone(target, drafter, batch: dict, new_tokens: int) -> str | None:
+    """None where a batch's next turn, drafted on the cache its drafted first turn left, gives the target alone's
+    tokens continuing its own cache (None too where the target alone cannot continue its cache), else what
+    happened."""
+    outputs = []
+    for assistant in ({}, {"assistant_model": drafter, **FIXED}):
+        cache = transformers.DynamicCache(config=target.config)
+        first = target.generate(**batch, max_new_tokens=new_tokens, **GREEDY, **assistant, **cache_argument(cache))
+        rows, answers = first.shape[0], first.shape[1] - batch["input_ids"].shape[1]
+        turn = {
+            "input_ids": torch.cat([first, torch.tensor([[5, 9, 12]] * rows)], dim=-1),
+            "attention_mask": torch.cat(
+                [batch["attention_mask"], torch.ones(rows, answers + 3, dtype=torch.long)], -1
+            ),
+        }
+        try:
+            outputs.append(target.generate(**turn, max_new_tokens=8, **GREEDY, **assistant, **cache_argument(cache)))
+        except ValueError as refusal:
+            if not assistant:
+                return None
+            return f"refused: {' '.join(str(refusal).split())}"
+        except Exception:
+            if not assistant:
+                return None
+            raise
+    return None if torch.equal(*outputs) else "MISMATCH"
+
+
 def check_family(model_type: str) -> str:
     try:
         target = tiny_target(model_type)
@@ -149,6 +179,9 @@ def check_family(model_type: str) -> str:
         if batch is None:
             gaps = drafted_as_alone(target, drafter, with_gaps(left_padded(ROWS)), 20)
             batch = None if gaps is None else f"with columns left out inside rows {gaps}"
+        if batch is None:
+            turn = next_turn_as_alone(target, drafter, left_padded(ROWS), 20)
+            batch = None if turn is None else f"'s next turn on its cache {turn}"
     except Exception as error:
         return f"error: {type(error).__name__}: {' '.join(str(error).split())}"
     return "ok" if batch is None else f"ok, batch {batch}"

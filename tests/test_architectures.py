@@ -21,6 +21,7 @@ import torch
 import transformers
 from conftest import SPECIAL_TOKENS, tiny_drafter
 from test_batching import left_padded, prefill_rows
+from transformers import DynamicCache
 
 from hf_domino.cache_domino import CACHE_ARGUMENT, cache_argument
 from hf_domino.ragged_masks_domino import SlidingWindow
@@ -472,17 +473,82 @@ def test_a_sliding_batch_whose_mask_leaves_out_columns_inside_rows_is_the_target
     assert had_rejections(drafter.last_generation_stats)
 
 
-def test_a_batch_continuing_a_cache_whose_window_dropped_tokens_is_refused():
-    from transformers import DynamicCache
+# One family for each kind of cache a batch leaves: every layer sliding, sliding beside full, layers sharing another's
+# keys (DummyLayer), sparse attention's indexer keys, both beside sliding layers, and recurrent states (which a batch
+# leaves empty).
+CACHE_KINDS = ["mistral", "gemma3", "gemma4", "deepseek_v32", "dots3_note", "falcon_h1", "qwen3_5"]
 
-    target = architecture_target("mistral")
+
+def cache_kind_target(name: str):
+    from test_recurrent_targets import FAMILIES, hybrid_target
+
+    return hybrid_target(name) if name in FAMILIES else architecture_target(name)
+
+
+def assert_the_target_alones_cache(cache, alone, attended: torch.BoolTensor) -> None:
+    """`cache` holds what `alone` holds at every column a next turn attends to: per layer the same kind of layer
+    (a sliding one keeping its window), and the same keys, values and indexer keys there."""
+    from hf_domino.ragged_cache_domino import COLUMN_STATES, column_states
+
+    assert cache.get_seq_length() == alone.get_seq_length()
+    for ours, theirs in zip(cache.layers, alone.layers, strict=True):
+        assert getattr(ours, "is_sliding", False) == getattr(theirs, "is_sliding", False)
+        assert getattr(ours, "cumulative_length", None) == getattr(theirs, "cumulative_length", None)
+        states, expected = column_states(ours), column_states(theirs)
+        assert states.keys() == expected.keys()
+        for name, state in states.items():
+            assert state.shape == expected[name].shape, name
+            row_dim, column_dim = COLUMN_STATES[name]
+            shape = [1] * state.dim()
+            shape[row_dim], shape[column_dim] = state.shape[row_dim], state.shape[column_dim]
+            seen = attended[:, -state.shape[column_dim] :].reshape(shape).expand_as(state)  # a window: the last ones
+            torch.testing.assert_close(state[seen], expected[name][seen])
+
+
+def eos_ending_one_row(target, batch: dict, new_tokens: int) -> int:
+    """A token the target alone generates for the first row, after a few tokens where it can, and never for the
+    others."""
+    generated = target.generate(**batch, **GREEDY, max_new_tokens=new_tokens)[:, batch["input_ids"].shape[1] :]
+    others = set(generated[1:].flatten().tolist())
+    first_row = generated[0].tolist()
+    return next(token for token in first_row[4:] + first_row[3::-1] if token not in others)
+
+
+@pytest.mark.parametrize("name", CACHE_KINDS)
+def test_a_batch_leaves_its_cache_as_the_target_alone_does_and_a_next_turn_continues_it(name):
+    # Rows that end at EOS at different times, outputs far past the window: the cache a drafted batch leaves holds
+    # what the target alone's holds (sliding layers their window, sparse layers their indexer keys; recurrent states
+    # none: that cache ends empty), and the next turn, drafted on it, answers as the target alone continuing its own
+    # (reading only the new columns where the cache was kept). Before, sliding layers came back full without their
+    # window and sparse layers emptied of rows, so the next turn answered otherwise or failed.
+    target = cache_kind_target(name)
     drafter = tiny_drafter(target)
-    cache = DynamicCache(config=target.config)
-    second = a_first_turn(target, left_padded(ROWS), cache, new_tokens=12)
-    layers = list(cache.layers)
-    with pytest.raises(ValueError, match="already dropped tokens past their window"):
-        target.generate(**second, **{CACHE_ARGUMENT: cache}, max_new_tokens=4, assistant_model=drafter, **GREEDY)
-    assert cache.layers == layers  # refused before any layer was changed
+    batch = left_padded(ROWS)
+    options = {**GREEDY, "max_new_tokens": 20, "eos_token_id": eos_ending_one_row(target, batch, 20)}
+    drafted = {"assistant_model": drafter, "draft_policy": "fixed", "num_speculative_tokens": 4}
+    alone, cache = DynamicCache(config=target.config), DynamicCache(config=target.config)
+    expected = target.generate(**batch, **options, **cache_argument(alone))
+    output = target.generate(**batch, **options, **cache_argument(cache), **drafted, return_dict_in_generate=True)
+    assert torch.equal(output.sequences, expected) and had_rejections(drafter.last_generation_stats)
+    assert (expected[:, -1] == 0).any() and expected.shape[1] > 2 * WINDOW  # a row ended early; windows passed
+    answers = torch.ones(2, expected.shape[1] - batch["input_ids"].shape[1], dtype=torch.long)
+    attended = torch.cat([batch["attention_mask"], answers], dim=-1)[:, :-1].bool()
+    kept = name not in ("falcon_h1", "qwen3_5")
+    if kept:
+        assert getattr(output, CACHE_ARGUMENT) is cache
+        assert_the_target_alones_cache(cache, alone, attended)
+    else:
+        assert getattr(output, CACHE_ARGUMENT) is None and not cache.get_seq_length()
+    new = torch.tensor([[5, 9, 12]] * 2)
+    turn = {"input_ids": torch.cat([expected, new], dim=-1),
+            "attention_mask": torch.cat([attended.long(), torch.ones(2, 4, dtype=torch.long)], dim=-1)}  # fmt: skip
+    read = []
+    hook = target.register_forward_pre_hook(lambda module, args, kwargs: read.append(kwargs["input_ids"].shape[1]),
+                                            with_kwargs=True)  # fmt: skip
+    second = target.generate(**turn, **options, **cache_argument(cache), **drafted)
+    hook.remove()
+    assert read[0] == (4 if kept else turn["input_ids"].shape[1])
+    assert torch.equal(second, target.generate(**turn, **options, **cache_argument(alone if kept else None)))
 
 
 def test_a_sliding_window_target_on_an_attention_without_prepared_masks_is_refused():

@@ -179,9 +179,12 @@ def test_results_carry_timestamps_and_lifespans_and_stats():
     assert drafter.last_generation_stats.acceptance_lengths  # the call's drafting statistics
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3", "gpt_oss", "deepseek_v3", "qwen2"])
+@pytest.mark.parametrize(
+    "name", ["mistral", "gemma2", "gemma3", "gpt_oss", "deepseek_v3", "qwen2", "gemma4", "deepseek_v32", "dots3_note"]
+)
 def test_other_families_serve_requests_exactly(name):
-    # Sliding windows counted per row (Mistral, Gemma 2/3, gpt-oss), attention sinks, latent attention: joined rows
+    # Sliding windows counted per row (Mistral, Gemma 2/3, gpt-oss), attention sinks, latent attention, layers that
+    # read another layer's keys (Gemma 4), sparse attention's indexer keys (DeepSeek-V3.2, dots.llm3): joined rows
     # with holes on their left, random drafts rejected in part.
     from test_architectures import GREEDY, architecture_target, had_rejections
 
@@ -196,18 +199,18 @@ def test_other_families_serve_requests_exactly(name):
     assert had_rejections(drafter.last_generation_stats)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v32", "mpt"])
+@pytest.mark.parametrize("name", ["qwen3_5", "mpt"])
 def test_targets_whose_cache_rows_cannot_join_are_refused(name):
     import transformers as tf
-    from test_architectures import architecture_target
+    from test_recurrent_targets import hybrid_target
 
     if name == "mpt":  # ALiBi over cache columns: holes would change its distances
         torch.manual_seed(0)
         config = tf.MptConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, use_cache=True, eos_token_id=1,
                               pad_token_id=0)  # fmt: skip
         target = tf.MptForCausalLM(config).eval()
-    else:  # the indexer's keys of sparse attention, a column per token beside keys and values
-        target = architecture_target(name)
+    else:  # recurrent states, one per row, which no column holds
+        target = hybrid_target(name)
     drafter = tiny_drafter(target)
     with pytest.raises(ValueError, match="one prompt at a time|left-padded batch"):
         target.generate_batch([[4, 5, 6]], assistant_model=drafter, max_new_tokens=4)

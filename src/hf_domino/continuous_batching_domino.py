@@ -145,8 +145,8 @@ def request_rules(
 
 def check_serving(target: PreTrainedModel, cache: DynamicCache, continuous_batching_config: Any) -> None:
     """Raises, naming the fix, for what a batch that rows join does not serve: log-probabilities, and targets whose
-    cache (`cache`, as a batch starts it) holds more than keys and values per token (recurrent states, a sparse
-    attention's indexer keys), which `RaggedCache.add_rows` cannot join."""
+    cache (`cache`, as a batch starts it) holds more than columns per token (recurrent states), which
+    `RaggedCache.add_rows` cannot join."""
     if continuous_batching_config is not None and getattr(continuous_batching_config, "return_logprobs", False):
         raise ValueError(
             "generate_batch with a Domino drafter returns tokens, not their log-probabilities: drop return_logprobs, "

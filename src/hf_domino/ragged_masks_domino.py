@@ -37,20 +37,25 @@ class SlidingWindow:
     transformers counts a window in cache columns, which in a left-padded batch are each row's tokens. Holes break
     that (a row's rejected drafts take columns but are no tokens), so over a ragged cache the window is counted in
     each row's own positions, in 4D masks built here (`masks`), and the sliding layers keep every column for the call
-    (a sliding layer keeps only its last `size - 1` columns, which holes would make fewer tokens than the window).
+    (a sliding layer keeps only its last `size - 1` columns, which holes would make fewer tokens than the window):
+    `take_over` makes them full layers, `hand_back` sliding ones again, as the target alone leaves them.
     """
 
     size: int
     every_layer: bool  # all layers slide (one mask for all); else a dict of masks by layer type, as hybrids take
     additive: bool  # the attention implementation adds its mask (eager) rather than selecting by it (sdpa)
+    layers: tuple[int, ...] = ()  # the cache's sliding layers, by index
 
     @classmethod
     def take_over(cls, cache: DynamicCache, target: PreTrainedModel) -> SlidingWindow | None:
         """Makes the sliding layers of `cache` plain dynamic layers and returns their window (None: none slides).
 
-        Raises where the window cannot be kept exactly: a filled sliding layer that already dropped tokens, layers of
-        different windows, layer types other than full (or sparse-indexed) and sliding attention, or an attention
-        implementation that takes no prepared 4D mask (flash attention, flex attention)."""
+        A filled sliding layer that already dropped the columns before its window (a cache a chat's earlier turns
+        filled) gets zeros there: no later token attends to them, and the columns keep their places.
+
+        Raises where the window cannot be kept exactly: layers of different windows, layer types other than full (or
+        sparse-indexed) and sliding attention, or an attention implementation that takes no prepared 4D mask (flash
+        attention, flex attention)."""
         slides = [layer for layer in cache.layers if isinstance(layer, DynamicSlidingWindowLayer)]
         if not slides:
             return None
@@ -67,21 +72,28 @@ class SlidingWindow:
             )
         elif additive is None:
             problem = takes_no_4d_mask(target)
-        elif any(layer.is_initialized and layer.keys.shape[-2] < layer.cumulative_length for layer in slides):
-            problem = (
-                "the cache passed to generate() has sliding-window layers that already dropped tokens past their "
-                "window; start the batch from its prompts (no cache)"
-            )
         if problem is not None:
             raise ValueError(
                 f"Batched Domino drafting counts sliding windows in each row's own tokens, which this target's cache "
                 f"cannot serve: {problem}. Or generate one prompt at a time."
             )
-        cache.layers = [
-            _full_layer(layer) if isinstance(layer, DynamicSlidingWindowLayer) else layer for layer in cache.layers
-        ]
+        layers = tuple(i for i, layer in enumerate(cache.layers) if isinstance(layer, DynamicSlidingWindowLayer))
+        for i in layers:
+            cache.layers[i] = _full_layer(cache.layers[i])
         every_layer = len(slides) == len(cache.layers)
-        return cls(size=windows.pop(), every_layer=every_layer, additive=additive)
+        return cls(size=windows.pop(), every_layer=every_layer, additive=additive, layers=layers)
+
+    def hand_back(self, cache: DynamicCache) -> None:
+        """Makes the layers `take_over` made full (`layers`) sliding ones again, holding their last `size - 1`
+        columns, as the target alone's sliding layers hold them after its forwards over the same columns."""
+        for i in self.layers:
+            full = cache.layers[i]
+            sliding = DynamicSlidingWindowLayer(sliding_window=self.size)
+            if full.is_initialized:
+                keep = slice(-self.size + 1, None)
+                set_states(sliding, full.keys[:, :, keep], full.values[:, :, keep])
+                sliding.cumulative_length = full.keys.shape[-2]
+            cache.layers[i] = sliding
 
     def masks(
         self, real: torch.BoolTensor, queries: int, dtype: torch.dtype, gaps: torch.LongTensor | None = None
@@ -161,7 +173,12 @@ def formatted_mask(mask: torch.BoolTensor, additive: bool, dtype: torch.dtype) -
 
 
 def _full_layer(layer: DynamicSlidingWindowLayer) -> DynamicLayer:
-    return set_states(DynamicLayer(), layer.keys, layer.values) if layer.is_initialized else DynamicLayer()
+    """A sliding layer as a full one over all the columns it has seen: zeros in those it dropped."""
+    if not layer.is_initialized:
+        return DynamicLayer()
+    dropped = layer.cumulative_length - layer.keys.shape[-2]
+    keys, values = (torch.nn.functional.pad(kv, (0, 0, dropped, 0)) for kv in (layer.keys, layer.values))
+    return set_states(DynamicLayer(), keys, values)
 
 
 __all__ = [

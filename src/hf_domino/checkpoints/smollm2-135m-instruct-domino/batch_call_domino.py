@@ -220,8 +220,8 @@ class TokenScores:
 
     A row that has finished emits the pad token in every later column. The target alone computes its scores there
     from the pad tokens it feeds the row, which the call reads after its loop where it keeps its rows' cache
-    (`batch_generate_domino.score_past_ends`); where it does not (sliding-window, sparse-indexed and recurrent
-    layers), those columns say the row emits the pad token (0 for it, -inf elsewhere).
+    (`batch_generate_domino.score_past_ends`); where it does not (recurrent layers), those columns say the row emits
+    the pad token (0 for it, -inf elsewhere).
     """
 
     def __init__(self, rows: int, keep_scores: bool, keep_logits: bool):

@@ -22,9 +22,9 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch_call_domino import check_batch_call, compiled_plain_steps, prompt_inputs
 from .batching_domino import BatchedDecoding
-from .cache_domino import CACHE_ARGUMENT, set_states
+from .cache_domino import CACHE_ARGUMENT
 from .ragged_batch_domino import process_rows
-from .ragged_cache_domino import RaggedCache, batch_cache, ragged_forward
+from .ragged_cache_domino import RaggedCache, batch_cache, column_states, put_states, ragged_forward
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
@@ -78,6 +78,8 @@ def batched_assisted_decoding(
         if decoding.target_cache.recurrent is not None:  # the cache's layers as they were built
             decoding.target_cache.recurrent.remove()
     cache = None if finished_rows is None else settled_cache(decoding, finished_rows, sequences)
+    if cache is None and cache_given and model_kwargs.get(CACHE_ARGUMENT) is decoding.target_cache.cache:
+        emptied(decoding.target_cache.cache, target)
     if generation_config.return_dict_in_generate:
         scores = logits = None
         if decoding.token_scores is not None:
@@ -112,8 +114,8 @@ def settled_cache(
 ) -> DynamicCache | None:
     """The call's cache as the target alone leaves it for its output `sequences`: each row's tokens but the last
     column's, at the columns of the row's attention mask (zeros in the keys and values where the mask has none), in
-    the cache object the call was given. None where the loop kept no rows (sliding-window, sparse-indexed or recurrent
-    layers)."""
+    the cache object the call was given, its sliding layers holding their window again. None where the loop kept no
+    rows (recurrent layers)."""
     rows = finished.joined()
     if rows is None:
         return None
@@ -125,9 +127,17 @@ def settled_cache(
     rows.arrange(torch.cat([decoding.mask, answers], dim=-1)[:, :-1])
     cache = decoding.target_cache.cache  # the caller's object, filled in place as the target alone fills it
     for layer, filled in zip(cache.layers, rows.cache.layers):
-        if filled.is_initialized:
-            set_states(layer, filled.keys, filled.values)
+        put_states(layer, column_states(filled))
+    if rows.window is not None:
+        rows.window.hand_back(cache)
     return cache
+
+
+def emptied(cache: DynamicCache, target: PreTrainedModel) -> None:
+    """Leaves the caller's `cache` holding no tokens, its layers as generate() builds them for `target`: where the
+    loop keeps no rows' states (recurrent layers), rather than rows it emptied, which a next turn could not extend.
+    That turn then reads its whole conversation, with the drafter or without, exactly."""
+    cache.layers = DynamicCache(config=target.config).layers
 
 
 def read_past_ends(
@@ -169,4 +179,11 @@ def score_past_ends(
             decoding.token_scores.add(row, processed[i : i + 1], raw[i : i + 1])
 
 
-__all__ = ["FinishedRows", "batched_assisted_decoding", "read_past_ends", "score_past_ends", "settled_cache"]
+__all__ = [
+    "FinishedRows",
+    "batched_assisted_decoding",
+    "emptied",
+    "read_past_ends",
+    "score_past_ends",
+    "settled_cache",
+]

@@ -188,18 +188,13 @@ class RaggedCache:
                 )
         for index in range(max(len(self.cache.layers), len(other.cache.layers))):
             sides = [cache.cache.layers[index] if index < len(cache.cache.layers) else None for cache in (self, other)]
-            filled = [layer for layer in sides if layer is not None and layer.is_initialized]
-            if not filled:
+            states = _joined_states(sides, rows, width)
+            if not states:
                 continue
             if sides[0] is None:
                 sides[0] = self.cache.layer_class_to_replicate()
                 self.cache.layers.append(sides[0])
-            template = filled[0]
-            keys, values = (
-                torch.cat([_left_holes(layer, name, template, n, width) for layer, n in zip(sides, rows)])
-                for name in ("keys", "values")
-            )
-            set_states(sides[0], keys, values)
+            put_states(sides[0], states)
         self.mask = torch.cat(
             [torch.nn.functional.pad(mask.to(self.mask.device), (width - mask.shape[1], 0)) for mask in
              (self.mask, other.mask)]
@@ -222,17 +217,17 @@ class RaggedCache:
         """A cache of its own holding copies of these rows, row i cut to its first `tokens[i]` real columns: what a
         finished row leaves for the cache a call returns. Joinable caches only (`joinable`)."""
         index = torch.tensor(rows, device=self.mask.device)
-        layers = []
-        for layer in self.cache.layers:
-            own = index.to(layer.keys.device) if layer.is_initialized else None
-            layers.append(
-                DynamicLayer() if own is None else set_states(DynamicLayer(), layer.keys[own], layer.values[own])
-            )
-        cache = _cache_of(layers)
+        cache = _cache_of([
+            layer_holding(layer, {
+                name: state.index_select(COLUMN_STATES[name][0], index.to(state.device))
+                for name, state in column_states(layer).items()
+            })
+            for layer in self.cache.layers
+        ])  # fmt: skip
         mask = self.mask[index]
         mask &= mask.cumsum(dim=-1) <= torch.tensor(tokens, device=mask.device)[:, None]
         gaps = None if self.gaps is None else self.gaps[index.to(self.gaps.device)]
-        copied = RaggedCache(cache, mask, gaps=gaps, by_column=self.by_column)
+        copied = RaggedCache(cache, mask, window=self.window, gaps=gaps, by_column=self.by_column)
         copied._crop_trailing_holes()
         return copied
 
@@ -241,20 +236,12 @@ class RaggedCache:
         """The rows of `pieces` (copies of the same cache's rows, `copied_rows`) in one cache, in order, each widened
         by holes on the left to the widest: one copy, where joining them one by one (`add_rows`) copies every time."""
         width, rows = max(piece.mask.shape[1] for piece in pieces), [piece.mask.shape[0] for piece in pieces]
-        joined = []
-        for layers in zip(*(piece.cache.layers for piece in pieces)):
-            filled = [layer for layer in layers if layer.is_initialized]
-            if not filled:
-                joined.append(DynamicLayer())
-                continue
-            keys, values = (
-                torch.cat([_left_holes(layer, name, filled[0], n, width) for layer, n in zip(layers, rows)])
-                for name in ("keys", "values")
-            )
-            joined.append(set_states(DynamicLayer(), keys, values))
-        cache = _cache_of(joined)
+        cache = _cache_of([
+            layer_holding(layers[0], _joined_states(layers, rows, width))
+            for layers in zip(*(piece.cache.layers for piece in pieces))
+        ])  # fmt: skip
         mask = torch.cat([torch.nn.functional.pad(piece.mask, (width - piece.mask.shape[1], 0)) for piece in pieces])
-        return cls(cache, mask, gaps=joined_gaps(pieces), by_column=pieces[0].by_column)
+        return cls(cache, mask, window=pieces[0].window, gaps=joined_gaps(pieces), by_column=pieces[0].by_column)
 
     def arrange(self, layout: torch.BoolTensor) -> None:
         """Moves each row's real columns, in order, to where `layout` (`[rows, columns]`) is True, zeros elsewhere:
@@ -264,11 +251,7 @@ class RaggedCache:
         real_first = torch.sort((~self.mask).to(torch.int8), dim=-1, stable=True).indices
         source = torch.gather(real_first, 1, (layout.long().cumsum(dim=-1) - 1).clamp(min=0))
         for layer in self.attention_layers:
-            if layer.is_initialized and layer.keys.numel():
-                keep = layout[:, None, :, None].to(layer.keys.device)
-                layer.keys, layer.values = (
-                    gather_columns(kv, source, 0, 2).where(keep, 0) for kv in (layer.keys, layer.values)
-                )
+            _move_columns(layer, source, keep=layout)
         self.mask = layout
 
     def _compact(self, width: int, needed: int) -> None:
@@ -276,17 +259,78 @@ class RaggedCache:
         order = torch.sort(self.mask.to(torch.int8), dim=-1, stable=True).indices[:, width - needed :]
         self.mask = torch.gather(self.mask, 1, order)
         for layer in self.attention_layers:
-            if layer.is_initialized and layer.keys.numel():
-                layer.keys, layer.values = (gather_columns(kv, order, 0, 2) for kv in (layer.keys, layer.values))
-            if getattr(layer, "indexer_keys", None) is not None and layer.indexer_keys.numel():  # [rows, columns, d]
-                layer.indexer_keys = gather_columns(layer.indexer_keys, order, 0, 1)
-            if getattr(layer, "indexer_position_ids", None) is not None:  # [position sections, rows, columns]
-                layer.indexer_position_ids = gather_columns(layer.indexer_position_ids, order, 1, 2)
+            _move_columns(layer, order)
 
 
-# The layers `RaggedCache.add_rows` joins: keys and values of full attention (sliding layers are made full ones for a
-# batch, `SlidingWindow.take_over`), nothing else kept per row.
-JOINABLE = (DynamicLayer, BufferedLayer)
+# The layers whose rows are copied and joined by their columns alone (`RaggedCache.joinable`): keys and values of full
+# attention (sliding layers are made full ones for a batch, `SlidingWindow.take_over`), with the indexer's keys of
+# sparse attention beside them, or none (a layer reading another layer's, Gemma 4's); no recurrent state.
+JOINABLE = (DynamicLayer, BufferedLayer, DynamicIndexedLayer, DummyLayer)
+# The tensors of a cache layer with a column per token, by name: the dimensions of their rows and of their columns.
+# A sparse-attention layer (DeepSeek-V3.2's, GLM-5's) keeps its indexer's keys beside its own, some its positions too.
+COLUMN_STATES = {"keys": (0, 2), "values": (0, 2), "indexer_keys": (0, 1), "indexer_position_ids": (1, 2)}
+
+
+def holds_keys(layer: Any) -> bool:
+    """Whether a cache layer holds keys and values of its own: filled, and not a `DummyLayer` (whose layer reads
+    another layer's, or keeps none)."""
+    return isinstance(layer, DynamicLayer) and layer.is_initialized
+
+
+def column_states(layer: Any) -> dict[str, torch.Tensor]:
+    """The tensors `layer` holds with a column per token (`COLUMN_STATES`), by name; none where it holds no keys."""
+    if not holds_keys(layer):
+        return {}
+    return {name: getattr(layer, name) for name in COLUMN_STATES if getattr(layer, name, None) is not None}
+
+
+def put_states(layer: DynamicLayer, states: dict[str, torch.Tensor]) -> DynamicLayer:
+    """`layer` holding these tensors (`column_states`' kind) in place of its own; returns it."""
+    if "keys" in states:
+        set_states(layer, states["keys"], states["values"])
+    if "indexer_keys" in states:
+        if not layer.is_indexer_initialized:
+            layer.lazy_initialization_indexer(states["indexer_keys"])
+        layer.indexer_keys = states["indexer_keys"]
+    if "indexer_position_ids" in states:
+        layer.indexer_position_ids = states["indexer_position_ids"]
+    return layer
+
+
+def layer_holding(like: Any, states: dict[str, torch.Tensor]) -> Any:
+    """A new layer of `like`'s kind (full attention, sparse attention, none of its own) holding `states`."""
+    if isinstance(like, DummyLayer):
+        return DummyLayer()
+    return put_states(DynamicIndexedLayer() if isinstance(like, DynamicIndexedLayer) else DynamicLayer(), states)
+
+
+def _joined_states(layers: list[Any], rows: list[int], width: int) -> dict[str, torch.Tensor]:
+    """The column tensors of `layers`' rows (`rows[i]` each; a layer None or not filled gives holes) in one, each
+    widened by holes on the left to `width` columns; none where no layer is filled."""
+    filled = next((layer for layer in layers if layer is not None and holds_keys(layer)), None)
+    joined = {}
+    for name, template in column_states(filled).items():
+        row_dim, column_dim = COLUMN_STATES[name]
+        pieces = [_left_holes(column_states(layer).get(name), template, row_dim, column_dim, n, width)
+                  for layer, n in zip(layers, rows)]  # fmt: skip
+        joined[name] = torch.cat(pieces, dim=row_dim)
+    return joined
+
+
+def _move_columns(layer: DynamicLayer, order: torch.LongTensor, keep: torch.BoolTensor | None = None) -> None:
+    """Puts each row's columns of `layer` in `order` (`[rows, columns]`), zeros where `keep` (the same shape) is
+    False."""
+    moved = {}
+    for name, state in column_states(layer).items():
+        if state.numel():
+            row_dim, column_dim = COLUMN_STATES[name]
+            state = gather_columns(state, order.to(state.device), row_dim, column_dim)
+            if keep is not None:
+                shape = [1] * state.dim()
+                shape[row_dim], shape[column_dim] = keep.shape
+                state = state.where(keep.view(shape).to(state.device), 0)
+            moved[name] = state
+    put_states(layer, moved)
 
 
 def _cache_of(layers: list[DynamicLayer]) -> DynamicCache:
@@ -296,14 +340,17 @@ def _cache_of(layers: list[DynamicLayer]) -> DynamicCache:
     return cache
 
 
-def _left_holes(layer: DynamicLayer | None, name: str, template: DynamicLayer, rows: int, width: int) -> torch.Tensor:
-    """A layer's keys or values (`[rows, heads, columns, dim]`) widened to `width` columns by holes on the left; zeros
-    shaped as `template`'s for a layer not filled yet."""
-    reference = getattr(template, name)
-    if layer is None or not layer.is_initialized or getattr(layer, name).numel() == 0:
-        return reference.new_zeros((rows, *reference.shape[1:-2], width, reference.shape[-1]))
-    states = getattr(layer, name)
-    return torch.nn.functional.pad(states, (0, 0, width - states.shape[-2], 0))
+def _left_holes(
+    state: torch.Tensor | None, template: torch.Tensor, row_dim: int, column_dim: int, rows: int, width: int
+) -> torch.Tensor:
+    """A layer's column tensor (keys, values, ...) widened to `width` columns by holes on the left; zeros shaped as
+    `template` for a layer not filled yet."""
+    if state is None or state.numel() == 0:
+        shape = list(template.shape)
+        shape[row_dim], shape[column_dim] = rows, width
+        return template.new_zeros(shape)
+    after = state.dim() - 1 - column_dim  # pad's pairs count from the last dimension
+    return torch.nn.functional.pad(state, (0, 0) * after + (width - state.shape[column_dim], 0))
 
 
 def gather_columns(tensor: torch.Tensor, order: torch.LongTensor, row_dim: int, column_dim: int) -> torch.Tensor:
@@ -357,7 +404,7 @@ def cached_columns(
             "not the whole sequences the attention mask covers: a batch continuing a cache needs the whole padded "
             "sequences, the cached columns included, with an attention mask of the same length."
         )
-    rows = next((layer.keys.shape[0] for layer in cache.layers if layer.is_initialized), input_ids.shape[0])
+    rows = next((layer.keys.shape[0] for layer in cache.layers if holds_keys(layer)), input_ids.shape[0])
     if rows != input_ids.shape[0]:
         raise ValueError(
             f"The cache passed to generate() holds {rows} rows and the batch has {input_ids.shape[0]}: continue a "
@@ -488,10 +535,13 @@ __all__ = [
     "TreeLayout",
     "batch_cache",
     "cached_columns",
+    "column_states",
     "columns_of",
     "gather_columns",
+    "holds_keys",
     "JOINABLE",
     "joined_gaps",
     "positions_from_mask",
+    "put_states",
     "ragged_forward",
 ]
