@@ -368,13 +368,14 @@ def test_bad_batches_fail_with_the_fix_named():
         target.generate(batch["input_ids"], max_new_tokens=4, assistant_model=drafter)
     with pytest.raises(ValueError, match="beam search"):
         target.generate(**batch, max_new_tokens=4, num_beams=2, assistant_model=drafter)
-    with pytest.raises(ValueError, match="output_hidden_states.*or generate one prompt at a time"):
+    target.set_attn_implementation("eager")  # which returns attention weights
+    with pytest.raises(ValueError, match="output_attentions.*or generate one prompt at a time"):
         target.generate(
-            **batch, max_new_tokens=4, assistant_model=drafter, return_dict_in_generate=True, output_hidden_states=True
+            **batch, max_new_tokens=4, assistant_model=drafter, return_dict_in_generate=True, output_attentions=True
         )
-    with pytest.raises(ValueError, match="output_hidden_states.*or drop domino_branches"):  # one prompt, as a tree
+    with pytest.raises(ValueError, match="output_attentions.*or drop domino_branches"):  # one prompt, as a tree
         target.generate(batch["input_ids"][:1], max_new_tokens=4, assistant_model=drafter, domino_branches=2,
-                        return_dict_in_generate=True, output_hidden_states=True)  # fmt: skip
+                        return_dict_in_generate=True, output_attentions=True)  # fmt: skip
     # The same calls without a drafter still work (only the drafter's batch path refuses).
     assert target.generate(**batch, max_new_tokens=4).shape == (2, 7)
 
@@ -491,6 +492,49 @@ def test_scores_and_logits_are_the_target_alones_for_every_token_of_every_row():
     assert not torch.equal(output.scores[1], output.logits[1])  # the bias acted
     only = target.generate(**batch, **{**kwargs, "output_logits": False}, assistant_model=drafter)
     assert only.logits is None and len(only.scores) == 11
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_hidden_states_are_the_target_alones_for_every_column_of_every_row(arch):
+    # Random drafts, mostly rejected (holes), rows ending at EOS at different times: every layer's hidden states per
+    # generated column, the prompt's at the first, each row's after its end too (read after the loop); also for a
+    # prompt's copies read once (top-k 1 sampling, as deterministic as greedy), a tree of branches, and a next turn
+    # continuing the cache the drafted call left.
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target)
+    batch = left_padded([[5, 9, 12, 7], [30, 5], [9, 12, 7, 30, 22, 40]])
+    greedy = dict(max_new_tokens=14, do_sample=False, pad_token_id=0, eos_token_id=[17, 33, 41])
+    hidden = dict(return_dict_in_generate=True, output_hidden_states=True)
+    copies = {**greedy, "do_sample": True, "top_k": 1, "num_return_sequences": 2}
+    for options, drafting in ((greedy, {}), (copies, {}), (greedy, {"domino_branches": 2})):
+        expected = target.generate(**batch, **options, **hidden)
+        output = target.generate(**batch, **options, **hidden, assistant_model=drafter, draft_policy="fixed",
+                                 **drafting)  # fmt: skip
+        assert torch.equal(output.sequences, expected.sequences)
+        assert_same_hidden_states(output.hidden_states, expected.hidden_states)
+    assert (expected.sequences[:, -1] == 0).any() and drafter.last_generation_stats.drafted
+    cache, alone_cache = DynamicCache(config=target.config), DynamicCache(config=target.config)
+    first = target.generate(**batch, **greedy, **cache_argument(cache), assistant_model=drafter)
+    assert torch.equal(first, target.generate(**batch, **greedy, **cache_argument(alone_cache)))
+    answers = torch.ones(3, first.shape[1] - batch["input_ids"].shape[1], dtype=torch.long)
+    turn = {
+        "input_ids": torch.cat([first, torch.tensor([[7, 8, 9]] * 3)], dim=-1),
+        "attention_mask": torch.cat([batch["attention_mask"], answers, torch.ones(3, 3, dtype=torch.long)], -1),
+    }
+    expected = target.generate(**turn, **greedy, **hidden, **cache_argument(alone_cache))
+    output = target.generate(**turn, **greedy, **hidden, **cache_argument(cache), assistant_model=drafter)
+    assert torch.equal(output.sequences, expected.sequences)
+    assert output.hidden_states[0][0].shape[1] == 4  # the new columns only, as the target alone reads them
+    assert_same_hidden_states(output.hidden_states, expected.hidden_states)
+
+
+def assert_same_hidden_states(hidden_states: tuple, expected: tuple) -> None:
+    assert len(hidden_states) == len(expected)
+    for column, (ours, theirs) in enumerate(zip(hidden_states, expected)):
+        assert len(ours) == len(theirs)
+        for layer, (mine, alone) in enumerate(zip(ours, theirs)):
+            assert mine.shape == alone.shape, (column, layer)
+            torch.testing.assert_close(mine, alone, atol=1e-4, rtol=1e-4)
 
 
 def test_sampled_scores_are_what_each_token_was_drawn_from():

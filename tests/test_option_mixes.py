@@ -71,6 +71,7 @@ def random_options(rng: random.Random, pool: range, eos: int, drafter) -> tuple[
     options.update({name: draw() for name, draw in maybe.items() if rng.random() < 0.2})
     if rng.random() < 0.2:
         options.update(return_dict_in_generate=True, output_scores=rng.random() < 0.5, output_logits=True)
+        options["output_hidden_states"] = rng.random() < 0.5
     ours = {"draft_policy": rng.choice(["fixed", "adaptive"])}
     if rng.random() < 0.5:
         ours["num_speculative_tokens"] = rng.randint(0, drafter.config.num_drafts)
@@ -128,6 +129,10 @@ def greedy_mix(seed: int, device: str = "cpu") -> None:
         assert (expected is None) == (got is None), (field, mix)
         for i, (a, b) in enumerate(zip(expected or (), got or (), strict=True)):
             assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (field, i, mix)
+    expected, got = alone.hidden_states, drafted.hidden_states  # per column, a tuple of every layer's
+    assert (expected is None) == (got is None), mix
+    for i, (a, b) in enumerate(zip(expected or (), got or (), strict=True)):
+        assert all(torch.allclose(x, y, atol=1e-4, rtol=1e-4) for x, y in zip(a, b, strict=True)), (i, mix)
 
 
 @pytest.mark.parametrize("seed", seeds(32))
@@ -147,7 +152,7 @@ def test_a_second_turn_on_the_first_turns_cache_is_the_target_alones(seed):
     turns = []
     for _ in range(2):
         options, ours = random_options(rng, range(4, vocab), 1, drafter)
-        for name in ("return_dict_in_generate", "output_scores", "output_logits"):
+        for name in ("return_dict_in_generate", "output_scores", "output_logits", "output_hidden_states"):
             options.pop(name, None)
         turns.append((options, ours, torch.tensor(random_rows(rng, vocab, 1)).repeat(rows, 1)))
 

@@ -104,13 +104,11 @@ def check_batch_call(
             "return_tensors='pt'), assistant_model=drafter), the tokenizer padding on the left (tokenizer.padding_side = "
             "'left')."
         )
-    if generation_config.return_dict_in_generate and any(
-        getattr(generation_config, name) for name in ("output_attentions", "output_hidden_states")
-    ):
+    if generation_config.return_dict_in_generate and generation_config.output_attentions:
         raise ValueError(
-            "A batch drafted with a Domino drafter returns no attentions or hidden states (its forwards hold different "
-            "tokens per row, and holes): drop output_attentions/output_hidden_states (output_scores and output_logits "
-            f"work), or {one_at_a_time}."
+            "A batch drafted with a Domino drafter returns no attentions (its forwards hold different tokens per row, "
+            "and holes): drop output_attentions (output_scores, output_logits and output_hidden_states work), or "
+            f"{one_at_a_time}."
         )
 
 
@@ -215,40 +213,47 @@ def _check_tree_call(target: PreTrainedModel, generation_config: GenerationConfi
 
 
 class TokenScores:
-    """What `output_scores` / `output_logits` return for a batch: per row, the processed and raw logits each of its
-    tokens was picked from, then as generate() returns them, one `[rows, V]` tensor per generated column.
+    """What `output_scores`, `output_logits` and `output_hidden_states` return for a batch: per row, the processed and
+    raw logits each of its tokens was picked from and the hidden states (every layer's) of the column that gave them,
+    then as generate() returns them: one `[rows, V]` tensor per generated column, and per generated column a tuple of
+    `[rows, 1, hidden]` per layer (the first column's: the prefill's `[rows, prompt columns, hidden]`).
 
-    A row that has finished emits the pad token in every later column. The target alone computes its scores there
-    from the pad tokens it feeds the row, which the call reads after its loop where it keeps its rows' cache
-    (`batch_generate_domino.score_past_ends`); where it does not (recurrent layers), those columns say the row emits
-    the pad token (0 for it, -inf elsewhere).
+    A row that has finished emits the pad token in every later column. The target alone computes its scores and
+    hidden states there from the pad tokens it feeds the row, which the call reads after its loop where it keeps its
+    rows' cache (`batch_generate_domino.score_past_ends`); where it does not (recurrent layers, which return no hidden
+    states per step), those columns' scores say the row emits the pad token (0 for it, -inf elsewhere).
     """
 
-    def __init__(self, rows: int, keep_scores: bool, keep_logits: bool):
-        self.keep_scores, self.keep_logits = keep_scores, keep_logits
-        self.rows: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]] = [[] for _ in range(rows)]
+    def __init__(self, rows: int, keep_scores: bool, keep_logits: bool, keep_hidden: bool = False):
+        self.keep_scores, self.keep_logits, self.keep_hidden = keep_scores, keep_logits, keep_hidden
+        self.rows: list[list[tuple[torch.Tensor | None, ...]]] = [[] for _ in range(rows)]
+        self.prompt_hidden: tuple[torch.Tensor, ...] | None = None  # the prefill's, per layer (`read_prompt`)
 
     @classmethod
     def wanted(cls, generation_config: GenerationConfig, rows: int) -> TokenScores | None:
-        """The call's record, or None where it returns neither."""
-        keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
-        keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
-        return cls(rows, keep_scores, keep_logits) if keep_scores or keep_logits else None
+        """The call's record, or None where it returns none of them."""
+        kept = [
+            bool(generation_config.return_dict_in_generate and getattr(generation_config, name))
+            for name in ("output_scores", "output_logits", "output_hidden_states")
+        ]
+        return cls(rows, *kept) if any(kept) else None
 
-    def add(self, row: int, scores: torch.Tensor, logits: torch.Tensor) -> None:
-        """A row's next tokens' processed (`scores`) and raw logits, `[n, V]` each (copied: they are views of a
-        whole forward's logits)."""
-        self.rows[row].append(
-            (scores.clone() if self.keep_scores else None, logits.clone() if self.keep_logits else None)
-        )
+    def add(self, row: int, scores: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        """A row's next tokens' processed (`scores`) and raw logits, `[n, V]` each, and the hidden states of their
+        columns, `[n, layers, hidden]` (copied: they are views of a whole forward's)."""
+        kept = (scores, logits, hidden)
+        wanted = (self.keep_scores, self.keep_logits, self.keep_hidden)
+        self.rows[row].append(tuple(each.clone() if keep else None for each, keep in zip(kept, wanted)))
 
     def columns(
         self, length: int, pad: int
-    ) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None]:
-        """(scores, logits) as generate() returns them: `length` tensors `[rows, V]` each, or None where not asked."""
+    ) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None, tuple[tuple, ...] | None]:
+        """(scores, logits, hidden states) as generate() returns them for `length` generated columns, each None where
+        not asked."""
         scores = self._columns(0, length, pad) if self.keep_scores else None
         logits = self._columns(1, length, pad) if self.keep_logits else None
-        return scores, logits
+        hidden = self._hidden_states(length) if self.keep_hidden else None
+        return scores, logits, hidden
 
     def _columns(self, kind: int, length: int, pad: int) -> tuple[torch.Tensor, ...]:
         per_row = [torch.cat([pieces[kind] for pieces in row]) for row in self.rows]
@@ -258,6 +263,12 @@ class TokenScores:
             torch.stack([row[column] if column < row.shape[0] else finished for row in per_row])
             for column in range(length)
         )
+
+    def _hidden_states(self, length: int) -> tuple[tuple[torch.Tensor, ...], ...]:
+        per_row = torch.stack([torch.cat([pieces[2] for pieces in row])[:length] for row in self.rows])
+        # [rows, columns, layers, hidden]: column 0's are the prefill's over the whole prompt, as the target alone's.
+        later = tuple(tuple(layer[:, None] for layer in per_row[:, column].unbind(1)) for column in range(1, length))
+        return (self.prompt_hidden, *later)
 
 
 def compiled_plain_steps(

@@ -81,10 +81,13 @@ def batched_assisted_decoding(
     if cache is None and cache_given and model_kwargs.get(CACHE_ARGUMENT) is decoding.target_cache.cache:
         emptied(decoding.target_cache.cache, target)
     if generation_config.return_dict_in_generate:
-        scores = logits = None
+        scores = logits = hidden_states = None
         if decoding.token_scores is not None:
-            scores, logits = decoding.token_scores.columns(sequences.shape[1] - input_ids.shape[1], decoding.pad)
-        return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, **{CACHE_ARGUMENT: cache})
+            generated = sequences.shape[1] - input_ids.shape[1]
+            scores, logits, hidden_states = decoding.token_scores.columns(generated, decoding.pad)
+        return GenerateDecoderOnlyOutput(
+            sequences=sequences, scores=scores, logits=logits, hidden_states=hidden_states, **{CACHE_ARGUMENT: cache}
+        )
     return sequences
 
 
@@ -120,9 +123,11 @@ def settled_cache(
     if rows is None:
         return None
     ends = torch.tensor([sequence.shape[0] for sequence in decoding.sequences], device=sequences.device)
-    logits = read_past_ends(decoding.target, rows, sequences, ends, decoding.pad, decoding.token_scores is not None)
-    if logits is not None:
-        score_past_ends(decoding, logits, sequences, ends.tolist())
+    outputs = read_past_ends(
+        decoding.target, rows, sequences, ends, decoding.pad, decoding.token_scores is not None, decoding.keeps_hidden
+    )
+    if outputs is not None and decoding.token_scores is not None:
+        score_past_ends(decoding, outputs, sequences, ends.tolist())
     answers = decoding.mask.new_ones(sequences.shape[0], sequences.shape[1] - decoding.prompt_length)
     rows.arrange(torch.cat([decoding.mask, answers], dim=-1)[:, :-1])
     cache = decoding.target_cache.cache  # the caller's object, filled in place as the target alone fills it
@@ -147,11 +152,12 @@ def read_past_ends(
     ends: torch.LongTensor,
     pad: int,
     keep_logits: bool = False,
-) -> torch.Tensor | None:
+    keep_hidden: bool = False,
+):
     """Reads into `rows` what the target alone reads after each row's end (`ends[row]` tokens), since it steps every
     row until the longest is done: the row's last token, then the padding, up to the output's last column (never
-    read). One forward for all rows, after the loop; with `keep_logits`, returns its logits `[rows, columns, V]`
-    (None where no row ended early)."""
+    read). One forward for all rows, after the loop; returns its outputs (None where no row ended early), with the
+    logits of every column where `keep_logits` and every layer's hidden states where `keep_hidden`."""
     missing = sequences.shape[1] - ends
     steps = int(missing.max())
     if not steps:
@@ -160,23 +166,23 @@ def read_past_ends(
     new = columns[None] < missing[:, None]
     at = (ends[:, None] - 1 + columns[None]).clamp(max=sequences.shape[1] - 1)
     input_ids = torch.gather(sequences, 1, at).masked_fill(~new, pad)
-    outputs = ragged_forward(target, rows, input_ids, new, [], logits_to_keep=None if keep_logits else 1)
-    return outputs.logits if keep_logits else None
+    return ragged_forward(target, rows, input_ids, new, keep_hidden or [], logits_to_keep=None if keep_logits else 1)
 
 
-def score_past_ends(
-    decoding: BatchedDecoding, logits: torch.Tensor, sequences: torch.LongTensor, ends: list[int]
-) -> None:
-    """The scores and logits of the columns after each row's end (`output_scores`, `output_logits`), as the target
-    alone computes them: its logits for the row's last token and the padding it feeds the row afterwards
-    (`read_past_ends`), through the row's processors, each seeing the row's sequence up to there."""
-    for column in range(logits.shape[1]):
+def score_past_ends(decoding: BatchedDecoding, outputs, sequences: torch.LongTensor, ends: list[int]) -> None:
+    """The scores, logits and hidden states of the columns after each row's end (`output_scores`, `output_logits`,
+    `output_hidden_states`), as the target alone computes them: from its forward over the row's last token and the
+    padding it feeds the row afterwards (`read_past_ends`), the logits through the row's processors, each seeing the
+    row's sequence up to there."""
+    hidden = decoding.hidden_of(outputs, outputs.logits.shape[1])
+    for column in range(outputs.logits.shape[1]):
         rows = [row for row, end in enumerate(ends) if end + column < sequences.shape[1]]
-        raw = logits[rows, column].float()
+        raw = outputs.logits[rows, column].float()
         processors = None if decoding.per_row is None else [decoding.per_row[row] for row in rows]
         processed = process_rows(processors, [sequences[row, : ends[row] + column] for row in rows], raw)
         for i, row in enumerate(rows):
-            decoding.token_scores.add(row, processed[i : i + 1], raw[i : i + 1])
+            states = None if hidden is None else hidden[row, column : column + 1]
+            decoding.token_scores.add(row, processed[i : i + 1], raw[i : i + 1], states)
 
 
 __all__ = [

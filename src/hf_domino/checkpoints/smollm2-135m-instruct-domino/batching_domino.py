@@ -127,7 +127,6 @@ class BatchedDecoding:
         self.prompt_embeds, self.prompt_inputs = inputs_embeds, prompt_inputs or {}
         self.modules = TargetModules.from_target(target)
         self.layer_ids = drafter.config.target_layer_ids
-        self.hidden_layers = hidden_state_indices(self.layer_ids)
         self.do_sample, self.max_length = bool(generation_config.do_sample), generation_config.max_length
         pad = generation_config._pad_token_tensor  # None: a server's call with neither pad nor EOS token
         self.pad = 0 if pad is None else int(pad.flatten()[0])
@@ -149,6 +148,9 @@ class BatchedDecoding:
         self.sequences = list(input_ids)
         self.active = list(range(rows))
         self.token_scores = TokenScores.wanted(generation_config, rows)
+        self.keeps_hidden = self.token_scores is not None and self.token_scores.keep_hidden
+        # The target's hidden states each forward returns: the drafter's layers, or all where the call returns them.
+        self.hidden_layers = True if self.keeps_hidden else hidden_state_indices(self.layer_ids)
         # Steps append in place, into room never taken past what the call can write (its holes aside).
         reserve = options.cache_columns(drafter, self.max_length)
         self.cached = cached_columns(cache, input_ids, attention_mask, generation_config)
@@ -207,13 +209,14 @@ class BatchedDecoding:
         return process_rows(processors, [self.sequences[row] for row in rows], logits, extra)
 
     def extend(
-        self, rows: list[int], tokens: list[torch.LongTensor], scores: tuple[torch.Tensor, torch.Tensor] | None = None
+        self, rows: list[int], tokens: list[torch.LongTensor], scores: tuple[torch.Tensor | None, ...] | None = None
     ) -> list[bool]:
         """Appends `tokens[i]` to row `rows[i]`, cut at EOS and max_length as the target alone would; per row, whether
         it is done.
 
-        `scores` are the processed and raw logits the tokens were picked from (`[rows, n, V]` each), kept for the
-        tokens appended; passed only where the call returns them (`token_scores`). The tokens, then the stopping
+        `scores` are the processed and raw logits the tokens were picked from (`[rows, n, V]` each) and their
+        columns' hidden states (`hidden_of`, or None), kept for the tokens appended; passed only where the call
+        returns them (`token_scores`). The tokens, then the stopping
         criteria's answers, are read back once for all rows: on a GPU every read waits for the device.
         """
         values, start, done = torch.cat(tokens).tolist(), 0, []
@@ -224,7 +227,7 @@ class BatchedDecoding:
             end = next((at for at, token in enumerate(kept) if token in self.eos_ids), None)
             kept = kept if end is None else kept[: end + 1]
             if scores is not None:
-                self.token_scores.add(row, *(each[i, : len(kept)] for each in scores))
+                self.token_scores.add(row, *(None if each is None else each[i, : len(kept)] for each in scores))
             sequence = self.sequences[row] = torch.cat([sequence, row_tokens[: len(kept)].to(sequence.device)])
             done.append(end is not None or sequence.shape[0] >= self.max_lengths[row])
         asked = [i for i, finished in enumerate(done) if not finished]
@@ -304,16 +307,28 @@ class BatchedDecoding:
         the prefill read each distinct prompt once, and row i is a copy of its `copies[i]`-th row."""
         logits = outputs.logits[:, -1:].float()
         features = context_features(outputs.hidden_states, self.layer_ids)
+        hidden = self.hidden_of(outputs, 1)
+        if self.keeps_hidden and self.token_scores.prompt_hidden is None:  # generate()'s first step: the whole prompt
+            self.token_scores.prompt_hidden = tuple(h if copies is None else h[copies] for h in outputs.hidden_states)
         if copies is not None:
             logits, features, new = logits[copies], features[copies], new[copies]
+            hidden = None if hidden is None else hidden[copies]
         processed = self.process(logits[:, 0], rows=rows)[:, None]
         first = pick_tokens(processed[:, 0], self.do_sample)  # each copy picks its own
         drafter = self.drafter
         check_context_features(features, drafter.config)
         contexts = [features[i, new[i]].to(drafter.device, drafter.dtype) for i in range(len(rows))]
         keep = self.token_scores is not None
-        finished = self.extend(rows, list(first[:, None]), (processed, logits) if keep else None)
+        finished = self.extend(rows, list(first[:, None]), (processed, logits, hidden) if keep else None)
         return contexts, finished
+
+    def hidden_of(self, outputs, width: int, path: torch.LongTensor | None = None) -> torch.Tensor | None:
+        """Where the call returns hidden states: every layer's, of the forward's last `width` columns (along a tree's
+        `path`), `[rows, columns, layers, hidden]`."""
+        if not self.keeps_hidden:
+            return None
+        states = [h[:, -width:] if path is None else along(h[:, -width:], path) for h in outputs.hidden_states]
+        return torch.stack(states, dim=2)
 
     def admit(
         self, requests: list[tuple[torch.LongTensor, LogitsProcessorList, StoppingCriteriaList, int]]
@@ -385,10 +400,11 @@ class BatchedDecoding:
 
     def verify(
         self, anchors: torch.LongTensor, cycle: CycleDrafts
-    ) -> tuple[list[torch.LongTensor], list[int], tuple[torch.Tensor, torch.Tensor], list[int]]:
+    ) -> tuple[list[torch.LongTensor], list[int], tuple[torch.Tensor | None, ...], list[int]]:
         """One target forward over every row's `[anchor, drafts]` (or tree); per row, the tokens it adds and drafts
-        matched, the processed and raw logits `[rows, 1 + width, V]` its tokens were picked from (the first ones),
-        and the drafts it offered (in a tree: along the branch the target's first token chose).
+        matched, the processed and raw logits `[rows, 1 + width, V]` its tokens were picked from (the first ones)
+        with those columns' hidden states where the call returns them (`hidden_of`), and the drafts it offered (in a
+        tree: along the branch the target's first token chose).
 
         The accepted tokens stay in the target's cache and their hidden states become drafter context; the columns
         of rejected drafts (and of shorter rows' padding, and of the branches not taken) become holes.
@@ -406,10 +422,12 @@ class BatchedDecoding:
             path = None
             logits = outputs.logits[:, -(1 + width) :].float()
             features = context_features(outputs.hidden_states, self.layer_ids)
+            hidden = self.hidden_of(outputs, 1 + width)
         else:
             outputs, candidates, lengths, path, (first, anchor_scores) = self.forward_tree(anchors.to(device), cycle)
             logits = along(outputs.logits[:, -self.target_cache.last_width :].float(), path)
             features = along(context_features(outputs.hidden_states, self.layer_ids), path)
+            hidden = self.hidden_of(outputs, self.target_cache.last_width, path)
         if self.per_row is None:  # no processors: the logits as they are, not a copy of [rows, 1 + width, V]
             processed = logits
         else:
@@ -428,7 +446,7 @@ class BatchedDecoding:
             keep = torch.zeros(path.shape[0], self.target_cache.last_width, dtype=torch.bool, device=device)
             self.target_cache.keep_columns(keep.scatter_(1, path, kept))
         self.context.append(features, [1 + n for n in matches])
-        return tokens, matches, (processed, logits), cycle.verified()
+        return tokens, matches, (processed, logits, hidden), cycle.verified()
 
     def forward_tree(
         self, anchors: torch.LongTensor, cycle: CycleDrafts
