@@ -528,13 +528,13 @@ def test_hidden_states_are_the_target_alones_for_every_column_of_every_row(arch)
     assert_same_hidden_states(output.hidden_states, expected.hidden_states)
 
 
-def assert_same_hidden_states(hidden_states: tuple, expected: tuple) -> None:
+def assert_same_hidden_states(hidden_states: tuple, expected: tuple, tolerance: float = 1e-4) -> None:
     assert len(hidden_states) == len(expected)
     for column, (ours, theirs) in enumerate(zip(hidden_states, expected)):
         assert len(ours) == len(theirs)
         for layer, (mine, alone) in enumerate(zip(ours, theirs)):
             assert mine.shape == alone.shape, (column, layer)
-            torch.testing.assert_close(mine, alone, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(mine, alone, atol=tolerance, rtol=tolerance)
 
 
 def test_sampled_scores_are_what_each_token_was_drawn_from():
