@@ -5,8 +5,9 @@ built from its config with small generic sizes, its weights scaled up so that gr
 and a drafter of random weights sized for it by `DominoConfig.from_target`. Then, greedy, the target alone and
 `generate()` with the drafter (fixed policy, 4 drafts per cycle, mostly rejected), for one sequence, for a
 left-padded batch of two, for that batch with columns its mask leaves out inside the rows (padding inside a
-sequence), and for the batch's next turn, drafted on the cache its drafted first turn left (as a chat continues it)
-against the target alone continuing its own. One line per family:
+sequence), for the batch's scores and hidden states per step (`output_scores`, `output_hidden_states`: each within
+`TOLERANCE` of the target alone's, relative to the largest), and for the batch's next turn, drafted on the cache its
+drafted first turn left (as a chat continues it) against the target alone continuing its own. One line per family:
 
 - `ok`: token-identical to the target alone, one sequence and batches (`batch refused: ...` where only batches are);
 - `refused: ...`: a ValueError that names what drafting cannot serve for it;
@@ -64,6 +65,9 @@ PROMPT = [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 5, 9, 12, 40, 41, 42, 5, 9]
 ROWS = [[11, 5, 9, 12, 7, 5, 9, 12], [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 22]]
 GREEDY = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
 FIXED = {"draft_policy": "fixed", "num_speculative_tokens": 4}
+# Scores and hidden states of tiny models with scaled-up weights, read off forwards over several tokens (a verification)
+# or one: fp32 rounding of the two summation orders, relative to the largest value of the step.
+TOLERANCE = 1e-3
 
 
 class TimedOut(BaseException):  # not an Exception: no family's own failure may swallow it
@@ -133,6 +137,27 @@ def drafted_as_alone(target, drafter, inputs: dict, new_tokens: int) -> str | No
     return None if torch.equal(output, expected) else "MISMATCH"
 
 
+def outputs_as_alone(target, drafter, inputs: dict, new_tokens: int) -> str | None:
+    """None where a batch's scores and hidden states per step, with the drafter, are the target alone's (within
+    `TOLERANCE`), else what differs; None too where the call with the drafter refuses them (the refusal names why)."""
+    returned = {"return_dict_in_generate": True, "output_scores": True, "output_hidden_states": True}
+    expected = target.generate(**inputs, max_new_tokens=new_tokens, **GREEDY, **returned)
+    try:
+        output = target.generate(**inputs, max_new_tokens=new_tokens, assistant_model=drafter, **GREEDY, **FIXED,
+                                 **returned)  # fmt: skip
+    except ValueError:
+        return None
+    steps = [(output.scores, expected.scores, "scores")]
+    steps += [(ours, theirs, f"hidden states of column {i}")
+              for i, (ours, theirs) in enumerate(zip(output.hidden_states, expected.hidden_states))]  # fmt: skip
+    for ours, theirs, what in steps:
+        for mine, alone in zip(ours, theirs, strict=True):
+            scale = float(alone.abs().max()) or 1.0
+            if mine.shape != alone.shape or float((mine - alone).abs().max()) > TOLERANCE * scale:
+                return f"MISMATCH of its {what}"
+    return None
+
+
 def next_turn_as_alone(target, drafter, batch: dict, new_tokens: int) -> str | None:
     """None where a batch's next turn, drafted on the cache its drafted first turn left, gives the target alone's
     tokens continuing its own cache (None too where the target alone cannot continue its cache), else what
@@ -179,6 +204,8 @@ def check_family(model_type: str) -> str:
         if batch is None:
             gaps = drafted_as_alone(target, drafter, with_gaps(left_padded(ROWS)), 20)
             batch = None if gaps is None else f"with columns left out inside rows {gaps}"
+        if batch is None:
+            batch = outputs_as_alone(target, drafter, left_padded(ROWS), 20)
         if batch is None:
             turn = next_turn_as_alone(target, drafter, left_padded(ROWS), 20)
             batch = None if turn is None else f"'s next turn on its cache {turn}"

@@ -505,6 +505,20 @@ def assert_the_target_alones_cache(cache, alone, attended: torch.BoolTensor) -> 
             torch.testing.assert_close(state[seen], expected[name][seen])
 
 
+@pytest.mark.parametrize("name", ["gpt2", "opt"])
+def test_hidden_states_of_a_batch_with_learned_positions_are_the_target_alones_at_its_padding_too(name):
+    # A learned position embedding makes even a pad column's hidden states depend on the position the column gets:
+    # the loop gives holes generate()'s (0, where it gave 1 before).
+    target = architecture_target(name)
+    drafter = tiny_drafter(target)
+    batch = left_padded(ROWS)
+    returned = {**GREEDY, "max_new_tokens": 12, "return_dict_in_generate": True, "output_hidden_states": True}
+    expected = target.generate(**batch, **returned)
+    output = target.generate(**batch, **returned, assistant_model=drafter, draft_policy="fixed")
+    assert torch.equal(output.sequences, expected.sequences)
+    assert_same_hidden_states(output.hidden_states, expected.hidden_states)
+
+
 def eos_ending_one_row(target, batch: dict, new_tokens: int) -> int:
     """A token the target alone generates for the first row, after a few tokens where it can, and never for the
     others."""

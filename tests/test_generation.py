@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -757,7 +758,11 @@ def test_a_cache_continued_with_new_tokens_only_or_holding_the_whole_prompt():
 def test_a_target_whose_prefill_skips_the_hook_is_stopped_before_drafting():
     # A model overriding prepare_inputs_for_generation without calling GenerationMixin's: the cached tokens are read
     # twice, and the generator says so instead of drafting from a wrong context.
-    unhooked = GenerationMixin.prepare_inputs_for_generation.__wrapped__
+    # transformers' own method, beneath every hook layer: a checkpoint's remote code loaded earlier in the process
+    # (test_modeling) installs its copy's layer over hf_domino's.
+    unhooked = inspect.unwrap(
+        GenerationMixin.prepare_inputs_for_generation, stop=lambda method: not getattr(method, "__domino_hook__", 0)
+    )
 
     class OwnPrepare(Qwen3ForCausalLM):
         def prepare_inputs_for_generation(self, *args, **kwargs):
@@ -769,7 +774,7 @@ def test_a_target_whose_prefill_skips_the_hook_is_stopped_before_drafting():
     drafter = tiny_drafter(own)
     answered, cache = first_turn(own, torch.randint(4, 64, (1, 6), generator=torch.Generator().manual_seed(5)))
     conversation = torch.cat([answered, torch.tensor([[9, 10, 11]])], dim=-1)
-    with pytest.raises(RuntimeError, match="does not call GenerationMixin's"):  # fixed: drafts whatever it costs
+    with pytest.raises(RuntimeError, match="does not call GenerationMixin's"):
         greedy(own, conversation, max_new_tokens=6, **cache_argument(cache), assistant_model=drafter,
                draft_policy="fixed")  # fmt: skip
 

@@ -380,9 +380,10 @@ def joined_gaps(caches: list[RaggedCache]) -> torch.LongTensor | None:
 
 
 def positions_from_mask(mask: torch.BoolTensor, first: torch.LongTensor | int = 0) -> torch.LongTensor:
-    """Position of each column: real columns before it (plus `first`); holes get 1, as transformers does for pads."""
+    """Position of each column: real columns before it (plus `first`); holes get 0, as generate() gives pads (a model
+    with learned positions, GPT-2's, computes a pad column's hidden states from it)."""
     positions = mask.long().cumsum(dim=-1) - 1 + (first[:, None] if torch.is_tensor(first) else first)
-    return positions.masked_fill(~mask, 1)
+    return positions.masked_fill(~mask, 0)
 
 
 def cached_columns(
