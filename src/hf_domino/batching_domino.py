@@ -179,8 +179,8 @@ class BatchedDecoding:
         # Per row, the drafts and copies accepted and the cycles that verified some (any row's), for `row_paces`.
         self.row_accepted, self.row_cycles = [0] * rows, [0] * rows
         # Where a generate() call returns its cache, each row's columns are copied out as it finishes (`FinishedRows`),
-        # which the call's output then leaves as the target alone leaves its cache. Sparse-indexed layers and
-        # recurrent states are not copied by columns: those caches, and a server's, end empty.
+        # which the call's output then leaves as the target alone leaves its cache. Recurrent states are not copied
+        # by columns: such a cache ends empty (`emptied`), and a server's, which no caller sees.
         self.finished_rows = finished_rows if self.target_cache.joinable else None
 
     def now(self) -> float:
