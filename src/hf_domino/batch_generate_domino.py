@@ -19,6 +19,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.utils import ModelOutput
 
 from .batch_call_domino import check_batch_call, compiled_plain_steps, prompt_inputs
 from .batching_domino import BatchedDecoding
@@ -153,7 +154,7 @@ def read_past_ends(
     pad: int,
     keep_logits: bool = False,
     keep_hidden: bool = False,
-):
+) -> ModelOutput | None:
     """Reads into `rows` what the target alone reads after each row's end (`ends[row]` tokens), since it steps every
     row until the longest is done: the row's last token, then the padding, up to the output's last column (never
     read). One forward for all rows, after the loop; returns its outputs (None where no row ended early), with the
@@ -169,7 +170,9 @@ def read_past_ends(
     return ragged_forward(target, rows, input_ids, new, keep_hidden or [], logits_to_keep=None if keep_logits else 1)
 
 
-def score_past_ends(decoding: BatchedDecoding, outputs, sequences: torch.LongTensor, ends: list[int]) -> None:
+def score_past_ends(
+    decoding: BatchedDecoding, outputs: ModelOutput, sequences: torch.LongTensor, ends: list[int]
+) -> None:
     """The scores, logits and hidden states of the columns after each row's end (`output_scores`, `output_logits`,
     `output_hidden_states`), as the target alone computes them: from its forward over the row's last token and the
     padding it feeds the row afterwards (`read_past_ends`), the logits through the row's processors, each seeing the

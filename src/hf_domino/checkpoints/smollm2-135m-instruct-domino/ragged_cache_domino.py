@@ -307,12 +307,12 @@ def layer_holding(like: Any, states: dict[str, torch.Tensor]) -> Any:
 def _joined_states(layers: list[Any], rows: list[int], width: int) -> dict[str, torch.Tensor]:
     """The column tensors of `layers`' rows (`rows[i]` each; a layer None or not filled gives holes) in one, each
     widened by holes on the left to `width` columns; none where no layer is filled."""
-    filled = next((layer for layer in layers if layer is not None and holds_keys(layer)), None)
+    states = [column_states(layer) for layer in layers]  # {} for a layer None or not filled
+    template = next((held for held in states if held), {})
     joined = {}
-    for name, template in column_states(filled).items():
+    for name, like in template.items():
         row_dim, column_dim = COLUMN_STATES[name]
-        pieces = [_left_holes(column_states(layer).get(name), template, row_dim, column_dim, n, width)
-                  for layer, n in zip(layers, rows)]  # fmt: skip
+        pieces = [_left_holes(held.get(name), like, row_dim, column_dim, n, width) for held, n in zip(states, rows)]
         joined[name] = torch.cat(pieces, dim=row_dim)
     return joined
 

@@ -56,10 +56,10 @@ class SlidingWindow:
         Raises where the window cannot be kept exactly: layers of different windows, layer types other than full (or
         sparse-indexed) and sliding attention, or an attention implementation that takes no prepared 4D mask (flash
         attention, flex attention)."""
-        slides = [layer for layer in cache.layers if isinstance(layer, DynamicSlidingWindowLayer)]
-        if not slides:
+        layers = tuple(i for i, layer in enumerate(cache.layers) if isinstance(layer, DynamicSlidingWindowLayer))
+        if not layers:
             return None
-        windows = {layer.sliding_window for layer in slides}
+        windows = {cache.layers[i].sliding_window for i in layers}
         layer_types = set(getattr(target.config.get_text_config(), "layer_types", None) or ())
         additive = adds_its_mask(target)
         problem = None
@@ -77,21 +77,21 @@ class SlidingWindow:
                 f"Batched Domino drafting counts sliding windows in each row's own tokens, which this target's cache "
                 f"cannot serve: {problem}. Or generate one prompt at a time."
             )
-        layers = tuple(i for i, layer in enumerate(cache.layers) if isinstance(layer, DynamicSlidingWindowLayer))
         for i in layers:
             cache.layers[i] = _full_layer(cache.layers[i])
-        every_layer = len(slides) == len(cache.layers)
+        every_layer = len(layers) == len(cache.layers)
         return cls(size=windows.pop(), every_layer=every_layer, additive=additive, layers=layers)
 
     def hand_back(self, cache: DynamicCache) -> None:
         """Makes the layers `take_over` made full (`layers`) sliding ones again, holding their last `size - 1`
-        columns, as the target alone's sliding layers hold them after its forwards over the same columns."""
+        columns, as the target alone's sliding layers hold them after its forwards over the same columns (copies:
+        a view would keep every column of the call in memory while the cache waits for a next turn)."""
         for i in self.layers:
             full = cache.layers[i]
             sliding = DynamicSlidingWindowLayer(sliding_window=self.size)
             if full.is_initialized:
-                keep = slice(-self.size + 1, None)
-                set_states(sliding, full.keys[:, :, keep], full.values[:, :, keep])
+                keys, values = (states[:, :, -self.size + 1 :].clone() for states in (full.keys, full.values))
+                set_states(sliding, keys, values)
                 sliding.cumulative_length = full.keys.shape[-2]
             cache.layers[i] = sliding
 
@@ -177,6 +177,8 @@ def _full_layer(layer: DynamicSlidingWindowLayer) -> DynamicLayer:
     if not layer.is_initialized:
         return DynamicLayer()
     dropped = layer.cumulative_length - layer.keys.shape[-2]
+    if not dropped:
+        return set_states(DynamicLayer(), layer.keys, layer.values)
     keys, values = (torch.nn.functional.pad(kv, (0, 0, dropped, 0)) for kv in (layer.keys, layer.values))
     return set_states(DynamicLayer(), keys, values)
 
