@@ -21,6 +21,7 @@ import torch
 import transformers
 from conftest import SPECIAL_TOKENS, tiny_drafter
 from test_batching import assert_same_hidden_states, left_padded, prefill_rows
+from test_recurrent_targets import counts_linear_tokens
 from transformers import DynamicCache
 
 from hf_domino.cache_domino import CACHE_ARGUMENT, cache_argument
@@ -476,7 +477,8 @@ def test_a_sliding_batch_whose_mask_leaves_out_columns_inside_rows_is_the_target
 # One family for each kind of cache a batch leaves: every layer sliding, sliding beside full, layers sharing another's
 # keys (DummyLayer), sparse attention's indexer keys, both beside sliding layers, and recurrent states (which a batch
 # leaves empty).
-CACHE_KINDS = ["mistral", "gemma3", "gemma4", "deepseek_v32", "dots3_note", "falcon_h1", "qwen3_5"]
+CACHE_KINDS = ["mistral", "gemma3", "gemma4", "deepseek_v32", "dots3_note", "falcon_h1", "qwen3_5", "mamba2"]
+RECURRENT_KINDS = ("falcon_h1", "qwen3_5", "mamba2")
 
 
 def cache_kind_target(name: str):
@@ -487,13 +489,29 @@ def cache_kind_target(name: str):
 
 def assert_the_target_alones_cache(cache, alone, attended: torch.BoolTensor) -> None:
     """`cache` holds what `alone` holds at every column a next turn attends to: per layer the same kind of layer
-    (a sliding one keeping its window), and the same keys, values and indexer keys there."""
-    from hf_domino.ragged_cache_domino import COLUMN_STATES, column_states
+    (a sliding one keeping its window), and the same keys, values and indexer keys there; the same recurrent states
+    and convolution windows per row, and the same counts."""
+    from transformers.cache_utils import CacheLayerMixin
 
-    assert cache.get_seq_length() == alone.get_seq_length()
+    from hf_domino.ragged_cache_domino import COLUMN_STATES, column_states
+    from hf_domino.recurrent_cache_domino import row_states
+
+    if counts_linear_tokens() or any(isinstance(layer, CacheLayerMixin) for layer in alone.layers):
+        assert cache.get_seq_length() == alone.get_seq_length()
     for ours, theirs in zip(cache.layers, alone.layers, strict=True):
-        assert getattr(ours, "is_sliding", False) == getattr(theirs, "is_sliding", False)
-        assert getattr(ours, "cumulative_length", None) == getattr(theirs, "cumulative_length", None)
+        assert isinstance(ours, type(theirs))  # a plain layer may be the loop's `BufferedLayer`
+        for name in (
+            "is_sliding",
+            "cumulative_length",
+            "cumulative_length_linear",
+            "record_past",
+            "has_previous_state",
+        ):
+            assert getattr(ours, name, None) == getattr(theirs, name, None), name
+        states, expected = row_states(ours), row_states(theirs)
+        assert states.keys() == expected.keys()
+        for key, state in states.items():
+            torch.testing.assert_close(state, expected[key], atol=1e-5, rtol=1e-4, msg=str(key))
         states, expected = column_states(ours), column_states(theirs)
         assert states.keys() == expected.keys()
         for name, state in states.items():
@@ -531,18 +549,19 @@ def eos_ending_one_row(target, batch: dict, new_tokens: int) -> int:
 @pytest.mark.parametrize("name", CACHE_KINDS)
 def test_a_batch_leaves_its_cache_as_the_target_alone_does_and_a_next_turn_continues_it(name):
     # Rows that end at EOS at different times, outputs far past the window: the cache a drafted batch leaves holds
-    # what the target alone's holds (sliding layers their window, sparse layers their indexer keys; recurrent states
-    # none: that cache ends empty), and the next turn, drafted on it, answers as the target alone continuing its own
-    # (reading only the new columns where the cache was kept). Before, sliding layers came back full without their
-    # window and sparse layers emptied of rows, so the next turn answered otherwise or failed.
+    # what the target alone's holds (sliding layers their window, sparse layers their indexer keys, recurrent layers
+    # each row's states after its padding too), and the next turn, drafted on it, answers as the target alone
+    # continuing its own, reading only the new columns. Before, sliding layers came back full without their window,
+    # sparse layers emptied of rows, recurrent ones empty.
     target = cache_kind_target(name)
     drafter = tiny_drafter(target)
     batch = left_padded(ROWS)
     options = {**GREEDY, "max_new_tokens": 20, "eos_token_id": eos_ending_one_row(target, batch, 20)}
     drafted = {"assistant_model": drafter, "draft_policy": "fixed", "num_speculative_tokens": 4}
-    kept = name not in ("falcon_h1", "qwen3_5")
-    # Where the cache is kept, a finished row's scores and hidden states after its end are read off it too.
-    returned = {"return_dict_in_generate": True, "output_scores": kept, "output_hidden_states": kept}
+    recurrent = name in RECURRENT_KINDS
+    # A finished row's scores and hidden states after its end are read off the cache too (recurrent targets return
+    # no hidden states with a drafter).
+    returned = {"return_dict_in_generate": True, "output_scores": True, "output_hidden_states": not recurrent}
     alone, cache = DynamicCache(config=target.config), DynamicCache(config=target.config)
     reference = target.generate(**batch, **options, **cache_argument(alone), **returned)
     output = target.generate(**batch, **options, **cache_argument(cache), **drafted, **returned)
@@ -551,25 +570,26 @@ def test_a_batch_leaves_its_cache_as_the_target_alone_does_and_a_next_turn_conti
     assert (expected[:, -1] == 0).any() and expected.shape[1] > 2 * WINDOW  # a row ended early; windows passed
     answers = torch.ones(2, expected.shape[1] - batch["input_ids"].shape[1], dtype=torch.long)
     attended = torch.cat([batch["attention_mask"], answers], dim=-1)[:, :-1].bool()
-    if kept:
-        for ours, theirs in zip(output.scores, reference.scores, strict=True):
-            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
-        # Weights scaled up (`with_large_weights`): fp32 rounding of other summation orders reaches 2e-4 here.
+    for ours, theirs in zip(output.scores, reference.scores, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    if not recurrent:  # Weights scaled up (`with_large_weights`): fp32 rounding of other orders reaches 2e-4 here.
         assert_same_hidden_states(output.hidden_states, reference.hidden_states, tolerance=1e-3)
-        assert getattr(output, CACHE_ARGUMENT) is cache
-        assert_the_target_alones_cache(cache, alone, attended)
-    else:
-        assert getattr(output, CACHE_ARGUMENT) is None and not cache.get_seq_length()
+    assert getattr(output, CACHE_ARGUMENT) is cache
+    assert_the_target_alones_cache(cache, alone, attended)
     new = torch.tensor([[5, 9, 12]] * 2)
     turn = {"input_ids": torch.cat([expected, new], dim=-1),
             "attention_mask": torch.cat([attended.long(), torch.ones(2, 4, dtype=torch.long)], dim=-1)}  # fmt: skip
+    if name == "mamba2" and not counts_linear_tokens():  # its states alone cannot say how much of a prompt they hold
+        with pytest.raises(ValueError, match="upgrade transformers"):
+            target.generate(**turn, **options, **cache_argument(cache), **drafted)
+        return
     read = []
     hook = target.register_forward_pre_hook(lambda module, args, kwargs: read.append(kwargs["input_ids"].shape[1]),
                                             with_kwargs=True)  # fmt: skip
     second = target.generate(**turn, **options, **cache_argument(cache), **drafted)
     hook.remove()
-    assert read[0] == (4 if kept else turn["input_ids"].shape[1])
-    assert torch.equal(second, target.generate(**turn, **options, **cache_argument(alone if kept else None)))
+    assert read[0] == 4
+    assert torch.equal(second, target.generate(**turn, **options, **cache_argument(alone)))
 
 
 def test_a_sliding_window_target_on_an_attention_without_prepared_masks_is_refused():

@@ -29,16 +29,16 @@ from conftest import SPECIAL_TOKENS, forcing_drafter, tiny_drafter
 from packaging.version import Version
 from test_batching import left_padded
 
-from hf_domino import prepare_for_cpu_decoding, recurrent_cache_domino
+from hf_domino import prepare_for_cpu_decoding, recurrent_scans_domino
 from hf_domino.cache_domino import CACHE_ARGUMENT
 from hf_domino.options_domino import static_caches_roll_back
 from hf_domino.recurrent_cache_domino import (
     RECURRENT_TARGETS,
-    RULE_INPUT_TOKENS,
     TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES,
     RecurrentRollback,
     keeps_recurrent_states,
 )
+from hf_domino.recurrent_scans_domino import RULE_INPUT_TOKENS
 
 VOCAB = 32
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, tie_word_embeddings=False, **SPECIAL_TOKENS)
@@ -256,7 +256,7 @@ def test_greedy_output_is_the_target_alone_with_drafts_accepted_in_part_in_whole
 def test_without_kept_scan_inputs_a_rejected_verification_is_read_again(name, monkeypatch):
     """Where no scan inputs are kept (a kernel that replaces a whole layer, a compiled forward), a verification with a
     rejected draft is rolled back whole and the next forward reads its verified tokens again, drafting nothing."""
-    monkeypatch.setattr(recurrent_cache_domino, "SCAN_FAMILIES", ())
+    monkeypatch.setattr(recurrent_scans_domino, "SCAN_FAMILIES", ())
     target = hybrid_target(name)
     expected = target.generate(PROMPT, max_new_tokens=48, **GREEDY)
     drafter = forcing_drafter(target, successor_table(expected))
@@ -305,13 +305,13 @@ def test_the_verify_cost_table_times_forwards_as_drafting_runs_them(name, monkey
     from hf_domino.measure import measure_forward_ms
 
     target, chunked = hybrid_target(name), []
-    one_chunk = recurrent_cache_domino._one_chunk_on_cpu
+    one_chunk = recurrent_scans_domino._one_chunk_on_cpu
 
     def counting(names, args, kwargs, tokens):
         chunked.append(tokens.shape[1])
         return one_chunk(names, args, kwargs, tokens)
 
-    monkeypatch.setattr(recurrent_cache_domino, "_one_chunk_on_cpu", counting)
+    monkeypatch.setattr(recurrent_scans_domino, "_one_chunk_on_cpu", counting)
     cost = measure_verify_cost_on_scratch(target, {})
     assert cost(17) > 0 and 17 in chunked and 1 not in chunked  # one-token forwards take the in-place step
     chunked.clear()
@@ -443,8 +443,13 @@ def test_sampling_verifies_against_the_target_alones_logits(name):
     torch.testing.assert_close(sampled, reference, atol=1e-4, rtol=1e-4)
 
 
-def test_a_cache_handed_back_continues_the_chat_as_the_target_alone():
-    target = hybrid_target("qwen3_5")
+@pytest.mark.parametrize("name", ["qwen3_5", "mamba2"])
+def test_a_cache_handed_back_continues_the_chat_as_the_target_alone(name):
+    # A state-space model's cache (no attention layers) counts its tokens from transformers 5.25 on; before, a call
+    # with a drafter cannot tell how much of the prompt it holds (refused, naming the fix: cache_domino.cached_tokens).
+    if name == "mamba2" and not counts_linear_tokens():
+        pytest.skip("transformers < 5.25: a state-space model's cache does not count its tokens")
+    target = hybrid_target(name)
     first = target.generate(PROMPT, max_new_tokens=20, **GREEDY)
     drafter = forcing_drafter(target, successor_table(first))
     turns = []
@@ -487,8 +492,8 @@ def test_a_batch_is_the_target_alones_row_by_row(name):
 def test_the_scans_arguments_are_named_as_the_reference_names_them(name):
     # With the `kernels` package installed, transformers >= 5.25 turns each scan into a module taking *args, **kwargs:
     # the recording reads the function's own names, without which it kept nothing (every rejection read again).
-    family = recurrent_cache_domino.replayable_scan(hybrid_target(name))
-    names = recurrent_cache_domino._parameter_names(getattr(family.module, family.chunked))
+    family = recurrent_scans_domino.replayable_scan(hybrid_target(name))
+    names = recurrent_scans_domino._parameter_names(getattr(family.module, family.chunked))
     assert (
         names[: len(family.per_token) + 1]
         == {
@@ -556,15 +561,81 @@ def test_a_sampled_batch_verifies_each_row_against_the_target_alones_logits(name
 def test_what_a_batch_cannot_keep_per_row_is_refused_naming_the_fix():
     target = hybrid_target("qwen3_5")
     drafter = tiny_drafter(target)
-    batch = left_padded(BATCH[:2])
     with pytest.raises(ValueError, match="domino_branches=1"):
         target.generate(PROMPT, assistant_model=drafter, max_new_tokens=8, domino_branches=2, **GREEDY)
-    cache = transformers.DynamicCache(config=target.config)
-    with torch.no_grad():
-        target(**batch, **{CACHE_ARGUMENT: cache})
-    longer = {key: torch.cat([value, value[:, -2:]], dim=-1) for key, value in batch.items()}
-    with pytest.raises(ValueError, match="starts from its prompts"):
-        target.generate(**longer, assistant_model=drafter, max_new_tokens=8, **{CACHE_ARGUMENT: cache}, **GREEDY)
+
+
+def counts_linear_tokens() -> bool:
+    """Whether this transformers' linear-attention cache layers count their tokens (5.25 and later), without which a
+    cache of such layers alone (a state-space model's) cannot say how much of a prompt it holds."""
+    return hasattr(transformers.cache_utils.LinearAttentionLayer(), "cumulative_length_linear")
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "falcon_h1", "mamba2"])
+def test_a_drafted_batch_continues_a_cache_the_target_alone_left(name):
+    # A chat's first turn answered by the target alone, its next by a drafted batch on that cache: the batch reads
+    # only the new columns (messages of different lengths, so padding inside the rows) and answers as the target
+    # alone continuing its own copy. Before, refused ("starts from its prompts").
+    target = hybrid_target(name)
+    drafter = tiny_drafter(target)
+    batch = left_padded(BATCH)
+    caches = [transformers.DynamicCache(config=target.config) for _ in range(2)]
+    first = [target.generate(**batch, max_new_tokens=10, **GREEDY, **{CACHE_ARGUMENT: cache}) for cache in caches]
+    assert torch.equal(first[0], first[1])
+    messages = left_padded([[5, 9, 12], [7], [11, 5, 9, 12, 30]])
+    turn = {
+        "input_ids": torch.cat([first[0], messages["input_ids"]], dim=-1),
+        "attention_mask": torch.cat([
+            batch["attention_mask"], torch.ones(3, first[0].shape[1] - batch["input_ids"].shape[1], dtype=torch.long),
+            messages["attention_mask"],
+        ], dim=-1)[:, :],
+    }  # fmt: skip
+    if name == "mamba2" and not counts_linear_tokens():
+        with pytest.raises(ValueError, match="upgrade transformers"):
+            target.generate(
+                **turn, assistant_model=drafter, max_new_tokens=12, **{CACHE_ARGUMENT: caches[0]}, **GREEDY
+            )
+        return
+    read = []
+    hook = target.register_forward_pre_hook(lambda module, args, kwargs: read.append(kwargs["input_ids"].shape[1]),
+                                            with_kwargs=True)  # fmt: skip
+    second = target.generate(
+        **turn, assistant_model=drafter, max_new_tokens=12, draft_policy="fixed", **{CACHE_ARGUMENT: caches[0]},
+        **GREEDY,
+    )  # fmt: skip
+    hook.remove()
+    assert read[0] == messages["input_ids"].shape[1] + 1  # the last answer column, never read, and the messages
+    expected = target.generate(**turn, max_new_tokens=12, **{CACHE_ARGUMENT: caches[1]}, **GREEDY)
+    assert torch.equal(second, expected) and rolled_back(drafter.last_generation_stats) > 0
+
+
+def test_a_row_that_ends_inside_an_accepted_block_keeps_its_states_at_its_end():
+    # Row 2's prompt holds the 2-cycle its answer falls into, so copied drafts run on past the EOS token, and are
+    # accepted past it. The target alone reads nothing after a row's end but padding: the cache the batch leaves
+    # keeps the row's states at its end (`BatchedDecoding.columns_read`), not after the drafts it accepted past it,
+    # which changed its scores after its end, and its cache.
+    from test_architectures import assert_the_target_alones_cache
+
+    target = hybrid_target("qwen3_5")
+    free = target.generate(**left_padded(BATCH), max_new_tokens=17, **GREEDY)
+    answer = free[2, -17:].tolist()
+    assert answer[-4:] == [0, 15, 0, 15]
+    batch = left_padded([BATCH[0], BATCH[1], BATCH[2] + answer])
+    options = {**GREEDY, "eos_token_id": 15, "max_new_tokens": 20, "return_dict_in_generate": True,
+               "output_scores": True}  # fmt: skip
+    caches = [transformers.DynamicCache(config=target.config) for _ in range(2)]
+    reference = target.generate(**batch, **options, **{CACHE_ARGUMENT: caches[0]})
+    drafter = tiny_drafter(target)
+    output = target.generate(**batch, **options, assistant_model=drafter, draft_policy="fixed",
+                             **{CACHE_ARGUMENT: caches[1]})  # fmt: skip
+    assert torch.equal(output.sequences, reference.sequences)
+    assert reference.sequences[2, -20:].tolist()[:3] == [0, 15, 0]  # it ends at its second token
+    assert max(drafter.last_generation_stats.acceptance_lengths) > 2  # where copies ran past it
+    for ours, theirs in zip(output.scores, reference.scores, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    answers = torch.ones(3, reference.sequences.shape[1] - batch["input_ids"].shape[1], dtype=torch.long)
+    attended = torch.cat([batch["attention_mask"], answers], dim=-1)[:, :-1].bool()
+    assert_the_target_alones_cache(caches[1], caches[0], attended)
 
 
 LFM2 = {

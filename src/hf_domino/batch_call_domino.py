@@ -219,9 +219,8 @@ class TokenScores:
     `[rows, 1, hidden]` per layer (the first column's: the prefill's `[rows, prompt columns, hidden]`).
 
     A row that has finished emits the pad token in every later column. The target alone computes its scores and
-    hidden states there from the pad tokens it feeds the row, which the call reads after its loop where it keeps its
-    rows' cache (`batch_generate_domino.score_past_ends`); where it does not (recurrent layers, which return no hidden
-    states per step), those columns' scores say the row emits the pad token (0 for it, -inf elsewhere).
+    hidden states there from the pad tokens it feeds the row, which the call reads after its loop
+    (`batch_generate_domino.score_past_ends`): every row has one per generated column.
     """
 
     def __init__(self, rows: int, keep_scores: bool, keep_logits: bool, keep_hidden: bool = False):
@@ -246,23 +245,18 @@ class TokenScores:
         self.rows[row].append(tuple(each.clone() if keep else None for each, keep in zip(kept, wanted)))
 
     def columns(
-        self, length: int, pad: int
+        self, length: int
     ) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None, tuple[tuple, ...] | None]:
         """(scores, logits, hidden states) as generate() returns them for `length` generated columns, each None where
         not asked."""
-        scores = self._columns(0, length, pad) if self.keep_scores else None
-        logits = self._columns(1, length, pad) if self.keep_logits else None
+        scores = self._columns(0, length) if self.keep_scores else None
+        logits = self._columns(1, length) if self.keep_logits else None
         hidden = self._hidden_states(length) if self.keep_hidden else None
         return scores, logits, hidden
 
-    def _columns(self, kind: int, length: int, pad: int) -> tuple[torch.Tensor, ...]:
-        per_row = [torch.cat([pieces[kind] for pieces in row]) for row in self.rows]
-        finished = per_row[0].new_full(per_row[0].shape[-1:], -float("inf"))
-        finished[pad] = 0.0
-        return tuple(
-            torch.stack([row[column] if column < row.shape[0] else finished for row in per_row])
-            for column in range(length)
-        )
+    def _columns(self, kind: int, length: int) -> tuple[torch.Tensor, ...]:
+        per_row = torch.stack([torch.cat([pieces[kind] for pieces in row])[:length] for row in self.rows])
+        return tuple(per_row.unbind(1))
 
     def _hidden_states(self, length: int) -> tuple[tuple[torch.Tensor, ...], ...]:
         per_row = torch.stack([torch.cat([pieces[2] for pieces in row])[:length] for row in self.rows])

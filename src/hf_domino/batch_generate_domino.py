@@ -26,6 +26,7 @@ from .batching_domino import BatchedDecoding
 from .cache_domino import CACHE_ARGUMENT
 from .ragged_batch_domino import process_rows
 from .ragged_cache_domino import RaggedCache, batch_cache, column_states, put_states, ragged_forward
+from .recurrent_cache_domino import RecurrentRollback, has_recurrent_layers, put_row_states, row_states
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
@@ -79,13 +80,11 @@ def batched_assisted_decoding(
         if decoding.target_cache.recurrent is not None:  # the cache's layers as they were built
             decoding.target_cache.recurrent.remove()
     cache = None if finished_rows is None else settled_cache(decoding, finished_rows, sequences)
-    if cache is None and cache_given and model_kwargs.get(CACHE_ARGUMENT) is decoding.target_cache.cache:
-        emptied(decoding.target_cache.cache, target)
     if generation_config.return_dict_in_generate:
         scores = logits = hidden_states = None
         if decoding.token_scores is not None:
             generated = sequences.shape[1] - input_ids.shape[1]
-            scores, logits, hidden_states = decoding.token_scores.columns(generated, decoding.pad)
+            scores, logits, hidden_states = decoding.token_scores.columns(generated)
         return GenerateDecoderOnlyOutput(
             sequences=sequences, scores=scores, logits=logits, hidden_states=hidden_states, **{CACHE_ARGUMENT: cache}
         )
@@ -113,16 +112,12 @@ class FinishedRows:
         return rows
 
 
-def settled_cache(
-    decoding: BatchedDecoding, finished: FinishedRows, sequences: torch.LongTensor
-) -> DynamicCache | None:
+def settled_cache(decoding: BatchedDecoding, finished: FinishedRows, sequences: torch.LongTensor) -> DynamicCache:
     """The call's cache as the target alone leaves it for its output `sequences`: each row's tokens but the last
     column's, at the columns of the row's attention mask (zeros in the keys and values where the mask has none), in
-    the cache object the call was given, its sliding layers holding their window again. None where the loop kept no
-    rows (recurrent layers)."""
+    the cache object the call was given, its sliding layers holding their window again, its recurrent layers each
+    row's states after those tokens (and the padding the target alone reads after the row's end)."""
     rows = finished.joined()
-    if rows is None:
-        return None
     ends = torch.tensor([sequence.shape[0] for sequence in decoding.sequences], device=sequences.device)
     outputs = read_past_ends(
         decoding.target, rows, sequences, ends, decoding.pad, decoding.token_scores is not None, decoding.keeps_hidden
@@ -134,16 +129,12 @@ def settled_cache(
     cache = decoding.target_cache.cache  # the caller's object, filled in place as the target alone fills it
     for layer, filled in zip(cache.layers, rows.cache.layers):
         put_states(layer, column_states(filled))
+        put_row_states(layer, row_states(filled))
+        if hasattr(layer, "cumulative_length_linear"):  # what it counts on transformers >= 5.25: columns read
+            layer.cumulative_length_linear.fill_(rows.mask.shape[1])
     if rows.window is not None:
         rows.window.hand_back(cache)
     return cache
-
-
-def emptied(cache: DynamicCache, target: PreTrainedModel) -> None:
-    """Leaves the caller's `cache` holding no tokens, its layers as generate() builds them for `target`: where the
-    loop keeps no rows' states (recurrent layers), rather than rows it emptied, which a next turn could not extend.
-    That turn then reads its whole conversation, with the drafter or without, exactly."""
-    cache.layers = DynamicCache(config=target.config).layers
 
 
 def read_past_ends(
@@ -158,16 +149,34 @@ def read_past_ends(
     """Reads into `rows` what the target alone reads after each row's end (`ends[row]` tokens), since it steps every
     row until the longest is done: the row's last token, then the padding, up to the output's last column (never
     read). One forward for all rows, after the loop; returns its outputs (None where no row ended early), with the
-    logits of every column where `keep_logits` and every layer's hidden states where `keep_hidden`."""
+    logits of every column where `keep_logits` and every layer's hidden states where `keep_hidden`.
+
+    Recurrent states read every column of a forward, holes too: each row's are the scan over its own columns, from
+    the inputs the forward's scan kept (`RecurrentRollback.keep_rows`; two columns at least, where one is stepped in
+    place, which keeps none)."""
     missing = sequences.shape[1] - ends
     steps = int(missing.max())
     if not steps:
         return None
+    recurrent = has_recurrent_layers(rows.cache)
+    if recurrent:
+        steps = max(steps, 2)
+        rows.recurrent = RecurrentRollback.install_for_rows(rows.cache, target, started=True, widest=steps)
     columns = torch.arange(steps, device=sequences.device)
     new = columns[None] < missing[:, None]
     at = (ends[:, None] - 1 + columns[None]).clamp(max=sequences.shape[1] - 1)
     input_ids = torch.gather(sequences, 1, at).masked_fill(~new, pad)
-    return ragged_forward(target, rows, input_ids, new, keep_hidden or [], logits_to_keep=None if keep_logits else 1)
+    try:
+        outputs = ragged_forward(
+            target, rows, input_ids, new, keep_hidden or [], logits_to_keep=None if keep_logits else 1
+        )
+        if recurrent:
+            rows.recurrent.keep_rows(missing.cpu())
+    finally:
+        if recurrent:
+            rows.recurrent.remove()
+            rows.recurrent = None
+    return outputs
 
 
 def score_past_ends(
@@ -191,7 +200,6 @@ def score_past_ends(
 __all__ = [
     "FinishedRows",
     "batched_assisted_decoding",
-    "emptied",
     "read_past_ends",
     "score_past_ends",
     "settled_cache",

@@ -179,9 +179,8 @@ class BatchedDecoding:
         # Per row, the drafts and copies accepted and the cycles that verified some (any row's), for `row_paces`.
         self.row_accepted, self.row_cycles = [0] * rows, [0] * rows
         # Where a generate() call returns its cache, each row's columns are copied out as it finishes (`FinishedRows`),
-        # which the call's output then leaves as the target alone leaves its cache. Recurrent states are not copied
-        # by columns: such a cache ends empty (`emptied`), and a server's, which no caller sees.
-        self.finished_rows = finished_rows if self.target_cache.joinable else None
+        # which the call's output then leaves as the target alone leaves its cache (a server's none: no caller sees it).
+        self.finished_rows = finished_rows
 
     def now(self) -> float:
         """Host time; where the call reads it (`DominoOptions.reads_cycle_times`), after the device finished."""
@@ -440,13 +439,22 @@ class BatchedDecoding:
         tokens, matches = accept_rows(processed, candidates, lengths, cycle.draft_logits(), self.do_sample, copied,
                                       first)  # fmt: skip
         if path is None:
-            self.target_cache.keep_appended([1 + n for n in matches])
+            self.target_cache.keep_appended(self.columns_read(tokens, matches))
         else:  # the anchor and the chosen branch's accepted drafts
             kept = torch.arange(path.shape[1], device=device)[None] <= torch.tensor(matches, device=device)[:, None]
             keep = torch.zeros(path.shape[0], self.target_cache.last_width, dtype=torch.bool, device=device)
             self.target_cache.keep_columns(keep.scatter_(1, path, kept))
         self.context.append(features, [1 + n for n in matches])
         return tokens, matches, (processed, logits, hidden), cycle.verified()
+
+    def columns_read(self, tokens: list[torch.LongTensor], matches: list[int]) -> list[int]:
+        """Per row, the columns of its verification its cache keeps: the anchor and its accepted drafts, where a
+        finished row's recurrent states are copied out (`retire`) only through the row's end, the first EOS among its
+        new `tokens`; the target alone reads no token past it, and a state cannot drop one later."""
+        if self.target_cache.recurrent is None or self.finished_rows is None or not self.eos_ids:
+            return [1 + n for n in matches]
+        rows = [row.tolist() for row in tokens]
+        return [next((at + 1 for at, token in enumerate(row) if token in self.eos_ids), len(row)) for row in rows]
 
     def forward_tree(
         self, anchors: torch.LongTensor, cycle: CycleDrafts

@@ -27,6 +27,7 @@ from transformers.cache_utils import (
     DynamicIndexedLayer,
     DynamicLayer,
     LinearAttentionAndFullAttentionLayer,
+    LinearAttentionCacheLayerMixin,
     LinearAttentionLayer,
 )
 
@@ -39,7 +40,13 @@ from .cache_domino import (
     uncached_prompt_length,
 )
 from .ragged_masks_domino import SlidingWindow, formatted_mask, with_gaps
-from .recurrent_cache_domino import RecurrentRollback
+from .recurrent_cache_domino import (
+    RecurrentRollback,
+    layer_for_rows,
+    put_row_states,
+    row_states,
+    select_state_rows,
+)
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
@@ -127,7 +134,7 @@ class RaggedCache:
     def before_forward(self, width: int) -> None:
         """Called before a forward appends `width` columns per row."""
         if self.recurrent is not None:
-            self.recurrent.before_rows_forward(width, first=self.mask.shape[1] == 0)
+            self.recurrent.before_rows_forward(width)
 
     def keep_appended(self, keep: list[int]) -> None:
         """Of the columns appended last, row b keeps its first `keep[b]` (at least one, all of them real): the rest
@@ -153,8 +160,8 @@ class RaggedCache:
         rows = rows.to(self.mask.device)
         for layer in self.attention_layers:
             columns_of(layer).batch_select_indices(layer, rows)
-        if self.recurrent is not None:
-            self.recurrent.select_rows(rows)
+        for layer in self.cache.layers:
+            select_state_rows(layer, rows)
         self.mask = self.mask[rows]
         if self.gaps is not None:
             self.gaps = self.gaps[rows.to(self.gaps.device)]
@@ -215,13 +222,14 @@ class RaggedCache:
 
     def copied_rows(self, rows: list[int], tokens: list[int]) -> RaggedCache:
         """A cache of its own holding copies of these rows, row i cut to its first `tokens[i]` real columns: what a
-        finished row leaves for the cache a call returns. Joinable caches only (`joinable`)."""
+        finished row leaves for the cache a call returns. A recurrent state is copied as it is: it holds exactly the
+        row's tokens but its last (`BatchedDecoding.verify` keeps no column past a row's end in such a cache)."""
         index = torch.tensor(rows, device=self.mask.device)
         cache = _cache_of([
             layer_holding(layer, {
                 name: state.index_select(COLUMN_STATES[name][0], index.to(state.device))
                 for name, state in column_states(layer).items()
-            })
+            }, {key: state.index_select(0, index.to(state.device)) for key, state in row_states(layer).items()})
             for layer in self.cache.layers
         ])  # fmt: skip
         mask = self.mask[index]
@@ -237,7 +245,7 @@ class RaggedCache:
         by holes on the left to the widest: one copy, where joining them one by one (`add_rows`) copies every time."""
         width, rows = max(piece.mask.shape[1] for piece in pieces), [piece.mask.shape[0] for piece in pieces]
         cache = _cache_of([
-            layer_holding(layers[0], _joined_states(layers, rows, width))
+            layer_holding(layers[0], _joined_states(layers, rows, width), _joined_row_states(layers))
             for layers in zip(*(piece.cache.layers for piece in pieces))
         ])  # fmt: skip
         mask = torch.cat([torch.nn.functional.pad(piece.mask, (width - piece.mask.shape[1], 0)) for piece in pieces])
@@ -297,10 +305,17 @@ def put_states(layer: DynamicLayer, states: dict[str, torch.Tensor]) -> DynamicL
     return layer
 
 
-def layer_holding(like: Any, states: dict[str, torch.Tensor]) -> Any:
-    """A new layer of `like`'s kind (full attention, sparse attention, none of its own) holding `states`."""
+def layer_holding(
+    like: Any, states: dict[str, torch.Tensor], per_row: dict[tuple[str, int], torch.Tensor] | None = None
+) -> Any:
+    """A new layer of `like`'s kind (full attention, sparse attention, linear attention with or without attention
+    beside it, none of its own) holding the column tensors `states` and the recurrent layer's states `per_row`."""
     if isinstance(like, DummyLayer):
         return DummyLayer()
+    if isinstance(like, LinearAttentionCacheLayerMixin):
+        layer = layer_for_rows(like)
+        put_row_states(layer, per_row or {})
+        return put_states(layer, states)
     return put_states(DynamicIndexedLayer() if isinstance(like, DynamicIndexedLayer) else DynamicLayer(), states)
 
 
@@ -315,6 +330,12 @@ def _joined_states(layers: list[Any], rows: list[int], width: int) -> dict[str, 
         pieces = [_left_holes(held.get(name), like, row_dim, column_dim, n, width) for held, n in zip(states, rows)]
         joined[name] = torch.cat(pieces, dim=row_dim)
     return joined
+
+
+def _joined_row_states(layers: list[Any]) -> dict[tuple[str, int], torch.Tensor]:
+    """The per-row states (`row_states`) of `layers`' rows in one: no columns to widen."""
+    held = [row_states(layer) for layer in layers]
+    return {key: torch.cat([states[key] for states in held]) for key in held[0]}
 
 
 def _move_columns(layer: DynamicLayer, order: torch.LongTensor, keep: torch.BoolTensor | None = None) -> None:
@@ -405,7 +426,10 @@ def cached_columns(
             "not the whole sequences the attention mask covers: a batch continuing a cache needs the whole padded "
             "sequences, the cached columns included, with an attention mask of the same length."
         )
-    rows = next((layer.keys.shape[0] for layer in cache.layers if holds_keys(layer)), input_ids.shape[0])
+    held = [layer.keys for layer in cache.layers if holds_keys(layer)] + [
+        state for layer in cache.layers for state in row_states(layer).values()
+    ]
+    rows = held[0].shape[0] if held else input_ids.shape[0]
     if rows != input_ids.shape[0]:
         raise ValueError(
             f"The cache passed to generate() holds {rows} rows and the batch has {input_ids.shape[0]}: continue a "

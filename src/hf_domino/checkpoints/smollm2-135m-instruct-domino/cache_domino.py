@@ -123,18 +123,20 @@ def _buffered(layer: DynamicLayer, reserve: int) -> BufferedLayer:
 
 
 def cached_tokens(cache: Cache | None) -> int:
-    """How many tokens `cache` holds; a cache without attention layers (a state-space model) does not count them, so
-    a filled one is refused."""
+    """How many tokens `cache` holds; a cache without attention layers (a state-space model) counts them on
+    transformers >= 5.25 only, before which a filled one is refused."""
     if cache is None:
         return 0
     if cache.layers and not any(isinstance(layer, CacheLayerMixin) for layer in cache.layers):
         if not any(any(getattr(layer, "has_previous_state", {}).values()) for layer in cache.layers):
             return 0
-        raise ValueError(
-            "The cache passed to generate() holds the recurrent states of an earlier call, which do not say how many "
-            "tokens they hold, so a call with a drafter cannot tell which of the prompt's tokens they cover: pass the "
-            "whole conversation without the cache, or generate without the drafter."
-        )
+        if not hasattr(cache.layers[0], "cumulative_length_linear"):  # transformers >= 5.25 counts them
+            raise ValueError(
+                "The cache passed to generate() holds the recurrent states of an earlier call, which do not say how "
+                "many tokens they hold on this transformers release, so a call with a drafter cannot tell which of the "
+                "prompt's tokens they cover: pass the whole conversation without the cache, generate without the "
+                "drafter, or upgrade transformers (5.25 counts them)."
+            )
     return int(cache.get_seq_length())  # a static cache's is a tensor
 
 

@@ -10,16 +10,22 @@ This file is also written next to exported checkpoints as remote code (transform
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import copy
 import functools
 import inspect
-import sys
-from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin, get_layer_types_and_kwargs
 
-from .cache_domino import cached_tokens
+from .recurrent_scans_domino import (
+    RULE_INPUT_TOKENS,
+    ScanFamily,
+    expect_scan_inputs,
+    has_replayable_scan,
+    replayable_scan,
+    take_scan_inputs,
+)
 
 # transformers >= 5.25 rolls recurrent states back in its own assisted loop (per-token states kept by each forward),
 # and no longer marks the models that keep them `_is_stateful`, which earlier releases refuse an assistant for.
@@ -28,196 +34,11 @@ TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES = (
 )
 
 
-# A family with recurrent layers runs a forward of several tokens through a scan, a function of its modeling module:
-# the chunked Gated DeltaNet rule (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid), its Kimi Delta Attention variant
-# (Kimi-Linear, BailingHybrid) or the Mamba2 chunk scan (Nemotron-H, Falcon-H1, Granite 4, Mamba2). With the scan's
-# inputs kept, the state after any prefix of a verification is recomputed from them, from the state the forward
-# started from: a rejected draft then costs no re-read.
-# The scan's inputs of the current forward, in layer order; None outside a verification.
-_RULE_INPUTS: contextvars.ContextVar[list | None] = contextvars.ContextVar("domino_rule_inputs", default=None)
-# A forward over more tokens (a prompt) keeps no inputs: it is never rolled back in part.
-RULE_INPUT_TOKENS = 64
-
-
-class ScanFamily:
-    """How a family's multi-token scan is recorded (`chunked`, a function of its modeling module, whose `per_token`
-    arguments are (batch, tokens, ...) tensors) and how the states after the first `kept` tokens of a recorded call
-    are recomputed (`states_after`)."""
-
-    chunked: str
-    per_token: tuple[str, ...]
-
-    def __init__(self, module):
-        self.module = module
-
-    @classmethod
-    def found_in(cls, module) -> bool:
-        return callable(getattr(module, cls.chunked, None))
-
-    def states_after(self, inputs: list[dict], before: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The state after the tokens of each layer's `inputs` (already cut to the kept tokens), from `before`."""
-        raise NotImplementedError
-
-
-class GatedDeltaScan(ScanFamily):
-    """Replayed by the family's recurrent rule (what the target alone's one-token steps run), all layers of one
-    device, dtype and shape in one call: the rule has no per-layer parameters. On a CPU, more than one kept token goes
-    through the chunked rule as one chunk instead: the recurrent rule reads and writes every state once per token,
-    memory-bound there (208 ms for 16 tokens of a Qwen3.5-0.8B-shaped target's 18 layers, against 30 ms as one chunk:
-    `examples/recurrent_targets.py`, docs/benchmarks.md)."""
-
-    chunked, per_token = "torch_chunk_gated_delta_rule", ("query", "key", "value", "g", "beta")
-    RECURRENT_RULE = "torch_recurrent_gated_delta_rule"
-
-    @classmethod
-    def found_in(cls, module) -> bool:
-        return super().found_in(module) and hasattr(module, cls.RECURRENT_RULE)
-
-    def states_after(self, inputs: list[dict], before: list[torch.Tensor]) -> list[torch.Tensor]:
-        groups: dict[tuple, list[int]] = {}  # a target split over GPUs has several
-        for index, (state, kept_inputs) in enumerate(zip(before, inputs)):
-            key = (state.device, state.dtype, tuple(state.shape), tuple(kept_inputs["query"].shape))
-            groups.setdefault(key, []).append(index)
-        states: list[torch.Tensor] = [None] * len(before)
-        for (device, _, _, shape), indices in groups.items():
-            stacked = {name: torch.cat([inputs[i][name] for i in indices]) for name in self.per_token}
-            kept = shape[1]
-            rule, chunk = getattr(self.module, self.RECURRENT_RULE), {}
-            if device.type == "cpu" and kept > 1:
-                rule, chunk = getattr(self.module, self.chunked), {"chunk_size": kept}
-            _, final = rule(
-                stacked["query"],
-                stacked["key"],
-                stacked["value"],
-                g=stacked["g"],
-                beta=stacked["beta"],
-                initial_state=torch.cat([before[i] for i in indices]),
-                output_final_state=True,
-                use_qk_l2norm_in_kernel=inputs[indices[0]].get("use_qk_l2norm_in_kernel", False),
-                **chunk,
-            )
-            for index, state in zip(indices, final.chunk(len(indices))):
-                states[index] = state
-        return states
-
-
-class KimiDeltaScan(GatedDeltaScan):
-    """Kimi Delta Attention (Kimi-Linear, BailingHybrid): the Gated DeltaNet rule with a forget gate per key channel
-    rather than per head, called with the same arguments, so it is replayed the same way."""
-
-    chunked = "chunk_kimi_delta_attention"
-    RECURRENT_RULE = "recurrent_kimi_delta_attention"
-
-
-class Mamba2Scan(ScanFamily):
-    """Replayed by the chunk scan itself over the kept tokens, one call per layer (A, D and dt_bias are the layer's)."""
-
-    chunked, per_token = "mamba2_chunk_scan", ("hidden_states", "dt", "B", "C")
-    POSITIONAL = ("hidden_states", "dt", "A", "B", "C")
-
-    def states_after(self, inputs: list[dict], before: list[torch.Tensor]) -> list[torch.Tensor]:
-        states = []
-        for kept_inputs, state in zip(inputs, before):
-            # As the mixers call it: the per-token tensors and A by position (the kernels that may replace the
-            # reference name them otherwise), the rest by name.
-            positional = [kept_inputs[name] for name in self.POSITIONAL]
-            named = {name: value for name, value in kept_inputs.items() if name not in self.POSITIONAL}
-            named.update(initial_states=state, return_final_states=True)
-            if state.device.type == "cpu":
-                named["chunk_size"] = positional[0].shape[1]
-            states.append(getattr(self.module, self.chunked)(*positional, **named)[1])
-        return states
-
-
-SCAN_FAMILIES = (GatedDeltaScan, KimiDeltaScan, Mamba2Scan)
-
-
-def _one_chunk_on_cpu(names: list[str], args: tuple, kwargs: dict, tokens: torch.Tensor) -> tuple[tuple, dict]:
-    """A scan's arguments with `chunk_size` the length of `tokens` where they lie on a CPU. The PyTorch reference
-    pads every call to a multiple of its chunk (64 tokens for the Gated DeltaNet rule, 128-256 for Mamba2's), so a
-    17-token verification scans 64-256 positions: up to 100 ms per layer at Nemotron-H-8B's widths on a CPU, against
-    1-4 ms as one chunk of 17. Chunks are a way of computing the same scan (the states agree to fp32 rounding). Only
-    on a CPU, where the reference always runs: on a GPU the fused kernels that replace it choose their own chunks."""
-    if tokens.device.type != "cpu" or "chunk_size" not in names:
-        return args, kwargs
-    position = names.index("chunk_size")  # the arguments from there on go by name
-    kwargs = {**kwargs, **dict(zip(names[position:], args[position:]))}
-    return args[:position], {**kwargs, "chunk_size": tokens.shape[1]}
-
-
-def _parameter_names(scan: Callable) -> list[str]:
-    """The names of `scan`'s parameters, in order. With the `kernels` package installed, transformers >= 5.25 makes
-    each function a hub kernel may replace a module (kernels' `Func`) whose forward, taking `*args, **kwargs`, calls
-    the function: the names are that function's, read from the forward's closure."""
-    function = inspect.unwrap(scan)  # beneath other copies' recording wrappers
-    if isinstance(function, torch.nn.Module):
-        cells = getattr(type(function).forward, "__closure__", None) or ()
-        function = next((cell.cell_contents for cell in cells if inspect.isfunction(cell.cell_contents)), function)
-    return list(inspect.signature(function).parameters)
-
-
-def _recording(scan: Callable, family: type[ScanFamily]) -> Callable:
-    """`scan` (a family's multi-token scan), keeping its inputs where one of this copy's verifications asks for them."""
-    names = _parameter_names(scan)  # its arguments by name, without binding at every layer
-
-    @functools.wraps(scan, updated=())  # `updated=()`: a kernels `Func` module's attributes stay on the module
-    def recording_scan(*args, **kwargs):
-        # A compiled forward (the user's own) is traced through untouched, the context variable never read there.
-        kept = None if torch.compiler.is_compiling() else _RULE_INPUTS.get()
-        if kept is not None:
-            tokens = {**dict(zip(names, args)), **kwargs}.get(family.per_token[0])
-            if tokens is not None and tokens.shape[1] <= RULE_INPUT_TOKENS:
-                args, kwargs = _one_chunk_on_cpu(names, args, kwargs, tokens)
-                kept.append({**dict(zip(names, args)), **kwargs})
-            else:  # a prompt, or another signature than the one replayed: rolled back whole
-                kept.append(None)
-        return scan(*args, **kwargs)
-
-    recording_scan.domino_records = _RULE_INPUTS  # whose verifications it records: this copy's
-    return recording_scan
-
-
-def _records_for_this_copy(scan: Callable) -> bool:
-    """Whether this copy's recording wrapper is among those around `scan`. Each copy of this code in a process (the
-    package, a drafter folder's remote code) keeps a verification's inputs in a context variable of its own, so each
-    wraps the scan once; the wrappers of copies that are not verifying pass the call through."""
-    while hasattr(scan, "domino_records"):
-        if scan.domino_records is _RULE_INPUTS:
-            return True
-        scan = scan.__wrapped__
-    return False
-
-
-def _scan_family(target) -> ScanFamily | None:
-    """The scan of `target`'s modeling module whose states can be kept for part of a verification, else None."""
-    module = sys.modules.get(type(target).__module__)
-    family = next((family for family in SCAN_FAMILIES if module is not None and family.found_in(module)), None)
-    return None if family is None else family(module)
-
-
-def has_replayable_scan(target) -> bool:
-    """Whether `target`'s family runs a scan whose states can be kept for part of a verification (the Gated DeltaNet
-    rule: Qwen3.5, Qwen3-Next, OLMo-Hybrid; Kimi Delta Attention: Kimi-Linear, BailingHybrid; the Mamba2 scan:
-    Nemotron-H, Falcon-H1, Granite 4, Mamba2)."""
-    return _scan_family(target) is not None
-
-
-def replayable_scan(target) -> ScanFamily | None:
-    """The scan family of `target`, its multi-token scan wrapped to keep a verification's inputs (once per process
-    and copy of this code: the wrapper passes calls through unchanged outside a drafting call), or None for a family
-    without one, whose rejected verifications are rolled back whole."""
-    family = _scan_family(target)
-    if family is not None and not _records_for_this_copy(getattr(family.module, family.chunked)):
-        setattr(family.module, family.chunked, _recording(getattr(family.module, family.chunked), type(family)))
-    return family
-
-
 def _keep_state_before(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
     """`update_recurrent_state` of a snapshot layer: the new state is kept by reference rather than copied into the
     old one's storage, so the state the forward started from survives as it was, with no copy per forward. The
     inputs the scan just read (this layer's: layers run one after another) go with it."""
-    kept = _RULE_INPUTS.get()
-    self.inputs_before[state_idx] = kept.pop() if kept else None  # None: no scan recorded for this layer
+    self.inputs_before[state_idx] = take_scan_inputs()  # None: no scan recorded for this layer
     if not self.is_recurrent_states_initialized[state_idx]:
         return super(type(self), self).update_recurrent_state(recurrent_states, state_idx, **kwargs)
     self.states_before[state_idx] = self.recurrent_states[state_idx]
@@ -278,6 +99,7 @@ def _snapshot_class(layer_class: type) -> type:
             "activate_past_recording": _record_no_states,
             "crop": _crop_to_chosen_states,
             "is_croppable": property(lambda self: True),  # whole forwards, through `RecurrentRollback`
+            "built_class": layer_class,
         },
     )
 
@@ -303,10 +125,14 @@ class RecurrentRollback:
     holds for certain.
     """
 
+    # What `remove` leaves in the layers' `record_past`: transformers' assisted loop leaves it set.
+    leaves_recording = True
+
     def __init__(self, cache: Cache, committed: int, scan: ScanFamily | None = None):
         """Makes the cache's linear-attention layers snapshot layers until `remove`."""
         self.cache, self.committed, self.fed = cache, committed, 0
         self.scan = scan
+        self.started, self.widest = True, RULE_INPUT_TOKENS  # a batch's (`install_for_rows`)
         self.layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
         self.classes = [type(layer) for layer in self.layers]
         for layer in self.layers:
@@ -320,17 +146,23 @@ class RecurrentRollback:
         return rollback
 
     @classmethod
-    def install_for_rows(cls, cache: Cache, target) -> RecurrentRollback:
+    def install_for_rows(
+        cls, cache: Cache, target, started: bool = False, widest: int = RULE_INPUT_TOKENS
+    ) -> RecurrentRollback:
         """For a batch (`ragged_cache_domino.RaggedCache`, which crops its attention layers itself): each row keeps
-        what it accepted (`keep_rows`). Families with a replayable scan only, whose states can be kept in part."""
-        return cls(cache, 0, replayable_scan(target))
+        what it accepted (`keep_rows`). Families with a replayable scan only, whose states can be kept in part. The
+        first forward (the prompt's, on a cache filled before or not) is never kept in part unless `started`; those
+        of more than `widest` columns never are."""
+        rollback = cls(cache, 0, replayable_scan(target))
+        rollback.started, rollback.widest, rollback.leaves_recording = started, widest, False  # as generate() does
+        return rollback
 
     def remove(self) -> None:
         """The cache as it was built, holding what the call left in it."""
-        _RULE_INPUTS.set(None)
+        expect_scan_inputs(None)
         for layer, layer_class in zip(self.layers, self.classes):
             layer.__class__ = layer_class
-            layer.record_past = True  # as transformers' assisted loop left it
+            layer.record_past = self.leaves_recording
             del layer.states_before, layer.inputs_before
         self.cache.__dict__.pop("crop", None)
 
@@ -351,7 +183,7 @@ class RecurrentRollback:
         """Before a forward of `width` tokens (per row): one that may be kept in part records its scan's inputs and
         its convolution history; any other runs as the target alone's would."""
         self.fed = width
-        _RULE_INPUTS.set([] if verifying and self.scan is not None else None)
+        expect_scan_inputs(self.widest if verifying and self.scan is not None else None)
         for layer in self.layers:
             layer.states_before, layer.inputs_before = {}, {}
             layer.record_past = verifying
@@ -360,7 +192,7 @@ class RecurrentRollback:
         """transformers' crop after a verification: nothing rejected keeps the forward; with rejected drafts, the
         states after the verified tokens where the scan's inputs were kept, else the whole forward rolled back (the
         tokens it verified are read again by the next one)."""
-        _RULE_INPUTS.set(None)
+        expect_scan_inputs(None)
         kept = self.fed - abs(tokens_to_remove)
         if tokens_to_remove == 0:
             if self.fed > 1:
@@ -374,17 +206,19 @@ class RecurrentRollback:
             return
         self.committed += kept
 
-    def before_rows_forward(self, width: int, first: bool) -> None:
+    def before_rows_forward(self, width: int) -> None:
         """A batch's forward of `width` columns per row: kept in part later (its scan inputs recorded, its convolution
         history kept) unless it is one column (the in-place step) or the call's first forward (never rolled back)."""
-        self._expect_forward(width, verifying=width > 1 and not first)
+        self._expect_forward(width, verifying=width > 1 and self.started)
+        self.started = True
 
     def keep_rows(self, kept: torch.LongTensor) -> None:
         """After a batch's verification, row b keeps the first `kept[b]` of the columns the forward read: its
         recurrent states become the scan over those (rows grouped by count; a row that kept every column keeps the
-        forward's), its convolution window ends after them. Holes of shorter rows come after their tokens,
-        so they are never among the kept. Layers of convolutions only (LFM2's) have no states to recompute."""
-        _RULE_INPUTS.set(None)
+        forward's, one that kept none the state it started from), its convolution window ends after them. Holes of
+        shorter rows come after their tokens, so they are never among the kept. Layers of convolutions only (LFM2's)
+        have no states to recompute."""
+        expect_scan_inputs(None)
         if self.fed <= 1 or not self.layers or not self.layers[0].record_past:
             return
         if any(any(layer.is_recurrent_states_initialized.values()) for layer in self.layers):
@@ -408,16 +242,13 @@ class RecurrentRollback:
             )
         for count in sorted(set(counts) - {self.fed}):
             rows = torch.tensor([row for row, n in enumerate(counts) if n == count])
+            if count == 0:
+                for layer in self.layers:
+                    state = layer.recurrent_states[0]
+                    state[rows.to(state.device)] = layer.states_before[0][rows.to(state.device)].to(state.dtype)
+                continue
             for layer, (state, rows_there) in zip(self.layers, self._states_after(inputs, count, rows)):
                 layer.recurrent_states[0][rows_there] = state.to(layer.recurrent_states[0].dtype)
-
-    def select_rows(self, rows: torch.LongTensor) -> None:
-        """Keeps only these rows' states (finished rows leave a batch)."""
-        for layer in self.layers:
-            for index in range(layer.number_of_states):
-                for states in (layer.conv_states, layer.recurrent_states):
-                    if states[index] is not None:
-                        states[index] = states[index][rows.to(states[index].device)]
 
     def _replay(self, kept: int) -> bool:
         """Sets each recurrent state to the one after the forward's first `kept` tokens, recomputed from the scan's
@@ -517,6 +348,52 @@ def has_recurrent_layers(cache: Cache | None) -> bool:
     return cache is not None and any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
 
 
+# The tensors of a linear-attention cache layer with an entry per row and none per token, each per state index: its
+# convolution windows and its recurrent states.
+ROW_STATES = ("conv_states", "recurrent_states")
+# What a linear-attention cache layer records per state index besides them: how it was set up.
+_PER_STATE_INDEX = ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
+                    "conv_kernel_size")  # fmt: skip
+
+
+def row_states(layer: Any) -> dict[tuple[str, int], torch.Tensor]:
+    """The tensors `layer` holds per row and not per token (`ROW_STATES`), by name and state index; none where it is
+    not a linear-attention layer or holds none yet."""
+    if not isinstance(layer, LinearAttentionCacheLayerMixin):
+        return {}
+    return {
+        (name, index): state for name in ROW_STATES for index, state in getattr(layer, name).items()
+        if state is not None
+    }  # fmt: skip
+
+
+def put_row_states(layer: Any, states: dict[tuple[str, int], torch.Tensor]) -> None:
+    """`layer` holding these tensors (`row_states`' kind) in place of its own."""
+    for (name, index), state in states.items():
+        getattr(layer, name)[index] = state
+
+
+def select_state_rows(layer: Any, rows: torch.LongTensor) -> None:
+    """Keeps only these rows of `layer`'s per-row states (finished rows leave a batch); nothing for other layers."""
+    put_row_states(layer, {key: state[rows.to(state.device)] for key, state in row_states(layer).items()})
+
+
+def layer_for_rows(layer: LinearAttentionCacheLayerMixin) -> LinearAttentionCacheLayerMixin:
+    """A new cache layer of `layer`'s class as built (a drafting call swaps in a snapshot class) and set up as it is
+    (which states it initialized, its kernel sizes, its device), to hold copies of some of its rows' states
+    (`put_row_states`) and, for a layer with attention beside them, their columns."""
+    fresh = copy.copy(layer)
+    fresh.__class__ = getattr(type(layer), "built_class", type(layer))
+    for name in (*ROW_STATES, *_PER_STATE_INDEX):
+        setattr(fresh, name, dict(getattr(layer, name)))
+    if hasattr(layer, "cumulative_length_linear"):  # transformers >= 5.25
+        fresh.cumulative_length_linear = layer.cumulative_length_linear.clone()
+    for name in ("states_before", "inputs_before", "recurrent_states_history"):
+        fresh.__dict__.pop(name, None)
+    fresh.record_past = False
+    return fresh
+
+
 @contextlib.contextmanager
 def recurrent_state_check_waived(target):
     """transformers < 5.25 refuses an assistant for a target with recurrent states (`_is_stateful`), which cannot
@@ -550,12 +427,6 @@ def check_recurrent_call(target, cache, generation_config, batched: bool, branch
             "families whose scan can be replayed over each row's kept tokens can: the Gated DeltaNet and Mamba2 "
             "ones): generate one sequence at a time with the drafter, or the batch without it."
         )
-    if batched and cached_tokens(cache):
-        raise ValueError(
-            f"A drafted batch of {type(target).__name__} starts from its prompts: its linear-attention states hold no "
-            "count of their tokens per row. Pass the whole conversations without the cache, or one sequence at a "
-            "time."
-        )
     if not has_recurrent_layers(cache):
         raise ValueError(
             f"{type(target).__name__} keeps its recurrent states outside a cache of linear-attention layers passed "
@@ -577,14 +448,15 @@ def check_recurrent_call(target, cache, generation_config, batched: bool, branch
 __all__ = [
     "RECURRENT_TARGETS",
     "RecurrentRollback",
-    "SCAN_FAMILIES",
     "TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES",
     "check_recurrent_call",
     "check_recurrent_target",
     "has_recurrent_layers",
-    "has_replayable_scan",
     "keeps_recurrent_states",
+    "layer_for_rows",
+    "put_row_states",
     "record_past",
     "recurrent_state_check_waived",
-    "replayable_scan",
+    "row_states",
+    "select_state_rows",
 ]
