@@ -609,6 +609,24 @@ def test_a_drafted_batch_continues_a_cache_the_target_alone_left(name):
     assert torch.equal(second, expected) and rolled_back(drafter.last_generation_stats) > 0
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h"])
+def test_a_prompts_copies_share_its_recurrent_states(name):
+    # num_return_sequences: the prefill reads each distinct prompt once, and its copies take copies of its recurrent
+    # states and convolution windows (`select_state_rows`); before, every copy was read. top-k 1 makes sampling as
+    # deterministic as greedy.
+    from test_batching import prefill_rows
+
+    target = hybrid_target(name)
+    drafter = tiny_drafter(target)
+    batch = left_padded([BATCH[0], BATCH[2], BATCH[0]])
+    decoding = dict(do_sample=True, top_k=1, num_return_sequences=2, max_new_tokens=12, eos_token_id=None)
+    expected = target.generate(**batch, **decoding)
+    with prefill_rows(target) as rows:
+        output = target.generate(**batch, **decoding, assistant_model=drafter, draft_policy="fixed")
+    assert torch.equal(output, expected) and rows == [2]  # 6 rows, 2 distinct prompts
+    assert rolled_back(drafter.last_generation_stats) > 0
+
+
 def test_a_row_that_ends_inside_an_accepted_block_keeps_its_states_at_its_end():
     # Row 2's prompt holds the 2-cycle its answer falls into, so copied drafts run on past the EOS token, and are
     # accepted past it. The target alone reads nothing after a row's end but padding: the cache the batch leaves

@@ -206,8 +206,10 @@ def _check_tree_call(target: PreTrainedModel, generation_config: GenerationConfi
     problem = None
     if adds_its_mask(target) is None:
         problem = takes_no_4d_mask(target)
-    elif any(kind != "full_attention" for kind in getattr(target.config.get_text_config(), "layer_types", None) or ()):
-        problem = "the target has sliding-window layers (trees take full-attention targets only)"
+    elif others := sorted(
+        set(getattr(target.config.get_text_config(), "layer_types", None) or ()) - {"full_attention"}
+    ):
+        problem = f"the target has {', '.join(others)} layers (trees take full-attention targets only)"
     if problem is not None:
         raise ValueError(f"domino_branches={branches} cannot serve this call: {problem}. Or drop domino_branches.")
 

@@ -279,9 +279,9 @@ class BatchedDecoding:
         new, input_ids = self.mask[:, self.cached :], input_ids[:, self.cached :]
         embeds = None if self.prompt_embeds is None else self.prompt_embeds[:, self.cached :]
         self.prompt_embeds = None
-        # A prompt's copies (num_return_sequences) are read once and share its columns, where nothing but its tokens
-        # is read (no cache filled before, no embeddings or images) into layers of keys and values only.
-        plain = not (self.cached or self.prompt_inputs) and embeds is None and self.target_cache.joinable
+        # A prompt's copies (num_return_sequences) are read once and share its columns (and recurrent states), where
+        # nothing but its tokens is read (no cache filled before, no embeddings or images).
+        plain = not (self.cached or self.prompt_inputs) and embeds is None
         distinct, copies = repeated_rows(input_ids, new) if plain and SHARE_PROMPT_COPIES else (None, None)
         if distinct is not None:
             self.target_cache.select_rows(distinct)

@@ -39,8 +39,8 @@ from .batch_policy_domino import call_speculates
 from .batching_domino import BatchedDecoding
 from .cache_domino import check_croppable
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
-from .ragged_cache_domino import JOINABLE, batch_cache
-from .recurrent_cache_domino import keeps_recurrent_states
+from .ragged_cache_domino import batch_cache
+from .recurrent_cache_domino import check_recurrent_call, check_recurrent_target, keeps_recurrent_states
 from .target_modules_domino import target_execution_device
 
 if TYPE_CHECKING:
@@ -143,23 +143,24 @@ def request_rules(
     return processors, criteria, config.max_length
 
 
-def check_serving(target: PreTrainedModel, cache: DynamicCache, continuous_batching_config: Any) -> None:
-    """Raises, naming the fix, for what a batch that rows join does not serve: log-probabilities, and targets whose
-    cache (`cache`, as a batch starts it) holds more than columns per token (recurrent states), which
-    `RaggedCache.add_rows` cannot join."""
+def check_serving(
+    target: PreTrainedModel,
+    cache: DynamicCache,
+    generation_config: GenerationConfig,
+    options: DominoOptions,
+    continuous_batching_config: Any,
+) -> None:
+    """Raises, naming the fix, for what a batch that rows join does not serve: log-probabilities, and what a
+    drafted batch does not serve on a target with recurrent states (`check_recurrent_call`), `cache` as a batch
+    starts it."""
     if continuous_batching_config is not None and getattr(continuous_batching_config, "return_logprobs", False):
         raise ValueError(
             "generate_batch with a Domino drafter returns tokens, not their log-probabilities: drop return_logprobs, "
             "or call generate(..., output_scores=True) with the drafter on a padded batch."
         )
-    others = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in JOINABLE})
-    if keeps_recurrent_states(target) or others:
-        kept = ", ".join(others) or "its recurrent states"
-        raise ValueError(
-            f"{type(target).__name__}'s cache keeps more than keys and values per token ({kept}), which rows joining "
-            "a running batch cannot bring: use generate() with the drafter on a left-padded batch of the prompts "
-            "(docs/usage.md, 'Batches')."
-        )
+    if keeps_recurrent_states(target):
+        check_recurrent_target(target)
+        check_recurrent_call(target, cache, generation_config, batched=True, branches=options.domino_branches)
 
 
 @dataclass
@@ -196,7 +197,7 @@ class ServingCall:
         check_batch_target(target, generation_config, options)
         cache = DynamicCache(config=target.config)
         check_croppable(target, cache, batched=True)
-        check_serving(target, batch_cache(cache, target)[0], continuous_batching_config)
+        check_serving(target, batch_cache(cache, target)[0], generation_config, options, continuous_batching_config)
         limit = getattr(continuous_batching_config, "max_requests_per_batch", None) or DEFAULT_ROWS
         return cls(target, drafter, generation_config, options, limit, tokenizer)
 

@@ -378,6 +378,21 @@ def select_state_rows(layer: Any, rows: torch.LongTensor) -> None:
     put_row_states(layer, {key: state[rows.to(state.device)] for key, state in row_states(layer).items()})
 
 
+def add_state_rows(layer: Any, other: Any) -> None:
+    """Appends the per-row states of `other` (a layer of the same model, filled apart) after `layer`'s rows; a layer
+    that never held any (a server's batch before its first request) takes `other`'s set-up with them."""
+    mine, theirs = row_states(layer), row_states(other)
+    if not theirs:
+        return
+    if not mine:
+        for name in _PER_STATE_INDEX:
+            getattr(layer, name).update(getattr(other, name))
+        layer.device, layer.dtype = other.device, other.dtype
+    put_row_states(
+        layer, {key: torch.cat([mine[key], state]) if key in mine else state for key, state in theirs.items()}
+    )
+
+
 def layer_for_rows(layer: LinearAttentionCacheLayerMixin) -> LinearAttentionCacheLayerMixin:
     """A new cache layer of `layer`'s class as built (a drafting call swaps in a snapshot class) and set up as it is
     (which states it initialized, its kernel sizes, its device), to hold copies of some of its rows' states
@@ -449,6 +464,7 @@ __all__ = [
     "RECURRENT_TARGETS",
     "RecurrentRollback",
     "TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES",
+    "add_state_rows",
     "check_recurrent_call",
     "check_recurrent_target",
     "has_recurrent_layers",

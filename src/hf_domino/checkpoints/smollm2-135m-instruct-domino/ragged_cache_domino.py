@@ -42,6 +42,7 @@ from .cache_domino import (
 from .ragged_masks_domino import SlidingWindow, formatted_mask, with_gaps
 from .recurrent_cache_domino import (
     RecurrentRollback,
+    add_state_rows,
     layer_for_rows,
     put_row_states,
     row_states,
@@ -85,19 +86,11 @@ class RaggedCache:
         """Raises unless every layer is a plain dynamic layer (holes need full-length, croppable keys/values), one
         with the indexer keys of sparse attention beside them (DeepSeek-V3.2's, GLM-5's: a column per token too), a
         linear-attention layer (a recurrent state per row, see `recurrent`), both (Falcon-H1's), or none (a layer
-        without a cache, such as Nemotron-H's MLP layers)."""
-        plain = (
-            DynamicLayer,
-            DynamicIndexedLayer,
-            BufferedLayer,
-            LinearAttentionLayer,
-            LinearAttentionAndFullAttentionLayer,
-            DummyLayer,
-        )
+        without a cache, such as Nemotron-H's MLP layers): `JOINABLE`."""
         if not isinstance(cache, DynamicCache):
             what = type(cache).__name__
         else:
-            what = next((type(layer).__name__ for layer in cache.layers if type(layer) not in plain), None)
+            what = next((type(layer).__name__ for layer in cache.layers if type(layer) not in JOINABLE), None)
             what = what and f"a DynamicCache with {what} layers"
         if what is not None:
             raise ValueError(
@@ -118,12 +111,6 @@ class RaggedCache:
     def appended(self, new_columns: torch.BoolTensor) -> None:
         """Records that a forward appended these columns to the cache."""
         self.mask, self.last_width = self.attention_mask(new_columns), new_columns.shape[1]
-
-    @property
-    def joinable(self) -> bool:
-        """Whether every layer holds keys and values of full attention only (`JOINABLE`), no recurrent state: rows
-        of such a cache are copied, joined and dropped by their columns alone."""
-        return self.recurrent is None and all(type(layer) in JOINABLE for layer in self.cache.layers)
 
     @property
     def attention_layers(self) -> list[DynamicLayer]:
@@ -181,20 +168,13 @@ class RaggedCache:
     def add_rows(self, other: RaggedCache) -> None:
         """Appends the rows of `other`, a cache of the same model filled apart (a request a server admits), after
         this cache's. The side with fewer columns gets holes on the left: both go on appending at the right. A layer
-        one side has not filled yet (the drafter's cache of a row that has not drafted) joins as holes."""
+        one side has not filled yet (the drafter's cache of a row that has not drafted) joins as holes. Recurrent
+        states join by rows (`add_state_rows`); the forward after the join verifies (`RecurrentRollback.started`)."""
         rows, width = (self.mask.shape[0], other.mask.shape[0]), max(self.mask.shape[1], other.mask.shape[1])
-        for cache in (self, other):
-            if not cache.joinable:
-                others = sorted(
-                    {type(layer).__name__ for layer in cache.cache.layers} - {t.__name__ for t in JOINABLE}
-                )
-                raise ValueError(
-                    "Rows join a drafted batch only where every layer of the cache holds keys and values of full "
-                    f"(or sliding-window) attention; this one has {others} layers or recurrent states: batch these "
-                    "prompts with generate() instead."
-                )
         for index in range(max(len(self.cache.layers), len(other.cache.layers))):
             sides = [cache.cache.layers[index] if index < len(cache.cache.layers) else None for cache in (self, other)]
+            if sides[0] is not None and sides[1] is not None:
+                add_state_rows(sides[0], sides[1])
             states = _joined_states(sides, rows, width)
             if not states:
                 continue
@@ -207,6 +187,8 @@ class RaggedCache:
              (self.mask, other.mask)]
         )  # fmt: skip
         self.gaps = joined_gaps([self, other])
+        if self.recurrent is not None:
+            self.recurrent.started = True
 
     def maybe_compact(self) -> bool:
         """Gathers each row's real columns to the right once holes waste enough columns of every row.
@@ -270,10 +252,18 @@ class RaggedCache:
             _move_columns(layer, order)
 
 
-# The layers whose rows are copied and joined by their columns alone (`RaggedCache.joinable`): keys and values of full
-# attention (sliding layers are made full ones for a batch, `SlidingWindow.take_over`), with the indexer's keys of
-# sparse attention beside them, or none (a layer reading another layer's, Gemma 4's); no recurrent state.
-JOINABLE = (DynamicLayer, BufferedLayer, DynamicIndexedLayer, DummyLayer)
+# The cache layers a batch holds, whose rows are copied, joined and dropped: by their columns, keys and values of full
+# attention (sliding layers are made full ones for a batch, `SlidingWindow.take_over`) with the indexer's keys of
+# sparse attention beside them; by their rows, a linear-attention layer's recurrent states (`row_states`), with keys
+# and values beside them (Falcon-H1's); or none (a layer reading another layer's, Gemma 4's).
+JOINABLE = (
+    DynamicLayer,
+    BufferedLayer,
+    DynamicIndexedLayer,
+    DummyLayer,
+    LinearAttentionLayer,
+    LinearAttentionAndFullAttentionLayer,
+)
 # The tensors of a cache layer with a column per token, by name: the dimensions of their rows and of their columns.
 # A sparse-attention layer (DeepSeek-V3.2's, GLM-5's) keeps its indexer's keys beside its own, some its positions too.
 COLUMN_STATES = {"keys": (0, 2), "values": (0, 2), "indexer_keys": (0, 1), "indexer_position_ids": (1, 2)}
