@@ -6,8 +6,10 @@ and a drafter of random weights sized for it by `DominoConfig.from_target`. Then
 `generate()` with the drafter (fixed policy, 4 drafts per cycle, mostly rejected), for one sequence, for a
 left-padded batch of two, for that batch with columns its mask leaves out inside the rows (padding inside a
 sequence), for the batch's scores and hidden states per step (`output_scores`, `output_hidden_states`: each within
-`TOLERANCE` of the target alone's, relative to the largest), and for the batch's next turn, drafted on the cache its
-drafted first turn left (as a chat continues it) against the target alone continuing its own. One line per family:
+`TOLERANCE` of the target alone's, relative to the largest), for the batch's next turn, drafted on the cache its
+drafted first turn left (as a chat continues it) against the target alone continuing its own, and for requests
+served by `generate_batch` two rows at a time, joining as others finish, against each prompt alone. One line per
+family:
 
 - `ok`: token-identical to the target alone, one sequence and batches (`batch refused: ...` where only batches are);
 - `refused: ...`: a ValueError that names what drafting cannot serve for it;
@@ -186,6 +188,23 @@ def next_turn_as_alone(target, drafter, batch: dict, new_tokens: int) -> str | N
     return None if torch.equal(*outputs) else "MISMATCH"
 
 
+def requests_as_alone(target, drafter, new_tokens: int) -> str | None:
+    """None where `generate_batch` with the drafter, requests joining two rows at a time as others finish, gives each
+    request the target alone's tokens for its prompt, else what happened."""
+    prompts = [ROWS[0], PROMPT, ROWS[1]]
+    expected = [
+        target.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, **GREEDY)[0, len(prompt) :].tolist()
+        for prompt in prompts
+    ]
+    rows = transformers.ContinuousBatchingConfig(max_requests_per_batch=2)
+    try:
+        results = target.generate_batch(prompts, assistant_model=drafter, max_new_tokens=new_tokens,
+                                        continuous_batching_config=rows, **GREEDY, **FIXED)  # fmt: skip
+    except ValueError as refusal:
+        return f"refused: {' '.join(str(refusal).split())}"
+    return None if [result.generated_tokens for result in results.values()] == expected else "MISMATCH"
+
+
 def check_family(model_type: str) -> str:
     try:
         target = tiny_target(model_type)
@@ -209,6 +228,9 @@ def check_family(model_type: str) -> str:
         if batch is None:
             turn = next_turn_as_alone(target, drafter, left_padded(ROWS), 20)
             batch = None if turn is None else f"'s next turn on its cache {turn}"
+        if batch is None:
+            requests = requests_as_alone(target, drafter, 20)
+            batch = None if requests is None else f"'s requests (generate_batch) {requests}"
     except Exception as error:
         return f"error: {type(error).__name__}: {' '.join(str(error).split())}"
     return "ok" if batch is None else f"ok, batch {batch}"

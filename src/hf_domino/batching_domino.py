@@ -26,6 +26,7 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -453,7 +454,8 @@ class BatchedDecoding:
         new `tokens`; the target alone reads no token past it, and a state cannot drop one later."""
         if self.target_cache.recurrent is None or self.finished_rows is None or not self.eos_ids:
             return [1 + n for n in matches]
-        rows = [row.tolist() for row in tokens]
+        values, ends = torch.cat(tokens).tolist(), itertools.accumulate(row.shape[0] for row in tokens)
+        rows = [values[end - row.shape[0] : end] for row, end in zip(tokens, ends)]  # read back once for all rows
         return [next((at + 1 for at, token in enumerate(row) if token in self.eos_ids), len(row)) for row in rows]
 
     def forward_tree(
