@@ -132,6 +132,10 @@ ARCHITECTURES = {
             **INDEXER,
             "sliding_window": WINDOW,
             "layer_types": ["indexed_attention", "sliding_attention"] * 2,
+            # the sliding layers' own attention sizes (the released model's 76M parameters here, otherwise)
+            **{f"swa_{name}": size for name, size in MLA.items() if name != "head_dim"},
+            "swa_num_attention_heads": 4,
+            "swa_head_dim": MLA["qk_nope_head_dim"] + MLA["qk_rope_head_dim"],
         },
     ),
 }

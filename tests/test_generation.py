@@ -380,14 +380,14 @@ def sample_with_drafter(target, drafter, prompt, num_new: int, draws: int, seed:
 
 @pytest.mark.parametrize(
     "sampling, draft_vocab",
-    # The draft vocabulary's case warps and draws on its columns (processed_pick): top-k 2 bites there.
+    # The draft vocabulary's case warps and draws on its columns (processed_pick): top-k 2 bites there. The plain law
+    # (T = 1, no warper) is test_draft_policy.py's, with the fixed policy and the adaptive one.
     [
-        (dict(temperature=1.0), None),
         (dict(temperature=0.7, top_k=3), None),
         (dict(temperature=0.7, top_k=2), [0, 2, 3]),
         (dict(temperature=0.8, top_p=0.7), [0, 2, 3]),
     ],
-    ids=["T=1", "T=0.7,top-k", "T=0.7,top-k,draft-vocab", "T=0.8,top-p,draft-vocab"],
+    ids=["T=0.7,top-k", "T=0.7,top-k,draft-vocab", "T=0.8,top-p,draft-vocab"],
 )
 def test_sampling_preserves_target_distribution(sampling, draft_vocab):
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -396,9 +396,7 @@ def test_sampling_preserves_target_distribution(sampling, draft_vocab):
     target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=3)
     drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
     drafter.set_draft_vocab(draft_vocab)
-    processors = LogitsProcessorList()
-    if sampling["temperature"] != 1.0:
-        processors.append(TemperatureLogitsWarper(sampling["temperature"]))
+    processors = LogitsProcessorList([TemperatureLogitsWarper(sampling["temperature"])])
     if "top_k" in sampling:
         processors.append(TopKLogitsWarper(sampling["top_k"]))
     if "top_p" in sampling:
@@ -414,9 +412,8 @@ def test_sampling_preserves_target_distribution(sampling, draft_vocab):
     assert 0 < accepted < drafted  # rejection sampling really ran, with both outcomes
     assert chi_square_p_value(counts, probs, draws) > 1e-3
     # The test can fail: the same draws are far from a wrong distribution (the untempered target).
-    if sampling["temperature"] != 1.0:
-        wrong = exact_sequence_distribution(target, prompt, num_new, LogitsProcessorList())
-        assert chi_square_p_value(counts, wrong, draws) < 1e-6
+    wrong = exact_sequence_distribution(target, prompt, num_new, LogitsProcessorList())
+    assert chi_square_p_value(counts, wrong, draws) < 1e-6
 
 
 # ------------------------------------------------------------------------------------------------------ pipeline

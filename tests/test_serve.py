@@ -412,31 +412,64 @@ def test_a_drafter_that_does_not_fit_the_served_target_is_refused_naming_both(tm
     assert hf_domino.attached_drafter(target) is None and not is_prepared_for_cpu_decoding(target)  # refused first
 
 
-@pytest.mark.parametrize(
-    "args, says",
-    [
-        (["--max-requests-per-batch", "2"], "add continuous_batching=True (--continuous-batching)"),
-        (["--no-drafter", "--drafter-option", "domino_lookup=false"], "drop them to serve the target alone"),
-        (["--drafter-option", "num_speculative_tokens=99"], "from 0 to the drafter's 16 drafts per block"),
-        (["--drafter-option", "bogus=1"], "expected NAME=VALUE with NAME one of"),
-        (["--drafter", "no/such/folder"], "No drafter checkpoint at no/such/folder"),
-        (["--serve-option", "port=8001"], "port is set by hf-domino serve's --port"),
-    ],
-    ids=[
-        "rows-without-batching",
-        "options-without-drafter",
-        "option-out-of-range",
-        "unknown-option",
-        "no-drafter",
-        "serve-option-of-its-own",
-    ],
-)
-def test_hf_domino_serve_refuses_bad_settings_before_loading(args, says):
+# A setting `hf-domino serve` refuses in a line before loading anything: its arguments, and what the refusal says.
+REFUSED_SETTINGS = {
+    "rows-without-batching": (
+        ["--max-requests-per-batch", "2"],
+        "add continuous_batching=True (--continuous-batching)",
+    ),
+    "options-without-drafter": (
+        ["--no-drafter", "--drafter-option", "domino_lookup=false"],
+        "drop them to serve the target alone",
+    ),
+    "option-out-of-range": (
+        ["--drafter-option", "num_speculative_tokens=99"],
+        "from 0 to the drafter's 16 drafts per block",
+    ),
+    "unknown-option": (["--drafter-option", "bogus=1"], "expected NAME=VALUE with NAME one of"),
+    "no-drafter": (["--drafter", "no/such/folder"], "No drafter checkpoint at no/such/folder"),
+    "serve-option-of-its-own": (["--serve-option", "port=8001"], "port is set by hf-domino serve's --port"),
+}
+# Each setting through the command's entry point in one process (one import of torch and transformers for all): exit
+# status, stdout and stderr per setting. A setting not refused would start serving and time the process out.
+REFUSALS_IN_ONE_PROCESS = """
+import contextlib, io, json, sys
+from hf_domino.cli import main
+results = []
+for args in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(["serve", *args])
+        except SystemExit as exit:
+            status = exit.code
+    results.append([status, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def test_hf_domino_serve_refuses_bad_settings_before_loading():
+    def assert_refused(name: str, status: int, stdout: str, stderr: str) -> None:
+        says = REFUSED_SETTINGS[name][1]
+        assert status == 2 and says in stderr, (name, stderr)
+        assert "Traceback" not in stderr and not stdout, (name, stderr)  # refused in a line, nothing loaded or printed
+
+    names = list(REFUSED_SETTINGS)
+    # The first as a user runs it; the others through the same entry point, in one process.
     run = subprocess.run(
-        [sys.executable, "-m", "hf_domino", "serve", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "hf_domino", "serve", *REFUSED_SETTINGS[names[0]][0]],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert_refused(names[0], run.returncode, run.stdout, run.stderr)
+    arguments = json.dumps([REFUSED_SETTINGS[name][0] for name in names[1:]])
+    run = subprocess.run(
+        [sys.executable, "-c", REFUSALS_IN_ONE_PROCESS, arguments], capture_output=True, text=True, timeout=120
     )
-    assert run.returncode == 2 and says in run.stderr, run.stderr
-    assert "Traceback" not in run.stderr and not run.stdout  # refused in a line, nothing loaded or printed
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout)
+    assert len(results) == len(names) - 1
+    for name, (status, stdout, stderr) in zip(names[1:], results):
+        assert_refused(name, status, stdout, stderr)
 
 
 def transformers_serve_options() -> list[str]:

@@ -269,7 +269,7 @@ JOINABLE = (
 COLUMN_STATES = {"keys": (0, 2), "values": (0, 2), "indexer_keys": (0, 1), "indexer_position_ids": (1, 2)}
 
 
-def holds_keys(layer: Any) -> bool:
+def _holds_keys(layer: Any) -> bool:
     """Whether a cache layer holds keys and values of its own: filled, and not a `DummyLayer` (whose layer reads
     another layer's, or keeps none)."""
     return isinstance(layer, DynamicLayer) and layer.is_initialized
@@ -277,7 +277,7 @@ def holds_keys(layer: Any) -> bool:
 
 def column_states(layer: Any) -> dict[str, torch.Tensor]:
     """The tensors `layer` holds with a column per token (`COLUMN_STATES`), by name; none where it holds no keys."""
-    if not holds_keys(layer):
+    if not _holds_keys(layer):
         return {}
     return {name: getattr(layer, name) for name in COLUMN_STATES if getattr(layer, name, None) is not None}
 
@@ -416,7 +416,7 @@ def cached_columns(
             "not the whole sequences the attention mask covers: a batch continuing a cache needs the whole padded "
             "sequences, the cached columns included, with an attention mask of the same length."
         )
-    held = [layer.keys for layer in cache.layers if holds_keys(layer)] + [
+    held = [layer.keys for layer in cache.layers if _holds_keys(layer)] + [
         state for layer in cache.layers for state in row_states(layer).values()
     ]
     rows = held[0].shape[0] if held else input_ids.shape[0]
@@ -553,7 +553,6 @@ __all__ = [
     "column_states",
     "columns_of",
     "gather_columns",
-    "holds_keys",
     "JOINABLE",
     "joined_gaps",
     "positions_from_mask",
