@@ -132,7 +132,8 @@ ARCHITECTURES = {
             **INDEXER,
             "sliding_window": WINDOW,
             "layer_types": ["indexed_attention", "sliding_attention"] * 2,
-            # the sliding layers' own attention sizes (the released model's 76M parameters here, otherwise)
+            # the sliding layers' attention at tiny sizes too: the config's defaults for them are the released
+            # model's, 76M parameters at these sizes (2.4 s per 40 tokens, against 0.27 s)
             **{f"swa_{name}": size for name, size in MLA.items() if name != "head_dim"},
             "swa_num_attention_heads": 4,
             "swa_head_dim": MLA["qk_nope_head_dim"] + MLA["qk_rope_head_dim"],

@@ -381,7 +381,7 @@ def sample_with_drafter(target, drafter, prompt, num_new: int, draws: int, seed:
 @pytest.mark.parametrize(
     "sampling, draft_vocab",
     # The draft vocabulary's case warps and draws on its columns (processed_pick): top-k 2 bites there. The plain law
-    # (T = 1, no warper) is test_draft_policy.py's, with the fixed policy and the adaptive one.
+    # (T = 1, no warper) is test_draft_policy.py's: the adaptive policy, and the fixed one with a draft vocabulary.
     [
         (dict(temperature=0.7, top_k=3), None),
         (dict(temperature=0.7, top_k=2), [0, 2, 3]),

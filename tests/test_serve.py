@@ -454,21 +454,21 @@ def test_hf_domino_serve_refuses_bad_settings_before_loading():
         assert status == 2 and says in stderr, (name, stderr)
         assert "Traceback" not in stderr and not stdout, (name, stderr)  # refused in a line, nothing loaded or printed
 
-    names = list(REFUSED_SETTINGS)
     # The first as a user runs it; the others through the same entry point, in one process.
+    first, *others = REFUSED_SETTINGS
     run = subprocess.run(
-        [sys.executable, "-m", "hf_domino", "serve", *REFUSED_SETTINGS[names[0]][0]],
+        [sys.executable, "-m", "hf_domino", "serve", *REFUSED_SETTINGS[first][0]],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert_refused(names[0], run.returncode, run.stdout, run.stderr)
-    arguments = json.dumps([REFUSED_SETTINGS[name][0] for name in names[1:]])
+    assert_refused(first, run.returncode, run.stdout, run.stderr)
+    arguments = json.dumps([REFUSED_SETTINGS[name][0] for name in others])
     run = subprocess.run(
         [sys.executable, "-c", REFUSALS_IN_ONE_PROCESS, arguments], capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout)
-    assert len(results) == len(names) - 1
-    for name, (status, stdout, stderr) in zip(names[1:], results):
+    assert len(results) == len(others)
+    for name, (status, stdout, stderr) in zip(others, results):
         assert_refused(name, status, stdout, stderr)
 
 

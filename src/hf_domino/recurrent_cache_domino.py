@@ -132,7 +132,8 @@ class RecurrentRollback:
         """Makes the cache's linear-attention layers snapshot layers until `remove`."""
         self.cache, self.committed, self.fed = cache, committed, 0
         self.scan = scan
-        self.started, self.widest = True, RULE_INPUT_TOKENS  # read by a batch's forwards only (`before_rows_forward`)
+        self.started = True  # read by a batch's forwards only (`before_rows_forward`)
+        self.widest = RULE_INPUT_TOKENS  # the widest forward whose scan inputs are recorded (`_expect_forward`)
         self.layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
         self.classes = [type(layer) for layer in self.layers]
         for layer in self.layers:
