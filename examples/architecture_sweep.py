@@ -49,7 +49,8 @@ NOT_DECODER_LMS = set(
     "mvp pegasus phi4_multimodal plbart prophetnet reformer rembert roberta roberta-prelayernorm roc_bert roformer "
     "trocr whisper xlm xlm-roberta xlm-roberta-xl xlnet xmod openai-gpt emu3".split()
 )
-# Small sizes under every name the families give them; a config takes those it has.
+# Small sizes under every name the families give them; a config takes those it has (windows, attention chunks and
+# Llama 4's temperature floor short enough to be passed within the outputs).
 SIZES = dict(
     vocab_size=64, hidden_size=32, n_embd=32, d_model=32, intermediate_size=64, ffn_dim=64, num_hidden_layers=4,
     n_layer=4, num_attention_heads=4, n_head=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
@@ -57,7 +58,7 @@ SIZES = dict(
     moe_k=2, moe_topk=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, n_group=1, topk_group=1,
     linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
     linear_num_heads=4, linear_head_dim=8, index_n_heads=16, index_head_dim=8, index_topk=8, sliding_window=8,
-    sliding_window_size=8, unpadded_vocab_size=64,
+    sliding_window_size=8, unpadded_vocab_size=64, attention_chunk_size=8, floor_scale=8,
     tie_word_embeddings=False, pad_token_id=0, bos_token_id=2, eos_token_id=1,
 )  # fmt: skip
 # Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, MiniCPM3, ...): one key/value head per query head.

@@ -8,9 +8,10 @@ GPT-2), learned absolute positions (GPT-2; OPT's, counted from the attention mas
 mask (Bloom, Falcon), mixture-of-experts MLPs (Qwen3-MoE), and the newer families listed at `ARCHITECTURES` (attention
 sinks, latent attention, sparse attention's indexer keys, head sizes per layer, layers sharing keys and values); MPT,
 whose ALiBi counts cache columns, is refused in batches, and targets whose layers pass several residual streams
-(hyper-connections, AltUp) altogether. In a batch, rejected drafts leave holes in the cache, so a sliding window must be counted in each row's own tokens rather than in cache columns
-(`ragged_masks_domino.SlidingWindow`); the windows here are far shorter than the sequences, so every row's window
-moves past holes. Also the drafter's side: saved and reloaded as remote code, and the training warm start, which
+(hyper-connections, AltUp) altogether. In a batch, rejected drafts leave holes in the cache, so a sliding window (or
+Llama 4's attention chunk) must be counted in each row's own tokens rather than in cache columns
+(`ragged_masks_domino.SlidingWindow`), and so must Llama 4's query temperature (`QueryTemperature`); the windows here
+are far shorter than the sequences, so every row's window moves past holes. Also the drafter's side: saved and reloaded as remote code, and the training warm start, which
 copies only decoder layers that compute what a draft layer does.
 """
 
@@ -139,8 +140,24 @@ ARCHITECTURES = {
             "swa_head_dim": MLA["qk_nope_head_dim"] + MLA["qk_rope_head_dim"],
         },
     ),
+    # Llama 4: chunked attention (each row's tokens in chunks, counted from its left padding) beside layers without
+    # rotary positions that scale their queries by cache column (its attention temperature, sized to change within
+    # these outputs: a column counted with the batch's holes gives another greedy output).
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        {
+            "attention_chunk_size": WINDOW,
+            "no_rope_layer_interval": 2,
+            "floor_scale": 12,
+            "attn_scale": 2.0,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "intermediate_size_mlp": 64,
+        },
+    ),
 }
-SLIDING = ["mistral", "gemma2", "gemma3", "cohere2", "gpt_oss", "olmo3", "exaone4", "gemma4", "dots3_note"]
+SLIDING = ["mistral", "gemma2", "gemma3", "cohere2", "gpt_oss", "olmo3", "exaone4", "gemma4", "dots3_note", "llama4"]
 # Prompts that repeat themselves, so that copied drafts are accepted too, beside the random drafter's rejected ones.
 PROMPT = [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 5, 9, 12, 40, 41, 42, 5, 9]
 ROWS = [[11, 5, 9, 12, 7, 5, 9, 12], [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 22]]
@@ -464,6 +481,54 @@ def test_sliding_window_masks_match_transformers_where_a_mask_leaves_out_columns
     assert not torch.equal(window.masks(real, real.shape[1], torch.float32)[:, 0] & queries, ours[:, 0] & queries)
 
 
+def test_chunked_attention_masks_match_transformers_counting_chunks_from_each_rows_left_padding():
+    # Llama 4's chunks start at a row's first column after its left padding; columns left out inside it count.
+    from transformers.masking_utils import create_chunked_causal_mask
+
+    from hf_domino.ragged_masks_domino import prompt_gaps
+
+    target = architecture_target("llama4")
+    window = SlidingWindow.take_over(DynamicCache(config=target.config), target)
+    assert (window.layer_type, window.size, window.every_layer) == ("chunked_attention", WINDOW, False)
+    batch = left_padded([[1 + i for i in range(20)], [3 + i for i in range(13)]])
+    batch["attention_mask"][0, 4:9] = 0
+    real = batch["attention_mask"].bool()
+    embeds = target.get_input_embeddings()(batch["input_ids"])
+    expected = create_chunked_causal_mask(
+        config=target.config, inputs_embeds=embeds, attention_mask=batch["attention_mask"], **cache_argument(None)
+    )
+    ours = window.masks(real, real.shape[1], torch.float32, prompt_gaps(real))["chunked_attention"]
+    queries = real[:, :, None]
+    assert torch.equal(ours[:, 0] & queries, expected[:, 0] & queries)
+    left_padding_alone = left_padded([[1 + i for i in range(20)], [3 + i for i in range(13)]])
+    real = left_padding_alone["attention_mask"].bool()  # its gaps are dropped (`BatchedDecoding`): none inside rows
+    expected = create_chunked_causal_mask(
+        config=target.config, inputs_embeds=embeds, attention_mask=left_padding_alone["attention_mask"],
+        **cache_argument(None),
+    )  # fmt: skip
+    ours = window.masks(real, real.shape[1], torch.float32)["chunked_attention"]
+    assert torch.equal(ours[:, 0] & real[:, :, None], expected[:, 0] & real[:, :, None])
+
+
+def test_llama4s_query_temperature_scaled_per_row_is_the_targets_own_to_the_bit():
+    # `QueryTemperature.scaled` turns the layers' own scaling off and applies it per row: given the columns the
+    # target counts (no holes), the same logits exactly; given others, other logits (it is what the layers read).
+    from hf_domino.ragged_masks_domino import QueryTemperature
+
+    target = architecture_target("llama4")
+    temperature = QueryTemperature.of(target)
+    assert len(temperature.modules) == 2  # the layers without rotary positions
+    assert QueryTemperature.of(architecture_target("mistral")) is None
+    batch = left_padded(ROWS)
+    expected = target(**batch).logits
+    columns = torch.arange(batch["input_ids"].shape[1]).expand(2, -1)
+    with temperature.scaled(columns):
+        assert torch.equal(target(**batch).logits, expected)
+    assert all(module.attn_temperature_tuning for module in temperature.modules)  # handed back
+    with temperature.scaled(columns + 12):
+        assert not torch.allclose(target(**batch).logits, expected)
+
+
 @pytest.mark.parametrize("name", SLIDING)
 def test_a_sliding_batch_whose_mask_leaves_out_columns_inside_rows_is_the_target_alones(name):
     # Padding inside a row (a chat's answer padding masked out, say) counts in the target alone's window.
@@ -480,9 +545,9 @@ def test_a_sliding_batch_whose_mask_leaves_out_columns_inside_rows_is_the_target
 
 
 # One family for each kind of cache a batch leaves: every layer sliding, sliding beside full, layers sharing another's
-# keys (DummyLayer), sparse attention's indexer keys, both beside sliding layers, and recurrent states (which a batch
-# leaves empty).
-CACHE_KINDS = ["mistral", "gemma3", "gemma4", "deepseek_v32", "dots3_note", "falcon_h1", "qwen3_5", "mamba2"]
+# keys (DummyLayer), chunked beside full (Llama 4's), sparse attention's indexer keys, both beside sliding layers, and
+# recurrent states.
+CACHE_KINDS = ["mistral", "gemma3", "gemma4", "llama4", "deepseek_v32", "dots3_note", "falcon_h1", "qwen3_5", "mamba2"]
 RECURRENT_KINDS = ("falcon_h1", "qwen3_5", "mamba2")
 
 

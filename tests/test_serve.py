@@ -431,12 +431,14 @@ REFUSED_SETTINGS = {
     "serve-option-of-its-own": (["--serve-option", "port=8001"], "port is set by hf-domino serve's --port"),
 }
 # Each setting through the command's entry point in one process (one import of torch and transformers for all): exit
-# status, stdout and stderr per setting. A setting not refused would start serving and time the process out.
+# status, stdout and stderr per setting. A setting not refused would start serving and time the process out, so the
+# process first names each setting it starts on the real stderr.
 REFUSALS_IN_ONE_PROCESS = """
 import contextlib, io, json, sys
 from hf_domino.cli import main
 results = []
 for args in json.loads(sys.argv[1]):
+    print("starting:", len(results), file=sys.stderr, flush=True)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -454,19 +456,22 @@ def test_hf_domino_serve_refuses_bad_settings_before_loading():
         assert status == 2 and says in stderr, (name, stderr)
         assert "Traceback" not in stderr and not stdout, (name, stderr)  # refused in a line, nothing loaded or printed
 
+    def run(command: list[str], names: list[str]) -> subprocess.CompletedProcess:
+        try:
+            return subprocess.run(command, capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired as timed_out:  # a setting served instead of being refused: which one
+            stderr = timed_out.stderr.decode() if isinstance(timed_out.stderr, bytes) else timed_out.stderr or ""
+            started = [int(line.split()[-1]) for line in stderr.splitlines() if line.startswith("starting:")]
+            pytest.fail(f"not refused within 120 s: {names[started[-1] if started else 0]}")
+
     # The first as a user runs it; the others through the same entry point, in one process.
     first, *others = REFUSED_SETTINGS
-    run = subprocess.run(
-        [sys.executable, "-m", "hf_domino", "serve", *REFUSED_SETTINGS[first][0]],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert_refused(first, run.returncode, run.stdout, run.stderr)
+    done = run([sys.executable, "-m", "hf_domino", "serve", *REFUSED_SETTINGS[first][0]], [first])
+    assert_refused(first, done.returncode, done.stdout, done.stderr)
     arguments = json.dumps([REFUSED_SETTINGS[name][0] for name in others])
-    run = subprocess.run(
-        [sys.executable, "-c", REFUSALS_IN_ONE_PROCESS, arguments], capture_output=True, text=True, timeout=120
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout)
+    done = run([sys.executable, "-c", REFUSALS_IN_ONE_PROCESS, arguments], others)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout)
     assert len(results) == len(others)
     for name, (status, stdout, stderr) in zip(others, results):
         assert_refused(name, status, stdout, stderr)

@@ -54,7 +54,7 @@ from .ragged_batch_domino import (
     row_processors,
 )
 from .ragged_cache_domino import RaggedCache, TreeLayout, batch_cache, cached_columns, ragged_forward
-from .ragged_masks_domino import SlidingWindow, adds_its_mask, places_by_column, prompt_gaps
+from .ragged_masks_domino import QueryTemperature, SlidingWindow, adds_its_mask, places_by_column, prompt_gaps
 from .recurrent_cache_domino import RecurrentRollback, has_recurrent_layers
 
 if TYPE_CHECKING:
@@ -155,13 +155,15 @@ class BatchedDecoding:
         # Steps append in place, into room never taken past what the call can write (its holes aside).
         reserve = options.cache_columns(drafter, self.max_length)
         self.cached = cached_columns(cache, input_ids, attention_mask, generation_config)
-        by_column = places_by_column(target)
-        gaps = prompt_gaps(self.mask) if window is not None or by_column else None
-        if gaps is not None and not by_column and bool((gaps == gaps[:, :1]).all()):
+        by_column, temperature = places_by_column(target), QueryTemperature.of(target)
+        counts_columns = by_column or temperature is not None  # the target alone's columns, left padding included
+        gaps = prompt_gaps(self.mask) if window is not None or counts_columns else None
+        if gaps is not None and not counts_columns and bool((gaps == gaps[:, :1]).all()):
             gaps = None  # left padding alone: a window reads differences of positions, which it changes for none
         self.target_cache = RaggedCache(
-            buffer_layers(cache, reserve), self.mask[:, : self.cached], window=window, gaps=gaps, by_column=by_column
-        )
+            buffer_layers(cache, reserve), self.mask[:, : self.cached], window=window, gaps=gaps, by_column=by_column,
+            temperature=temperature,
+        )  # fmt: skip
         if has_recurrent_layers(cache):  # a replayable scan (generate_hook_domino checked the family)
             self.target_cache.recurrent = RecurrentRollback.install_for_rows(cache, target)
         self.context = BatchedDrafterContext.empty(rows, drafter.device)
@@ -363,11 +365,9 @@ class BatchedDecoding:
         distinct, copies = repeated_rows(input_ids, new) if SHARE_PROMPT_COPIES else (None, None)
         if distinct is not None:  # a request's sequences (num_return_sequences) read its prompt once
             input_ids, new = input_ids[distinct], new[distinct]
-        cache, window = batch_cache(DynamicCache(config=self.target.config), self.target)
+        cache, _ = batch_cache(DynamicCache(config=self.target.config), self.target)  # the same window as ours
         reserve = self.options.cache_columns(self.drafter, max(self.max_lengths[row] for row in rows))
-        own = RaggedCache(
-            buffer_layers(cache, reserve), new[:, :0], window=window, by_column=self.target_cache.by_column
-        )
+        own = self.target_cache.holding(buffer_layers(cache, reserve), new[:, :0], None)
         outputs = ragged_forward(self.target, own, input_ids, new, self.hidden_layers, logits_to_keep=1)
         if copies is not None:
             own.select_rows(copies)

@@ -15,6 +15,7 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from .cache_domino import (
     set_states,
     uncached_prompt_length,
 )
-from .ragged_masks_domino import SlidingWindow, formatted_mask, with_gaps
+from .ragged_masks_domino import QueryTemperature, SlidingWindow, formatted_mask, with_gaps
 from .recurrent_cache_domino import (
     RecurrentRollback,
     add_state_rows,
@@ -80,6 +81,8 @@ class RaggedCache:
     # positions where it places tokens by column (`by_column`, `places_by_column`). None where neither applies.
     gaps: torch.LongTensor | None = None
     by_column: bool = False
+    # Llama 4's query temperature, which the target alone takes from its count of columns (`QueryTemperature`).
+    temperature: QueryTemperature | None = None
 
     @staticmethod
     def check(cache: Any, who: str) -> None:
@@ -217,9 +220,15 @@ class RaggedCache:
         mask = self.mask[index]
         mask &= mask.cumsum(dim=-1) <= torch.tensor(tokens, device=mask.device)[:, None]
         gaps = None if self.gaps is None else self.gaps[index.to(self.gaps.device)]
-        copied = RaggedCache(cache, mask, window=self.window, gaps=gaps, by_column=self.by_column)
+        copied = self.holding(cache, mask, gaps)
         copied._crop_trailing_holes()
         return copied
+
+    def holding(self, cache: DynamicCache, mask: torch.BoolTensor, gaps: torch.LongTensor | None) -> RaggedCache:
+        """Another ragged cache of the same target: its sliding window and how it counts columns, with these rows."""
+        return RaggedCache(
+            cache, mask, window=self.window, gaps=gaps, by_column=self.by_column, temperature=self.temperature
+        )
 
     @classmethod
     def stacked(cls, pieces: list[RaggedCache]) -> RaggedCache:
@@ -231,7 +240,7 @@ class RaggedCache:
             for layers in zip(*(piece.cache.layers for piece in pieces))
         ])  # fmt: skip
         mask = torch.cat([torch.nn.functional.pad(piece.mask, (width - piece.mask.shape[1], 0)) for piece in pieces])
-        return cls(cache, mask, window=pieces[0].window, gaps=joined_gaps(pieces), by_column=pieces[0].by_column)
+        return pieces[0].holding(cache, mask, joined_gaps(pieces))
 
     def arrange(self, layout: torch.BoolTensor) -> None:
         """Moves each row's real columns, in order, to where `layout` (`[rows, columns]`) is True, zeros elsewhere:
@@ -528,19 +537,25 @@ def ragged_forward(
         attention_mask = attention_mask.long()
     else:
         attention_mask = cache.window.masks(attention_mask, new_columns.shape[1], target.dtype, cache.gaps)
-    if cache.by_column and cache.gaps is not None:
-        positions = with_gaps(positions, cache.gaps)
+    columns = positions if cache.gaps is None else with_gaps(positions, cache.gaps)  # the target alone's
+    if cache.by_column:
+        positions = columns
     if inputs_embeds is not None:
         kwargs["inputs_embeds"], input_ids = inputs_embeds, None
-    outputs = target(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=positions,
-        use_cache=True,
-        **cache_argument(cache.cache),
-        output_hidden_states=hidden_layers,
-        **kwargs,
-    )
+    temperature = contextlib.nullcontext()
+    if cache.temperature is not None:  # a hole's query (the prompt's padding, in a prefill) counts its own column
+        own = cache.mask.shape[1] + torch.arange(new_columns.shape[1], device=new_columns.device)
+        temperature = cache.temperature.scaled(torch.where(new_columns, columns, own))
+    with temperature:
+        outputs = target(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=True,
+            **cache_argument(cache.cache),
+            output_hidden_states=hidden_layers,
+            **kwargs,
+        )
     cache.appended(new_columns)
     return outputs
 
