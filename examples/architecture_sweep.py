@@ -3,8 +3,9 @@
 For each model type that `AutoModelForCausalLM` maps (encoder and encoder-decoder families left out), a tiny model is
 built from its config with small generic sizes, its weights scaled up so that greedy choices depend on every layer,
 and a drafter of random weights sized for it by `DominoConfig.from_target`. Then, greedy, the target alone and
-`generate()` with the drafter (fixed policy, 4 drafts per cycle, mostly rejected), for one sequence, for a
-left-padded batch of two, for that batch with columns its mask leaves out inside the rows (padding inside a
+`generate()` with the drafter (fixed policy, 4 drafts per cycle, mostly rejected), for one sequence (also with the
+default policy, which times verifications on the family's cache, and on a static cache, where it is not refused),
+for a left-padded batch of two, for that batch with columns its mask leaves out inside the rows (padding inside a
 sequence), for the batch's scores and hidden states per step (`output_scores`, `output_hidden_states`: each within
 `TOLERANCE` of the target alone's, relative to the largest), for the batch's next turn, drafted on the cache its
 drafted first turn left (as a chat continues it) against the target alone continuing its own, and for requests
@@ -130,14 +131,35 @@ def with_gaps(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {**batch, "attention_mask": mask}
 
 
-def drafted_as_alone(target, drafter, inputs: dict, new_tokens: int) -> str | None:
-    """None where generate() with the drafter gives the target alone's tokens, else what happened."""
-    expected = target.generate(**inputs, max_new_tokens=new_tokens, **GREEDY)
+def drafted_as_alone(target, drafter, inputs: dict, new_tokens: int, options: dict = FIXED, **call) -> str | None:
+    """None where generate() with the drafter (and `options`) gives the target alone's tokens, else what happened
+    (None too where the target alone cannot run the `call`, a static cache say)."""
     try:
-        output = target.generate(**inputs, max_new_tokens=new_tokens, assistant_model=drafter, **GREEDY, **FIXED)
+        expected = target.generate(**inputs, max_new_tokens=new_tokens, **GREEDY, **call)
+    except Exception:
+        if not call:
+            raise
+        return None
+    try:
+        output = target.generate(**inputs, max_new_tokens=new_tokens, assistant_model=drafter, **GREEDY, **options,
+                                 **call)  # fmt: skip
     except ValueError as refusal:
         return f"refused: {' '.join(str(refusal).split())}"
     return None if torch.equal(output, expected) else "MISMATCH"
+
+
+def one_sequence_as_alone(target, drafter) -> str | None:
+    """One sequence: the fixed policy, then the default one (which times verifications on the family's cache), then
+    on a static cache (where refused, one sequence is still served on the dynamic one)."""
+    prompt = {"input_ids": torch.tensor([PROMPT])}
+    one = drafted_as_alone(target, drafter, prompt, 24)
+    if one is None:
+        default = drafted_as_alone(target, drafter, prompt, 24, options={})
+        one = None if default is None else f"{default} with the default policy"
+    if one is None:
+        static = drafted_as_alone(target, drafter, prompt, 24, cache_implementation="static")
+        one = None if static is None or static.startswith("refused") else f"{static} on a static cache"
+    return one
 
 
 def outputs_as_alone(target, drafter, inputs: dict, new_tokens: int) -> str | None:
@@ -217,7 +239,7 @@ def check_family(model_type: str) -> str:
         return f"target alone failed: {type(error).__name__}"
     try:
         drafter = random_drafter(target)
-        one = drafted_as_alone(target, drafter, {"input_ids": torch.tensor([PROMPT])}, 24)
+        one = one_sequence_as_alone(target, drafter)
         if one is not None:
             return one
         batch = drafted_as_alone(target, drafter, left_padded(ROWS), 20)

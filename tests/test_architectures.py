@@ -350,9 +350,19 @@ def test_a_target_whose_cache_layers_cannot_be_cropped_is_refused_before_its_pre
     told to go one prompt at a time, which then failed too; both, and requests joining a batch (generate_batch), are
     refused before any forward, naming the fix (before transformers 5.25, which marks the model stateful, as a
     family with states drafting does not serve)."""
-    compressed = {"deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", {**EXPERTS, **ROUTED_EXPERTS})}
+    from hf_domino import prepare_for_cpu_decoding
+
+    compressed = {
+        "deepseek_v4": (
+            "DeepseekV4Config",
+            "DeepseekV4ForCausalLM",
+            {**EXPERTS, **ROUTED_EXPERTS, "sliding_window": 8},
+        )
+    }
     target = architecture_target("deepseek_v4", compressed)
     drafter = tiny_drafter(target)
+    # Preparing packs its products and measures no verification, which would crop its cache (a shape error before).
+    assert prepare_for_cpu_decoding(target, drafter).prepacked["target"]
     forwards = []
     target.register_forward_pre_hook(lambda *args: forwards.append(1))
     for inputs in ({"input_ids": torch.tensor([PROMPT])}, left_padded(ROWS)):
@@ -527,6 +537,29 @@ def test_llama4s_query_temperature_scaled_per_row_is_the_targets_own_to_the_bit(
     assert all(module.attn_temperature_tuning for module in temperature.modules)  # handed back
     with temperature.scaled(columns + 12):
         assert not torch.allclose(target(**batch).logits, expected)
+
+
+def test_llama4_without_chunks_verifies_trees_each_query_scaled_by_its_rows_column():
+    # With no chunked layers (attention_chunk_size=None) trees serve Llama 4: the branches' queries are scaled by
+    # their positions along their branch, the target alone's columns, not the forward's.
+    config = transformers.Llama4TextConfig(
+        **{**SIZES, **SPECIAL_TOKENS, **ARCHITECTURES["llama4"][2], "attention_chunk_size": None}
+    )
+    try:
+        DynamicCache(config=config)
+    except TypeError:  # transformers 5.23 gives its layers a sliding window of None
+        pytest.skip(
+            "this transformers cannot build Llama 4's cache without chunks (nor generate with the target alone)"
+        )
+    torch.manual_seed(0)
+    target = with_large_weights(transformers.Llama4ForCausalLM(config).eval())
+    drafter = tiny_drafter(target)
+    batch = left_padded(ROWS)
+    expected = target.generate(**batch, max_new_tokens=30, **GREEDY)
+    output = target.generate(**batch, max_new_tokens=30, assistant_model=drafter, **GREEDY, draft_policy="fixed",
+                             num_speculative_tokens=3, domino_branches=2)  # fmt: skip
+    assert torch.equal(output, expected)
+    assert had_rejections(drafter.last_generation_stats) and set(config.layer_types) == {"full_attention"}
 
 
 @pytest.mark.parametrize("name", SLIDING)
@@ -785,6 +818,23 @@ def test_a_vision_language_target_drafts_batches_with_and_without_images(name):
             **inputs, pixel_values=pixels[rows], assistant_model=drafter, max_new_tokens=16, **GREEDY
         )
         assert torch.equal(output, expected), rows
+
+
+@pytest.mark.parametrize("name", ["llava", "gemma3"])
+def test_a_vision_language_target_prepared_for_a_cpu_drafts_a_batch_with_images(name):
+    # prepare_for_cpu_decoding reads a multimodal config's key/value heads in its text config: Llava's were not read
+    # (its attention not switched), and on Gemma 3's it raised an AttributeError (transformers' per-layer view of the
+    # composite config has no layer count).
+    from hf_domino import prepare_for_cpu_decoding
+
+    target = vision_language_target(name)
+    drafter = tiny_drafter(target)
+    report = prepare_for_cpu_decoding(target, drafter, batch_size=2)
+    assert "target" in report.attention and report.prepacked["target"]  # grouped key/value heads read in place
+    image = [5, 9] + [63] * 4 if name == "llava" else [5, 9, 61] + [63] * 4 + [62]
+    batch = {**left_padded([image + PROMPT[:8], [11] + image + PROMPT[3:12]]), "pixel_values": torch.randn(2, 3, 8, 8)}
+    expected = target.generate(**batch, max_new_tokens=16, **GREEDY)
+    assert torch.equal(target.generate(**batch, assistant_model=drafter, max_new_tokens=16, **GREEDY), expected)
 
 
 def test_gemma4_as_auto_model_for_causal_lm_builds_it_drafts_text_one_sequence_and_batched():

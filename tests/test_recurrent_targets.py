@@ -710,8 +710,15 @@ def test_inklings_convolution_windows_are_cropped_for_one_sequence_and_a_batch_i
     drafter = forcing_drafter(target, successor_table(alone))
     output = target.generate(PROMPT, assistant_model=drafter, max_new_tokens=40, draft_policy="fixed", **GREEDY)
     assert torch.equal(output, alone) and rolled_back(drafter.last_generation_stats) > 0
+    # The default policy measures what verifying costs, cropping what it measured: it had taken the windows for
+    # recurrent states and failed in the target's forward (a shape error).
+    assert torch.equal(target.generate(PROMPT, assistant_model=drafter, max_new_tokens=40, **GREEDY), alone)
     with pytest.raises(ValueError, match="generate one prompt at a time"):
         target.generate(**left_padded(BATCH), assistant_model=drafter, max_new_tokens=8, **GREEDY)
+    if static_caches_roll_back():  # static sliding keys past their window cannot be cropped: the output differed
+        with pytest.raises(ValueError, match="StaticSlidingWindowAttentionLayer layers cannot be cropped"):
+            target.generate(PROMPT, assistant_model=drafter, max_new_tokens=40, cache_implementation="static",
+                            **GREEDY)  # fmt: skip
 
 
 def test_per_token_attentions_and_hidden_states_are_refused():
@@ -831,6 +838,21 @@ def test_a_static_cache_rolls_back_too(name):
     )
     assert torch.equal(output, expected)
     assert rolled_back(drafter.last_generation_stats) > 0
+
+
+@pytest.mark.skipif(not static_caches_roll_back(), reason="a static cache with a drafter needs transformers 5.24+")
+def test_a_static_cache_whose_layers_hold_states_beside_keys_is_refused_before_any_forward():
+    # Falcon-H1's static layers keep keys beside Mamba states, and their `crop` (linear attention's) crops only the
+    # states: the rejected drafts' keys stayed, and the call failed once the cache filled (an IndexError).
+    target = hybrid_target("falcon_h1")
+    forwards = []
+    target.register_forward_pre_hook(lambda *args: forwards.append(1))
+    with pytest.raises(
+        ValueError, match=r"LinearAttentionAndStaticFullAttentionLayer layers cannot be cropped.*dynamic"
+    ):
+        target.generate(PROMPT, assistant_model=tiny_drafter(target), max_new_tokens=8, cache_implementation="static",
+                        **GREEDY)  # fmt: skip
+    assert forwards == []
 
 
 def test_layers_of_different_devices_or_dtypes_replay_in_groups(monkeypatch):

@@ -17,6 +17,7 @@ from transformers.cache_utils import (
     DynamicLayer,
     LinearAttentionCacheLayerMixin,
     StaticCache,
+    StaticLayer,
 )
 from transformers.generation import GenerationMixin
 
@@ -174,17 +175,11 @@ def check_croppable(target, cache: Cache | None, batched: bool) -> None:
     (`is_croppable`, transformers >= 5.24: DeepSeek-V4's compressed attention, quantized layers, a static sliding
     layer longer than its window). transformers' assisted loop finds it only after the prefill, with no fix named,
     and a batch would not ask. A batch on a static cache drafts on a dynamic one (`ragged_cache_domino.batch_cache`),
-    so it is let be. Linear-attention layers are left out: transformers 5.24 calls them uncroppable until they hold a
+    so it is let be. Linear-attention states are left out: transformers 5.24 calls them uncroppable until they hold a
     state, and their windows crop while their recurrent states roll back here (recurrent_cache_domino)."""
     if cache is None or (batched and isinstance(cache, StaticCache)):
         return
-    layers = sorted(
-        {
-            type(layer).__name__
-            for layer in cache.layers
-            if not getattr(layer, "is_croppable", True) and not isinstance(layer, LinearAttentionCacheLayerMixin)
-        }
-    )
+    layers = sorted({type(layer).__name__ for layer in cache.layers if not _keys_croppable(layer)})
     if not layers:
         return
     fix = (
@@ -197,6 +192,26 @@ def check_croppable(target, cache: Cache | None, batched: bool) -> None:
         f"{type(target).__name__}'s {type(cache).__name__} cannot drop the drafts a verification rejects (its "
         f"{', '.join(layers)} layers cannot be cropped), which drafting needs: {fix}."
     )
+
+
+def _keys_croppable(layer) -> bool:
+    """Whether a cache layer's keys and values can drop columns. A layer keeping linear-attention states beside them
+    (Falcon-H1's, Inkling's) answers `is_croppable` for its states, `LinearAttentionLayer` coming first in its
+    classes, and so does its `crop` unless its own class crops the keys too, as the dynamic ones do: transformers'
+    static ones do not (their keys never drop a column), nor can a static sliding layer longer than its window."""
+    if not isinstance(layer, LinearAttentionCacheLayerMixin):
+        return getattr(layer, "is_croppable", True)
+    keys = next(
+        (cls for cls in type(layer).__mro__
+         if issubclass(cls, (DynamicLayer, StaticLayer)) and not issubclass(cls, LinearAttentionCacheLayerMixin)),
+        None,
+    )  # fmt: skip
+    if keys is None:  # states alone, which roll back (recurrent_cache_domino)
+        return True
+    if "crop" not in vars(type(layer)):
+        return False
+    answer = inspect.getattr_static(keys, "is_croppable", True)
+    return bool(answer.fget(layer) if isinstance(answer, property) else answer)
 
 
 __all__ = [

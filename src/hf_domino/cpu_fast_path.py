@@ -210,9 +210,11 @@ def _use_grouped_kv_attention(model: nn.Module, name: str, report: CpuFastPathRe
 
 def _groups_key_value_heads(config) -> bool:
     """Whether some layer has fewer key/value heads than query heads; read per layer where transformers keeps head
-    counts per layer (dots.llm3's), since the grouped forward passes ungrouped layers on to `sdpa` as they are."""
+    counts per layer (dots.llm3's), since the grouped forward passes ungrouped layers on to `sdpa` as they are. A
+    multimodal model's are its text config's (Gemma 3's `Gemma3ForConditionalGeneration`)."""
+    config = config.get_text_config()
     layers = [config]
-    if getattr(config, "per_layer_config", None):
+    if getattr(config, "per_layer_config", None) is not None:
         layers = [config.per_layer_config[index] for index in range(config.num_hidden_layers)]
     for layer in layers:
         heads = getattr(layer, "num_attention_heads", None)
@@ -292,12 +294,19 @@ def _measure_verify_cost(target: nn.Module, drafter: nn.Module, batch_size: int,
     generate() with the drafter: 0.4 s of it on 2 cores for the 135M target, a tenth of a first 128-token answer.
     With `batch_size` > 1 also the `rows x (1 + k)` forwards of that batch (0.8 s at 8 rows), which a batch's first
     call would measure otherwise; smaller batches read between the two."""
+    from transformers import DynamicCache
+
     from . import cost_model_domino
+    from .cache_domino import check_croppable
     from .modeling_domino import hidden_state_indices
     from .options_domino import check_drafter_for_target
+    from .recurrent_cache_domino import check_recurrent_target, keeps_recurrent_states
 
-    try:
+    try:  # measuring crops what it adds to a cache, or rolls its recurrent states back
         check_drafter_for_target(drafter, target)
+        check_croppable(target, DynamicCache(config=target.config), batched=False)
+        if keeps_recurrent_states(target):
+            check_recurrent_target(target)
     except ValueError:  # not a pair that can draft: generate() names the problem and the fix, not preparing
         return
     layers = hidden_state_indices(drafter.config.target_layer_ids)  # what generate() asks of every forward

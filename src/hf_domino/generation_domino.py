@@ -44,7 +44,7 @@ from .modeling_domino import TargetModules, check_context_features, context_feat
 from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
 from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy
 from .records_domino import DraftingMode, copy_records, drafter_record
-from .recurrent_cache_domino import RecurrentRollback, has_recurrent_layers
+from .recurrent_cache_domino import RecurrentRollback, rolls_back
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
@@ -336,7 +336,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         forward_kwargs = {"output_hidden_states": self.model_kwargs_overrides["output_hidden_states"]}
 
         def measure() -> VerifyCost:
-            if isinstance(cache, DynamicCache) and not has_recurrent_layers(cache):  # on the call's own context
+            if isinstance(cache, DynamicCache) and not rolls_back(cache, target):  # on the call's own context
                 return measure_verify_cost(target, cache, input_ids[:, -1:], forward_kwargs)  # given back each time
             # A static cache has no room to spare; recurrent states cannot give a measured block back.
             return measure_verify_cost_on_scratch(target, forward_kwargs)

@@ -56,7 +56,7 @@ from .cpu_fast_path import compiling_on_any_device
 from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
 from .modeling_domino import DominoForSpeculation, TargetModules, context_features, hidden_state_indices
 from .prepacked_linear import eager_linears
-from .recurrent_cache_domino import RecurrentRollback, has_recurrent_layers, record_past
+from .recurrent_cache_domino import RecurrentRollback, record_past, rolls_back
 from .transformers_dflash import to_transformers_dflash
 
 if TYPE_CHECKING:
@@ -364,7 +364,7 @@ def measure_forward_ms(
     target(input_ids, **cache_argument(cache), logits_to_keep=1)
     # Recurrent layers: each forward as a drafting call's verification runs it, keeping one token (`rollback`).
     rollback = None
-    if has_recurrent_layers(cache):
+    if rolls_back(cache, target):
         record_past(cache)
         rollback = RecurrentRollback.install(cache, input_ids.shape[1], target)
     costs = {}

@@ -349,6 +349,13 @@ def has_recurrent_layers(cache: Cache | None) -> bool:
     return cache is not None and any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
 
 
+def rolls_back(cache: Cache | None, target) -> bool:
+    """Whether a forward on `cache` is given back through `RecurrentRollback` rather than by cropping: its layers
+    keep recurrent states, which no crop can drop (Inkling's linear-attention layers keep only convolution windows,
+    which crop: `CONVOLUTION_WINDOW_TARGETS`)."""
+    return has_recurrent_layers(cache) and keeps_recurrent_states(target)
+
+
 # The tensors of a linear-attention cache layer with an entry per row and none per token, each per state index: its
 # convolution windows and its recurrent states.
 ROW_STATES = ("conv_states", "recurrent_states")
@@ -469,6 +476,7 @@ __all__ = [
     "check_recurrent_call",
     "check_recurrent_target",
     "has_recurrent_layers",
+    "rolls_back",
     "keeps_recurrent_states",
     "layer_for_rows",
     "put_row_states",

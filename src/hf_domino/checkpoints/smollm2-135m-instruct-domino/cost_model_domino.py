@@ -21,7 +21,7 @@ import torch
 from transformers.utils import logging
 
 from .cache_domino import cache_argument
-from .recurrent_cache_domino import RecurrentRollback, has_recurrent_layers, record_past
+from .recurrent_cache_domino import RecurrentRollback, record_past, rolls_back
 from .target_modules_domino import dense_weight, offload_hooked, target_execution_device
 
 logger = logging.get_logger(__name__)
@@ -165,7 +165,7 @@ def measure_verify_cost_on_scratch(
     cache = DynamicCache(config=target.config)
     record_past(cache)  # sliding-window layers must give the measured blocks back
     target(input_ids=context, use_cache=True, **cache_argument(cache))
-    if not has_recurrent_layers(cache):
+    if not rolls_back(cache, target):
         return measure_verify_cost(target, cache, context[:, -1:], forward_kwargs)
     rollback = RecurrentRollback.install(cache, CALIBRATION_CONTEXT, target)
     try:
