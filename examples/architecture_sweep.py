@@ -23,7 +23,7 @@ family:
 Run it when transformers releases: a new family shows up here before a user meets it (docs/usage.md, "Which
 targets", quotes a run).
 
-    python examples/architecture_sweep.py                        # every family: about 2 minutes on 2 cores
+    python examples/architecture_sweep.py                        # every family: about 10 minutes on 2 cores
     python examples/architecture_sweep.py gemma4_text gpt_oss    # some
 """
 
@@ -262,7 +262,7 @@ def check_family(model_type: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_types", nargs="*", help="model types to check (default: every causal LM)")
-    parser.add_argument("--seconds", type=int, default=60, help="per family, building included")
+    parser.add_argument("--seconds", type=int, default=120, help="per family, building included")
     parser.add_argument("--width", type=int, default=160, help="characters per line")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
