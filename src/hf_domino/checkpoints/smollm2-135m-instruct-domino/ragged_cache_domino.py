@@ -537,7 +537,10 @@ def ragged_forward(
         attention_mask = attention_mask.long()
     else:
         attention_mask = cache.window.masks(attention_mask, new_columns.shape[1], target.dtype, cache.gaps)
-    columns = positions if cache.gaps is None else with_gaps(positions, cache.gaps)  # the target alone's
+    # The target alone's columns, read only where it counts them (most targets: neither).
+    columns = positions
+    if cache.gaps is not None and (cache.by_column or cache.temperature is not None):
+        columns = with_gaps(positions, cache.gaps)
     if cache.by_column:
         positions = columns
     if inputs_embeds is not None:
