@@ -14,6 +14,8 @@ from test_generation import (
     chi_square_p_value,
     drafts_and_accepted,
     exact_sequence_distribution,
+    law_drafter,
+    law_target,
     letter_tokenizer,
     sample_with_drafter,
     sampled_continuations,
@@ -285,10 +287,8 @@ def test_sampling_keeps_each_rows_law_with_num_return_sequences(draft_vocab, bra
     from transformers.generation.logits_process import TemperatureLogitsWarper
 
     vocab, num_new, per_prompt = 5, 3, 2000
-    target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=3)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(4)  # peaked laws, so that a wrong one is told apart (below)
-    drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    target = law_target(vocab, seed=3, peak=4)  # peaked laws, so that a wrong one is told apart (below)
+    drafter = law_drafter(target)
     drafter.set_draft_vocab(draft_vocab)  # drafts only from these tokens: zero draft probability elsewhere
     prompts = [[2, 4, 1], [3]]
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.5)])
@@ -325,30 +325,36 @@ def test_truncation_samplers_keep_the_target_law_alone_and_in_batches(truncation
     from transformers.generation.logits_process import TemperatureLogitsWarper
 
     vocab, num_new, draws = 5, 3, 1500
-    target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=3)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(4)  # peaked laws, so that every threshold cuts tokens
-    drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    target = law_target(vocab, seed=3, peak=4)  # peaked laws, so that every threshold cuts tokens
+    drafter = law_drafter(target)
     drafter.set_draft_vocab(draft_vocab)
     sampling = dict(temperature=0.8, top_k=0, **truncation)
     law = target._get_logits_processor(GenerationConfig(do_sample=True, **sampling), device="cpu")
     untruncated = LogitsProcessorList([TemperatureLogitsWarper(sampling["temperature"])])
     prompts = [[2, 4, 1], [3]]
 
-    alone, drafted, accepted = sample_with_drafter(
-        target, drafter, prompts[0], num_new, draws, seed=11, draft_policy="fixed", **sampling
-    )
     torch.manual_seed(7)
     in_batch, stats = sampled_continuations(target, left_padded(prompts), num_new, draws, assistant_model=drafter,
                                             draft_policy="fixed", **sampling)  # fmt: skip
-    batch_drafted, batch_accepted = drafts_and_accepted(stats)
-    assert 0 < accepted < drafted and 0 < batch_accepted < batch_drafted  # both outcomes of rejection sampling
-    for observed, prompt in [(alone, prompts[0]), *zip(in_batch, prompts)]:
+    drafted, accepted = drafts_and_accepted(stats)
+    assert 0 < accepted < drafted  # both outcomes of rejection sampling
+    checked = list(zip(in_batch, prompts))
+    # One sequence too (transformers' loop; a generate() call per draw, most of the test's time) for the two with a
+    # draft vocabulary: the drafts are the same code in both loops, and transformers' verification applies any
+    # processor the same way (test_generation.py's laws).
+    if draft_vocab is not None:
+        alone, drafted, accepted = sample_with_drafter(
+            target, drafter, prompts[0], num_new, draws, seed=11, draft_policy="fixed", **sampling
+        )
+        assert 0 < accepted < drafted
+        checked.append((alone, prompts[0]))
+    for observed, prompt in checked:
         assert chi_square_p_value(observed, exact_sequence_distribution(target, prompt, num_new, law), draws) > 1e-3
-    # The test can fail: the same draws are far from the law without the threshold.
+    # The test can fail: the first prompt's draws are far from the law without the threshold.
     wrong = exact_sequence_distribution(target, prompts[0], num_new, untruncated)
-    assert chi_square_p_value(alone, wrong, draws) < 1e-6
-    assert chi_square_p_value(in_batch[0], wrong, draws) < 1e-6
+    assert all(
+        chi_square_p_value(observed, wrong, draws) < 1e-6 for observed, prompt in checked if prompt == prompts[0]
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ bad input

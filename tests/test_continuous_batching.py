@@ -7,7 +7,13 @@ import pytest
 import torch
 from conftest import forcing_drafter, tiny_drafter, tiny_target
 from test_batching import left_padded, prefill_rows
-from test_generation import chi_square_p_value, drafts_and_accepted, exact_sequence_distribution
+from test_generation import (
+    chi_square_p_value,
+    drafts_and_accepted,
+    exact_sequence_distribution,
+    law_drafter,
+    law_target,
+)
 from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 from transformers.generation.continuous_batching.requests import RequestStatus
@@ -235,10 +241,8 @@ def test_targets_with_recurrent_layers_serve_requests_exactly(name):
 # ----------------------------------------------------------------------------------------------- sampling: the law
 def test_sampling_keeps_each_requests_law_with_num_return_sequences(gpu_like_costs):
     vocab, num_new, draws = 5, 3, 1000
-    target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=3)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(4)  # peaked laws, so that a wrong one is told apart (below)
-    drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    target = law_target(vocab, seed=3, peak=4)  # peaked laws, so that a wrong one is told apart (below)
+    drafter = law_drafter(target)
     prompts = [[2, 4, 1], [3]]
     torch.manual_seed(7)
     config = GenerationConfig(do_sample=True, temperature=0.5, max_new_tokens=num_new, num_return_sequences=draws,

@@ -9,7 +9,13 @@ import pytest
 import torch
 from conftest import tiny_drafter, tiny_target
 from test_batching import both, left_padded
-from test_generation import chi_square_p_value, exact_sequence_distribution, sample_with_drafter
+from test_generation import (
+    chi_square_p_value,
+    exact_sequence_distribution,
+    law_drafter,
+    law_target,
+    sample_with_drafter,
+)
 from transformers import LogitsProcessorList
 
 from hf_domino import DominoForSpeculation, batching_domino
@@ -127,10 +133,8 @@ def test_sampling_with_retrieved_drafts_preserves_target_distribution():
     """Retrieved drafts, like copies, come without a distribution and are kept while they equal the target's own
     draws: exact. Mixed with the drafter's cycles in the same calls."""
     vocab, num_new, draws = 4, 4, 2500
-    target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=5)
-    with torch.no_grad():  # a peaked law, far from uniform, so that a wrong one shows
-        target.lm_head.weight.mul_(20)
-    drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    target = law_target(vocab, seed=5, peak=20)  # a peaked law, far from uniform, so that a wrong one shows
+    drafter = law_drafter(target)
     # Text without token 3: retrieval drafts after 2-grams of the other tokens, the drafter after those with a 3.
     drafter.datastore = DraftDatastore.from_sequences(
         [[a, b, c, d] for a in range(3) for b in range(3) for c in range(3) for d in (c, (c + 1) % 3)],

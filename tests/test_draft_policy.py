@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CPU_LIKE, GPU_LIKE, forcing_drafter, successor_target, tiny_drafter, tiny_target
-from test_generation import chi_square_p_value, exact_sequence_distribution, sample_with_drafter
+from test_generation import (
+    chi_square_p_value,
+    exact_sequence_distribution,
+    law_drafter,
+    law_target,
+    sample_with_drafter,
+)
 from transformers import GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 
@@ -591,8 +597,8 @@ def test_draft_vocabulary_round_trips_and_is_validated(tmp_path):
 @pytest.mark.parametrize("options", [dict(draft_policy="adaptive"), dict(draft_policy="fixed", draft_vocab=True)])
 def test_sampling_preserves_target_distribution_adaptive_and_with_a_draft_vocabulary(options, gpu_like_costs):
     vocab, num_new, draws = 5, 4, 2500
-    target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=3)
-    drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    target = law_target(vocab, seed=3)
+    drafter = law_drafter(target)
     if options.get("draft_vocab"):
         drafter.set_draft_vocab(torch.tensor([0, 2, 3]))
     prompt = [2, 4, 1]

@@ -306,6 +306,24 @@ def exact_sequence_distribution(target, prompt, num_new: int, logits_processor) 
     return probs
 
 
+def law_target(vocab: int, seed: int, peak: float = 1.0, num_layers: int = 1):
+    """The small target the sampling-law tests draw thousands of continuations from: no EOS, its logits scaled by
+    `peak` (a peaked law, which a wrong one differs from clearly). One layer by default, as `law_drafter` has: such a
+    test's time is generate() calls, most of it per layer, and a law does not need depth to be kept exactly."""
+    target = tiny_target(
+        "qwen3", vocab_size=vocab, hidden_size=16, num_layers=num_layers, eos_token_id=None, seed=seed
+    )
+    if peak != 1.0:
+        with torch.no_grad():
+            target.lm_head.weight.mul_(peak)
+    return target
+
+
+def law_drafter(target):
+    """The drafter of the sampling-law tests: blocks of 4 (3 drafts), mask token 0, one layer."""
+    return tiny_drafter(target, block_size=4, mask_token_id=0, num_layers=1)
+
+
 def sampled_continuations(target, batch: dict, num_new: int, draws: int, **generate_kwargs) -> tuple[list, list]:
     """Draws `draws` continuations of `num_new` tokens for each row of a left-padded `batch` (generate() with
     `num_return_sequences` of 250 at a time), counted per row; also each call's `last_generation_stats`."""
@@ -379,22 +397,26 @@ def sample_with_drafter(target, drafter, prompt, num_new: int, draws: int, seed:
 
 
 @pytest.mark.parametrize(
-    "sampling, draft_vocab",
-    # The draft vocabulary's case warps and draws on its columns (processed_pick): top-k 2 bites there. The plain law
+    "sampling, draft_vocab, peak",
+    # The draft vocabulary's cases warp and draw on its columns (processed_pick): top-k 2 bites there. The plain law
     # (T = 1, no warper) is test_draft_policy.py's: the adaptive policy, and the fixed one with a draft vocabulary.
+    # The first case's law is peaked (logits x 6), so that the temperature moves the drafts' law far: a generator
+    # returning its drafts' logits without the temperature (drawing them with it) fails it (p ~1e-8; without the
+    # fault 0.24). With the plain law the same fault passed (p 0.62 and 0.95, two seeds): the tiny drafter's logits are
+    # near zero.
     [
-        (dict(temperature=0.7, top_k=3), None),
-        (dict(temperature=0.7, top_k=2), [0, 2, 3]),
-        (dict(temperature=0.8, top_p=0.7), [0, 2, 3]),
+        (dict(temperature=0.7, top_k=3), None, 6),
+        (dict(temperature=0.7, top_k=2), [0, 2, 3], 1),
+        (dict(temperature=0.8, top_p=0.7), [0, 2, 3], 1),  # not peaked: top-p keeps nuclei of several tokens
     ],
     ids=["T=0.7,top-k", "T=0.7,top-k,draft-vocab", "T=0.8,top-p,draft-vocab"],
 )
-def test_sampling_preserves_target_distribution(sampling, draft_vocab):
+def test_sampling_preserves_target_distribution(sampling, draft_vocab, peak):
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     vocab, num_new, draws = 5, 4, 2500
-    target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=3)
-    drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    target = law_target(vocab, seed=3, peak=peak)
+    drafter = law_drafter(target)
     drafter.set_draft_vocab(draft_vocab)
     processors = LogitsProcessorList([TemperatureLogitsWarper(sampling["temperature"])])
     if "top_k" in sampling:
@@ -407,7 +429,7 @@ def test_sampling_preserves_target_distribution(sampling, draft_vocab):
     # A fixed draft length keeps the draws independent of this machine's timings (the adaptive policy's law is tested
     # in test_draft_policy.py with fixed costs), so the seeded test is deterministic.
     counts, drafted, accepted = sample_with_drafter(
-        target, drafter, prompt, num_new, draws, seed=1234, draft_policy="fixed", **sampling
+        target, drafter, prompt, num_new, draws, seed=1, draft_policy="fixed", **sampling
     )
     assert 0 < accepted < drafted  # rejection sampling really ran, with both outcomes
     assert chi_square_p_value(counts, probs, draws) > 1e-3

@@ -11,6 +11,8 @@ from test_generation import (
     chi_square_p_value,
     exact_sequence_distribution,
     greedy,
+    law_drafter,
+    law_target,
     letter_tokenizer,
     sample_with_drafter,
     sampled_continuations,
@@ -139,10 +141,8 @@ def test_sampling_with_copied_drafts_preserves_target_distribution():
     """Copied drafts have no distribution: transformers verifies them by sampling the target at every position and
     keeping them while they agree, which is exact. Mixed with the drafter's cycles in the same calls."""
     vocab, num_new, draws = 4, 4, 2500
-    target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=5)
-    with torch.no_grad():  # a peaked law, far from uniform, so that a wrong one shows
-        target.lm_head.weight.mul_(20)
-    drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    target = law_target(vocab, seed=5, peak=20)  # a peaked law, far from uniform, so that a wrong one shows
+    drafter = law_drafter(target)
     prompt = [3, 0, 3, 1, 3, 2, 3, 3]  # every pair "3 t" occurred: whatever t follows, the next cycle copies
     probs = exact_sequence_distribution(target, prompt, num_new, LogitsProcessorList())
     calls = []
@@ -306,10 +306,9 @@ def test_batch_declined_copies_are_judged_and_win_back(gpu_like_costs):
 def test_batch_sampling_with_copied_drafts_keeps_each_rows_law():
     """Copied rows are verified by the target's own draws, drafted rows by speculative sampling, in the same cycles."""
     vocab, num_new, per_prompt = 4, 4, 2000
-    target = tiny_target("qwen3", vocab_size=vocab, hidden_size=16, num_layers=2, eos_token_id=None, seed=5)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(20)
-    drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    # Two layers: with one, the first row's law is too near the wrong one below (a prompt differing in one token).
+    target = law_target(vocab, seed=5, peak=20, num_layers=2)
+    drafter = law_drafter(target)
     prompts = [[3, 0, 3, 1, 3, 2, 3, 3], [1, 2]]  # the first row copies every cycle; the second starts drafting
     batch = left_padded(prompts)
     torch.manual_seed(11)

@@ -199,6 +199,8 @@ def test_a_batch_passing_its_cache_back_gets_the_target_alones_answers(smollm2, 
     assert torch.equal(second, target.generate(**turn, max_new_tokens=24, do_sample=False))
 
 
+# Slow: generate_batch with the drafter is exact on small targets in test_continuous_batching.py, every run.
+@pytest.mark.slow
 def test_shipped_drafter_serves_requests_joining_as_rows_finish(smollm2, shipped_drafter):
     """generate_batch with the drafter, 2 rows at a time over 4 questions: each answer is the target alone's for that
     question alone, every request joining as an earlier one finishes."""
@@ -239,6 +241,9 @@ def test_token_healing_heals_a_batch_or_names_the_fix(smollm2, shipped_drafter):
         target.generate(**one_chat, **healing, assistant_model=shipped_drafter, domino_branches=2)
 
 
+# Slow (46 s on 2 cores): trees are exact on small targets in test_batching.py, every run; the lift is measured in
+# docs/benchmarks.md.
+@pytest.mark.slow
 def test_first_token_branches_keep_the_target_alones_output_and_lift_acceptance(smollm2, shipped_drafter):
     """Two branches of 2 drafts against one block of 2, one sequence and a padded batch, the drafter's drafts only (as
     measured in docs/benchmarks.md, "First-token branches")."""

@@ -739,7 +739,7 @@ def test_per_token_attentions_and_hidden_states_are_refused():
 def test_sampling_keeps_the_target_law(name):
     """Rolled-back verifications and their re-reads under speculative sampling: the continuations' law is the target
     alone's (chi-square over every continuation of 3 tokens from a 5-token vocabulary), and far from a wrong one."""
-    from test_generation import chi_square_p_value, exact_sequence_distribution, sample_with_drafter
+    from test_generation import chi_square_p_value, exact_sequence_distribution, law_drafter, sample_with_drafter
     from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
     config_class, model_class, extra = FAMILIES[name]
@@ -748,7 +748,7 @@ def test_sampling_keeps_the_target_law(name):
     target = getattr(transformers, model_class)(getattr(transformers, config_class)(**small, **extra)).eval()
     with torch.no_grad():
         target.lm_head.weight.mul_(8)  # a law with a shape, which a wrong one (tempered, below) differs from
-    drafter = tiny_drafter(target, block_size=4, mask_token_id=0)
+    drafter = law_drafter(target)
     prompt, num_new, draws = [2, 4, 1], 3, 1500
     probs = exact_sequence_distribution(target, prompt, num_new, LogitsProcessorList())
     stats = []

@@ -489,11 +489,14 @@ def transformers_serve_options() -> list[str]:
 @pytest.mark.parametrize(
     "options",
     [
-        [],
-        ["--continuous-batching", "--max-requests-per-batch", "2", "--drafter-option", "num_speculative_tokens=4"],
-        transformers_serve_options(),
+        # Slow: the last case runs the same defaults of ours (with options of transformers' server only).
+        pytest.param([], id="defaults", marks=pytest.mark.slow),
+        pytest.param(
+            ["--continuous-batching", "--max-requests-per-batch", "2", "--drafter-option", "num_speculative_tokens=4"],
+            id="continuous-batching-with-options",
+        ),
+        pytest.param(transformers_serve_options(), id="transformers-serve-options"),
     ],
-    ids=["defaults", "continuous-batching-with-options", "transformers-serve-options"],
 )
 def test_hf_domino_serve_runs_as_a_user_runs_it(options, smollm2_answer, tmp_path):
     port = free_port()

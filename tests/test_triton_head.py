@@ -908,8 +908,8 @@ def test_batched_generate_runs_the_fused_head(interp, monkeypatch, do_sample):
     drafter.set_draft_vocab(VOCABS["without the anchor"])
     batch = left_padded_batch()
     options = dict(max_new_tokens=10, do_sample=do_sample, draft_policy="fixed")
-    if do_sample:
-        options.update(temperature=0.7, top_k=12, top_p=0.8)
+    if do_sample:  # a few cycles (the interpreter takes seconds per cycle)
+        options.update(max_new_tokens=4, temperature=0.7, top_k=12, top_p=0.8)
     output = target.generate(**batch, assistant_model=drafter, domino_rollout="triton", **options)
     assert any(rows > 1 for rows, _ in rows_seen), "the batch loop did not draft through the fused head"
     if do_sample:
@@ -936,8 +936,9 @@ def test_tree_generate_runs_the_fused_head(interp, monkeypatch, do_sample):
     target, drafter = small_target(), tiny_drafter()
     drafter.set_draft_vocab(VOCABS["without the anchor"])
     batch = left_padded_batch()
-    options = dict(max_new_tokens=10, do_sample=do_sample, draft_policy="fixed", domino_branches=3)
-    if do_sample:  # one cycle shows the sampled tree drafted fused (the interpreter takes seconds per cycle)
+    # A few cycles each (the interpreter takes seconds per cycle); one shows the sampled tree drafted fused.
+    options = dict(max_new_tokens=6, do_sample=do_sample, draft_policy="fixed", domino_branches=3)
+    if do_sample:
         options.update(max_new_tokens=3, temperature=0.7, top_k=12, top_p=0.8)
     for rows in (1, 3):
         part = {name: value[-rows:] for name, value in batch.items()}
@@ -946,7 +947,7 @@ def test_tree_generate_runs_the_fused_head(interp, monkeypatch, do_sample):
         if do_sample:
             assert output.shape[0] == rows and torch.equal(output[:, :5], part["input_ids"])
         else:
-            assert torch.equal(output, target.generate(**part, max_new_tokens=10, do_sample=False)), rows
+            assert torch.equal(output, target.generate(**part, max_new_tokens=6, do_sample=False)), rows
 
 
 # -------------------------------------------------------------------------------------------------------------- GPU
