@@ -597,7 +597,9 @@ def test_draft_vocabulary_round_trips_and_is_validated(tmp_path):
 @pytest.mark.parametrize("options", [dict(draft_policy="adaptive"), dict(draft_policy="fixed", draft_vocab=True)])
 def test_sampling_preserves_target_distribution_adaptive_and_with_a_draft_vocabulary(options, gpu_like_costs):
     vocab, num_new, draws = 5, 4, 2500
-    target = law_target(vocab, seed=3)
+    # Peaked (logits x 6): drafts drawn from a law 1.5 times sharper than the logits they return fail the adaptive
+    # case; with the plain law both cases passed that fault (checked 2026-12-06).
+    target = law_target(vocab, seed=3, peak=6)
     drafter = law_drafter(target)
     if options.get("draft_vocab"):
         drafter.set_draft_vocab(torch.tensor([0, 2, 3]))
