@@ -278,13 +278,14 @@ def test_repeated_rows_tell_prompts_apart_by_their_real_tokens():
 
 
 # ------------------------------------------------------------------------------------------------------- sampling
-# Each case fails when a batch's drafts are drawn from a law 1.5 times sharper than the logits they return for the
-# verification (ragged_batch_domino.pick_tokens given logits x 1.5): checked 2026-12-06.
-@pytest.mark.parametrize(
+ROW_LAW_CASES = pytest.mark.parametrize(
     "draft_vocab, branches, policy",
     [(None, 1, "fixed"), ([0, 2, 3], 1, "fixed"), (None, 2, "fixed"), ([0, 2, 3], 3, "fixed"), (None, 2, "adaptive")],
     ids=["full-vocab", "draft-vocab", "tree", "tree-draft-vocab", "tree-adaptive"],
 )
+
+
+@ROW_LAW_CASES
 def test_sampling_keeps_each_rows_law_with_num_return_sequences(draft_vocab, branches, policy, gpu_like_costs):
     from transformers.generation.logits_process import TemperatureLogitsWarper
 
@@ -308,6 +309,20 @@ def test_sampling_keeps_each_rows_law_with_num_return_sequences(draft_vocab, bra
     # The test can fail: the same draws are far from a wrong law (the untempered target).
     wrong = exact_sequence_distribution(target, prompts[0], num_new, LogitsProcessorList())
     assert chi_square_p_value(counts[0], wrong, per_prompt) < 1e-6
+
+
+@pytest.mark.slow  # the draws again, to show the test above has the power it needs
+@ROW_LAW_CASES
+def test_the_row_law_test_fails_drafts_drawn_from_another_law(
+    draft_vocab, branches, policy, gpu_like_costs, monkeypatch
+):
+    # A batch's drafts drawn from a law 1.5 times sharper than the logits they return for the verification.
+    pick_tokens = ragged_batch_domino.pick_tokens
+    monkeypatch.setattr(
+        ragged_batch_domino, "pick_tokens", lambda logits, do_sample: pick_tokens(logits * 1.5, do_sample=do_sample)
+    )
+    with pytest.raises(AssertionError, match=r"> 0\.001"):
+        test_sampling_keeps_each_rows_law_with_num_return_sequences(draft_vocab, branches, policy, gpu_like_costs)
 
 
 @pytest.mark.parametrize(
@@ -342,8 +357,9 @@ def test_truncation_samplers_keep_the_target_law_alone_and_in_batches(truncation
     assert 0 < accepted < drafted  # both outcomes of rejection sampling
     checked = list(zip(in_batch, prompts))
     # One sequence too (transformers' loop; a generate() call per draw, most of the test's time) for the two with a
-    # draft vocabulary: the drafts are the same code in both loops, and transformers' verification applies any
-    # processor the same way (test_generation.py's laws).
+    # draft vocabulary: there, as over the whole vocabulary, processed_pick applies these processors in the same
+    # line as any other (spread before them), and transformers' verification applies any processor the same way
+    # (test_generation.py's laws). The batch loop draws its own way (pick_logits), for all four.
     if draft_vocab is not None:
         alone, drafted, accepted = sample_with_drafter(
             target, drafter, prompts[0], num_new, draws, seed=11, draft_policy="fixed", **sampling

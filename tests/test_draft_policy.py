@@ -598,7 +598,7 @@ def test_draft_vocabulary_round_trips_and_is_validated(tmp_path):
 def test_sampling_preserves_target_distribution_adaptive_and_with_a_draft_vocabulary(options, gpu_like_costs):
     vocab, num_new, draws = 5, 4, 2500
     # Peaked (logits x 6): drafts drawn from a law 1.5 times sharper than the logits they return fail the adaptive
-    # case; with the plain law both cases passed that fault (checked 2026-12-06).
+    # case (the test below); with the plain law both cases passed that fault (2026-12-06).
     target = law_target(vocab, seed=3, peak=6)
     drafter = law_drafter(target)
     if options.get("draft_vocab"):
@@ -611,6 +611,29 @@ def test_sampling_preserves_target_distribution_adaptive_and_with_a_draft_vocabu
     if options.get("draft_vocab"):
         # Tokens the drafter can never propose still come out, from the target.
         assert any(token in (1, 4) for key in counts for token in key)
+
+
+@pytest.mark.slow  # 2,500 draws again, to show the test above has the power it needs
+def test_the_law_test_fails_drafts_drawn_from_another_law(gpu_like_costs, monkeypatch):
+    # One sequence's drafts drawn from a law 1.5 times sharper than the logits they return for the verification.
+    from hf_domino import generation_domino
+
+    processed_pick = generation_domino.processed_pick
+
+    def sharper_draws(logits_processor, do_sample, vocab, vocab_size):
+        pick = processed_pick(logits_processor, do_sample, vocab, vocab_size)
+
+        def drawn_sharper(logits, realised_ids):
+            _, processed = pick(logits, realised_ids)
+            return torch.multinomial(torch.softmax(processed * 1.5, dim=-1), num_samples=1), processed
+
+        return drawn_sharper
+
+    monkeypatch.setattr(generation_domino, "processed_pick", sharper_draws)
+    with pytest.raises(AssertionError, match=r"> 0\.001"):
+        test_sampling_preserves_target_distribution_adaptive_and_with_a_draft_vocabulary(
+            dict(draft_policy="adaptive"), gpu_like_costs
+        )
 
 
 # ------------------------------------------------------------------------------------------------------ options

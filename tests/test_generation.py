@@ -401,9 +401,8 @@ def sample_with_drafter(target, drafter, prompt, num_new: int, draws: int, seed:
     # The draft vocabulary's cases warp and draw on its columns (processed_pick): top-k 2 bites there. The plain law
     # (T = 1, no warper) is test_draft_policy.py's: the adaptive policy, and the fixed one with a draft vocabulary.
     # The first case's law is peaked (logits x 6), so that the temperature moves the drafts' law far: a generator
-    # returning its drafts' logits without the temperature (drawing them with it) fails it (p ~1e-8; without the
-    # fault 0.24). With the plain law the same fault passed (p 0.62 and 0.95, two seeds): the tiny drafter's logits are
-    # near zero.
+    # returning its drafts' logits without the temperature fails it (the test below). With the plain law that fault
+    # passed (p 0.62 and 0.95, two seeds, 2026-12-06): the tiny drafter's logits are near zero.
     [
         (dict(temperature=0.7, top_k=3), None, 6),
         (dict(temperature=0.7, top_k=2), [0, 2, 3], 1),
@@ -436,6 +435,23 @@ def test_sampling_preserves_target_distribution(sampling, draft_vocab, peak):
     # The test can fail: the same draws are far from a wrong distribution (the untempered target).
     wrong = exact_sequence_distribution(target, prompt, num_new, LogitsProcessorList())
     assert chi_square_p_value(counts, wrong, draws) < 1e-6
+
+
+@pytest.mark.slow  # 2,500 draws again, to show the test above has the power it needs
+def test_the_law_test_fails_drafts_returned_without_their_temperature(monkeypatch):
+    # A generator drawing its drafts tempered but returning their logits untempered: the T = 0.7 case's law check fails
+    # (p 1.9e-8; the generator as it is: 0.24).
+    from hf_domino.generation_domino import DominoCandidateGenerator
+
+    sampling, get_candidates = dict(temperature=0.7, top_k=3), DominoCandidateGenerator.get_candidates
+
+    def untempered(self, input_ids, **kwargs):
+        candidates, logits = get_candidates(self, input_ids, **kwargs)
+        return candidates, None if logits is None else logits * sampling["temperature"]
+
+    monkeypatch.setattr(DominoCandidateGenerator, "get_candidates", untempered)
+    with pytest.raises(AssertionError, match=r"> 0\.001"):
+        test_sampling_preserves_target_distribution(sampling, None, 6)
 
 
 # ------------------------------------------------------------------------------------------------------ pipeline

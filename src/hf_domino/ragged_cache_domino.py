@@ -103,6 +103,12 @@ class RaggedCache:
             )
 
     @property
+    def counts_columns(self) -> bool:
+        """Whether the target reads a token's column in the cache, holes and left padding included: where it places
+        tokens by column, or scales queries by the count of columns."""
+        return self.by_column or self.temperature is not None
+
+    @property
     def lengths(self) -> torch.LongTensor:
         """Real tokens per row: the position of each row's next token."""
         return self.mask.sum(dim=-1)
@@ -537,9 +543,8 @@ def ragged_forward(
         attention_mask = attention_mask.long()
     else:
         attention_mask = cache.window.masks(attention_mask, new_columns.shape[1], target.dtype, cache.gaps)
-    # The target alone's columns, read only where it counts them (most targets: neither).
-    columns = positions
-    if cache.gaps is not None and (cache.by_column or cache.temperature is not None):
+    columns = positions  # the target alone's, read only where it counts them (most targets do not)
+    if cache.gaps is not None and cache.counts_columns:
         columns = with_gaps(positions, cache.gaps)
     if cache.by_column:
         positions = columns
