@@ -155,15 +155,15 @@ class BatchedDecoding:
         # Steps append in place, into room never taken past what the call can write (its holes aside).
         reserve = options.cache_columns(drafter, self.max_length)
         self.cached = cached_columns(cache, input_ids, attention_mask, generation_config)
-        by_column, temperature = places_by_column(target), QueryTemperature.of(target)
-        counts_columns = by_column or temperature is not None  # the target alone's columns, left padding included
+        self.target_cache = RaggedCache(
+            buffer_layers(cache, reserve), self.mask[:, : self.cached], window=window,
+            by_column=places_by_column(target), temperature=QueryTemperature.of(target),
+        )  # fmt: skip
+        counts_columns = self.target_cache.counts_columns  # the target alone's columns, left padding included
         gaps = prompt_gaps(self.mask) if window is not None or counts_columns else None
         if gaps is not None and not counts_columns and bool((gaps == gaps[:, :1]).all()):
             gaps = None  # left padding alone: a window reads differences of positions, which it changes for none
-        self.target_cache = RaggedCache(
-            buffer_layers(cache, reserve), self.mask[:, : self.cached], window=window, gaps=gaps, by_column=by_column,
-            temperature=temperature,
-        )  # fmt: skip
+        self.target_cache.gaps = gaps
         if has_recurrent_layers(cache):  # a replayable scan (generate_hook_domino checked the family)
             self.target_cache.recurrent = RecurrentRollback.install_for_rows(cache, target)
         self.context = BatchedDrafterContext.empty(rows, drafter.device)
