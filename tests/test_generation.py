@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import time
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_targe
 from reference_domino import draft_greedy, reference_config
 from transformers import (
     DynamicCache,
+    GenerationConfig,
     GenerationMixin,
     LogitsProcessorList,
     Qwen3ForCausalLM,
@@ -18,6 +20,12 @@ from transformers import (
     StoppingCriteriaList,
     SynthIDTextWatermarkingConfig,
     WatermarkingConfig,
+)
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 from transformers.generation.streamers import BaseStreamer
 
@@ -411,8 +419,6 @@ def sample_with_drafter(target, drafter, prompt, num_new: int, draws: int, seed:
     ids=["T=0.7,top-k", "T=0.7,top-k,draft-vocab", "T=0.8,top-p,draft-vocab"],
 )
 def test_sampling_preserves_target_distribution(sampling, draft_vocab, peak):
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
     vocab, num_new, draws = 5, 4, 2500
     target = law_target(vocab, seed=3, peak=peak)
     drafter = law_drafter(target)
@@ -452,6 +458,107 @@ def test_the_law_test_fails_drafts_returned_without_their_temperature(monkeypatc
     monkeypatch.setattr(DominoCandidateGenerator, "get_candidates", untempered)
     with pytest.raises(AssertionError, match=r"> 0\.001"):
         test_sampling_preserves_target_distribution(sampling, None, 6)
+
+
+# -------------------------------------------------------------------------------- each draft's law, at the rollout
+# Sampling stays lossless only if each draft is drawn from exactly the law its returned logits state (the verification
+# accepts it with probability min(1, p/q) for that q). The generate() law tests above check this end to end, but their
+# tiny drafters' laws over a draft vocabulary's 2-3 columns are near-uniform or near-one-hot, where no temperature or
+# sharpening moves them: checked at the rollout, over a thousand rows at once, the same property is tested with power
+# on every path (the whole vocabulary, a draft vocabulary's columns, and spread before processors that read tokens).
+ROLLOUT_DRAWS = {
+    "T=0.7,top-k": ([TemperatureLogitsWarper(0.7), TopKLogitsWarper(20)], False),
+    "T=0.7,top-p,draft-vocab": ([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)], True),
+    "penalty,T=0.8,draft-vocab": ([RepetitionPenaltyLogitsProcessor(1.5), TemperatureLogitsWarper(0.8)], True),
+}
+
+
+def rollout_draws(processors: list, draft_vocab: bool, batch_loop: bool, rows: int = 1000, pick=None):
+    """One block drafted for `rows` copies of one context, sampled: (drafts `[rows, k]`, the logits each was drawn from
+    `[rows, k, V]`), through one sequence's rollout (`eager_rollout` with `processed_pick`, or `pick` wrapping it) or
+    the batch loop's (`CycleDrafter.roll_out`). The head's corrections are scaled down 5x, so that the laws are spread
+    at every position (the tiny drafter's corrections otherwise make its later drafts near-certain)."""
+    from hf_domino.batch_drafts_domino import CycleDrafter
+    from hf_domino.drafting_domino import BlockDraft, eager_rollout, processed_pick
+    from hf_domino.options_domino import DominoOptions
+    from hf_domino.policy_domino import FixedPolicy
+    from hf_domino.ragged_batch_domino import process_rows
+
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    with torch.no_grad():
+        drafter.embed_proj[-1].weight.mul_(0.2)
+    vocab_size, processors = drafter.config.vocab_size, LogitsProcessorList(processors)
+    vocab = torch.arange(0, vocab_size, 3) if draft_vocab else None
+    drafter.set_draft_vocab(vocab)
+    modules = TargetModules.from_target(target)
+    torch.manual_seed(0)
+    hidden = 3 * torch.randn(1, drafter.config.num_drafts, drafter.config.hidden_size).expand(rows, -1, -1)
+    anchors = torch.full((rows, 1), 7)
+    with torch.no_grad():
+        base = modules.logits(hidden, vocab=vocab).float()
+        if not batch_loop:
+            pick = (pick or (lambda made: made))(processed_pick(processors, True, vocab, vocab_size))
+            drafts = eager_rollout(drafter, modules, pick)(BlockDraft(hidden, base, vocab), anchors)
+            return drafts.ids, drafts.logits
+        drafting = CycleDrafter(
+            drafter, modules, DominoOptions(), GenerationConfig(do_sample=True), processors, [], None,
+            process=lambda logits, extra, repeats=1: process_rows([processors] * rows, list(anchors), logits, extra),
+            clock=time.perf_counter, padding=[0] * rows,
+        )  # fmt: skip
+        drafting.policy = FixedPolicy(drafter.config.num_drafts)
+        drafts, _ = drafting.roll_out(hidden, base, anchors)
+        return drafts.ids, drafts.logits
+
+
+def smallest_law_p_value(ids: torch.LongTensor, logits: torch.Tensor) -> float:
+    """Per draft position, a chi-square test of the rows' drafts against the sum of the laws their logits state (one
+    law per row, after the head read the row's own earlier draws: a token's count is then a sum of unequal coin tosses,
+    whose variance is below the multinomial's, so the test is conservative); the smallest p-value of the positions."""
+    rows, p_values = ids.shape[0], []
+    for position in range(ids.shape[1]):
+        expected = torch.softmax(logits[:, position].double(), dim=-1).mean(dim=0).tolist()
+        counts = torch.bincount(ids[:, position], minlength=len(expected)).tolist()
+        law = {(token,): p for token, p in enumerate(expected)}
+        p_values.append(chi_square_p_value({(token,): n for token, n in enumerate(counts)}, law, rows))
+    return min(p_values)
+
+
+@pytest.mark.parametrize("batch_loop", [False, True], ids=["one-sequence", "batch-loop"])
+@pytest.mark.parametrize("case", list(ROLLOUT_DRAWS))
+def test_the_rollout_draws_each_draft_from_the_logits_it_returns(case, batch_loop):
+    ids, logits = rollout_draws(*ROLLOUT_DRAWS[case], batch_loop=batch_loop)
+    spread = torch.softmax(logits, dim=-1).amax(dim=-1).mean(dim=0)
+    assert (spread < 0.9).all()  # no position's law near-certain: a wrong law would show
+    assert smallest_law_p_value(ids, logits) > 1e-3
+
+
+@pytest.mark.parametrize("fault", ["drawn 1.5x sharper", "returned without the temperature"])
+@pytest.mark.parametrize("case", list(ROLLOUT_DRAWS))
+def test_the_rollout_law_test_fails_a_miscalibrated_pick(case, fault, monkeypatch):
+    # Each fault fails every case by far, draft vocabularies included: p from 1e-9 (no temperature 0.8, one sequence)
+    # to 1e-51, where the code as it is gives 0.05-0.36.
+    processors, draft_vocab = ROLLOUT_DRAWS[case]
+    temperature = next(p.temperature for p in processors if isinstance(p, TemperatureLogitsWarper))
+
+    def faulty(pick):
+        def drawn_elsewhere(logits, realised_ids):
+            index, processed = pick(logits, realised_ids)
+            if fault == "drawn 1.5x sharper":
+                return torch.multinomial(torch.softmax(processed * 1.5, dim=-1), num_samples=1), processed
+            return index, processed * temperature
+
+        return drawn_elsewhere
+
+    assert smallest_law_p_value(*rollout_draws(processors, draft_vocab, batch_loop=False, pick=faulty)) < 1e-6
+    if fault == "drawn 1.5x sharper":  # the batch loop draws through pick_tokens
+        from hf_domino import ragged_batch_domino
+
+        pick_tokens = ragged_batch_domino.pick_tokens
+        monkeypatch.setattr(
+            ragged_batch_domino, "pick_tokens", lambda logits, do_sample: pick_tokens(logits * 1.5, do_sample)
+        )
+        assert smallest_law_p_value(*rollout_draws(processors, draft_vocab, batch_loop=True)) < 1e-6
 
 
 # ------------------------------------------------------------------------------------------------------ pipeline
