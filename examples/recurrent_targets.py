@@ -13,7 +13,7 @@ No drafter is trained for such a target and none installs offline, so acceptance
 
     python examples/recurrent_targets.py                 # Qwen3.5-0.8B's widths, 24 layers: about 2 minutes here
     python examples/recurrent_targets.py --layers 4      # quicker
-    python examples/recurrent_targets.py --layers 4 --context 64 --repeats 1 --threads 1   # the tests' smoke run
+    python examples/recurrent_targets.py --layers 4 --context 64 --repeats 1 --threads 1 --vocab-size 4096  # tests' run
     python examples/recurrent_targets.py --prepared      # after prepare_for_cpu_decoding(target, drafter)
     python examples/recurrent_targets.py --family nemotron_h --layers 8   # Nemotron-H-8B's widths, 8 of its layers
     python examples/recurrent_targets.py --device cuda --dtype bfloat16   # a GPU (examples/gpu/stages.sh recurrent)
@@ -59,10 +59,12 @@ NEMOTRON_PATTERN = ["linear_attention", "mlp"] * 3 + ["linear_attention", "full_
 LENGTHS = (1, 2, 3, 5, 9, 17)
 
 
-def build_target(family: str, layers: int) -> torch.nn.Module:
+def build_target(family: str, layers: int, vocab_size: int | None = None) -> torch.nn.Module:
     config_class, model_class, widths = FAMILIES[family]
     extra = {"layers_block_type": (NEMOTRON_PATTERN * layers)[:layers]} if family == "nemotron_h" else {}
-    config = config_class(**widths, **extra, num_hidden_layers=layers, eos_token_id=None, pad_token_id=0)
+    if vocab_size is not None:
+        extra["vocab_size"] = vocab_size
+    config = config_class(**{**widths, **extra}, num_hidden_layers=layers, eos_token_id=None, pad_token_id=0)
     return model_class(config).eval()
 
 
@@ -139,7 +141,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--prepared", action="store_true", help="prepare_for_cpu_decoding(target, drafter) first")
+    parser.add_argument(
+        "--vocab-size", type=int, help="instead of the family's (a quick check: its LM head is in every figure)"
+    )
     args = parser.parse_args()
+    if args.vocab_size is not None and args.vocab_size < 1000:
+        parser.error("--vocab-size must be at least 1000: the prompts are drawn from the first 1000 tokens")
     first_attention = {"qwen3_5": 4, "nemotron_h": len(NEMOTRON_PATTERN)}[args.family]
     if args.layers < first_attention:
         parser.error(f"--layers must be at least {first_attention} for {args.family}, where its first attention layer "
@@ -149,7 +156,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    target = build_target(args.family, args.layers).to(args.device, dtype)
+    target = build_target(args.family, args.layers, args.vocab_size).to(args.device, dtype)
     config = target.config
     layers = [1, args.layers // 2, args.layers - 2]
     drafter = DominoForSpeculation(DominoConfig.from_target(config, num_hidden_layers=1, target_layer_ids=layers))

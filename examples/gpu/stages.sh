@@ -4,7 +4,7 @@
 # of device time"; on the device `call.sh` calls it). Each stage's output goes to $S/results/<stage>.log (bench
 # tables to $S/results/<stage>-<prompts>/), its exit status to $S/results/stages.log. Each runs under `timeout`: its own
 # limit, and never past $DEADLINE (epoch seconds), so that a call ends with its results inside the device's time; a
-# stage with under 20 s left is skipped. Sizes can be shrunk to check the script on a CPU:
+# stage with under $MIN_STAGE_SECONDS (20) s left is skipped. Sizes can be shrunk to check the script on a CPU:
 #   S=/tmp/stage W=$PWD PROMPTS=1 TOKENS=8 COST_SHAPE=tiny SMALL_COST_SHAPE=tiny STALL_SHAPE=tiny MICRO_REPS=2 METHODS=target,domino_vocab_k16@eager \
 #     BATCH_PROMPTS=2 BATCH_TOKENS=8 BATCH_SIZES=1,2 LAPS_DTYPES=float32 LAPS_ARGS="--new-tokens 4 --warmup-tokens 2 --rounds 1" \
 #     SERVE_ARGS="--num-prompts 2 --rows 2 --max-new-tokens 8" bash examples/gpu/stages.sh costs bf16 batch laps serve
@@ -14,6 +14,7 @@ source "$(dirname "$0")/env.sh"
 R=$S/results; mkdir -p $R
 cd $W
 DEADLINE=${DEADLINE:-$(( $(date +%s) + 86400 ))}
+MIN_STAGE_SECONDS=${MIN_STAGE_SECONDS:-20}  # less only to check the script quickly on a CPU
 PROMPTS=${PROMPTS:-4}; TOKENS=${TOKENS:-128}; COST_SHAPE=${COST_SHAPE:-qwen3-8b}; MICRO_REPS=${MICRO_REPS:-100}
 STALL_SHAPE=${STALL_SHAPE:-smollm2-135m}
 # costs at the end-to-end benches' sizes too (random weights, no profile), where the host sets a cycle's time on a GPU;
@@ -57,7 +58,7 @@ export S W R PROMPTS TOKENS MICRO_REPS VOCAB BATCH_PROMPTS BATCH_TOKENS BATCH_SI
 stage() {  # stage NAME LIMIT COMMAND...
   local name=$1 limit=$2 left status; shift 2
   left=$(( DEADLINE - $(date +%s) ))
-  if [ $left -lt 20 ]; then
+  if [ $left -lt $MIN_STAGE_SECONDS ]; then
     echo "=== $(date +%T) $name: skipped, ${left} s left before the deadline" | tee -a $R/stages.log; return
   fi
   [ $left -lt $limit ] && limit=$left
