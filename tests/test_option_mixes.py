@@ -4,8 +4,8 @@ Each option has tests of its own; these draw several at once (logits processors,
 draft policies, copies, branches, the head off, batches of 1-4 rows) on tiny Qwen3 and Llama targets, with drafters
 that are right at every draft, at some, or at random. A mix transformers refuses for the target alone is skipped; one
 the drafter call refuses or runs differently fails with the mix in the message. The suite runs a fixed few seeds;
-`OPTION_MIX_SEEDS=N` runs seeds 0 to N - 1 of each test instead (docs/usage.md, "Greedy and sampling are lossless",
-gives the runs made).
+`OPTION_MIX_SEEDS=N` runs seeds 0 to N - 1 of each test instead, `OPTION_MIX_SEEDS=A:B` seeds A to B - 1 (docs/usage.md,
+"Greedy and sampling are lossless", gives the runs made).
 """
 
 from __future__ import annotations
@@ -17,14 +17,17 @@ import pytest
 import torch
 from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
 from test_batching import left_padded
+from test_generation import CollectingStreamer
 from transformers import DynamicCache
 
+import hf_domino
 from hf_domino.cache_domino import CACHE_ARGUMENT
 from hf_domino.options_domino import static_caches_roll_back
 
 
 def seeds(default: int) -> range:
-    return range(int(os.environ.get("OPTION_MIX_SEEDS", default)))
+    first, _, last = os.environ.get("OPTION_MIX_SEEDS", str(default)).rpartition(":")
+    return range(int(first or 0), int(last))
 
 
 def random_models(rng: random.Random, random_weights: bool = True):
@@ -90,13 +93,38 @@ def random_rows(rng: random.Random, vocab: int, rows: int) -> list[list[int]]:
     return [[rng.randrange(4, vocab) for _ in range(rng.randint(1, 7))] for _ in range(rows)]
 
 
-def both_outputs(target, drafter, batch: dict, options: dict, ours: dict):
-    """(the target alone's output, the drafter call's); a mix transformers refuses for the target alone is skipped."""
+def both_outputs(target, drafter, batch: dict, options: dict, ours: dict, streamers: tuple | None = None):
+    """(the target alone's output, the drafter call's); a mix transformers refuses for the target alone is skipped.
+    `streamers`: the target alone's and the drafter call's."""
+    alone_streamer, drafted_streamer = streamers or (None, None)
     try:
-        alone = target.generate(**batch, **options)
+        alone = target.generate(**batch, **options, streamer=alone_streamer)
     except (ValueError, TypeError):
         pytest.skip(f"transformers refuses the mix for the target alone: {options}")
-    return alone, target.generate(**batch, assistant_model=drafter, **options, **ours)
+    return alone, target.generate(**batch, assistant_model=drafter, **options, **ours, streamer=drafted_streamer)
+
+
+def later_draws(rng: random.Random, target, drafter, vocab: int, batch: dict, options: dict) -> tuple | None:
+    """What a mix draws after all the rest, so that the seeds run before these were added (docs/usage.md) keep
+    their mixes: a draft vocabulary, `max_length` for `max_new_tokens`, `min_length`, the CPU fast path on both
+    models, and at batch 1 a streamer per call (returned: they must receive the same tokens)."""
+    if rng.random() < 0.25:
+        drafter.set_draft_vocab(sorted(rng.sample(range(vocab), vocab // 2)))
+    if rng.random() < 0.15:
+        options["max_length"] = batch["input_ids"].shape[1] + options.pop("max_new_tokens")
+    if rng.random() < 0.1:
+        options["min_length"] = batch["input_ids"].shape[1] + rng.randint(0, 10)
+    if rng.random() < 0.15:
+        rows = batch["input_ids"].shape[0]
+        hf_domino.prepare_for_cpu_decoding(target, drafter, batch_size=rows, measure_products=False)
+    if batch["input_ids"].shape[0] * options.get("num_return_sequences", 1) == 1 and rng.random() < 0.4:
+        return CollectingStreamer(), CollectingStreamer()
+    return None
+
+
+def streamed(streamer: CollectingStreamer) -> list:
+    """The tokens a streamer received, in order (a drafter call puts several at once), then "end"."""
+    return [token for chunk in streamer.chunks for token in (chunk if chunk != "end" else [chunk])]
 
 
 def sequences(output) -> torch.Tensor:
@@ -117,8 +145,10 @@ def greedy_mix(seed: int, device: str = "cpu") -> None:
         options["cache_implementation"] = "static"  # (refused on 5.23, naming the fix: test_static_cache.py)
     if device != "cpu" and rng.random() < 0.3:
         ours["domino_rollout"] = "eager"  # else "auto": the fused head where it applies
-    alone, drafted = both_outputs(target, drafter, batch, options, ours)
-    mix = f"options {options}, drafter options {ours}"
+    streamers = later_draws(rng, target, drafter, vocab, batch, options) if device == "cpu" else None
+    alone, drafted = both_outputs(target, drafter, batch, options, ours, streamers)
+    mix = f"options {options}, drafter options {ours}, draft vocabulary {drafter.draft_vocab}"
+    assert streamers is None or streamed(streamers[1]) == streamed(streamers[0]), mix
     assert sequences(drafted).device.type == torch.device(device).type and torch.equal(
         sequences(drafted), sequences(alone)
     ), mix
@@ -194,11 +224,16 @@ def test_sampled_option_mixes_run_as_the_target_alone_runs(seed):
         "num_return_sequences": [2, 3],
     }
     options.update({name: rng.choice(values) for name, values in samplers.items() if rng.random() < 0.35})
-    alone, drafted = map(sequences, both_outputs(target, drafter, batch, options, ours))
-    mix = f"options {options}, drafter options {ours}"
+    streamers = later_draws(rng, target, drafter, vocab, batch, options)
+    alone, drafted = map(sequences, both_outputs(target, drafter, batch, options, ours, streamers))
+    mix = f"options {options}, drafter options {ours}, draft vocabulary {drafter.draft_vocab}"
     assert drafted.shape[0] == alone.shape[0], mix
-    assert drafted.shape[1] <= batch["input_ids"].shape[1] + options["max_new_tokens"], mix
+    longest = options.get("max_length") or batch["input_ids"].shape[1] + options["max_new_tokens"]
+    assert drafted.shape[1] <= longest, mix
     assert 0 <= drafted.min() and drafted.max() < vocab, mix
+    assert streamers is None or streamed(streamers[1]) == drafted[0].tolist() + ["end"], (
+        mix
+    )  # the prompt, then each token
 
 
 @pytest.fixture(scope="module", params=["eager", "prepared"])
