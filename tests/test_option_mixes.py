@@ -1,11 +1,11 @@
 """Random mixes of generate()'s options, with a drafter and without: the same output, whatever the mix.
 
 Each option has tests of its own; these draw several at once (logits processors, stopping rules, scores, caches,
-draft policies, copies, branches, the head off, batches of 1-4 rows) on tiny Qwen3 and Llama targets, with drafters
-that are right at every draft, at some, or at random. A mix transformers refuses for the target alone is skipped; one
-the drafter call refuses or runs differently fails with the mix in the message. The suite runs a fixed few seeds;
-`OPTION_MIX_SEEDS=N` runs seeds 0 to N - 1 of each test instead, `OPTION_MIX_SEEDS=A:B` seeds A to B - 1 (docs/usage.md,
-"Greedy and sampling are lossless", gives the runs made).
+draft policies, copies, branches, the head off, batches of 1-4 rows, requests served by `generate_batch`) on tiny
+Qwen3 and Llama targets, with drafters that are right at every draft, at some, or at random. A mix transformers
+refuses for the target alone is skipped; one the drafter call refuses or runs differently fails with the mix in the
+message. The suite runs a fixed few seeds; `OPTION_MIX_SEEDS=N` runs seeds 0 to N - 1 of each test instead,
+`OPTION_MIX_SEEDS=A:B` seeds A to B - 1 (docs/usage.md, "Greedy and sampling are lossless", gives the runs made).
 """
 
 from __future__ import annotations
@@ -234,6 +234,37 @@ def test_sampled_option_mixes_run_as_the_target_alone_runs(seed):
     assert streamers is None or streamed(streamers[1]) == drafted[0].tolist() + ["end"], (
         mix
     )  # the prompt, then each token
+
+
+@pytest.mark.parametrize("seed", seeds(8))
+def test_requests_served_in_option_mixes_are_the_target_alones(seed):
+    """`generate_batch` with the drafter, a greedy mix for all its requests: 2-7 prompts joining 1-4 rows as rows
+    finish; each request's tokens are what the target alone generates for its prompt."""
+    from transformers import ContinuousBatchingConfig
+
+    rng = random.Random(seed)
+    target, drafter, vocab = random_models(rng)
+    prompts = random_rows(rng, vocab, rng.randint(2, 7))
+    options, ours = random_options(rng, range(4, vocab), 1, drafter)
+    for name in ("return_dict_in_generate", "output_scores", "output_logits", "output_hidden_states"):
+        options.pop(name, None)
+    max_new_tokens = options["max_new_tokens"]
+    later_draws(rng, target, drafter, vocab, {"input_ids": torch.tensor([prompts[0]])}, options)
+    options.pop("max_length", None)  # lengths counted from the first prompt: a request's limit is max_new_tokens
+    options.pop("min_length", None)
+    options["max_new_tokens"] = max_new_tokens
+    try:
+        expected = [
+            target.generate(torch.tensor([p]), pad_token_id=0, **options)[0, len(p) :].tolist() for p in prompts
+        ]
+    except (ValueError, TypeError):
+        pytest.skip(f"transformers refuses the mix for the target alone: {options}")
+    rows = ContinuousBatchingConfig(max_requests_per_batch=rng.randint(1, 4))
+    results = target.generate_batch(
+        prompts, assistant_model=drafter, continuous_batching_config=rows, pad_token_id=0, **options, **ours
+    )
+    mix = f"options {options}, drafter options {ours}, draft vocabulary {drafter.draft_vocab}, {rows}"
+    assert [result.generated_tokens for result in results.values()] == expected, mix
 
 
 @pytest.fixture(scope="module", params=["eager", "prepared"])
