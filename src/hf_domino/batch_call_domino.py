@@ -16,6 +16,8 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL
 
 from .cache_domino import CACHE_ARGUMENT
@@ -33,6 +35,9 @@ if TYPE_CHECKING:
 # Model types whose attention depends on where a key sits in the cache, not on the row's own positions: holes would
 # change their outputs. (Bloom and Falcon derive ALiBi from the attention mask, which skips holes, and are exact.)
 COLUMN_BIASED_ATTENTION = {"mpt"}
+# Model types that build ALiBi biases from the 2D attention mask they are given (Falcon where `alibi` is set): a
+# tree's branches need a 4D mask, which those models cannot read.
+ALIBI_FROM_THE_MASK = {"bloom", "falcon"}
 # What generate() hands its loop that the batch loop reads or makes itself; any other input the target's forward names
 # (a vision model's pixel_values, say) would reach the target alone's first step and not the batch's.
 BATCH_LOOP_INPUTS = {
@@ -203,13 +208,18 @@ def counts_the_mask(
 
 def _check_tree_call(target: PreTrainedModel, generation_config: GenerationConfig, branches: int) -> None:
     """Raises, naming the fix, where a call cannot verify trees of `branches` branches."""
-    problem = None
+    problem, config = None, target.config.get_text_config()
     if adds_its_mask(target) is None:
         problem = takes_no_4d_mask(target)
-    elif others := sorted(
-        set(getattr(target.config.get_text_config(), "layer_types", None) or ()) - {"full_attention"}
-    ):
+    elif others := sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"}):
         problem = f"the target has {', '.join(others)} layers (trees take full-attention targets only)"
+    elif any(isinstance(layer, DynamicSlidingWindowLayer) for layer in DynamicCache(config=target.config).layers):
+        # A sliding window without layer types (Mistral's `sliding_window`): its cache says so.
+        problem = "the target's attention slides over a window (trees take full-attention targets only)"
+    elif config.model_type in ALIBI_FROM_THE_MASK and getattr(config, "alibi", True):
+        problem = (
+            f"{type(target).__name__} builds its ALiBi biases from a 2D attention mask, and a tree needs a 4D one"
+        )
     if problem is not None:
         raise ValueError(f"domino_branches={branches} cannot serve this call: {problem}. Or drop domino_branches.")
 
