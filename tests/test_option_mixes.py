@@ -183,22 +183,6 @@ def random_family(rng: random.Random):
     return target, drafter, target.get_output_embeddings().weight.shape[0]
 
 
-def documented_refusals_skipped(mix, seed: int, models) -> None:
-    """Runs `mix(seed, models=models)`, skipping what a family cannot serve, refused naming the fix
-    (test_architectures.py): trees where a tree's mask cannot serve, a static cache whose layers cannot be cropped."""
-    try:
-        mix(seed, models=models)
-    except ValueError as error:
-        if not re.search(r"domino_branches=\d cannot serve this call|cannot drop the drafts", str(error)):
-            raise
-        pytest.skip(f"refused as documented: {error}")
-
-
-@pytest.mark.parametrize("seed", seeds(8))
-def test_greedy_option_mixes_on_other_families_are_the_target_alones(seed):
-    documented_refusals_skipped(greedy_mix, seed, models=random_family)
-
-
 def second_turn_mix(seed: int, models=random_models) -> None:
     """One conversation or a batch of them, each turn's follow-up appended to every row (the mask says which columns
     are tokens: the prompts' left padding is not; what the rows generated, their padding included, and the
@@ -237,11 +221,6 @@ def test_a_second_turn_on_the_first_turns_cache_is_the_target_alones(seed):
     second_turn_mix(seed)
 
 
-@pytest.mark.parametrize("seed", seeds(4))
-def test_a_second_turn_on_other_families_is_the_target_alones(seed):
-    documented_refusals_skipped(second_turn_mix, seed, models=random_family)
-
-
 def sampled_mix(seed: int, models=random_models) -> None:
     """Sampling draws differ (each law is tested elsewhere); a mix must still run, give every row its answers
     (`num_return_sequences`) and stay inside the vocabulary."""
@@ -275,11 +254,6 @@ def sampled_mix(seed: int, models=random_models) -> None:
 @pytest.mark.parametrize("seed", seeds(16))
 def test_sampled_option_mixes_run_as_the_target_alone_runs(seed):
     sampled_mix(seed)
-
-
-@pytest.mark.parametrize("seed", seeds(4))
-def test_sampled_option_mixes_on_other_families_run_as_the_target_alone_runs(seed):
-    documented_refusals_skipped(sampled_mix, seed, models=random_family)
 
 
 def served_mix(seed: int, models=random_models) -> None:
@@ -318,8 +292,16 @@ def test_requests_served_in_option_mixes_are_the_target_alones(seed):
 
 
 @pytest.mark.parametrize("seed", seeds(4))
-def test_requests_served_in_option_mixes_on_other_families_are_the_target_alones(seed):
-    documented_refusals_skipped(served_mix, seed, models=random_family)
+@pytest.mark.parametrize("mix", [greedy_mix, second_turn_mix, sampled_mix, served_mix], ids=lambda mix: mix.__name__)
+def test_option_mixes_on_other_families_as_on_qwen3_and_llama(mix, seed):
+    """Each kind of mix above on a family of test_architectures.py's: what a family cannot serve is refused as
+    documented, and skipped."""
+    try:
+        mix(seed, models=random_family)
+    except ValueError as error:
+        if not re.search(r"domino_branches=\d cannot serve this call|cannot drop the drafts", str(error)):
+            raise
+        pytest.skip(f"refused as documented: {error}")
 
 
 @pytest.fixture(scope="module", params=["eager", "prepared"])
