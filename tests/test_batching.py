@@ -11,6 +11,7 @@ from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_targe
 from test_generation import (
     VOCAB,
     CollectingStreamer,
+    batch_loop_draws_sharper,
     chi_square_p_value,
     drafts_and_accepted,
     exact_sequence_distribution,
@@ -317,10 +318,7 @@ def test_the_row_law_test_fails_drafts_drawn_from_another_law(
     draft_vocab, branches, policy, gpu_like_costs, monkeypatch
 ):
     # A batch's drafts drawn from a law 1.5 times sharper than the logits they return for the verification.
-    pick_tokens = ragged_batch_domino.pick_tokens
-    monkeypatch.setattr(
-        ragged_batch_domino, "pick_tokens", lambda logits, do_sample: pick_tokens(logits * 1.5, do_sample=do_sample)
-    )
+    batch_loop_draws_sharper(monkeypatch)
     with pytest.raises(AssertionError, match=r"> 0\.001"):
         test_sampling_keeps_each_rows_law_with_num_return_sequences(draft_vocab, branches, policy, gpu_like_costs)
 

@@ -12,6 +12,7 @@ import torch
 from conftest import CPU_LIKE, GPU_LIKE, forcing_drafter, successor_target, tiny_drafter, tiny_target
 from test_generation import (
     chi_square_p_value,
+    drawn_sharper,
     exact_sequence_distribution,
     law_drafter,
     law_target,
@@ -619,17 +620,7 @@ def test_the_law_test_fails_drafts_drawn_from_another_law(gpu_like_costs, monkey
     from hf_domino import generation_domino
 
     processed_pick = generation_domino.processed_pick
-
-    def sharper_draws(logits_processor, do_sample, vocab, vocab_size):
-        pick = processed_pick(logits_processor, do_sample, vocab, vocab_size)
-
-        def drawn_sharper(logits, realised_ids):
-            _, processed = pick(logits, realised_ids)
-            return torch.multinomial(torch.softmax(processed * 1.5, dim=-1), num_samples=1), processed
-
-        return drawn_sharper
-
-    monkeypatch.setattr(generation_domino, "processed_pick", sharper_draws)
+    monkeypatch.setattr(generation_domino, "processed_pick", lambda *args: drawn_sharper(processed_pick(*args)))
     with pytest.raises(AssertionError, match=r"> 0\.001"):
         test_sampling_preserves_target_distribution_adaptive_and_with_a_draft_vocabulary(
             dict(draft_policy="adaptive"), gpu_like_costs

@@ -533,6 +533,27 @@ def test_the_rollout_draws_each_draft_from_the_logits_it_returns(case, batch_loo
     assert smallest_law_p_value(ids, logits) > 1e-3
 
 
+def drawn_sharper(pick):
+    """A fault to show a law test's power: `pick` drawing from a law 1.5 times sharper than the logits it returns
+    (the law the verification corrects against)."""
+
+    def sharper(logits, realised_ids):
+        _, processed = pick(logits, realised_ids)
+        return torch.multinomial(torch.softmax(processed * 1.5, dim=-1), num_samples=1), processed
+
+    return sharper
+
+
+def batch_loop_draws_sharper(monkeypatch) -> None:
+    """The same fault in the batch loop, which draws through `ragged_batch_domino.pick_tokens`."""
+    from hf_domino import ragged_batch_domino
+
+    pick_tokens = ragged_batch_domino.pick_tokens
+    monkeypatch.setattr(
+        ragged_batch_domino, "pick_tokens", lambda logits, do_sample: pick_tokens(logits * 1.5, do_sample=do_sample)
+    )
+
+
 @pytest.mark.parametrize("fault", ["drawn 1.5x sharper", "returned without the temperature"])
 @pytest.mark.parametrize("case", list(ROLLOUT_DRAWS))
 def test_the_rollout_law_test_fails_a_miscalibrated_pick(case, fault, monkeypatch):
@@ -541,23 +562,17 @@ def test_the_rollout_law_test_fails_a_miscalibrated_pick(case, fault, monkeypatc
     processors, draft_vocab = ROLLOUT_DRAWS[case]
     temperature = next(p.temperature for p in processors if isinstance(p, TemperatureLogitsWarper))
 
-    def faulty(pick):
-        def drawn_elsewhere(logits, realised_ids):
+    def untempered(pick):
+        def returned_untempered(logits, realised_ids):
             index, processed = pick(logits, realised_ids)
-            if fault == "drawn 1.5x sharper":
-                return torch.multinomial(torch.softmax(processed * 1.5, dim=-1), num_samples=1), processed
             return index, processed * temperature
 
-        return drawn_elsewhere
+        return returned_untempered
 
+    faulty = drawn_sharper if fault == "drawn 1.5x sharper" else untempered
     assert smallest_law_p_value(*rollout_draws(processors, draft_vocab, batch_loop=False, pick=faulty)) < 1e-6
-    if fault == "drawn 1.5x sharper":  # the batch loop draws through pick_tokens
-        from hf_domino import ragged_batch_domino
-
-        pick_tokens = ragged_batch_domino.pick_tokens
-        monkeypatch.setattr(
-            ragged_batch_domino, "pick_tokens", lambda logits, do_sample: pick_tokens(logits * 1.5, do_sample)
-        )
+    if fault == "drawn 1.5x sharper":
+        batch_loop_draws_sharper(monkeypatch)
         assert smallest_law_p_value(*rollout_draws(processors, draft_vocab, batch_loop=True)) < 1e-6
 
 
