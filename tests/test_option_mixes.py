@@ -1,10 +1,10 @@
 """Random mixes of generate()'s options, with a drafter and without: the same output, whatever the mix.
 
 Each option has tests of its own; these draw several at once (logits processors, stopping rules, scores, caches,
-draft policies, copies, branches, the head off, batches of 1-4 rows, requests served by `generate_batch`) on tiny
-Qwen3 and Llama targets, with drafters that are right at every draft, at some, or at random. A mix transformers
-refuses for the target alone is skipped; one the drafter call refuses or runs differently fails with the mix in the
-message. The suite runs a fixed few seeds; `OPTION_MIX_SEEDS=N` runs seeds 0 to N - 1 of each test instead,
+draft policies, copies, branches, the head off, batches of 1-4 rows, requests served by `generate_batch` or added to
+the manager beneath it) on tiny Qwen3 and Llama targets, with drafters that are right at every draft, at some, or at
+random. A mix transformers refuses for the target alone is skipped; one the drafter call refuses or runs
+differently fails with the mix in the message. The suite runs a fixed few seeds; `OPTION_MIX_SEEDS=N` runs seeds 0 to N - 1 of each test instead,
 `OPTION_MIX_SEEDS=A:B` seeds A to B - 1 (docs/usage.md, "Greedy and sampling are lossless", gives the runs made).
 """
 
@@ -294,8 +294,90 @@ def test_requests_served_in_option_mixes_are_the_target_alones(seed):
     served_mix(seed)
 
 
+def managed_mix(seed: int, models=random_models) -> None:
+    """The manager (`init_continuous_batching`) with the drafter, a greedy mix in its generation config: 2-7 requests
+    added while its thread runs (some before it starts, some after a first result, some from other threads), with
+    their own `max_new_tokens` or streaming, one perhaps cancelled; every result a request gets is its target alone's
+    tokens (a streamed one: their first ones)."""
+    import threading
+
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    rng = random.Random(seed)
+    target, drafter, vocab = models(rng)
+    prompts = random_rows(rng, vocab, rng.randint(2, 7))
+    options, ours = random_options(rng, range(4, vocab), 1, drafter)
+    for name in ("return_dict_in_generate", "output_scores", "output_logits", "output_hidden_states"):
+        options.pop(name, None)
+    limits = [rng.randint(1, 30) if rng.random() < 0.3 else None for _ in prompts]
+    streaming = [rng.random() < 0.3 for _ in prompts]
+    if rng.random() < 0.25:
+        drafter.set_draft_vocab(sorted(rng.sample(range(vocab), vocab // 2)))
+    if rng.random() < 0.15:
+        hf_domino.prepare_for_cpu_decoding(target, drafter, measure_products=False)
+    try:
+        expected = [
+            target.generate(
+                torch.tensor([p]), pad_token_id=0, **dict(options, max_new_tokens=limit or options["max_new_tokens"])
+            )[0, len(p) :].tolist()
+            for p, limit in zip(prompts, limits, strict=True)
+        ]
+    except (ValueError, TypeError):
+        pytest.skip(f"transformers refuses the mix for the target alone: {options}")
+    rows = ContinuousBatchingConfig(max_requests_per_batch=rng.randint(1, 4))
+    config = GenerationConfig(pad_token_id=0, **options)
+    manager = target.init_continuous_batching(config, rows, assistant_model=drafter, **ours)
+    mix = f"{type(target).__name__}: options {options}, drafter options {ours}, draft vocabulary {drafter.draft_vocab}"
+    add = lambda i: manager.add_request(prompts[i], f"r{i}", max_new_tokens=limits[i], streaming=streaming[i])  # noqa: E731
+    # Requests [0, before) come before start(), [before, early) right after it, the rest after a first result
+    # (perhaps) and from threads of their own (perhaps).
+    early = rng.randint(1, len(prompts))
+    before, waits, threaded = rng.randint(0, early), rng.random() < 0.5, rng.random() < 0.5
+    cancelled = f"r{rng.randrange(early)}" if rng.random() < 0.3 else None
+    waits = waits and early > (cancelled is not None)  # (a result to wait for)
+    results: dict[str, list] = {}
+    try:
+        for i in range(before):
+            add(i)
+        manager.start()
+        for i in range(before, early):
+            add(i)
+        if cancelled is not None:
+            manager.cancel_request(cancelled)
+        if waits:
+            first = manager.get_result(timeout=60)
+            assert first is not None, f"no result within 60 s: {mix}"
+            results.setdefault(first.request_id, []).append(first)
+        if threaded:
+            threads = [threading.Thread(target=add, args=(i,)) for i in range(early, len(prompts))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        else:
+            for i in range(early, len(prompts)):
+                add(i)
+    finally:
+        manager.stop(timeout=120)
+    assert manager.error is None and not manager.is_running(), (manager.error, mix)
+    while (result := manager.get_result(timeout=0)) is not None:
+        results.setdefault(result.request_id, []).append(result)
+    for i, answer in enumerate(expected):
+        got = results.get(f"r{i}", [])
+        finished = [result.generated_tokens for result in got if result.is_finished()]
+        assert f"r{i}" == cancelled or finished == [answer], (i, answer, finished, mix, rows)
+        assert all(result.generated_tokens == answer[: len(result.generated_tokens)] for result in got), (i, mix)
+
+
+@pytest.mark.parametrize("seed", seeds(8))
+def test_requests_added_to_the_manager_in_option_mixes_are_the_target_alones(seed):
+    managed_mix(seed)
+
+
 @pytest.mark.parametrize("seed", seeds(4))
-@pytest.mark.parametrize("mix", [greedy_mix, second_turn_mix, sampled_mix, served_mix], ids=lambda mix: mix.__name__)
+@pytest.mark.parametrize(
+    "mix", [greedy_mix, second_turn_mix, sampled_mix, served_mix, managed_mix], ids=lambda mix: mix.__name__
+)
 def test_option_mixes_on_other_families_as_on_qwen3_and_llama(mix, seed):
     """Each kind of mix above on a family of test_architectures.py's: what a family cannot serve is refused as
     documented, and skipped."""

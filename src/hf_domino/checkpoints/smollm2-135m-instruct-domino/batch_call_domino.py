@@ -62,7 +62,7 @@ def check_batch_target(target: PreTrainedModel, generation_config: GenerationCon
     """Raises, naming the fix, where the target (or a tree of branches on it) cannot keep holes in its cache exactly:
     any batched call, `generate()`'s or `generate_batch`'s."""
     if options.domino_branches > 1:
-        _check_tree_call(target, generation_config, options.domino_branches)
+        _check_tree_call(target, options.domino_branches)
     if target.config.get_text_config().model_type in COLUMN_BIASED_ATTENTION:
         raise ValueError(
             f"{type(target).__name__} biases attention by cache column (ALiBi over columns), and the holes a drafted "
@@ -206,7 +206,7 @@ def counts_the_mask(
     return bool((given == positions_from_mask(mask))[mask].all())
 
 
-def _check_tree_call(target: PreTrainedModel, generation_config: GenerationConfig, branches: int) -> None:
+def _check_tree_call(target: PreTrainedModel, branches: int) -> None:
     """Raises, naming the fix, where a call cannot verify trees of `branches` branches."""
     problem, config = None, target.config.get_text_config()
     if adds_its_mask(target) is None:
