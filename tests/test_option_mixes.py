@@ -1,11 +1,12 @@
 """Random mixes of generate()'s options, with a drafter and without: the same output, whatever the mix.
 
-Each option has tests of its own; these draw several at once (logits processors, stopping rules, scores, caches,
-draft policies, copies, branches, the head off, batches of 1-4 rows, requests served by `generate_batch` or added to
-the manager beneath it) on tiny Qwen3 and Llama targets, with drafters that are right at every draft, at some, or at
-random. A mix transformers refuses for the target alone is skipped; one the drafter call refuses or runs
-differently fails with the mix in the message. The suite runs a fixed few seeds; `OPTION_MIX_SEEDS=N` runs seeds 0 to N - 1 of each test instead,
-`OPTION_MIX_SEEDS=A:B` seeds A to B - 1 (docs/usage.md, "Greedy and sampling are lossless", gives the runs made).
+Each option has tests of its own; these draw several at once (logits processors, stopping rules, scores, caches, draft
+policies, copies, branches, the head off, batches of 1-4 rows, requests served by `generate_batch` or added to the
+manager beneath it) on tiny Qwen3 and Llama targets, with drafters that are right at every draft, at some, or at
+random. A mix transformers refuses for the target alone is skipped; one the drafter call refuses or runs differently
+fails with the mix in the message. The suite runs a fixed few seeds; `OPTION_MIX_SEEDS=N` runs seeds 0 to N - 1 of
+each test instead, `OPTION_MIX_SEEDS=A:B` seeds A to B - 1 (docs/usage.md, "Greedy and sampling are lossless", gives
+the runs made).
 """
 
 from __future__ import annotations
