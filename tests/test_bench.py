@@ -109,7 +109,7 @@ def oracle_rollout(reference: torch.LongTensor, correct: int, vocab_size: int):
     cache cropping and context bookkeeping of both decoding loops are exercised.
     """
 
-    def make_rollout(drafter, target, pick=None, head=True, keep_rolling=None):
+    def make_rollout(drafter, target, pick=None, head=True, keep_rolling=None, ends=None):
         def rollout(block, prefix_ids):
             start, num_drafts = prefix_ids.shape[1], block.num_drafts
             padded = torch.cat([reference[0], reference.new_zeros(num_drafts)])

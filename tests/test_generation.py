@@ -14,6 +14,7 @@ from transformers import (
     DynamicCache,
     GenerationConfig,
     GenerationMixin,
+    LogitsProcessor,
     LogitsProcessorList,
     Qwen3ForCausalLM,
     StoppingCriteria,
@@ -24,6 +25,7 @@ from transformers import (
 from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
+    TopHLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
@@ -94,6 +96,66 @@ def test_eos_inside_block_stops_like_target():
     expected = greedy(target, prompt, max_new_tokens=30)
     assert expected[0, -1].item() == 1 and expected.shape[1] < 2 + 30
     assert torch.equal(greedy(target, prompt, max_new_tokens=30, assistant_model=drafter), expected)
+
+
+class NothingPastAnEnd(LogitsProcessor):
+    """Fails on a sequence that goes on past an EOS token (a finished row's padding aside): the target alone never
+    shows its processors one, and some fail on it (no-repeat n-grams banning the EOS, then a length penalty on its
+    `-inf`: NaN)."""
+
+    def __init__(self, eos: int, pad: int):
+        self.eos, self.pad = eos, pad
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        for row in input_ids.tolist():
+            if self.eos in row:
+                assert set(row[row.index(self.eos) + 1 :]) <= {self.pad}, f"a sequence past its end: {row}"
+        return scores
+
+
+@pytest.mark.parametrize("rows", [[[20, 27]], [[20, 27], [3, 4, 5]]], ids=["one-sequence", "batch"])
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
+def test_a_block_ends_at_an_eos_draft(rows, do_sample):
+    # Drafts and copies after an EOS draft are never generated: none is offered, and processors never see them.
+    from test_batching import left_padded
+
+    target = successor_target("qwen3", VOCAB)  # ... 29, 30, 31, 0, 1 (= EOS): the drafts run past it
+    drafter = forcing_drafter(target, successor(1), block_size=8)
+    batch = left_padded(rows)
+    options = dict(max_new_tokens=30, do_sample=do_sample, pad_token_id=0, eos_token_id=1)
+    processors = LogitsProcessorList([NothingPastAnEnd(eos=1, pad=0)])
+    drafting = dict(assistant_model=drafter, draft_policy="fixed")
+    output = target.generate(**batch, logits_processor=processors, **options, **drafting)
+    assert (output == 1).any(dim=1).all()  # every row reached its EOS
+    if not do_sample:
+        assert torch.equal(output, target.generate(**batch, logits_processor=processors, **options))
+
+
+@pytest.mark.parametrize("rows", [[[7, 8, 9, 10, 11, 12]], [[7, 8, 9, 10, 11, 12], [5, 6]]], ids=["one", "batch"])
+def test_a_chunked_prefill_is_read_whole_with_a_drafter_and_says_so(rows):
+    # As transformers' assisted decoding does (silently): the same tokens; the first step's hidden states hold the
+    # whole prompt's, where the target alone's chunked prefill returns its last chunk's.
+    from test_batching import left_padded
+
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    batch = left_padded(rows)
+    options = dict(
+        max_new_tokens=8,
+        prefill_chunk_size=4,
+        return_dict_in_generate=True,
+        output_hidden_states=True,
+        do_sample=False,
+    )
+    alone = target.generate(**batch, **options)
+    with pytest.warns(
+        UserWarning, match=r"prefill_chunk_size=4 is not applied with a drafter.*without assistant_model"
+    ):
+        drafted = target.generate(**batch, **options, assistant_model=drafter)
+    assert torch.equal(drafted.sequences, alone.sequences)
+    first, chunk = drafted.hidden_states[0], alone.hidden_states[0]
+    assert first[0].shape[1] == batch["input_ids"].shape[1] and chunk[0].shape[1] == 2  # 6 prompt columns: 4 + 2
+    assert all(torch.allclose(a[:, -2:], b, atol=1e-5) for a, b in zip(first, chunk, strict=True))
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 7, 13])
@@ -470,6 +532,7 @@ ROLLOUT_DRAWS = {
     "T=0.7,top-k": ([TemperatureLogitsWarper(0.7), TopKLogitsWarper(20)], False),
     "T=0.7,top-p,draft-vocab": ([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)], True),
     "penalty,T=0.8,draft-vocab": ([RepetitionPenaltyLogitsProcessor(1.5), TemperatureLogitsWarper(0.8)], True),
+    "T=0.6,top-h": ([TemperatureLogitsWarper(0.6), TopHLogitsWarper(0.6)], False),  # an entropy-sized nucleus
 }
 
 

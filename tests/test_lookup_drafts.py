@@ -137,6 +137,19 @@ def test_copied_drafts_stop_at_stop_strings():
     assert stats.copied[0] and stats.acceptance_lengths[0] == 3
 
 
+@pytest.mark.parametrize("rows", [1, 2], ids=["one-sequence", "batch"])
+def test_copied_drafts_end_at_an_eos(rows):
+    # A chat's earlier turns hold EOS tokens: a copy across one offers nothing after it (never generated).
+    target = successor_target("qwen3", VOCAB)  # ... 30, 31, 0, 1 (= EOS)
+    drafter = forcing_drafter(target, successor(2), block_size=8)  # always wrong: the copies alone are accepted
+    prompts = [[28, 29, 30, 31, 0, 1, 2, 3, 4, 28, 29, 30], [29, 30, 31, 0, 1, 2, 5, 29, 30]][:rows]
+    expected, output = both(target, drafter, left_padded(prompts), max_new_tokens=20, draft_policy="fixed")
+    assert torch.equal(output, expected)
+    stats = drafter.last_generation_stats
+    # After the prefill's 31, the copy of what followed 29 30 31: 0 and the EOS, not the 2, 3, 4, ... after it.
+    assert stats.copied[0] and stats.drafted[0] == 2
+
+
 def test_sampling_with_copied_drafts_preserves_target_distribution():
     """Copied drafts have no distribution: transformers verifies them by sampling the target at every position and
     keeping them while they agree, which is exact. Mixed with the drafter's cycles in the same calls."""

@@ -21,7 +21,7 @@ import torch
 from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
 from test_batching import left_padded
 from test_generation import CollectingStreamer
-from transformers import DynamicCache
+from transformers import DynamicCache, WatermarkingConfig
 
 import hf_domino
 from hf_domino.cache_domino import CACHE_ARGUMENT
@@ -92,6 +92,10 @@ def random_options(rng: random.Random, pool: range, eos: int, drafter) -> tuple[
     return options, ours
 
 
+# What a mix's output holds besides tokens (dropped where only tokens come back).
+OUTPUTS = ("return_dict_in_generate", "output_scores", "output_logits", "output_hidden_states")
+
+
 def random_rows(rng: random.Random, vocab: int, rows: int) -> list[list[int]]:
     return [[rng.randrange(4, vocab) for _ in range(rng.randint(1, 7))] for _ in range(rows)]
 
@@ -110,7 +114,8 @@ def both_outputs(target, drafter, batch: dict, options: dict, ours: dict, stream
 def later_draws(rng: random.Random, target, drafter, vocab: int, batch: dict, options: dict) -> tuple | None:
     """What a mix draws after all the rest, so that the seeds run before these were added (docs/usage.md) keep
     their mixes: a draft vocabulary, `max_length` for `max_new_tokens`, `min_length`, the CPU fast path on both
-    models, and at batch 1 a streamer per call (returned: they must receive the same tokens)."""
+    models, and at batch 1 a streamer per call (returned: they must receive the same tokens); then NaN and inf
+    removal, a watermark, a chunked prefill, a time limit and top-h sampling."""
     if rng.random() < 0.25:
         drafter.set_draft_vocab(sorted(rng.sample(range(vocab), vocab // 2)))
     if rng.random() < 0.15:
@@ -120,9 +125,23 @@ def later_draws(rng: random.Random, target, drafter, vocab: int, batch: dict, op
     if rng.random() < 0.15:
         rows = batch["input_ids"].shape[0]
         hf_domino.prepare_for_cpu_decoding(target, drafter, batch_size=rows, measure_products=False)
+    streamers = None
     if batch["input_ids"].shape[0] * options.get("num_return_sequences", 1) == 1 and rng.random() < 0.4:
-        return CollectingStreamer(), CollectingStreamer()
-    return None
+        streamers = CollectingStreamer(), CollectingStreamer()
+    # Drawn after those since 2026-12-06: settings no draw above touches.
+    if rng.random() < 0.1:
+        options["remove_invalid_values"] = True
+    if rng.random() < 0.1:
+        # (transformers' self-hashing scheme tries the 40 likeliest tokens: an IndexError below 40 in the vocabulary)
+        scheme = rng.choice(["lefthash", "selfhash"]) if vocab >= 40 else "lefthash"
+        options["watermarking_config"] = WatermarkingConfig(bias=rng.choice([1.0, 4.0]), seeding_scheme=scheme)
+    if rng.random() < 0.1:
+        options["prefill_chunk_size"] = rng.randint(1, 4)
+    if rng.random() < 0.1:
+        options["max_time"] = 600.0  # (never reached: its stopping rule on every path)
+    if options["do_sample"] and rng.random() < 0.2:
+        options["top_h"] = rng.choice([0.4, 0.8])
+    return streamers
 
 
 def streamed(streamer: CollectingStreamer) -> list:
@@ -168,6 +187,8 @@ def greedy_mix(seed: int, device: str = "cpu", models=None) -> None:
     # the families' mixes) where its logits agreed within 4e-5 and its tokens exactly.
     expected, got = alone.hidden_states, drafted.hidden_states
     assert (expected is None) == (got is None), mix
+    if got and options.get("prefill_chunk_size"):  # the target alone's first step: its prefill's last chunk only
+        got = (tuple(y[:, -x.shape[1] :] for x, y in zip(expected[0], got[0], strict=True)), *got[1:])
     for i, (a, b) in enumerate(zip(expected or (), got or (), strict=True)):
         assert all(torch.allclose(x, y, atol=1e-3, rtol=1e-3) for x, y in zip(a, b, strict=True)), (i, mix)
 
@@ -198,7 +219,7 @@ def second_turn_mix(seed: int, models=random_models) -> None:
     turns = []
     for _ in range(2):
         options, ours = random_options(rng, range(4, vocab), 1, drafter)
-        for name in ("return_dict_in_generate", "output_scores", "output_logits", "output_hidden_states"):
+        for name in OUTPUTS:
             options.pop(name, None)
         turns.append((options, ours, torch.tensor(random_rows(rng, vocab, 1)).repeat(rows, 1)))
 
@@ -260,6 +281,21 @@ def test_sampled_option_mixes_run_as_the_target_alone_runs(seed):
     sampled_mix(seed)
 
 
+def served_options(rng: random.Random, target, drafter, vocab: int, prompts: list) -> tuple[dict, dict]:
+    """A greedy mix for requests served together (`generate_batch`, the manager): their results hold tokens only, and
+    a request's length limit is `max_new_tokens` (the lengths and streamer `later_draws` draws, counted from the first
+    prompt, are dropped)."""
+    options, ours = random_options(rng, range(4, vocab), 1, drafter)
+    for name in OUTPUTS:
+        options.pop(name, None)
+    max_new_tokens = options["max_new_tokens"]
+    later_draws(rng, target, drafter, vocab, {"input_ids": torch.tensor([prompts[0]])}, options)
+    options.pop("max_length", None)
+    options.pop("min_length", None)
+    options["max_new_tokens"] = max_new_tokens
+    return options, ours
+
+
 def served_mix(seed: int, models=random_models) -> None:
     """`generate_batch` with the drafter, a greedy mix for all its requests: 2-7 prompts joining 1-4 rows as rows
     finish; each request's tokens are what the target alone generates for its prompt."""
@@ -268,14 +304,7 @@ def served_mix(seed: int, models=random_models) -> None:
     rng = random.Random(seed)
     target, drafter, vocab = models(rng)
     prompts = random_rows(rng, vocab, rng.randint(2, 7))
-    options, ours = random_options(rng, range(4, vocab), 1, drafter)
-    for name in ("return_dict_in_generate", "output_scores", "output_logits", "output_hidden_states"):
-        options.pop(name, None)
-    max_new_tokens = options["max_new_tokens"]
-    later_draws(rng, target, drafter, vocab, {"input_ids": torch.tensor([prompts[0]])}, options)
-    options.pop("max_length", None)  # lengths counted from the first prompt: a request's limit is max_new_tokens
-    options.pop("min_length", None)
-    options["max_new_tokens"] = max_new_tokens
+    options, ours = served_options(rng, target, drafter, vocab, prompts)
     try:
         expected = [
             target.generate(torch.tensor([p]), pad_token_id=0, **options)[0, len(p) :].tolist() for p in prompts
@@ -307,15 +336,9 @@ def managed_mix(seed: int, models=random_models) -> None:
     rng = random.Random(seed)
     target, drafter, vocab = models(rng)
     prompts = random_rows(rng, vocab, rng.randint(2, 7))
-    options, ours = random_options(rng, range(4, vocab), 1, drafter)
-    for name in ("return_dict_in_generate", "output_scores", "output_logits", "output_hidden_states"):
-        options.pop(name, None)
+    options, ours = served_options(rng, target, drafter, vocab, prompts)
     limits = [rng.randint(1, 30) if rng.random() < 0.3 else None for _ in prompts]
     streaming = [rng.random() < 0.3 for _ in prompts]
-    if rng.random() < 0.25:
-        drafter.set_draft_vocab(sorted(rng.sample(range(vocab), vocab // 2)))
-    if rng.random() < 0.15:
-        hf_domino.prepare_for_cpu_decoding(target, drafter, measure_products=False)
     try:
         expected = [
             target.generate(

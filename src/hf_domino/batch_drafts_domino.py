@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .batch_policy_domino import batch_policy
-from .drafting_domino import lookup_drafts, score_only, select_fused_rollout, spread_to_vocabulary, stop_free_length
+from .drafting_domino import (
+    drafts_through_an_end,
+    lookup_drafts,
+    score_only,
+    select_fused_rollout,
+    spread_to_vocabulary,
+    stop_free_length,
+)
 from .policy_domino import LookupPolicy, below_threshold
 from .ragged_batch_domino import BatchDrafts, batched_rollout, run_batched_backbone
 from .records_domino import DraftingMode, copy_records
@@ -116,27 +123,42 @@ class CycleDrafts:
 
 
 def row_limits(
-    drafts: BatchDrafts, sequences: list[torch.LongTensor], room: list[int], threshold: float | None, criteria: list
+    drafts: BatchDrafts,
+    sequences: list[torch.LongTensor],
+    room: list[int],
+    threshold: float | None,
+    criteria: list,
+    ends: torch.Tensor | None = None,
 ) -> list[int]:
     """Drafts each active row (`sequences`, in the batch's order) may offer: its room, its drafts above the confidence
-    threshold, none past a stop string (`criteria[i]`: row i's stopping criteria that must not fire inside a block)."""
+    threshold, none past a stop string (`criteria[i]`: row i's stopping criteria that must not fire inside a block)
+    or after an EOS draft (`ends`: the EOS token ids)."""
+    through_end = drafts_through_an_end(drafts.ids, ends) if ends is not None else [drafts.ids.shape[1]] * len(room)
     return [
         stop_free_length(
-            criteria[i], sequence, drafts.ids[i], min(room[i], below_threshold(drafts.confidence[i], threshold))
+            criteria[i], sequence, drafts.ids[i], min(room[i], below_threshold(drafts.confidence[i], threshold), end)
         )
-        for i, sequence in enumerate(sequences)
+        for i, (sequence, end) in enumerate(zip(sequences, through_end, strict=True))
     ]
 
 
 class RowCopies:
     """Copied drafts for a batch's rows, as at batch 1: where a row's text repeats, what followed its last n-gram;
     else, with a datastore, what the target's earlier answers continue it with. `padding[row]` is each row's left
-    padding, never copied from; `criteria[row]` the row's stopping criteria that must not fire inside a block. The two
-    sources' policies are set by `CycleDrafter.build_policies` with the drafter's (they share its verify-cost
-    table)."""
+    padding, never copied from; `criteria[row]` the row's stopping criteria that must not fire inside a block, `ends`
+    the EOS token ids (a copy ends at one). The two sources' policies are set by `CycleDrafter.build_policies` with the
+    drafter's (they share its verify-cost table)."""
 
-    def __init__(self, datastore: DraftDatastore | None, max_copies: int, padding: list[int], criteria: list):
+    def __init__(
+        self,
+        datastore: DraftDatastore | None,
+        max_copies: int,
+        padding: list[int],
+        criteria: list,
+        ends: torch.Tensor | None = None,
+    ):
         self.datastore, self.max_copies, self.padding, self.criteria = datastore, max_copies, padding, criteria
+        self.ends = ends
         self.lookup_policy: LookupPolicy | None = None
         self.datastore_policy: LookupPolicy | None = None
 
@@ -154,7 +176,8 @@ class RowCopies:
         policy declined them, the copies found (to be judged against what the row generates instead); and each row's
         source (its policy).
 
-        Rows copy where their text repeats, else retrieve where `retrieving`, cut before a stop string as drafts are.
+        Rows copy where their text repeats, else retrieve where `retrieving`, cut before a stop string and after an EOS
+        as drafts are.
         The lookup policy prices the copies of all rows together against the batch's verification and a drafting
         cycle of `policy` (or a plain step), by the time they save it where `rooms` (each row's tokens left, and
         `paces`) are given.
@@ -167,7 +190,7 @@ class RowCopies:
             if copy is None and self.datastore is not None and retrieving:
                 copy, source = self.datastore.lookup(text, limit), self.datastore_policy
             if copy is not None:
-                keep = stop_free_length(self.criteria[row], sequences[row], copy[0])
+                keep = stop_free_length(self.criteria[row], sequences[row], copy[0], ends=self.ends)
                 if keep:
                     found[i], sources[i] = copy[0, :keep], source
         if not found:
@@ -208,6 +231,9 @@ class CycleDrafter:
     ):
         self.drafter, self.modules, self.options, self.context = drafter, modules, options, context
         self.block_criteria, self.process, self.clock, self.timings = block_criteria, process, clock, timings
+        self.ends = getattr(
+            generation_config, "_eos_token_tensor", None
+        )  # a row's drafts end at an EOS (`row_limits`)
         self.do_sample = bool(generation_config.do_sample)
         self.head = options.head_enabled(drafter)
         self.vocab = drafter.draft_vocab if options.draft_vocab else None
@@ -234,6 +260,7 @@ class CycleDrafter:
                 max_copies=min(self.max_drafts, generation_config.prompt_lookup_num_tokens or self.max_drafts),
                 padding=padding,
                 criteria=block_criteria,
+                ends=self.ends,
             )
 
     def build_policies(
@@ -311,7 +338,7 @@ class CycleDrafter:
         drafted = self.clock()
         threshold = self.options.assistant_confidence_threshold
         sequences, criteria = [sequences[row] for row in active], [self.block_criteria[row] for row in active]
-        limits = row_limits(drafts, sequences, room, threshold, criteria)
+        limits = row_limits(drafts, sequences, room, threshold, criteria, self.ends)
         limits = [0 if i in copying else limit for i, limit in enumerate(limits)]
         tree = None
         if branches is not None:
@@ -361,7 +388,8 @@ class CycleDrafter:
         (room, confidence, stop strings: its own drafts); none where the row copies."""
         threshold = self.options.assistant_confidence_threshold
         limits = [
-            row_limits(branches.branch(b), sequences, room, threshold, criteria) for b in range(branches.ids.shape[1])
+            row_limits(branches.branch(b), sequences, room, threshold, criteria, self.ends)
+            for b in range(branches.ids.shape[1])
         ]
         lengths = torch.tensor(limits, dtype=torch.long).T
         lengths[sorted(copying)] = 0

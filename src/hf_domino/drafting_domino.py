@@ -207,6 +207,7 @@ def eager_rollout(
     pick: Pick = greedy_pick,
     head: bool = True,
     keep_rolling: KeepRolling | None = None,
+    ends: torch.Tensor | None = None,
 ) -> Rollout:
     """The reference rollout: per draft position, the Domino head's correction (when `head`), then `pick`.
 
@@ -214,7 +215,8 @@ def eager_rollout(
     embedding table; the first `pure_draft_prefix_len` drafts use the base logits alone. With `head=False` (or a
     DFlash drafter) every draft uses its base logits alone, and greedy picking is one vectorized argmax.
     `keep_rolling`, when given, is asked before each sequential draft after the first; a block it stops is exactly
-    the first drafts of the whole block.
+    the first drafts of the whole block. With `ends` (the EOS token ids) a block also ends at an EOS draft
+    (`stop_free_length` offers nothing after one).
     """
     config = drafter.config
     use_head = head and config.has_domino_head
@@ -229,6 +231,8 @@ def eager_rollout(
         for i in range(block.num_drafts):
             if keep_rolling is not None and i and not keep_rolling(torch.cat(confidence)):
                 break  # a draft never depends on later ones: the block is exact up to here
+            if ends is not None and i and bool(torch.isin(realised[:, -1], ends.to(realised.device)).all()):
+                break
             logits = block.base_logits[:, i]
             if use_head and i >= config.pure_draft_prefix_len:
                 # The GRU reads the block's realised tokens: the anchor and any drafts on its first step, then the
@@ -468,15 +472,27 @@ def judge_copy(copy: torch.LongTensor, generated: torch.LongTensor) -> tuple[int
     return offered, int(mismatches[0, 0]) if mismatches.numel() else offered
 
 
-def stop_free_length(criteria, sequence: torch.LongTensor, drafts: torch.LongTensor, limit: int | None = None) -> int:
+def stop_free_length(
+    criteria,
+    sequence: torch.LongTensor,
+    drafts: torch.LongTensor,
+    limit: int | None = None,
+    ends: torch.Tensor | None = None,
+) -> int:
     """How many of the first `limit` (default: all) of `drafts` `[k]` can follow `sequence` `[n]` before one of the
-    stopping `criteria` (those that must not fire inside a block: stop strings, not EOS or max_length) would.
+    stopping `criteria` (those that must not fire inside a block: stop strings, not EOS or max_length) would, and
+    none after an end-of-sequence draft (`ends`: the EOS token ids).
 
     transformers' loop checks stopping criteria once per cycle, after the whole accepted block. If the sequence plus
     drafts[:j] completes a stop, only drafts[:j - 1] are offered: the target's own next token then decides whether
-    the stop happens, exactly as without a drafter, and nothing is generated past it.
+    the stop happens, exactly as without a drafter, and nothing is generated past it. An EOS draft is offered (the
+    loop ends the sequence inside a block where it is accepted), the drafts after it are not: nothing after it is ever
+    generated, and logits processors would read sequences that go on past their end, which the target alone never
+    shows them.
     """
     limit = drafts.shape[0] if limit is None else limit
+    if ends is not None and limit:
+        limit = drafts_through_an_end(drafts[None, :limit], ends)[0]
     if not criteria or limit == 0:
         return limit
     candidate = torch.cat([sequence, drafts[:limit].to(sequence.device)])
@@ -486,6 +502,14 @@ def stop_free_length(criteria, sequence: torch.LongTensor, drafts: torch.LongTen
         if any(bool(torch.as_tensor(criterion(prefix, None)).any()) for criterion in criteria):
             return j - 1
     return limit
+
+
+def drafts_through_an_end(drafts: torch.LongTensor, ends: torch.Tensor) -> list[int]:
+    """Per row of `drafts` `[rows, k]`, how many come up to and with its first EOS token (`ends`), k where none does
+    (read back once for all rows)."""
+    hits = torch.isin(drafts, ends.to(drafts.device))
+    first = torch.where(hits.any(dim=1), hits.int().argmax(dim=1) + 1, drafts.shape[1])
+    return first.tolist()
 
 
 # Logits processors that read one row of scores and nothing else (not input_ids): they can run on all rows of a batch
@@ -557,5 +581,6 @@ __all__ = [
     "score_only",
     "select_fused_rollout",
     "spread_to_vocabulary",
+    "drafts_through_an_end",
     "stop_free_length",
 ]

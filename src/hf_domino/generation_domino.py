@@ -36,6 +36,7 @@ from .drafting_domino import (
     lookup_drafts,
     processed_pick,
     run_backbone,
+    score_only,
     select_fused_rollout,
     spread_to_vocabulary,
     stop_free_length,
@@ -101,6 +102,8 @@ class DominoCandidateGenerator(CandidateGenerator):
         # Greedy verification never reads the draft logits unless the ensemble option mixes them in.
         self.return_logits = self.do_sample or generation_config.assistant_ensemble_weight is not None
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
+        # The EOS tokens: a block offers nothing after one (`stop_free_length`).
+        self.ends = getattr(generation_config, "_eos_token_tensor", None)
         # EOS and max length are already cut inside a block by the loop; other criteria (stop strings, ...) are not.
         self.block_stopping_criteria = [
             criterion
@@ -300,12 +303,12 @@ class DominoCandidateGenerator(CandidateGenerator):
             )
 
     def _truncate_at_stop(self, input_ids: torch.LongTensor, drafts: Drafts) -> Drafts:
-        """Keeps drafts only up to the one before a stopping criterion would fire (`stop_free_length`)."""
+        """Keeps drafts only up to the one before a stopping criterion would fire, or up to an EOS (`stop_free_length`)."""
         return drafts.keep(self._stop_free_length(input_ids, drafts.ids))
 
     def _stop_free_length(self, input_ids: torch.LongTensor, draft_ids: torch.LongTensor) -> int:
-        """How many of `draft_ids` `[1, k]` can be offered without one completing a stop."""
-        return stop_free_length(self.block_stopping_criteria, input_ids[0], draft_ids[0])
+        """How many of `draft_ids` `[1, k]` can be offered without one completing a stop, none after an EOS."""
+        return stop_free_length(self.block_stopping_criteria, input_ids[0], draft_ids[0], ends=self.ends)
 
     # ------------------------------------------------------------------------------------------------------ set-up
     @property
@@ -372,4 +375,8 @@ class DominoCandidateGenerator(CandidateGenerator):
         )
         if fused is not None:
             return fused
-        return eager_rollout(drafter, self.target, pick, head=options.head_enabled(drafter), keep_rolling=keep_rolling)
+        # Processors that read tokens must not be shown drafts past an EOS: the rollout stops there (a check per
+        # position); other drafts past one are cut after it (`_truncate_at_stop`).
+        ends = None if score_only(self.logits_processor) else self.ends
+        head = options.head_enabled(drafter)
+        return eager_rollout(drafter, self.target, pick, head=head, keep_rolling=keep_rolling, ends=ends)

@@ -227,18 +227,28 @@ def process_rows(
     sequences: list[torch.LongTensor],
     logits: torch.Tensor,
     extra: torch.LongTensor | None = None,
+    ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Applies each row's logits processors to its row of `logits [rows, V]`, row b seeing `sequences[b] + extra[b]`.
 
     Each row sees exactly the input_ids the target alone would pass for it (its left-padded prompt and its tokens
-    so far), so penalties and minimum lengths act per row as they would without a drafter.
+    so far), so penalties and minimum lengths act per row as they would without a drafter. A row whose `extra`
+    holds an EOS token (`ends`) has ended before this column, which is never generated: its logits pass unprocessed,
+    since processors shown a sequence going on past its end can fail (no-repeat n-grams banning the EOS, then a
+    length penalty on its `-inf`: NaN).
     """
     if not processors or not len(processors[0]):
         return logits
     if score_only(processors[0]):
         return processors[0](sequences[0][None], logits)  # they read the scores only: all rows at once
+    ended = [False] * len(sequences)
+    if extra is not None and ends is not None and extra.shape[1]:
+        ended = torch.isin(extra, ends.to(extra.device)).any(dim=1).tolist()
     rows = []
     for row, sequence in enumerate(sequences):
+        if ended[row]:
+            rows.append(logits[row : row + 1])
+            continue
         ids = sequence if extra is None else torch.cat([sequence, extra[row].to(sequence.device)])
         rows.append(processors[row](ids[None], logits[row : row + 1]))
     return torch.cat(rows)

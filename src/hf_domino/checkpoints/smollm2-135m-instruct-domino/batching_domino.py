@@ -131,7 +131,7 @@ class BatchedDecoding:
         self.do_sample, self.max_length = bool(generation_config.do_sample), generation_config.max_length
         pad = generation_config._pad_token_tensor  # None: a server's call with neither pad nor EOS token
         self.pad = 0 if pad is None else int(pad.flatten()[0])
-        eos = generation_config._eos_token_tensor
+        eos = self.ends = generation_config._eos_token_tensor
         self.eos_ids = set() if eos is None else set(eos.flatten().tolist())
         rows, self.prompt_length = input_ids.shape
         # Per row: where its prompt ends and the length it may reach. A batch from generate() shares both; rows a
@@ -208,7 +208,7 @@ class BatchedDecoding:
         `extra[b]` (`[rows x repeats, V]` with `repeats`: each row's `repeats` branches, one after the other)."""
         rows = [row for row in (self.active if rows is None else rows) for _ in range(repeats)]
         processors = None if self.per_row is None else [self.per_row[row] for row in rows]
-        return process_rows(processors, [self.sequences[row] for row in rows], logits, extra)
+        return process_rows(processors, [self.sequences[row] for row in rows], logits, extra, self.ends)
 
     def extend(
         self, rows: list[int], tokens: list[torch.LongTensor], scores: tuple[torch.Tensor | None, ...] | None = None

@@ -287,6 +287,16 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
             "earlier releases cannot roll a static cache back after a rejected draft. Upgrade transformers, or drop "
             "cache_implementation (the default dynamic cache gives the same output)."
         )
+    if generation_config.prefill_chunk_size is not None:
+        # A chunked prefill bounds the memory of reading a very long prompt; transformers' assisted decoding reads the
+        # prompt whole and says nothing of it. The drafter reads it whole too, and says so.
+        warnings.warn(
+            f"prefill_chunk_size={generation_config.prefill_chunk_size} is not applied with a drafter: the prompt is "
+            "read in one forward, as transformers' assisted decoding reads it. The tokens are the same (with "
+            "output_hidden_states, the first step's hold the whole prompt's, not the last chunk's); the prefill's "
+            "memory peak is the unchunked one. For a prompt too long to read at once, generate without assistant_model.",
+            stacklevel=2,
+        )
     attention = target.config._attn_implementation
     if generation_config.return_dict_in_generate and generation_config.output_attentions and attention != "eager":
         # Such kernels return no weights, and transformers' assisted loop then fails with an IndexError (its prompt
