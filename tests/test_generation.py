@@ -131,6 +131,26 @@ def test_a_block_ends_at_an_eos_draft(rows, do_sample):
         assert torch.equal(output, target.generate(**batch, logits_processor=processors, **options))
 
 
+@pytest.mark.parametrize("rows", [[[25, 22, 22]], [[25, 22, 22], [9, 14]]], ids=["one-sequence", "batch"])
+def test_a_draft_vocabulary_without_the_eos_keeps_the_length_penalty_finite(rows):
+    # Spread over the whole vocabulary, the EOS's draft logit would be -inf, which remove_invalid_values makes the
+    # most negative float and the exponential length penalty then takes past the largest: NaN, where the target
+    # alone has none (option mix seed 559: every drafted call failed). The EOS is drafted over with the vocabulary.
+    from test_batching import left_padded
+
+    target = tiny_target("qwen3", vocab_size=32)
+    drafter = tiny_drafter(target)
+    drafter.set_draft_vocab([0, 2, 4, 5, 6, 8, 9, 10, 11, 12, 13, 17, 19, 22, 25, 26])  # no EOS (1)
+    options = dict(
+        do_sample=True, max_new_tokens=24, eos_token_id=1, pad_token_id=0, remove_invalid_values=True,
+        exponential_decay_length_penalty=(4, 1.5), temperature=1.5, typical_p=0.7,
+    )  # fmt: skip
+    for seed in range(5):
+        torch.manual_seed(seed)
+        output = target.generate(**left_padded(rows), **options, assistant_model=drafter, draft_policy="fixed")
+        assert output.shape[0] == len(rows) and 0 <= output.min() and output.max() < 32
+
+
 @pytest.mark.parametrize("rows", [[[7, 8, 9, 10, 11, 12]], [[7, 8, 9, 10, 11, 12], [5, 6]]], ids=["one", "batch"])
 def test_a_chunked_prefill_is_read_whole_with_a_drafter_and_says_so(rows):
     # As transformers' assisted decoding does (silently): the same tokens; the first step's hidden states hold the

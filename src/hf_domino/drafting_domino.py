@@ -522,6 +522,22 @@ def score_only(logits_processor) -> bool:
     return all(type(processor) in SCORE_ONLY_WARPERS for processor in logits_processor or ())
 
 
+def drafting_vocab(vocab: torch.Tensor | None, logits_processor, ends: torch.Tensor | None) -> torch.Tensor | None:
+    """The sorted token ids a call drafts over: the draft vocabulary `vocab`, with the EOS tokens `ends` added where
+    processors that read tokens are shown its logits spread over the whole vocabulary (`processed_pick`).
+
+    Spread, a token outside the vocabulary has the logit `-inf`; NaN/inf removal (`remove_invalid_values`) makes
+    that the most negative float, and the exponential length penalty, which adds to the EOS's logit its magnitude
+    times a growing factor, then takes it past the largest: NaN, where the target alone's EOS logit is finite. With
+    the EOS among the drafts' columns its logit is the drafter's own, as the target's is.
+    """
+    if vocab is None or ends is None or score_only(logits_processor):
+        return vocab
+    ends = ends.flatten().to(vocab)
+    missing = ends[~torch.isin(ends, vocab)]
+    return vocab if not missing.numel() else torch.cat([vocab, missing.unique()]).sort().values
+
+
 def spread_to_vocabulary(logits: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
     """Draft-vocabulary logits over the whole vocabulary, `-inf` elsewhere (a zero draft probability there)."""
     if vocab is None:
@@ -581,6 +597,7 @@ __all__ = [
     "score_only",
     "select_fused_rollout",
     "spread_to_vocabulary",
+    "drafting_vocab",
     "drafts_through_an_end",
     "stop_free_length",
 ]

@@ -30,6 +30,7 @@ from .drafting_domino import (
     BlockDraft,
     DrafterContext,
     Drafts,
+    drafting_vocab,
     eager_rollout,
     greedy_pick,
     judge_copy,
@@ -97,13 +98,15 @@ class DominoCandidateGenerator(CandidateGenerator):
         self.target = TargetModules.from_target(target)
         self.max_length = generation_config.max_length
         self.max_drafts = options.drafts_per_block(drafter)
-        self.vocab = drafter.draft_vocab if options.draft_vocab else None
         self.do_sample = bool(generation_config.do_sample)
         # Greedy verification never reads the draft logits unless the ensemble option mixes them in.
         self.return_logits = self.do_sample or generation_config.assistant_ensemble_weight is not None
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
         # The EOS tokens: a block offers nothing after one (`stop_free_length`).
         self.ends = getattr(generation_config, "_eos_token_tensor", None)
+        self.vocab = drafting_vocab(
+            drafter.draft_vocab if options.draft_vocab else None, self.logits_processor, self.ends
+        )
         # EOS and max length are already cut inside a block by the loop; other criteria (stop strings, ...) are not.
         self.block_stopping_criteria = [
             criterion

@@ -20,6 +20,7 @@ import torch
 
 from .batch_policy_domino import batch_policy
 from .drafting_domino import (
+    drafting_vocab,
     drafts_through_an_end,
     lookup_drafts,
     score_only,
@@ -236,7 +237,7 @@ class CycleDrafter:
         )  # a row's drafts end at an EOS (`row_limits`)
         self.do_sample = bool(generation_config.do_sample)
         self.head = options.head_enabled(drafter)
-        self.vocab = drafter.draft_vocab if options.draft_vocab else None
+        self.vocab = drafting_vocab(drafter.draft_vocab if options.draft_vocab else None, logits_processor, self.ends)
         self.max_drafts = options.drafts_per_block(drafter)
         # Drafts are picked from the base (+ head) logits themselves when greedy without processors; else from the
         # processed logits, over the draft vocabulary's columns where the processors read the scores alone.
