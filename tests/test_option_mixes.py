@@ -15,6 +15,7 @@ import functools
 import os
 import random
 import re
+import threading
 
 import pytest
 import torch
@@ -329,8 +330,6 @@ def managed_mix(seed: int, models=random_models) -> None:
     added while its thread runs (some before it starts, some after a first result, some from other threads), with
     their own `max_new_tokens` or streaming, one perhaps cancelled; every result a request gets is its target alone's
     tokens (a streamed one: their first ones)."""
-    import threading
-
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     rng = random.Random(seed)

@@ -228,10 +228,11 @@ def eager_rollout(
                 to_vocab_ids(index, block.vocab), block.base_logits, draft_confidence(block.base_logits, index)
             )
         realised, indices, chosen_logits, confidence, state = prefix_ids, [], [], [], None
+        block_ends = None if ends is None else ends.to(prefix_ids.device)
         for i in range(block.num_drafts):
             if keep_rolling is not None and i and not keep_rolling(torch.cat(confidence)):
                 break  # a draft never depends on later ones: the block is exact up to here
-            if ends is not None and i and bool(torch.isin(realised[:, -1], ends.to(realised.device)).all()):
+            if block_ends is not None and i and bool(torch.isin(realised[:, -1], block_ends).all()):
                 break
             logits = block.base_logits[:, i]
             if use_head and i >= config.pure_draft_prefix_len:
