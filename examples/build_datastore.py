@@ -14,7 +14,7 @@ import argparse
 import os
 from pathlib import Path
 
-from hf_domino.drafting_domino import DraftDatastore
+from hf_domino.copied_drafts_domino import DraftDatastore
 from hf_domino.training import load_examples
 
 

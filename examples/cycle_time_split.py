@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from hf_domino import drafting_domino, generation_domino, prepare_for_cpu_decoding
+from hf_domino import copied_drafts_domino, generation_domino, prepare_for_cpu_decoding
 from hf_domino.assets import encode_chat, load_drafter, load_target
 from hf_domino.prompt_sets import load_prompts
 
@@ -55,7 +55,7 @@ def main() -> None:
     generator = generation_domino.DominoCandidateGenerator
     timed_calls(generator, "_draft", seconds, calls)
     timed_calls(generation_domino, "lookup_drafts", seconds, calls)
-    timed_calls(drafting_domino.DraftDatastore, "lookup", seconds, calls)
+    timed_calls(copied_drafts_domino.DraftDatastore, "lookup", seconds, calls)
     for extra in ({}, {"assistant_model": drafter}):  # warm-up
         target.generate(prompts[0], max_new_tokens=16, do_sample=False, **extra)
     for name, extra in (("target alone", {}), ("with the drafter", {"assistant_model": drafter})):

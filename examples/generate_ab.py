@@ -43,7 +43,7 @@ from hf_domino import (
     records_domino,
 )
 from hf_domino.assets import chat_token_ids, load_drafter, load_target, pad_token_id
-from hf_domino.drafting_domino import DATASTORE_FILE, DraftDatastore
+from hf_domino.copied_drafts_domino import DATASTORE_FILE, DraftDatastore
 from hf_domino.measure_batch import left_padded_groups
 from hf_domino.prompt_sets import load_prompts
 

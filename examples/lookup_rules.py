@@ -33,7 +33,7 @@ import torch
 
 from hf_domino import TargetModules
 from hf_domino.assets import encode_chat, load_drafter, load_smollm2
-from hf_domino.drafting_domino import DraftDatastore, lookup_drafts
+from hf_domino.copied_drafts_domino import DraftDatastore, lookup_drafts
 from hf_domino.prompt_sets import load_prompts
 from hf_domino.training import DominoTrainingModule, load_examples, target_context_features
 

@@ -19,7 +19,7 @@ from test_generation import (
 from transformers import LogitsProcessorList
 
 from hf_domino import DominoForSpeculation, batching_domino
-from hf_domino.drafting_domino import DATASTORE_FILE, DATASTORE_NGRAM_SIZES, DraftDatastore
+from hf_domino.copied_drafts_domino import DATASTORE_FILE, DATASTORE_NGRAM_SIZES, DraftDatastore
 from hf_domino.measure import parse_method
 
 

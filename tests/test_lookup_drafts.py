@@ -22,8 +22,8 @@ from transformers import LogitsProcessorList
 
 from hf_domino import batching_domino
 from hf_domino.batch_policy_domino import BatchVerifyCost
+from hf_domino.copied_drafts_domino import lookup_drafts
 from hf_domino.cost_model_domino import VerifyCost, expected_tokens
-from hf_domino.drafting_domino import lookup_drafts
 from hf_domino.measure import parse_method
 from hf_domino.measure_batch import parse_batch_method
 from hf_domino.policy_domino import LookupPolicy

@@ -272,6 +272,7 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
         "config.json",
         "configuration_domino.py",
         "continuous_batching_domino.py",
+        "copied_drafts_domino.py",
         "cost_model_domino.py",
         "drafting_domino.py",
         "generate_hook_domino.py",

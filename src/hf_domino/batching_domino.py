@@ -39,8 +39,8 @@ from .batch_call_domino import TokenScores
 from .batch_drafts_domino import CycleDrafter, CycleDrafts
 from .batch_policy_domino import CallWindow, call_speculates
 from .cache_domino import buffer_layers
+from .copied_drafts_domino import judge_copy
 from .cost_model_domino import row_paces, settle_for_timing
-from .drafting_domino import judge_copy
 from .modeling_domino import TargetModules, check_context_features, context_features, hidden_state_indices
 from .policy_domino import AdaptivePolicy, FixedPolicy
 from .ragged_batch_domino import (

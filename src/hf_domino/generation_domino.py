@@ -18,6 +18,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from .cache_domino import CACHE_ARGUMENT
+from .copied_drafts_domino import judge_copy, lookup_drafts
 from .cost_model_domino import (
     VerifyCost,
     measure_verify_cost,
@@ -33,8 +34,6 @@ from .drafting_domino import (
     drafting_vocab,
     eager_rollout,
     greedy_pick,
-    judge_copy,
-    lookup_drafts,
     processed_pick,
     run_backbone,
     score_only,

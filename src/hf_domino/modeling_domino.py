@@ -265,7 +265,7 @@ class DominoForSpeculation(DominoPreTrainedModel):
         self.last_generation_stats = None
         # Token ids of the draft vocabulary (FR-Spec), or None for the whole vocabulary; saved in its own file.
         self.register_buffer("draft_vocab", None, persistent=False)
-        self.datastore = None  # a drafting_domino.DraftDatastore: drafts by retrieval, where the drafter has one
+        self.datastore = None  # a copied_drafts_domino.DraftDatastore: drafts by retrieval, where the drafter has one
         self.post_init()
         # Every way of getting a drafter (this package, remote code, a subclass) builds it here, so this is the one
         # place that installs the generate() hook; the import is local because the hook's module imports this one.
@@ -444,7 +444,7 @@ class DominoForSpeculation(DominoPreTrainedModel):
         if not strict_shapes:
             info = {**info, "mismatched_keys": []}
         _raise_on_loading_problems(info, pretrained_model_name_or_path)
-        from .drafting_domino import DATASTORE_FILE, DraftDatastore
+        from .copied_drafts_domino import DATASTORE_FILE, DraftDatastore
 
         hub = {key: kwargs[key] for key in ("cache_dir", "revision", "token", "local_files_only") if key in kwargs}
         vocab_file = cached_file(
@@ -465,7 +465,7 @@ class DominoForSpeculation(DominoPreTrainedModel):
         The vocabulary stays out of model.safetensors and config.json, so loaders of the published format, which
         would reject an unknown tensor, read the folder as if it had none.
         """
-        from .drafting_domino import DATASTORE_FILE
+        from .copied_drafts_domino import DATASTORE_FILE
 
         super().save_pretrained(save_directory, *args, **kwargs)
         vocab_path = os.path.join(save_directory, DRAFT_VOCAB_FILE)

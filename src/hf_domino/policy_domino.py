@@ -434,7 +434,7 @@ def learn_acceptance(
 
 
 class LookupPolicy:
-    """How many drafts copied from the text (`drafting_domino.lookup_drafts`) to verify.
+    """How many drafts copied from the text (`copied_drafts_domino.lookup_drafts`) to verify.
 
     Copying costs nothing next to a target forward, so there is no drafting time to learn and nothing to pause: of
     the drafts found, verify the k that maximizes `E(k) / T_verify(k)` by the acceptance seen per position of such

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .batch_policy_domino import batch_policy
+from .copied_drafts_domino import lookup_drafts
 from .drafting_domino import (
     drafting_vocab,
     drafts_through_an_end,
-    lookup_drafts,
     score_only,
     select_fused_rollout,
     spread_to_vocabulary,
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
     from transformers.generation.logits_process import LogitsProcessorList
 
-    from .drafting_domino import DraftDatastore
+    from .copied_drafts_domino import DraftDatastore
     from .modeling_domino import DominoForSpeculation, TargetModules
     from .options_domino import DominoOptions
     from .policy_domino import AdaptivePolicy, FixedPolicy

@@ -99,7 +99,7 @@ class DominoOptions:
             as many as pay by their acceptance so far. Off with `assistant_ensemble_weight`.
         domino_datastore: with `domino_lookup`, also draft by retrieval from the drafter's datastore when it has one
             (default True): where the text offers no copy, the continuation that the target's own earlier answers share after the sequence's last 4, 3 or
-            2 tokens (`drafting_domino.DraftDatastore`), priced like copies with an acceptance of its own.
+            2 tokens (`copied_drafts_domino.DraftDatastore`), priced like copies with an acceptance of its own.
         domino_timings: record per-cycle timings in `drafter.last_generation_stats.timings` (drafted cycles only).
         domino_cudnn_attention: let scaled_dot_product_attention pick cuDNN's kernels during the call (default
             False: on CUDA in float16/bfloat16 the call runs with every other enabled SDPA kernel; on a CPU, or in
