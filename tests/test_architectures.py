@@ -217,6 +217,21 @@ def test_greedy_output_is_the_target_alone_for_one_sequence_and_a_batch(name):
         assert expected.shape[1] > 4 * WINDOW
 
 
+@pytest.mark.parametrize("name", SLIDING)
+def test_a_chunked_prefill_keeps_each_rows_window(name):
+    # prefill_chunk_size read in the target alone's chunks (4 + 4 + 3 columns): a chunk's window reaches back into
+    # the chunks before it, among the rows' left padding.
+    target = architecture_target(name)
+    drafter = tiny_drafter(target)
+    batch = left_padded(ROWS)
+    expected = target.generate(**batch, max_new_tokens=24, prefill_chunk_size=4, **GREEDY)
+    fixed = {"draft_policy": "fixed", "num_speculative_tokens": 4}
+    output = target.generate(
+        **batch, max_new_tokens=24, prefill_chunk_size=4, assistant_model=drafter, **GREEDY, **fixed
+    )
+    assert torch.equal(output, expected)
+
+
 @pytest.mark.parametrize("name", ["mistral", "gemma2"])
 def test_a_prompts_copies_read_once_keep_their_windows_on_a_sliding_target(name):
     # num_return_sequences' copies share their prompt's prefill; each copy's window is still counted in its own

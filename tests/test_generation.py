@@ -151,31 +151,106 @@ def test_a_draft_vocabulary_without_the_eos_keeps_the_length_penalty_finite(rows
         assert output.shape[0] == len(rows) and 0 <= output.min() and output.max() < 32
 
 
-@pytest.mark.parametrize("rows", [[[7, 8, 9, 10, 11, 12]], [[7, 8, 9, 10, 11, 12], [5, 6]]], ids=["one", "batch"])
-def test_a_chunked_prefill_is_read_whole_with_a_drafter_and_says_so(rows):
-    # As transformers' assisted decoding does (silently): the same tokens; the first step's hidden states hold the
-    # whole prompt's, where the target alone's chunked prefill returns its last chunk's.
+CHUNKED_ROWS = [[[7, 8, 9, 10, 11, 12, 13]], [[7, 8, 9, 10, 11, 12, 13], [5, 6]]]
+
+
+@pytest.mark.parametrize("hidden", [False, True], ids=["tokens", "hidden-states"])
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+@pytest.mark.parametrize("rows", CHUNKED_ROWS, ids=["one", "batch"])
+def test_a_chunked_prefill_reads_the_prompt_as_the_target_alones(arch, rows, chunk, hidden):
+    # prefill_chunk_size bounds the memory of reading a long prompt: with a drafter the prompt is read in the target
+    # alone's chunks too (transformers' own assisted decoding reads it whole), and the first step's hidden states are
+    # the last chunk's, as the target alone returns them.
     from test_batching import left_padded
+
+    target = tiny_target(arch)
+    drafter = tiny_drafter(target)
+    batch = left_padded(rows)
+    options = dict(
+        max_new_tokens=8, prefill_chunk_size=chunk, do_sample=False, return_dict_in_generate=True,
+        output_hidden_states=hidden,
+    )  # fmt: skip
+    read = prefill_lengths(target)
+    alone = target.generate(**batch, **options)
+    chunks = read[: -(-batch["input_ids"].shape[1] // chunk)]
+    read.clear()
+    drafted = target.generate(**batch, **options, assistant_model=drafter, draft_policy="fixed")
+    assert read[: len(chunks)] == chunks == [chunk] * (len(chunks) - 1) + [7 - chunk * (len(chunks) - 1)]
+    assert torch.equal(drafted.sequences, alone.sequences)
+    assert max(drafter.last_generation_stats.drafted) > 0
+    if hidden:
+        first, expected = drafted.hidden_states[0], alone.hidden_states[0]
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(first, expected, strict=True))
+
+
+@pytest.mark.parametrize("rows", CHUNKED_ROWS, ids=["one", "batch"])
+def test_a_chunked_prefill_gives_the_drafter_the_whole_prompt(rows, monkeypatch):
+    # The chunks before the last are read ahead of the loop's prefill: their features must start the drafter's
+    # context, or it would draft from the last chunk alone (which no token comparison would notice).
+    from test_batching import left_padded
+
+    from hf_domino.batching_domino import BatchedDecoding
+    from hf_domino.drafting_domino import DrafterContext
 
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     batch = left_padded(rows)
-    options = dict(
-        max_new_tokens=8,
-        prefill_chunk_size=4,
-        return_dict_in_generate=True,
-        output_hidden_states=True,
-        do_sample=False,
-    )
-    alone = target.generate(**batch, **options)
-    with pytest.warns(
-        UserWarning, match=r"prefill_chunk_size=4 is not applied with a drafter.*without assistant_model"
-    ):
-        drafted = target.generate(**batch, **options, assistant_model=drafter)
+    contexts: list[list[torch.Tensor]] = []
+
+    def prompt_contexts(chunk_size: int | None) -> list[torch.Tensor]:
+        contexts.append([])
+        target.generate(
+            **batch, max_new_tokens=4, do_sample=False, prefill_chunk_size=chunk_size, assistant_model=drafter
+        )
+        if len(rows) == 1:  # the pieces appended to the drafter's context, up to the prompt's length
+            return [torch.cat(contexts[-1], dim=1)[:, : len(rows[0])]]
+        return contexts[-1]
+
+    appended, read_prompt = DrafterContext.append, BatchedDecoding.read_prompt
+    monkeypatch.setattr(DrafterContext, "append", lambda self, f: (contexts[-1].append(f), appended(self, f))[1])
+
+    def spied_read_prompt(self, *args, **kwargs):
+        found, finished = read_prompt(self, *args, **kwargs)
+        contexts[-1].extend(found)
+        return found, finished
+
+    monkeypatch.setattr(BatchedDecoding, "read_prompt", spied_read_prompt)
+    whole, chunked = prompt_contexts(None), prompt_contexts(3)
+    assert [c.shape[-2] for c in chunked] == [c.shape[-2] for c in whole] == [len(row) for row in rows]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(whole, chunked, strict=True))
+
+
+def test_a_chunked_prefill_names_a_bad_size_and_reads_embeddings_whole():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    prompt = torch.tensor([[7, 8, 9, 10, 11, 12]])
+    for size in (0, -2, 2.5):
+        with pytest.raises(ValueError, match=rf"prefill_chunk_size={size}: .* must be a positive int"):
+            target.generate(prompt, max_new_tokens=4, prefill_chunk_size=size, assistant_model=drafter)
+    embeds = target.get_input_embeddings()(prompt)
+    options = dict(inputs_embeds=embeds, max_new_tokens=6, do_sample=False)
+    alone = target.generate(**options)  # (the target alone's chunks fail on embeddings: transformers 5.25)
+    read = prefill_lengths(target)
+    with pytest.warns(UserWarning, match=r"not applied with a drafter to a prompt given with \['inputs_embeds'\]"):
+        drafted = target.generate(**options, prefill_chunk_size=2, assistant_model=drafter)
+    assert torch.equal(drafted, alone) and read[0] == 6
+
+
+def test_a_filled_cache_returns_the_target_alones_hidden_states():
+    # transformers' assisted loop splits its first step's hidden states as if the prefill read the whole prompt, and
+    # fails on one that reads only the tokens a filled cache lacks: such a call returns them through the batch loop.
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    torch.manual_seed(5)
+    answered, cache = first_turn(target, torch.randint(4, 64, (1, 9)))
+    conversation = torch.cat([answered, torch.randint(4, 64, (1, 5))], dim=-1)
+    options = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_hidden_states=True)
+    alone = target.generate(conversation, **cache_argument(copy.deepcopy(cache)), **options)
+    drafted = target.generate(conversation, **cache_argument(copy.deepcopy(cache)), **options, assistant_model=drafter)
     assert torch.equal(drafted.sequences, alone.sequences)
-    first, chunk = drafted.hidden_states[0], alone.hidden_states[0]
-    assert first[0].shape[1] == batch["input_ids"].shape[1] and chunk[0].shape[1] == 2  # 6 prompt columns: 4 + 2
-    assert all(torch.allclose(a[:, -2:], b, atol=1e-5) for a, b in zip(first, chunk, strict=True))
+    assert alone.hidden_states[0][0].shape[1] == 6  # the 5 new tokens and the last answered one
+    for expected, got in zip(alone.hidden_states, drafted.hidden_states, strict=True):
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(expected, got, strict=True))
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 7, 13])
@@ -941,8 +1016,12 @@ def first_turn(target, prompt: torch.Tensor, new_tokens: int = 7) -> tuple[torch
 def prefill_lengths(target) -> list[int]:
     """Records how many tokens each target forward reads (the first one is the prefill)."""
     lengths = []
-    target.register_forward_pre_hook(lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]),
-                                     with_kwargs=True)  # fmt: skip
+
+    def record(module, args, kwargs):
+        read = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+        lengths.append(read.shape[1])
+
+    target.register_forward_pre_hook(record, with_kwargs=True)
     return lengths
 
 

@@ -488,6 +488,22 @@ def test_a_batch_is_the_target_alones_row_by_row(name):
     assert torch.equal(output, expected)
 
 
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_chunked_prefill_is_the_target_alones_one_sequence_and_a_batch(name):
+    # Chunks of 5 and 4 leave a last chunk of 2 columns for the prefill's own forward: read after the leading chunks,
+    # it must still keep no scan inputs (a batch's recorded them until fixed, and its rows answered otherwise).
+    target = hybrid_target(name)
+    drafter = forcing_drafter(target, successor_table(target.generate(PROMPT, max_new_tokens=40, **GREEDY)))
+    for inputs, chunk in ((dict(input_ids=PROMPT), 5), (left_padded(BATCH), 4)):
+        expected = target.generate(**inputs, max_new_tokens=20, prefill_chunk_size=chunk, **GREEDY)
+        output = target.generate(
+            **inputs, max_new_tokens=20, prefill_chunk_size=chunk, assistant_model=drafter, draft_policy="fixed",
+            **GREEDY,
+        )  # fmt: skip
+        assert torch.equal(output, expected), chunk
+        assert max(drafter.last_generation_stats.drafted) > 0
+
+
 @pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h"])
 def test_the_scans_arguments_are_named_as_the_reference_names_them(name):
     # With the `kernels` package installed, transformers >= 5.25 turns each scan into a module taking *args, **kwargs:

@@ -130,6 +130,33 @@ def test_the_compiled_forward_verifies_the_blocks(fresh_dynamo):
 
 
 @rolls_back
+def test_a_chunked_prefill_runs_its_chunks_compiled_where_the_target_alones_are(fresh_dynamo):
+    # transformers' `_prefill` runs each chunk through the compiled forward where it compiles (a static cache on a
+    # GPU): the chunks read ahead of the drafted loop's prefill take the same forward, so they round alike.
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    options = dict(
+        max_new_tokens=16, do_sample=False, cache_implementation="static", compile_config=compiling_here(),
+        prefill_chunk_size=3,
+    )  # fmt: skip
+    compiled_widths: list[int] = []
+    get_compiled_call = target.get_compiled_call
+
+    def spied(compile_config):
+        call = get_compiled_call(compile_config)
+        return lambda **kwargs: (compiled_widths.append(kwargs["input_ids"].shape[1]), call(**kwargs))[1]
+
+    target.get_compiled_call = spied
+    prompt = prompts(1)[0]
+    expected = target.generate(prompt, **options)
+    alone, compiled_widths[:] = list(compiled_widths), []
+    output = target.generate(prompt, **options, assistant_model=drafter, draft_policy="fixed")
+    assert torch.equal(output, expected)
+    leading = -(-prompt.shape[1] // 3) - 1
+    assert compiled_widths[:leading] == alone[:leading] == [3] * leading
+
+
+@rolls_back
 def test_a_target_prepared_for_cpu_decoding_compiles_whole(fresh_dynamo):
     # The fast path's packed products are for eager forwards; traced, their checks broke the graph in every layer and
     # recompiled it per module (a compiled SmolLM2 ran 0.7x its eager self). Compiled, they are plain linears.

@@ -42,6 +42,7 @@ from .cache_domino import buffer_layers
 from .copied_drafts_domino import judge_copy
 from .cost_model_domino import row_paces, settle_for_timing
 from .modeling_domino import TargetModules, check_context_features, context_features, hidden_state_indices
+from .options_domino import prefill_chunk_size
 from .policy_domino import AdaptivePolicy, FixedPolicy
 from .ragged_batch_domino import (
     BatchedDrafterContext,
@@ -126,6 +127,8 @@ class BatchedDecoding:
         # Read by the prefill alone, as the target alone reads them: the prompt's embeddings, and a multimodal
         # prompt's images (videos, audio) or their encodings.
         self.prompt_embeds, self.prompt_inputs = inputs_embeds, prompt_inputs or {}
+        # The chunks the prefill reads the prompt in (`prefill_chunk_size`), as the target alone's prefill does.
+        self.chunk_size = prefill_chunk_size(generation_config, {"inputs_embeds": inputs_embeds, **self.prompt_inputs})
         self.modules = TargetModules.from_target(target)
         self.layer_ids = drafter.config.target_layer_ids
         self.do_sample, self.max_length = bool(generation_config.do_sample), generation_config.max_length
@@ -289,26 +292,56 @@ class BatchedDecoding:
         if distinct is not None:
             self.target_cache.select_rows(distinct)
             input_ids, new = input_ids[distinct], new[distinct]
+        leading = self.read_leading_chunks(input_ids, new) if embeds is None and self.chunk_size else None
+        read = 0 if leading is None else leading.shape[1]
         outputs = ragged_forward(
-            self.target, self.target_cache, input_ids, new, self.hidden_layers, logits_to_keep=1,
+            self.target, self.target_cache, input_ids[:, read:], new[:, read:], self.hidden_layers, logits_to_keep=1,
             inputs_embeds=embeds, prompt_inputs=self.prompt_inputs,
         )  # fmt: skip
         self.prompt_inputs = {}  # the images (their encodings) are in the cache now
         if copies is not None:
             self.target_cache.select_rows(copies)
-        contexts, finished = self.read_prompt(outputs, new, self.active, copies)
+        contexts, finished = self.read_prompt(outputs, new, self.active, copies, leading)
         self.context.pending = [[features] for features in contexts]
         self.context.known = self.mask.sum(dim=-1).to(self.drafter.device)
         return finished
 
+    def read_leading_chunks(self, input_ids: torch.LongTensor, new: torch.BoolTensor) -> torch.Tensor | None:
+        """A chunked prefill (`prefill_chunk_size`) up to its last chunk, chunked as transformers' `_prefill` chunks
+        the target alone's batch: each chunk of the prompt's columns read in turn, so that no forward reads more than
+        a chunk per row. Returns their target features `[rows, columns, features]` (None: the prompt fits one chunk);
+        the caller's forward reads the last chunk, whose logits pick the first tokens."""
+        chunks = torch.split(torch.arange(input_ids.shape[1]), self.chunk_size)
+        if len(chunks) < 2:
+            return None
+        features, recurrent = [], self.target_cache.recurrent
+        for chunk in chunks[:-1]:
+            start, end = int(chunk[0]), int(chunk[-1]) + 1
+            outputs = ragged_forward(
+                self.target, self.target_cache, input_ids[:, start:end], new[:, start:end],
+                hidden_state_indices(self.layer_ids), logits_to_keep=1,
+            )  # fmt: skip
+            features.append(context_features(outputs.hidden_states, self.layer_ids))
+            if recurrent is not None:  # the next chunk is the prefill's too: never rolled back, so nothing recorded
+                recurrent.started = False
+        return torch.cat(features, dim=1)
+
     def read_prompt(
-        self, outputs, new: torch.BoolTensor, rows: list[int], copies: torch.LongTensor | None = None
+        self,
+        outputs,
+        new: torch.BoolTensor,
+        rows: list[int],
+        copies: torch.LongTensor | None = None,
+        leading: torch.Tensor | None = None,
     ) -> tuple[list[torch.Tensor], list[bool]]:
         """What a prefill over `rows`' prompt columns `new` gives: each row's drafter context (its prompt tokens'
         features) and its first token, appended; returns the contexts and which rows finished there. With `copies`,
-        the prefill read each distinct prompt once, and row i is a copy of its `copies[i]`-th row."""
+        the prefill read each distinct prompt once, and row i is a copy of its `copies[i]`-th row; with `leading`,
+        `outputs` are a chunked prefill's last chunk, after chunks whose features these are."""
         logits = outputs.logits[:, -1:].float()
         features = context_features(outputs.hidden_states, self.layer_ids)
+        if leading is not None:
+            features = torch.cat([leading, features], dim=1)
         hidden = self.hidden_of(outputs, 1)
         if self.keeps_hidden and self.token_scores.prompt_hidden is None:  # generate()'s first step: the whole prompt
             self.token_scores.prompt_hidden = tuple(h if copies is None else h[copies] for h in outputs.hidden_states)

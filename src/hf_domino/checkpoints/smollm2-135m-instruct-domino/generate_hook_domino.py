@@ -8,7 +8,8 @@ unchanged unless the assistant is a Domino drafter this copy of the code built (
 - `_extract_generation_mode_kwargs`: takes this call's Domino options (`DominoOptions`) out of generate()'s kwargs;
 - `_validate_generation_mode`: validates them and the drafter/target pair, once, before any generation work;
 - `_assisted_decoding`: remembers the call's options and stopping criteria for the generator, and how much of the
-  prompt the prefill reads when the call continues a filled cache (`uncached_prompt_length`), hands a batch to
+  prompt the prefill reads when the call continues a filled cache (`uncached_prompt_length`) or reads the prompt in
+  chunks (`prefill_chunk_size`: it reads all but the last chunk itself, `read_leading_chunks`), hands a batch to
   `batching_domino`, and runs either loop with the call's attention kernels (`drafting_attention_kernels`);
 - `prepare_inputs_for_generation`: makes the loop's prefill read only that much, as the target alone's does
   (transformers' assisted loop reads the cached tokens again);
@@ -39,6 +40,7 @@ import inspect
 import sys
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import torch
 import transformers
 from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
@@ -60,10 +62,12 @@ from .batch_generate_domino import batched_assisted_decoding
 from .batching_manager_domino import DraftedBatchingManager
 from .cache_domino import CACHE_ARGUMENT, buffer_layers, check_croppable, uncached_prompt_length
 from .continuous_batching_domino import generate_requests
+from .generation_domino import read_leading_chunks
 from .options_domino import (
     DominoGenerationStats,
     DominoOptions,
     check_drafter_for_target,
+    prefill_chunk_size,
     refuse_a_drafter_built_as_another_model,
 )
 from .recurrent_cache_domino import (
@@ -89,6 +93,7 @@ class _DominoCall(NamedTuple):
     stopping_criteria: StoppingCriteriaList | None
     prefill_length: int | None  # `uncached_prompt_length`: None when the prefill reads the whole prompt
     rollback: RecurrentRollback | None = None  # a target with recurrent layers: what each forward reads
+    leading_features: torch.Tensor | None = None  # a chunked prefill's leading chunks (`read_leading_chunks`)
 
 
 _CALL: contextvars.ContextVar[_DominoCall | None] = contextvars.ContextVar("domino_call", default=None)
@@ -258,6 +263,18 @@ def _wrap_assisted_decoding(original):
         batched = arguments["input_ids"].shape[0] > 1 or options.domino_branches > 1 or self.device.type == "meta"
         model_kwargs, generation_config = arguments.get("model_kwargs", {}), arguments["generation_config"]
         cache = model_kwargs.get(CACHE_ARGUMENT)
+        prefill_length = chunk_size = None
+        if not batched:
+            prefill_length = uncached_prompt_length(
+                cache, arguments["input_ids"], model_kwargs.get("attention_mask"), generation_config
+            )
+            chunk_size = None if cache is None else prefill_chunk_size(generation_config, model_kwargs)
+            # transformers' loop splits its first step's hidden states as if the prefill read the whole prompt: one
+            # that reads part of it (after a filled cache, or its last chunk) has the batch loop return them.
+            reads = prefill_length or arguments["input_ids"].shape[1]
+            batched = bool(generation_config.output_hidden_states) and (
+                prefill_length is not None or (chunk_size is not None and reads > chunk_size)
+            )
         # transformers rolls convolution-only layers back itself; recurrent states are ours to roll back.
         recurrent = keeps_recurrent_states(self)
         check_croppable(self, cache, batched)
@@ -281,16 +298,20 @@ def _wrap_assisted_decoding(original):
                     cache_given=cache_given,
                     **arguments.get("model_kwargs", {}),
                 )
-        prefill_length = uncached_prompt_length(
-            cache, arguments["input_ids"], model_kwargs.get("attention_mask"), generation_config
-        )
         if isinstance(cache, DynamicCache):  # verified blocks written in place, not concatenated (BufferedLayer)
             buffer_layers(cache, options.cache_columns(drafter, generation_config.max_length))
+        leading = None
+        if chunk_size is not None:  # all but the last chunk, which the loop's prefill reads
+            leading, prefill_length = read_leading_chunks(
+                self, arguments["input_ids"], model_kwargs, generation_config, chunk_size, prefill_length,
+                drafter.config.target_layer_ids,
+            )  # fmt: skip
         rollback = None
         if recurrent:
             cached = arguments["input_ids"].shape[1] - (prefill_length or arguments["input_ids"].shape[1])
             rollback = RecurrentRollback.install(cache, committed=cached, target=self)
-        token = _CALL.set(_DominoCall(options, arguments.get("stopping_criteria"), prefill_length, rollback))
+        call = _DominoCall(options, arguments.get("stopping_criteria"), prefill_length, rollback, leading)
+        token = _CALL.set(call)
         try:
             with kernels:
                 return unwrapped(self, *args, **kwargs)
@@ -319,6 +340,7 @@ def _wrap_get_candidate_generator(original):
             options=call.options,
             prefill_length=call.prefill_length,
             rollback=call.rollback,
+            leading_features=call.leading_features,
         )
 
     return _get_candidate_generator

@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from .cache_domino import CACHE_ARGUMENT
+from .cache_domino import CACHE_ARGUMENT, cached_tokens
 from .copied_drafts_domino import judge_copy, lookup_drafts
 from .cost_model_domino import (
     VerifyCost,
@@ -77,6 +77,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         options: DominoOptions | None = None,
         prefill_length: int | None = None,
         rollback: RecurrentRollback | None = None,
+        leading_features: torch.Tensor | None = None,
         **kwargs: Any,
     ):
         if options is None:  # built directly rather than through generate(): validate here
@@ -119,6 +120,11 @@ class DominoCandidateGenerator(CandidateGenerator):
         }
         self.rollout = self._select_rollout()
         self.context = DrafterContext()
+        # A chunked prefill's leading chunks, read before the loop (`read_leading_chunks`): the loop's prefill reads
+        # the last chunk, and the drafter's context starts with them.
+        if leading_features is not None:
+            self.context.append(leading_features.to(drafter.device))
+        self.prefill_read = False  # whether the loop's prefill (its first forward) has been read as context
         self.policy: AdaptivePolicy | FixedPolicy | None = None  # built at the first drafting step (it measures)
         # Copied and retrieved drafts have no distribution to mix with the target's: the ensemble option turns them off.
         self.lookup = options.domino_lookup and generation_config.assistant_ensemble_weight is None
@@ -276,9 +282,9 @@ class DominoCandidateGenerator(CandidateGenerator):
                 "The target returned no hidden_states although output_hidden_states was requested; a Domino drafter "
                 "needs a target whose forward supports output_hidden_states."
             )
-        # After the prefill every prompt token it read is new context (all of them, or those after a cache the call
-        # continues: the drafter then reads from there); later, the accepted drafts plus the previous anchor.
-        first = self.context.num_tokens == 0
+        # After the prefill every prompt token it read is new context (all of them, those after a cache the call
+        # continues, from which the drafter then reads, or a chunked prefill's last chunk); later, the accepted drafts plus the previous anchor.
+        first, self.prefill_read = not self.prefill_read, True
         features = context_features(hidden_states, self.drafter.config.target_layer_ids)
         if not first:  # the forward's last tokens: a target with recurrent layers may have read verified ones first
             return features[:, -(self.cycle["verified"] + 1) :][:, : n_last_matches + 1].to(self.drafter.device)
@@ -382,3 +388,56 @@ class DominoCandidateGenerator(CandidateGenerator):
         ends = None if score_only(self.logits_processor) else self.ends
         head = options.head_enabled(drafter)
         return eager_rollout(drafter, self.target, pick, head=head, keep_rolling=keep_rolling, ends=ends)
+
+
+# ------------------------------------------------------------------------------------------------- chunked prefill
+def read_leading_chunks(
+    target: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    model_kwargs: dict[str, Any],
+    generation_config: GenerationConfig,
+    chunk_size: int,
+    prefill_length: int | None,
+    layer_ids: list[int],
+) -> tuple[torch.Tensor | None, int | None]:
+    """A chunked prefill (`prefill_chunk_size`) up to its last chunk, chunked as transformers' `_prefill` chunks the
+    target alone's: the prompt's uncached tokens (`prefill_length` of them, None: all) split into chunks of
+    `chunk_size`, each but the last read into the call's cache in turn, so that no forward reads more than a chunk.
+
+    Returns the target features of the tokens read (padding dropped; None when the prompt fits one chunk) and how
+    many tokens the loop's first forward has left to read (`prefill_length` for the generator): the last chunk,
+    whose last logits pick the first token as the target alone's last chunk does.
+    """
+    to_read = input_ids[:, -prefill_length:] if prefill_length is not None else input_ids
+    chunks = torch.split(to_read, chunk_size, dim=-1)
+    if len(chunks) < 2:
+        return None, prefill_length
+    cache = model_kwargs[CACHE_ARGUMENT]
+    attention_mask, position_ids = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
+    # Only the drafter's layers are kept: the call's outputs hold the last chunk's forward, as the target alone's do.
+    sliced = ("attention_mask", "position_ids", "output_hidden_states", "output_attentions", "return_dict")
+    kwargs = {name: value for name, value in model_kwargs.items() if name not in sliced}
+    past, features = cached_tokens(cache), []
+    # Compiled where transformers compiles the target alone's chunks (a static cache on CUDA, or as CompileConfig asks).
+    forward = (
+        target.get_compiled_call(generation_config.compile_config)
+        if target._valid_auto_compile_criteria(model_kwargs, generation_config)
+        else target.__call__
+    )
+    for chunk in chunks[:-1]:
+        end = past + chunk.shape[1]
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask[:, :end]
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids[..., past:end]
+        if model_kwargs.get("token_type_ids") is not None:  # up to the chunk's end, as the mask
+            kwargs["token_type_ids"] = model_kwargs["token_type_ids"][..., :end]
+        inputs = target.prepare_inputs_for_generation(chunk, is_first_iteration=True, **kwargs)
+        with torch.no_grad():
+            outputs = forward(**inputs, output_hidden_states=hidden_state_indices(layer_ids), return_dict=True)
+        read = context_features(outputs.hidden_states, layer_ids)
+        if attention_mask is not None and not bool(attention_mask[0, past:end].all()):
+            read = read[:, attention_mask[0, past:end].bool().to(read.device)]
+        features.append(read)
+        past = end
+    return torch.cat(features, dim=1), chunks[-1].shape[1]

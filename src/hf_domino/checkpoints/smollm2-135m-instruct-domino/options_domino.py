@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import StaticLayer
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS, SynthIDTextWatermarkingConfig
+from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL
 
 from .configuration_domino import (
     OWN_ARCHITECTURE,
@@ -287,15 +288,11 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
             "earlier releases cannot roll a static cache back after a rejected draft. Upgrade transformers, or drop "
             "cache_implementation (the default dynamic cache gives the same output)."
         )
-    if generation_config.prefill_chunk_size is not None:
-        # A chunked prefill bounds the memory of reading a very long prompt; transformers' assisted decoding reads the
-        # prompt whole and says nothing of it. The drafter reads it whole too, and says so.
-        warnings.warn(
-            f"prefill_chunk_size={generation_config.prefill_chunk_size} is not applied with a drafter: the prompt is "
-            "read in one forward, as transformers' assisted decoding reads it. The tokens are the same (with "
-            "output_hidden_states, the first step's hold the whole prompt's, not the last chunk's); the prefill's "
-            "memory peak is the unchunked one. For a prompt too long to read at once, generate without assistant_model.",
-            stacklevel=2,
+    chunk_size = generation_config.prefill_chunk_size
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(
+            f"prefill_chunk_size={chunk_size!r}: the prompt is read in chunks of that many tokens, so it must be a "
+            "positive int. Pass e.g. prefill_chunk_size=2048, or None to read the prompt in one forward."
         )
     attention = target.config._attn_implementation
     if generation_config.return_dict_in_generate and generation_config.output_attentions and attention != "eager":
@@ -314,6 +311,28 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
             "to draft on transformers' own DFlash path instead, pass hf_domino.to_transformers_dflash(drafter) as the "
             "assistant_model (shift_label=False drafters only)."
         )
+
+
+def prefill_chunk_size(generation_config: GenerationConfig, model_kwargs: dict[str, Any]) -> int | None:
+    """The chunks a drafted call's prefill reads the prompt in (`prefill_chunk_size`, as the target alone's
+    `_prefill`), or None: none asked for, or a prompt the prefill reads whole, and says so (given as `inputs_embeds`,
+    or with images, audio or video, which transformers' chunks cannot split either)."""
+    chunk_size = generation_config.prefill_chunk_size
+    if chunk_size is None:
+        return None
+    whole = [
+        name for name in ("inputs_embeds", *MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL)
+        if model_kwargs.get(name) is not None and not (isinstance(model_kwargs[name], dict) and not model_kwargs[name])
+    ]  # fmt: skip
+    if whole:
+        warnings.warn(
+            f"prefill_chunk_size={chunk_size} is not applied with a drafter to a prompt given with {whole}: the "
+            "prompt is read in one forward, whose memory peak is the unchunked prefill's. Pass the prompt as "
+            "input_ids alone to have it read in chunks.",
+            stacklevel=3,
+        )
+        return None
+    return chunk_size
 
 
 def refuse_a_drafter_built_as_another_model(assistant: Any) -> None:
