@@ -2,7 +2,7 @@
 
 Each option has tests of its own; these draw several at once (logits processors, stopping rules, scores, caches, draft
 policies, copies, branches, the head off, batches of 1-4 rows, requests served by `generate_batch` or added to the
-manager beneath it) on tiny Qwen3 and Llama targets, with drafters that are right at every draft, at some, or at
+manager beneath it, greedy or sampling) on tiny Qwen3 and Llama targets, with drafters that are right at every draft, at some, or at
 random. A mix transformers refuses for the target alone is skipped; one the drafter call refuses or runs differently
 fails with the mix in the message. The suite runs a fixed few seeds; `OPTION_MIX_SEEDS=N` runs seeds 0 to N - 1 of
 each test instead, `OPTION_MIX_SEEDS=A:B` seeds A to B - 1 (docs/usage.md, "Greedy and sampling are lossless", gives
@@ -245,6 +245,33 @@ def test_a_second_turn_on_the_first_turns_cache_is_the_target_alones(seed):
     second_turn_mix(seed)
 
 
+SAMPLERS = {
+    "temperature": [0.5, 1.0, 1.5],
+    "top_k": [0, 5, 20],
+    "top_p": [0.8, 1.0],
+    "min_p": [0.05, 0.2],
+    "typical_p": [0.7],
+    "epsilon_cutoff": [0.02],
+    "eta_cutoff": [0.02],
+    "num_return_sequences": [2, 3],
+}
+
+
+def draw_sampling(rng: random.Random, options: dict, copies: bool = True) -> None:
+    """Sampling, with some of the warpers generation configs use and, where `copies`, several answers a prompt."""
+    options["do_sample"] = True
+    samplers = (
+        SAMPLERS if copies else {name: values for name, values in SAMPLERS.items() if name != "num_return_sequences"}
+    )
+    options.update({name: rng.choice(values) for name, values in samplers.items() if rng.random() < 0.35})
+
+
+def sampled_answer_holds(tokens: list[int], limit: int, ends: set[int], vocab: int) -> bool:
+    """What any sampled answer must be: tokens of the vocabulary up to an EOS, or `limit` of them without one."""
+    end = next((i + 1 for i, token in enumerate(tokens) if token in ends), limit)
+    return len(tokens) == min(end, limit) and all(0 <= token < vocab for token in tokens)
+
+
 def sampled_mix(seed: int, models=random_models) -> None:
     """Sampling draws differ (each law is tested elsewhere); a mix must still run, give every row its answers
     (`num_return_sequences`) and stay inside the vocabulary."""
@@ -252,18 +279,7 @@ def sampled_mix(seed: int, models=random_models) -> None:
     target, drafter, vocab = models(rng)
     batch = left_padded(random_rows(rng, vocab, rng.choice([1, 2, 3])))
     options, ours = random_options(rng, range(4, vocab), 1, drafter)
-    options["do_sample"] = True
-    samplers = {
-        "temperature": [0.5, 1.0, 1.5],
-        "top_k": [0, 5, 20],
-        "top_p": [0.8, 1.0],
-        "min_p": [0.05, 0.2],
-        "typical_p": [0.7],
-        "epsilon_cutoff": [0.02],
-        "eta_cutoff": [0.02],
-        "num_return_sequences": [2, 3],
-    }
-    options.update({name: rng.choice(values) for name, values in samplers.items() if rng.random() < 0.35})
+    draw_sampling(rng, options)
     streamers = later_draws(rng, target, drafter, vocab, batch, options)
     alone, drafted = map(sequences, both_outputs(target, drafter, batch, options, ours, streamers))
     mix = f"{type(target).__name__}: options {options}, drafter options {ours}, draft vocabulary {drafter.draft_vocab}"
@@ -295,27 +311,42 @@ def served_options(rng: random.Random, target, drafter, vocab: int, prompts: lis
     return options, ours
 
 
-def served_mix(seed: int, models=random_models) -> None:
-    """`generate_batch` with the drafter, a greedy mix for all its requests: 2-7 prompts joining 1-4 rows as rows
-    finish; each request's tokens are what the target alone generates for its prompt."""
+def served_mix(seed: int, models=random_models, sampled: bool = False) -> None:
+    """`generate_batch` with the drafter, a mix for all its requests: 2-7 prompts joining 1-4 rows as rows finish;
+    greedy, each request's tokens are what the target alone generates for its prompt; `sampled`, each request gets
+    an answer any sampling could give (`sampled_answer_holds`)."""
     from transformers import ContinuousBatchingConfig
 
     rng = random.Random(seed)
     target, drafter, vocab = models(rng)
     prompts = random_rows(rng, vocab, rng.randint(2, 7))
     options, ours = served_options(rng, target, drafter, vocab, prompts)
+    if sampled:
+        draw_sampling(rng, options, copies=False)
     try:
         expected = [
             target.generate(torch.tensor([p]), pad_token_id=0, **options)[0, len(p) :].tolist() for p in prompts
         ]
-    except (ValueError, TypeError):
-        pytest.skip(f"transformers refuses the mix for the target alone: {options}")
+    except (ValueError, TypeError, RuntimeError) as error:  # (RuntimeError: a sampled mix's NaN, as both_outputs)
+        pytest.skip(f"the target alone refuses or fails the mix ({type(error).__name__}: {error}): {options}")
     rows = ContinuousBatchingConfig(max_requests_per_batch=rng.randint(1, 4))
     results = target.generate_batch(
         prompts, assistant_model=drafter, continuous_batching_config=rows, pad_token_id=0, **options, **ours
     )
     mix = f"{type(target).__name__}: options {options}, drafter options {ours}, draft vocabulary {drafter.draft_vocab}"
-    assert [result.generated_tokens for result in results.values()] == expected, f"{mix}, {rows}"
+    answers = [result.generated_tokens for result in results.values()]
+    if not sampled:
+        assert answers == expected, f"{mix}, {rows}"
+        return
+    assert len(answers) == len(prompts), f"{mix}, {rows}"
+    ends = answer_ends(target, options)
+    assert all(sampled_answer_holds(a, options["max_new_tokens"], ends, vocab) for a in answers), (answers, mix, rows)
+
+
+def answer_ends(target, options: dict) -> set[int]:
+    """The EOS tokens of a mix: its own, or the target's generation config's."""
+    ends = options.get("eos_token_id", target.generation_config.eos_token_id)
+    return set(ends if isinstance(ends, list) else [] if ends is None else [ends])
 
 
 @pytest.mark.parametrize("seed", seeds(8))
@@ -323,17 +354,29 @@ def test_requests_served_in_option_mixes_are_the_target_alones(seed):
     served_mix(seed)
 
 
-def managed_mix(seed: int, models=random_models) -> None:
-    """The manager (`init_continuous_batching`) with the drafter, a greedy mix in its generation config: 2-7 requests
+def sampled_served_mix(seed: int, models=random_models) -> None:
+    served_mix(seed, models, sampled=True)
+
+
+@pytest.mark.parametrize("seed", seeds(6))
+def test_requests_served_sampling_in_option_mixes_run_as_the_target_alone_runs(seed):
+    sampled_served_mix(seed)
+
+
+def managed_mix(seed: int, models=random_models, sampled: bool = False) -> None:
+    """The manager (`init_continuous_batching`) with the drafter, a mix in its generation config: 2-7 requests
     added while its thread runs (some before it starts, some after a first result, some from other threads), with
-    their own `max_new_tokens` or streaming, one perhaps cancelled; every result a request gets is its target alone's
-    tokens (a streamed one: their first ones)."""
+    their own `max_new_tokens` or streaming, one perhaps cancelled; greedy, every result a request gets is its target
+    alone's tokens (a streamed one: their first ones); `sampled`, a request's final answer is one any sampling could
+    give (`sampled_answer_holds`), its streamed results the answer's first tokens."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     rng = random.Random(seed)
     target, drafter, vocab = models(rng)
     prompts = random_rows(rng, vocab, rng.randint(2, 7))
     options, ours = served_options(rng, target, drafter, vocab, prompts)
+    if sampled:
+        draw_sampling(rng, options, copies=False)
     limits = [rng.randint(1, 30) if rng.random() < 0.3 else None for _ in prompts]
     streaming = [rng.random() < 0.3 for _ in prompts]
     try:
@@ -343,8 +386,8 @@ def managed_mix(seed: int, models=random_models) -> None:
             )[0, len(p) :].tolist()
             for p, limit in zip(prompts, limits, strict=True)
         ]
-    except (ValueError, TypeError):
-        pytest.skip(f"transformers refuses the mix for the target alone: {options}")
+    except (ValueError, TypeError, RuntimeError) as error:  # (RuntimeError: a sampled mix's NaN, as both_outputs)
+        pytest.skip(f"the target alone refuses or fails the mix ({type(error).__name__}: {error}): {options}")
     rows = ContinuousBatchingConfig(max_requests_per_batch=rng.randint(1, 4))
     config = GenerationConfig(pad_token_id=0, **options)
     manager = target.init_continuous_batching(config, rows, assistant_model=drafter, **ours)
@@ -383,9 +426,17 @@ def managed_mix(seed: int, models=random_models) -> None:
     assert manager.error is None and not manager.is_running(), (manager.error, mix)
     while (result := manager.get_result(timeout=0)) is not None:
         results.setdefault(result.request_id, []).append(result)
+    ends = answer_ends(target, options)
     for i, answer in enumerate(expected):
         got = results.get(f"r{i}", [])
         finished = [result.generated_tokens for result in got if result.is_finished()]
+        if sampled:  # the answer is the one it got, if it got one
+            if not finished:
+                assert f"r{i}" == cancelled, (i, got, mix, rows)
+                continue
+            limit = limits[i] or options["max_new_tokens"]
+            assert sampled_answer_holds(finished[0], limit, ends, vocab), (i, finished, mix, rows)
+            answer = finished[0]
         assert f"r{i}" == cancelled or finished == [answer], (i, answer, finished, mix, rows)
         assert all(result.generated_tokens == answer[: len(result.generated_tokens)] for result in got), (i, mix)
 
@@ -395,9 +446,20 @@ def test_requests_added_to_the_manager_in_option_mixes_are_the_target_alones(see
     managed_mix(seed)
 
 
+def sampled_managed_mix(seed: int, models=random_models) -> None:
+    managed_mix(seed, models, sampled=True)
+
+
+@pytest.mark.parametrize("seed", seeds(6))
+def test_requests_added_to_the_manager_sampling_in_option_mixes_run_as_the_target_alone_runs(seed):
+    sampled_managed_mix(seed)
+
+
 @pytest.mark.parametrize("seed", seeds(4))
 @pytest.mark.parametrize(
-    "mix", [greedy_mix, second_turn_mix, sampled_mix, served_mix, managed_mix], ids=lambda mix: mix.__name__
+    "mix",
+    [greedy_mix, second_turn_mix, sampled_mix, served_mix, managed_mix, sampled_served_mix, sampled_managed_mix],
+    ids=lambda mix: mix.__name__,
 )
 def test_option_mixes_on_other_families_as_on_qwen3_and_llama(mix, seed):
     """Each kind of mix above on a family of test_architectures.py's: what a family cannot serve is refused as

@@ -378,3 +378,21 @@ def test_the_chat_turns_benchmark_runs_batches_as_documented():
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 second turns x 8 tokens, 2 per batch" in result.stdout and "| default |" in result.stdout, result.stdout
+
+
+@pytest.mark.slow
+def test_the_long_prompt_benchmark_runs_as_documented():
+    """`examples/long_prompt_chunks.py` (docs/benchmarks.md, "A long prompt in chunks") at a short length: each call's
+    peak memory and time, the drafted outputs asserted identical to the target alone's read alike."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "long_prompt_chunks.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--prompt-tokens", "200", "--chunk", "64", "--max-new-tokens", "6", "--rounds",
+         "1", "--threads", "1"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| drafter, chunks of 64 |" in result.stdout and "6 new; 1 rounds" in result.stdout, result.stdout
