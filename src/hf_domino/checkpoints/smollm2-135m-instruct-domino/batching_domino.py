@@ -311,12 +311,12 @@ class BatchedDecoding:
         the target alone's batch: each chunk of the prompt's columns read in turn, so that no forward reads more than
         a chunk per row. Returns their target features `[rows, columns, features]` (None: the prompt fits one chunk);
         the caller's forward reads the last chunk, whose logits pick the first tokens."""
-        chunks = torch.split(torch.arange(input_ids.shape[1]), self.chunk_size)
-        if len(chunks) < 2:
+        starts = range(0, input_ids.shape[1], self.chunk_size)
+        if len(starts) < 2:
             return None
         features, recurrent = [], self.target_cache.recurrent
-        for chunk in chunks[:-1]:
-            start, end = int(chunk[0]), int(chunk[-1]) + 1
+        for start in starts[:-1]:
+            end = start + self.chunk_size
             outputs = ragged_forward(
                 self.target, self.target_cache, input_ids[:, start:end], new[:, start:end],
                 hidden_state_indices(self.layer_ids), logits_to_keep=1,
@@ -343,7 +343,7 @@ class BatchedDecoding:
         if leading is not None:
             features = torch.cat([leading, features], dim=1)
         hidden = self.hidden_of(outputs, 1)
-        if self.keeps_hidden and self.token_scores.prompt_hidden is None:  # generate()'s first step: the whole prompt
+        if self.keeps_hidden and self.token_scores.prompt_hidden is None:  # generate()'s first step: the prefill's
             self.token_scores.prompt_hidden = tuple(h if copies is None else h[copies] for h in outputs.hidden_states)
         if copies is not None:
             logits, features, new = logits[copies], features[copies], new[copies]
