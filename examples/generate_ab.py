@@ -36,6 +36,7 @@ import torch
 
 from hf_domino import (
     batch_policy_domino,
+    batch_prompts_domino,
     batching_domino,
     cpu_fast_path,
     policy_domino,
@@ -48,7 +49,14 @@ from hf_domino.measure_batch import left_padded_groups
 from hf_domino.prompt_sets import load_prompts
 
 # Where `--settings NAME=...` looks up an upper-case KEY (a module constant, set for the setting's calls).
-SETTING_MODULES = (batching_domino, batch_policy_domino, policy_domino, records_domino, cpu_fast_path)
+SETTING_MODULES = (
+    batching_domino,
+    batch_prompts_domino,
+    batch_policy_domino,
+    policy_domino,
+    records_domino,
+    cpu_fast_path,
+)
 
 
 @dataclass

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from hf_domino import batching_domino, prepare_for_cpu_decoding
+from hf_domino import batch_prompts_domino, prepare_for_cpu_decoding
 from hf_domino.assets import chat_token_ids, load_drafter, load_target
 from hf_domino.prompt_sets import load_prompts
 
@@ -63,7 +63,8 @@ def main() -> None:
 
     def call(batch, way: dict, seed: int) -> tuple[float, float]:
         options = dict(way)
-        default, batching_domino.SHARE_PROMPT_COPIES = batching_domino.SHARE_PROMPT_COPIES, options.pop("share", True)
+        default = batch_prompts_domino.SHARE_PROMPT_COPIES
+        batch_prompts_domino.SHARE_PROMPT_COPIES = options.pop("share", True)
         prefill.clear()
         torch.manual_seed(seed)
         start = time.perf_counter()
@@ -71,7 +72,7 @@ def main() -> None:
             target.generate(**batch, do_sample=True, num_return_sequences=args.copies,
                             max_new_tokens=args.max_new_tokens, **options)  # fmt: skip
         finally:
-            batching_domino.SHARE_PROMPT_COPIES = default
+            batch_prompts_domino.SHARE_PROMPT_COPIES = default
         return time.perf_counter() - start, prefill[0]
 
     call(batches[0], ways["drafter, each prompt read once (default)"], 0)  # warm-up: the policy's cost table

@@ -3,6 +3,8 @@ generates what the target alone generates for it."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import forcing_drafter, tiny_drafter, tiny_target
@@ -100,6 +102,55 @@ def test_a_requests_sequences_read_its_prompt_once(arch):
     assert len(results) == 9 and sum(rows) == 3  # each prompt read once: 3 rows in all
 
 
+@contextlib.contextmanager
+def prompt_reads(target):
+    """Within it, the width of each forward of `target` that keeps only the last position's logits (a prompt's)."""
+    widths = []
+
+    def record(module, args, kwargs):
+        if kwargs.get("logits_to_keep") == 1:
+            widths.append(kwargs["input_ids"].shape[1])
+
+    hook = target.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield widths
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize("chunk", [2, 3])
+def test_joining_prompts_are_read_in_the_calls_chunks(arch, chunk, monkeypatch):
+    # prefill_chunk_size bounds what a forward reads of the prompts that join a served batch, as it bounds a
+    # generate() prompt's: each request still generates what the target alone does, and the drafter's context of a
+    # joining row is its whole prompt (the leading chunks' features, then the last's), as after a prompt read whole.
+    target = random_target(arch)
+    settings = dict(max_new_tokens=12, eos_token_id=EOS)
+    drafter = forcing_drafter(target, followed_by(target, PROMPTS, **settings), block_size=4)
+    joined, add_rows = [], BatchedDrafterContext.add_rows
+
+    def recorded(context, contexts):
+        joined.append([features.clone() for features in contexts])
+        return add_rows(context, contexts)
+
+    monkeypatch.setattr(BatchedDrafterContext, "add_rows", recorded)
+
+    def serve(chunk_size: int | None) -> tuple[list, list, list]:
+        joined.clear()
+        config = GenerationConfig(do_sample=False, pad_token_id=0, prefill_chunk_size=chunk_size, **settings)
+        with prompt_reads(target) as widths:
+            results = target.generate_batch(PROMPTS, config, continuous_batching_config=rows_at_most(3),
+                                            assistant_model=drafter, draft_policy="fixed")  # fmt: skip
+        return [result.generated_tokens for result in results.values()], widths, [c for cs in joined for c in cs]
+
+    whole, whole_widths, whole_contexts = serve(None)
+    chunked, widths, contexts = serve(chunk)
+    assert chunked == whole == [alone(target, prompt, **settings) for prompt in PROMPTS]
+    assert max(whole_widths) == 7 and max(widths) == chunk and len(widths) > len(whole_widths)
+    assert [c.shape for c in contexts] == [c.shape for c in whole_contexts] == [(len(p), c.shape[-1]) for p, c in
+                                                                                zip(PROMPTS, contexts)]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(whole_contexts, contexts, strict=True))
+
+
 def test_a_row_joins_with_its_prompt_read_alone_and_its_cache_joined_to_the_batchs():
     # Caches filled apart and joined (holes on the left of the narrower side) give each row what it gives alone.
     target = random_target("qwen3")
@@ -148,10 +199,12 @@ def test_a_joining_rows_drafter_context_gives_what_it_gives_alone(layers):
                 torch.testing.assert_close(hidden[row : row + 1], alone, rtol=1e-5, atol=1e-5)
 
 
-def test_sliding_window_targets_keep_each_rows_window():
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_sliding_window_targets_keep_each_rows_window(chunk):
+    # (In chunks: a joining prompt's window reaches back into its chunks before, among its left padding.)
     target = random_target("qwen3", layer_types=["sliding_attention", "full_attention"], sliding_window=4,
                            use_sliding_window=True)  # fmt: skip
-    settings = dict(max_new_tokens=16, eos_token_id=EOS)
+    settings = dict(max_new_tokens=16, eos_token_id=EOS, prefill_chunk_size=chunk)
     drafter = forcing_drafter(target, followed_by(target, PROMPTS, **settings), block_size=6)
     results = target.generate_batch(
         PROMPTS, GenerationConfig(do_sample=False, pad_token_id=0, draft_policy="fixed", **settings),
@@ -217,8 +270,9 @@ def test_targets_whose_cache_rows_cannot_join_are_refused():
         target.generate_batch([[4, 5, 6]], assistant_model=drafter, max_new_tokens=4)
 
 
+@pytest.mark.parametrize("chunk", [None, 4])
 @pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "falcon_h1", "mamba2"])
-def test_targets_with_recurrent_layers_serve_requests_exactly(name):
+def test_targets_with_recurrent_layers_serve_requests_exactly(name, chunk):
     # Each request's recurrent states and convolution windows, read apart, join the running batch by rows
     # (`add_state_rows`), with the columns of its attention layers; a request's copies share its prompt's states;
     # drafts rejected in part. Before, refused ("keeps more than keys and values per token").
@@ -227,10 +281,12 @@ def test_targets_with_recurrent_layers_serve_requests_exactly(name):
     target = hybrid_target(name)
     drafter = tiny_drafter(target)
     prompts = [*BATCH, [5, 9, 12, 7, 30, 22]]
-    settings = {**GREEDY, "max_new_tokens": 20, "pad_token_id": 0}
+    settings = {**GREEDY, "max_new_tokens": 20, "pad_token_id": 0, "prefill_chunk_size": chunk}
     results = target.generate_batch(prompts, assistant_model=drafter, draft_policy="fixed", num_speculative_tokens=4,
                                     continuous_batching_config=rows_at_most(2), **settings)  # fmt: skip
-    expected = [target.generate(torch.tensor([p]), **settings)[0, len(p) :].tolist() for p in prompts]
+    # (Each prompt read whole by the target alone: transformers 5.24's own chunks fail on Mamba2's cache.)
+    alone = {**settings, "prefill_chunk_size": None}
+    expected = [target.generate(torch.tensor([p]), **alone)[0, len(p) :].tolist() for p in prompts]
     assert [result.generated_tokens for result in results.values()] == expected
     assert rolled_back(drafter.last_generation_stats) > 0
     if name == "qwen3_5":  # what a drafted batch does not serve on such a target, named as generate() names it

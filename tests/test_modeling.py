@@ -266,6 +266,7 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
         "batch_drafts_domino.py",
         "batch_generate_domino.py",
         "batch_policy_domino.py",
+        "batch_prompts_domino.py",
         "batching_domino.py",
         "batching_manager_domino.py",
         "cache_domino.py",

@@ -21,6 +21,9 @@ its drafted block (else, with a datastore, what the target's earlier answers con
 expects the copies to pay. The drafter runs only when some row still
 wants a drafted block, and copied rows are verified by the rule for drafts without a distribution.
 
+Prompts are read by the steps `BatchedDecoding` takes from `batch_prompts_domino.PromptReading`: the prefill of a
+`generate()` batch and the prompts a server adds as rows finish (`admit`), in the call's chunks where it asks for them.
+
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
 """
 
@@ -33,15 +36,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .batch_call_domino import TokenScores
 from .batch_drafts_domino import CycleDrafter, CycleDrafts
 from .batch_policy_domino import CallWindow, call_speculates
+from .batch_prompts_domino import PromptReading
 from .cache_domino import buffer_layers
 from .copied_drafts_domino import judge_copy
 from .cost_model_domino import row_paces, settle_for_timing
-from .modeling_domino import TargetModules, check_context_features, context_features, hidden_state_indices
+from .modeling_domino import TargetModules, context_features, hidden_state_indices
 from .options_domino import prefill_chunk_size
 from .policy_domino import AdaptivePolicy, FixedPolicy
 from .ragged_batch_domino import (
@@ -50,11 +54,11 @@ from .ragged_batch_domino import (
     along,
     pick_tokens,
     process_rows,
-    repeated_rows,
     row_criteria,
     row_processors,
+    within_block,
 )
-from .ragged_cache_domino import RaggedCache, TreeLayout, batch_cache, cached_columns, ragged_forward
+from .ragged_cache_domino import RaggedCache, TreeLayout, cached_columns, ragged_forward
 from .ragged_masks_domino import QueryTemperature, SlidingWindow, adds_its_mask, places_by_column, prompt_gaps
 from .recurrent_cache_domino import RecurrentRollback, has_recurrent_layers
 
@@ -85,17 +89,9 @@ PRICE_BY_MAKESPAN = False
 # the model matches simulated batches of rows that keep their pace, but real rows' paces within a call misled it
 # (slower in 7 of 9 first-call comparisons on a 2-core CPU, docs/benchmarks.md, "A batch's first call").
 ROW_PACES = False
-# Rows that repeat a prompt (`num_return_sequences`' copies) are read once by the prefill and share its columns
-# (`repeated_rows`); False reads every copy, as the target alone does (for measuring it: examples/prompt_copies.py).
-SHARE_PROMPT_COPIES = True
 
 
-def _within_block(stopping_criteria: StoppingCriteriaList) -> list:
-    """The criteria that must not fire inside a block: EOS and max_length are cut there instead (`extend`)."""
-    return [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
-
-
-class BatchedDecoding:
+class BatchedDecoding(PromptReading):
     """One batched `generate()` call: its rows, both ragged caches, the draft policy, and the steps of a cycle.
 
     `sequences[row]` is the row's left-padded prompt plus its tokens so far: exactly the input_ids the target alone
@@ -143,7 +139,7 @@ class BatchedDecoding:
         # Each row's stopping criteria (`row_criteria`). EOS and max_length are cut inside a block; the others (stop
         # strings, ...) must not fire inside one.
         self.stopping_criteria = row_criteria(stopping_criteria, rows)
-        self.block_criteria = row_criteria(_within_block(stopping_criteria), rows)
+        self.block_criteria = row_criteria(within_block(stopping_criteria), rows)
         self.per_row = row_processors(logits_processor, rows) if len(logits_processor) else None
         # A tree of first-token branches per block (`domino_branches`), verified with a 4D mask of this kind.
         self.branches, self.additive = options.domino_branches, adds_its_mask(target)
@@ -279,84 +275,6 @@ class BatchedDecoding:
         return sequences
 
     # ----------------------------------------------------------------------------------------------------- steps
-    def prefill(self, input_ids: torch.LongTensor) -> list[bool]:
-        """The prompt through the target (its columns after those a filled cache holds): every token it reads becomes
-        drafter context, the first token is picked."""
-        new, input_ids = self.mask[:, self.cached :], input_ids[:, self.cached :]
-        embeds = None if self.prompt_embeds is None else self.prompt_embeds[:, self.cached :]
-        self.prompt_embeds = None
-        # A prompt's copies (num_return_sequences) are read once and share its columns (and recurrent states), where
-        # nothing but its tokens is read (no cache filled before, no embeddings or images).
-        plain = not (self.cached or self.prompt_inputs) and embeds is None
-        distinct, copies = repeated_rows(input_ids, new) if plain and SHARE_PROMPT_COPIES else (None, None)
-        if distinct is not None:
-            self.target_cache.select_rows(distinct)
-            input_ids, new = input_ids[distinct], new[distinct]
-        leading = self.read_leading_chunks(input_ids, new) if embeds is None and self.chunk_size else None
-        read = 0 if leading is None else leading.shape[1]
-        outputs = ragged_forward(
-            self.target, self.target_cache, input_ids[:, read:], new[:, read:], self.hidden_layers, logits_to_keep=1,
-            inputs_embeds=embeds, prompt_inputs=self.prompt_inputs,
-        )  # fmt: skip
-        self.prompt_inputs = {}  # the images (their encodings) are in the cache now
-        if copies is not None:
-            self.target_cache.select_rows(copies)
-        contexts, finished = self.read_prompt(outputs, new, self.active, copies, leading)
-        self.context.pending = [[features] for features in contexts]
-        self.context.known = self.mask.sum(dim=-1).to(self.drafter.device)
-        return finished
-
-    def read_leading_chunks(self, input_ids: torch.LongTensor, new: torch.BoolTensor) -> torch.Tensor | None:
-        """A chunked prefill (`prefill_chunk_size`) up to its last chunk, chunked as transformers' `_prefill` chunks
-        the target alone's batch: each chunk of the prompt's columns read in turn, so that no forward reads more than
-        a chunk per row. Returns their target features `[rows, columns, features]` (None: the prompt fits one chunk);
-        the caller's forward reads the last chunk, whose logits pick the first tokens."""
-        starts = range(0, input_ids.shape[1], self.chunk_size)
-        if len(starts) < 2:
-            return None
-        features, recurrent = [], self.target_cache.recurrent
-        for start in starts[:-1]:
-            end = start + self.chunk_size
-            outputs = ragged_forward(
-                self.target, self.target_cache, input_ids[:, start:end], new[:, start:end],
-                hidden_state_indices(self.layer_ids), logits_to_keep=1,
-            )  # fmt: skip
-            features.append(context_features(outputs.hidden_states, self.layer_ids))
-            if recurrent is not None:  # the next chunk is the prefill's too: never rolled back, so nothing recorded
-                recurrent.started = False
-        return torch.cat(features, dim=1)
-
-    def read_prompt(
-        self,
-        outputs,
-        new: torch.BoolTensor,
-        rows: list[int],
-        copies: torch.LongTensor | None = None,
-        leading: torch.Tensor | None = None,
-    ) -> tuple[list[torch.Tensor], list[bool]]:
-        """What a prefill over `rows`' prompt columns `new` gives: each row's drafter context (its prompt tokens'
-        features) and its first token, appended; returns the contexts and which rows finished there. With `copies`,
-        the prefill read each distinct prompt once, and row i is a copy of its `copies[i]`-th row; with `leading`,
-        `outputs` are a chunked prefill's last chunk, after chunks whose features these are."""
-        logits = outputs.logits[:, -1:].float()
-        features = context_features(outputs.hidden_states, self.layer_ids)
-        if leading is not None:
-            features = torch.cat([leading, features], dim=1)
-        hidden = self.hidden_of(outputs, 1)
-        if self.keeps_hidden and self.token_scores.prompt_hidden is None:  # generate()'s first step: the prefill's
-            self.token_scores.prompt_hidden = tuple(h if copies is None else h[copies] for h in outputs.hidden_states)
-        if copies is not None:
-            logits, features, new = logits[copies], features[copies], new[copies]
-            hidden = None if hidden is None else hidden[copies]
-        processed = self.process(logits[:, 0], rows=rows)[:, None]
-        first = pick_tokens(processed[:, 0], self.do_sample)  # each copy picks its own
-        drafter = self.drafter
-        check_context_features(features, drafter.config)
-        contexts = [features[i, new[i]].to(drafter.device, drafter.dtype) for i in range(len(rows))]
-        keep = self.token_scores is not None
-        finished = self.extend(rows, list(first[:, None]), (processed, logits, hidden) if keep else None)
-        return contexts, finished
-
     def hidden_of(self, outputs, width: int, path: torch.LongTensor | None = None) -> torch.Tensor | None:
         """Where the call returns hidden states: every layer's, of the forward's last `width` columns (along a tree's
         `path`), `[rows, columns, layers, hidden]`."""
@@ -364,51 +282,6 @@ class BatchedDecoding:
             return None
         states = [h[:, -width:] if path is None else along(h[:, -width:], path) for h in outputs.hidden_states]
         return torch.stack(states, dim=2)
-
-    def admit(
-        self, requests: list[tuple[torch.LongTensor, LogitsProcessorList, StoppingCriteriaList, int]]
-    ) -> list[bool]:
-        """Adds prompts to the running batch as new rows (requests a server takes on as rows finish): reads them,
-        left-padded, into a cache of their own, which joins the batch's (`RaggedCache.add_rows`), and picks their
-        first tokens.
-
-        Each request is `(prompt, logits_processor, stopping_criteria, max_length)`, the processors and criteria
-        those generate() builds for that prompt alone, so that its row generates what the target alone generates
-        for it. Returns which of them finished at their first token.
-        """
-        rows = list(range(len(self.sequences), len(self.sequences) + len(requests)))
-        for prompt, logits_processor, stopping_criteria, max_length in requests:
-            self.sequences.append(prompt.to(self.device))
-            self.prompt_lengths.append(prompt.shape[0])
-            self.max_lengths.append(max_length)
-            self.padding.append(0)  # its sequence holds no padding: only its cache columns do
-            self.row_accepted.append(0)
-            self.row_cycles.append(0)
-            # In place: the drafting half reads the same lists.
-            self.stopping_criteria += row_criteria(stopping_criteria, 1)
-            self.block_criteria += row_criteria(_within_block(stopping_criteria), 1)
-            if self.per_row is not None:
-                self.per_row += row_processors(logits_processor, 1)
-        width = max(self.prompt_lengths[row] for row in rows)
-        new = torch.zeros(len(rows), width, dtype=torch.bool, device=self.device)
-        input_ids = torch.full((len(rows), width), self.pad, dtype=torch.long, device=self.device)
-        for i, row in enumerate(rows):
-            new[i, width - self.prompt_lengths[row] :] = True
-            input_ids[i, width - self.prompt_lengths[row] :] = self.sequences[row]
-        distinct, copies = repeated_rows(input_ids, new) if SHARE_PROMPT_COPIES else (None, None)
-        if distinct is not None:  # a request's sequences (num_return_sequences) read its prompt once
-            input_ids, new = input_ids[distinct], new[distinct]
-        cache, _ = batch_cache(DynamicCache(config=self.target.config), self.target)  # the same window as ours
-        reserve = self.options.cache_columns(self.drafter, max(self.max_lengths[row] for row in rows))
-        own = self.target_cache.holding(buffer_layers(cache, reserve), new[:, :0], None)
-        outputs = ragged_forward(self.target, own, input_ids, new, self.hidden_layers, logits_to_keep=1)
-        if copies is not None:
-            own.select_rows(copies)
-        self.target_cache.add_rows(own)
-        self.active += rows
-        contexts, finished = self.read_prompt(outputs, new, rows, copies)
-        self.context.add_rows(contexts)
-        return finished
 
     @property
     def policy(self) -> AdaptivePolicy | FixedPolicy | None:
