@@ -146,8 +146,7 @@ def test_joining_prompts_are_read_in_the_calls_chunks(arch, chunk, monkeypatch):
     chunked, widths, contexts = serve(chunk)
     assert chunked == whole == [alone(target, prompt, **settings) for prompt in PROMPTS]
     assert max(whole_widths) == 7 and max(widths) == chunk and len(widths) > len(whole_widths)
-    assert [c.shape for c in contexts] == [c.shape for c in whole_contexts] == [(len(p), c.shape[-1]) for p, c in
-                                                                                zip(PROMPTS, contexts)]
+    assert [len(c) for c in contexts] == [len(c) for c in whole_contexts] == [len(p) for p in PROMPTS]
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(whole_contexts, contexts, strict=True))
 
 
