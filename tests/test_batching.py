@@ -391,13 +391,15 @@ def test_bad_batches_fail_with_the_fix_named():
     with pytest.raises(ValueError, match="beam search"):
         target.generate(**batch, max_new_tokens=4, num_beams=2, assistant_model=drafter)
     target.set_attn_implementation("eager")  # which returns attention weights
-    with pytest.raises(ValueError, match="output_attentions.*or generate one prompt at a time"):
-        target.generate(
-            **batch, max_new_tokens=4, assistant_model=drafter, return_dict_in_generate=True, output_attentions=True
-        )
-    with pytest.raises(ValueError, match="output_attentions.*or drop domino_branches"):  # one prompt, as a tree
-        target.generate(batch["input_ids"][:1], max_new_tokens=4, assistant_model=drafter, domino_branches=2,
-                        return_dict_in_generate=True, output_attentions=True)  # fmt: skip
+    attentions = dict(max_new_tokens=4, assistant_model=drafter, return_dict_in_generate=True, output_attentions=True)
+    with pytest.raises(ValueError, match="several branches.*drop output_attentions.*or generate one prompt at a time"):
+        target.generate(**batch, **attentions, domino_branches=2)
+    with pytest.raises(ValueError, match="several branches.*drop output_attentions.*or drop domino_branches"):
+        target.generate(batch["input_ids"][:1], **attentions, domino_branches=2)  # one prompt, as a tree
+    sliding = tiny_target("qwen3", num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+                          use_sliding_window=True, attn_implementation="eager")  # fmt: skip
+    with pytest.raises(ValueError, match="sliding_attention layers, whose weights cover the keys"):
+        sliding.generate(**batch, **{**attentions, "assistant_model": tiny_drafter(sliding)})
     # The same calls without a drafter still work (only the drafter's batch path refuses).
     assert target.generate(**batch, max_new_tokens=4).shape == (2, 7)
 
@@ -548,6 +550,46 @@ def test_hidden_states_are_the_target_alones_for_every_column_of_every_row(arch)
     assert torch.equal(output.sequences, expected.sequences)
     assert output.hidden_states[0][0].shape[1] == 4  # the new columns only, as the target alone reads them
     assert_same_hidden_states(output.hidden_states, expected.hidden_states)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_attentions_are_the_target_alones_for_every_column_of_every_row(arch):
+    # output_attentions: each generated column's weights over the target alone's keys (the padded prompt and every
+    # generated column, padding weighing 0), from verifications whose caches hold holes where the target alone holds
+    # none; rows ending at different times (their columns after the end read after the loop), a prompt's copies read
+    # once (top-k 1 sampling, as deterministic as greedy), a prefill in chunks (the first step's weights: the last
+    # chunk's), and a next turn continuing the cache the drafted call left.
+    target = tiny_target(arch, vocab_size=32, attn_implementation="eager")  # (a forcing drafter's vocabulary)
+    batch = left_padded([[5, 9, 12, 7], [30, 5], [9, 12, 7, 30, 22, 10]])
+    greedy = dict(max_new_tokens=14, do_sample=False, pad_token_id=0, eos_token_id=[17, 23, 29])
+    table = list(range(32))  # each token's successor in the target alone's answers: drafts that hold, then miss
+    for row in target.generate(**batch, **greedy).tolist():
+        for token, following in zip(row, row[1:]):
+            table[token] = following
+    drafter = forcing_drafter(target, table, block_size=5)
+    weights = dict(return_dict_in_generate=True, output_attentions=True)
+    copies = {**greedy, "do_sample": True, "top_k": 1, "num_return_sequences": 2}
+    for options in (greedy, copies, {**greedy, "prefill_chunk_size": 4}):
+        expected = target.generate(**batch, **options, **weights)
+        output = target.generate(**batch, **options, **weights, assistant_model=drafter, draft_policy="fixed")
+        assert torch.equal(output.sequences, expected.sequences)
+        assert_same_hidden_states(output.attentions, expected.attentions)
+    stats = drafter.last_generation_stats
+    assert max(stats.acceptance_lengths) > 2 and min(stats.acceptance_lengths) == 1  # blocks held, and were cut
+    assert (expected.sequences[:, -1] == 0).any()  # a row ended early
+    cache, alone_cache = DynamicCache(config=target.config), DynamicCache(config=target.config)
+    first = target.generate(**batch, **greedy, **cache_argument(cache), assistant_model=drafter)
+    assert torch.equal(first, target.generate(**batch, **greedy, **cache_argument(alone_cache)))
+    answers = torch.ones(3, first.shape[1] - batch["input_ids"].shape[1], dtype=torch.long)
+    turn = {
+        "input_ids": torch.cat([first, torch.tensor([[7, 8, 9]] * 3)], dim=-1),
+        "attention_mask": torch.cat([batch["attention_mask"], answers, torch.ones(3, 3, dtype=torch.long)], -1),
+    }
+    expected = target.generate(**turn, **greedy, **weights, **cache_argument(alone_cache))
+    output = target.generate(**turn, **greedy, **weights, **cache_argument(cache), assistant_model=drafter)
+    assert torch.equal(output.sequences, expected.sequences)
+    assert output.attentions[0][0].shape[2] == 4  # the new columns' queries only, as the target alone reads them
+    assert_same_hidden_states(output.attentions, expected.attentions)
 
 
 def assert_same_hidden_states(hidden_states: tuple, expected: tuple, tolerance: float = 1e-4) -> None:

@@ -94,7 +94,7 @@ def random_options(rng: random.Random, pool: range, eos: int, drafter) -> tuple[
 
 
 # What a mix's output holds besides tokens (dropped where only tokens come back).
-OUTPUTS = ("return_dict_in_generate", "output_scores", "output_logits", "output_hidden_states")
+OUTPUTS = ("return_dict_in_generate", "output_scores", "output_logits", "output_hidden_states", "output_attentions")
 
 
 def random_rows(rng: random.Random, vocab: int, rows: int) -> list[list[int]]:
@@ -170,6 +170,9 @@ def greedy_mix(seed: int, device: str = "cpu", models=None) -> None:
     if device != "cpu" and rng.random() < 0.3:
         ours["domino_rollout"] = "eager"  # else "auto": the fused head where it applies
     streamers = later_draws(rng, target, drafter, vocab, batch, options) if device == "cpu" else None
+    if options.get("return_dict_in_generate") and rng.random() < 0.5 and returns_attentions(target, ours):
+        target.set_attn_implementation("eager")  # (drawn last: the one kernel that returns attention weights)
+        options["output_attentions"] = True
     alone, drafted = both_outputs(target, drafter, batch, options, ours, streamers)
     mix = f"{type(target).__name__}: options {options}, drafter options {ours}, draft vocabulary {drafter.draft_vocab}"
     assert streamers is None or streamed(streamers[1]) == streamed(streamers[0]), mix
@@ -186,10 +189,23 @@ def greedy_mix(seed: int, device: str = "cpu", models=None) -> None:
     # Per column, a tuple of every layer's. A verification's forward over several tokens rounds otherwise than one-token
     # steps, which a family's large random weights amplify through its layers: up to 3e-4 on Dots3Note (seed 2147 of
     # the families' mixes) where its logits agreed within 4e-5 and its tokens exactly.
-    expected, got = alone.hidden_states, drafted.hidden_states
-    assert (expected is None) == (got is None), mix
-    for i, (a, b) in enumerate(zip(expected or (), got or (), strict=True)):
-        assert all(torch.allclose(x, y, atol=1e-3, rtol=1e-3) for x, y in zip(a, b, strict=True)), (i, mix)
+    for field in ("hidden_states", "attentions"):
+        expected, got = getattr(alone, field), getattr(drafted, field)
+        assert (expected is None) == (got is None), (field, mix)
+        for i, (a, b) in enumerate(zip(expected or (), got or (), strict=True)):
+            assert all(x.shape == y.shape for x, y in zip(a, b, strict=True)), (field, i, mix)
+            assert all(torch.allclose(x, y, atol=1e-3, rtol=1e-3) for x, y in zip(a, b)), (field, i, mix)
+
+
+def returns_attentions(target, ours: dict) -> bool:
+    """Whether a drafter call returns attentions on `target` (docs/usage.md): full attention, no recurrent states,
+    no trees of branches."""
+    from hf_domino.batch_call_domino import _other_than_full_attention
+    from hf_domino.recurrent_cache_domino import keeps_recurrent_states
+
+    if ours.get("domino_branches", 1) > 1 or keeps_recurrent_states(target):
+        return False
+    return _other_than_full_attention(target) is None
 
 
 @pytest.mark.parametrize("seed", seeds(32))

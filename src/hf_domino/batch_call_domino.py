@@ -110,11 +110,7 @@ def check_batch_call(
             "'left')."
         )
     if generation_config.return_dict_in_generate and generation_config.output_attentions:
-        raise ValueError(
-            "A batch drafted with a Domino drafter returns no attentions (its forwards hold different tokens per row, "
-            "and holes): drop output_attentions (output_scores, output_logits and output_hidden_states work), or "
-            f"{one_at_a_time}."
-        )
+        _check_attentions_call(target, options, one_at_a_time)
 
 
 def _check_multimodal_prompt(target: PreTrainedModel, model_kwargs: dict[str, Any], one_at_a_time: str) -> None:
@@ -206,16 +202,38 @@ def counts_the_mask(
     return bool((given == positions_from_mask(mask))[mask].all())
 
 
+def _other_than_full_attention(target: PreTrainedModel) -> str | None:
+    """What the target's attention is other than full attention over every cached column, or None."""
+    if others := sorted(set(getattr(target.config.get_text_config(), "layer_types", None) or ()) - {"full_attention"}):
+        return f"the target has {', '.join(others)} layers"
+    if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in DynamicCache(config=target.config).layers):
+        # A sliding window without layer types (Mistral's `sliding_window`): its cache says so.
+        return "the target's attention slides over a window"
+    return None
+
+
+def _check_attentions_call(target: PreTrainedModel, options: DominoOptions, one_at_a_time: str) -> None:
+    """Raises, naming the fix, where a batched call cannot return the target alone's attentions: a tree verifies
+    several branches in one query block, and a sliding layer's weights cover the keys its window keeps, which the
+    batch's cache keeps otherwise."""
+    problem = "domino_branches verifies several branches at once" if options.domino_branches > 1 else None
+    if problem is None and (other := _other_than_full_attention(target)) is not None:
+        problem = f"{other}, whose weights cover the keys the target alone's cache keeps"
+    if problem is not None:
+        raise ValueError(
+            f"A batch drafted with a Domino drafter returns attentions on full-attention targets only, and {problem}: "
+            "drop output_attentions (output_scores, output_logits and output_hidden_states work), or "
+            f"{one_at_a_time}."
+        )
+
+
 def _check_tree_call(target: PreTrainedModel, branches: int) -> None:
     """Raises, naming the fix, where a call cannot verify trees of `branches` branches."""
     problem, config = None, target.config.get_text_config()
     if adds_its_mask(target) is None:
         problem = takes_no_4d_mask(target)
-    elif others := sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"}):
-        problem = f"the target has {', '.join(others)} layers (trees take full-attention targets only)"
-    elif any(isinstance(layer, DynamicSlidingWindowLayer) for layer in DynamicCache(config=target.config).layers):
-        # A sliding window without layer types (Mistral's `sliding_window`): its cache says so.
-        problem = "the target's attention slides over a window (trees take full-attention targets only)"
+    elif (other := _other_than_full_attention(target)) is not None:
+        problem = f"{other} (trees take full-attention targets only)"
     elif config.model_type in ALIBI_FROM_THE_MASK and getattr(config, "alibi", True):
         problem = (
             f"{type(target).__name__} builds its ALiBi biases from a 2D attention mask, and a tree needs a 4D one"
@@ -225,46 +243,65 @@ def _check_tree_call(target: PreTrainedModel, branches: int) -> None:
 
 
 class TokenScores:
-    """What `output_scores`, `output_logits` and `output_hidden_states` return for a batch: per row, the processed and
-    raw logits each of its tokens was picked from and the hidden states (every layer's) of the column that gave them,
-    then as generate() returns them: one `[rows, V]` tensor per generated column, and per generated column a tuple of
-    `[rows, 1, hidden]` per layer (the first column's: the prefill's `[rows, prompt columns, hidden]`).
+    """What `output_scores`, `output_logits`, `output_hidden_states` and `output_attentions` return for a batch: per
+    row, the processed and raw logits each of its tokens was picked from, the hidden states (every layer's) of the
+    column that gave them and that column's attention weights over the keys it saw; then as generate() returns them:
+    one `[rows, V]` tensor per generated column, per generated column a tuple of `[rows, 1, hidden]` per layer, and
+    per generated column a tuple of `[rows, heads, 1, keys]` per layer (the first column's: the prefill's, over the
+    whole prompt).
 
-    A row that has finished emits the pad token in every later column. The target alone computes its scores and
-    hidden states there from the pad tokens it feeds the row, which the call reads after its loop
+    A row that has finished emits the pad token in every later column. The target alone computes its scores, hidden
+    states and attentions there from the pad tokens it feeds the row, which the call reads after its loop
     (`batch_generate_domino.score_past_ends`): every row has one per generated column.
     """
 
-    def __init__(self, rows: int, keep_scores: bool, keep_logits: bool, keep_hidden: bool = False):
+    def __init__(
+        self, rows: int, keep_scores: bool, keep_logits: bool, keep_hidden: bool = False, keep_attentions: bool = False
+    ):
         self.keep_scores, self.keep_logits, self.keep_hidden = keep_scores, keep_logits, keep_hidden
-        self.rows: list[list[tuple[torch.Tensor | None, ...]]] = [[] for _ in range(rows)]
-        self.prompt_hidden: tuple[torch.Tensor, ...] | None = None  # the prefill's, per layer (`read_prompt`)
+        self.keep_attentions = keep_attentions
+        self.rows: list[list[tuple[Any, ...]]] = [[] for _ in range(rows)]
+        # The prefill's, per layer (`read_prompt`).
+        self.prompt_hidden: tuple[torch.Tensor, ...] | None = None
+        self.prompt_attentions: tuple[torch.Tensor, ...] | None = None
+        # The call's attention mask over the prompt's columns, where the target alone's keys are padding.
+        self.prompt_mask: torch.BoolTensor | None = None
 
     @classmethod
     def wanted(cls, generation_config: GenerationConfig, rows: int) -> TokenScores | None:
         """The call's record, or None where it returns none of them."""
         kept = [
             bool(generation_config.return_dict_in_generate and getattr(generation_config, name))
-            for name in ("output_scores", "output_logits", "output_hidden_states")
+            for name in ("output_scores", "output_logits", "output_hidden_states", "output_attentions")
         ]
         return cls(rows, *kept) if any(kept) else None
 
-    def add(self, row: int, scores: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
-        """A row's next tokens' processed (`scores`) and raw logits, `[n, V]` each, and the hidden states of their
-        columns, `[n, layers, hidden]` (copied: they are views of a whole forward's)."""
-        kept = (scores, logits, hidden)
-        wanted = (self.keep_scores, self.keep_logits, self.keep_hidden)
-        self.rows[row].append(tuple(each.clone() if keep else None for each, keep in zip(kept, wanted)))
+    def add(
+        self,
+        row: int,
+        scores: torch.Tensor,
+        logits: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+        attentions: list[torch.Tensor] | None = None,
+    ) -> None:
+        """A row's next tokens' processed (`scores`) and raw logits, `[n, V]` each, the hidden states of their
+        columns, `[n, layers, hidden]` (copied: they are views of a whole forward's), and per token its column's
+        attention weights over the real keys it saw, in order (`key_weights`: `[layers, heads, keys]`)."""
+        kept = (scores, logits, hidden, attentions)
+        wanted = (self.keep_scores, self.keep_logits, self.keep_hidden, self.keep_attentions)
+        self.rows[row].append(tuple(
+            None if not keep else list(each) if isinstance(each, list) else each.clone()
+            for each, keep in zip(kept, wanted)
+        ))  # fmt: skip
 
-    def columns(
-        self, length: int
-    ) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None, tuple[tuple, ...] | None]:
-        """(scores, logits, hidden states) as generate() returns them for `length` generated columns, each None where
-        not asked."""
+    def columns(self, length: int) -> tuple[tuple | None, ...]:
+        """(scores, logits, hidden states, attentions) as generate() returns them for `length` generated columns,
+        each None where not asked."""
         scores = self._columns(0, length) if self.keep_scores else None
         logits = self._columns(1, length) if self.keep_logits else None
         hidden = self._hidden_states(length) if self.keep_hidden else None
-        return scores, logits, hidden
+        attentions = self._attentions(length) if self.keep_attentions else None
+        return scores, logits, hidden, attentions
 
     def _columns(self, kind: int, length: int) -> tuple[torch.Tensor, ...]:
         per_row = torch.stack([torch.cat([pieces[kind] for pieces in row])[:length] for row in self.rows])
@@ -275,6 +312,36 @@ class TokenScores:
         # [rows, columns, layers, hidden]: column 0's are the prefill's over the whole prompt, as the target alone's.
         later = tuple(tuple(layer[:, None] for layer in per_row[:, column].unbind(1)) for column in range(1, length))
         return (self.prompt_hidden, *later)
+
+    def _attentions(self, length: int) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """Column g >= 1 as the target alone's step g returns it: over the prompt's columns and g generated ones, its
+        keys are the columns of the call's attention mask and every generated column, and padding weighs 0."""
+        per_row = [[weights for pieces in row for weights in pieces[3]][:length] for row in self.rows]
+        later = []
+        for column in range(1, length):
+            layout = torch.nn.functional.pad(self.prompt_mask, (0, column), value=True)
+            weights = [row[column] for row in per_row]
+            steps = weights[0].new_zeros(len(per_row), *weights[0].shape[:2], layout.shape[1])
+            for row, row_weights in enumerate(weights):
+                steps[row][..., layout[row]] = row_weights
+            later.append(tuple(layer[:, :, None] for layer in steps.unbind(1)))  # [rows, heads, 1, keys] per layer
+        return (self.prompt_attentions, *later)
+
+
+def key_weights(
+    attentions: tuple[torch.Tensor, ...], before: torch.BoolTensor, counts: list[int]
+) -> list[list[torch.Tensor]]:
+    """Per row, for each of a forward's first `counts[row]` columns, its query's attention weights over the real keys it
+    saw, in order: the row's real columns before the forward (`before`, the cache's mask then), then the forward's own
+    up to that column; `[layers, heads, keys]` each. The weights of holes, which the target alone never holds, are 0."""
+    stacked = torch.stack(attentions, dim=1)  # [rows, layers, heads, queries, columns]
+    first_new, device = before.shape[1], stacked.device
+    weights = []
+    for row, count in enumerate(counts):
+        keys = torch.cat([before[row].nonzero().flatten().to(device), first_new + torch.arange(count, device=device)])
+        seen = len(keys) - count
+        weights.append([stacked[row, :, :, query, keys[: seen + query + 1]] for query in range(count)])
+    return weights
 
 
 def compiled_plain_steps(
@@ -310,5 +377,6 @@ __all__ = [
     "check_batch_call",
     "check_batch_target",
     "compiled_plain_steps",
+    "key_weights",
     "prompt_inputs",
 ]

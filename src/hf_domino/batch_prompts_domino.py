@@ -61,7 +61,7 @@ class PromptReading:
         read = 0 if leading is None else leading.shape[1]
         outputs = ragged_forward(
             self.target, self.target_cache, input_ids[:, read:], new[:, read:], self.hidden_layers, logits_to_keep=1,
-            inputs_embeds=embeds, prompt_inputs=self.prompt_inputs,
+            inputs_embeds=embeds, prompt_inputs=self.prompt_inputs, output_attentions=self.keeps_attentions,
         )  # fmt: skip
         self.prompt_inputs = {}  # the images (their encodings) are in the cache now
         if copies is not None:
@@ -156,6 +156,8 @@ class PromptReading:
         hidden = self.hidden_of(outputs, 1)
         if self.keeps_hidden and self.token_scores.prompt_hidden is None:  # generate()'s first step: the prefill's
             self.token_scores.prompt_hidden = tuple(h if copies is None else h[copies] for h in outputs.hidden_states)
+        if self.keeps_attentions and self.token_scores.prompt_attentions is None:  # so are its attentions
+            self.token_scores.prompt_attentions = tuple(a if copies is None else a[copies] for a in outputs.attentions)
         if copies is not None:
             logits, features, new = logits[copies], features[copies], new[copies]
             hidden = None if hidden is None else hidden[copies]
@@ -165,7 +167,8 @@ class PromptReading:
         check_context_features(features, drafter.config)
         contexts = [features[i, new[i]].to(drafter.device, drafter.dtype) for i in range(len(rows))]
         keep = self.token_scores is not None
-        finished = self.extend(rows, list(first[:, None]), (processed, logits, hidden) if keep else None)
+        attentions = [[None] for _ in rows] if self.keeps_attentions else None  # the first step's: the prefill's
+        finished = self.extend(rows, list(first[:, None]), (processed, logits, hidden, attentions) if keep else None)
         return contexts, finished
 
 

@@ -519,6 +519,7 @@ def ragged_forward(
     tree: TreeLayout | None = None,
     inputs_embeds: torch.Tensor | None = None,
     prompt_inputs: dict[str, Any] | None = None,
+    output_attentions: bool = False,
 ):
     """One target forward that appends `input_ids` to every row; holes among them are `new_columns == False`.
 
@@ -527,6 +528,8 @@ def ragged_forward(
     `input_ids`' embeddings, as the target alone does in its first step; so with `prompt_inputs` (a multimodal
     prompt's images or their encodings)."""
     kwargs = dict(prompt_inputs or {})
+    if output_attentions:
+        kwargs["output_attentions"] = True
     # Asked only when needed (the prefill): reading a signature costs more than the rest of a step's host work.
     if logits_to_keep is not None and "logits_to_keep" in inspect.signature(target.forward).parameters:
         kwargs["logits_to_keep"] = logits_to_keep

@@ -21,7 +21,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import ModelOutput
 
-from .batch_call_domino import check_batch_call, compiled_plain_steps, prompt_inputs
+from .batch_call_domino import check_batch_call, compiled_plain_steps, key_weights, prompt_inputs
 from .batching_domino import BatchedDecoding
 from .cache_domino import CACHE_ARGUMENT
 from .ragged_batch_domino import process_rows
@@ -81,12 +81,17 @@ def batched_assisted_decoding(
             decoding.target_cache.recurrent.remove()
     cache = None if finished_rows is None else settled_cache(decoding, finished_rows, sequences)
     if generation_config.return_dict_in_generate:
-        scores = logits = hidden_states = None
+        scores = logits = hidden_states = attentions = None
         if decoding.token_scores is not None:
             generated = sequences.shape[1] - input_ids.shape[1]
-            scores, logits, hidden_states = decoding.token_scores.columns(generated)
+            scores, logits, hidden_states, attentions = decoding.token_scores.columns(generated)
         return GenerateDecoderOnlyOutput(
-            sequences=sequences, scores=scores, logits=logits, hidden_states=hidden_states, **{CACHE_ARGUMENT: cache}
+            sequences=sequences,
+            scores=scores,
+            logits=logits,
+            attentions=attentions,
+            hidden_states=hidden_states,
+            **{CACHE_ARGUMENT: cache},
         )
     return sequences
 
@@ -119,11 +124,13 @@ def settled_cache(decoding: BatchedDecoding, finished: FinishedRows, sequences: 
     row's states after those tokens (and the padding the target alone reads after the row's end)."""
     rows = finished.joined()
     ends = torch.tensor([sequence.shape[0] for sequence in decoding.sequences], device=sequences.device)
+    before = rows.mask  # (the forward's mask is a new tensor)
     outputs = read_past_ends(
-        decoding.target, rows, sequences, ends, decoding.pad, decoding.token_scores is not None, decoding.keeps_hidden
-    )
+        decoding.target, rows, sequences, ends, decoding.pad, decoding.token_scores is not None, decoding.keeps_hidden,
+        decoding.keeps_attentions,
+    )  # fmt: skip
     if outputs is not None and decoding.token_scores is not None:
-        score_past_ends(decoding, outputs, sequences, ends.tolist())
+        score_past_ends(decoding, outputs, sequences, ends.tolist(), before)
     answers = decoding.mask.new_ones(sequences.shape[0], sequences.shape[1] - decoding.prompt_length)
     rows.arrange(torch.cat([decoding.mask, answers], dim=-1)[:, :-1])
     cache = decoding.target_cache.cache  # the caller's object, filled in place as the target alone fills it
@@ -145,11 +152,13 @@ def read_past_ends(
     pad: int,
     keep_logits: bool = False,
     keep_hidden: bool = False,
+    keep_attentions: bool = False,
 ) -> ModelOutput | None:
     """Reads into `rows` what the target alone reads after each row's end (`ends[row]` tokens), since it steps every
     row until the longest is done: the row's last token, then the padding, up to the output's last column (never
     read). One forward for all rows, after the loop; returns its outputs (None where no row ended early), with the
-    logits of every column where `keep_logits` and every layer's hidden states where `keep_hidden`.
+    logits of every column where `keep_logits`, every layer's hidden states where `keep_hidden` and attention weights
+    where `keep_attentions`.
 
     Recurrent states read every column of a forward, holes too: each row's are the scan over its own columns, from
     the inputs the forward's scan kept (`RecurrentRollback.keep_rows`; two columns at least, where one is stepped in
@@ -168,8 +177,9 @@ def read_past_ends(
     input_ids = torch.gather(sequences, 1, at).masked_fill(~new, pad)
     try:
         outputs = ragged_forward(
-            target, rows, input_ids, new, keep_hidden or [], logits_to_keep=None if keep_logits else 1
-        )
+            target, rows, input_ids, new, keep_hidden or [], logits_to_keep=None if keep_logits else 1,
+            output_attentions=keep_attentions,
+        )  # fmt: skip
         if recurrent:
             rows.recurrent.keep_rows(missing.cpu())
     finally:
@@ -180,13 +190,21 @@ def read_past_ends(
 
 
 def score_past_ends(
-    decoding: BatchedDecoding, outputs: ModelOutput, sequences: torch.LongTensor, ends: list[int]
+    decoding: BatchedDecoding,
+    outputs: ModelOutput,
+    sequences: torch.LongTensor,
+    ends: list[int],
+    before: torch.BoolTensor,
 ) -> None:
-    """The scores, logits and hidden states of the columns after each row's end (`output_scores`, `output_logits`,
-    `output_hidden_states`), as the target alone computes them: from its forward over the row's last token and the
-    padding it feeds the row afterwards (`read_past_ends`), the logits through the row's processors, each seeing the
-    row's sequence up to there."""
+    """The scores, logits, hidden states and attentions of the columns after each row's end (`output_scores`,
+    `output_logits`, `output_hidden_states`, `output_attentions`), as the target alone computes them: from its forward
+    over the row's last token and the padding it feeds the row afterwards (`read_past_ends`, on rows whose mask was
+    `before`), the logits through the row's processors, each seeing the row's sequence up to there."""
     hidden = decoding.hidden_of(outputs, outputs.logits.shape[1])
+    attentions = None
+    if decoding.keeps_attentions:
+        counts = [max(0, sequences.shape[1] - end) for end in ends]
+        attentions = key_weights(outputs.attentions, before, counts)
     for column in range(outputs.logits.shape[1]):
         rows = [row for row, end in enumerate(ends) if end + column < sequences.shape[1]]
         raw = outputs.logits[rows, column].float()
@@ -194,7 +212,8 @@ def score_past_ends(
         processed = process_rows(processors, [sequences[row, : ends[row] + column] for row in rows], raw)
         for i, row in enumerate(rows):
             states = None if hidden is None else hidden[row, column : column + 1]
-            decoding.token_scores.add(row, processed[i : i + 1], raw[i : i + 1], states)
+            weights = None if attentions is None else attentions[row][column : column + 1]
+            decoding.token_scores.add(row, processed[i : i + 1], raw[i : i + 1], states, weights)
 
 
 __all__ = [

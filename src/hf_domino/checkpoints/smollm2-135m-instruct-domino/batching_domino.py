@@ -38,7 +38,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from .batch_call_domino import TokenScores
+from .batch_call_domino import TokenScores, key_weights
 from .batch_drafts_domino import CycleDrafter, CycleDrafts
 from .batch_policy_domino import CallWindow, call_speculates
 from .batch_prompts_domino import PromptReading
@@ -149,6 +149,9 @@ class BatchedDecoding(PromptReading):
         self.active = list(range(rows))
         self.token_scores = TokenScores.wanted(generation_config, rows)
         self.keeps_hidden = self.token_scores is not None and self.token_scores.keep_hidden
+        self.keeps_attentions = self.token_scores is not None and self.token_scores.keep_attentions
+        if self.token_scores is not None:
+            self.token_scores.prompt_mask = self.mask
         # The target's hidden states each forward returns: the drafter's layers, or all where the call returns them.
         self.hidden_layers = True if self.keeps_hidden else hidden_state_indices(self.layer_ids)
         # Steps append in place, into room never taken past what the call can write (its holes aside).
@@ -228,7 +231,7 @@ class BatchedDecoding(PromptReading):
             end = next((at for at, token in enumerate(kept) if token in self.eos_ids), None)
             kept = kept if end is None else kept[: end + 1]
             if scores is not None:
-                self.token_scores.add(row, *(None if each is None else each[i, : len(kept)] for each in scores))
+                self.token_scores.add(row, *(None if each is None else each[i][: len(kept)] for each in scores))
             sequence = self.sequences[row] = torch.cat([sequence, row_tokens[: len(kept)].to(sequence.device)])
             done.append(end is not None or sequence.shape[0] >= self.max_lengths[row])
         asked = [i for i, finished in enumerate(done) if not finished]
@@ -317,13 +320,14 @@ class BatchedDecoding(PromptReading):
         """
         width, device = cycle.width, self.device
         first = anchor_scores = None  # a tree's: the target's token after the anchor, and its processed logits
+        before = self.target_cache.mask  # (each forward's mask is a new tensor)
         if cycle.branches is None:
             candidates = cycle.candidates(anchors.to(device))
             lengths = cycle.lengths.to(device)
             new_columns = torch.arange(1 + width, device=device)[None] <= lengths[:, None]
             outputs = ragged_forward(
                 self.target, self.target_cache, torch.cat([anchors.to(device), candidates], dim=-1), new_columns,
-                self.hidden_layers,
+                self.hidden_layers, output_attentions=self.keeps_attentions,
             )  # fmt: skip
             path = None
             logits = outputs.logits[:, -(1 + width) :].float()
@@ -352,7 +356,10 @@ class BatchedDecoding(PromptReading):
             keep = torch.zeros(path.shape[0], self.target_cache.last_width, dtype=torch.bool, device=device)
             self.target_cache.keep_columns(keep.scatter_(1, path, kept))
         self.context.append(features, [1 + n for n in matches])
-        return tokens, matches, (processed, logits, hidden), cycle.verified()
+        attentions = (
+            key_weights(outputs.attentions, before, [1 + n for n in matches]) if self.keeps_attentions else None
+        )
+        return tokens, matches, (processed, logits, hidden, attentions), cycle.verified()
 
     def columns_read(self, tokens: list[torch.LongTensor], matches: list[int]) -> list[int]:
         """Per row, the columns of its verification its cache keeps: the anchor and its accepted drafts, where a
