@@ -236,17 +236,18 @@ def test_prompt_penalties_read_each_rows_own_prompt(penalty, sequences):
 
 
 @contextlib.contextmanager
-def prefill_rows(target):
-    """Within it, the rows of each forward of `target` that keeps only the last position's logits (a prefill's)."""
-    rows = []
+def prefill_rows(target, dim: int = 0):
+    """Within it, the rows (`dim=1`: the columns) of each forward of `target` that keeps only the last position's
+    logits (a prefill's, or one of its chunks)."""
+    sizes = []
 
     def record(module, args, kwargs):
         if kwargs.get("logits_to_keep") == 1:
-            rows.append(kwargs["input_ids"].shape[0])
+            sizes.append(kwargs["input_ids"].shape[dim])
 
     hook = target.register_forward_pre_hook(record, with_kwargs=True)
     try:
-        yield rows
+        yield sizes
     finally:
         hook.remove()
 
@@ -537,17 +538,7 @@ def test_hidden_states_are_the_target_alones_for_every_column_of_every_row(arch)
         assert torch.equal(output.sequences, expected.sequences)
         assert_same_hidden_states(output.hidden_states, expected.hidden_states)
     assert (expected.sequences[:, -1] == 0).any() and drafter.last_generation_stats.drafted
-    cache, alone_cache = DynamicCache(config=target.config), DynamicCache(config=target.config)
-    first = target.generate(**batch, **greedy, **cache_argument(cache), assistant_model=drafter)
-    assert torch.equal(first, target.generate(**batch, **greedy, **cache_argument(alone_cache)))
-    answers = torch.ones(3, first.shape[1] - batch["input_ids"].shape[1], dtype=torch.long)
-    turn = {
-        "input_ids": torch.cat([first, torch.tensor([[7, 8, 9]] * 3)], dim=-1),
-        "attention_mask": torch.cat([batch["attention_mask"], answers, torch.ones(3, 3, dtype=torch.long)], -1),
-    }
-    expected = target.generate(**turn, **greedy, **hidden, **cache_argument(alone_cache))
-    output = target.generate(**turn, **greedy, **hidden, **cache_argument(cache), assistant_model=drafter)
-    assert torch.equal(output.sequences, expected.sequences)
+    expected, output = next_turns(target, drafter, batch, greedy, hidden)
     assert output.hidden_states[0][0].shape[1] == 4  # the new columns only, as the target alone reads them
     assert_same_hidden_states(output.hidden_states, expected.hidden_states)
 
@@ -577,19 +568,27 @@ def test_attentions_are_the_target_alones_for_every_column_of_every_row(arch):
     stats = drafter.last_generation_stats
     assert max(stats.acceptance_lengths) > 2 and min(stats.acceptance_lengths) == 1  # blocks held, and were cut
     assert (expected.sequences[:, -1] == 0).any()  # a row ended early
+    expected, output = next_turns(target, drafter, batch, greedy, weights)
+    assert output.attentions[0][0].shape[2] == 4  # the new columns' queries only, as the target alone reads them
+    assert_same_hidden_states(output.attentions, expected.attentions)
+
+
+def next_turns(target, drafter, batch: dict, greedy: dict, returned: dict) -> tuple:
+    """A first turn with and without the drafter, each on a cache of its own, then a next turn of 3 tokens per row
+    continuing each cache, returning `returned` (what the output dict holds): (the target alone's, the drafted)."""
     cache, alone_cache = DynamicCache(config=target.config), DynamicCache(config=target.config)
     first = target.generate(**batch, **greedy, **cache_argument(cache), assistant_model=drafter)
     assert torch.equal(first, target.generate(**batch, **greedy, **cache_argument(alone_cache)))
-    answers = torch.ones(3, first.shape[1] - batch["input_ids"].shape[1], dtype=torch.long)
+    rows = first.shape[0]
+    answers = torch.ones(rows, first.shape[1] - batch["input_ids"].shape[1], dtype=torch.long)
     turn = {
-        "input_ids": torch.cat([first, torch.tensor([[7, 8, 9]] * 3)], dim=-1),
-        "attention_mask": torch.cat([batch["attention_mask"], answers, torch.ones(3, 3, dtype=torch.long)], -1),
+        "input_ids": torch.cat([first, torch.tensor([[7, 8, 9]] * rows)], dim=-1),
+        "attention_mask": torch.cat([batch["attention_mask"], answers, torch.ones(rows, 3, dtype=torch.long)], -1),
     }
-    expected = target.generate(**turn, **greedy, **weights, **cache_argument(alone_cache))
-    output = target.generate(**turn, **greedy, **weights, **cache_argument(cache), assistant_model=drafter)
+    expected = target.generate(**turn, **greedy, **returned, **cache_argument(alone_cache))
+    output = target.generate(**turn, **greedy, **returned, **cache_argument(cache), assistant_model=drafter)
     assert torch.equal(output.sequences, expected.sequences)
-    assert output.attentions[0][0].shape[2] == 4  # the new columns' queries only, as the target alone reads them
-    assert_same_hidden_states(output.attentions, expected.attentions)
+    return expected, output
 
 
 def assert_same_hidden_states(hidden_states: tuple, expected: tuple, tolerance: float = 1e-4) -> None:

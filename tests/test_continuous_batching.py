@@ -3,8 +3,6 @@ generates what the target alone generates for it."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from conftest import forcing_drafter, tiny_drafter, tiny_target
@@ -102,22 +100,6 @@ def test_a_requests_sequences_read_its_prompt_once(arch):
     assert len(results) == 9 and sum(rows) == 3  # each prompt read once: 3 rows in all
 
 
-@contextlib.contextmanager
-def prompt_reads(target):
-    """Within it, the width of each forward of `target` that keeps only the last position's logits (a prompt's)."""
-    widths = []
-
-    def record(module, args, kwargs):
-        if kwargs.get("logits_to_keep") == 1:
-            widths.append(kwargs["input_ids"].shape[1])
-
-    hook = target.register_forward_pre_hook(record, with_kwargs=True)
-    try:
-        yield widths
-    finally:
-        hook.remove()
-
-
 @pytest.mark.parametrize("chunk", [2, 3])
 def test_joining_prompts_are_read_in_the_calls_chunks(arch, chunk, monkeypatch):
     # prefill_chunk_size bounds what a forward reads of the prompts that join a served batch, as it bounds a
@@ -137,7 +119,7 @@ def test_joining_prompts_are_read_in_the_calls_chunks(arch, chunk, monkeypatch):
     def serve(chunk_size: int | None) -> tuple[list, list, list]:
         joined.clear()
         config = GenerationConfig(do_sample=False, pad_token_id=0, prefill_chunk_size=chunk_size, **settings)
-        with prompt_reads(target) as widths:
+        with prefill_rows(target, dim=1) as widths:
             results = target.generate_batch(PROMPTS, config, continuous_batching_config=rows_at_most(3),
                                             assistant_model=drafter, draft_policy="fixed")  # fmt: skip
         return [result.generated_tokens for result in results.values()], widths, [c for cs in joined for c in cs]
