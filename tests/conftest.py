@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import hf_domino  # noqa: F401  (registers the Auto classes and the generate() hook)
 from hf_domino import (
@@ -133,6 +140,8 @@ def tiny_target(
         model = Qwen3ForCausalLM(Qwen3Config(**common))
     elif arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "mistral":  # (every layer sliding where `sliding_window` is set)
+        model = MistralForCausalLM(MistralConfig(**common))
     else:
         raise ValueError(arch)
     return model.eval()

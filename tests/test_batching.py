@@ -397,10 +397,10 @@ def test_bad_batches_fail_with_the_fix_named():
         target.generate(**batch, **attentions, domino_branches=2)
     with pytest.raises(ValueError, match="several branches.*drop output_attentions.*or drop domino_branches"):
         target.generate(batch["input_ids"][:1], **attentions, domino_branches=2)  # one prompt, as a tree
-    sliding = tiny_target("qwen3", num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
-                          use_sliding_window=True, attn_implementation="eager")  # fmt: skip
-    with pytest.raises(ValueError, match="sliding_attention layers, whose weights cover the keys"):
-        sliding.generate(**batch, **{**attentions, "assistant_model": tiny_drafter(sliding)})
+    chunked = tiny_target("llama", num_layers=2, layer_types=["chunked_attention", "full_attention"],
+                          attention_chunk_size=4, attn_implementation="eager")  # fmt: skip
+    with pytest.raises(ValueError, match="chunked_attention layers: drop output_attentions"):
+        chunked.generate(**batch, **{**attentions, "assistant_model": tiny_drafter(chunked)})
     # The same calls without a drafter still work (only the drafter's batch path refuses).
     assert target.generate(**batch, max_new_tokens=4).shape == (2, 7)
 
@@ -543,14 +543,21 @@ def test_hidden_states_are_the_target_alones_for_every_column_of_every_row(arch)
     assert_same_hidden_states(output.hidden_states, expected.hidden_states)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3-sliding", "mistral-sliding"])
 def test_attentions_are_the_target_alones_for_every_column_of_every_row(arch):
     # output_attentions: each generated column's weights over the target alone's keys (the padded prompt and every
     # generated column, padding weighing 0), from verifications whose caches hold holes where the target alone holds
     # none; rows ending at different times (their columns after the end read after the loop), a prompt's copies read
     # once (top-k 1 sampling, as deterministic as greedy), a prefill in chunks (the first step's weights: the last
     # chunk's), and a next turn continuing the cache the drafted call left.
-    target = tiny_target(arch, vocab_size=32, attn_implementation="eager")  # (a forcing drafter's vocabulary)
+    # (Sliding: a window of 4 beside full attention, or in every layer, Mistral's: the target alone's sliding layers
+    # hand a forward their last 3 columns and its own.)
+    windows = {
+        "qwen3-sliding": dict(layer_types=["sliding_attention", "full_attention"] * 2, use_sliding_window=True),
+        "mistral-sliding": {},
+    }
+    sliding = {"sliding_window": 4, **windows[arch]} if arch in windows else {}
+    target = tiny_target(arch.split("-")[0], vocab_size=32, attn_implementation="eager", **sliding)  # (vocab: forcing)
     batch = left_padded([[5, 9, 12, 7], [30, 5], [9, 12, 7, 30, 22, 10]])
     greedy = dict(max_new_tokens=14, do_sample=False, pad_token_id=0, eos_token_id=[17, 23, 29])
     table = list(range(32))  # each token's successor in the target alone's answers: drafts that hold, then miss
@@ -560,13 +567,19 @@ def test_attentions_are_the_target_alones_for_every_column_of_every_row(arch):
     drafter = forcing_drafter(target, table, block_size=5)
     weights = dict(return_dict_in_generate=True, output_attentions=True)
     copies = {**greedy, "do_sample": True, "top_k": 1, "num_return_sequences": 2}
-    for options in (greedy, copies, {**greedy, "prefill_chunk_size": 4}):
-        expected = target.generate(**batch, **options, **weights)
-        output = target.generate(**batch, **options, **weights, assistant_model=drafter, draft_policy="fixed")
+    one = {name: tensor[2:] for name, tensor in batch.items()}  # (a sliding target's goes to the batch loop too)
+    for inputs, options in (
+        (one, greedy),
+        (batch, copies),
+        (batch, {**greedy, "prefill_chunk_size": 4}),
+        (batch, greedy),
+    ):
+        expected = target.generate(**inputs, **options, **weights)
+        output = target.generate(**inputs, **options, **weights, assistant_model=drafter, draft_policy="fixed")
         assert torch.equal(output.sequences, expected.sequences)
         assert_same_hidden_states(output.attentions, expected.attentions)
     stats = drafter.last_generation_stats
-    assert max(stats.acceptance_lengths) > 2 and min(stats.acceptance_lengths) == 1  # blocks held, and were cut
+    assert max(stats.acceptance_lengths) > 1 and min(stats.acceptance_lengths) == 1  # drafts held, and were cut
     assert (expected.sequences[:, -1] == 0).any()  # a row ended early
     expected, output = next_turns(target, drafter, batch, greedy, weights)
     assert output.attentions[0][0].shape[2] == 4  # the new columns' queries only, as the target alone reads them

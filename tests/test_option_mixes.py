@@ -170,7 +170,7 @@ def greedy_mix(seed: int, device: str = "cpu", models=None) -> None:
     if device != "cpu" and rng.random() < 0.3:
         ours["domino_rollout"] = "eager"  # else "auto": the fused head where it applies
     streamers = later_draws(rng, target, drafter, vocab, batch, options) if device == "cpu" else None
-    if options.get("return_dict_in_generate") and rng.random() < 0.5 and returns_attentions(target, ours):
+    if options.get("return_dict_in_generate") and rng.random() < 0.5 and returns_attentions(target, options, ours):
         target.set_attn_implementation("eager")  # (drawn last: the one kernel that returns attention weights)
         options["output_attentions"] = True
     alone, drafted = both_outputs(target, drafter, batch, options, ours, streamers)
@@ -197,15 +197,18 @@ def greedy_mix(seed: int, device: str = "cpu", models=None) -> None:
             assert all(torch.allclose(x, y, atol=1e-3, rtol=1e-3) for x, y in zip(a, b)), (field, i, mix)
 
 
-def returns_attentions(target, ours: dict) -> bool:
-    """Whether a drafter call returns attentions on `target` (docs/usage.md): full attention, no recurrent states,
-    no trees of branches."""
-    from hf_domino.batch_call_domino import _other_than_full_attention
+def returns_attentions(target, options: dict, ours: dict) -> bool:
+    """Whether a drafter call returns the target alone's attentions on `target` (docs/usage.md): full or
+    sliding-window attention, no recurrent states, no trees of branches, no static cache (whose every column the target
+    alone's weights cover, where transformers' assisted loop returns the sequence's)."""
     from hf_domino.recurrent_cache_domino import keeps_recurrent_states
 
-    if ours.get("domino_branches", 1) > 1 or keeps_recurrent_states(target):
+    if ours.get("domino_branches", 1) > 1 or keeps_recurrent_states(target) or "cache_implementation" in options:
         return False
-    return _other_than_full_attention(target) is None
+    return set(getattr(target.config.get_text_config(), "layer_types", None) or ()) <= {
+        "full_attention",
+        "sliding_attention",
+    }
 
 
 @pytest.mark.parametrize("seed", seeds(32))

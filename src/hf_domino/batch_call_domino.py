@@ -214,15 +214,16 @@ def _other_than_full_attention(target: PreTrainedModel) -> str | None:
 
 def _check_attentions_call(target: PreTrainedModel, options: DominoOptions, one_at_a_time: str) -> None:
     """Raises, naming the fix, where a batched call cannot return the target alone's attentions: a tree verifies
-    several branches in one query block, and a sliding layer's weights cover the keys its window keeps, which the
-    batch's cache keeps otherwise."""
+    several branches in one query block, and attention other than full or sliding (chunked, sparse-indexed) holds
+    keys the batch's cache does not lay out as the target alone's does."""
     problem = "domino_branches verifies several branches at once" if options.domino_branches > 1 else None
-    if problem is None and (other := _other_than_full_attention(target)) is not None:
-        problem = f"{other}, whose weights cover the keys the target alone's cache keeps"
+    layer_types = set(getattr(target.config.get_text_config(), "layer_types", None) or ())
+    if problem is None and (others := sorted(layer_types - {"full_attention", "sliding_attention"})):
+        problem = f"the target has {', '.join(others)} layers"
     if problem is not None:
         raise ValueError(
-            f"A batch drafted with a Domino drafter returns attentions on full-attention targets only, and {problem}: "
-            "drop output_attentions (output_scores, output_logits and output_hidden_states work), or "
+            f"A batch drafted with a Domino drafter returns attentions of full and sliding-window attention only, and "
+            f"{problem}: drop output_attentions (output_scores, output_logits and output_hidden_states work), or "
             f"{one_at_a_time}."
         )
 
@@ -266,6 +267,8 @@ class TokenScores:
         self.prompt_attentions: tuple[torch.Tensor, ...] | None = None
         # The call's attention mask over the prompt's columns, where the target alone's keys are padding.
         self.prompt_mask: torch.BoolTensor | None = None
+        # The target's sliding window and its sliding layers, whose keys the target alone's cache crops (`in_window`).
+        self.window: tuple[int, frozenset[int]] | None = None
 
     @classmethod
     def wanted(cls, generation_config: GenerationConfig, rows: int) -> TokenScores | None:
@@ -324,8 +327,18 @@ class TokenScores:
             steps = weights[0].new_zeros(len(per_row), *weights[0].shape[:2], layout.shape[1])
             for row, row_weights in enumerate(weights):
                 steps[row][..., layout[row]] = row_weights
-            later.append(tuple(layer[:, :, None] for layer in steps.unbind(1)))  # [rows, heads, 1, keys] per layer
+            # [rows, heads, 1, keys] per layer
+            later.append(tuple(self.in_window(i, layer[:, :, None]) for i, layer in enumerate(steps.unbind(1))))
         return (self.prompt_attentions, *later)
+
+    def in_window(self, layer: int, weights: torch.Tensor) -> torch.Tensor:
+        """A layer's weights `[rows, heads, queries, keys]` over the keys the target alone's cache hands its forward:
+        a sliding layer keeps its last `window - 1` columns (transformers' `DynamicSlidingWindowLayer`) before the
+        forward's own; no other layer drops any. The weights dropped are 0: outside the window."""
+        if self.window is None or layer not in self.window[1]:
+            return weights
+        queries, keys = weights.shape[-2:]
+        return weights[..., keys - min(keys - queries, self.window[0] - 1) - queries :]
 
 
 def key_weights(

@@ -157,7 +157,10 @@ class PromptReading:
         if self.keeps_hidden and self.token_scores.prompt_hidden is None:  # generate()'s first step: the prefill's
             self.token_scores.prompt_hidden = tuple(h if copies is None else h[copies] for h in outputs.hidden_states)
         if self.keeps_attentions and self.token_scores.prompt_attentions is None:  # so are its attentions
-            self.token_scores.prompt_attentions = tuple(a if copies is None else a[copies] for a in outputs.attentions)
+            self.token_scores.prompt_attentions = tuple(
+                self.token_scores.in_window(layer, weights if copies is None else weights[copies])
+                for layer, weights in enumerate(outputs.attentions)
+            )
         if copies is not None:
             logits, features, new = logits[copies], features[copies], new[copies]
             hidden = None if hidden is None else hidden[copies]

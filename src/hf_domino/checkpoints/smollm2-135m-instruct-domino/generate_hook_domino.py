@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import transformers
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StoppingCriteriaList
@@ -275,6 +275,12 @@ def _wrap_assisted_decoding(original):
             batched = bool(generation_config.output_hidden_states) and (
                 prefill_length is not None or (chunk_size is not None and reads > chunk_size)
             )
+            # It also hands a sliding layer's attention weights over more keys than the target alone's cache holds
+            # (its verifying cache keeps them all), which the batch loop lays out as the target alone's.
+            batched = batched or bool(
+                generation_config.return_dict_in_generate and generation_config.output_attentions and cache is not None
+                and any(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers)
+            )  # fmt: skip
         # transformers rolls convolution-only layers back itself; recurrent states are ours to roll back.
         recurrent = keeps_recurrent_states(self)
         check_croppable(self, cache, batched)
