@@ -441,8 +441,11 @@ def test_position_ids_other_than_the_masks_are_refused_for_a_batch(arch):
     positions[:, -2:] += 50  # a gap before the last two tokens, which the target reads:
     logits = [target(**batch, position_ids=p).logits[:, -1] for p in (positions, positions.clamp(max=5))]
     assert not torch.allclose(*logits)
+    # (One sequence reading its prompt in chunks with hidden states goes to the batch loop too: generate_hook_domino.)
+    chunks = {"prefill_chunk_size": 2, "output_hidden_states": True, "return_dict_in_generate": True}
     for rows, options, fix in ((slice(None), {}, "generate one prompt at a time"),
-                               (slice(0, 1), {"domino_branches": 2}, "drop domino_branches")):  # fmt: skip
+                               (slice(0, 1), {"domino_branches": 2}, "drop domino_branches"),
+                               (slice(0, 1), chunks, "drop output_hidden_states and output_attentions")):  # fmt: skip
         inputs = {name: tensor[rows] for name, tensor in batch.items()}
         with pytest.raises(ValueError, match=f"these position_ids say otherwise: drop position_ids, or {fix}"):
             target.generate(

@@ -84,8 +84,9 @@ def check_batch_call(
     """Raises, naming the fix, for what a batched call cannot do exactly (`model_kwargs`: generate()'s, for its
     loop)."""
     check_batch_target(target, generation_config, options)
-    # One sequence comes here only to verify trees (domino_branches), whose forwards hold the branches as rows.
-    one_at_a_time = "drop domino_branches" if input_ids.shape[0] == 1 else "generate one prompt at a time"
+    one_at_a_time = (
+        "generate one prompt at a time" if input_ids.shape[0] > 1 else _one_sequence_fix(generation_config, options)
+    )
     _check_model_inputs(target, input_ids, attention_mask, generation_config, model_kwargs or {}, one_at_a_time)
     if generation_config._pad_token_tensor is None:
         raise ValueError("Batched generation needs a pad token: set pad_token_id (e.g. tokenizer.pad_token_id).")
@@ -111,6 +112,16 @@ def check_batch_call(
         )
     if generation_config.return_dict_in_generate and generation_config.output_attentions:
         _check_attentions_call(target, options, one_at_a_time)
+
+
+def _one_sequence_fix(generation_config: GenerationConfig, options: DominoOptions) -> str:
+    """What takes one sequence back to transformers' loop, which runs what the batch loop refuses (the generate()
+    hook hands it to the batch loop for these reasons only)."""
+    if options.domino_branches > 1:  # a tree's forward holds the branches as rows
+        return "drop domino_branches"
+    if generation_config.output_hidden_states or generation_config.output_attentions:  # not returned as alone's there
+        return "drop output_hidden_states and output_attentions"
+    return "keep the target's first weights on a device rather than offloaded"
 
 
 def _check_multimodal_prompt(target: PreTrainedModel, model_kwargs: dict[str, Any], one_at_a_time: str) -> None:
