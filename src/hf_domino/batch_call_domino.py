@@ -268,27 +268,33 @@ class TokenScores:
     """
 
     def __init__(
-        self, rows: int, keep_scores: bool, keep_logits: bool, keep_hidden: bool = False, keep_attentions: bool = False
+        self,
+        kept: list[bool],
+        prompt_mask: torch.BoolTensor,
+        window: tuple[int, frozenset[int]] | None = None,
     ):
-        self.keep_scores, self.keep_logits, self.keep_hidden = keep_scores, keep_logits, keep_hidden
-        self.keep_attentions = keep_attentions
-        self.rows: list[list[tuple[Any, ...]]] = [[] for _ in range(rows)]
+        self.keep_scores, self.keep_logits, self.keep_hidden, self.keep_attentions = kept
+        self.rows: list[list[tuple[Any, ...]]] = [[] for _ in range(prompt_mask.shape[0])]
         # The prefill's, per layer (`read_prompt`).
         self.prompt_hidden: tuple[torch.Tensor, ...] | None = None
         self.prompt_attentions: tuple[torch.Tensor, ...] | None = None
-        # The call's attention mask over the prompt's columns, where the target alone's keys are padding.
-        self.prompt_mask: torch.BoolTensor | None = None
-        # The target's sliding window and its sliding layers, whose keys the target alone's cache crops (`in_window`).
-        self.window: tuple[int, frozenset[int]] | None = None
+        # Where the target alone's keys are: the call's attention mask over the prompt's columns (0: padding), and
+        # its sliding window's size and sliding layers, whose keys its cache crops (`in_window`).
+        self.prompt_mask, self.window = prompt_mask, window
 
     @classmethod
-    def wanted(cls, generation_config: GenerationConfig, rows: int) -> TokenScores | None:
-        """The call's record, or None where it returns none of them."""
+    def wanted(
+        cls,
+        generation_config: GenerationConfig,
+        prompt_mask: torch.BoolTensor,
+        window: tuple[int, frozenset[int]] | None = None,
+    ) -> TokenScores | None:
+        """The call's record (its rows: the mask's), or None where it returns none of them."""
         kept = [
             bool(generation_config.return_dict_in_generate and getattr(generation_config, name))
             for name in ("output_scores", "output_logits", "output_hidden_states", "output_attentions")
         ]
-        return cls(rows, *kept) if any(kept) else None
+        return cls(kept, prompt_mask, window) if any(kept) else None
 
     def add(
         self,
@@ -359,12 +365,14 @@ def key_weights(
     saw, in order: the row's real columns before the forward (`before`, the cache's mask then), then the forward's own
     up to that column; `[layers, heads, keys]` each. The weights of holes, which the target alone never holds, are 0."""
     stacked = torch.stack(attentions, dim=1)  # [rows, layers, heads, queries, columns]
-    first_new, device = before.shape[1], stacked.device
+    device = stacked.device
+    # Each row's real columns, in order, read back once for all rows.
+    real = before.nonzero()[:, 1].to(device).split(before.sum(dim=-1).tolist())
+    new = before.shape[1] + torch.arange(max(counts, default=0), device=device)
     weights = []
-    for row, count in enumerate(counts):
-        keys = torch.cat([before[row].nonzero().flatten().to(device), first_new + torch.arange(count, device=device)])
-        seen = len(keys) - count
-        weights.append([stacked[row, :, :, query, keys[: seen + query + 1]] for query in range(count)])
+    for row, (seen, count) in enumerate(zip(real, counts)):
+        keys = torch.cat([seen, new[:count]])
+        weights.append([stacked[row, :, :, query, keys[: len(seen) + query + 1]] for query in range(count)])
     return weights
 
 

@@ -203,8 +203,7 @@ def score_past_ends(
     hidden = decoding.hidden_of(outputs, outputs.logits.shape[1])
     attentions = None
     if decoding.keeps_attentions:
-        counts = [max(0, sequences.shape[1] - end) for end in ends]
-        attentions = key_weights(outputs.attentions, before, counts)
+        attentions = key_weights(outputs.attentions, before, [sequences.shape[1] - end for end in ends])
     for column in range(outputs.logits.shape[1]):
         rows = [row for row, end in enumerate(ends) if end + column < sequences.shape[1]]
         raw = outputs.logits[rows, column].float()

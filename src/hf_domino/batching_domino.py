@@ -147,17 +147,10 @@ class BatchedDecoding(PromptReading):
         self.mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         self.sequences = list(input_ids)
         self.active = list(range(rows))
-        self.token_scores = TokenScores.wanted(generation_config, rows)
+        sliding = None if window is None else (window.size, window.decoder_layers(target))
+        self.token_scores = TokenScores.wanted(generation_config, self.mask, sliding)
         self.keeps_hidden = self.token_scores is not None and self.token_scores.keep_hidden
         self.keeps_attentions = self.token_scores is not None and self.token_scores.keep_attentions
-        if self.token_scores is not None:
-            self.token_scores.prompt_mask = self.mask
-            if window is not None:  # by decoder layer: a layer reading another's cache (Gemma 4's) slides as its type
-                types = getattr(target.config.get_text_config(), "layer_types", None)
-                sliding = (
-                    [i for i, kind in enumerate(types) if kind == "sliding_attention"] if types else window.layers
-                )
-                self.token_scores.window = window.size, frozenset(sliding)
         # The target's hidden states each forward returns: the drafter's layers, or all where the call returns them.
         self.hidden_layers = True if self.keeps_hidden else hidden_state_indices(self.layer_ids)
         # Steps append in place, into room never taken past what the call can write (its holes aside).

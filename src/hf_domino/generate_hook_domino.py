@@ -242,6 +242,19 @@ def _wrap_validate_generation_mode(original):
     return _validate_generation_mode
 
 
+def _steps_returned_otherwise(generation_config: GenerationConfig, cache: Any, reads_part: bool) -> bool:
+    """Whether transformers' assisted loop would return one sequence's per-step outputs otherwise than the target
+    alone, so that the batch loop returns them instead: it splits its first step's hidden states as if the prefill
+    read the whole prompt (one that `reads_part` of it: after a filled cache, or its last chunk), and hands a sliding
+    layer's attention weights over every key its verifying cache keeps, more than the target alone's holds."""
+    if generation_config.output_hidden_states and reads_part:
+        return True
+    return bool(
+        generation_config.return_dict_in_generate and generation_config.output_attentions and cache is not None
+        and any(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers)
+    )  # fmt: skip
+
+
 def _wrap_assisted_decoding(original):
     unwrapped = _beneath_hooks(original)  # what this layer calls where it serves the call
 
@@ -269,18 +282,9 @@ def _wrap_assisted_decoding(original):
                 cache, arguments["input_ids"], model_kwargs.get("attention_mask"), generation_config
             )
             chunk_size = None if cache is None else prefill_chunk_size(generation_config, model_kwargs)
-            # transformers' loop splits its first step's hidden states as if the prefill read the whole prompt: one
-            # that reads part of it (after a filled cache, or its last chunk) has the batch loop return them.
             reads = prefill_length or arguments["input_ids"].shape[1]
-            batched = bool(generation_config.output_hidden_states) and (
-                prefill_length is not None or (chunk_size is not None and reads > chunk_size)
-            )
-            # It also hands a sliding layer's attention weights over more keys than the target alone's cache holds
-            # (its verifying cache keeps them all), which the batch loop lays out as the target alone's.
-            batched = batched or bool(
-                generation_config.return_dict_in_generate and generation_config.output_attentions and cache is not None
-                and any(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers)
-            )  # fmt: skip
+            reads_part = prefill_length is not None or (chunk_size is not None and reads > chunk_size)
+            batched = _steps_returned_otherwise(generation_config, cache, reads_part)
         # transformers rolls convolution-only layers back itself; recurrent states are ours to roll back.
         recurrent = keeps_recurrent_states(self)
         check_croppable(self, cache, batched)

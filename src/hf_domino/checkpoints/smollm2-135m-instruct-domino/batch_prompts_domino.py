@@ -57,12 +57,7 @@ class PromptReading:
         if distinct is not None:
             self.target_cache.select_rows(distinct)
             input_ids, new = input_ids[distinct], new[distinct]
-        leading = self.read_leading_chunks(self.target_cache, input_ids, new) if embeds is None else None
-        read = 0 if leading is None else leading.shape[1]
-        outputs = ragged_forward(
-            self.target, self.target_cache, input_ids[:, read:], new[:, read:], self.hidden_layers, logits_to_keep=1,
-            inputs_embeds=embeds, prompt_inputs=self.prompt_inputs, output_attentions=self.keeps_attentions,
-        )  # fmt: skip
+        outputs, leading = self.read_columns(self.target_cache, input_ids, new, embeds, self.prompt_inputs)
         self.prompt_inputs = {}  # the images (their encodings) are in the cache now
         if copies is not None:
             self.target_cache.select_rows(copies)
@@ -102,11 +97,7 @@ class PromptReading:
         cache, _ = batch_cache(DynamicCache(config=self.target.config), self.target)  # the same window as ours
         reserve = self.options.cache_columns(self.drafter, max(self.max_lengths[row] for row in rows))
         own = self.target_cache.holding(buffer_layers(cache, reserve), new[:, :0], None)
-        leading = self.read_leading_chunks(own, input_ids, new)
-        read = 0 if leading is None else leading.shape[1]
-        outputs = ragged_forward(
-            self.target, own, input_ids[:, read:], new[:, read:], self.hidden_layers, logits_to_keep=1
-        )
+        outputs, leading = self.read_columns(own, input_ids, new)
         if copies is not None:
             own.select_rows(copies)
         self.target_cache.add_rows(own)
@@ -115,6 +106,25 @@ class PromptReading:
         self.context.add_rows(contexts)
         return finished
 
+    def read_columns(
+        self: BatchedDecoding,
+        cache: RaggedCache,
+        input_ids: torch.LongTensor,
+        new: torch.BoolTensor,
+        inputs_embeds: torch.Tensor | None = None,
+        prompt_inputs: dict | None = None,
+    ):
+        """Prompt columns read into `cache`: their leading chunks where the call asks for chunks
+        (`read_leading_chunks`; embeddings are read whole), then the rest in one forward, whose last logits pick the
+        first tokens. Returns that forward's outputs and the leading chunks' features (None: read in one forward)."""
+        leading = self.read_leading_chunks(cache, input_ids, new) if inputs_embeds is None else None
+        read = 0 if leading is None else leading.shape[1]
+        outputs = ragged_forward(
+            self.target, cache, input_ids[:, read:], new[:, read:], self.hidden_layers, logits_to_keep=1,
+            inputs_embeds=inputs_embeds, prompt_inputs=prompt_inputs, output_attentions=self.keeps_attentions,
+        )  # fmt: skip
+        return outputs, leading
+
     def read_leading_chunks(
         self: BatchedDecoding, cache: RaggedCache, input_ids: torch.LongTensor, new: torch.BoolTensor
     ) -> torch.Tensor | None:
@@ -122,7 +132,7 @@ class PromptReading:
         the target alone's batch: each chunk of the prompt's columns read into `cache` in turn, so that no forward
         reads more than a chunk per row. Returns their target features `[rows, columns, features]` (None: no chunks
         asked for, or the prompt fits one); the caller's forward reads the last chunk, whose logits pick the first
-        tokens."""
+        tokens (`read_columns`)."""
         if self.chunk_size is None or input_ids.shape[1] <= self.chunk_size:
             return None
         features, recurrent = [], cache.recurrent

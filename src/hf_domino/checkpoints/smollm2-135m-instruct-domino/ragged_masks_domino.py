@@ -92,6 +92,16 @@ class SlidingWindow:
         layer_type = next(iter(layer_types & WINDOWED_ATTENTION), "sliding_attention")
         return cls(windows.pop(), every_layer, additive, layers, layer_type)
 
+    def decoder_layers(self, target: PreTrainedModel) -> frozenset[int]:
+        """The target's sliding decoder layers: by layer type where its config names them (a layer reading another
+        layer's cache, Gemma 4's, slides as its type says), else the cache's sliding layers."""
+        types = getattr(target.config.get_text_config(), "layer_types", None)
+        return (
+            frozenset(i for i, kind in enumerate(types) if kind == self.layer_type)
+            if types
+            else frozenset(self.layers)
+        )
+
     def hand_back(self, cache: DynamicCache) -> None:
         """Makes the layers `take_over` made full (`layers`) sliding ones again, holding their last `size - 1`
         columns, as the target alone's sliding layers hold them after its forwards over the same columns (copies:
