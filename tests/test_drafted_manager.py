@@ -6,13 +6,22 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections import Counter
 
 import pytest
 import torch
 from conftest import forcing_drafter
 from test_continuous_batching import EOS, PROMPTS, alone, followed_by, random_target, rows_at_most
-from transformers import GenerationConfig
+from test_generation import (
+    chi_square_p_value,
+    drafts_and_accepted,
+    exact_sequence_distribution,
+    law_drafter,
+    law_target,
+)
+from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.continuous_batching.requests import RequestStatus
+from transformers.generation.logits_process import TemperatureLogitsWarper
 
 from hf_domino import (
     batch_policy_domino,
@@ -290,6 +299,58 @@ def test_num_return_sequences_come_back_as_transformers_names_them(models):
     assert all(len(result.generated_tokens) > 0 for result in results.values())
 
 
+def test_each_request_samples_with_its_own_settings_and_keeps_its_law(gpu_like_costs):
+    """What transformers' manager takes per request (and `transformers serve` sends): a request's own temperature,
+    top-k and top-p where the config samples. Requests of three settings share the batch's cycles: each keeps the law
+    the target alone has with its settings, and `top_k=1` is the target alone's greedy answer."""
+    vocab, num_new, draws = 5, 3, 600
+    target = law_target(vocab, seed=3, peak=4)  # peaked laws, so that a wrong one is told apart (below)
+    drafter = law_drafter(target)
+    prompt = [2, 4, 1]
+    config = GenerationConfig(do_sample=True, temperature=0.5, max_new_tokens=num_new, pad_token_id=0)
+    manager = target.init_continuous_batching(config, rows_at_most(64), assistant_model=drafter, draft_policy="fixed")
+    assert manager.logit_processor.supported_keys == {"temperature": float, "top_k": int, "top_p": float}
+    torch.manual_seed(7)
+    ids = {"own": [], "config": [], "greedy": []}
+    for i in range(draws):  # interleaved, so that every cycle verifies rows of different laws together
+        ids["own"].append(manager.add_request(prompt, temperature=1.5))
+        ids["config"].append(manager.add_request(prompt))
+        if i % 100 == 0:
+            ids["greedy"].append(manager.add_request(prompt, top_k=1))
+    manager.start()
+    results, _ = results_of(manager, sum(map(len, ids.values())), timeout=300)
+    manager.stop()
+    drafted, accepted = drafts_and_accepted([drafter.last_generation_stats])
+    assert 0 < accepted < drafted  # rejection sampling really ran, with both outcomes
+    greedy_answer = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=num_new)[0, 3:].tolist()
+    assert all(results[request_id].generated_tokens == greedy_answer for request_id in ids["greedy"])
+    counts = {}
+    for kind in ("own", "config"):
+        counts[kind] = Counter(tuple(results[request_id].generated_tokens) for request_id in ids[kind])
+    laws = {
+        kind: exact_sequence_distribution(
+            target, prompt, num_new, LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+        )
+        for kind, temperature in (("own", 1.5), ("config", 0.5))
+    }
+    assert chi_square_p_value(counts["own"], laws["own"], draws) > 1e-3
+    assert chi_square_p_value(counts["config"], laws["config"], draws) > 1e-3
+    # The test can fail: each group's draws are far from the other's law.
+    assert chi_square_p_value(counts["own"], laws["config"], draws) < 1e-6
+    assert chi_square_p_value(counts["config"], laws["own"], draws) < 1e-6
+
+
+def test_a_batch_begun_without_processors_takes_on_requests_with_some(models):
+    target, drafter = models
+    config = GenerationConfig(do_sample=True, pad_token_id=0, **SETTINGS)
+    with target.continuous_batching_context_manager(config, rows_at_most(4), assistant_model=drafter) as manager:
+        manager.add_request(PROMPTS[0], top_k=0)  # temperature 1, no top-k or top-p: generate() builds no processor
+        greedy_ids = [manager.add_request(prompt, top_k=1) for prompt in PROMPTS[1:4]]
+        results, _ = results_of(manager, 4)
+    expected = [alone(target, prompt, **SETTINGS) for prompt in PROMPTS[1:4]]
+    assert [results[request_id].generated_tokens for request_id in greedy_ids] == expected
+
+
 def test_a_failure_in_the_thread_fails_every_request_it_held(models, monkeypatch):
     target, drafter = models
 
@@ -315,6 +376,17 @@ def test_what_a_manager_cannot_serve_is_refused_with_the_fix(models):
     manager.add_request(PROMPTS[0], eos_token_id=[EOS])  # the config's own: accepted
     with pytest.raises(ValueError, match="list of token ids"):
         manager.add_request("a prompt as text")
+    # A request's own sampling settings: only where the config samples, of their types, and no other setting.
+    with pytest.raises(ValueError, match=r"decodes greedily .* GenerationConfig\(do_sample=True"):
+        manager.add_request(PROMPTS[0], temperature=0.7)
+    sampling_config = GenerationConfig(do_sample=True, pad_token_id=0, **SETTINGS)
+    sampling = target.init_continuous_batching(sampling_config, assistant_model=drafter)
+    with pytest.raises(ValueError, match="repetition_penalty=1.2. Set other generation settings in the Generation"):
+        sampling.add_request(PROMPTS[0], repetition_penalty=1.2)
+    with pytest.raises(TypeError, match="temperature is a float; got 1"):
+        sampling.add_request(PROMPTS[0], temperature=1)
+    with pytest.raises(ValueError, match="temperature"):  # generate()'s own check of the value
+        sampling.add_request(PROMPTS[0], temperature=-0.5)
     manager.start()
     manager.stop()
     with pytest.raises(RuntimeError, match=r"start\(\) it again"):

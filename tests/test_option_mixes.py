@@ -285,6 +285,18 @@ def draw_sampling(rng: random.Random, options: dict, copies: bool = True) -> Non
     options.update({name: rng.choice(values) for name, values in samplers.items() if rng.random() < 0.35})
 
 
+def own_sampling(rng: random.Random) -> dict:
+    """A request's own sampling settings (`DraftedBatchingManager.add_request`): one to three of them."""
+    settings = {"temperature": rng.choice([0.3, 0.7, 1.5]), "top_k": rng.choice([1, 1, 3, 10]), "top_p": 0.9}
+    return dict(rng.sample(sorted(settings.items()), rng.randint(1, 3)))
+
+
+def ties_at_the_top(target) -> bool:
+    """Whether the target's logits tie (a successor target's: every token but the successor at 0), so that where
+    processors ban the successor, `top_k=1` keeps every tied token and draws among them."""
+    return bool((target.get_output_embeddings().weight == 0).float().mean() > 0.5)
+
+
 def sampled_answer_holds(tokens: list[int], limit: int, ends: set[int], vocab: int) -> bool:
     """What any sampled answer must be: tokens of the vocabulary up to an EOS, or `limit` of them without one."""
     end = next((i + 1 for i, token in enumerate(tokens) if token in ends), limit)
@@ -398,12 +410,16 @@ def managed_mix(seed: int, models=random_models, sampled: bool = False) -> None:
         draw_sampling(rng, options, copies=False)
     limits = [rng.randint(1, 30) if rng.random() < 0.3 else None for _ in prompts]
     streaming = [rng.random() < 0.3 for _ in prompts]
+    # Sampling, a request may set its own temperature, top-k and top-p (`top_k=1`: its answer is certain).
+    own = [own_sampling(rng) if sampled and rng.random() < 0.4 else {} for _ in prompts]
     try:
         expected = [
             target.generate(
-                torch.tensor([p]), pad_token_id=0, **dict(options, max_new_tokens=limit or options["max_new_tokens"])
+                torch.tensor([p]),
+                pad_token_id=0,
+                **dict(options, max_new_tokens=limit or options["max_new_tokens"], **settings),
             )[0, len(p) :].tolist()
-            for p, limit in zip(prompts, limits, strict=True)
+            for p, limit, settings in zip(prompts, limits, own, strict=True)
         ]
     except (ValueError, TypeError, RuntimeError) as error:  # (RuntimeError: a sampled mix's NaN, as both_outputs)
         pytest.skip(f"the target alone refuses or fails the mix ({type(error).__name__}: {error}): {options}")
@@ -411,7 +427,10 @@ def managed_mix(seed: int, models=random_models, sampled: bool = False) -> None:
     config = GenerationConfig(pad_token_id=0, **options)
     manager = target.init_continuous_batching(config, rows, assistant_model=drafter, **ours)
     mix = f"{type(target).__name__}: options {options}, drafter options {ours}, draft vocabulary {drafter.draft_vocab}"
-    add = lambda i: manager.add_request(prompts[i], f"r{i}", max_new_tokens=limits[i], streaming=streaming[i])  # noqa: E731
+    mix += f", requests' own sampling {own}" if any(own) else ""
+    add = lambda i: manager.add_request(  # noqa: E731
+        prompts[i], f"r{i}", max_new_tokens=limits[i], streaming=streaming[i], **own[i]
+    )
     # Requests [0, before) come before start(), [before, early) right after it, the rest after a first result
     # (perhaps) and from threads of their own (perhaps).
     early = rng.randint(1, len(prompts))
@@ -449,7 +468,8 @@ def managed_mix(seed: int, models=random_models, sampled: bool = False) -> None:
     for i, answer in enumerate(expected):
         got = results.get(f"r{i}", [])
         finished = [result.generated_tokens for result in got if result.is_finished()]
-        if sampled:  # the answer is the one it got, if it got one
+        certain = own[i].get("top_k") == 1 and not ties_at_the_top(target)
+        if sampled and not certain:  # the answer is the one it got, if it got one
             if not finished:
                 assert f"r{i}" == cancelled, (i, got, mix, rows)
                 continue

@@ -298,6 +298,59 @@ def test_the_model_process_drafts_with_the_servers_settings(smollm2_answer):
     assert max(drafted) == 3 and drafted.count(3) > len(drafted) // 2, drafted
 
 
+@needs_serving
+def test_a_continuously_batched_server_serves_each_requests_sampling_settings():
+    """transformers serve (>= 5.25) hands its manager each request's temperature, top-k and top-p (a greedy request:
+    top_k=1) where the model's generation config samples, as Qwen3's and most chat models' do. With the drafter
+    attached, greedy requests come back as the target alone's greedy answers (they came back sampled at the config's
+    temperature until 2026-12-06), and a sampled one reaches its row with its own settings."""
+    from transformers.cli.serving import utils
+
+    if not hasattr(getattr(utils, "CBGenerateRunner", None), "_build_continuous_batching_kwargs"):
+        pytest.skip("transformers < 5.25 builds its manager with the first request's settings, sent to none")
+    CBGenerateRunner = utils.CBGenerateRunner
+    from test_continuous_batching import EOS, PROMPTS, alone, followed_by, random_target
+
+    settings = {"max_new_tokens": 12, "eos_token_id": EOS}
+    target = random_target("qwen3")
+    drafter = forcing_drafter(target, followed_by(target, PROMPTS, **settings), block_size=6)
+    greedy = [alone(target, prompt, **settings) for prompt in PROMPTS]
+    target.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=20, top_p=0.95, pad_token_id=0,
+                                                **settings)  # fmt: skip
+    sent = []
+    hf_domino.attach_drafter(target, drafter)
+    try:
+        results = {}
+        runner = CBGenerateRunner(target, None, lambda ids, tokens, finished: results.update(finished), None)
+        manager = runner.manager
+        assert isinstance(manager, DraftedBatchingManager)
+        add_request = manager.add_request
+        manager.add_request = lambda *args, **kwargs: sent.append(kwargs) or add_request(*args, **kwargs)
+        try:
+            # What transformers serve builds for a request with temperature 0, then for one with temperature 0.3.
+            request = {**settings, "do_sample": False, "temperature": 0.0, "top_k": 20, "top_p": 0.95}
+            for request_id, prompt in enumerate(PROMPTS):
+                runner.generate(request_id, {"input_ids": prompt}, dict(request), stream=False)
+            sampled = {**request, "do_sample": True, "temperature": 0.3}
+            runner.generate(len(PROMPTS), {"input_ids": PROMPTS[0]}, sampled, stream=False)
+            deadline = time.time() + 120
+            while len(results) <= len(PROMPTS) and time.time() < deadline:
+                time.sleep(0.05)
+        finally:
+            manager.stop()
+            end_the_runners_output_thread(runner)
+    finally:
+        hf_domino.detach_drafter(target)
+    assert [list(results[request_id]) for request_id in range(len(PROMPTS))] == greedy
+    assert [kwargs.get("top_k") for kwargs in sent[: len(PROMPTS)]] == [1] * len(PROMPTS)
+    assert {name: sent[-1][name] for name in ("temperature", "top_k", "top_p")} == {
+        "temperature": 0.3,
+        "top_k": 20,
+        "top_p": 0.95,
+    }
+    assert len(results[len(PROMPTS)]) > 0
+
+
 def test_serve_reads_drafter_options_as_their_types():
     import argparse
 

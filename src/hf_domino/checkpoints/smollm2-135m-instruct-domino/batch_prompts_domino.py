@@ -78,6 +78,9 @@ class PromptReading:
         for it. Returns which of them finished at their first token.
         """
         rows = list(range(len(self.sequences), len(self.sequences) + len(requests)))
+        if self.per_row is None and any(len(processors) for _, processors, _, _ in requests):
+            # The batch began with none (a request whose sampling settings build no processor): its rows keep none.
+            self.per_row = [LogitsProcessorList() for _ in self.sequences]
         for prompt, logits_processor, stopping_criteria, max_length in requests:
             self.sequences.append(prompt.to(self.device))
             self.prompt_lengths.append(prompt.shape[0])

@@ -50,6 +50,12 @@ MANAGER_BATCH_REQUESTS = 1024
 # to sleep at once, so that each of the thread's parallel regions pays for waking them (docs/benchmarks.md, "On a
 # CPU, torch's work in a second thread"). The caller's next parallel work brings its workers back.
 RELEASE_CALLER_OPENMP = True
+# The sampling settings a request may set for itself in a batch that samples, with their types: those transformers'
+# manager takes per request (`ContinuousBatchingConfig.per_request_processors`, which `transformers serve` turns on),
+# each row then sampling as `generate()` with them would. They change the law of its row alone: the eager rollout
+# draws each row's drafts through the row's own processors (the fused one on CUDA through the batch's first
+# request's), and verification weighs every draft against the law it was drawn from, so each row's law stays exact.
+REQUEST_SAMPLING = {"temperature": float, "top_k": int, "top_p": float}
 
 
 class Results:
@@ -118,8 +124,10 @@ class DraftedBatchingManager:
 
     Made by `target.init_continuous_batching(assistant_model=drafter, ...)` (the generate() hook) or directly; one
     background thread does all the model work. Each request generates what `target.generate(prompt)` generates for
-    it alone (`generate_batch` with the drafter, which this serves request by request: `Serving`). Not served:
-    per-request logits-processor settings or EOS tokens (set them in the generation config).
+    it alone (`generate_batch` with the drafter, which this serves request by request: `Serving`), with its own
+    `max_new_tokens` and, when the config samples, its own `temperature`, `top_k` and `top_p` (what transformers'
+    manager takes per request, and `transformers serve` sends). Not served: per-request EOS tokens or other
+    generation settings (set them in the generation config).
     """
 
     def __init__(
@@ -169,9 +177,10 @@ class DraftedBatchingManager:
 
     @property
     def logit_processor(self) -> SimpleNamespace:
-        """The sampling settings a request may set for itself (`supported_keys`, name -> type): none; every request
-        samples as the generation config says."""
-        return SimpleNamespace(supported_keys={})
+        """The sampling settings a request may set for itself (`supported_keys`, name -> type), which `transformers
+        serve` reads to pass a request's on: `REQUEST_SAMPLING` when the config samples, else none (a greedy batch
+        has no law to set; generate() ignores them when it decodes greedily)."""
+        return SimpleNamespace(supported_keys=dict(REQUEST_SAMPLING) if self.generation_config.do_sample else {})
 
     def warmup(self) -> None:
         """Nothing to warm up: transformers' manager captures its CUDA graphs here; a drafted batch measures its
@@ -246,17 +255,21 @@ class DraftedBatchingManager:
         streaming: bool = False,
         record_timestamps: bool = False,
         eos_token_id: int | list[int] | None = None,
+        **sampling: Any,
     ) -> str:
         """Queues one prompt (token ids) and returns its request id (`req_<n>` unless given). With `streaming`, its
-        tokens so far come back after each of its cycles (`RequestStatus.DECODING`) before its result."""
+        tokens so far come back after each of its cycles (`RequestStatus.DECODING`) before its result. `sampling`:
+        the request's own `temperature`, `top_k` or `top_p` where the config samples (`top_k=1`: greedy), as
+        `target.generate(prompt, **sampling)` would take them."""
         if self._stopping.is_set():
             raise RuntimeError("This manager is stopping or stopped and takes no more requests: start() it again.")
         self._check_eos(eos_token_id)
+        self._check_sampling(sampling)
         if request_id is None:
             with self._lock:
                 request_id, self._counter = f"req_{self._counter}", self._counter + 1
         prompt = prompt_ids(input_ids, self.call.device, f"add_request's prompt ({request_id})")
-        rules = self.call.rules(prompt, max_new_tokens)
+        rules = self.call.rules(prompt, max_new_tokens, sampling)
         for name in sequence_ids(request_id, self.generation_config.num_return_sequences or 1):
             self._incoming.put((Request(name, prompt, streaming, record_timestamps), rules))
         self._wake.set()
@@ -268,9 +281,12 @@ class DraftedBatchingManager:
         max_new_tokens: int | None = None,
         streaming: bool = False,
         record_timestamps: bool = False,
+        **sampling: Any,
     ) -> list[str]:
         """`add_request` for each prompt, in order; returns their ids."""
-        return [self.add_request(ids, None, max_new_tokens, streaming, record_timestamps) for ids in inputs]
+        return [
+            self.add_request(ids, None, max_new_tokens, streaming, record_timestamps, **sampling) for ids in inputs
+        ]
 
     def cancel_request(self, request_id: str) -> None:
         """Drops a request (and its other sequences) waiting or running; it gets no result."""
@@ -306,6 +322,25 @@ class DraftedBatchingManager:
                 f"This drafted batch stops every request at the generation config's EOS tokens ({configured}); got "
                 f"eos_token_id={eos_token_id}. Set it in the GenerationConfig the manager is made with."
             )
+
+    def _check_sampling(self, sampling: dict[str, Any]) -> None:
+        """Raises, naming the fix, for a request's sampling setting that this manager cannot serve (as transformers'
+        manager checks them: a `TypeError` for a value of another type)."""
+        supported = self.logit_processor.supported_keys
+        for name, value in sampling.items():
+            if name not in supported:
+                if name in REQUEST_SAMPLING:
+                    raise ValueError(
+                        f"A request sets {name}={value!r}, but this manager decodes greedily (its generation config "
+                        "has do_sample=False). Make it with GenerationConfig(do_sample=True, ...) for requests to "
+                        "sample, each with its own settings (top_k=1 is greedy there)."
+                    )
+                raise ValueError(
+                    f"A request may set its own {', '.join(REQUEST_SAMPLING)} and max_new_tokens; got {name}={value!r}. "
+                    "Set other generation settings in the GenerationConfig the manager is made with."
+                )
+            if not isinstance(value, supported[name]) or isinstance(value, bool):
+                raise TypeError(f"A request's {name} is a {supported[name].__name__}; got {value!r}.")
 
     # --------------------------------------------------------------------------------------- background thread
     def _serve(self) -> None:

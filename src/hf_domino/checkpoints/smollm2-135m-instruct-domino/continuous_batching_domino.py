@@ -205,12 +205,18 @@ class ServingCall:
     def device(self) -> torch.device:
         return target_execution_device(self.target)
 
-    def rules(self, prompt: torch.LongTensor, max_new_tokens: int | None = None) -> tuple:
-        """`request_rules` for `prompt`, with the request's own `max_new_tokens` where it names one."""
+    def rules(
+        self, prompt: torch.LongTensor, max_new_tokens: int | None = None, sampling: dict[str, Any] | None = None
+    ) -> tuple:
+        """`request_rules` for `prompt`, with the request's own `max_new_tokens` and sampling settings (`temperature`,
+        `top_k`, `top_p`: `DraftedBatchingManager.add_request`) where it names them."""
         config = self.generation_config
-        if max_new_tokens is not None:
+        if max_new_tokens is not None or sampling:
             config = copy.copy(config)
-            config.max_new_tokens = max_new_tokens
+            if max_new_tokens is not None:
+                config.max_new_tokens = max_new_tokens
+            for name, value in (sampling or {}).items():
+                setattr(config, name, value)
         return request_rules(self.target, config, prompt, self.tokenizer)
 
     def decoding(self, rules: tuple) -> BatchedDecoding:

@@ -228,6 +228,30 @@ def _for_row(prefix_allowed_tokens_fn, row: int):
     return lambda batch_id, sentence: prefix_allowed_tokens_fn(row, sentence)
 
 
+def warper_settings(processors: LogitsProcessorList) -> tuple:
+    """What a list of score-only warpers does to a row's scores: their kinds and settings (transformers' warpers
+    are functions of their attributes), so that rows whose processors were built apart but alike share one call."""
+    return tuple((type(warper), repr(sorted(vars(warper).items()))) for warper in processors)
+
+
+def process_by_setting(
+    processors: list[LogitsProcessorList], sequences: list[torch.LongTensor], logits: torch.Tensor
+) -> torch.Tensor:
+    """`process_rows` for rows whose processors read the scores alone (`score_only`): one call per setting, over
+    all the rows that have it. A batch's rows share theirs, unless requests set their own (a server's sampling
+    settings per request: `DraftedBatchingManager.add_request`)."""
+    groups: dict[tuple, list[int]] = {}
+    for row, row_processors_ in enumerate(processors):
+        groups.setdefault(warper_settings(row_processors_), []).append(row)
+    if len(groups) == 1:
+        return processors[0](sequences[0][None], logits)
+    processed = torch.empty_like(logits)
+    for rows in groups.values():
+        index = torch.tensor(rows, device=logits.device)
+        processed.index_copy_(0, index, processors[rows[0]](sequences[rows[0]][None], logits.index_select(0, index)))
+    return processed
+
+
 def process_rows(
     processors: list[LogitsProcessorList] | None,
     sequences: list[torch.LongTensor],
@@ -243,10 +267,10 @@ def process_rows(
     since processors shown a sequence going on past its end can fail (no-repeat n-grams banning the EOS, then a
     length penalty on its `-inf`: NaN).
     """
-    if not processors or not len(processors[0]):
+    if not processors or not any(len(row) for row in processors):
         return logits
-    if score_only(processors[0]):
-        return processors[0](sequences[0][None], logits)  # they read the scores only: all rows at once
+    if all(score_only(row) for row in processors):  # they read the scores only: all rows of a setting at once
+        return process_by_setting(processors, sequences, logits)
     ended = [False] * len(sequences)
     if extra is not None and ends is not None and extra.shape[1]:
         ended = torch.isin(extra, ends.to(extra.device)).any(dim=1).tolist()
