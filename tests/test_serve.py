@@ -590,3 +590,17 @@ def test_the_http_benchmark_runs_as_a_user_runs_it(batched):
     run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "2 answers identical" in run.stdout and run.stdout.count("x |") == 2, run.stdout
+
+
+@needs_serving
+@pytest.mark.slow  # four server processes, each loading SmolLM2
+@pytest.mark.parametrize("batched", [False, True], ids=["one-at-a-time", "continuous-batching"])
+def test_the_http_mixes_run_as_a_user_runs_them(batched):
+    # examples/serve_mixes.py at toy size: random requests, the drafter's answers against the target alone's.
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "serve_mixes.py"
+    args = ["--requests", "4", "--seed", "3"] + (["--continuous-batching", "--concurrency", "2"] if batched else [])
+    run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "4 requests (" in run.stdout and "; 0 differing" in run.stdout, run.stdout

@@ -230,8 +230,13 @@ def _for_row(prefix_allowed_tokens_fn, row: int):
 
 def warper_settings(processors: LogitsProcessorList) -> tuple:
     """What a list of score-only warpers does to a row's scores: their kinds and settings (transformers' warpers
-    are functions of their attributes), so that rows whose processors were built apart but alike share one call."""
-    return tuple((type(warper), repr(sorted(vars(warper).items()))) for warper in processors)
+    are functions of their attributes), so that rows whose processors were built apart but alike share one call.
+    Kept on the list, which a row holds for its life: read at every drafted position and verified column."""
+    settings = getattr(processors, "warper_settings", None)
+    if settings is None:
+        settings = tuple((type(warper), repr(sorted(vars(warper).items()))) for warper in processors)
+        processors.warper_settings = settings
+    return settings
 
 
 def process_by_setting(
