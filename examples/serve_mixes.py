@@ -13,6 +13,7 @@ sampling settings where the model's generation config samples, which SmolLM2's d
 
     python examples/serve_mixes.py --requests 40 --seed 0
     python examples/serve_mixes.py --requests 40 --seed 0 --continuous-batching --concurrency 4
+    python examples/serve_mixes.py --requests 8 --seed 4 --serve-option compile=true   # a static cache per request
 """
 
 from __future__ import annotations
@@ -137,13 +138,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--continuous-batching", action="store_true")
     parser.add_argument("--concurrency", type=int, default=4, help="with --continuous-batching: requests at once")
+    parser.add_argument(
+        "--serve-option", action="append", default=[], help="NAME=VALUE, passed to both servers (hf-domino serve's)"
+    )
     args = parser.parse_args()
+    served = [argument for option in args.serve_option for argument in ("--serve-option", option)]
     rng = random.Random(args.seed)
     prompts = [messages[0]["content"] for name in ("mtbench", "humaneval") for messages in load_prompts(name, 10)]
     requests = [random_request(rng, prompts, args.continuous_batching) for _ in range(args.requests)]
-    drafted = answers_of([], requests, args.continuous_batching, args.concurrency)
+    drafted = answers_of(served, requests, args.continuous_batching, args.concurrency)
     references = [as_honoured(request) for request in requests] if args.continuous_batching else requests
-    alone = answers_of(["--no-drafter"], references, False, 1)
+    alone = answers_of(["--no-drafter", *served], references, False, 1)
     failures = 0
     for i, (request, reference, ours, theirs) in enumerate(zip(requests, references, drafted, alone, strict=True)):
         greedy = reference["body"].get("temperature") == 0
