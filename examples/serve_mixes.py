@@ -9,7 +9,8 @@ decoding modes the drafter leaves to the target alone: beam search, prompt looku
 first, one request at a time, then the target alone's; with `--continuous-batching` the drafter's server batches
 them (`--concurrency` requests in flight at once), and each answer is compared with the target alone's
 one-at-a-time answer to what transformers' continuous batching honours of the request (its length, and its
-sampling settings where the model's generation config samples, which SmolLM2's does not: every answer greedy).
+sampling settings where the model's generation config samples, which SmolLM2's does not: every answer greedy; a
+folder of SmolLM2 with a sampling generation config, `--model FOLDER`, makes them count).
 
     python examples/serve_mixes.py --requests 40 --seed 0
     python examples/serve_mixes.py --requests 40 --seed 0 --continuous-batching --concurrency 4
@@ -25,8 +26,10 @@ import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-from serve_http import MODEL, start_server
+from serve_http import start_server
+from transformers import GenerationConfig
 
 from hf_domino.prompt_sets import load_prompts
 
@@ -47,7 +50,7 @@ def random_request(rng: random.Random, prompts: list[str], continuous_batching: 
     """What one request sends: its endpoint, whether it streams, and its body."""
     kind = rng.choice(["chat", "chat", "completions", "responses"])
     text = rng.choice(prompts)
-    body = {"model": MODEL, "stream": rng.random() < 0.5}
+    body = {"stream": rng.random() < 0.5}  # the model is named as the server names it (`answers_of`)
     limit = rng.randint(1, 40)
     if kind == "chat":
         body.update(messages=[{"role": "user", "content": text}], max_tokens=limit)
@@ -75,9 +78,9 @@ def random_request(rng: random.Random, prompts: list[str], continuous_batching: 
     return {"kind": kind, "body": body}
 
 
-def send(port: int, request: dict) -> dict:
+def send(port: int, model: str, request: dict) -> dict:
     """One request's answer: its text and why it ended (`error`: the status and message where it failed)."""
-    data = json.dumps(request["body"]).encode()
+    data = json.dumps({"model": model, **request["body"]}).encode()
     http = urllib.request.Request(
         f"http://localhost:{port}{ENDPOINTS[request['kind']]}", data, {"Content-Type": "application/json"}
     )
@@ -113,8 +116,16 @@ def streamed_answer(kind: str, events: list[dict]) -> dict:
     return {"text": "".join(piece or "" for piece in pieces), "end": ends[-1] if ends else None}
 
 
-def as_honoured(request: dict) -> dict:
-    """The request as transformers' continuous batching serves it on SmolLM2: its length, decoded greedily."""
+def config_samples(model: str) -> bool:
+    """Whether the served model's generation config samples (a folder's; the offline targets' do not)."""
+    return Path(model, "generation_config.json").exists() and bool(GenerationConfig.from_pretrained(model).do_sample)
+
+
+def as_honoured(request: dict, samples: bool) -> dict:
+    """The request as transformers' continuous batching serves it: its length, and its temperature, top-p and seed
+    where the model's generation config samples (else decoded greedily)."""
+    if samples:
+        return request
     body = dict(request["body"], temperature=0)
     body.pop("seed", None), body.pop("top_p", None)
     return {"kind": request["kind"], "body": body}
@@ -123,10 +134,12 @@ def as_honoured(request: dict) -> dict:
 def answers_of(options: list[str], requests: list[dict], continuous_batching: bool, concurrency: int) -> list[dict]:
     server, port = start_server(options, continuous_batching)
     try:
+        with urllib.request.urlopen(f"http://localhost:{port}/v1/models", timeout=30) as response:
+            (model,) = [entry["id"] for entry in json.loads(response.read())["data"]]
         if continuous_batching:
             with ThreadPoolExecutor(concurrency) as pool:
-                return list(pool.map(lambda request: send(port, request), requests))
-        return [send(port, request) for request in requests]
+                return list(pool.map(lambda request: send(port, model, request), requests))
+        return [send(port, model, request) for request in requests]
     finally:
         server.terminate()
         server.wait(60)
@@ -134,6 +147,7 @@ def answers_of(options: list[str], requests: list[dict], continuous_batching: bo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help="the target, as hf-domino serve takes it")
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--continuous-batching", action="store_true")
@@ -142,13 +156,14 @@ def main() -> None:
         "--serve-option", action="append", default=[], help="NAME=VALUE, passed to both servers (hf-domino serve's)"
     )
     args = parser.parse_args()
-    served = [argument for option in args.serve_option for argument in ("--serve-option", option)]
+    served = [args.model] + [argument for option in args.serve_option for argument in ("--serve-option", option)]
     rng = random.Random(args.seed)
     prompts = [messages[0]["content"] for name in ("mtbench", "humaneval") for messages in load_prompts(name, 10)]
     requests = [random_request(rng, prompts, args.continuous_batching) for _ in range(args.requests)]
     drafted = answers_of(served, requests, args.continuous_batching, args.concurrency)
-    references = [as_honoured(request) for request in requests] if args.continuous_batching else requests
-    alone = answers_of(["--no-drafter", *served], references, False, 1)
+    samples = config_samples(args.model)
+    references = [as_honoured(request, samples) for request in requests] if args.continuous_batching else requests
+    alone = answers_of([*served, "--no-drafter"], references, False, 1)
     failures = 0
     for i, (request, reference, ours, theirs) in enumerate(zip(requests, references, drafted, alone, strict=True)):
         greedy = reference["body"].get("temperature") == 0
