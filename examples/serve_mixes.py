@@ -126,8 +126,8 @@ def as_honoured(request: dict, samples: bool) -> dict:
     where the model's generation config samples (else decoded greedily)."""
     if samples:
         return request
-    body = dict(request["body"], temperature=0)
-    body.pop("seed", None), body.pop("top_p", None)
+    body = {name: value for name, value in request["body"].items() if name not in ("seed", "top_p")}
+    body["temperature"] = 0
     return {"kind": request["kind"], "body": body}
 
 

@@ -207,8 +207,9 @@ def score_past_ends(
     for column in range(outputs.logits.shape[1]):
         rows = [row for row, end in enumerate(ends) if end + column < sequences.shape[1]]
         raw = outputs.logits[rows, column].float()
-        processors = None if decoding.per_row is None else [decoding.per_row[row] for row in rows]
-        processed = process_rows(processors, [sequences[row, : ends[row] + column] for row in rows], raw)
+        processed = process_rows(
+            [decoding.per_row[row] for row in rows], [sequences[row, : ends[row] + column] for row in rows], raw
+        )
         for i, row in enumerate(rows):
             states = None if hidden is None else hidden[row, column : column + 1]
             weights = None if attentions is None else attentions[row][column : column + 1]

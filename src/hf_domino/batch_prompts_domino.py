@@ -78,9 +78,6 @@ class PromptReading:
         for it. Returns which of them finished at their first token.
         """
         rows = list(range(len(self.sequences), len(self.sequences) + len(requests)))
-        if self.per_row is None and any(len(processors) for _, processors, _, _ in requests):
-            # The batch began with none (a request whose sampling settings build no processor): its rows keep none.
-            self.per_row = [LogitsProcessorList() for _ in self.sequences]
         for prompt, logits_processor, stopping_criteria, max_length in requests:
             self.sequences.append(prompt.to(self.device))
             self.prompt_lengths.append(prompt.shape[0])
@@ -91,8 +88,7 @@ class PromptReading:
             # In place: the drafting half reads the same lists.
             self.stopping_criteria += row_criteria(stopping_criteria, 1)
             self.block_criteria += row_criteria(within_block(stopping_criteria), 1)
-            if self.per_row is not None:
-                self.per_row += row_processors(logits_processor, 1)
+            self.per_row += row_processors(logits_processor, 1)
         input_ids, new = left_padded([self.sequences[row] for row in rows], self.pad)
         distinct, copies = repeated_rows(input_ids, new) if SHARE_PROMPT_COPIES else (None, None)
         if distinct is not None:  # a request's sequences (num_return_sequences) read its prompt once

@@ -124,10 +124,17 @@ def prepared_config(
 
 
 def request_rules(
-    target: PreTrainedModel, generation_config: GenerationConfig, prompt: torch.LongTensor, tokenizer: Any = None
+    target: PreTrainedModel,
+    generation_config: GenerationConfig,
+    prompt: torch.LongTensor,
+    tokenizer: Any = None,
+    **settings: Any,
 ) -> tuple[LogitsProcessorList, StoppingCriteriaList, int]:
-    """The logits processors, stopping criteria and max_length generate() builds for `prompt` alone."""
+    """The logits processors, stopping criteria and max_length generate() builds for `prompt` alone, with the
+    generation `settings` of its own (`max_new_tokens`, `temperature`, ...) over `generation_config`'s."""
     config = copy.copy(generation_config)
+    for name, value in settings.items():
+        setattr(config, name, value)
     if config.max_new_tokens is not None:
         config.max_length = prompt.shape[0] + config.max_new_tokens
     ids = prompt[None]
@@ -210,14 +217,8 @@ class ServingCall:
     ) -> tuple:
         """`request_rules` for `prompt`, with the request's own `max_new_tokens` and sampling settings (`temperature`,
         `top_k`, `top_p`: `DraftedBatchingManager.add_request`) where it names them."""
-        config = self.generation_config
-        if max_new_tokens is not None or sampling:
-            config = copy.copy(config)
-            if max_new_tokens is not None:
-                config.max_new_tokens = max_new_tokens
-            for name, value in (sampling or {}).items():
-                setattr(config, name, value)
-        return request_rules(self.target, config, prompt, self.tokenizer)
+        settings = dict(sampling or {}, **({} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}))
+        return request_rules(self.target, self.generation_config, prompt, self.tokenizer, **settings)
 
     def decoding(self, rules: tuple) -> BatchedDecoding:
         """A `BatchedDecoding` with no rows yet, for requests that join it (`BatchedDecoding.admit`) with rules of

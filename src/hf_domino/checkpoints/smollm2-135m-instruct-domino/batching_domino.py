@@ -140,7 +140,7 @@ class BatchedDecoding(PromptReading):
         # strings, ...) must not fire inside one.
         self.stopping_criteria = row_criteria(stopping_criteria, rows)
         self.block_criteria = row_criteria(within_block(stopping_criteria), rows)
-        self.per_row = row_processors(logits_processor, rows) if len(logits_processor) else None
+        self.per_row = row_processors(logits_processor, rows)
         # A tree of first-token branches per block (`domino_branches`), verified with a 4D mask of this kind.
         self.branches, self.additive = options.domino_branches, adds_its_mask(target)
         self.device = input_ids.device
@@ -208,8 +208,9 @@ class BatchedDecoding(PromptReading):
         """The active rows' (or `rows`') logits `[rows, V]` through their processors, row b after its tokens plus
         `extra[b]` (`[rows x repeats, V]` with `repeats`: each row's `repeats` branches, one after the other)."""
         rows = [row for row in (self.active if rows is None else rows) for _ in range(repeats)]
-        processors = None if self.per_row is None else [self.per_row[row] for row in rows]
-        return process_rows(processors, [self.sequences[row] for row in rows], logits, extra, self.ends)
+        return process_rows(
+            [self.per_row[row] for row in rows], [self.sequences[row] for row in rows], logits, extra, self.ends
+        )
 
     def extend(
         self, rows: list[int], tokens: list[torch.LongTensor], scores: tuple[torch.Tensor | None, ...] | None = None
@@ -337,7 +338,7 @@ class BatchedDecoding(PromptReading):
             logits = along(outputs.logits[:, -self.target_cache.last_width :].float(), path)
             features = along(context_features(outputs.hidden_states, self.layer_ids), path)
             hidden = self.hidden_of(outputs, self.target_cache.last_width, path)
-        if self.per_row is None:  # no processors: the logits as they are, not a copy of [rows, 1 + width, V]
+        if not any(self.per_row[row] for row in self.active):  # no processors: not a copy of [rows, 1 + width, V]
             processed = logits
         else:
             columns = [self.process(logits[:, i], candidates[:, :i]) if i or first is None else anchor_scores

@@ -258,7 +258,7 @@ def process_by_setting(
 
 
 def process_rows(
-    processors: list[LogitsProcessorList] | None,
+    processors: list[LogitsProcessorList],
     sequences: list[torch.LongTensor],
     logits: torch.Tensor,
     extra: torch.LongTensor | None = None,
@@ -272,7 +272,7 @@ def process_rows(
     since processors shown a sequence going on past its end can fail (no-repeat n-grams banning the EOS, then a
     length penalty on its `-inf`: NaN).
     """
-    if not processors or not any(len(row) for row in processors):
+    if not any(processors):  # no row has any
         return logits
     if all(score_only(row) for row in processors):  # they read the scores only: all rows of a setting at once
         return process_by_setting(processors, sequences, logits)
