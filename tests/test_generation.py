@@ -662,10 +662,10 @@ def rollout_draws(processors: list, draft_vocab: bool, batch_loop: bool, rows: i
         drafting = CycleDrafter(
             drafter, modules, DominoOptions(), GenerationConfig(do_sample=True), processors, [], None,
             process=lambda logits, extra, repeats=1: process_rows([processors] * rows, list(anchors), logits, extra),
-            clock=time.perf_counter, padding=[0] * rows,
+            clock=time.perf_counter, padding=[0] * rows, per_row=[processors] * rows,
         )  # fmt: skip
         drafting.policy = FixedPolicy(drafter.config.num_drafts)
-        drafts, _ = drafting.roll_out(hidden, base, anchors)
+        drafts, _ = drafting.roll_out(hidden, base, anchors, list(range(rows)))
         return drafts.ids, drafts.logits
 
 

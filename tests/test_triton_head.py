@@ -39,6 +39,7 @@ from hf_domino.drafting_domino import (  # noqa: E402
     eager_rollout,
     greedy_pick,
 )
+from hf_domino.triton_launch import Sampling  # noqa: E402
 
 INTERPRETED = kernels.kernels_interpreted()
 requires_cuda = pytest.mark.skipif(
@@ -222,7 +223,7 @@ def test_fused_rollout_greedy_matches_eager(interp, pure_draft_prefix_len):
         embed.weight,
         head=True,
         pure_draft_prefix_len=pure_draft_prefix_len,
-        temperature=None,
+        sampling=None,
     )
     expected = eager_drafts(drafter, target, draft_hidden, base_logits, anchor_ids)
     expected_ids, expected_logits = expected.ids, expected.logits
@@ -245,7 +246,7 @@ def test_fused_rollout_without_head_is_base_argmax(interp):
         embed.weight,
         head=False,
         pure_draft_prefix_len=1,
-        temperature=None,
+        sampling=None,
     )
     assert torch.equal(draft_ids, base_logits.argmax(-1))
     assert torch.equal(logits, base_logits)
@@ -263,7 +264,7 @@ def test_fused_rollout_bf16_greedy_matches_eager_until_a_near_tie(interp):
         embed.weight,
         head=True,
         pure_draft_prefix_len=1,
-        temperature=None,
+        sampling=None,
     )
     # Replay the fused choices eagerly: every position is then compared on the same prefix.
     expected = eager_drafts(
@@ -283,7 +284,7 @@ def test_fused_rollout_sampling_returns_the_logits_it_drew_from(interp):
     embed, draft_hidden, base_logits, anchor_ids = tiny_inputs(drafter.config.num_drafts)
     target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
     temperature = 0.7
-    options = {"head": True, "pure_draft_prefix_len": 1, "temperature": temperature}
+    options = {"head": True, "pure_draft_prefix_len": 1, "sampling": Sampling(temperature)}
     torch.manual_seed(123)
     draft_ids, logits = triton_rollout.fused_rollout(
         drafter, draft_hidden, base_logits, anchor_ids, embed.weight, **options
@@ -355,7 +356,7 @@ def spread_picker(tokens: torch.LongTensor, temperature: float, vocab: torch.Ten
 def test_fused_rollout_over_a_draft_vocabulary_greedy_matches_eager(interp, vocab_name, pure_draft_prefix_len):
     vocab = VOCABS[vocab_name]
     drafter, target, embed, draft_hidden, base_logits, anchor_ids = vocab_case(vocab, pure_draft_prefix_len)
-    options = {"head": True, "pure_draft_prefix_len": pure_draft_prefix_len, "temperature": None, "vocab": vocab}
+    options = {"head": True, "pure_draft_prefix_len": pure_draft_prefix_len, "sampling": None, "vocab": vocab}
     draft_ids, logits = triton_rollout.fused_rollout(
         drafter, draft_hidden, base_logits, anchor_ids, embed.weight, **options
     )
@@ -378,7 +379,7 @@ def test_fused_rollout_over_a_draft_vocabulary_sampling_matches_eager(interp, vo
     vocab = VOCABS[vocab_name]
     drafter, target, embed, draft_hidden, base_logits, anchor_ids = vocab_case(vocab, pure_draft_prefix_len)
     temperature = 0.7
-    options = {"head": True, "pure_draft_prefix_len": pure_draft_prefix_len, "temperature": temperature}
+    options = {"head": True, "pure_draft_prefix_len": pure_draft_prefix_len, "sampling": Sampling(temperature)}
     torch.manual_seed(123)
     draft_ids, logits = triton_rollout.fused_rollout(
         drafter, draft_hidden, base_logits, anchor_ids, embed.weight, vocab=vocab, **options
@@ -440,7 +441,7 @@ def test_greedy_pick_over_a_draft_vocabulary_breaks_ties_to_the_lowest_token_id(
 
 def test_fused_rollout_refuses_a_bad_draft_vocabulary(interp):
     drafter, _, embed, draft_hidden, base_logits, anchor_ids = vocab_case(VOCAB_IDS)
-    options = {"head": True, "pure_draft_prefix_len": 1, "temperature": None}
+    options = {"head": True, "pure_draft_prefix_len": 1, "sampling": None}
 
     def run(vocab, base=base_logits):
         triton_rollout.fused_rollout(drafter, draft_hidden, base, anchor_ids, embed.weight, vocab=vocab, **options)
@@ -533,9 +534,9 @@ def test_select_rollout_modes(interp, monkeypatch):
     with pytest.raises(ValueError, match="logits processors"):  # greedy: top-k would change the argmax
         select("triton", logits_processor=LogitsProcessorList([TopKLogitsWarper(5)]))
     top_k = TopKLogitsWarper(5)  # sampling: top-k runs fused
-    assert list(select("triton", do_sample=True, logits_processor=LogitsProcessorList([top_k])).fused.warpers) == [
-        top_k
-    ]
+    assert select("triton", do_sample=True, logits_processor=LogitsProcessorList([top_k])).fused.sampling == Sampling(
+        top_k=5
+    )
     with pytest.raises(ValueError, match="mode must be one of"):
         select("fast")
 
@@ -563,7 +564,7 @@ def test_select_rollout_modes(interp, monkeypatch):
     assert reads == [], f"select_rollout read environment variables {reads}"
     monkeypatch.undo()
 
-    assert select("triton", do_sample=True).fused.temperature == 1.0
+    assert select("triton", do_sample=True).fused.sampling == Sampling()
 
 
 def test_select_rollout_gives_a_ladder_rollout_matching_eager(interp):
@@ -590,7 +591,7 @@ def test_forcing_triton_on_cpu_without_the_interpreter_raises():
         fused_head.select_rollout(drafter, target, do_sample=False, logits_processor=None, mode="triton")
 
 
-def test_split_processors():
+def test_fused_sampling_reads_a_calls_processors():
     from transformers import (
         LogitsProcessorList,
         MinPLogitsWarper,
@@ -600,20 +601,71 @@ def test_split_processors():
         TopPLogitsWarper,
     )
 
-    split = fused_head.split_processors
-    assert split(None, do_sample=True) == (None, None, False)
-    assert split(LogitsProcessorList([TemperatureLogitsWarper(0.7)]), do_sample=True) == (0.7, None, False)
+    def fused(*processors, do_sample=True):
+        return fused_head.fused_sampling(LogitsProcessorList(processors), do_sample)
+
+    assert fused_head.fused_sampling(None, do_sample=True) == (Sampling(), None)
+    assert fused(TemperatureLogitsWarper(0.7)) == (Sampling(0.7), None)
     # What generate() builds for a sampling call with Qwen3's defaults: the temperature, then top-k and top-p.
     top_k, top_p, min_p = TopKLogitsWarper(20), TopPLogitsWarper(0.95), MinPLogitsWarper(0.05)
-    temperature, warpers, others = split(LogitsProcessorList([TemperatureLogitsWarper(0.6), top_k, top_p]), True)
-    assert (temperature, list(warpers), others) == (0.6, [top_k, top_p], False)
-    assert list(split(LogitsProcessorList([min_p]), True)[1]) == [min_p]
-    # Eager: a processor that reads the sequence, a temperature after a warper, any processor when greedy.
-    penalty = RepetitionPenaltyLogitsProcessor(1.2)
-    assert split(LogitsProcessorList([penalty, TemperatureLogitsWarper(0.7), top_k]), True)[1:] == (None, True)
-    assert split(LogitsProcessorList([top_k, TemperatureLogitsWarper(0.7)]), True) == (None, None, True)
-    assert split(LogitsProcessorList([TemperatureLogitsWarper(0.7)]), do_sample=False) == (0.7, None, False)
-    assert split(LogitsProcessorList([top_k]), do_sample=False) == (None, None, True)
+    assert fused(TemperatureLogitsWarper(0.6), top_k, top_p) == (Sampling(0.6, top_k=20, top_p=0.95), None)
+    assert fused(min_p) == (Sampling(min_p=0.05), None)
+    assert fused(top_k, top_p, min_p) == (Sampling(1.0, 20, 0.95, 0.05), None)
+    assert fused(*qwen3_warpers()) == (QWEN3_SAMPLING, None)
+    assert fused(TopKLogitsWarper(3, min_tokens_to_keep=5)) == (Sampling(top_k=5), None)  # as the warper keeps 5
+    assert fused_head.fused_sampling(None, do_sample=False) == (None, None)
+    assert fused(TemperatureLogitsWarper(0.7), do_sample=False) == (None, None)  # greedy ignores a temperature
+    # Eager: a processor that reads the sequence, a temperature after a warper, warpers in another order than
+    # generate()'s, another filter value or more tokens kept than one, any processor when greedy.
+    eager = [
+        (RepetitionPenaltyLogitsProcessor(1.2), TemperatureLogitsWarper(0.7), top_k),
+        (top_k, TemperatureLogitsWarper(0.7)),
+        (top_p, top_k),
+        (top_k, top_k),
+        (TopKLogitsWarper(20, filter_value=-1e4),),
+        (TopPLogitsWarper(0.9, min_tokens_to_keep=2),),
+        (MinPLogitsWarper(0.1, min_tokens_to_keep=2),),
+    ]
+    for processors in eager:
+        assert fused(*processors) == (None, fused_head.OTHER_PROCESSORS), processors
+    assert fused(top_k, do_sample=False) == (None, fused_head.OTHER_PROCESSORS)
+
+
+def test_warp_rows_is_each_rows_warpers_op_for_op():
+    # Rows of one batch, each with its own top-k / top-p / min-p (none, some, all): each row's warped scores equal
+    # what transformers' warpers built from its settings give for that row alone, to the bit, -inf entries (a draft
+    # vocabulary's spread) and ties included.
+    from transformers import LogitsProcessorList, MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    settings = [
+        Sampling(),
+        Sampling(top_k=5),
+        Sampling(top_p=0.8),
+        Sampling(min_p=0.1),
+        Sampling(0.5, top_k=12, top_p=0.9),
+        Sampling(top_k=1),
+        Sampling(top_k=500, top_p=0.3, min_p=0.05),
+        Sampling(top_p=0.999999),
+    ]
+    generator = torch.Generator().manual_seed(3)
+    scores = 3 * torch.randn(len(settings), 4, VOCAB, generator=generator)
+    scores[:, :, ::7] = float("-inf")
+    scores[:, 1, :10] = scores[:, 1, :1]  # ties
+    table = torch.tensor([setting.row() for setting in settings])
+    warped = launch.warp_rows(scores, table, launch.Warps.of(settings))
+    for row, setting in enumerate(settings):
+        warpers = LogitsProcessorList()
+        if setting.top_k:
+            warpers.append(TopKLogitsWarper(setting.top_k))
+        if setting.top_p < 1:
+            warpers.append(TopPLogitsWarper(setting.top_p))
+        if setting.min_p:
+            warpers.append(MinPLogitsWarper(setting.min_p))
+        assert torch.equal(warped[row], warpers(None, scores[row])), setting
+    assert torch.equal(launch.warp_rows(scores, table, launch.Warps()), scores)
+    # The power check: one row's settings applied to all would change the others.
+    one = torch.tensor([settings[4].row()] * len(settings))
+    assert not torch.equal(launch.warp_rows(scores, one, launch.Warps.of(settings)), warped)
 
 
 # ------------------------------------------------------------------------------------- sampling with top-k/top-p/min-p
@@ -625,6 +677,9 @@ def qwen3_warpers():
     return LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(12), TopPLogitsWarper(0.8)])
 
 
+QWEN3_SAMPLING = Sampling(0.7, top_k=12, top_p=0.8)  # qwen3_warpers() as the fused head reads them
+
+
 @pytest.mark.parametrize("pure_draft_prefix_len", [0, 1])
 @pytest.mark.parametrize("vocab_name", [None, *VOCABS])
 def test_fused_rollout_with_top_k_top_p_returns_the_warped_logits_it_drew_from(
@@ -633,7 +688,6 @@ def test_fused_rollout_with_top_k_top_p_returns_the_warped_logits_it_drew_from(
     # Along the drafted path, the logits returned are the eager pick's processed logits (the whole list: temperature,
     # top-k, top-p), and every draft is a token those logits keep: the draws come from the warped distribution, which
     # is what speculative sampling needs to stay lossless.
-    from transformers import LogitsProcessorList
 
     vocab = None if vocab_name is None else VOCABS[vocab_name]
     if vocab is None:
@@ -643,9 +697,12 @@ def test_fused_rollout_with_top_k_top_p_returns_the_warped_logits_it_drew_from(
     else:
         drafter, target, embed, draft_hidden, base_logits, anchor_ids = vocab_case(vocab, pure_draft_prefix_len)
     processors = qwen3_warpers()
-    warpers = LogitsProcessorList(processors[1:])
-    options = {"head": True, "pure_draft_prefix_len": pure_draft_prefix_len, "temperature": 0.7, "vocab": vocab}
-    options["warpers"] = warpers
+    options = {
+        "head": True,
+        "pure_draft_prefix_len": pure_draft_prefix_len,
+        "sampling": QWEN3_SAMPLING,
+        "vocab": vocab,
+    }
     torch.manual_seed(123)
     draft_ids, logits = triton_rollout.fused_rollout(
         drafter, draft_hidden, base_logits, anchor_ids, embed.weight, **options
@@ -676,15 +733,13 @@ def test_warped_draws_follow_the_warped_softmax(interp):
     # 400 independent draws of one position: 200 batch rows of 2 positions, each (row, position) with its own Philox
     # stream. The kept tokens in the proportions of the warped distribution, the filtered ones never. The power
     # check: without the warpers the counts differ.
-    from transformers import LogitsProcessorList, TopKLogitsWarper
-
     rows, positions, vocab = 200, 2, 6
     base = torch.tensor([1.0, 0.6, 0.3, 0.0, -0.2, -0.3]).expand(rows, positions, vocab).contiguous()
-    ws = launch.Workspace(positions, vocab, base.device, None, warped=True, rows=rows)
+    ws = launch.Workspace(positions, vocab, base.device, None, warps=launch.Warps(top_k=3), rows=rows)
+    ws.start(torch.zeros(rows, 1, dtype=torch.long), [Sampling(top_k=3)] * rows)
     ws.seed.fill_(7)
-    warpers = LogitsProcessorList([TopKLogitsWarper(3)])
     launch.launch_logits_pick(ws, slice(0, positions), base, None, None, sample=True, pick=False)
-    launch.launch_warped_pick(ws, slice(0, positions), triton_rollout.warp_scores(warpers))
+    launch.launch_warped_pick(ws, slice(0, positions))
     tokens = ws.tokens[:, 1:].flatten()
     assert torch.isneginf(ws.logits[..., 3:]).all() and torch.equal(ws.logits[..., :3], base[..., :3])
     counts = torch.bincount(tokens, minlength=vocab).float()
@@ -703,7 +758,7 @@ def test_generate_with_top_k_top_p_runs_the_fused_head(interp, monkeypatch):
     original = fused_head.TritonRollout.__call__
 
     def spy(self, *args, **kwargs):
-        calls.append(self.warpers)
+        calls.append(self.sampling)
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(fused_head.TritonRollout, "__call__", spy)
@@ -714,7 +769,7 @@ def test_generate_with_top_k_top_p_runs_the_fused_head(interp, monkeypatch):
     options = dict(max_new_tokens=12, do_sample=True, temperature=0.7, top_k=12, top_p=0.8, draft_policy="fixed")
     output = target.generate(prompt, assistant_model=drafter, domino_rollout="triton", pad_token_id=0, **options)
     assert prompt.shape[1] < output.shape[1] <= prompt.shape[1] + 12
-    assert calls and all(len(warpers) == 2 for warpers in calls), calls
+    assert calls and all(sampling == QWEN3_SAMPLING for sampling in calls), calls
 
 
 # ------------------------------------------------------------------------------------------------------------ batches
@@ -763,7 +818,7 @@ def test_fused_rollout_over_rows_drafts_each_row_as_alone_greedy(interp, vocab_n
     drafter = tiny_drafter(pure_draft_prefix_len=pure_draft_prefix_len)
     embed, hidden, base, anchors = batch_inputs(drafter, vocab)
     target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
-    options = {"head": True, "pure_draft_prefix_len": pure_draft_prefix_len, "temperature": None, "vocab": vocab}
+    options = {"head": True, "pure_draft_prefix_len": pure_draft_prefix_len, "sampling": None, "vocab": vocab}
     draft_ids, logits = triton_rollout.fused_rollout(drafter, hidden, base, anchors, embed.weight, **options)
 
     assert draft_ids.shape == base.shape[:2] and logits.shape == base.shape
@@ -779,15 +834,18 @@ def test_fused_rollout_over_rows_drafts_each_row_as_alone_greedy(interp, vocab_n
 @pytest.mark.parametrize("vocab_name", [None, "without the anchor"])
 @pytest.mark.parametrize("pure_draft_prefix_len", [1, 2])  # 2: the prefix's rows and positions warped in one call
 def test_fused_rollout_over_rows_samples_each_row_from_its_warped_logits(interp, vocab_name, pure_draft_prefix_len):
-    from transformers import LogitsProcessorList
 
     vocab = None if vocab_name is None else VOCABS[vocab_name]
     drafter = tiny_drafter(pure_draft_prefix_len=pure_draft_prefix_len)
     embed, hidden, base, anchors = batch_inputs(drafter, vocab)
     target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
     processors = qwen3_warpers()
-    options = {"head": True, "pure_draft_prefix_len": pure_draft_prefix_len, "temperature": 0.7, "vocab": vocab}
-    options["warpers"] = LogitsProcessorList(processors[1:])
+    options = {
+        "head": True,
+        "pure_draft_prefix_len": pure_draft_prefix_len,
+        "sampling": QWEN3_SAMPLING,
+        "vocab": vocab,
+    }
     torch.manual_seed(123)
     draft_ids, logits = triton_rollout.fused_rollout(drafter, hidden, base, anchors, embed.weight, **options)
 
@@ -797,6 +855,113 @@ def test_fused_rollout_over_rows_samples_each_row_from_its_warped_logits(interp,
     torch.manual_seed(123)
     again, _ = triton_rollout.fused_rollout(drafter, hidden, base, anchors, embed.weight, **options)
     assert torch.equal(again, draft_ids), "torch.manual_seed must make sampled drafts reproducible"
+
+
+def settings_of_requests():
+    """Four rows' processors as a server's requests build them, each with its own settings: Qwen3's, a hotter
+    temperature alone, a greedy request (`top_k=1`) and a top-p alone."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    return [
+        qwen3_warpers(),
+        LogitsProcessorList([TemperatureLogitsWarper(1.5)]),
+        LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(1)]),
+        LogitsProcessorList([TopPLogitsWarper(0.5)]),
+    ]
+
+
+@pytest.mark.parametrize("vocab_name", [None, "without the anchor"])
+def test_fused_rows_draw_each_under_its_own_sampling_settings(interp, vocab_name):
+    # A server's requests bring their own temperature, top-k and top-p: each row of one fused rollout is drawn under
+    # its own, and the logits it returns are what that row's own processors make of its block.
+    vocab = None if vocab_name is None else VOCABS[vocab_name]
+    drafter = tiny_drafter()
+    embed, hidden, base, anchors = batch_inputs(drafter, vocab, rows=4)
+    target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
+    rows_processors = settings_of_requests()
+    settings = [fused_head.fused_sampling(processors, do_sample=True)[0] for processors in rows_processors]
+    torch.manual_seed(5)
+    ids, logits = triton_rollout.fused_rollout(
+        drafter,
+        hidden,
+        base,
+        anchors,
+        embed.weight,
+        head=True,
+        pure_draft_prefix_len=1,
+        sampling=settings,
+        vocab=vocab,
+    )
+    for row, processors in enumerate(rows_processors):
+        block = (hidden[row : row + 1], base[row : row + 1], anchors[row : row + 1])
+        assert_rows_drew_from(logits[row : row + 1], ids[row : row + 1], drafter, target, block, processors, vocab)
+    kept = torch.isfinite(logits).sum(-1)
+    assert (
+        (kept[0] <= 12).all() and (kept[2] == 1).all() and (kept[1] == (VOCAB if vocab is None else len(vocab))).all()
+    )
+    assert torch.equal(ids[2], logits[2].argmax(-1)), "a greedy request's row drafts its argmax"
+    # Against the first row's settings for all, the rows' logits differ: the test sees whose settings were used.
+    torch.manual_seed(5)
+    _, first_for_all = triton_rollout.fused_rollout(
+        drafter, hidden, base, anchors, embed.weight, head=True, pure_draft_prefix_len=1, sampling=settings[0],
+        vocab=vocab,
+    )  # fmt: skip
+    assert torch.equal(first_for_all[0], logits[0]) and not torch.equal(first_for_all[1:], logits[1:])
+
+
+def test_the_batch_loop_draws_fused_rows_under_their_own_processors(interp):
+    # The batch loop's drafting half hands the fused head each active row's processors (a server's requests each
+    # bring theirs): rows drafted under their own settings, branches too; processors the kernels cannot run make
+    # that cycle's rollout eager, still each row under its own.
+    import time
+
+    from transformers import GenerationConfig, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    from hf_domino.batch_drafts_domino import CycleDrafter
+    from hf_domino.options_domino import DominoOptions
+    from hf_domino.policy_domino import FixedPolicy
+    from hf_domino.ragged_batch_domino import process_rows
+
+    drafter = tiny_drafter()
+    embed, hidden, base, anchors = batch_inputs(drafter, rows=4)
+    target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
+    per_row = settings_of_requests()
+    sequences = list(anchors)
+
+    def drafting_for(rows: list[int], **options) -> CycleDrafter:
+        drafting = CycleDrafter(
+            drafter, target, DominoOptions(domino_rollout="triton", **options), GenerationConfig(do_sample=True),
+            per_row[0], [], None,
+            process=lambda logits, extra, repeats=1: process_rows(
+                [per_row[row] for row in rows for _ in range(repeats)],
+                [sequences[row] for row in rows for _ in range(repeats)], logits, extra,
+            ),
+            clock=time.perf_counter, padding=[0] * 4, per_row=per_row,
+        )  # fmt: skip
+        drafting.policy = FixedPolicy(drafter.config.num_drafts)
+        return drafting
+
+    active = [3, 1, 2]  # rows in another order than their places, one of them gone
+    drafting = drafting_for(active)
+    assert drafting.fused_rollout is not None
+    drafts, _ = drafting.roll_out(hidden[active], base[active], anchors[active], active)
+    for place, row in enumerate(active):
+        block = (hidden[row : row + 1], base[row : row + 1], anchors[row : row + 1])
+        assert_rows_drew_from(
+            drafts.logits[place : place + 1], drafts.ids[place : place + 1], drafter, target, block, per_row[row], None
+        )
+    first, others = drafting_for(active, domino_branches=2).roll_out(
+        hidden[active], base[active], anchors[active], active
+    )
+    for place, row in enumerate(active):
+        block = (hidden[row : row + 1], base[row : row + 1], anchors[row : row + 1])
+        assert_rows_drew_from(others.logits[place], others.ids[place], drafter, target, block, per_row[row], None)
+    per_row.append(LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)]))  # a row the kernels cannot draw
+    drafting, rows = drafting_for([0, 4]), [0, 4]
+    assert not drafting.fused_rollout.draws_under([per_row[0], per_row[4]])
+    sequences.append(anchors[0])
+    drafts, _ = drafting.roll_out(hidden[[0, 0]], base[[0, 0]], anchors[[0, 0]], rows)  # eager: no error
+    assert torch.isfinite(drafts.logits[1]).all() and (torch.isfinite(drafts.logits[0]).sum(-1) <= 12).all()
 
 
 def test_fused_draft_rows_equal_the_batch_loops_eager_rollout(interp):
@@ -830,7 +995,7 @@ def test_fused_tree_branches_equal_the_eager_tree_greedy(interp, vocab_name, pur
     embed, hidden, base, anchors = batch_inputs(drafter, vocab)
     hidden, base, anchors = (tensor.repeat_interleave(n, dim=0) for tensor in (hidden, base, anchors))
     target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
-    options = {"head": True, "pure_draft_prefix_len": pure_draft_prefix_len, "temperature": None, "vocab": vocab}
+    options = {"head": True, "pure_draft_prefix_len": pure_draft_prefix_len, "sampling": None, "vocab": vocab}
     ids, logits = triton_rollout.fused_rollout(drafter, hidden, base, anchors, embed.weight, branches=n, **options)
     with torch.no_grad():
         expected = batched_rollout(
@@ -868,7 +1033,6 @@ def forced_first(draft_ids: torch.LongTensor, vocab: torch.Tensor | None):
 def test_fused_tree_branches_sample_from_each_branch_on(interp, vocab_name):
     # Sampling with Qwen3's warpers: a tree's first drafts are chosen (the group's likeliest under the warped logits),
     # the later ones drawn along each branch, and the logits returned are what each branch's drafts were drawn from.
-    from transformers import LogitsProcessorList
 
     vocab, n = (None if vocab_name is None else VOCABS[vocab_name]), 2
     drafter = tiny_drafter(pure_draft_prefix_len=1)
@@ -876,8 +1040,7 @@ def test_fused_tree_branches_sample_from_each_branch_on(interp, vocab_name):
     hidden, base, anchors = (tensor.repeat_interleave(n, dim=0) for tensor in (hidden, base, anchors))
     target = TargetModules(embed_tokens=embed, lm_head=nn.Identity())
     processors = qwen3_warpers()
-    options = {"head": True, "pure_draft_prefix_len": 1, "temperature": 0.7, "vocab": vocab}
-    options["warpers"] = LogitsProcessorList(processors[1:])
+    options = {"head": True, "pure_draft_prefix_len": 1, "sampling": QWEN3_SAMPLING, "vocab": vocab}
     torch.manual_seed(5)
     ids, logits = triton_rollout.fused_rollout(drafter, hidden, base, anchors, embed.weight, branches=n, **options)
     likeliest = logits[:, 0].topk(n, dim=-1).indices.view(-1, n, n)
@@ -898,7 +1061,7 @@ def test_batched_generate_runs_the_fused_head(interp, monkeypatch, do_sample):
     original = fused_head.FusedRollout.draft_rows
 
     def spy(self, hidden, *args, **kwargs):
-        rows_seen.append((hidden.shape[0], getattr(self.fused, "warpers", None)))
+        rows_seen.append((hidden.shape[0], self.fused.sampling))
         return original(self, hidden, *args, **kwargs)
 
     monkeypatch.setattr(fused_head.FusedRollout, "draft_rows", spy)
@@ -913,11 +1076,50 @@ def test_batched_generate_runs_the_fused_head(interp, monkeypatch, do_sample):
     output = target.generate(**batch, assistant_model=drafter, domino_rollout="triton", **options)
     assert any(rows > 1 for rows, _ in rows_seen), "the batch loop did not draft through the fused head"
     if do_sample:
-        assert all(warpers is not None and len(warpers) == 2 for _, warpers in rows_seen)
+        assert all(sampling == QWEN3_SAMPLING for _, sampling in rows_seen)
         assert output.shape[0] == 3
     else:
         plain = target.generate(**batch, max_new_tokens=10, do_sample=False)
         assert torch.equal(output, plain)
+
+
+def test_a_served_batch_generates_each_request_under_its_own_settings_fused(interp, monkeypatch):
+    # The drafted manager (`init_continuous_batching`) on a config that samples, with requests of their own settings
+    # sharing its cycles: the fused head drafts each row under its own (greedy requests, `top_k=1`, under theirs), and
+    # a greedy request's answer is the target alone's.
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    seen = []
+    original = fused_head.FusedRollout.draft_rows
+
+    def spy(self, hidden, base_logits, vocab, anchor_ids, processors=None):
+        seen.append({fused_head.row_sampling(row) for row in processors})
+        return original(self, hidden, base_logits, vocab, anchor_ids, processors)
+
+    monkeypatch.setattr(fused_head.FusedRollout, "draft_rows", spy)
+    torch.manual_seed(0)
+    target, drafter = small_target(), tiny_drafter()
+    prompts = [[5, 17, 42, 8], [3, 4, 8, 10, 11], [9, 2, 7]]
+    config = GenerationConfig(do_sample=True, temperature=0.7, top_k=12, max_new_tokens=6, pad_token_id=0)
+    manager = target.init_continuous_batching(
+        config, ContinuousBatchingConfig(max_requests_per_batch=4), assistant_model=drafter,
+        domino_rollout="triton", draft_policy="fixed",
+    )  # fmt: skip
+    greedy = [manager.add_request(prompt, top_k=1) for prompt in prompts[:2]]
+    manager.add_request(prompts[2], temperature=1.5)
+    manager.start()
+    results = {}
+    while len(results) < 3:
+        result = manager.get_result(timeout=300)
+        assert result is not None, "no result within the timeout"
+        if result.is_finished():
+            results[result.request_id] = result
+    manager.stop()
+    assert any(len(settings) > 1 for settings in seen), "no cycle drafted rows of different settings together"
+    assert Sampling(0.7, top_k=1) in set().union(*seen) and Sampling(1.5, top_k=12) in set().union(*seen)
+    for request_id, prompt in zip(greedy, prompts):
+        expected = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6, pad_token_id=0)
+        assert results[request_id].generated_tokens == expected[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
@@ -970,7 +1172,7 @@ def test_cuda_fused_rollout_matches_eager(dtype):
         embed.weight,
         head=True,
         pure_draft_prefix_len=1,
-        temperature=None,
+        sampling=None,
     )
     # cuDNN's GRU rounds fp32 products to TF32 by default (4e-3 off on an H200); the kernels multiply in fp32.
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
@@ -996,14 +1198,14 @@ def test_cuda_graph_runner_captures_room_for_the_calls_most_drafts():
     # call's cap, the runner captures room for it at once, and a later full block replays the same graph.
     drafter, embed, draft_hidden, base_logits, anchor_ids = cuda_case(torch.float32)
     num_drafts = draft_hidden.shape[1]
-    runner = fused_head.DominoHeadGraphRunner(drafter, temperature=None, capture_drafts=num_drafts)
+    runner = fused_head.DominoHeadGraphRunner(drafter, sampling=None, capture_drafts=num_drafts)
     short = runner(draft_hidden[:, :3], base_logits[:, :3], anchor_ids, embed.weight)
     full = runner(draft_hidden, base_logits, anchor_ids, embed.weight)
     assert runner.num_captures == 1 and runner.captured_num_drafts == num_drafts
-    eager = fused_head.TritonRollout(drafter, temperature=None)
+    eager = fused_head.TritonRollout(drafter, sampling=None)
     assert torch.equal(short[0], eager(draft_hidden[:, :3], base_logits[:, :3], anchor_ids, embed.weight)[0])
     assert torch.equal(full[0], eager(draft_hidden, base_logits, anchor_ids, embed.weight)[0])
-    sized_by_its_block = fused_head.DominoHeadGraphRunner(drafter, temperature=None)
+    sized_by_its_block = fused_head.DominoHeadGraphRunner(drafter, sampling=None)
     sized_by_its_block(draft_hidden[:, :3], base_logits[:, :3], anchor_ids, embed.weight)
     sized_by_its_block(draft_hidden, base_logits, anchor_ids, embed.weight)
     assert sized_by_its_block.num_captures == 2
@@ -1012,11 +1214,11 @@ def test_cuda_graph_runner_captures_room_for_the_calls_most_drafts():
 @requires_cuda
 def test_cuda_graph_runner_reuses_and_recaptures():
     drafter, embed, draft_hidden, base_logits, anchor_ids = cuda_case(torch.float32)
-    runner = fused_head.DominoHeadGraphRunner(drafter, temperature=None)
+    runner = fused_head.DominoHeadGraphRunner(drafter, sampling=None)
 
     def fused(hidden=draft_hidden, base=base_logits):
         return triton_rollout.fused_rollout(
-            drafter, hidden, base, anchor_ids, embed.weight, head=True, pure_draft_prefix_len=1, temperature=None
+            drafter, hidden, base, anchor_ids, embed.weight, head=True, pure_draft_prefix_len=1, sampling=None
         )
 
     first = runner(draft_hidden, base_logits, anchor_ids, embed.weight)
@@ -1034,7 +1236,7 @@ def test_cuda_graph_runner_reuses_and_recaptures():
     flipped = runner(draft_hidden, base_logits, anchor_ids, embed.weight)
     assert runner.num_captures == 1 and torch.equal(flipped[0], fused()[0])
 
-    head_off = fused_head.DominoHeadGraphRunner(drafter, temperature=None, head=False)
+    head_off = fused_head.DominoHeadGraphRunner(drafter, sampling=None, head=False)
     assert torch.equal(head_off(draft_hidden, base_logits, anchor_ids, embed.weight)[0], base_logits.argmax(-1))
     assert head_off.num_captures == 1 and runner.num_captures == 1
     drafter.to(torch.bfloat16)  # new weight tensors: must re-capture, not read freed memory
@@ -1043,11 +1245,11 @@ def test_cuda_graph_runner_reuses_and_recaptures():
 
 
 @requires_cuda
-@pytest.mark.parametrize("temperature", [None, 0.7])
-def test_cuda_graph_runner_over_a_draft_vocabulary(temperature):
+@pytest.mark.parametrize("sampling", [None, Sampling(0.7)])
+def test_cuda_graph_runner_over_a_draft_vocabulary(sampling):
     drafter, embed, draft_hidden, base_logits, anchor_ids = cuda_case(torch.float32)
     vocabs = [VOCABS["without the anchor"].cuda(), VOCAB_IDS[1:].cuda()]  # same size, other ids
-    runner = fused_head.DominoHeadGraphRunner(drafter, temperature=temperature)
+    runner = fused_head.DominoHeadGraphRunner(drafter, sampling=sampling)
 
     def fused(vocab):
         return triton_rollout.fused_rollout(
@@ -1058,7 +1260,7 @@ def test_cuda_graph_runner_over_a_draft_vocabulary(temperature):
             embed.weight,
             head=True,
             pure_draft_prefix_len=1,
-            temperature=temperature,
+            sampling=sampling,
             vocab=vocab,
         )
 
@@ -1067,8 +1269,8 @@ def test_cuda_graph_runner_over_a_draft_vocabulary(temperature):
         ids, logits = runner(draft_hidden, base_logits[..., vocab], anchor_ids, embed.weight, vocab)
         assert runner.num_captures == captures, "a new vocabulary must re-capture"
         assert torch.isin(ids, vocab).all()
-        assert logits.shape[-1] == (len(vocab) if temperature is None else VOCAB)
-        if temperature is None:
+        assert logits.shape[-1] == (len(vocab) if sampling is None else VOCAB)
+        if sampling is None:
             expected_ids, expected_logits = fused(vocab)
             assert torch.equal(ids, expected_ids)
             torch.testing.assert_close(logits, expected_logits)
@@ -1084,7 +1286,7 @@ def test_cuda_graph_runner_over_a_draft_vocabulary(temperature):
 @requires_cuda
 def test_cuda_graph_runner_sampling_draws_fresh_noise():
     drafter, embed, draft_hidden, base_logits, anchor_ids = cuda_case(torch.float32)
-    runner = fused_head.DominoHeadGraphRunner(drafter, temperature=1.0)
+    runner = fused_head.DominoHeadGraphRunner(drafter, sampling=Sampling())
     flat = torch.zeros_like(base_logits)  # near-uniform drafts: repeated draws must differ
     draws = {tuple(runner(draft_hidden, flat, anchor_ids, embed.weight)[0].tolist()[0]) for _ in range(8)}
     assert len(draws) > 1 and runner.num_captures == 1
@@ -1095,14 +1297,12 @@ def test_cuda_graph_runner_sampling_draws_fresh_noise():
 def test_cuda_graph_runner_with_top_k_top_p_replays_the_fused_rollout(vocab_name):
     # The warpers' torch ops are captured with the kernels: each replay (same seed) draws what the fused rollout
     # launched op by op draws, from the same warped logits, and draws afresh with another seed.
-    from transformers import LogitsProcessorList
 
     drafter, embed, draft_hidden, base_logits, anchor_ids = cuda_case(torch.float32)
     vocab = None if vocab_name is None else VOCABS[vocab_name].cuda()
     base = base_logits if vocab is None else base_logits[..., vocab]
-    warpers = LogitsProcessorList(qwen3_warpers()[1:])
-    runner = fused_head.DominoHeadGraphRunner(drafter, temperature=0.7, warpers=warpers)
-    options = {"head": True, "pure_draft_prefix_len": 1, "temperature": 0.7, "vocab": vocab, "warpers": warpers}
+    runner = fused_head.DominoHeadGraphRunner(drafter, sampling=QWEN3_SAMPLING)
+    options = {"head": True, "pure_draft_prefix_len": 1, "sampling": QWEN3_SAMPLING, "vocab": vocab}
     for seed in (5, 6):
         torch.manual_seed(seed)
         ids, logits = runner(draft_hidden, base, anchor_ids, embed.weight, vocab)
@@ -1113,6 +1313,32 @@ def test_cuda_graph_runner_with_top_k_top_p_replays_the_fused_rollout(vocab_name
         assert torch.equal(ids, expected_ids) and runner.num_captures == 1
         torch.testing.assert_close(logits, expected_logits)
         assert (torch.isfinite(logits).sum(-1) <= 12).all()
+
+
+@requires_cuda
+def test_cuda_graph_runner_replays_rows_of_their_own_settings():
+    # Rows' settings are device buffers: a graph captured with top-k and top-p replays for rows of any temperatures,
+    # top-k up to its width and top-p, each row drawn as the launches draw it; a row asking for min-p (a warper the
+    # graph lacks) captures again, with the warpers of both, which then serves the first settings too.
+    drafter = tiny_drafter().cuda()
+    embed, hidden, base, anchors = (t.cuda() for t in batch_inputs(drafter, rows=3))
+    runner = fused_head.DominoHeadGraphRunner(drafter, sampling=QWEN3_SAMPLING)
+    mixes = [
+        [QWEN3_SAMPLING] * 3,
+        [Sampling(1.5), Sampling(0.7, top_k=1), QWEN3_SAMPLING],
+        [Sampling(min_p=0.2), QWEN3_SAMPLING, Sampling(0.5, top_p=0.5)],
+        [Sampling(1.5), Sampling(0.7, top_k=1), QWEN3_SAMPLING],
+    ]
+    for captures, settings in zip((1, 1, 2, 2), mixes):
+        torch.manual_seed(5)
+        ids, logits = runner(hidden, base, anchors, embed.weight, None, settings)
+        torch.manual_seed(5)
+        expected_ids, expected_logits = triton_rollout.fused_rollout(
+            drafter, hidden, base, anchors, embed.weight, head=True, pure_draft_prefix_len=1, sampling=settings
+        )
+        assert runner.num_captures == captures, settings
+        assert torch.equal(ids, expected_ids), settings
+        torch.testing.assert_close(logits, expected_logits)
 
 
 @requires_cuda
@@ -1152,14 +1378,14 @@ def test_cuda_greedy_generate_is_identical_with_and_without_the_fast_path(monkey
 
 
 @requires_cuda
-@pytest.mark.parametrize("temperature", [None, 0.7])
-def test_cuda_graph_runner_over_rows_replays_for_fewer_rows(temperature):
+@pytest.mark.parametrize("sampling", [None, Sampling(0.7)])
+def test_cuda_graph_runner_over_rows_replays_for_fewer_rows(sampling):
     # A batch's rows retire as they finish: the graph captured for 3 rows replays for the 2 left (exact: rows are
     # independent), and a 4th row re-captures.
     drafter = tiny_drafter().cuda()
     embed, hidden, base, anchors = (t.cuda() for t in batch_inputs(drafter, rows=4))
-    runner = fused_head.DominoHeadGraphRunner(drafter, temperature=temperature)
-    options = {"head": True, "pure_draft_prefix_len": 1, "temperature": temperature}
+    runner = fused_head.DominoHeadGraphRunner(drafter, sampling=sampling)
+    options = {"head": True, "pure_draft_prefix_len": 1, "sampling": sampling}
 
     def both(rows: slice):
         torch.manual_seed(5)
@@ -1183,16 +1409,16 @@ def test_cuda_graph_runner_over_rows_replays_for_fewer_rows(temperature):
 
 
 @requires_cuda
-@pytest.mark.parametrize("temperature", [None, 0.7])
-def test_cuda_graph_runner_over_a_tree_replays_the_fused_branches(temperature):
+@pytest.mark.parametrize("sampling", [None, Sampling(0.7)])
+def test_cuda_graph_runner_over_a_tree_replays_the_fused_branches(sampling):
     # A tree's branches are rows in groups of n (`domino_branches`): the captured graph takes each group's likeliest
     # first drafts as the launches do, also when it replays for fewer groups than it captured.
     n = 2
     drafter = tiny_drafter().cuda()
     embed, *block = batch_inputs(drafter, rows=3)
     embed, (hidden, base, anchors) = embed.cuda(), (t.cuda().repeat_interleave(n, dim=0) for t in block)
-    runner = fused_head.DominoHeadGraphRunner(drafter, temperature=temperature, branches=n)
-    options = {"head": True, "pure_draft_prefix_len": 1, "temperature": temperature, "branches": n}
+    runner = fused_head.DominoHeadGraphRunner(drafter, sampling=sampling, branches=n)
+    options = {"head": True, "pure_draft_prefix_len": 1, "sampling": sampling, "branches": n}
     for rows in (slice(0, 6), slice(2, 6)):
         torch.manual_seed(5)
         ids, logits = runner(hidden[rows], base[rows], anchors[rows], embed.weight)

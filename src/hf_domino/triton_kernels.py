@@ -174,6 +174,7 @@ if triton is not None:
         best_idx_ptr,
         seed_ptr,
         temperature_ptr,
+        temperature_stride,
         vocab_ptr,
         first_position,
         num_positions,
@@ -229,8 +230,9 @@ if triton is not None:
                 acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
             logits += acc.to(w2_ptr.dtype.element_ty).to(tl.float32)
         if SAMPLE:
-            # Same op as transformers' TemperatureLogitsWarper (`scores / temperature`), correctly rounded.
-            logits = tl.div_rn(logits, tl.load(temperature_ptr))
+            # Same op as transformers' TemperatureLogitsWarper (`scores / temperature`), correctly rounded; each batch
+            # row has its own (a server's requests each bring theirs).
+            logits = tl.div_rn(logits, tl.load(temperature_ptr + batch_row * temperature_stride))
         logits_row = logits_ptr + batch_row * logits_stride_b + i * logits_stride_p
         if SPREAD:
             tl.store(logits_row + token_ids, logits, mask=col_mask)

@@ -7,6 +7,8 @@ synchronization, so that `hf_domino.triton_rollout.launch_rollout` can be captur
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,8 +19,6 @@ if triton is not None:
     from .triton_kernels import _correction_hidden_kernel, _finalize_pick_kernel, _gru_cell_kernel, _logits_pick_kernel
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from .triton_rollout import HeadWeights
 
 
@@ -41,6 +41,77 @@ def _num_tiles(vocab_size: int, block_v: int) -> int:
     return triton.cdiv(vocab_size, block_v)
 
 
+# ------------------------------------------------------------------------------------------------- sampling settings
+@dataclass(frozen=True)
+class Sampling:
+    """One row's sampling settings as the fused head draws with them: transformers' temperature, top-k, top-p and
+    min-p warpers, in the order generate() builds them (`fused_head.fused_sampling` reads them off a row's logits
+    processors). A setting at its default is a warper the row does not have."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: none
+    top_p: float = 1.0  # 1.0: none
+    min_p: float = 0.0  # 0.0: none
+
+    def row(self) -> tuple[float, float, float, float]:
+        """The row's values as `Workspace.settings` holds them: top-p as the cumulative probability below which
+        tokens go, `1 - top_p` (computed as transformers' `TopPLogitsWarper` computes it), and -1 for none, which no
+        cumulative probability is at or below."""
+        floor = 1 - self.top_p if self.top_p < 1.0 else -1.0
+        return (self.temperature, float(self.top_k), floor, self.min_p)
+
+
+@dataclass(frozen=True)
+class Warps:
+    """The warpers a launch applies after the temperature, over each row's own settings: fixed for a captured graph,
+    which replays the same ops whatever settings the workspace holds (a row without one of them is left as it is).
+    `top_k` is the widest top-k any row asks for (0: none)."""
+
+    top_k: int = 0
+    top_p: bool = False
+    min_p: bool = False
+
+    @classmethod
+    def of(cls, settings: Sequence[Sampling]) -> Warps:
+        return cls(
+            max((setting.top_k for setting in settings), default=0),
+            any(setting.top_p < 1.0 for setting in settings),
+            any(setting.min_p > 0.0 for setting in settings),
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.top_k or self.top_p or self.min_p)
+
+    def covers(self, other: Warps) -> bool:
+        return self.top_k >= other.top_k and self.top_p >= other.top_p and self.min_p >= other.min_p
+
+    def union(self, other: Warps) -> Warps:
+        return Warps(max(self.top_k, other.top_k), self.top_p or other.top_p, self.min_p or other.min_p)
+
+
+def warp_rows(scores: torch.Tensor, settings: torch.Tensor, warps: Warps) -> torch.Tensor:
+    """`scores [rows, P, V]` through each row's top-k, top-p and min-p (`settings [rows, 4]`, `Sampling.row`'s
+    columns), as transformers' `TopKLogitsWarper`, `TopPLogitsWarper` and `MinPLogitsWarper` (keeping one token at
+    least, filtering to -inf) compute them for that row alone, op for op. Torch ops with no host synchronization, so
+    a CUDA graph captures them; `warps` says which to run at all."""
+    top_k, floor, min_p = (settings[: scores.shape[0], column, None, None] for column in (1, 2, 3))
+    if warps.top_k:
+        width = min(warps.top_k, scores.shape[-1])
+        kth = scores.topk(width, dim=-1).values.gather(
+            -1, (top_k.long().clamp(1, width) - 1).expand(*scores.shape[:2], 1)
+        )
+        scores = scores.masked_fill(scores < kth.masked_fill(top_k == 0, float("-inf")), float("-inf"))
+    if warps.top_p:
+        ascending, order = scores.sort(dim=-1)
+        remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= floor
+        remove[..., -1] = False
+        scores = scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    if warps.min_p:  # the likeliest token always stays (min_p <= 1), as the warper keeps it
+        probs = scores.softmax(dim=-1)
+        scores = scores.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    return scores
+
+
 # --------------------------------------------------------------------------------------------------------- launches
 class Workspace:
     """Every buffer one block rollout touches, for `rows` sequences drafted together; static (fixed addresses) so
@@ -55,14 +126,15 @@ class Workspace:
         block_v: int = LOGITS_BLOCK_V,
         vocab: torch.Tensor | None = None,
         spread_size: int | None = None,
-        warped: bool = False,
+        warps: Warps = Warps(),
         rows: int = 1,
     ):
         """`vocab_size` columns of base logits per draft; with `vocab`, they are those (sorted) token ids.
 
         With `spread_size`, the logits are stored over a whole vocabulary of that size, `-inf` outside `vocab` (what
-        sampling returns); else over the `vocab_size` columns. `warped`: room for `launch_warped_pick`'s second pick
-        over the stored logits. Every buffer has a leading dimension of `rows` (the batch).
+        sampling returns); else over the `vocab_size` columns. `warps`: the warpers `launch_warped_pick` applies
+        before its second pick over the stored logits (none: no second pick). Every buffer has a leading dimension
+        of `rows` (the batch).
         """
         num_tiles = _num_tiles(vocab_size, block_v)
         self.block_v = block_v
@@ -78,9 +150,13 @@ class Workspace:
         self.best = torch.empty(*shape, num_tiles, dtype=torch.float32, device=device)
         self.best_idx = torch.empty(*shape, num_tiles, dtype=torch.long, device=device)
         self.seed = torch.zeros(1, dtype=torch.long, device=device)
-        self.temperature = torch.ones(1, dtype=torch.float32, device=device)
-        if warped:  # the re-pick reads the stored (already tempered) logits: temperature 1, tiles of a stored row
-            self.unit_temperature = torch.ones(1, dtype=torch.float32, device=device)
+        # Each row's sampling settings (`Sampling.row`), read by the kernels (the temperature) and the warps; rows
+        # no call has set draw at temperature 1 through no warper.
+        self.settings = torch.tensor([Sampling().row()] * rows, dtype=torch.float32, device=device)
+        self.loaded: tuple[Sampling, ...] = (Sampling(),) * rows
+        self.warps = warps
+        if warps:  # the re-pick reads the stored (already tempered) logits: temperature 1, tiles of a stored row
+            self.unit_temperature = torch.ones(rows, dtype=torch.float32, device=device)
             warped_tiles = _num_tiles(self.logits.shape[-1], block_v)
             self.warped_best = torch.empty(*shape, warped_tiles, dtype=torch.float32, device=device)
             self.warped_best_idx = torch.empty(*shape, warped_tiles, dtype=torch.long, device=device)
@@ -96,17 +172,29 @@ class Workspace:
     def num_drafts(self) -> int:
         return self.logits.shape[1]
 
-    def start(self, anchor_ids: torch.LongTensor, temperature: float | None) -> None:
+    @property
+    def temperature(self) -> torch.Tensor:
+        """`[rows]`: each row's temperature (a column of `settings`)."""
+        return self.settings[:, 0]
+
+    def start(self, anchor_ids: torch.LongTensor, sampling: Sequence[Sampling] | None) -> None:
         """Loads one block's inputs that are not tensors of the block: each row's anchor (the last column of
-        `anchor_ids [rows', n]`, into the first `rows'` rows) and the sampling parameters.
+        `anchor_ids [rows', n]`, into the first `rows'` rows) and, when sampling, each row's settings (`sampling`,
+        one per row; `None`: greedy).
 
         The seed comes from torch's generator on the workspace's device, so `torch.manual_seed` reproduces sampled
-        drafts, and a fresh one per block gives a replayed graph fresh noise.
+        drafts, and a fresh one per block gives a replayed graph fresh noise. Settings are copied to the device only
+        when they change (a call's rows mostly keep theirs from block to block).
         """
         self.tokens[: anchor_ids.shape[0], 0].copy_(anchor_ids[:, -1])
-        if temperature is not None:
-            self.seed.random_(0, 2**62)
-            self.temperature.fill_(temperature)
+        if sampling is None:
+            return
+        self.seed.random_(0, 2**62)
+        sampling = tuple(sampling)
+        if sampling != self.loaded[: len(sampling)]:
+            rows = torch.tensor([setting.row() for setting in sampling], dtype=torch.float32)
+            self.settings[: len(sampling)].copy_(rows)
+            self.loaded = sampling + self.loaded[len(sampling) :]
 
 
 def launch_gru_cell(
@@ -202,19 +290,19 @@ def launch_logits_pick(
     )
 
 
-def launch_warped_pick(ws: Workspace, positions: slice, warp: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Draws draft `positions` of every row again, from their stored logits after `warp` (the call's top-k / top-p /
-    min-p warpers).
+def launch_warped_pick(ws: Workspace, positions: slice) -> None:
+    """Draws draft `positions` of every row again, from their stored logits after each row's top-k / top-p / min-p
+    (`warp_rows` over `ws.settings`, the ones `ws.warps` names).
 
-    `launch_logits_pick(..., sample=True, pick=False)` stored the tempered logits (over the whole vocabulary when sampling);
-    `warp` (torch ops on `[n, V]` scores, row by row, no host synchronization, so a CUDA graph captures it) filters
-    them in place, and a Gumbel-max draw over the result replaces the tokens picked before: the drafts come from, and
-    the logits returned are, exactly the warped distribution. Needs a `Workspace(..., warped=True)`.
+    `launch_logits_pick(..., sample=True, pick=False)` stored the tempered logits (over the whole vocabulary when
+    sampling); the warps filter them in place, and a Gumbel-max draw over the result replaces the tokens picked
+    before: the drafts come from, and the logits returned are, exactly the warped distribution. Needs a
+    `Workspace(..., warps=...)` naming some.
     """
     logits = ws.logits[:, positions]
     if logits.shape[1] == 0:  # an empty pure-draft prefix
         return
-    logits.copy_(warp(logits.reshape(-1, logits.shape[-1])).view(logits.shape))
+    logits.copy_(warp_rows(logits, ws.settings, ws.warps))
     _launch_pick(
         ws, positions, logits, None, None, ws.unit_temperature, ws.warped_best, ws.warped_best_idx,
         vocab=None, spread=False, sample=True,
@@ -265,6 +353,7 @@ def _launch_pick(
         best_idx,
         ws.seed,
         temperature,
+        temperature.stride(0),
         vocab,
         first,
         num_positions,
@@ -360,6 +449,8 @@ def logits_pick(
 
 __all__ = [
     "LOGITS_BLOCK_V",
+    "Sampling",
+    "Warps",
     "Workspace",
     "correction_hidden",
     "gru_cell",
@@ -368,4 +459,5 @@ __all__ = [
     "launch_logits_pick",
     "launch_warped_pick",
     "logits_pick",
+    "warp_rows",
 ]

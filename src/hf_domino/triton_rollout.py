@@ -7,6 +7,7 @@ what the CUDA-graph runner of `hf_domino.fused_head` captures and replays.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,8 @@ import torch
 from .drafting_domino import branch_columns, to_vocab_ids
 from .triton_kernels import check_kernel_device
 from .triton_launch import (
+    Sampling,
+    Warps,
     Workspace,
     launch_correction_hidden,
     launch_gru_cell,
@@ -23,10 +26,6 @@ from .triton_launch import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from transformers import LogitsProcessorList
-
     from .modeling_domino import DominoForSpeculation
 
 
@@ -64,7 +63,6 @@ def launch_rollout(
     *,
     prefix_len: int,
     sample: bool,
-    warp: Callable[[torch.Tensor], torch.Tensor] | None = None,
     branches: int = 1,
 ) -> None:
     """Enqueues one block's rollout for every row; no host synchronization, no data-dependent control flow
@@ -72,20 +70,21 @@ def launch_rollout(
 
     `draft_hidden` `[rows, k, H]` and `base_logits` `[rows, k, V]` are the block's positions (over `workspace.vocab`
     when the drafter has a draft vocabulary), `k` the workspace's number of drafts; `workspace.tokens[:, 0]` holds
-    each row's anchor, `workspace.seed`/`workspace.temperature` the sampling parameters. Drafts (token ids) land in
-    `workspace.tokens[:, 1:]`, the logits they were picked from in `workspace.logits`. When sampling, `warp` (top-k /
-    top-p / min-p as torch ops, see `warp_scores`) filters each position's tempered logits before its draw. Rows
-    are independent: each launch covers all of them, so a batch costs the launches of one sequence. `branches` n > 1:
+    each row's anchor, `workspace.seed`/`workspace.settings` the sampling parameters (each row's own). Drafts (token
+    ids) land in `workspace.tokens[:, 1:]`, the logits they were picked from in `workspace.logits`. When sampling,
+    the workspace's warps (each row's top-k / top-p / min-p as torch ops, `warp_rows`) filter each position's
+    tempered logits before its draw. Rows are independent: each launch covers all of them, so a batch costs the launches of one sequence. `branches` n > 1:
     rows come in groups of n copies of one block, a tree's first-token branches (`take_branches`).
     """
     ws, num_drafts = workspace, base_logits.shape[1]
     prefix_len = num_drafts if weights is None else min(prefix_len, num_drafts)
 
+    warped = sample and bool(ws.warps)
+
     def pick(positions: slice, hidden: torch.Tensor | None, proj_out: torch.Tensor | None) -> None:
-        warped = warp is not None and sample
         launch_logits_pick(ws, positions, base_logits, hidden, proj_out, sample=sample, pick=not warped)
         if warped:
-            launch_warped_pick(ws, positions, warp)
+            launch_warped_pick(ws, positions)
         if branches > 1 and positions.start == 0 < positions.stop:  # before any GRU step reads the first draft
             take_branches(ws, branches)
 
@@ -195,12 +194,17 @@ def rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
-def warp_scores(warpers: LogitsProcessorList | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """`scores -> warpers(scores)`, as `launch_rollout` applies them; `None` for no warpers. Only score-only warpers
-    (`fused_head.split_processors` admits them) may be passed: they are called without the sequence's ids."""
-    if not warpers:
+def rows_sampling(sampling: Sampling | Sequence[Sampling] | None, rows: int) -> tuple[Sampling, ...] | None:
+    """Each of `rows` rows' settings: `sampling` given once for all of them, or one per row (`None`: greedy)."""
+    if sampling is None:
         return None
-    return lambda scores: warpers(None, scores)
+    settings = (sampling,) * rows if isinstance(sampling, Sampling) else tuple(sampling)
+    if len(settings) != rows:
+        raise ValueError(f"{len(settings)} rows' sampling settings for {rows} rows; give one per row, or one for all.")
+    for setting in settings:
+        if not setting.temperature > 0:
+            raise ValueError(f"temperature must be positive for sampling (None = greedy), got {setting.temperature}.")
+    return settings
 
 
 @torch.no_grad()
@@ -213,10 +217,9 @@ def fused_rollout(
     *,
     head: bool,
     pure_draft_prefix_len: int,
-    temperature: float | None,
+    sampling: Sampling | Sequence[Sampling] | None,
     vocab: torch.Tensor | None = None,
     check_vocab: bool = True,
-    warpers: LogitsProcessorList | None = None,
     branches: int = 1,
 ) -> tuple[torch.LongTensor, torch.Tensor]:
     """`eager_rollout` with the fused kernels, for greedy decoding or sampling (temperature, top-k, top-p, min-p), for
@@ -235,15 +238,14 @@ def fused_rollout(
         target_embed_weight: the target's input embedding table `[vocab, hidden]`, on the head's device.
         head: correct the base logits with the Domino head (ignored, i.e. off, for a drafter without one).
         pure_draft_prefix_len: leading drafts taken from the base logits alone (`config.pure_draft_prefix_len`).
-        temperature: `None` for greedy (argmax); else drafts are drawn from `softmax(logits / temperature)`.
+        sampling: `None` for greedy (argmax); else the sampling settings (`Sampling`: a temperature, then any of
+            top-k, top-p and min-p, as transformers' warpers apply them), one for all rows or one per row: each row's
+            drafts are drawn from `softmax(warped(logits / temperature))` under its own.
         vocab: the draft vocabulary the base logits cover (`[V']` sorted token ids, as `set_draft_vocab` stores
             them), or `None` for the whole vocabulary. The correction then uses W2's rows of those tokens, the pick
             is over them, and the GRU reads the picked token ids.
         check_vocab: check `vocab`'s values (`check_vocab_ids`, one device synchronization); a caller that already
             checked this vocabulary tensor passes `False`.
-        warpers: when sampling, transformers' score-only warpers that follow the temperature in the call's logits
-            processors (`TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`; see `fused_head.split_processors`),
-            applied to each position's tempered logits before its draw.
         branches: n > 1 for a tree of first-token branches: the rows come in groups of n copies of one block, and
             the i-th of a group continues from its i-th likeliest first draft (chosen, also when sampling).
 
@@ -254,23 +256,21 @@ def fused_rollout(
         `vocab`, as `processed_pick` spreads them so that speculative sampling stays lossless).
     """
     weights, device = prepare_rollout(drafter, head, draft_hidden, base_logits, target_embed_weight, vocab, anchor_ids)
-    if temperature is not None and not temperature > 0:
-        raise ValueError(f"temperature must be positive for sampling (None = greedy), got {temperature}.")
-    check_kernel_device(device)
     rows, num_drafts, vocab_size = base_logits.shape
+    sampling = rows_sampling(sampling, rows)
+    check_kernel_device(device)
     if rows % branches:
         raise ValueError(f"{rows} rows cannot come in groups of {branches} branches.")
     if vocab is not None:
         vocab = vocab.to(device)
         if check_vocab:
             check_vocab_ids(vocab, min(drafter.config.vocab_size, target_embed_weight.shape[0]))
-    spread_size = drafter.config.vocab_size if temperature is not None else None
-    warp = warp_scores(warpers) if temperature is not None else None
+    sample = sampling is not None
     workspace = Workspace(
-        num_drafts, vocab_size, device, weights, vocab=vocab, spread_size=spread_size, warped=warp is not None,
-        rows=rows,
+        num_drafts, vocab_size, device, weights, vocab=vocab,
+        spread_size=drafter.config.vocab_size if sample else None, warps=Warps.of(sampling or ()), rows=rows,
     )  # fmt: skip
-    workspace.start(anchor_ids, temperature)
+    workspace.start(anchor_ids, sampling)
     launch_rollout(
         weights,
         draft_hidden.to(device),
@@ -278,8 +278,7 @@ def fused_rollout(
         target_embed_weight,
         workspace,
         prefix_len=pure_draft_prefix_len,
-        sample=temperature is not None,
-        warp=warp,
+        sample=sample,
         branches=branches,
     )
     return workspace.tokens[:, 1:].contiguous().to(anchor_ids.device), workspace.logits

@@ -212,8 +212,8 @@ class CycleDrafter:
     the policies what its verification found. The loop (`batching_domino.BatchedDecoding`) keeps the rows, both caches
     (it hands `context`, the drafter's, over) and the verification.
 
-    `process(logits, extra, repeats)` runs the active rows' logits processors (the loop's rows); `clock()` reads the
-    time as the loop does.
+    `process(logits, extra, repeats)` runs the active rows' logits processors (the loop's rows), which `per_row`
+    holds (one list per row, growing in place as a server's rows join); `clock()` reads the time as the loop does.
     """
 
     def __init__(
@@ -228,10 +228,12 @@ class CycleDrafter:
         process: Callable[..., torch.Tensor],
         clock: Callable[[], float],
         padding: list[int],
+        per_row: list[LogitsProcessorList],
         timings: dict[str, list[float]] | None = None,
     ):
         self.drafter, self.modules, self.options, self.context = drafter, modules, options, context
         self.block_criteria, self.process, self.clock, self.timings = block_criteria, process, clock, timings
+        self.per_row = per_row
         self.ends = getattr(
             generation_config, "_eos_token_tensor", None
         )  # a row's drafts end at an EOS (`row_limits`)
@@ -335,7 +337,7 @@ class CycleDrafter:
         backbone_done = self.clock()
         base_logits = self.modules.logits(hidden, self.vocab).float()
         lm_head_done = self.clock()
-        drafts, branches = self.roll_out(hidden, base_logits, anchors)
+        drafts, branches = self.roll_out(hidden, base_logits, anchors, active)
         drafted = self.clock()
         threshold = self.options.assistant_confidence_threshold
         sequences, criteria = [sequences[row] for row in active], [self.block_criteria[row] for row in active]
@@ -404,9 +406,10 @@ class CycleDrafter:
         return self.process(logits.float(), drafted, repeats)
 
     def roll_out(
-        self, hidden: torch.Tensor, base_logits: torch.Tensor, anchors: torch.LongTensor
+        self, hidden: torch.Tensor, base_logits: torch.Tensor, anchors: torch.LongTensor, active: list[int]
     ) -> tuple[BatchDrafts, BatchDrafts | None]:
-        """The Domino head over every row's block: fused when `generate()` allows it, else eager.
+        """The Domino head over the block of every row of `active`: fused when `generate()` allows it (and, when
+        sampling, each row's processors do: a server's requests bring their own settings), else eager.
 
         With `domino_branches` n > 1, n blocks per row, the head continuing each of the row's n likeliest first
         drafts: the first block, and the others (`ids`, `confidence` `[rows, n - 1, k]`); else (the block, None).
@@ -415,8 +418,12 @@ class CycleDrafter:
         if n > 1:  # each row's block n times in a row, one per branch
             hidden, base_logits = hidden.repeat_interleave(n, dim=0), base_logits.repeat_interleave(n, dim=0)
             anchors = anchors.repeat_interleave(n, dim=0)
-        if self.fused_rollout is not None:
-            ids, logits, confidence = self.fused_rollout.draft_rows(hidden, base_logits, self.vocab, anchors)
+        processors = [self.per_row[row] for row in active for _ in range(n)] if self.do_sample else None
+        fused = self.fused_rollout is not None and (processors is None or self.fused_rollout.draws_under(processors))
+        if fused:
+            ids, logits, confidence = self.fused_rollout.draft_rows(
+                hidden, base_logits, self.vocab, anchors, processors
+            )
             drafts = BatchDrafts(ids, logits if self.do_sample else None, confidence)
         else:
             drafts = batched_rollout(

@@ -173,7 +173,7 @@ class BatchedDecoding(PromptReading):
         self.padding = (~self.mask).sum(dim=-1).tolist()
         self.drafting = CycleDrafter(
             drafter, self.modules, options, generation_config, logits_processor, self.block_criteria, self.context,
-            self.process, self.now, padding=self.padding, timings=stats.timings,
+            self.process, self.now, padding=self.padding, per_row=self.per_row, timings=stats.timings,
         )  # fmt: skip
         # Whether this call drafts and copies at all (`call_speculates`), and still (`stops_speculating`), and the
         # cycles the judge of calls weighs against plain steps (a server sets its rows' limit and arrivals there).

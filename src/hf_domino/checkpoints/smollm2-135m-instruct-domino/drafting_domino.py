@@ -113,14 +113,22 @@ KeepRolling = Callable[[torch.Tensor], bool]
 
 class RowsRollout(Protocol):
     """A `Rollout` that also drafts a batch's rows at once (`hf_domino.fused_head.FusedRollout`): `draft_rows(hidden
-    [rows, k, H], base_logits [rows, k, V'], vocab, anchor_ids [rows, n])` returns `(draft ids [rows, k], the logits
-    they were picked from, each draft's probability [rows, k])`."""
+    [rows, k, H], base_logits [rows, k, V'], vocab, anchor_ids [rows, n], processors)` returns `(draft ids [rows, k],
+    the logits they were picked from, each draft's probability [rows, k])`, sampled rows each drawn under its own
+    logits processors (`processors`, one list per row; `None`: the call's), which `draws_under` says it can."""
 
     def __call__(self, block: BlockDraft, prefix_ids: torch.LongTensor) -> Drafts: ...
 
     def draft_rows(
-        self, hidden: torch.Tensor, base_logits: torch.Tensor, vocab: torch.Tensor | None, anchor_ids: torch.LongTensor
+        self,
+        hidden: torch.Tensor,
+        base_logits: torch.Tensor,
+        vocab: torch.Tensor | None,
+        anchor_ids: torch.LongTensor,
+        processors: list[LogitsProcessorList] | None = None,
     ) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor]: ...
+
+    def draws_under(self, processors: list[LogitsProcessorList]) -> bool: ...
 
 
 def greedy_pick(logits: torch.Tensor, realised_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor]:
