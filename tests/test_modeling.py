@@ -289,6 +289,7 @@ def test_save_load_round_trip_keeps_published_names_and_outputs(tmp_path):
         "recurrent_cache_domino.py",
         "recurrent_scans_domino.py",
         "target_modules_domino.py",
+        "warpers_domino.py",
     ]
     with safe_open(str(tmp_path / "d" / "model.safetensors"), "pt") as f:
         names = set(f.keys())

@@ -37,6 +37,7 @@ from .triton_rollout import (
     prepare_rollout,
     rows_sampling,
 )
+from .warpers_domino import SortFreeTopP
 
 if TYPE_CHECKING:
     from transformers import LogitsProcessorList
@@ -398,9 +399,9 @@ def fused_sampling(
         return None, (OTHER_PROCESSORS if processors else None)
     if not temperature > 0:
         return None, f"temperature must be positive, got {temperature}"
-    fields = {TopKLogitsWarper: "top_k", TopPLogitsWarper: "top_p", MinPLogitsWarper: "min_p"}
+    fields = {TopKLogitsWarper: "top_k", TopPLogitsWarper: "top_p", SortFreeTopP: "top_p", MinPLogitsWarper: "min_p"}
     names = [fields.get(type(processor)) for processor in processors]
-    if None in names or names != sorted(set(names), key=list(fields.values()).index):  # others, or another order
+    if None in names or names != sorted(set(names), key=["top_k", "top_p", "min_p"].index):  # others, another order
         return None, OTHER_PROCESSORS
     as_built = all(
         processor.filter_value == float("-inf") and (name == "top_k" or processor.min_tokens_to_keep == 1)

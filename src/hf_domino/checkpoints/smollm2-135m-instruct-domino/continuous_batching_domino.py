@@ -42,6 +42,7 @@ from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_
 from .ragged_cache_domino import batch_cache
 from .recurrent_cache_domino import check_recurrent_call, check_recurrent_target, keeps_recurrent_states
 from .target_modules_domino import target_execution_device
+from .warpers_domino import sort_free_top_p
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
@@ -146,6 +147,7 @@ def request_rules(
         device=ids.device,
         model_kwargs={"attention_mask": torch.ones_like(ids)},
     )
+    sort_free_top_p(processors)
     criteria = target._get_stopping_criteria(config, StoppingCriteriaList(), tokenizer=tokenizer)
     return processors, criteria, config.max_length
 

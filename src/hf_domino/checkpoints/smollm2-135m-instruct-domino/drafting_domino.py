@@ -34,6 +34,7 @@ from transformers.generation.logits_process import (
 )
 
 from .cache_domino import buffer_layers
+from .warpers_domino import SortFreeTopP
 
 if TYPE_CHECKING:
     from transformers import LogitsProcessorList
@@ -340,7 +341,7 @@ def drafts_through_an_end(drafts: torch.LongTensor, ends: torch.Tensor) -> list[
 
 # Logits processors that read one row of scores and nothing else (not input_ids): they can run on all rows of a batch
 # at once, and on a draft vocabulary's columns alone (the tokens outside it have probability zero either way).
-SCORE_ONLY_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+SCORE_ONLY_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, SortFreeTopP, MinPLogitsWarper)
 
 
 def score_only(logits_processor) -> bool:

@@ -78,6 +78,7 @@ from .recurrent_cache_domino import (
     recurrent_state_check_waived,
 )
 from .target_modules_domino import target_execution_device
+from .warpers_domino import sort_free_top_p
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig
@@ -270,6 +271,8 @@ def _wrap_assisted_decoding(original):
         if not isinstance(options, DominoOptions):  # reached without generate()'s validation
             options = DominoOptions.resolve(options or {}, arguments["generation_config"])
             options.validate(drafter)
+        # The warpers of this call's list (which transformers' loop and the drafting both read), outputs unchanged.
+        sort_free_top_p(arguments["logits_processor"])
         kernels = drafting_attention_kernels(target_execution_device(self), self.dtype, options.domino_cudnn_attention)
         # transformers' loop verifies one sequence: a batch is ours, and so is a tree of branches. So is a target whose
         # first weights accelerate offloaded: transformers' loop moves each block to `target.device`, the meta device.

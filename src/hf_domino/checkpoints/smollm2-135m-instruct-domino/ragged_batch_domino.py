@@ -33,6 +33,7 @@ from .cache_domino import buffer_layers
 from .drafting_domino import branch_columns, picked_probability, score_only, spread_to_vocabulary, to_vocab_ids
 from .modeling_domino import TargetModules
 from .ragged_cache_domino import RaggedCache, positions_from_mask
+from .warpers_domino import SortFreeTopP
 
 if TYPE_CHECKING:
     from .modeling_domino import DominoForSpeculation
@@ -182,8 +183,10 @@ def within_block(criteria: list) -> list:
 
 def needs_its_place(hook: Callable, rows: int) -> bool:
     """Whether a logits processor or stopping criterion must be called `AtItsRow` for a batch of `rows`: a hook not of
-    transformers (whose own judge a row by its tokens alone), in a batch of more than one row (one row's place is 0)."""
-    return rows > 1 and not type(hook).__module__.startswith("transformers.")
+    transformers (whose own judge a row by its tokens alone) nor the sort-free top-p standing in for one, in a batch
+    of more than one row (one row's place is 0)."""
+    ours = type(hook).__module__.startswith("transformers.") or isinstance(hook, SortFreeTopP)
+    return rows > 1 and not ours
 
 
 class AtItsRow:
