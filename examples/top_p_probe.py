@@ -27,11 +27,11 @@ from hf_domino.prompt_sets import load_prompts
 METHODS = ("target alone", "drafter, transformers' top-p", "drafter, sort-free top-p")
 
 
-def timed(target, inputs, seed: int, **options) -> tuple[torch.Tensor, float]:
+def timed(target, prompt: torch.LongTensor, seed: int, **options) -> tuple[torch.Tensor, float]:
     torch.manual_seed(seed)
     start = time.perf_counter()
-    output = target.generate(**inputs, **options)
-    return output[0, inputs["input_ids"].shape[1] :], time.perf_counter() - start
+    output = target.generate(prompt, **options)
+    return output[0, prompt.shape[1] :], time.perf_counter() - start
 
 
 def main() -> None:
@@ -53,14 +53,14 @@ def main() -> None:
     timed(target, encode_chat(tokenizer, prompts[0]), 0, assistant_model=drafter, **sampling)  # warm-up
     tokens, seconds, ratios = dict.fromkeys(METHODS, 0), dict.fromkeys(METHODS, 0.0), {m: [] for m in METHODS[1:]}
     for i, messages in enumerate(prompts):
-        inputs, seed = encode_chat(tokenizer, messages), args.seed + i
-        runs = {METHODS[0]: timed(target, inputs, seed, **sampling)}
+        prompt, seed = encode_chat(tokenizer, messages), args.seed + i
+        runs = {METHODS[0]: timed(target, prompt, seed, **sampling)}
         generate_hook_domino.sort_free_top_p = lambda processors: None
         try:
-            runs[METHODS[1]] = timed(target, inputs, seed, assistant_model=drafter, **sampling, **policy)
+            runs[METHODS[1]] = timed(target, prompt, seed, assistant_model=drafter, **sampling, **policy)
         finally:
             generate_hook_domino.sort_free_top_p = sort_free
-        runs[METHODS[2]] = timed(target, inputs, seed, assistant_model=drafter, **sampling, **policy)
+        runs[METHODS[2]] = timed(target, prompt, seed, assistant_model=drafter, **sampling, **policy)
         if args.fixed is not None and not torch.equal(runs[METHODS[1]][0], runs[METHODS[2]][0]):
             raise SystemExit(f"prompt {i}: the two drafted runs drew different tokens")
         for method, (output, elapsed) in runs.items():
