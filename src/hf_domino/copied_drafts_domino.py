@@ -183,6 +183,18 @@ class DraftDatastore:
         return None
 
 
+def certain_logits(copies: torch.LongTensor, vocab_size: int) -> torch.Tensor:
+    """`[rows, k, vocab_size]` logits under which each of `copies` `[rows, k]` is certain (0 at its token, -inf
+    elsewhere): the law a copy is drawn from, for a sampled call's speculative sampling.
+
+    A copy stands there with the target's probability of it, and a rejected one gives way to a draw from the target's
+    law without it: the law of transformers' rule for drafts without logits (draw the target at every position, keep
+    the drafts while they agree), for one draw of the vocabulary instead of one per position (1 ms each for SmolLM2's
+    49,152 tokens on a 2-core CPU)."""
+    logits = torch.full((*copies.shape, vocab_size), float("-inf"), device=copies.device)
+    return logits.scatter_(-1, copies[..., None], 0.0)
+
+
 def judge_copy(copy: torch.LongTensor, generated: torch.LongTensor) -> tuple[int, int]:
     """(offered, accepted) of a copy `[n]` that was not verified, against the tokens `[m]` generated in its place:
     the first `offered` positions can be judged, and the first `accepted` of them agree. Exact, since copies are

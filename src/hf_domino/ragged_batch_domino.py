@@ -30,6 +30,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import _speculative_sampling
 
 from .cache_domino import buffer_layers
+from .copied_drafts_domino import certain_logits
 from .drafting_domino import branch_columns, picked_probability, score_only, spread_to_vocabulary, to_vocab_ids
 from .modeling_domino import TargetModules
 from .ragged_cache_domino import RaggedCache, positions_from_mask
@@ -406,9 +407,9 @@ def accept_rows(
     back once: everything after the verification counts on the host).
 
     Greedy: the longest prefix equal to the target's argmax. Sampling: transformers' `_speculative_sampling` on the
-    row, with the exact processed logits each draft was drawn from, which keeps the target's distribution. Copied
-    rows have no draft distribution: the target draws at every position and the copies stand while they agree with
-    its draws (transformers' rule for such drafts), which is exact too.
+    row, with the exact processed logits each draft was drawn from, which keeps the target's distribution; a copied
+    row's drafts with logits under which each is certain (`certain_logits`: the law of the target drawing at every
+    position and the copies standing while they agree, for one draw).
 
     `first` (sampling, a tree's first drafts, which are chosen rather than drawn): each row's token at the first
     position, already drawn from `processed[:, 0]` (to find the branch that holds it). A row whose first draft is
@@ -448,10 +449,10 @@ def _accept_row(
 ) -> tuple[torch.LongTensor, int]:
     """One sampled row: its tokens and accepted drafts, for `drafts` `[k]` and the target's `processed` `[k + 1, V]`."""
     length = drafts.shape[0]
-    if length == 0 or copied:
-        drawn = pick_tokens(processed, do_sample=True)
-        n = int((drawn[:length] == drafts).long().cumprod(dim=-1).sum())
-        return drawn[: n + 1], n
+    if length == 0:
+        return pick_tokens(processed, do_sample=True), 0
+    if copied:
+        draft_logits = certain_logits(drafts, processed.shape[-1])
     valid, n = _speculative_sampling(drafts[None], draft_logits[None].to(processed.device), length, processed[None])
     return valid[0], int(n)
 

@@ -18,7 +18,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from .cache_domino import CACHE_ARGUMENT, cached_tokens
-from .copied_drafts_domino import judge_copy, lookup_drafts
+from .copied_drafts_domino import certain_logits, judge_copy, lookup_drafts
 from .cost_model_domino import (
     VerifyCost,
     measure_verify_cost,
@@ -183,7 +183,8 @@ class DominoCandidateGenerator(CandidateGenerator):
         if copied is not None:
             self.cycle["verified"] = copied.shape[1]
             self._lap()
-            return torch.cat([input_ids, copied], dim=-1), None
+            logits = certain_logits(copied, self.drafter.config.vocab_size) if self.do_sample else None
+            return torch.cat([input_ids, copied], dim=-1), logits
         num_drafts = self.policy.budget(min(self.max_drafts, room))
         if num_drafts <= 0:
             self._lap()
