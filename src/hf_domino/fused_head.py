@@ -92,7 +92,7 @@ class TritonRollout:
             check_vocab_ids(vocab, min(self.drafter.config.vocab_size, embed.shape[0]))
             self._checked_vocab = key
 
-    def rows_sampling(self, rows: int, sampling: Sequence[Sampling] | None) -> tuple[Sampling, ...] | None:
+    def settings_for(self, rows: int, sampling: Sequence[Sampling] | None) -> tuple[Sampling, ...] | None:
         """Each row's settings for a call: its own (`sampling`) or the rollout's; `None` when greedy."""
         if self.sampling is None:
             return None
@@ -116,7 +116,7 @@ class TritonRollout:
             target_embed_weight,
             head=self.head,
             pure_draft_prefix_len=self.drafter.config.pure_draft_prefix_len,
-            sampling=self.rows_sampling(base_logits.shape[0], sampling),
+            sampling=self.settings_for(base_logits.shape[0], sampling),
             vocab=vocab,
             check_vocab=False,
             branches=self.branches,
@@ -229,7 +229,7 @@ class DominoHeadGraphRunner(TritonRollout):
         draft_hidden, base_logits = draft_hidden.to(device), base_logits.to(device)
         vocab = None if vocab is None else vocab.to(device)
         rows, num_drafts = base_logits.shape[:2]
-        sampling = self.rows_sampling(rows, sampling)
+        sampling = self.settings_for(rows, sampling)
         warps = Warps.of(sampling or ())
         key = self._config_key(weights, draft_hidden, base_logits, target_embed_weight, vocab)
         # Same configuration, with as many rows and drafts or fewer and no warper the graph lacks: replay.

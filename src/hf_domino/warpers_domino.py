@@ -41,14 +41,14 @@ class SortFreeTopP(TopPLogitsWarper):
         # The largest FEW_TOKENS scores, descending: each row's finite ones, then -inf.
         values, indices = scores.topk(FEW_TOKENS, dim=-1)
         finite = torch.isfinite(values)
-        left = finite.sum(dim=-1)
         ties = (values[..., 1:] == values[..., :-1]) & finite[..., 1:]
-        if (
-            bool(finite[..., -1].any())  # a row keeps more than FEW_TOKENS scores
-            or bool((torch.isnan(values) | torch.isposinf(values)).any())
-            or bool(ties.any())
-            or int(left.min()) < self.min_tokens_to_keep
-        ):
+        refused = (
+            finite[..., -1]  # a row keeps more than FEW_TOKENS scores
+            | (torch.isnan(values) | torch.isposinf(values)).any(dim=-1)
+            | ties.any(dim=-1)
+            | (finite.sum(dim=-1) < self.min_tokens_to_keep)
+        )
+        if bool(refused.any()):  # one read of the checks, for every row
             return super().__call__(input_ids, scores)
         # What torch.sort(scores) returns as values: the -inf block, then the kept scores ascending.
         sorted_logits = scores.new_full(scores.shape, float("-inf"))
