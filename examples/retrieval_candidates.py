@@ -21,29 +21,15 @@ import torch
 
 import hf_domino
 from hf_domino.assets import encode_chat, load_drafter, load_target
-from hf_domino.copied_drafts_domino import DATASTORE_SAMPLE, DraftDatastore
+from hf_domino.copied_drafts_domino import DraftDatastore
 from hf_domino.prompt_sets import load_prompts
 
 
 def ranked_continuations(store: DraftDatastore, sequence: list[int]) -> list[int] | None:
-    """The next tokens after the longest n-gram of `sequence`'s end with `min_count` occurrences in `store` (the
-    lookup's own search), most frequent first (ties: the smaller id, as the lookup breaks them); None where none."""
-    tokens = store.tokens.numpy()
-    for size in store.ngram_sizes:
-        if len(sequence) < size:
-            continue
-        keys, positions = store._sorted(size)
-        query, start = torch.tensor(sequence[-size:]), torch.zeros(1, dtype=torch.long)
-        low, high = 0, positions.shape[0]
-        for chunk_keys, columns in zip(keys, store._chunks(size)):
-            key = store._keys(query, start, columns)
-            span = chunk_keys[low:high]
-            low, high = low + int(torch.searchsorted(span, key)), low + int(torch.searchsorted(span, key, right=True))
-            if low >= high:
-                break
-        if high - low < store.min_count:
-            continue
-        counts = Counter(tokens[positions[low : min(high, low + DATASTORE_SAMPLE)].numpy()].tolist())
+    """The next tokens after the longest n-gram of `sequence`'s end that the lookup would read (`occurrences`), most
+    frequent first (ties: the smaller id, as the lookup breaks them); None where none occurs often enough."""
+    for at in store.occurrences(torch.tensor([sequence])):
+        counts = Counter(store.tokens[at].tolist())
         ranked = [t for t, n in sorted(counts.items(), key=lambda c: (-c[1], c[0])) if n >= store.min_count and t >= 0]
         if ranked:
             return ranked

@@ -9,6 +9,7 @@ This file is also written next to exported checkpoints as remote code (transform
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -155,13 +156,15 @@ class DraftDatastore:
             at = at[following == value] + 1
         return drafts
 
-    def lookup(self, input_ids: torch.LongTensor, max_drafts: int) -> torch.LongTensor | None:
-        """Drafts `[1, <= max_drafts]` for the sequence `input_ids` `[1, n]`, or None where the store has none."""
+    def occurrences(self, input_ids: torch.LongTensor) -> Iterator[torch.Tensor]:
+        """For each n-gram size, longest first, where the last n tokens of `input_ids` `[1, n]` occur in the store at
+        least `min_count` times: the store positions of the tokens that follow those occurrences (the earliest
+        `DATASTORE_SAMPLE` of them)."""
         sequence = input_ids[0, -max(self.ngram_sizes) :].cpu()  # the last n-gram is all a lookup reads
         if not self._index:  # every size at once: the first call pays for the index, not some later one
             self.build_index()
         for size in self.ngram_sizes:
-            if max_drafts <= 0 or sequence.shape[0] < size:
+            if sequence.shape[0] < size:
                 continue
             keys, positions = self._sorted(size)
             query, start = sequence[-size:], torch.zeros(1, dtype=torch.long)
@@ -175,9 +178,15 @@ class DraftDatastore:
                 )
                 if low >= high:
                     break
-            if high - low < self.min_count:
-                continue
-            drafts = self._agreed_continuation(positions[low : min(high, low + DATASTORE_SAMPLE)], max_drafts)
+            if high - low >= self.min_count:
+                yield positions[low : min(high, low + DATASTORE_SAMPLE)]
+
+    def lookup(self, input_ids: torch.LongTensor, max_drafts: int) -> torch.LongTensor | None:
+        """Drafts `[1, <= max_drafts]` for the sequence `input_ids` `[1, n]`, or None where the store has none."""
+        if max_drafts <= 0:
+            return None
+        for at in self.occurrences(input_ids):
+            drafts = self._agreed_continuation(at, max_drafts)
             if drafts:
                 return torch.tensor([drafts], dtype=input_ids.dtype, device=input_ids.device)
         return None
