@@ -5,8 +5,9 @@ agree on. REST-style retrieval verifies several as a tree, which pays only where
 later one right. This reads the target alone's greedy answers (the prepared SmolLM2 target) and, at every position
 of each answer where the datastore has occurrences, ranks the next tokens those occurrences continue with (by count,
 as the lookup orders them) and finds the target's own next token among them. Prints the share of positions with a
-candidate and of each rank (`miss`: not among them). docs/benchmarks.md quotes it ("Retrieval from the process's own
-earlier answers", the note on trees of retrieved candidates):
+candidate and, of those, how often the target's next token is the first, second, third or a later candidate, or none
+of them. docs/benchmarks.md quotes it ("Retrieval from the process's own earlier answers", the note on trees of
+retrieved candidates):
 
     python examples/retrieval_candidates.py --prompts mtbench --num-prompts 8
     python examples/retrieval_candidates.py --prompts humaneval --num-prompts 8
