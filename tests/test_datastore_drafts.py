@@ -130,8 +130,8 @@ def test_greedy_identical_with_retrieved_drafts(arch, options, gpu_like_costs):
 
 
 def test_sampling_with_retrieved_drafts_preserves_target_distribution():
-    """Retrieved drafts, like copies, come without a distribution and are kept while they equal the target's own
-    draws: exact. Mixed with the drafter's cycles in the same calls."""
+    """Retrieved drafts, like copies, come without a distribution of their own and reach speculative sampling as
+    drafts certain of their token: exact. Mixed with the drafter's cycles in the same calls."""
     vocab, num_new, draws = 4, 4, 2500
     target = law_target(vocab, seed=5, peak=20)  # a peaked law, far from uniform, so that a wrong one shows
     drafter = law_drafter(target)

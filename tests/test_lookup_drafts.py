@@ -22,7 +22,7 @@ from transformers import LogitsProcessorList
 
 from hf_domino import batching_domino
 from hf_domino.batch_policy_domino import BatchVerifyCost
-from hf_domino.copied_drafts_domino import lookup_drafts
+from hf_domino.copied_drafts_domino import certain_logits, lookup_drafts
 from hf_domino.cost_model_domino import VerifyCost, expected_tokens
 from hf_domino.measure import parse_method
 from hf_domino.measure_batch import parse_batch_method
@@ -151,8 +151,9 @@ def test_copied_drafts_end_at_an_eos(rows):
 
 
 def test_sampling_with_copied_drafts_preserves_target_distribution():
-    """Copied drafts have no distribution: transformers verifies them by sampling the target at every position and
-    keeping them while they agree, which is exact. Mixed with the drafter's cycles in the same calls."""
+    """Copied drafts have no distribution of their own: they reach speculative sampling as drafts certain of their
+    token (`certain_logits`), the law of keeping them while they equal the target's draws. Mixed with the drafter's
+    cycles in the same calls."""
     vocab, num_new, draws = 4, 4, 2500
     target = law_target(vocab, seed=5, peak=20)  # a peaked law, far from uniform, so that a wrong one shows
     drafter = law_drafter(target)
@@ -173,6 +174,28 @@ def test_sampling_with_copied_drafts_preserves_target_distribution():
     # The test can fail: the same draws are far from the distribution of another prompt's continuations.
     wrong = exact_sequence_distribution(target, [3, 0, 3, 1, 3, 2, 3, 0], num_new, LogitsProcessorList())
     assert chi_square_p_value(counts, wrong, draws) < 1e-6
+
+
+def spread_over_two_tokens(copies: torch.LongTensor, vocab_size: int) -> torch.Tensor:
+    """A fault to show the copies' law tests have power: a copy's law split between its token and the next id."""
+    logits = certain_logits(copies, vocab_size)
+    return logits.scatter_(-1, (copies[..., None] + 1) % vocab_size, 0.0)
+
+
+@pytest.mark.slow  # the draws of the two law tests above again, to show they have the power they need
+@pytest.mark.parametrize("rows", [1, 2], ids=["one-sequence", "batch"])
+def test_the_copies_law_tests_fail_a_copy_whose_law_is_spread(rows, monkeypatch):
+    from hf_domino import generation_domino, ragged_batch_domino
+
+    monkeypatch.setattr(generation_domino, "certain_logits", spread_over_two_tokens)
+    monkeypatch.setattr(ragged_batch_domino, "certain_logits", spread_over_two_tokens)
+    law_test = (
+        test_sampling_with_copied_drafts_preserves_target_distribution
+        if rows == 1
+        else test_batch_sampling_with_copied_drafts_keeps_each_rows_law
+    )
+    with pytest.raises(AssertionError, match=r"> 0\.001"):
+        law_test()
 
 
 @pytest.mark.parametrize("draft_vocab", [None, list(range(0, 64, 2))], ids=["whole-vocabulary", "draft-vocabulary"])
@@ -317,7 +340,8 @@ def test_batch_declined_copies_are_judged_and_win_back(gpu_like_costs):
 
 
 def test_batch_sampling_with_copied_drafts_keeps_each_rows_law():
-    """Copied rows are verified by the target's own draws, drafted rows by speculative sampling, in the same cycles."""
+    """Copied rows (as drafts certain of their token) and drafted rows are verified by speculative sampling in the
+    same cycles."""
     vocab, num_new, per_prompt = 4, 4, 2000
     # Two layers: with one, the first row's law is too near the wrong one below (a prompt differing in one token).
     target = law_target(vocab, seed=5, peak=20, num_layers=2)
