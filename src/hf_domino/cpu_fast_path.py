@@ -10,7 +10,8 @@ Attention over grouped key/value heads (SmolLM2: 3 key/value heads for 9 query h
 queries, i.e. a verification of drafts (or a batch). There `sdpa` copies every key/value head of the whole cache
 once per query head of its group (`repeat_kv`) before each layer's attention, because masked grouped attention falls
 back to a slow kernel on CUDA; torch's CPU kernel reads the groups in place (`enable_gqa`) with a bit-identical
-result (tested), 1-2 ms less per verification of the 135M target at a few hundred tokens of context. A batch's
+result (tested; from torch 2.9 on, so older releases keep the copies), 1-2 ms less per verification of the 135M
+target at a few hundred tokens of context. A batch's
 verification (2 to 8 queries per row, 2 rows or more) runs as two matmuls per key/value head instead
 (`grouped_matmul_attention`), which reads each key/value head once for all its query heads: 1.3-1.8x faster attention
 there, equal to `sdpa` up to fp32 rounding.
@@ -47,6 +48,7 @@ from transformers import AttentionInterface, CompileConfig, GenerationConfig
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.utils import is_torch_greater_or_equal
 
 from .prepacked_linear import (
     PACKABLE_DTYPES,
@@ -126,6 +128,11 @@ GROUPED_KV_ATTENTION = "sdpa_grouped_kv"
 # is as fast or faster there (`examples/grouped_kv_attention.py`).
 MATMUL_MAX_QUERIES = 8
 
+# torch's fused CPU kernel reads grouped key/value heads in place bit for bit as over `repeat_kv`'s copies from torch
+# 2.9 on; torch 2.6-2.8 round differently (2-4e-7 in fp32: measured on 2.6.0, 2.7.1 and 2.8.0), so there the masked
+# attention of one sequence stays sdpa's own.
+GROUPED_KV_IN_PLACE = is_torch_greater_or_equal("2.9", accept_dev=True)
+
 
 def grouped_matmul_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float
@@ -189,6 +196,10 @@ def sdpa_grouped_kv_forward(
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         output = grouped_matmul_attention(query, key, value, attention_mask, scale)
         return output.transpose(1, 2).contiguous(), None
+    if not GROUPED_KV_IN_PLACE:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     # With a mask `sdpa` is never causal either: the mask says it all.
     output = F.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True

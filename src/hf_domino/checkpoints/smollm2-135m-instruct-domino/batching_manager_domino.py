@@ -390,8 +390,17 @@ class DraftedBatchingManager:
 def release_openmp_workers() -> bool:
     """Ends the calling thread's OpenMP worker threads (`omp_pause_resource_all`, OpenMP 5.0) in every OpenMP runtime
     the process has loaded that offers it (torch's, and any other library's own copy); returns whether one did. The
-    thread's next parallel region starts them again."""
+    thread's next parallel region starts them again. Where no runtime offers it (torch 2.6 bundles a libgomp
+    without it), the workers stay and it returns False."""
     released = False
+    for pause in _openmp_pause_functions():
+        released = pause(1) == 0 or released  # omp_pause_soft
+    return released
+
+
+def _openmp_pause_functions() -> list[Callable[[int], int]]:
+    """`omp_pause_resource_all` of each OpenMP runtime this process has loaded that offers it."""
+    functions = []
     for path in _openmp_runtimes():
         try:
             pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
@@ -399,8 +408,8 @@ def release_openmp_workers() -> bool:
             continue
         if pause is not None:
             pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-            released = pause(1) == 0 or released  # omp_pause_soft
-    return released
+            functions.append(pause)
+    return functions
 
 
 def _openmp_runtimes() -> list[str]:
