@@ -1,10 +1,13 @@
 """One layer's masked attention over grouped key/value heads, at SmolLM2's heads (9 query heads over 3 key/value
 heads, head dim 64), three ways: transformers' `sdpa` (`repeat_kv`), torch's fused kernel reading the groups in place
 (`enable_gqa`), and two matmuls per key/value head (`grouped_matmul_attention`). Median microseconds per shape (rows x
-queries x keys), the way `sdpa_grouped_kv` takes for it, and how far each output is from `sdpa`'s. docs/benchmarks.md
-("Verification reads grouped key/value heads in place", "Batched verification's attention") quotes it:
+queries x keys), the way `sdpa_grouped_kv` takes for it, and how far the other two outputs are from `sdpa`'s.
+docs/benchmarks.md ("Verification reads grouped key/value heads in place", "Batched verification's attention") quotes
+it, and docs/usage.md its differences on older torch (`enable_gqa` bit for bit from torch 2.9 on):
 
     python examples/grouped_kv_attention.py --threads 2
+    PIP_CONSTRAINT=/dev/null pip install -q --target /tmp/torch26 "torch==2.6.*"   # PyPI's CUDA build, runs on a CPU
+    PYTHONPATH=/tmp/torch26 python examples/grouped_kv_attention.py --repeats 3
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
-    columns = "`repeat_kv` (sdpa) | `enable_gqa` | matmuls per key/value head | taken | max diff from sdpa"
+    columns = "`repeat_kv` (sdpa) | `enable_gqa` | matmuls per key/value head | taken | max diff from sdpa: `enable_gqa`, matmuls"
     print(f"| rows x queries x keys | {columns} |")
     print("| ---: | ---: | ---: | ---: | --- | --- |")
     for rows, queries, keys in SHAPES:
@@ -84,7 +87,7 @@ def main() -> None:
         }
         timings = " | ".join(f"{median_us(run, args.repeats):.0f} us" for run in runs.values())
         taken = path_taken(module, query, key, value, mask)
-        diff = "0 (identical)" if taken == "repeat_kv" or not diffs[taken] else f"{float(diffs[taken]):.0e}"
+        diff = ", ".join(f"{float(d):.0e}" if d else "0 (identical)" for d in diffs.values())
         print(f"| {rows} x {queries} x {keys} | {timings} | {taken} | {diff} |")
 
 

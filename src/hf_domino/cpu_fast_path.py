@@ -11,10 +11,9 @@ queries, i.e. a verification of drafts (or a batch). There `sdpa` copies every k
 once per query head of its group (`repeat_kv`) before each layer's attention, because masked grouped attention falls
 back to a slow kernel on CUDA; torch's CPU kernel reads the groups in place (`enable_gqa`) with a bit-identical
 result (tested; from torch 2.9 on, so older releases keep the copies), 1-2 ms less per verification of the 135M
-target at a few hundred tokens of context. A batch's
-verification (2 to 8 queries per row, 2 rows or more) runs as two matmuls per key/value head instead
-(`grouped_matmul_attention`), which reads each key/value head once for all its query heads: 1.3-1.8x faster attention
-there, equal to `sdpa` up to fp32 rounding.
+target at a few hundred tokens of context. A batch's verification (2 to 8 queries per row, 2 rows or more) runs as
+two matmuls per key/value head instead (`grouped_matmul_attention`), which reads each key/value head once for all its
+query heads: 1.3-1.8x faster attention there, equal to `sdpa` up to fp32 rounding.
 
 The drafter is also cast to the target's dtype when they differ: an fp16 drafter (the dtype of the shipped
 checkpoint, what `from_pretrained` gives by default) multiplies on a CPU without packed fp16 kernels several times
@@ -129,8 +128,8 @@ GROUPED_KV_ATTENTION = "sdpa_grouped_kv"
 MATMUL_MAX_QUERIES = 8
 
 # torch's fused CPU kernel reads grouped key/value heads in place bit for bit as over `repeat_kv`'s copies from torch
-# 2.9 on; torch 2.6-2.8 round differently (2-4e-7 in fp32: measured on 2.6.0, 2.7.1 and 2.8.0), so there the masked
-# attention of one sequence stays sdpa's own.
+# 2.9 on; torch 2.6-2.8 round differently (2.6.0: up to 3e-7 in fp32 for one sequence at SmolLM2's heads,
+# examples/grouped_kv_attention.py; 2.7.1 and 2.8.0 differ too), so there one sequence's masked attention stays sdpa's.
 GROUPED_KV_IN_PLACE = is_torch_greater_or_equal("2.9", accept_dev=True)
 
 
@@ -173,19 +172,17 @@ def sdpa_grouped_kv_forward(
     grouped key/value heads in place instead of repeating them (see the module docstring), as matmuls per key/value
     head (`grouped_matmul_attention`) for a batch's few queries per row (its verifications)."""
     rows, _, queries, _ = query.shape
-    if (
+    reads_groups = not (
         attention_mask is None
         or queries == 1
         or query.device.type != "cpu"
         or getattr(module, "num_key_value_groups", 1) == 1
         or kwargs.get("position_bias") is not None
         or kwargs.get("softcap") is not None
-    ):
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+    )
     if (
-        rows > 1
+        reads_groups
+        and rows > 1
         and queries <= MATMUL_MAX_QUERIES
         and query.dtype == torch.float32  # a low-precision softmax would round unlike the fused kernel's fp32 one
         and attention_mask.dtype == torch.bool
@@ -196,15 +193,15 @@ def sdpa_grouped_kv_forward(
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         output = grouped_matmul_attention(query, key, value, attention_mask, scale)
         return output.transpose(1, 2).contiguous(), None
-    if not GROUPED_KV_IN_PLACE:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    if reads_groups and GROUPED_KV_IN_PLACE:
+        # With a mask `sdpa` is never causal either: the mask says it all.
+        output = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
         )
-    # With a mask `sdpa` is never causal either: the mask says it all.
-    output = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+        return output.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
-    return output.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(GROUPED_KV_ATTENTION, sdpa_grouped_kv_forward)
