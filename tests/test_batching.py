@@ -23,6 +23,7 @@ from test_generation import (
     successor,
 )
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from hf_domino import (
     batching_domino,
@@ -152,6 +153,27 @@ def test_max_new_tokens_and_eos_cut_inside_blocks():
     for max_new_tokens in (1, 2, 5, 9):
         expected, output = both(target, drafter, batch, max_new_tokens=max_new_tokens, draft_policy="fixed")
         assert torch.equal(output, expected), max_new_tokens
+
+
+@pytest.mark.parametrize("rows", [[[4, 5]], [[4, 5], [10], [30, 31]]], ids=["one-sequence", "batch"])
+@pytest.mark.parametrize(
+    "criterion",
+    [EosTokenCriteria([1, 9]), EosTokenCriteria([9]), MaxLengthCriteria(6), MaxLengthCriteria(14)],
+    ids=["eos-added", "eos-replaced", "max-length-shorter", "max-length-longer"],
+)
+def test_a_users_eos_and_max_length_criteria_stand_for_generates_own(rows, criterion):
+    """generate() lets a user's `EosTokenCriteria` or `MaxLengthCriteria` take the place of the one it builds from the
+    config, and the target alone stops where the user's says: blocks are cut there too, by transformers' loop for one
+    sequence and by ours for a batch. Row [30, 31] passes the config's EOS (1) on its way to 9. A max length past the
+    config's once left transformers' loop appending nothing, forever: `max_time` makes that a failure, not a hang."""
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, successor(1), block_size=6)
+    batch = left_padded(rows)
+    criteria = dict(stopping_criteria=StoppingCriteriaList([criterion]), max_time=120)
+    expected, output = both(target, drafter, batch, max_new_tokens=8, draft_policy="fixed", **criteria)
+    assert torch.equal(output, expected)
+    config_alone = target.generate(**batch, do_sample=False, max_new_tokens=8)
+    assert expected.shape != config_alone.shape or not torch.equal(expected, config_alone)  # the criterion bites
 
 
 def test_stop_strings_per_row():

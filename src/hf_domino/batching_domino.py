@@ -45,6 +45,7 @@ from .batch_prompts_domino import PromptReading
 from .cache_domino import buffer_layers
 from .copied_drafts_domino import judge_copy
 from .cost_model_domino import row_paces, settle_for_timing
+from .drafting_domino import CallStops
 from .modeling_domino import TargetModules, context_features, hidden_state_indices
 from .options_domino import prefill_chunk_size
 from .policy_domino import AdaptivePolicy, FixedPolicy
@@ -56,7 +57,6 @@ from .ragged_batch_domino import (
     process_rows,
     row_criteria,
     row_processors,
-    within_block,
 )
 from .ragged_cache_domino import RaggedCache, TreeLayout, cached_columns, ragged_forward
 from .ragged_masks_domino import QueryTemperature, SlidingWindow, adds_its_mask, places_by_column, prompt_gaps
@@ -127,19 +127,21 @@ class BatchedDecoding(PromptReading):
         self.chunk_size = prefill_chunk_size(generation_config, {"inputs_embeds": inputs_embeds, **self.prompt_inputs})
         self.modules = TargetModules.from_target(target)
         self.layer_ids = drafter.config.target_layer_ids
-        self.do_sample, self.max_length = bool(generation_config.do_sample), generation_config.max_length
+        # EOS and max_length as the call's criteria say (a user's may stand for generate()'s own): cut inside a block;
+        # the other criteria (stop strings, ...) must not fire inside one.
+        stops = CallStops.of(stopping_criteria, generation_config, input_ids.device)
+        self.do_sample, self.max_length = bool(generation_config.do_sample), stops.max_length
         pad = generation_config._pad_token_tensor  # None: a server's call with neither pad nor EOS token
         self.pad = 0 if pad is None else int(pad.flatten()[0])
-        eos = self.ends = generation_config._eos_token_tensor
+        eos = self.ends = stops.ends
         self.eos_ids = set() if eos is None else set(eos.flatten().tolist())
         rows, self.prompt_length = input_ids.shape
         # Per row: where its prompt ends and the length it may reach. A batch from generate() shares both; rows a
         # server admits later (`admit`) bring their own.
         self.prompt_lengths, self.max_lengths = [self.prompt_length] * rows, [self.max_length] * rows
-        # Each row's stopping criteria (`row_criteria`). EOS and max_length are cut inside a block; the others (stop
-        # strings, ...) must not fire inside one.
+        # Each row's stopping criteria (`row_criteria`), all of them and those asked inside a block.
         self.stopping_criteria = row_criteria(stopping_criteria, rows)
-        self.block_criteria = row_criteria(within_block(stopping_criteria), rows)
+        self.block_criteria = row_criteria(stops.criteria, rows)
         self.per_row = row_processors(logits_processor, rows)
         # A tree of first-token branches per block (`domino_branches`), verified with a 4D mask of this kind.
         self.branches, self.additive = options.domino_branches, adds_its_mask(target)
@@ -173,7 +175,7 @@ class BatchedDecoding(PromptReading):
         self.padding = (~self.mask).sum(dim=-1).tolist()
         self.drafting = CycleDrafter(
             drafter, self.modules, options, generation_config, logits_processor, self.block_criteria, self.context,
-            self.process, self.now, padding=self.padding, per_row=self.per_row, timings=stats.timings,
+            self.process, self.now, padding=self.padding, per_row=self.per_row, timings=stats.timings, ends=self.ends,
         )  # fmt: skip
         # Whether this call drafts and copies at all (`call_speculates`), and still (`stops_speculating`), and the
         # cycles the judge of calls weighs against plain steps (a server sets its rows' limit and arrivals there).

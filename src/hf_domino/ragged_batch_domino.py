@@ -26,7 +26,7 @@ from transformers.generation.logits_process import (
     PrefixConstrainedLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
 )
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import _speculative_sampling
 
 from .cache_domino import buffer_layers
@@ -174,12 +174,6 @@ def row_criteria(criteria: list, rows: int) -> list[StoppingCriteriaList]:
         )
         for row in range(rows)
     ]
-
-
-def within_block(criteria: list) -> list:
-    """The stopping criteria that must not fire inside a block: EOS and max_length cut the block instead
-    (`BatchedDecoding.extend`)."""
-    return [c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
 
 
 def needs_its_place(hook: Callable, rows: int) -> bool:
@@ -469,5 +463,4 @@ __all__ = [
     "row_criteria",
     "row_processors",
     "run_batched_backbone",
-    "within_block",
 ]

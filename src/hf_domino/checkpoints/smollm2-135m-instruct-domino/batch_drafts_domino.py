@@ -230,16 +230,19 @@ class CycleDrafter:
         padding: list[int],
         per_row: list[LogitsProcessorList],
         timings: dict[str, list[float]] | None = None,
+        ends: torch.Tensor | None = None,
     ):
         self.drafter, self.modules, self.options, self.context = drafter, modules, options, context
         self.block_criteria, self.process, self.clock, self.timings = block_criteria, process, clock, timings
         self.per_row = per_row
-        self.ends = getattr(
-            generation_config, "_eos_token_tensor", None
-        )  # a row's drafts end at an EOS (`row_limits`)
+        self.ends = ends  # the EOS ids the call's criteria end a row at: its drafts end at one (`row_limits`)
         self.do_sample = bool(generation_config.do_sample)
         self.head = options.head_enabled(drafter)
-        self.vocab = drafting_vocab(drafter.draft_vocab if options.draft_vocab else None, logits_processor, self.ends)
+        # The EOS ids the processors read are the config's (a length penalty's), whatever the criteria end rows at.
+        self.vocab = drafting_vocab(
+            drafter.draft_vocab if options.draft_vocab else None, logits_processor,
+            getattr(generation_config, "_eos_token_tensor", None),
+        )  # fmt: skip
         self.max_drafts = options.drafts_per_block(drafter)
         # Drafts are picked from the base (+ head) logits themselves when greedy without processors; else from the
         # processed logits, over the draft vocabulary's columns where the processors read the scores alone.

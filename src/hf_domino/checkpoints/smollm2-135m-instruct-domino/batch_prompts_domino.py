@@ -19,8 +19,9 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .cache_domino import buffer_layers
+from .drafting_domino import within_block
 from .modeling_domino import check_context_features, context_features, hidden_state_indices
-from .ragged_batch_domino import pick_tokens, repeated_rows, row_criteria, row_processors, within_block
+from .ragged_batch_domino import pick_tokens, repeated_rows, row_criteria, row_processors
 from .ragged_cache_domino import RaggedCache, batch_cache, ragged_forward
 
 if TYPE_CHECKING:

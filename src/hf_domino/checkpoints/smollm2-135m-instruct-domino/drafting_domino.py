@@ -32,12 +32,13 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .cache_domino import buffer_layers
 from .warpers_domino import SortFreeTopP
 
 if TYPE_CHECKING:
-    from transformers import LogitsProcessorList
+    from transformers import GenerationConfig, LogitsProcessorList
 
     from .modeling_domino import DominoForSpeculation, TargetModules
     from .options_domino import DominoOptions
@@ -299,6 +300,43 @@ def select_fused_rollout(
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class CallStops:
+    """Where a call's sequences end, as the stopping criteria its loop asks say: at a token of `ends` (the EOS ids),
+    at `max_length` tokens, or where one of the other `criteria` (stop strings, a user's own) fires.
+
+    Read off the criteria rather than the generation config: generate() lets a user's `EosTokenCriteria` or
+    `MaxLengthCriteria` (`stopping_criteria=`) take the place of the one it builds, and the target alone then stops
+    where the user's says. A block cuts at the first two itself (it offers nothing after an EOS nor past
+    `max_length`); only transformers' own two classes are read so, and every other criterion, a subclass of them
+    included, is asked at each draft (`stop_free_length`).
+    """
+
+    ends: torch.Tensor | None
+    max_length: int
+    criteria: list
+
+    @classmethod
+    def of(
+        cls, stopping_criteria: list | None, generation_config: GenerationConfig, device: torch.device
+    ) -> CallStops:
+        if stopping_criteria is None:  # a candidate generator built outside generate(): its config's
+            return cls(getattr(generation_config, "_eos_token_tensor", None), generation_config.max_length, [])
+        ends = [c.eos_token_id.flatten().to(device) for c in stopping_criteria if type(c) is EosTokenCriteria]
+        lengths = [c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria]
+        return cls(
+            torch.cat(ends).unique() if ends else None,
+            min(lengths, default=generation_config.max_length),
+            within_block(stopping_criteria),
+        )
+
+
+def within_block(criteria: list) -> list:
+    """The stopping criteria a block must ask at each draft: all but transformers' own EOS and max_length criteria,
+    which the block cuts at itself (`CallStops`)."""
+    return [c for c in criteria if type(c) not in (EosTokenCriteria, MaxLengthCriteria)]
+
+
 def stop_free_length(
     criteria,
     sequence: torch.LongTensor,
@@ -405,6 +443,7 @@ def processed_pick(logits_processor, do_sample: bool, vocab: torch.Tensor | None
 
 __all__ = [
     "BlockDraft",
+    "CallStops",
     "DrafterContext",
     "Drafts",
     "KeepRolling",
@@ -424,4 +463,5 @@ __all__ = [
     "drafting_vocab",
     "drafts_through_an_end",
     "stop_free_length",
+    "within_block",
 ]

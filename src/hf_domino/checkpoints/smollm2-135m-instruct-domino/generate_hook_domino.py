@@ -62,6 +62,7 @@ from .batch_generate_domino import batched_assisted_decoding
 from .batching_manager_domino import DraftedBatchingManager
 from .cache_domino import CACHE_ARGUMENT, buffer_layers, check_croppable, uncached_prompt_length
 from .continuous_batching_domino import generate_requests
+from .drafting_domino import CallStops
 from .generation_domino import read_leading_chunks
 from .options_domino import (
     DominoGenerationStats,
@@ -311,6 +312,10 @@ def _wrap_assisted_decoding(original):
                     cache_given=cache_given,
                     **arguments.get("model_kwargs", {}),
                 )
+        # transformers' loop cuts an accepted block at its config's max_length: where a user's MaxLengthCriteria
+        # reaches past it (this config is the call's copy), the loop would stop growing there and never end.
+        stops = CallStops.of(arguments.get("stopping_criteria"), generation_config, self.device)
+        generation_config.max_length = stops.max_length
         if isinstance(cache, DynamicCache):  # verified blocks written in place, not concatenated (BufferedLayer)
             buffer_layers(cache, options.cache_columns(drafter, generation_config.max_length))
         leading = None

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, StoppingCriteriaList
 
 from .cache_domino import CACHE_ARGUMENT, cached_tokens
 from .copied_drafts_domino import certain_logits, judge_copy, lookup_drafts
@@ -29,6 +29,7 @@ from .cost_model_domino import (
 )
 from .drafting_domino import (
     BlockDraft,
+    CallStops,
     DrafterContext,
     Drafts,
     drafting_vocab,
@@ -55,6 +56,17 @@ if TYPE_CHECKING:
 
 
 # ------------------------------------------------------------------------------------------------ candidate generator
+def ends_the_loop_runs_past(ends: torch.Tensor | None, generation_config: GenerationConfig) -> list:
+    """The call's EOS ids that transformers' assisted loop does not cut an accepted block after (it cuts after its
+    config's only), as a criterion a block must not fire: a block then offers no such draft, and the target's own
+    token, the last of its cycle, decides, as it does a stop string's last token. Empty where a user's criterion
+    adds no EOS id to the config's."""
+    cut = getattr(generation_config, "_eos_token_tensor", None)
+    if ends is not None and cut is not None:
+        ends = ends[~torch.isin(ends, cut.to(ends.device))]
+    return [] if ends is None or not ends.numel() else [EosTokenCriteria(ends)]
+
+
 class DominoCandidateGenerator(CandidateGenerator):
     """Drafts for transformers' assisted-decoding loop: an adapter from its interface to the drafting ladder.
 
@@ -96,23 +108,21 @@ class DominoCandidateGenerator(CandidateGenerator):
         # A target with recurrent layers: a verification with a rejected draft is rolled back whole (RecurrentRollback).
         self.rollback = rollback
         self.target = TargetModules.from_target(target)
-        self.max_length = generation_config.max_length
+        # EOS and max_length as the call's criteria say (a user's may stand for generate()'s own): a block cuts at
+        # them itself (`stop_free_length`); the other criteria (stop strings, ...) must not fire inside it.
+        stops = CallStops.of(stopping_criteria, generation_config, target.device)
+        self.max_length, self.ends = stops.max_length, stops.ends
+        self.block_stopping_criteria = stops.criteria + ends_the_loop_runs_past(stops.ends, generation_config)
         self.max_drafts = options.drafts_per_block(drafter)
         self.do_sample = bool(generation_config.do_sample)
         # Greedy verification never reads the draft logits unless the ensemble option mixes them in.
         self.return_logits = self.do_sample or generation_config.assistant_ensemble_weight is not None
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
-        # The EOS tokens: a block offers nothing after one (`stop_free_length`).
-        self.ends = getattr(generation_config, "_eos_token_tensor", None)
+        # The EOS ids the processors read are the config's (a length penalty's), whatever the criteria end at.
         self.vocab = drafting_vocab(
-            drafter.draft_vocab if options.draft_vocab else None, self.logits_processor, self.ends
-        )
-        # EOS and max length are already cut inside a block by the loop; other criteria (stop strings, ...) are not.
-        self.block_stopping_criteria = [
-            criterion
-            for criterion in (stopping_criteria or [])
-            if not isinstance(criterion, (MaxLengthCriteria, EosTokenCriteria))
-        ]
+            drafter.draft_vocab if options.draft_vocab else None, self.logits_processor,
+            getattr(generation_config, "_eos_token_tensor", None),
+        )  # fmt: skip
         layers = hidden_state_indices(drafter.config.target_layer_ids)
         # A user asking for all hidden states in the output needs them all from every forward.
         self.model_kwargs_overrides = {
