@@ -131,14 +131,19 @@ def row_limits(
     criteria: list,
     ends: torch.Tensor | None = None,
 ) -> list[int]:
-    """Drafts each active row (`sequences`, in the batch's order) may offer: its room, its drafts above the confidence
-    threshold, none past a stop string (`criteria[i]`: row i's stopping criteria that must not fire inside a block)
-    or after an EOS draft (`ends`: the EOS token ids)."""
+    """Drafts each active row (`sequences`, in the batch's order) may offer: its room, its drafts through the first
+    under the confidence threshold, none after one that completes a stop (`criteria[i]`: row i's stopping criteria
+    asked inside a block; the loop cuts an accepted block there, `BatchedDecoding.extend`) or after an EOS draft
+    (`ends`: the EOS token ids). Each draft's offer depends on the drafts before it only, as sampling needs."""
     through_end = drafts_through_an_end(drafts.ids, ends) if ends is not None else [drafts.ids.shape[1]] * len(room)
     return [
         stop_free_length(
-            criteria[i], sequence, drafts.ids[i], min(room[i], below_threshold(drafts.confidence[i], threshold), end)
-        )
+            criteria[i],
+            sequence,
+            drafts.ids[i],
+            min(room[i], below_threshold(drafts.confidence[i], threshold), end),
+            through_stop=True,
+        )  # fmt: skip
         for i, (sequence, end) in enumerate(zip(sequences, through_end, strict=True))
     ]
 
@@ -191,7 +196,7 @@ class RowCopies:
             if copy is None and self.datastore is not None and retrieving:
                 copy, source = self.datastore.lookup(text, limit), self.datastore_policy
             if copy is not None:
-                keep = stop_free_length(self.criteria[row], sequences[row], copy[0], ends=self.ends)
+                keep = stop_free_length(self.criteria[row], sequences[row], copy[0], ends=self.ends, through_stop=True)
                 if keep:
                     found[i], sources[i] = copy[0, :keep], source
         if not found:

@@ -45,7 +45,7 @@ from .batch_prompts_domino import PromptReading
 from .cache_domino import buffer_layers
 from .copied_drafts_domino import judge_copy
 from .cost_model_domino import row_paces, settle_for_timing
-from .drafting_domino import CallStops
+from .drafting_domino import CallStops, asked_without_scores, first_stop
 from .modeling_domino import TargetModules, context_features, hidden_state_indices
 from .options_domino import prefill_chunk_size
 from .policy_domino import AdaptivePolicy, FixedPolicy
@@ -217,8 +217,8 @@ class BatchedDecoding(PromptReading):
     def extend(
         self, rows: list[int], tokens: list[torch.LongTensor], scores: tuple[torch.Tensor | None, ...] | None = None
     ) -> list[bool]:
-        """Appends `tokens[i]` to row `rows[i]`, cut at EOS and max_length as the target alone would; per row, whether
-        it is done.
+        """Appends `tokens[i]` to row `rows[i]`, cut at EOS, max_length and where a stopping criterion fires, as the
+        target alone would; per row, whether it is done.
 
         `scores` are the processed and raw logits the tokens were picked from (`[rows, n, V]` each) and their
         columns' hidden states (`hidden_of`, or None), kept for the tokens appended; passed only where the call
@@ -232,13 +232,19 @@ class BatchedDecoding(PromptReading):
             start += row_tokens.shape[0]
             end = next((at for at, token in enumerate(kept) if token in self.eos_ids), None)
             kept = kept if end is None else kept[: end + 1]
+            # A block may hold a draft that completes a stop (`row_limits`): nothing after it is kept.
+            stop = first_stop(self.block_criteria[row], sequence, row_tokens[: max(len(kept) - 1, 0)])
+            kept, end = (kept, end) if stop is None else (kept[:stop], stop - 1)
             if scores is not None:
                 self.token_scores.add(row, *(None if each is None else each[i][: len(kept)] for each in scores))
             sequence = self.sequences[row] = torch.cat([sequence, row_tokens[: len(kept)].to(sequence.device)])
             done.append(end is not None or sequence.shape[0] >= self.max_lengths[row])
         asked = [i for i, finished in enumerate(done) if not finished]
         if asked:
-            answers = [self.stopping_criteria[rows[i]](self.sequences[rows[i]][None], None).any() for i in asked]
+            answers = [
+                asked_without_scores(self.stopping_criteria[rows[i]], self.sequences[rows[i]][None]).any()
+                for i in asked
+            ]
             for i, answer in zip(asked, torch.stack(answers).tolist()):
                 done[i] = answer
         return done

@@ -325,7 +325,7 @@ class CallStops:
         ends = [c.eos_token_id.flatten().to(device) for c in stopping_criteria if type(c) is EosTokenCriteria]
         lengths = [c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria]
         return cls(
-            torch.cat(ends).unique() if ends else None,
+            torch.cat(ends) if ends else None,
             min(lengths, default=generation_config.max_length),
             within_block(stopping_criteria),
         )
@@ -343,30 +343,58 @@ def stop_free_length(
     drafts: torch.LongTensor,
     limit: int | None = None,
     ends: torch.Tensor | None = None,
+    through_stop: bool = False,
 ) -> int:
-    """How many of the first `limit` (default: all) of `drafts` `[k]` can follow `sequence` `[n]` before one of the
-    stopping `criteria` (those that must not fire inside a block: stop strings, not EOS or max_length) would, and
-    none after an end-of-sequence draft (`ends`: the EOS token ids).
+    """How many of the first `limit` (default: all) of `drafts` `[k]` a block offers after `sequence` `[n]`: none after
+    an end-of-sequence draft (`ends`: the EOS token ids), and none past the point where one of the stopping `criteria`
+    (those a block must ask at each draft: stop strings, a user's own; not EOS or max_length) would fire.
 
-    transformers' loop checks stopping criteria once per cycle, after the whole accepted block. If the sequence plus
-    drafts[:j] completes a stop, only drafts[:j - 1] are offered: the target's own next token then decides whether
-    the stop happens, exactly as without a drafter, and nothing is generated past it. An EOS draft is offered (the
-    loop ends the sequence inside a block where it is accepted), the drafts after it are not: nothing after it is ever
-    generated, and logits processors would read sequences that go on past their end, which the target alone never
-    shows them.
+    transformers' loop checks stopping criteria once per cycle, after the whole accepted block, and keeps the block
+    whole. For it, if the sequence plus drafts[:j] completes a stop, only drafts[:j - 1] are offered: the target's own
+    next token then decides whether the stop happens, exactly as without a drafter, and nothing is generated past it.
+    That choice reads draft j itself, which is exact where drafts follow from the text alone (greedy drafts, copies)
+    but not for drafts drawn at random: speculative sampling keeps the target's law only where whether draft j is
+    offered does not depend on draft j. So a loop that cuts an accepted block where a criterion fires (the batch
+    loop, `first_stop`) offers drafts[:j] (`through_stop`), as it offers an EOS draft; the drafts after either are
+    not offered: nothing after them is ever generated, and logits processors would read sequences that go on past
+    their end, which the target alone never shows them.
     """
     limit = drafts.shape[0] if limit is None else limit
     if ends is not None and limit:
         limit = drafts_through_an_end(drafts[None, :limit], ends)[0]
-    if not criteria or limit == 0:
+    stop = first_stop(criteria, sequence, drafts[:limit])
+    if stop is None:
         return limit
-    candidate = torch.cat([sequence, drafts[:limit].to(sequence.device)])
-    for j in range(1, limit + 1):
+    return stop if through_stop else stop - 1
+
+
+def first_stop(criteria, sequence: torch.LongTensor, tokens: torch.LongTensor) -> int | None:
+    """The first j such that `sequence` `[n]` followed by `tokens[:j]` (`[m]`) makes one of the stopping `criteria`
+    fire; None if none does. Criteria are asked as a block can ask them, before the target scored its tokens: with
+    `scores=None`."""
+    if not criteria or not tokens.shape[0]:
+        return None
+    candidate = torch.cat([sequence, tokens.to(sequence.device)])
+    for j in range(1, tokens.shape[0] + 1):
         prefix = candidate[None, : sequence.shape[0] + j]
-        # A criterion may answer one bool (written for one sequence), as StoppingCriteriaList allows.
-        if any(bool(torch.as_tensor(criterion(prefix, None)).any()) for criterion in criteria):
-            return j - 1
-    return limit
+        if any(bool(asked_without_scores(criterion, prefix).any()) for criterion in criteria):
+            return j
+    return None
+
+
+def asked_without_scores(criteria, input_ids: torch.LongTensor) -> torch.Tensor:
+    """`criteria(input_ids, None)` as a tensor (a criterion may answer one bool, as StoppingCriteriaList allows): how
+    drafting loops ask stopping criteria, before or without the target's scores of the tokens asked about. A
+    criterion that reads the scores fails there, with the fix named."""
+    try:
+        return torch.as_tensor(criteria(input_ids, None))
+    except (TypeError, AttributeError, IndexError) as error:
+        raise ValueError(
+            f"A stopping criterion failed when asked with scores=None ({type(error).__name__}: {error}; {criteria!r}). "
+            "With a drafter, stopping criteria are asked at each draft before the target has scored it, so a "
+            "criterion that reads `scores` cannot be served: decide from the tokens (`input_ids`) alone, or generate "
+            "without assistant_model."
+        ) from error
 
 
 def drafts_through_an_end(drafts: torch.LongTensor, ends: torch.Tensor) -> list[int]:
@@ -462,6 +490,8 @@ __all__ = [
     "spread_to_vocabulary",
     "drafting_vocab",
     "drafts_through_an_end",
+    "asked_without_scores",
+    "first_stop",
     "stop_free_length",
     "within_block",
 ]

@@ -63,7 +63,7 @@ from .batching_manager_domino import DraftedBatchingManager
 from .cache_domino import CACHE_ARGUMENT, buffer_layers, check_croppable, uncached_prompt_length
 from .continuous_batching_domino import generate_requests
 from .drafting_domino import CallStops
-from .generation_domino import read_leading_chunks
+from .generation_domino import ends_the_loop_runs_past, read_leading_chunks
 from .options_domino import (
     DominoGenerationStats,
     DominoOptions,
@@ -257,6 +257,12 @@ def _steps_returned_otherwise(generation_config: GenerationConfig, cache: Any, r
     )  # fmt: skip
 
 
+def _asks_criteria_inside_blocks(stops: CallStops, generation_config: GenerationConfig) -> bool:
+    """Whether one sequence's blocks must ask stopping criteria at each draft in transformers' loop: stop strings, a
+    user's criteria, or a user's EOS ids that the loop does not cut a block at (`ends_the_loop_runs_past`)."""
+    return bool(stops.criteria or ends_the_loop_runs_past(stops.ends, generation_config))
+
+
 def _wrap_assisted_decoding(original):
     unwrapped = _beneath_hooks(original)  # what this layer calls where it serves the call
 
@@ -279,6 +285,9 @@ def _wrap_assisted_decoding(original):
         # first weights accelerate offloaded: transformers' loop moves each block to `target.device`, the meta device.
         batched = arguments["input_ids"].shape[0] > 1 or options.domino_branches > 1 or self.device.type == "meta"
         model_kwargs, generation_config = arguments.get("model_kwargs", {}), arguments["generation_config"]
+        stops = CallStops.of(arguments.get("stopping_criteria"), generation_config, target_execution_device(self))
+        # Drawn drafts offer the one that completes a stop, which transformers' loop cannot cut after (`stop_free_length`).
+        batched = batched or (generation_config.do_sample and _asks_criteria_inside_blocks(stops, generation_config))
         cache = model_kwargs.get(CACHE_ARGUMENT)
         prefill_length = chunk_size = None
         if not batched:
@@ -314,7 +323,6 @@ def _wrap_assisted_decoding(original):
                 )
         # transformers' loop cuts an accepted block at its config's max_length: where a user's MaxLengthCriteria
         # reaches past it (this config is the call's copy), the loop would stop growing there and never end.
-        stops = CallStops.of(arguments.get("stopping_criteria"), generation_config, self.device)
         generation_config.max_length = stops.max_length
         if isinstance(cache, DynamicCache):  # verified blocks written in place, not concatenated (BufferedLayer)
             buffer_layers(cache, options.cache_columns(drafter, generation_config.max_length))

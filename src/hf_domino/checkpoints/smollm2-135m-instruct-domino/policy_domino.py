@@ -99,11 +99,14 @@ class FixedPolicy:
 
 
 def below_threshold(confidence: torch.Tensor, threshold: float | None) -> int:
-    """Drafts before the first one whose confidence is under `threshold` (all of them without a threshold)."""
+    """Drafts up to and with the first one whose confidence is under `threshold` (all of them without a threshold):
+    transformers' meaning (its `ConfidenceCriteria` ends drafting after such a draft). Whether a draft is offered then
+    depends on the drafts before it only, which keeps a sampled call's law: dropping the low draft itself would favour
+    the likelier draws."""
     if threshold is None:
         return confidence.numel()
     low = (confidence < threshold).nonzero()
-    return int(low[0, 0]) if low.numel() else confidence.numel()
+    return int(low[0, 0]) + 1 if low.numel() else confidence.numel()
 
 
 class AdaptivePolicy:
@@ -235,6 +238,11 @@ class AdaptivePolicy:
         drafts past its limit (room, threshold, stop strings), which count as certain rejections here.
         """
         self.confidence = confidence.detach().float().cpu()
+        if self.record.sampled:  # drawn drafts: whether one is verified must not read it (`_drawn_k`)
+            rows = self.confidence if limits is not None else self.confidence[None]
+            limits = limits if limits is not None else [below_threshold(self.confidence, self.confidence_threshold)]
+            acceptance = self.record.calibration(rows.flatten()).view(rows.shape)
+            return self._drawn_k(lambda priced: self._best_k(priced, spent=draft_seconds), acceptance, limits)
         if limits is not None:
             acceptance = self.record.calibration(self.confidence.flatten()).view(self.confidence.shape).clone()
             for row, limit in enumerate(limits):
@@ -246,6 +254,41 @@ class AdaptivePolicy:
         # drafting.
         return self._best_k(self.record.calibration(self.confidence[:limit]), spent=draft_seconds)
 
+    def _drawn_k(
+        self, decide: Callable[[torch.Tensor], int], acceptance: torch.Tensor, limits: Any, chosen: int = 0
+    ) -> int:
+        """k for drawn drafts (a sampled call's), from `decide(acceptance) -> k` and the calibrated confidence of
+        each draft (`acceptance` `[rows, K]`, or `[rows, n, K]` for a tree), each row (branch) offering at most its
+        `limits`.
+
+        Speculative sampling keeps the target's law only where whether draft i is verified depends on the drafts
+        before it, not on draft i (nor on what follows it, which the head drafts from it). A drawn draft's confidence
+        is the probability of the token drawn, so a k read off all of them verifies likelier draws more often (and
+        skews what the target outputs towards the drafter's law). So draft i is verified only where `decide`, shown
+        the drafts before i at their confidence and the rest at the acceptance learned per position
+        (`_priced_before`), verifies at least i. Drafts `< chosen` are chosen, not drawn (a tree's first), and priced
+        at their confidence throughout. Each row's limit is a rule of the same kind (`below_threshold`,
+        `stop_free_length`), so a row whose limit fell before i offers nothing past it.
+        """
+        limits = torch.as_tensor(limits).cpu()
+        k = 0
+        for i in range(1, min(acceptance.shape[-1], int(limits.max())) + 1):
+            if decide(self._priced_before(acceptance, limits, i, chosen)) < i:
+                break
+            k = i
+        return k
+
+    def _priced_before(self, acceptance: torch.Tensor, limits: Any, i: int, chosen: int = 0) -> torch.Tensor:
+        """`acceptance` as `_drawn_k` prices draft i: the drafts before it (and the first `chosen`) at their own, the
+        others at the acceptance learned per position; nothing past the limit of a row whose limit is below i."""
+        K = acceptance.shape[-1]
+        learned = self.record.position_acceptance[:K]
+        prior = torch.tensor(learned + [0.0] * (K - len(learned)), dtype=acceptance.dtype)
+        position = torch.arange(K)
+        priced = torch.where(position < max(i - 1, chosen), acceptance, prior)
+        limit = torch.as_tensor(limits)[..., None]
+        return priced.masked_fill((limit < i) & (position >= limit), 0.0)
+
     def choose_tree(self, confidence: torch.Tensor, draft_seconds: float, limits: torch.LongTensor) -> tuple[int, int]:
         """k and how many branches to verify, for a tree: `confidence` `[rows, n, k]` of each row's n branches (the
         first: its likeliest first draft), `limits` `[rows, n]` the drafts each may offer. Every branch costs k
@@ -255,15 +298,27 @@ class AdaptivePolicy:
         self.confidence = self.tree_confidence[:, 0]  # what `observe` learns from, unless a branch is taken
         rows, n, K = self.tree_confidence.shape
         acceptance = self.record.calibration(self.tree_confidence.flatten()).view(rows, n, K)
-        acceptance = acceptance.masked_fill(torch.arange(K)[None, None] >= limits[..., None].cpu(), 0.0)
-        tokens = tree_tokens(acceptance, self._tokens)  # [n, K + 1]: with the first 1..n branches
         costs = torch.tensor(
             [[draft_seconds + self.verify_cost(1 + used * k) for k in range(K + 1)] for used in range(1, n + 1)],
             dtype=torch.float64,
         )
-        best = int(torch.argmax(tokens / costs))
-        used, k = divmod(best, K + 1)
-        return min(k, int(limits.max())), (used + 1) if k else 1
+
+        def best(priced: torch.Tensor) -> tuple[int, int]:  # (branches used, k)
+            used, k = divmod(int(torch.argmax(tree_tokens(priced, self._tokens) / costs)), K + 1)
+            return used + 1, k
+
+        if self.record.sampled:
+            # A tree's first drafts are chosen (each row's likeliest tokens), not drawn: their confidences may decide
+            # how many branches, once; the drafts drawn after them are verified as `_drawn_k` says.
+            used = best(self._priced_before(acceptance, limits, 1, chosen=1))[0]
+            k = self._drawn_k(
+                lambda priced: int(torch.argmax(tree_tokens(priced, self._tokens)[used - 1] / costs[used - 1])),
+                acceptance, limits, chosen=1,
+            )  # fmt: skip
+            return k, used if k else 1
+        acceptance = acceptance.masked_fill(torch.arange(K)[None, None] >= limits[..., None].cpu(), 0.0)
+        used, k = best(acceptance)
+        return min(k, int(limits.max())), used if k else 1
 
     def take_branch(self, taken: list[int], offered: torch.LongTensor) -> None:
         """After a tree's verification: what `observe` learns next is along each row's branch `taken[row]`, and the
