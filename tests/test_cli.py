@@ -90,6 +90,8 @@ def test_unknown_command_is_an_argparse_error():
         (["train", "--max-grad-norm", "0"], "a number in (0, inf)"),
         (["train", "--kl-weight", "1.5"], "a number in [0, 1]"),
         (["train", "--stop-after-minutes", "-5"], "a number in (0, inf)"),
+        (["serve", "--port", "70000"], "a TCP port (1-65535)"),
+        (["serve", "--port", "0"], "a TCP port (1-65535)"),
     ],
 )
 def test_a_number_out_of_its_range_is_a_usage_error(argv, expected, capsys):
@@ -167,7 +169,7 @@ def test_pack_names_the_file_that_is_not_regenerated_data_and_writes_nothing(rec
     assert not (tmp_path / "packed.safetensors").exists()
 
 
-def test_export_refuses_bad_input_before_loading_and_writes_nothing(tmp_path, capsys):
+def test_export_refuses_bad_input_before_loading_and_writes_nothing(tmp_path, capsys, monkeypatch):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("mine")
     (tmp_path / "a-file").write_text("mine")
@@ -180,7 +182,13 @@ def test_export_refuses_bad_input_before_loading_and_writes_nothing(tmp_path, ca
         ([*export, str(tmp_path / "out"), "--results", str(tmp_path / "not.json")], 1, "is not JSON"),
         ([*export, str(tmp_path / "out"), "--results", str(tmp_path / "row.json")], 1, "non-empty JSON list of objects"),
         (["export", str(tmp_path / "no-drafter"), str(tmp_path / "out"), "--base-model", "o/t"], 2, "No drafter checkpoint"),
+        # The current folder (or one holding it): an export replaces its folder whole.
+        ([*export, ".", "--overwrite"], 1, "is the current folder or holds it"),
+        ([*export, str(tmp_path.parent.parent), "--overwrite"], 1, "is the current folder or holds it"),
+        ([*export, str(tmp_path / "out"), "--tokenizer-gguf-file", "t.gguf"], 1, "pass both"),
+        ([*export, str(tmp_path / "out"), "--tokenizer", str(tmp_path / "no-such")], 2, "No model folder at"),
     ]  # fmt: skip
+    monkeypatch.chdir(tmp_path.parent)
     for argv, status, message in cases:
         try:
             assert cli.main(argv) == status

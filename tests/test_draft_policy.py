@@ -717,6 +717,9 @@ def test_draft_vocab_counts_and_keeps_special_tokens():
     assert most_frequent(counts, 4).tolist() == [0, 5, 6, 7]  # ties go to the lower id
     with pytest.raises(ValueError, match="special tokens"):
         most_frequent(counts, 1, always=[1, 2])
+    # Ids of another model's vocabulary: an error, not counts of the ids that happen to fit.
+    with pytest.raises(ValueError, match="token id 12 is outside the drafter's 10-token vocabulary"):
+        count_tokens([[5, 12]], vocab_size=10)
 
 
 def test_draft_vocab_command_writes_a_loadable_copy(tmp_path):
@@ -748,7 +751,14 @@ def test_draft_vocab_command_writes_a_loadable_copy(tmp_path):
         cli.main([*argv, "--size", "999", "--data", str(data), "--output", str(tmp_path / "big")])
     missing = ["draft-vocab", "--drafter", str(tmp_path / "none"), "--size", "6", "--output", str(tmp_path / "m")]
     assert cli.main(missing) == 2  # "No drafter checkpoint at ...", one line
-    assert not (tmp_path / "big").exists() and not (tmp_path / "m").exists()
+    # Data or a tokenizer of another target: named, nothing written.
+    data.write_text(json.dumps(record | {"input_ids": [9, 9, 5, VOCAB + 3, 5, 7]}) + "\n")
+    with pytest.raises(SystemExit, match=f"token id {VOCAB + 3} is outside the drafter's {VOCAB}-token vocabulary"):
+        cli.main([*argv, "--size", "6", "--data", str(data), "--output", str(tmp_path / "other")])
+    with pytest.raises(SystemExit, match=f"tokenizer has 49152 tokens, more than the drafter's {VOCAB}-token"):
+        cli.main([*argv[:-1], "smollm2", "--size", "6", "--data", str(data), "--output", str(tmp_path / "other")])
+    assert not (tmp_path / "big").exists() and not (tmp_path / "m").exists() and not (tmp_path / "other").exists()
+    data.write_text(json.dumps(record) + "\n")
 
     # The committed form of regenerated data (`hf-domino pack`) counts the same.
     from hf_domino.training import pack

@@ -518,6 +518,7 @@ def test_export_writes_a_hub_ready_folder_atomically(tmp_path):
 
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
+    weights = {name: tensor.clone() for name, tensor in drafter.state_dict().items()}
     results = [{"prompts": "MT-Bench", "acceptance length": 3.1, "speedup": "1.6x"}]
     out = export_drafter(
         drafter,
@@ -537,7 +538,9 @@ def test_export_writes_a_hub_ready_folder_atomically(tmp_path):
         and "| dtype | float16 |" in card.text
         and "Trained for 10 steps." in card.text
     )
-    assert drafter.dtype == torch.float32  # the live model is left as it was
+    # The live model is left as it was: its dtype and every bit of its weights (not rounded through float16).
+    assert drafter.dtype == torch.float32
+    assert all(torch.equal(weights[name], tensor) for name, tensor in drafter.state_dict().items())
     umask = os.umask(0)
     os.umask(umask)
     assert (out.stat().st_mode & 0o777) == 0o777 & ~umask  # not the private staging permissions
@@ -553,6 +556,41 @@ def test_export_writes_a_hub_ready_folder_atomically(tmp_path):
     with pytest.raises(RuntimeError, match="disk full"):
         export_drafter(broken, tmp_path / "never", base_model="org/tiny-target")
     assert not (tmp_path / "never").exists() and [p.name for p in tmp_path.iterdir()] == ["exp"]
+
+
+def test_export_to_a_symlinked_folder_replaces_what_it_points_to(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "old.txt").write_text("an earlier export")
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    export_drafter(tiny_drafter(tiny_target("qwen3")), tmp_path / "link", base_model="org/t", overwrite=True)
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "real" / "config.json").is_file()
+    assert not (tmp_path / "real" / "old.txt").exists()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["link", "real"]  # no staging folder left
+
+
+def test_save_pretrained_uploads_the_vocabulary_and_datastore_files_too(tmp_path, monkeypatch):
+    """transformers' own upload runs at the end of its save, before the draft vocabulary's file is written: the
+    drafter uploads through `push_to_hub` after it (Hub calls replaced by a recorder)."""
+    drafter = tiny_drafter(tiny_target("qwen3"))
+    drafter.set_draft_vocab(torch.tensor([1, 2, 3]))
+    uploads = []
+
+    def push_to_hub(repo_id, **options):
+        uploads.append((repo_id, options, sorted(os.listdir(tmp_path / "out"))))
+
+    monkeypatch.setattr(drafter, "push_to_hub", push_to_hub)
+    drafter.save_pretrained(tmp_path / "out", push_to_hub=True, commit_message="first", private=True)
+    [(repo_id, options, files)] = uploads
+    assert repo_id == "out" and options["commit_message"] == "first" and options["private"] is True
+    assert "draft_vocab.safetensors" in files and "model.safetensors" in files
+
+
+def test_a_drafter_in_a_subfolder_loads_its_vocabulary(tmp_path):
+    drafter = tiny_drafter(tiny_target("qwen3"))
+    drafter.set_draft_vocab(torch.tensor([1, 2, 3]))
+    drafter.save_pretrained(tmp_path / "repo" / "drafter")
+    loaded = DominoForSpeculation.from_pretrained(tmp_path / "repo", subfolder="drafter")
+    assert loaded.draft_vocab.tolist() == [1, 2, 3]
 
 
 @pytest.mark.parametrize("domino", [True, False])

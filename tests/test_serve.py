@@ -481,6 +481,7 @@ REFUSED_SETTINGS = {
     ),
     "unknown-option": (["--drafter-option", "bogus=1"], "expected NAME=VALUE with NAME one of"),
     "no-drafter": (["--drafter", "no/such/folder"], "No drafter checkpoint at no/such/folder"),
+    "no-target": (["/no/such/target"], "No model folder at /no/such/target"),
     "serve-option-of-its-own": (["--serve-option", "port=8001"], "port is set by hf-domino serve's --port"),
 }
 # Each setting through the command's entry point in one process (one import of torch and transformers for all): exit

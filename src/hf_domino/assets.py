@@ -176,6 +176,19 @@ def hub_id(target: str) -> str:
     return OFFLINE_TARGETS[target].hub_id if target in OFFLINE_TARGETS else target
 
 
+def check_model_reference(target: str) -> None:
+    """A `FileNotFoundError` naming the problem where `target` is a path (absolute, `./`, `~`, or more than one `/`,
+    which no Hugging Face model id has) to nothing: transformers would read it as a model id and say only that the
+    id is malformed."""
+    path = Path(target).expanduser()
+    looks_like_a_path = path.is_absolute() or target.startswith((".", "~")) or target.count("/") > 1
+    if looks_like_a_path and not path.exists():
+        raise FileNotFoundError(
+            f"No model folder at {target}: give an existing folder, a Hugging Face model id (org/name) or an offline "
+            f"name ({', '.join(OFFLINE_TARGETS)})."
+        )
+
+
 def load_target(
     target: str = "smollm2",
     *,
@@ -193,6 +206,7 @@ def load_target(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = dtype or torch.float32
+    check_model_reference(target)
     offline = offline_gguf_path(target) if gguf_file is None else None
     if offline is not None:
         model, tokenizer = load_dense_gguf(offline, dtype)
@@ -208,6 +222,7 @@ def load_tokenizer(target: str = "smollm2", *, gguf_file: str | None = None) -> 
     Face model id or folder, with `gguf_file` inside it)."""
     from transformers import AutoTokenizer
 
+    check_model_reference(target)
     offline = offline_gguf_path(target) if gguf_file is None else None
     if offline is not None:
         return load_dense_gguf_tokenizer(offline)

@@ -34,11 +34,19 @@ if TYPE_CHECKING:
 
 
 def count_tokens(sequences: Iterable[Sequence[int]], vocab_size: int) -> torch.Tensor:
-    """How often each token id occurs in `sequences`: `[vocab_size]` int64."""
+    """How often each token id occurs in `sequences`: `[vocab_size]` int64. An id outside the vocabulary is a
+    `ValueError`: the sequences were tokenized for another model than the drafter's target."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for sequence in sequences:
         if len(sequence):
-            counts += torch.bincount(torch.as_tensor(sequence, dtype=torch.long), minlength=vocab_size)[:vocab_size]
+            ids = torch.as_tensor(sequence, dtype=torch.long)
+            if int(ids.max()) >= vocab_size or int(ids.min()) < 0:
+                raise ValueError(
+                    f"token id {int(ids.max()) if int(ids.max()) >= vocab_size else int(ids.min())} is outside the "
+                    f"drafter's {vocab_size}-token vocabulary: count tokens of the drafter's own target (its "
+                    "tokenizer for --target, its regenerated answers for --data)."
+                )
+            counts += torch.bincount(ids, minlength=vocab_size)
     return counts
 
 
@@ -132,12 +140,20 @@ def run(args: argparse.Namespace) -> int:
             "vocabulary: a draft vocabulary is a subset of it (the shipped drafter's holds 8192)."
         )
     tokenizer = assets.load_tokenizer(args.target)
+    if len(tokenizer) > config["vocab_size"]:
+        raise SystemExit(
+            f"hf-domino draft-vocab: --target {args.target}'s tokenizer has {len(tokenizer)} tokens, more than the "
+            f"drafter's {config['vocab_size']}-token vocabulary: pass the drafter's own target."
+        )
     if args.data:
         source, sequences = f"{len(args.data)} regenerated file(s)", regenerated_response_ids(args.data)
     else:
         source = f"assistant turns of {args.sharegpt_conversations} ShareGPT conversations"
         sequences = sharegpt_assistant_ids(tokenizer, args.sharegpt_conversations)
-    counts = count_tokens(sequences, config["vocab_size"])
+    try:
+        counts = count_tokens(sequences, config["vocab_size"])
+    except ValueError as error:
+        raise SystemExit(f"hf-domino draft-vocab: {error}") from None
     token_ids = most_frequent(counts, args.size, always=tokenizer.all_special_ids)
     covered = counts[token_ids].sum().item() / max(counts.sum().item(), 1)
     write_drafter_with_vocab(drafter_dir, token_ids, args.output)

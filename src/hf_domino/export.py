@@ -11,6 +11,7 @@ tokenizer (so that `pipeline(..., assistant_model="path")` finds one) and a mode
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -257,7 +258,8 @@ def export_drafter(
         drop_domino_head: with `layout="transformers-dflash"`, write a `shift_label=False` drafter's backbone without
             its Domino head (transformers' assistant has none; it drafts as `domino_head=False` does here).
     """
-    output_dir = Path(output_dir)
+    # The real folder: a symlink is followed, and "." gets its name (the staging folder sits beside it).
+    output_dir = Path(output_dir).resolve()
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: choose among {', '.join(LAYOUTS)}.")
     if drop_domino_head and layout != "transformers-dflash":
@@ -269,16 +271,12 @@ def export_drafter(
         raise FileExistsError(f"{problem}.")
     native = layout == "transformers-dflash"
     model = to_transformers_dflash(drafter, drop_domino_head=drop_domino_head) if native else drafter
+    if dtype is not None and dtype != model.dtype:  # converted in a copy: the caller's weights keep every bit
+        model = copy.deepcopy(model).to(dtype)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output_dir.parent, prefix=f".{output_dir.name}.") as staging:
         staging_dir = Path(staging) / "drafter"
-        original_dtype = model.dtype
-        try:
-            if dtype is not None:
-                model.to(dtype)
-            model.save_pretrained(staging_dir)
-        finally:
-            model.to(original_dtype)
+        model.save_pretrained(staging_dir)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging_dir)
         card = model_card(
@@ -309,6 +307,12 @@ def export_drafter(
 
 def _output_problem(output_dir: Path, overwrite: bool, overwrite_option: str) -> str | None:
     """Why `output_dir` cannot take an export, if it cannot (`overwrite_option`: how the caller spells overwrite)."""
+    output_dir = output_dir.resolve()
+    if Path.cwd().is_relative_to(output_dir):
+        return (
+            f"{output_dir} is the current folder or holds it, which an export replaces whole: write to a new "
+            "folder (e.g. ./drafter)"
+        )
     if output_dir.exists() and not output_dir.is_dir():
         return f"{output_dir} is a file: give the path of a folder to write"
     if output_dir.exists() and any(output_dir.iterdir()) and not overwrite:
@@ -357,15 +361,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .assets import drafter_folder, load_tokenizer
+    from .assets import check_model_reference, drafter_folder, load_tokenizer
 
     # Bad input fails before anything loads: each exit names the file and the fix.
     output = Path(args.output)
     if problem := _output_problem(output, args.overwrite, "--overwrite"):
         raise SystemExit(f"hf-domino export: {problem}.")
+    if args.tokenizer_gguf_file and not args.tokenizer:
+        raise SystemExit(
+            "hf-domino export: --tokenizer-gguf-file names a file inside --tokenizer's folder; pass both."
+        )
+    if args.tokenizer:
+        check_model_reference(args.tokenizer)
     results = _result_rows(Path(args.results)) if args.results else None
     training_summary = Path(args.training_summary).read_text() if args.training_summary else None
-    drafter = DominoForSpeculation.from_pretrained(drafter_folder(args.drafter))
+    try:
+        drafter = DominoForSpeculation.from_pretrained(drafter_folder(args.drafter))
+    except ValueError as error:  # a folder whose config and weights disagree, ...: the loader names it
+        raise SystemExit(f"hf-domino export: {args.drafter}: {error}") from None
     tokenizer = load_tokenizer(args.tokenizer, gguf_file=args.tokenizer_gguf_file) if args.tokenizer else None
     try:
         export_drafter(

@@ -426,7 +426,7 @@ class DominoForSpeculation(DominoPreTrainedModel):
             raise ValueError("use_safetensors=False loads pickle weights; pass allow_pickle=True to opt in.")
         if not allow_pickle:
             kwargs["use_safetensors"] = True
-            _refuse_pickle_only_folder(pretrained_model_name_or_path)
+            _refuse_pickle_only_folder(os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder") or ""))
         return_loading_info = kwargs.pop("output_loading_info", False)
         # Let mis-shaped tensors through to the loading report so that our error can name them.
         strict_shapes = not kwargs.pop("ignore_mismatched_sizes", False)
@@ -446,7 +446,9 @@ class DominoForSpeculation(DominoPreTrainedModel):
         _raise_on_loading_problems(info, pretrained_model_name_or_path)
         from .copied_drafts_domino import DATASTORE_FILE, DraftDatastore
 
-        hub = {key: kwargs[key] for key in ("cache_dir", "revision", "token", "local_files_only") if key in kwargs}
+        hub = {
+            key: kwargs[key] for key in _HUB_OPTIONS if key in kwargs
+        }  # the vocabulary and datastore sit by the weights
         vocab_file = cached_file(
             pretrained_model_name_or_path, DRAFT_VOCAB_FILE, _raise_exceptions_for_missing_entries=False, **hub
         )
@@ -459,14 +461,17 @@ class DominoForSpeculation(DominoPreTrainedModel):
             model.datastore = DraftDatastore.load(datastore_file).build_index()
         return (model, info) if return_loading_info else model
 
-    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs) -> None:
         """`PreTrainedModel.save_pretrained`, plus the draft vocabulary and the datastore (if any) in files of their own.
 
         The vocabulary stays out of model.safetensors and config.json, so loaders of the published format, which
-        would reject an unknown tensor, read the folder as if it had none.
+        would reject an unknown tensor, read the folder as if it had none. With `push_to_hub=True` the folder is
+        uploaded once those files are written too (`push_to_hub`, which saves it again): transformers' own upload, at
+        the end of its save, would leave them out.
         """
         from .copied_drafts_domino import DATASTORE_FILE
 
+        upload = {name: kwargs.pop(name) for name in _UPLOAD_OPTIONS if name in kwargs}
         super().save_pretrained(save_directory, *args, **kwargs)
         vocab_path = os.path.join(save_directory, DRAFT_VOCAB_FILE)
         if self.draft_vocab is not None:
@@ -478,6 +483,11 @@ class DominoForSpeculation(DominoPreTrainedModel):
             self.datastore.save(datastore_path)
         elif os.path.exists(datastore_path):
             os.remove(datastore_path)
+        if push_to_hub:
+            repo_id = upload.pop("repo_id", None) or os.path.basename(os.path.normpath(str(save_directory)))
+            self.push_to_hub(
+                repo_id, token=kwargs.get("token"), max_shard_size=kwargs.get("max_shard_size", "50GB"), **upload
+            )
 
     def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
         """Drafts over these token ids only (FR-Spec), or over the whole vocabulary with None.
@@ -510,6 +520,12 @@ class DominoForSpeculation(DominoPreTrainedModel):
         if torch.unique(token_ids).numel() != token_ids.numel():
             raise ValueError("A draft vocabulary must not repeat a token id.")
         self.draft_vocab = torch.sort(token_ids).values.to(self.device)
+
+
+# from_pretrained's options that say where a folder's files are, which the draft vocabulary and datastore files follow.
+_HUB_OPTIONS = ("cache_dir", "revision", "token", "local_files_only", "subfolder", "force_download", "proxies")
+# save_pretrained's options for its upload (`push_to_hub=True`), handed to `push_to_hub`.
+_UPLOAD_OPTIONS = ("repo_id", "commit_message", "commit_description", "private", "revision", "create_pr", "tags")
 
 
 def _refuse_pickle_only_folder(path) -> None:

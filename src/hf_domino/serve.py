@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from .assets import (
     OFFLINE_TARGETS,
     SHIPPED_DRAFTER,
+    check_model_reference,
     drafter_folder,
     hub_id,
     load_drafter,
@@ -85,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "cb_num_blocks=512, attn_implementation=sdpa or, from transformers 5.25, api_server_count=2 (repeat for more)",
     )
     parser.add_argument("--host", default="localhost", help="the address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    parser.add_argument("--port", type=port_number, default=8000, help="the port to listen on")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:0, ...")
     parser.add_argument(
         "--dtype",
@@ -361,6 +362,7 @@ def serve(
             'pip install "hf-domino[serve]" (in a clone: pip install -e ".[serve]").'
         )
     check_serving(drafter, drafter_options, attach, continuous_batching, max_requests_per_batch)
+    check_model_reference(model)  # a path to nothing, named before the server starts
     import transformers
     from transformers.cli import serve as transformers_serve
     from transformers.cli.serving import model_manager, utils
@@ -430,6 +432,14 @@ def serving_alone() -> Iterator[None]:
         yield
     finally:
         _SERVING.release()
+
+
+def port_number(value: str) -> int:
+    """`--port`: a TCP port, 1-65535, refused by argparse before the models load."""
+    port = int(value) if value.strip().isdigit() else 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port (1-65535), got {value!r}")
+    return port
 
 
 def run(args: argparse.Namespace) -> int:
