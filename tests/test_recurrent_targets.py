@@ -677,6 +677,45 @@ def test_a_row_that_ends_inside_an_accepted_block_keeps_its_states_at_its_end():
     assert_the_target_alones_cache(caches[1], caches[0], attended)
 
 
+class StopOnBigram(transformers.StoppingCriteria):
+    """A user's criterion: a row ends once it ends with tokens (a, b)."""
+
+    def __init__(self, a: int, b: int):
+        self.a, self.b = a, b
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, -2] == self.a) & (input_ids[:, -1] == self.b)
+
+
+def test_a_row_that_a_criterion_ends_inside_an_accepted_block_keeps_its_states_at_its_end():
+    # As above, with the end a criterion of the user's (23 then 29), not an EOS: the batch loop offers the copy that
+    # completes it and cuts the accepted block after it (`first_stop`), and the states it keeps must end there too
+    # (before 2026-12-07's review they read the copies past it: the cache and the padded scores differed).
+    from test_architectures import assert_the_target_alones_cache
+
+    target = hybrid_target("qwen3_5")
+    drafter = forcing_drafter(target, list(range(32)))  # its drafts all rejected: copies (prompt lookup) draft
+    greedy = {"do_sample": False, "pad_token_id": 0, "eos_token_id": 1}
+    base = left_padded([[11, 5, 9, 12, 7, 5, 9, 12], [5, 9, 12, 7, 30, 5, 9, 12, 7, 30, 22]])
+    free = target.generate(**base, max_new_tokens=24, **greedy)  # a periodic answer: its own text, copied
+    width = base["input_ids"].shape[1]
+    batch = left_padded([free[0, 3 : width + 12].tolist(), free[1, : width + 15].tolist()])
+    options = {**greedy, "max_new_tokens": 12, "return_dict_in_generate": True, "output_scores": True}
+    caches = [transformers.DynamicCache(config=target.config) for _ in range(2)]
+    criteria = [transformers.StoppingCriteriaList([StopOnBigram(23, 29)]) for _ in range(2)]
+    reference = target.generate(**batch, **options, stopping_criteria=criteria[0], **{CACHE_ARGUMENT: caches[0]})
+    output = target.generate(**batch, **options, stopping_criteria=criteria[1], assistant_model=drafter,
+                             draft_policy="fixed", num_speculative_tokens=6, **{CACHE_ARGUMENT: caches[1]})  # fmt: skip
+    assert torch.equal(output.sequences, reference.sequences)
+    assert reference.sequences[:, -2:].tolist() == [[23, 29], [29, 0]]  # both end at the bigram, row 1 a token early
+    assert max(drafter.last_generation_stats.acceptance_lengths) > 2  # copies accepted up to the end
+    for ours, theirs in zip(output.scores, reference.scores, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    answers = torch.ones(2, reference.sequences.shape[1] - batch["input_ids"].shape[1], dtype=torch.long)
+    attended = torch.cat([batch["attention_mask"], answers], dim=-1)[:, :-1].bool()
+    assert_the_target_alones_cache(caches[1], caches[0], attended)
+
+
 LFM2 = {
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {}),
     "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", {"moe_intermediate_size": 16, "num_experts": 4,

@@ -32,7 +32,7 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
 from .cache_domino import buffer_layers
 from .warpers_domino import SortFreeTopP
@@ -331,6 +331,12 @@ class CallStops:
         )
 
 
+def reads_the_tokens(criteria: list) -> bool:
+    """Whether any of these stopping criteria decides from the tokens (every one but transformers' time limit): a
+    block that withholds a drawn draft for such a criterion's sake reads the draft (`stop_free_length`)."""
+    return any(type(criterion) is not MaxTimeCriteria for criterion in criteria)
+
+
 def within_block(criteria: list) -> list:
     """The stopping criteria a block must ask at each draft: all but transformers' own EOS and max_length criteria,
     which the block cuts at itself (`CallStops`)."""
@@ -492,6 +498,7 @@ __all__ = [
     "drafts_through_an_end",
     "asked_without_scores",
     "first_stop",
+    "reads_the_tokens",
     "stop_free_length",
     "within_block",
 ]

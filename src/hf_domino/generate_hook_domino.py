@@ -58,11 +58,12 @@ from .attached_drafter_domino import (
     wants_the_attached_drafter,
 )
 from .attention_kernels_domino import drafting_attention_kernels
+from .batch_call_domino import check_batch_call
 from .batch_generate_domino import batched_assisted_decoding
 from .batching_manager_domino import DraftedBatchingManager
 from .cache_domino import CACHE_ARGUMENT, buffer_layers, check_croppable, uncached_prompt_length
 from .continuous_batching_domino import generate_requests
-from .drafting_domino import CallStops
+from .drafting_domino import CallStops, reads_the_tokens
 from .generation_domino import ends_the_loop_runs_past, read_leading_chunks
 from .options_domino import (
     DominoGenerationStats,
@@ -82,7 +83,7 @@ from .target_modules_domino import target_execution_device
 from .warpers_domino import sort_free_top_p
 
 if TYPE_CHECKING:
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, PreTrainedModel
 
 
 logger = logging.get_logger(__name__)
@@ -258,9 +259,26 @@ def _steps_returned_otherwise(generation_config: GenerationConfig, cache: Any, r
 
 
 def _asks_criteria_inside_blocks(stops: CallStops, generation_config: GenerationConfig) -> bool:
-    """Whether one sequence's blocks must ask stopping criteria at each draft in transformers' loop: stop strings, a
-    user's criteria, or a user's EOS ids that the loop does not cut a block at (`ends_the_loop_runs_past`)."""
-    return bool(stops.criteria or ends_the_loop_runs_past(stops.ends, generation_config))
+    """Whether one sequence's blocks must ask stopping criteria that read the tokens at each draft in transformers'
+    loop: stop strings, a user's criteria, or a user's EOS ids that the loop does not cut a block at."""
+    return reads_the_tokens(stops.criteria + ends_the_loop_runs_past(stops.ends, generation_config))
+
+
+def _batch_loop_serves(target: PreTrainedModel, arguments: dict, options: DominoOptions, mask_given: bool) -> bool:
+    """Whether the batch loop takes this one-sequence call: its checks pass (`check_batch_call`, and a recurrent
+    target's for a batch)."""
+    model_kwargs, generation_config = arguments.get("model_kwargs", {}), arguments["generation_config"]
+    cache = model_kwargs.get(CACHE_ARGUMENT)
+    try:
+        check_batch_call(
+            target, arguments["input_ids"], model_kwargs.get("attention_mask"), arguments["logits_processor"],
+            generation_config, mask_given, options, model_kwargs,
+        )  # fmt: skip
+        if keeps_recurrent_states(target) or has_recurrent_layers(cache):
+            check_recurrent_call(target, cache, generation_config, True, options.domino_branches)
+    except ValueError:
+        return False
+    return True
 
 
 def _wrap_assisted_decoding(original):
@@ -286,8 +304,10 @@ def _wrap_assisted_decoding(original):
         batched = arguments["input_ids"].shape[0] > 1 or options.domino_branches > 1 or self.device.type == "meta"
         model_kwargs, generation_config = arguments.get("model_kwargs", {}), arguments["generation_config"]
         stops = CallStops.of(arguments.get("stopping_criteria"), generation_config, target_execution_device(self))
-        # Drawn drafts offer the one that completes a stop, which transformers' loop cannot cut after (`stop_free_length`).
-        batched = batched or (generation_config.do_sample and _asks_criteria_inside_blocks(stops, generation_config))
+        # Drawn drafts offer the one that completes a stop, which transformers' loop cannot cut after
+        # (`stop_free_length`): the batch loop takes such a call where it serves it (else the generator draws none).
+        if not batched and generation_config.do_sample and _asks_criteria_inside_blocks(stops, generation_config):
+            batched = _batch_loop_serves(self, arguments, options, attention_mask_given)
         cache = model_kwargs.get(CACHE_ARGUMENT)
         prefill_length = chunk_size = None
         if not batched:

@@ -36,6 +36,7 @@ from .drafting_domino import (
     eager_rollout,
     greedy_pick,
     processed_pick,
+    reads_the_tokens,
     run_backbone,
     score_only,
     select_fused_rollout,
@@ -113,6 +114,10 @@ class DominoCandidateGenerator(CandidateGenerator):
         stops = CallStops.of(stopping_criteria, generation_config, target.device)
         self.max_length, self.ends = stops.max_length, stops.ends
         self.block_stopping_criteria = stops.criteria + ends_the_loop_runs_past(stops.ends, generation_config)
+        # Sampling, a drawn draft that completes a stop is offered and the block cut after it, which transformers'
+        # loop cannot do: such calls run the batch loop, and here (one it refuses) no drawn draft is offered, only
+        # copies, which follow from the text (`stop_free_length`).
+        self.offers_draws = not (generation_config.do_sample and reads_the_tokens(self.block_stopping_criteria))
         self.max_drafts = options.drafts_per_block(drafter)
         self.do_sample = bool(generation_config.do_sample)
         # Greedy verification never reads the draft logits unless the ensemble option mixes them in.
@@ -195,7 +200,7 @@ class DominoCandidateGenerator(CandidateGenerator):
             self._lap()
             logits = certain_logits(copied, self.drafter.config.vocab_size) if self.do_sample else None
             return torch.cat([input_ids, copied], dim=-1), logits
-        num_drafts = self.policy.budget(min(self.max_drafts, room))
+        num_drafts = self.policy.budget(min(self.max_drafts, room)) if self.offers_draws else 0
         if num_drafts <= 0:
             self._lap()
             return input_ids, None

@@ -371,13 +371,19 @@ class BatchedDecoding(PromptReading):
 
     def columns_read(self, tokens: list[torch.LongTensor], matches: list[int]) -> list[int]:
         """Per row, the columns of its verification its cache keeps: the anchor and its accepted drafts, where a
-        finished row's recurrent states are copied out (`retire`) only through the row's end, the first EOS among its
-        new `tokens`; the target alone reads no token past it, and a state cannot drop one later."""
-        if self.target_cache.recurrent is None or self.finished_rows is None or not self.eos_ids:
+        finished row's recurrent states are copied out (`retire`) only through the row's end, its first EOS among its
+        new `tokens` or the token that completes a stop (as `extend` cuts); the target alone reads no token past it,
+        and a state cannot drop one later."""
+        if self.target_cache.recurrent is None or self.finished_rows is None:
             return [1 + n for n in matches]
         values, ends = torch.cat(tokens).tolist(), itertools.accumulate(row.shape[0] for row in tokens)
         rows = [values[end - row.shape[0] : end] for row, end in zip(tokens, ends)]  # read back once for all rows
-        return [next((at + 1 for at, token in enumerate(row) if token in self.eos_ids), len(row)) for row in rows]
+        read = []
+        for row, new, row_tokens in zip(self.active, rows, tokens, strict=True):
+            end = next((at + 1 for at, token in enumerate(new) if token in self.eos_ids), len(new))
+            stop = first_stop(self.block_criteria[row], self.sequences[row], row_tokens[: end - 1])
+            read.append(end if stop is None else stop)
+        return read
 
     def forward_tree(
         self, anchors: torch.LongTensor, cycle: CycleDrafts
