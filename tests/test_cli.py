@@ -266,3 +266,19 @@ def test_bench_runs_a_target_with_recurrent_layers(tmp_path):
     assert f"Skipping {'' if lookup else 'prompt_lookup and '}manual for Qwen3_5ForCausalLM" in result.stdout
     report = (tmp_path / "out" / "bench.md").read_text()
     assert "| domino |" in report and "| dflash |" in report and ("| prompt_lookup |" in report) is lookup
+
+
+def test_train_refuses_what_would_train_nothing_before_loading(tmp_path):
+    """`--features-only` without a cache to fill trained a whole run; a checkpoint past `--total-steps` was resumed
+    from, trained nothing and wrote no final drafter, both with exit status 0."""
+    from hf_domino.training.loop import STATE_JSON
+
+    (tmp_path / "run" / "checkpoint-4").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint-4" / STATE_JSON).write_text("{}")  # a finished checkpoint
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"index": 0, "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}\n')
+    train = ["train", "--data", str(data), "--output-dir", str(tmp_path / "run")]
+    with pytest.raises(SystemExit, match="--features-only fills a feature cache and trains nothing"):
+        cli.main([*train, "--features-only"])
+    with pytest.raises(SystemExit, match="checkpoint-4 is at step 4, past --total-steps 3: give --total-steps 4"):
+        cli.main([*train, "--total-steps", "3"])

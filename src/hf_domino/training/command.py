@@ -215,6 +215,9 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.output_dir.exists() and not args.output_dir.is_dir():
         raise SystemExit(f"--output-dir {args.output_dir} is a file: give the path of a folder for the checkpoints.")
+    if args.features_only and not args.feature_cache:
+        raise SystemExit("--features-only fills a feature cache and trains nothing: give --feature-cache DIR too.")
+    _check_checkpoints_left(args)
     missing = [str(path) for path in args.data or () if not path.exists()]
     if missing:
         raise FileNotFoundError(
@@ -282,6 +285,20 @@ def run(args: argparse.Namespace) -> int:
 
                 export_drafter(drafter, args.export_dir, base_model=assets.hub_id(args.target), overwrite=True)
     return 0
+
+
+def _check_checkpoints_left(args: argparse.Namespace) -> None:
+    """A checkpoint in --output-dir past this run's --total-steps, refused before anything loads: resumed from, the
+    run would train nothing and write no final drafter."""
+    if args.eval_only or args.no_resume or not args.output_dir.is_dir():
+        return
+    latest = latest_checkpoint(args.output_dir)
+    step = None if latest is None else int(latest.name.removeprefix(CHECKPOINT_PREFIX))
+    if step is not None and step > args.total_steps:
+        raise SystemExit(
+            f"{latest} is at step {step}, past --total-steps {args.total_steps}: give --total-steps {step} or more to "
+            "resume from it, or a new --output-dir."
+        )
 
 
 def _read_draft_vocab(path: Path) -> torch.Tensor:
