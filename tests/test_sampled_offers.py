@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 from conftest import _fixed_costs, forcing_drafter, successor_target
-from test_generation import letter_tokenizer
+from test_generation import StopAfterToken, letter_tokenizer
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 V = 32
@@ -141,21 +141,13 @@ def test_a_criterion_that_reads_scores_is_refused_with_the_fix(rows):
         )
 
 
-class StopAfter(StoppingCriteria):
-    def __init__(self, token: int):
-        self.token = token
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return input_ids[:, -1] == self.token
-
-
 def test_a_sampled_sequence_the_batch_loop_refuses_runs_without_drawn_drafts():
     """One sequence sampled with a criterion that reads the tokens runs the batch loop, which cuts a block after the
     draft that completes a stop; where the batch loop refuses the call (here: no pad token, which one sequence never
     needs), transformers' loop runs it as before, offering no drawn draft (copies only, which follow from the text)."""
     target, drafter = markov_pair(successor=0.6, confident=0.9)
     prompt = torch.tensor([[5, 6, 7]])
-    criteria = StoppingCriteriaList([StopAfter(11)])
+    criteria = StoppingCriteriaList([StopAfterToken(11)])
     options = dict(do_sample=True, top_k=1, max_new_tokens=8, eos_token_id=None, pad_token_id=None)
     expected = target.generate(prompt, stopping_criteria=criteria, **options)
     output = target.generate(
