@@ -122,6 +122,11 @@ def test_pack_refuses_what_it_cannot_represent(tmp_path):
         with pytest.raises(ValueError, match=r"foreign.jsonl:2 is not a record"):
             load_examples(foreign, max_length=64)
     assert not out.exists()
+    # A folder in the way of the output: the write fails and leaves no half-written temporary file beside it.
+    (tmp_path / "taken.safetensors").mkdir()
+    with pytest.raises(OSError):
+        pack(good, tmp_path / "taken.safetensors")
+    assert not (tmp_path / "taken.safetensors.tmp").exists()
     save_file({"x": np.zeros(2, dtype=np.uint16)}, str(out))
     with pytest.raises(ValueError, match="not a packed hf-domino data file"):
         unpack(out)

@@ -59,6 +59,8 @@ def _methods(value: str) -> list[str]:
     methods = [m.strip() for m in value.split(",") if m.strip()]
     if not methods:
         raise argparse.ArgumentTypeError("give at least one method")
+    if len(set(methods)) < len(methods):
+        raise argparse.ArgumentTypeError(f"expected each method once (the report pairs them by name), got {value!r}")
     for method in methods:
         try:
             parse_method(method)

@@ -184,9 +184,12 @@ def pack(
     temporary = out_path.with_name(out_path.name + ".tmp")
     # One metadata entry, its JSON sorted: safetensors writes several in hash order, and the same data must give the
     # same bytes (re-packing unchanged data leaves the committed file untouched).
-    save_file(tensors, str(temporary), metadata={METADATA_KEY: json.dumps(info, sort_keys=True)})
-    os.chmod(temporary, 0o644)  # a file to commit and share, not a private one
-    os.replace(temporary, out_path)
+    try:
+        save_file(tensors, str(temporary), metadata={METADATA_KEY: json.dumps(info, sort_keys=True)})
+        os.chmod(temporary, 0o644)  # a file to commit and share, not a private one
+        os.replace(temporary, out_path)
+    finally:  # a failed write (a folder in the way, a full disk) leaves nothing half-written
+        temporary.unlink(missing_ok=True)
     return info
 
 
