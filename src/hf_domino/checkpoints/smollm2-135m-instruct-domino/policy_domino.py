@@ -266,28 +266,33 @@ class AdaptivePolicy:
         is the probability of the token drawn, so a k read off all of them verifies likelier draws more often (and
         skews what the target outputs towards the drafter's law). So draft i is verified only where `decide`, shown
         the drafts before i at their confidence and the rest at the acceptance learned per position
-        (`_priced_before`), verifies at least i. Drafts `< chosen` are chosen, not drawn (a tree's first), and priced
+        (`_pricing`), verifies at least i. Drafts `< chosen` are chosen, not drawn (a tree's first), and priced
         at their confidence throughout. Each row's limit is a rule of the same kind (`below_threshold`,
         `stop_free_length`), so a row whose limit fell before i offers nothing past it.
         """
-        limits = torch.as_tensor(limits).cpu()
+        priced_before = self._pricing(acceptance, limits, chosen)
         k = 0
-        for i in range(1, min(acceptance.shape[-1], int(limits.max())) + 1):
-            if decide(self._priced_before(acceptance, limits, i, chosen)) < i:
+        for i in range(1, min(acceptance.shape[-1], int(torch.as_tensor(limits).max())) + 1):
+            if decide(priced_before(i)) < i:
                 break
             k = i
         return k
 
-    def _priced_before(self, acceptance: torch.Tensor, limits: Any, i: int, chosen: int = 0) -> torch.Tensor:
-        """`acceptance` as `_drawn_k` prices draft i: the drafts before it (and the first `chosen`) at their own, the
-        others at the acceptance learned per position; nothing past the limit of a row whose limit is below i."""
+    def _pricing(self, acceptance: torch.Tensor, limits: Any, chosen: int = 0) -> Callable[[int], torch.Tensor]:
+        """`priced_before(i)`: `acceptance` as `_drawn_k` prices draft i, the drafts before it (and the first
+        `chosen`) at their own, the others at the acceptance learned per position, nothing past the limit of a row
+        whose limit is below i. What does not depend on i is built once per block."""
         K = acceptance.shape[-1]
         learned = self.record.position_acceptance[:K]
         prior = torch.tensor(learned + [0.0] * (K - len(learned)), dtype=acceptance.dtype)
         position = torch.arange(K)
-        priced = torch.where(position < max(i - 1, chosen), acceptance, prior)
-        limit = torch.as_tensor(limits)[..., None]
-        return priced.masked_fill((limit < i) & (position >= limit), 0.0)
+        limit = torch.as_tensor(limits).cpu()[..., None]
+
+        def priced_before(i: int) -> torch.Tensor:
+            priced = torch.where(position < max(i - 1, chosen), acceptance, prior)
+            return priced.masked_fill((limit < i) & (position >= limit), 0.0)
+
+        return priced_before
 
     def choose_tree(self, confidence: torch.Tensor, draft_seconds: float, limits: torch.LongTensor) -> tuple[int, int]:
         """k and how many branches to verify, for a tree: `confidence` `[rows, n, k]` of each row's n branches (the
@@ -310,7 +315,7 @@ class AdaptivePolicy:
         if self.record.sampled:
             # A tree's first drafts are chosen (each row's likeliest tokens), not drawn: their confidences may decide
             # how many branches, once; the drafts drawn after them are verified as `_drawn_k` says.
-            used = best(self._priced_before(acceptance, limits, 1, chosen=1))[0]
+            used = best(self._pricing(acceptance, limits, chosen=1)(1))[0]
             k = self._drawn_k(
                 lambda priced: int(torch.argmax(tree_tokens(priced, self._tokens)[used - 1] / costs[used - 1])),
                 acceptance, limits, chosen=1,
