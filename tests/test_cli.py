@@ -139,6 +139,8 @@ def test_a_package_of_models_not_installed_is_one_line_naming_the_install(monkey
         ("bench", ['{"prompt": "Hi."}', "not json"], "prompts.jsonl:2 is not valid JSON"),
         ("bench", ['{"prompt": "Hi."}', "", '{"text": "Hi."}'], "prompts.jsonl:3 holds no prompt (its keys: text)"),
         ("train", ['{"input_ids": [1], "loss_mask": [1]}', '{"prompt": "Hi."}'], "prompts.jsonl:2 is not a record of"),
+        ("bench", ['{"messages": [{"content": "Hi."}]}'], "prompts.jsonl:1: each of its `messages` must be a JSON"),
+        ("bench", [""], "prompts.jsonl holds no prompt with a user turn"),
     ],
 )
 def test_an_input_file_line_of_another_kind_is_one_line_naming_it(command, lines, message, tmp_path, capsys):
@@ -283,3 +285,28 @@ def test_train_refuses_what_would_train_nothing_before_loading(tmp_path):
         cli.main([*train, "--features-only"])
     with pytest.raises(SystemExit, match="checkpoint-4 is at step 4, past --total-steps 3: give --total-steps 4"):
         cli.main([*train, "--total-steps", "3"])
+
+
+def test_data_train_and_pack_cannot_read_is_one_line_naming_it_before_the_target_loads(tmp_path, monkeypatch, capsys):
+    """No usable example, a safetensors file `hf-domino pack` did not write, and a --recipe that is not JSON were
+    tracebacks (the first two after the target's loading)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from hf_domino import assets
+
+    monkeypatch.setattr(assets, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target"))
+    (tmp_path / "short.jsonl").write_text('{"index": 0, "input_ids": [1, 2, 3], "loss_mask": [0, 0, 1]}\n')
+    save_file({"weights": torch.zeros(2)}, tmp_path / "weights.safetensors")
+    (tmp_path / "recipe.json").write_text("{target: smollm2}")
+    out = ["--output-dir", str(tmp_path / "run")]
+    runs = {
+        ("train", "--data", str(tmp_path / "short.jsonl"), *out): "No usable training examples in ",
+        ("train", "--data", str(tmp_path / "weights.safetensors"), *out): "is not a packed hf-domino data file",
+        ("pack", "--data", str(tmp_path / "short.jsonl"), "--recipe", str(tmp_path / "recipe.json"), "--output",
+         str(tmp_path / "packed.safetensors")): "recipe.json is not JSON",
+    }  # fmt: skip
+    for argv, message in runs.items():
+        assert cli.main(list(argv)) == 2
+        error = capsys.readouterr().err
+        assert error.startswith(f"hf-domino {argv[0]}: ") and message in error and "Traceback" not in error

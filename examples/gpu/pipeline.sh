@@ -24,7 +24,7 @@ python3 -c "from hf_domino.training import packed_info as p; print(p('data/smoll
 stamp calibrate
 for run in ce kl; do
   KL_WEIGHT=$([ $run = kl ] && echo 1.0 || echo 0.0) OUTPUT=/root/calib-$run TOTAL_STEPS=$CALIB_STEPS SAVE_EVERY=100000 \
-    THREADS=4 examples/train_smollm2.sh --no-resume --log-every 10 > $S/calib-$run.log 2>&1 &
+    THREADS=4 examples/train_smollm2.sh --overwrite-output-dir --log-every 10 > $S/calib-$run.log 2>&1 &
 done
 wait
 per_step=$(seconds_per_step /root/calib-ce/log.jsonl /root/calib-kl/log.jsonl)

@@ -104,7 +104,7 @@ finetune() {  # each of $FINETUNE_RUNS from the shipped drafter, as many steps a
   knobs() { echo "INIT_FROM=$D DRAFT_VOCAB=$D THREADS=4 $([ $1 = chain ] && echo ANCHOR_CHAIN=1)"; }
   for run in $FINETUNE_RUNS; do  # a few steps side by side, as the runs will share the GPU: seconds per step
     env $(knobs $run) OUTPUT=/root/calib-$run TOTAL_STEPS=${CALIB_STEPS:-20} SAVE_EVERY=100000 examples/train_smollm2.sh \
-      --data data/smollm2-regen/ids.safetensors --validation-examples 0 --no-resume --log-every 1 \
+      --data data/smollm2-regen/ids.safetensors --validation-examples 0 --overwrite-output-dir --log-every 1 \
       > $R/calib-$run.log 2>&1 &
   done
   wait
@@ -115,7 +115,7 @@ finetune() {  # each of $FINETUNE_RUNS from the shipped drafter, as many steps a
   for run in $FINETUNE_RUNS; do
     env $(knobs $run) OUTPUT=runs/finetune-$run TOTAL_STEPS=$steps SAVE_EVERY=$steps GENERATE_TAU=1 LR=${LR:-2e-4} \
       WARMUP=0.02 SEED=${SEED:-2} STAGE_MINUTES=$(python3 -c "print(max(($STAGE_END - $(date +%s) - $FINETUNE_RESERVE) / 60, 0.5))") \
-      examples/train_smollm2.sh --no-resume > $R/train-$run.log 2>&1 &
+      examples/train_smollm2.sh --overwrite-output-dir > $R/train-$run.log 2>&1 &
   done
   wait
   for run in $FINETUNE_RUNS; do  # float16 weights and config (the rest is the shipped drafter's), and the logs

@@ -201,7 +201,13 @@ def record_to_prompt(record: dict[str, Any], where: str = "A record") -> Message
     if isinstance(record.get("prompt"), str):
         return [{"role": "user", "content": record["prompt"]}]
     if isinstance(record.get("messages"), list):
-        return first_user_turn([{"role": m["role"], "content": m.get("content") or ""} for m in record["messages"]])
+        messages = record["messages"]
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise InputDataError(
+                f"{where}: each of its `messages` must be a JSON object with a `role` (user, assistant, system) and "
+                'its `content`, e.g. {"role": "user", "content": "..."}.'
+            )
+        return first_user_turn([{"role": m["role"], "content": m.get("content") or ""} for m in messages])
     if isinstance(record.get("conversations"), list):
         return first_user_turn(sharegpt_to_messages(record["conversations"]))
     raise InputDataError(
@@ -219,7 +225,13 @@ def load_prompt_file(path: str | os.PathLike, limit: int | None = None) -> list[
     if not path.is_file():
         raise FileNotFoundError(f"No prompt file at {path}.")
     prompts = (record_to_prompt(record, where) for where, record in numbered_jsonl(path))
-    return limited((prompt for prompt in prompts if prompt is not None), limit)
+    found = limited((prompt for prompt in prompts if prompt is not None), limit)
+    if not found and limit != 0:
+        raise InputDataError(
+            f"{path} holds no prompt with a user turn: give a jsonl file with one `prompt`, `messages` or "
+            "`conversations` record per line."
+        )
+    return found
 
 
 def load_prompts(name_or_path: str | os.PathLike, limit: int | None = None) -> list[Messages]:

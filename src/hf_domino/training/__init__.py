@@ -40,7 +40,7 @@ from .evaluate import (
     teacher_forced_acceptance,
     teacher_forced_metrics,
 )
-from .loop import TrainConfig, init_from_target_layers, latest_checkpoint, train
+from .loop import TrainConfig, clear_run, init_from_target_layers, latest_checkpoint, train
 from .loss import (
     DominoLossOutput,
     DominoTrainingModule,
@@ -67,6 +67,7 @@ __all__ = [
     "accepted_lengths",
     "block_attention_mask",
     "build_block_inputs",
+    "clear_run",
     "collate",
     "curriculum_lambda",
     "domino_losses",

@@ -23,9 +23,20 @@ from ..cli import non_negative_int, number_in, positive_int
 from ..configuration_domino import DominoConfig
 from ..modeling_domino import DRAFT_VOCAB_FILE, DominoForSpeculation
 from ..options_domino import check_drafter_for_target
-from .data import Example, FeatureCache, load_examples
+from .data import Example, FeatureCache, check_token_ids, load_examples
 from .evaluate import evaluate_acceptance
-from .loop import CHECKPOINT_PREFIX, TrainConfig, init_from_target_layers, latest_checkpoint, train
+from .loop import (
+    CHECKPOINT_PREFIX,
+    FINAL_DIR,
+    STATE_JSON,
+    TrainConfig,
+    check_fresh_start,
+    check_resumable,
+    clear_run,
+    init_from_target_layers,
+    latest_checkpoint,
+    train,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -160,7 +171,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Checkpoint and stop (resume later).",
     )
-    optim.add_argument("--no-resume", action="store_true", help="Ignore checkpoints in --output-dir.")
+    optim.add_argument(
+        "--no-resume",
+        action="store_true",
+        help="Start a new run even where --output-dir holds checkpoints (refused there: it would mix the two runs).",
+    )
+    optim.add_argument(
+        "--overwrite-output-dir",
+        action="store_true",
+        help="Start a new run after removing what an earlier one left in --output-dir (its checkpoints, logs and "
+        "final/; nothing else).",
+    )
     optim.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads per process.")
     optim.add_argument("--export-dir", type=Path, help="Export the finished drafter here (export_drafter).")
 
@@ -218,12 +239,15 @@ def run(args: argparse.Namespace) -> int:
     if args.features_only and not args.feature_cache:
         raise SystemExit("--features-only fills a feature cache and trains nothing: give --feature-cache DIR too.")
     _check_checkpoints_left(args)
+    if args.no_resume and not args.overwrite_output_dir and not args.eval_only:
+        _exit_on_value_error(check_fresh_start, args.output_dir)
     missing = [str(path) for path in args.data or () if not path.exists()]
     if missing:
         raise FileNotFoundError(
             f"--data {' '.join(missing)}: no such file (answers from `hf-domino regenerate`, or `hf-domino pack` files)."
         )
     draft_vocab = _read_draft_vocab(args.draft_vocab) if args.draft_vocab else None
+    examples, validation = _examples_from_args(args) if not args.eval_only else ([], [])
     target_model, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, device="cpu")
     if args.eval_only:
         return _run_eval(args, target_model, tokenizer)
@@ -231,15 +255,7 @@ def run(args: argparse.Namespace) -> int:
     drafter = _drafter_from_args(args, target_model)
     if draft_vocab is not None:
         drafter.set_draft_vocab(draft_vocab)
-    examples, validation = _examples_from_args(args)
-    feature_cache = None
-    if args.feature_cache:
-        # Safe to call from every process (and from concurrent runs): a file lock lets one fill it at a time.
-        feature_cache = FeatureCache.build(
-            args.feature_cache, target_model, examples, drafter.config.target_layer_ids, args.max_length
-        )
-        if args.features_only:
-            return 0
+    check_token_ids([*examples, *validation], target_model.get_input_embeddings().num_embeddings)
     config = TrainConfig(
         total_steps=args.total_steps,
         batch_size=args.batch_size,
@@ -260,6 +276,21 @@ def run(args: argparse.Namespace) -> int:
         gradient_checkpointing=args.gradient_checkpointing,
         stop_after_seconds=args.stop_after_minutes * 60 if args.stop_after_minutes else None,
     )
+    resume = not (args.no_resume or args.overwrite_output_dir)
+    if resume and (checkpoint := latest_checkpoint(args.output_dir)) is not None:
+        _exit_on_value_error(check_resumable, checkpoint, drafter, config, PartialState().num_processes)
+    feature_cache = None
+    if args.feature_cache:
+        # Safe to call from every process (and from concurrent runs): a file lock lets one fill it at a time.
+        feature_cache = FeatureCache.build(
+            args.feature_cache, target_model, examples, drafter.config.target_layer_ids, args.max_length
+        )
+        if args.features_only:
+            return 0
+    if args.overwrite_output_dir:
+        if PartialState().is_main_process:
+            clear_run(args.output_dir)
+        PartialState().wait_for_everyone()
     PartialState().print(
         f"Training {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M-parameter drafter on {len(examples)} "
         f"examples ({sum(sum(e.loss_mask) for e in examples)} response tokens) for {config.total_steps} steps.",
@@ -272,14 +303,14 @@ def run(args: argparse.Namespace) -> int:
         config,
         args.output_dir,
         feature_cache=feature_cache,
-        resume=not args.no_resume,
+        resume=resume,
         pad_token_id=assets.pad_token_id(target_model, tokenizer),
         validation_examples=validation,
     )
     finished = latest_checkpoint(args.output_dir)
     if PartialState().is_main_process and finished is not None:
         if finished.name == f"{CHECKPOINT_PREFIX}{config.total_steps}":
-            drafter.save_pretrained(args.output_dir / "final")
+            drafter.save_pretrained(args.output_dir / FINAL_DIR)
             if args.export_dir:
                 from ..export import export_drafter
 
@@ -288,17 +319,34 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_checkpoints_left(args: argparse.Namespace) -> None:
-    """A checkpoint in --output-dir past this run's --total-steps, refused before anything loads: resumed from, the
-    run would train nothing and write no final drafter."""
-    if args.eval_only or args.no_resume or not args.output_dir.is_dir():
+    """A checkpoint in --output-dir of a run with other --total-steps (the schedule spans them), or past this run's
+    (resumed from, the run would train nothing and write no final drafter), refused before anything loads."""
+    if args.eval_only or args.no_resume or args.overwrite_output_dir or not args.output_dir.is_dir():
         return
     latest = latest_checkpoint(args.output_dir)
-    step = None if latest is None else int(latest.name.removeprefix(CHECKPOINT_PREFIX))
-    if step is not None and step > args.total_steps:
+    if latest is None:
+        return
+    step = int(latest.name.removeprefix(CHECKPOINT_PREFIX))
+    total = json.loads((latest / STATE_JSON).read_text()).get("train_config", {}).get("total_steps")
+    if total is not None and total != args.total_steps:
+        raise SystemExit(
+            f"{latest} belongs to a run of --total-steps {total}, over which its learning-rate schedule and "
+            f"curriculum run: give --total-steps {total} to resume it, or a new --output-dir (with --init-from "
+            f"{latest} to start a new run from its weights)."
+        )
+    if step > args.total_steps:
         raise SystemExit(
             f"{latest} is at step {step}, past --total-steps {args.total_steps}: give --total-steps {step} or more to "
             "resume from it, or a new --output-dir."
         )
+
+
+def _exit_on_value_error(check, *args) -> None:
+    """Runs a check of the run's folder, turning its refusal into the command's exit message."""
+    try:
+        check(*args)
+    except ValueError as error:
+        raise SystemExit(f"hf-domino train: {error}") from None
 
 
 def _read_draft_vocab(path: Path) -> torch.Tensor:

@@ -13,6 +13,7 @@ that a resumed run draws exactly the anchors it would have drawn had it never st
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import time
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from ..modeling_domino import context_features
+from ..prompt_sets import InputDataError
 from .packed import iter_records
 
 if TYPE_CHECKING:
@@ -52,8 +54,23 @@ def load_examples(paths: str | os.PathLike | Sequence[str | os.PathLike], max_le
             if sum(loss_mask) >= 2:
                 examples.append(Example(input_ids, loss_mask))
     if not examples:
-        raise ValueError(f"No usable training examples in {[str(p) for p in paths]}.")
+        raise InputDataError(
+            f"No usable training examples in {', '.join(str(p) for p in paths)}: each needs two response tokens or "
+            f"more within the first {max_length} tokens (--max-length). Pass answers `hf-domino regenerate` wrote."
+        )
     return examples
+
+
+def check_token_ids(examples: Sequence[Example], vocab_size: int) -> None:
+    """Refuses examples holding a token id the target's embedding has no row for (data of another tokenizer)."""
+    for number, example in enumerate(examples):
+        largest = max(example.input_ids, default=0)
+        if largest >= vocab_size or min(example.input_ids, default=0) < 0:
+            bad = largest if largest >= vocab_size else min(example.input_ids)
+            raise InputDataError(
+                f"Training example {number} holds token id {bad}, outside the target's vocabulary of {vocab_size}: "
+                "the data was tokenized for another model. Regenerate it with this --target."
+            )
 
 
 # ================================================================================================= target features
@@ -89,12 +106,32 @@ def target_context_features(
     return target_hidden_states(target_model, input_ids, attention_mask, layer_ids)[0]
 
 
+def ids_digest(input_ids: Sequence[int]) -> str:
+    """A short digest of an example's token ids: which example a cached row belongs to."""
+    return hashlib.blake2b(np.asarray(input_ids, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
+
+
+@torch.no_grad()
+def target_fingerprint(target_model: PreTrainedModel) -> str:
+    """A digest of the target's first embedding rows and of its norms' weights, rounded to bfloat16: tells another
+    model (or a fine-tune of it) from the same one loaded in another dtype or on another device, without reading
+    every weight."""
+    digest = hashlib.blake2b(digest_size=8)
+    parts = [("embed", target_model.get_input_embeddings().weight[:256])]
+    parts += [(name, weight) for name, weight in target_model.named_parameters() if "norm" in name]
+    for name, weight in parts:
+        digest.update(name.encode())
+        digest.update(weight.detach().to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()
+
+
 class FeatureCache:
     """Target context features precomputed once, on disk (float16, one row per token), for repeated or shared use.
 
-    Layout of the folder: `meta.json` (layer ids, width, max_length), `features.f16` (rows appended example after
-    example) and `index.jsonl` (one `{"example", "offset", "length"}` line per finished example), so that filling it
-    resumes after an interruption.
+    Layout of the folder: `meta.json` (layer ids, width, max_length and the target's fingerprint), `features.f16`
+    (rows appended example after example) and `index.jsonl` (one `{"example", "offset", "length", "ids"}` line per
+    finished example, `ids` a digest of its token ids), so that filling it resumes after an interruption, and a cache
+    filled for another target or other data is refused rather than read.
     """
 
     def __init__(self, directory: str | os.PathLike):
@@ -102,6 +139,7 @@ class FeatureCache:
         self.meta = json.loads((self.directory / "meta.json").read_text())
         self.width = self.meta["width"]
         self.index: dict[int, tuple[int, int]] = {}
+        self.digests: dict[int, str] = {}  # caches filled before digests were kept have none
         index_path = self.directory / "index.jsonl"
         if index_path.exists():
             # The last element is "" or a line cut short by an interrupted write: skip it either way.
@@ -109,6 +147,8 @@ class FeatureCache:
                 if line.strip():
                     entry = json.loads(line)
                     self.index[entry["example"]] = (entry["offset"], entry["length"])
+                    if "ids" in entry:
+                        self.digests[entry["example"]] = entry["ids"]
         self._rows = None
 
     @property
@@ -139,17 +179,42 @@ class FeatureCache:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         hidden_size = target_model.config.get_text_config().hidden_size
-        meta = {"layer_ids": list(layer_ids), "width": len(layer_ids) * hidden_size, "max_length": max_length}
+        meta = {
+            "layer_ids": list(layer_ids),
+            "width": len(layer_ids) * hidden_size,
+            "max_length": max_length,
+            "target": target_fingerprint(target_model),
+        }
         meta_path = directory / "meta.json"
         with open(directory / ".lock", "w") as lock:
             # Several runs may share one cache: one fills it at a time, the others then find it complete.
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
-                raise ValueError(f"{directory} holds features for {json.loads(meta_path.read_text())}, not {meta}.")
-            if not meta_path.exists():
+            if meta_path.exists():
+                recorded = json.loads(meta_path.read_text())
+                # A cache from before fingerprints were kept is checked on what it recorded.
+                if differing := [key for key in recorded if recorded[key] != meta.get(key)]:
+                    raise InputDataError(
+                        f"{directory} holds features made otherwise than this run's ({', '.join(differing)} differ; "
+                        "`target` is a digest of the target's embeddings and norms): give a new --feature-cache "
+                        "folder, or remove that one."
+                    )
+            else:
                 meta_path.write_text(json.dumps(meta))
+            cls._check_examples(directory, examples)
             cls._fill(directory, target_model, examples, layer_ids, meta, progress)
         return cls(directory)
+
+    @classmethod
+    def _check_examples(cls, directory: Path, examples: Sequence[Example]) -> None:
+        """Refuses a cache whose rows for an example index were computed from other token ids."""
+        cache = cls(directory)
+        for i, digest in cache.digests.items():
+            if i < len(examples) and digest != ids_digest(examples[i].input_ids):
+                raise InputDataError(
+                    f"{directory} holds the features of other examples than this run's (example {i} differs: other "
+                    "--data or --max-length): give a new --feature-cache folder, or remove "
+                    "that one."
+                )
 
     @classmethod
     def _fill(cls, directory: Path, target_model, examples, layer_ids, meta, progress) -> None:
@@ -177,7 +242,13 @@ class FeatureCache:
                 half = features.float().clamp(-65000, 65000).cpu().numpy().astype(np.float16)
                 rows_file.write(half.tobytes())
                 rows_file.flush()
-                index_file.write(json.dumps({"example": i, "offset": rows_done, "length": len(half)}) + "\n")
+                entry = {
+                    "example": i,
+                    "offset": rows_done,
+                    "length": len(half),
+                    "ids": ids_digest(examples[i].input_ids),
+                }
+                index_file.write(json.dumps(entry) + "\n")
                 index_file.flush()
                 rows_done += len(half)
                 if progress and (count % 50 == 0 or count == len(todo)):

@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..modeling_domino import DominoForSpeculation, TargetModules
+from ..modeling_domino import DRAFT_VOCAB_FILE, DominoForSpeculation, TargetModules
 from .data import (
     Example,
     FeatureCache,
     anchor_generator,
+    check_token_ids,
     collate,
     sample_anchors,
     sample_chain_anchors,
@@ -52,6 +53,7 @@ VALIDATION_LOG_FILE = "validation.jsonl"
 STATE_JSON = "trainer_state.json"
 LEGACY_STATE_FILE = "trainer_state.pt"  # checkpoints written before they went through accelerate's state saving
 CHECKPOINT_PREFIX = "checkpoint-"
+FINAL_DIR = "final"  # where `hf-domino train` saves the drafter once the last step is done
 
 
 @dataclass
@@ -198,6 +200,91 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
+def earlier_run(output_dir: str | os.PathLike) -> list[Path]:
+    """What a run left in `output_dir`: its checkpoints (finished or cut short), logs and `final/` drafter."""
+    output_dir = Path(output_dir)
+    made = [*output_dir.glob(f"{CHECKPOINT_PREFIX}*"), *output_dir.glob(f".tmp-{CHECKPOINT_PREFIX}*")]
+    made += [output_dir / name for name in (LOG_FILE, VALIDATION_LOG_FILE, FINAL_DIR)]
+    return sorted(path for path in made if path.exists())
+
+
+def clear_run(output_dir: str | os.PathLike) -> None:
+    """Removes what a run left in `output_dir` (`earlier_run`), so that a new one starts there; nothing else."""
+    for path in earlier_run(output_dir):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+# Settings a resumed run may change: they decide what is logged and kept, not what is learned.
+RESUME_FREE_SETTINGS = ("log_every", "save_every", "keep_checkpoints", "stop_after_seconds", "generate_tau")
+# Drafter config entries that describe a saved file rather than the drafter, or repeat others (`dflash_config`).
+CONFIG_RECORD_KEYS = (
+    "_name_or_path", "transformers_version", "architectures", "auto_map", "dtype", "torch_dtype", "dflash_config"
+)  # fmt: skip
+
+
+def resume_differences(
+    checkpoint: Path, drafter: DominoForSpeculation, config: TrainConfig, num_processes: int
+) -> list[str]:
+    """How resuming `checkpoint` with this drafter, settings and number of processes would differ from the run
+    that wrote it, one line per setting (empty: it continues that run exactly)."""
+    state = json.loads((checkpoint / STATE_JSON).read_text())
+    recorded = state.get("train_config", {})
+    differences = [
+        f"{name} was {recorded[name]!r}, now {value!r}"
+        for name, value in dataclasses.asdict(config).items()
+        if name not in RESUME_FREE_SETTINGS and name in recorded and recorded[name] != value
+    ]
+    if state.get("num_processes", num_processes) != num_processes:
+        differences.append(f"it ran on {state['num_processes']} processes, now {num_processes}")
+    saved = type(drafter.config).from_pretrained(checkpoint).to_dict()
+    own = drafter.config.to_dict()
+    differences += [
+        f"the drafter's {key} was {saved.get(key)!r}, now {own.get(key)!r}"
+        for key in sorted(saved.keys() | own.keys())
+        if key not in CONFIG_RECORD_KEYS and saved.get(key) != own.get(key)
+    ]
+    if (checkpoint / DRAFT_VOCAB_FILE).exists() and drafter.draft_vocab is not None:
+        from safetensors.torch import load_file
+
+        if not torch.equal(load_file(checkpoint / DRAFT_VOCAB_FILE)["draft_vocab"].cpu(), drafter.draft_vocab.cpu()):
+            differences.append("the drafter's draft vocabulary holds other tokens")
+    return differences
+
+
+def check_resumable(checkpoint: Path, drafter: DominoForSpeculation, config: TrainConfig, num_processes: int) -> None:
+    """Refuses to resume `checkpoint` where the run would not continue as it began (`resume_differences`)."""
+    if differences := resume_differences(checkpoint, drafter, config, num_processes):
+        raise ValueError(
+            f"Resuming {checkpoint} continues its run exactly, which needs its settings, but {'; '.join(differences)}. "
+            "Rerun with the settings it was trained with, or start a new run from its weights (`--init-from "
+            f"{checkpoint}` in a new --output-dir)."
+        )
+
+
+def check_fresh_start(output_dir: str | os.PathLike) -> None:
+    """Refuses to start a run over in a folder holding another run's checkpoints: pruning by step would delete the
+    new run's (older-numbered) ones, and `final/` would never be written."""
+    if (latest := latest_checkpoint(output_dir)) is not None:
+        raise ValueError(
+            f"{output_dir} holds the checkpoints of an earlier run (latest: {latest.name}); a new run there would mix "
+            "its checkpoints with them. Give a new output folder, resume that run, or remove what it left first "
+            "(`hf-domino train --overwrite-output-dir`, `hf_domino.training.clear_run`)."
+        )
+
+
+def trim_logs(output_dir: Path, step: int) -> None:
+    """Keeps the log records of steps up to `step` (where a run resumes), so that none is logged twice."""
+    for path in (output_dir / LOG_FILE, output_dir / VALIDATION_LOG_FILE):
+        if not path.exists():
+            continue
+        lines = path.read_text().split("\n")[:-1]  # a last line without its newline was cut short by a crash
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+        if len(kept) != len(lines) or path.read_bytes()[-1:] not in (b"\n", b""):
+            temporary = path.with_name(path.name + ".tmp")
+            temporary.write_text("".join(line + "\n" for line in kept))
+            os.replace(temporary, path)
+
+
 def save_checkpoint(
     accelerator: Accelerator, module: nn.Module, output_dir: Path, step: int, config: TrainConfig
 ) -> Path:
@@ -222,7 +309,8 @@ def save_checkpoint(
     if accelerator.is_main_process:
         weights = {name.removeprefix("drafter."): tensor for name, tensor in full_state.items()}
         accelerator.unwrap_model(module).drafter.save_pretrained(tmp, state_dict=weights)
-        (tmp / STATE_JSON).write_text(json.dumps({"step": step, "train_config": dataclasses.asdict(config)}, indent=2))
+        state = {"step": step, "train_config": dataclasses.asdict(config), "num_processes": accelerator.num_processes}
+        (tmp / STATE_JSON).write_text(json.dumps(state, indent=2))
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
         for old in _checkpoints(output_dir)[: -config.keep_checkpoints]:
@@ -392,16 +480,25 @@ def train(
 
     Runs where `accelerator` (default: `default_accelerator()`) puts it; `target_model` and `drafter` move there.
     """
-    scored_vocab(drafter, config)  # refuses a missing draft vocabulary before anything is written
+    # Bad data, settings or folders are refused before anything is written.
+    scored_vocab(drafter, config)
+    check_token_ids([*examples, *validation_examples], target_model.get_input_embeddings().num_embeddings)
     accelerator = accelerator or default_accelerator()
     output_dir = Path(output_dir)
+    checkpoint = latest_checkpoint(output_dir) if resume else None
+    if checkpoint is not None:
+        check_resumable(checkpoint, drafter, config, accelerator.num_processes)
+    elif not resume:
+        check_fresh_start(output_dir)
+    accelerator.wait_for_everyone()  # every process has checked before the main one trims the logs
     output_dir.mkdir(parents=True, exist_ok=True)
     module, optimizer, scheduler = prepare_training(accelerator, drafter, target_model, config)
     step = 0
-    checkpoint = latest_checkpoint(output_dir) if resume else None
     if checkpoint is not None:
         step = load_checkpoint(accelerator, checkpoint)
         accelerator.print(f"Resumed from {checkpoint} at step {step}.")
+    if accelerator.is_main_process:
+        trim_logs(output_dir, step)
     mask_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
 
     start_time = time.perf_counter()

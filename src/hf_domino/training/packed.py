@@ -221,13 +221,19 @@ def packed_info(path: str | os.PathLike) -> dict[str, Any]:
 def _load(
     path: str | os.PathLike, names: Sequence[str] = ("token_ids", "offsets", "prompt_lengths", "keys")
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), framework="numpy") as file:
-        info = json.loads((file.metadata() or {}).get(METADATA_KEY, "{}"))
-        if info.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{path} is not a packed hf-domino data file (format {FORMAT_VERSION}).")
-        return info, {name: file.get_tensor(name) for name in names}
+    try:
+        with safe_open(str(path), framework="numpy") as file:
+            info = json.loads((file.metadata() or {}).get(METADATA_KEY, "{}"))
+            if info.get("format_version") == FORMAT_VERSION:
+                return info, {name: file.get_tensor(name) for name in names}
+    except SafetensorError:
+        pass
+    raise InputDataError(
+        f"{path} is not a packed hf-domino data file (format {FORMAT_VERSION}): give a file `hf-domino pack` wrote, "
+        "or the jsonl files of `hf-domino regenerate`."
+    )
 
 
 def _prompt_length(record: dict[str, Any], path: Path) -> int:
@@ -280,11 +286,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _read_recipe_option(path: Path) -> dict[str, Any]:
+    """`--recipe`: a JSON object, or an `InputDataError` naming the file."""
+    try:
+        recipe = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InputDataError(f"--recipe {path} is not JSON ({error}): give a recipe like out.recipe.json.") from None
+    if not isinstance(recipe, dict):
+        raise InputDataError(f"--recipe {path} holds a {type(recipe).__name__}, not a JSON object (a recipe).")
+    return recipe
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `hf-domino pack` with parsed arguments."""
     if args.output.suffix != PACKED_SUFFIX:
         raise SystemExit(f"--output must end with {PACKED_SUFFIX} (training reads packed files by that suffix).")
-    recipe = json.loads(args.recipe.read_text(encoding="utf-8")) if args.recipe else None
+    recipe = _read_recipe_option(args.recipe) if args.recipe else None
     info = pack(args.data, args.output, recipe)
     counts = info["counts"]
     by_source = ", ".join(

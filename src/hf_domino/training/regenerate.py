@@ -121,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     recipe = cli_recipe(args, device)
     indices, prompts = _without_done(indices, prompts, args.done, recipe)
+    check_recipe(args.output, recipe, record=False)  # before the target loads
     target_model, tokenizer = assets.load_target(
         args.target, gguf_file=args.gguf_file, dtype=DTYPES[args.dtype], device=device
     )
@@ -362,18 +363,20 @@ def _length_sorted_batches(
             yield work[start : start + batch_size]
 
 
-def check_recipe(output_path: str | os.PathLike, recipe: dict[str, Any]) -> None:
-    """Record `recipe` beside a regeneration file, or refuse to extend a file regenerated with another recipe.
+def check_recipe(output_path: str | os.PathLike, recipe: dict[str, Any], *, record: bool = True) -> None:
+    """Record `recipe` beside a regeneration file (with `record`), or refuse to extend a file regenerated with
+    another recipe (an `InputDataError`).
 
     Entries in `UNCHECKED_RECIPE_KEYS` (versions, device) may change between runs; the rest decides the answers.
     """
     recorded = read_recipe(output_path)
-    if recorded is None:
+    if recorded is None and record:
         recipe_path(output_path).write_text(json.dumps(recipe, indent=2) + "\n", encoding="utf-8")
-    elif differing := recipe_differences(recorded, recipe):
-        raise ValueError(
+    elif recorded is not None and (differing := recipe_differences(recorded, recipe)):
+        settings = "; ".join(f"{key} {recorded.get(key)!r}, now {recipe.get(key)!r}" for key in differing)
+        raise InputDataError(
             f"{output_path} was regenerated with another recipe ({', '.join(differing)} differ from "
-            f"{recipe_path(output_path)}): write to a new file, or rerun with the recorded settings."
+            f"{recipe_path(output_path)}: {settings}): write to a new file, or rerun with the recorded settings."
         )
 
 
