@@ -214,8 +214,11 @@ def clear_run(output_dir: str | os.PathLike) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-# Settings a resumed run may change: they decide what is logged and kept, not what is learned.
-RESUME_FREE_SETTINGS = ("log_every", "save_every", "keep_checkpoints", "stop_after_seconds", "generate_tau")
+# Settings a resumed run may change: they decide what is logged and kept, or the memory a step takes (recomputed
+# activations are the same: test_gradient_checkpointing_gives_the_same_step), not what is learned.
+RESUME_FREE_SETTINGS = (
+    "log_every", "save_every", "keep_checkpoints", "stop_after_seconds", "generate_tau", "gradient_checkpointing"
+)  # fmt: skip
 # Drafter config entries that describe a saved file rather than the drafter, or repeat others (`dflash_config`).
 CONFIG_RECORD_KEYS = (
     "_name_or_path", "transformers_version", "architectures", "auto_map", "dtype", "torch_dtype", "dflash_config"
