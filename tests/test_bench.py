@@ -750,3 +750,18 @@ def test_cli_bench_times_transformers_own_dflash_path_on_the_same_drafts(target,
     with pytest.raises(SystemExit, match="transformers_dflash method: .*shift_label=True"):
         cli.main([*argv, "--methods", "target,transformers_dflash", "--output-dir", str(tmp_path / "out2")])
     assert not (tmp_path / "out2").exists()
+
+
+def test_cli_bench_refuses_the_other_modes_flags_and_a_file_for_its_folder(tmp_path):
+    """--methods (and the per-prompt knobs) were ignored in silence under --batch-size, --batch-methods without it;
+    an --output-dir that is a file failed after the whole run. All refused before anything loads."""
+    bench = ["bench", "--target", str(tmp_path / "never-loaded"), "--num-prompts", "2"]
+    refusals = {
+        ("--batch-size", "2", "--methods", "target,domino"): "--methods set the per-prompt methods, which --batch-size",
+        ("--batch-size", "2", "--num-speculative-tokens", "4"): "--num-speculative-tokens set the per-prompt",
+        ("--batch-methods", "target,domino"): "--batch-methods applies to --batch-size runs",
+        ("--output-dir", __file__): "is a file: give a folder for the report",
+    }
+    for flags, message in refusals.items():
+        with pytest.raises(SystemExit, match=message):
+            cli.main([*bench, *flags])

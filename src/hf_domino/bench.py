@@ -29,6 +29,8 @@ from .recurrent_cache_domino import TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES, ke
 from .report import markdown_report, write_report
 from .transformers_dflash import check_convertible
 
+PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens for the prompt_lookup method
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -121,7 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "call's attention kernels: no cuDNN; added beside target on CUDA in half precision), transformers_dflash "
         "(transformers' own speculation_type='dflash' with the drafter converted: a shift_label=False drafter)",
     )
-    parser.add_argument("--prompt-lookup-tokens", type=positive_int, default=10, help="prompt_lookup_num_tokens")
+    parser.add_argument(
+        "--prompt-lookup-tokens", type=positive_int, default=PROMPT_LOOKUP_TOKENS, help="prompt_lookup_num_tokens"
+    )
     parser.add_argument(
         "--num-speculative-tokens",
         type=non_negative_int,
@@ -233,6 +237,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("hf-domino bench: transformers' prompt lookup overflows a static cache; drop prompt_lookup.")
     if args.compile != "auto" and not args.static_cache:
         raise SystemExit("hf-domino bench: --compile applies to --static-cache runs (transformers compiles no other).")
+    _check_mode_flags(args)
+    if args.output_dir and Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+        raise SystemExit(f"hf-domino bench: --output-dir {args.output_dir} is a file: give a folder for the report.")
     if args.batch_size:
         return run_batches(args, metadata, dtype)
     if args.repeats != 1:
@@ -308,6 +315,23 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_report(result))
     print("Wrote " + ", ".join(str(path) for path in paths.values()))
     return 0
+
+
+def _check_mode_flags(args: argparse.Namespace) -> None:
+    """Refuses flags of the other mode (per-prompt methods or --batch-size), which that mode would ignore."""
+    per_prompt = {
+        "--methods": args.methods != list(METHODS),
+        "--prompt-lookup-tokens": args.prompt_lookup_tokens != PROMPT_LOOKUP_TOKENS,
+        "--num-speculative-tokens": args.num_speculative_tokens is not None,
+    }
+    if args.batch_size and (given := [flag for flag, changed in per_prompt.items() if changed]):
+        raise SystemExit(
+            f"hf-domino bench: {' and '.join(given)} set the per-prompt methods, which --batch-size does not run: "
+            "name the batched methods with --batch-methods (or drop --batch-size)."
+        )
+    if not args.batch_size and args.batch_methods != ",".join(BATCH_METHODS):
+        raise SystemExit("hf-domino bench: --batch-methods applies to --batch-size runs: add --batch-size, or name "
+                         "per-prompt methods with --methods.")  # fmt: skip
 
 
 def _runnable_methods(methods: list[str], target) -> list[str]:
