@@ -757,7 +757,7 @@ def test_cli_bench_refuses_the_other_modes_flags_and_a_file_for_its_folder(tmp_p
     an --output-dir that is a file failed after the whole run. All refused before anything loads."""
     bench = ["bench", "--target", str(tmp_path / "never-loaded"), "--num-prompts", "2"]
     refusals = {
-        ("--batch-size", "2", "--methods", "target,domino"): "--methods set the per-prompt methods, which --batch-size",
+        ("--batch-size", "2", "--methods", "target,domino"): "--methods set the per-prompt methods, which",
         ("--batch-size", "2", "--num-speculative-tokens", "4"): "--num-speculative-tokens set the per-prompt",
         ("--batch-methods", "target,domino"): "--batch-methods applies to --batch-size runs",
         ("--output-dir", __file__): "is a file: give a folder for the report",
