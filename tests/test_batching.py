@@ -187,6 +187,31 @@ def test_stop_strings_per_row():
     assert all("hi" in tokenizer.decode(row) for row in expected)
 
 
+def test_without_an_eos_token_rows_run_on_until_the_last_one_stops(arch):
+    """With no EOS token, transformers' loop pads no finished row: a row past its stop string goes on writing the
+    target's tokens until the last row stops, and the call ends there (the batch loop padded it). Row [10] drafts
+    right, stops after 2 tokens and reaches max_length while row [22], drafting wrong, stops after 5: the fast row is
+    cut back to 5 tokens, and the cache it left (copied out at max_length) to 4 columns."""
+    tokenizer = letter_tokenizer()
+    target = successor_target(arch, VOCAB)
+    drafter = forcing_drafter(target, [(t + 1) % VOCAB if 10 <= t < 20 else 0 for t in range(VOCAB)])
+    batch = left_padded([[10], [22]])  # "g" then "hi"; "s" then "tuvwx"
+    options = dict(max_new_tokens=9, stop_strings=["hi", "wx"], tokenizer=tokenizer, eos_token_id=None,
+                   pad_token_id=0, return_dict_in_generate=True, output_scores=True)  # fmt: skip
+    alone_cache, cache = DynamicCache(config=target.config), DynamicCache(config=target.config)
+    expected = target.generate(**batch, do_sample=False, **options, **cache_argument(alone_cache))
+    assert expected.sequences[:, 1:].tolist() == [[11, 12, 13, 14, 15], [23, 24, 25, 26, 27]]  # no padding
+    output = target.generate(**batch, do_sample=False, **options, **cache_argument(cache), assistant_model=drafter,
+                             draft_policy="fixed")  # fmt: skip
+    assert torch.equal(output.sequences, expected.sequences)
+    for ours, theirs in zip(output.scores, expected.scores, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert_same_columns(cache, alone_cache, attended_columns(batch, expected.sequences))
+    plain = {key: value for key, value in options.items() if key not in ("return_dict_in_generate", "output_scores")}
+    alone, drafted = both(target, drafter, batch, **plain)  # and where the call returns no cache
+    assert torch.equal(drafted, alone) and torch.equal(alone, expected.sequences)
+
+
 def test_streamer_receives_what_the_target_alone_streams():
     target = successor_target("qwen3", VOCAB)
     drafter = forcing_drafter(target, PARTIAL, block_size=6)

@@ -716,6 +716,20 @@ def test_a_row_that_a_criterion_ends_inside_an_accepted_block_keeps_its_states_a
     assert_the_target_alones_cache(caches[1], caches[0], attended)
 
 
+def test_a_batch_without_an_eos_token_that_stops_at_a_criterion_returns_no_cache_it_cannot_cut():
+    """Without an EOS token a batch's rows run on until the last one stops, and a row may run past the column the
+    call ends at, which recurrent states cannot take back: where the call returns its cache, refused, naming the fix."""
+    target = hybrid_target("qwen3_5")
+    drafter = forcing_drafter(target, list(range(32)))
+    batch = left_padded([[11, 5, 9], [5, 9, 12, 7]])
+    options = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None, "max_new_tokens": 6,
+               "stopping_criteria": transformers.StoppingCriteriaList([StopOnBigram(23, 29)])}  # fmt: skip
+    with pytest.raises(ValueError, match="pass eos_token_id, or return no cache"):
+        target.generate(**batch, **options, assistant_model=drafter, return_dict_in_generate=True)
+    alone = target.generate(**batch, **options)
+    assert torch.equal(target.generate(**batch, **options, assistant_model=drafter), alone)
+
+
 LFM2 = {
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {}),
     "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", {"moe_intermediate_size": 16, "num_experts": 4,

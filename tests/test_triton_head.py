@@ -1474,3 +1474,13 @@ def test_shipped_drafter_with_its_draft_vocabulary_drafts_the_same_fused_and_eag
         assert torch.equal(output, expected), mode
         acceptance[mode] = drafter.last_generation_stats.acceptance_lengths
     assert acceptance["triton"] == acceptance["eager"] and max(acceptance["eager"]) > 1, acceptance
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a drafter off CUDA")
+def test_graphs_off_cuda_are_refused_with_the_fix_that_works():
+    """On a CPU without the interpreter, 'triton+graph' sent users to TRITON_INTERPRET=1, which then refused it
+    for CUDA graphs: the message now says CUDA, and 'eager'."""
+    target, drafter = small_target(), tiny_drafter()
+    with pytest.raises(RuntimeError, match="'triton\\+graph' needs CUDA \\(CUDA graphs\\), and the drafter is on cpu"):
+        target.generate(torch.tensor([[5, 17, 42]]), assistant_model=drafter, domino_rollout="triton+graph",
+                        max_new_tokens=4, do_sample=False)  # fmt: skip

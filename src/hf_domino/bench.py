@@ -97,7 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="an untrained drafter: the --drafter folder's architecture with random weights (seeded by --seed), at "
         "--target's sizes where the folder's are another target's",
     )
-    parser.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, sharegpt, or a jsonl file")
+    parser.add_argument(
+        "--prompts", default="mtbench", help=f"a prompt set ({', '.join(prompt_sets.PROMPT_SETS)}) or a jsonl file"
+    )
     parser.add_argument("--num-prompts", type=positive_int, default=20, help="first prompts of --prompts to run")
     parser.add_argument(
         "--max-new-tokens", type=positive_int, default=128, help="tokens generated per prompt and method"
@@ -153,7 +155,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(adaptive, k per row), domino_k<N> (fixed), each optionally with _lookup (copied and retrieved drafts beside "
         "the drafter, generate()'s default), _lookup2 (retrieving only while at most 2 rows are active) or _copies "
         "(copies from the text only), then optionally _makespan (cycles priced by when the batch's last row "
-        "finishes, not by the rows' mean tokens)",
+        "finishes, not by the rows' mean tokens), then _tree<N> (N first-token branches per block), then "
+        "@eager|@triton|@triton+graph (the head's rollout)",
     )
     parser.add_argument(
         "--repeats",

@@ -478,16 +478,17 @@ def select_rollout(
             capture_drafts=max_drafts,
             branches=branches,
         )
+    elif mode == "triton+graph" and drafter.device.type != "cuda":
+        raise RuntimeError(
+            f"domino_rollout='triton+graph' needs CUDA (CUDA graphs), and the drafter is on {drafter.device}: use "
+            "domino_rollout='eager' there ('triton' runs on a CPU only under Triton's interpreter, for tests)."
+        )
     elif drafter.device.type != "cuda" and not kernels.kernels_interpreted():
         raise RuntimeError(
             f"domino_rollout={mode!r} on {drafter.device} needs Triton's interpreter: set TRITON_INTERPRET=1 before "
             "importing hf_domino.triton_kernels (slow; meant for tests). Use domino_rollout='eager' on CPU."
         )
     elif mode == "triton+graph":
-        if drafter.device.type != "cuda":
-            raise RuntimeError(
-                "domino_rollout='triton+graph' needs CUDA (CUDA graphs); use 'triton' under the interpreter."
-            )
         fused = DominoHeadGraphRunner(drafter, sampling=sampling, capture_drafts=max_drafts, branches=branches)
     else:
         fused = TritonRollout(drafter, sampling=sampling, branches=branches)
