@@ -362,10 +362,29 @@ def test_a_failure_in_the_thread_fails_every_request_it_held(models, monkeypatch
     manager.add_requests(PROMPTS[:4])
     manager.start()
     results, _ = results_of(manager, 4)
+    # A request added once the thread has ended on its error was queued and never answered: now refused.
+    with pytest.raises(RuntimeError, match="thread ended on an error .*device lost.* start\\(\\) it again"):
+        manager.add_request(PROMPTS[0])
     manager.stop()
     assert {result.status for result in results.values()} == {RequestStatus.FAILED}
     assert all("device lost" in result.error for result in results.values())
     assert isinstance(manager.error, RuntimeError) and not manager.is_running()
+
+
+def test_a_manager_restarts_after_a_stop_that_did_not_wait(models):
+    """start() right after stop(block=False) returned at once, the old thread still finishing: the next request
+    was refused as if stopped."""
+    target, drafter = models
+    manager = target.init_continuous_batching(greedy(), assistant_model=drafter)
+    manager.start()
+    first = manager.add_request(PROMPTS[0])
+    manager.stop(block=False)
+    manager.start()
+    second = manager.add_request(PROMPTS[1])
+    results, _ = results_of(manager, 2)
+    manager.stop()
+    assert results[first].generated_tokens == alone(target, PROMPTS[0], **SETTINGS)
+    assert results[second].generated_tokens == alone(target, PROMPTS[1], **SETTINGS)
 
 
 def test_what_a_manager_cannot_serve_is_refused_with_the_fix(models):
@@ -376,6 +395,11 @@ def test_what_a_manager_cannot_serve_is_refused_with_the_fix(models):
     manager.add_request(PROMPTS[0], eos_token_id=[EOS])  # the config's own: accepted
     with pytest.raises(ValueError, match="list of token ids"):
         manager.add_request("a prompt as text")
+    with pytest.raises(ValueError, match=r"list of token ids \(integers\)"):
+        manager.add_request([4.5, 3])  # was cut to [4, 3]
+    vocab = target.config.vocab_size
+    with pytest.raises(ValueError, match=f"holds token id {vocab}, outside the target's vocabulary of {vocab}"):
+        manager.add_request([4, vocab])  # ended the thread, failing every request it held
     # A request's own sampling settings: only where the config samples, of their types, and no other setting.
     with pytest.raises(ValueError, match=r"decodes greedily .* GenerationConfig\(do_sample=True"):
         manager.add_request(PROMPTS[0], temperature=0.7)
@@ -395,6 +419,9 @@ def test_what_a_manager_cannot_serve_is_refused_with_the_fix(models):
         target.init_continuous_batching(greedy(), assistant_model=drafter, not_a_setting=1)
     with pytest.raises(ValueError, match="draft_policy"):
         target.init_continuous_batching(greedy(), assistant_model=drafter, draft_policy="sometimes")
+    if not torch.cuda.is_available():  # a rollout the device cannot run ended the thread at the first request
+        with pytest.raises(ValueError, match="domino_rollout='triton' needs CUDA, or Triton's interpreter"):
+            target.init_continuous_batching(greedy(), assistant_model=drafter, domino_rollout="triton")
     with pytest.raises(TypeError, match="assistant_model"):  # another assistant: transformers' own error
         target.init_continuous_batching(greedy(), assistant_model=target)
     # Without an assistant, transformers' own manager.

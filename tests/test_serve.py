@@ -151,6 +151,9 @@ def test_attach_refuses_what_cannot_draft_naming_the_fix():
         hf_domino.attach_drafter(target, drafter, draft_policy="greedy")
     with pytest.raises(ValueError, match="vocab"):
         hf_domino.attach_drafter(tiny_target(vocab_size=128), drafter)
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":  # every call failed instead
+        with pytest.raises(ValueError, match="domino_rollout='triton' needs CUDA, or Triton's interpreter, and the"):
+            hf_domino.attach_drafter(target, drafter, domino_rollout="triton")
     assert hf_domino.attached_drafter(target) is None
 
 
@@ -483,6 +486,10 @@ REFUSED_SETTINGS = {
     "no-drafter": (["--drafter", "no/such/folder"], "No drafter checkpoint at no/such/folder"),
     "no-target": (["/no/such/target"], "No model folder at /no/such/target"),
     "serve-option-of-its-own": (["--serve-option", "port=8001"], "port is set by hf-domino serve's --port"),
+    "rollout-off-cuda": (  # was served, then ended the server at its first request
+        ["--device", "cpu", "--drafter-option", "domino_rollout=triton+graph"],
+        "domino_rollout='triton+graph' needs CUDA (CUDA graphs), and the drafter is on cpu",
+    ),
 }
 # Each setting through the command's entry point in one process (one import of torch and transformers for all): exit
 # status, stdout and stderr per setting. A setting not refused would start serving and time the process out, so the

@@ -1481,6 +1481,6 @@ def test_graphs_off_cuda_are_refused_with_the_fix_that_works():
     """On a CPU without the interpreter, 'triton+graph' sent users to TRITON_INTERPRET=1, which then refused it
     for CUDA graphs: the message now says CUDA, and 'eager'."""
     target, drafter = small_target(), tiny_drafter()
-    with pytest.raises(RuntimeError, match="'triton\\+graph' needs CUDA \\(CUDA graphs\\), and the drafter is on cpu"):
+    with pytest.raises(ValueError, match="'triton\\+graph' needs CUDA \\(CUDA graphs\\), and the drafter is on cpu"):
         target.generate(torch.tensor([[5, 17, 42]]), assistant_model=drafter, domino_rollout="triton+graph",
                         max_new_tokens=4, do_sample=False)  # fmt: skip

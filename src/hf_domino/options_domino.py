@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -145,8 +146,9 @@ class DominoOptions:
         return cls(**values)
 
     def validate(self, drafter: DominoForSpeculation) -> None:
-        """Raises a `ValueError` naming the option, the bad value and what is allowed."""
+        """Raises a `ValueError` naming the option, the bad value and what is allowed (for the drafter's device too)."""
         self.validate_for(drafter.config)
+        self.validate_device(drafter.device)
 
     def validate_for(self, config: DominoConfig) -> None:
         """`validate` against a drafter's config, before (or without) loading its weights."""
@@ -183,6 +185,20 @@ class DominoOptions:
         branches = self.domino_branches
         if isinstance(branches, bool) or not isinstance(branches, int) or not 1 <= branches <= MAX_BRANCHES:
             raise ValueError(f"domino_branches must be an int from 1 to {MAX_BRANCHES}, got {branches!r}.")
+
+    def validate_device(self, device: torch.device | str) -> None:
+        """Refuses a forced Triton rollout (`domino_rollout`) the drafter's device cannot run, before any call: CUDA
+        graphs need CUDA, and the kernels run elsewhere only under Triton's interpreter (`TRITON_INTERPRET=1`, for
+        tests). `fused_head.select_rollout` checks again at the call, against the kernels as built."""
+        device = torch.device(device)
+        if device.type == "cuda" or self.domino_rollout not in ("triton", "triton+graph"):
+            return
+        if self.domino_rollout == "triton+graph" or os.environ.get("TRITON_INTERPRET") != "1":
+            needs = "CUDA (CUDA graphs)" if self.domino_rollout == "triton+graph" else "CUDA, or Triton's interpreter"
+            raise ValueError(
+                f"domino_rollout={self.domino_rollout!r} needs {needs}, and the drafter is on {device}: use "
+                "domino_rollout='auto' (fused where it can run) or 'eager'."
+            )
 
     @property
     def reads_cycle_times(self) -> bool:

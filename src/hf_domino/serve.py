@@ -182,10 +182,11 @@ def check_serving(
     attach: bool,
     continuous_batching: bool,
     max_requests_per_batch: int | None,
+    device: str = "auto",
 ) -> None:
     """Raises `NotServable`, naming the fix, for settings `serve` refuses, before the target loads: options that the
-    drafter (folder; None: the shipped one) refuses, read from its config alone, or that there is no drafter for, and a
-    batch size without continuous batching."""
+    drafter (folder; None: the shipped one) refuses, read from its config alone or for the serving `device`, or that
+    there is no drafter for, and a batch size without continuous batching."""
     from .configuration_domino import DominoConfig
 
     if max_requests_per_batch is not None and not continuous_batching:
@@ -199,8 +200,13 @@ def check_serving(
             "(attach=False, --no-drafter)."
         )
     if attach:
+        import torch
+
         try:
-            check_options(drafter_options or {}, DominoConfig.from_pretrained(drafter_folder(drafter)))
+            serving_device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+            check_options(
+                drafter_options or {}, DominoConfig.from_pretrained(drafter_folder(drafter)), None, serving_device
+            )
         except (TypeError, ValueError) as error:
             raise NotServable(str(error)) from error
 
@@ -361,7 +367,7 @@ def serve(
             "Serving needs FastAPI, uvicorn, pydantic and openai, which transformers serve uses: "
             'pip install "hf-domino[serve]" (in a clone: pip install -e ".[serve]").'
         )
-    check_serving(drafter, drafter_options, attach, continuous_batching, max_requests_per_batch)
+    check_serving(drafter, drafter_options, attach, continuous_batching, max_requests_per_batch, device)
     check_model_reference(model)  # a path to nothing, named before the server starts
     import transformers
     from transformers.cli import serve as transformers_serve

@@ -74,20 +74,26 @@ def attach_drafter(target: PreTrainedModel, drafter: DominoForSpeculation, **opt
             "with AutoModel.from_pretrained(path, trust_remote_code=True)."
         )
     check_drafter_for_target(drafter, target)
-    check_options(options, drafter.config, target.generation_config)
+    check_options(options, drafter.config, target.generation_config, drafter.device)
     object.__setattr__(target, ATTACHED, Attachment(drafter, dict(options)))
     return target
 
 
-def check_options(options: dict[str, Any], drafter_config: DominoConfig, generation_config=None) -> None:
-    """Raises, naming the fix, for `options` that `attach_drafter` refuses with a drafter of `drafter_config`:
-    unknown names (`TypeError`), values out of range (`ValueError`)."""
+def check_options(
+    options: dict[str, Any], drafter_config: DominoConfig, generation_config=None, device: Any = None
+) -> None:
+    """Raises, naming the fix, for `options` that `attach_drafter` refuses with a drafter of `drafter_config` (on
+    `device`, where given): unknown names (`TypeError`), values out of range or a rollout the device cannot run
+    (`ValueError`)."""
     unknown = sorted(set(options) - set(DominoOptions.names()))
     if unknown:
         raise TypeError(
             f"attach_drafter got unknown options {unknown}: Domino options are {list(DominoOptions.names())}."
         )
-    DominoOptions.resolve(options, generation_config).validate_for(drafter_config)
+    resolved = DominoOptions.resolve(options, generation_config)
+    resolved.validate_for(drafter_config)
+    if device is not None:
+        resolved.validate_device(device)
 
 
 def attachment(target) -> Attachment | None:

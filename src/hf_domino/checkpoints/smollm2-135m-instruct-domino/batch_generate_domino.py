@@ -108,6 +108,19 @@ class FinishedRows:
         self.pieces.append(rows_cache)
         self.order += rows
 
+    def cut(self, tokens: dict[int, int]) -> None:
+        """Keeps each finished row's first `tokens[row]` real columns: the rows of a batch whose rows stop together,
+        which may have run past the column the call ends at (`BatchedDecoding.stop_together`)."""
+        for piece, rows in self.rows_by_piece():
+            counts = torch.tensor([tokens[row] for row in rows], device=piece.mask.device)
+            piece.mask = piece.mask & (piece.mask.cumsum(dim=-1) <= counts[:, None])
+
+    def rows_by_piece(self) -> list[tuple[RaggedCache, list[int]]]:
+        rows, pieces = iter(self.order), []
+        for piece in self.pieces:
+            pieces.append((piece, [next(rows) for _ in range(piece.mask.shape[0])]))
+        return pieces
+
     def joined(self) -> RaggedCache | None:
         """The rows in one cache, in the batch's order (None: none kept)."""
         if not self.pieces:

@@ -86,6 +86,7 @@ class PromptReading:
             self.padding.append(0)  # its sequence holds no padding: only its cache columns do
             self.row_accepted.append(0)
             self.row_cycles.append(0)
+            self.stopped_at.append(None)
             # In place: the drafting half reads the same lists.
             self.stopping_criteria += row_criteria(stopping_criteria, 1)
             self.block_criteria += row_criteria(within_block(stopping_criteria), 1)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
 from .batch_call_domino import TokenScores, key_weights
 from .batch_drafts_domino import CycleDrafter, CycleDrafts
@@ -91,6 +91,24 @@ PRICE_BY_MAKESPAN = False
 ROW_PACES = False
 
 
+def check_states_kept_to_a_stop(
+    stops_together: bool, stopping_criteria: StoppingCriteriaList, finished_rows: FinishedRows | None
+) -> None:
+    """Refuses a batch of a recurrent target whose rows stop together (no EOS token) at a criterion and whose cache
+    the call returns: a row that ran past the column the call ends at could not take its states back."""
+    if (
+        stops_together
+        and finished_rows is not None
+        and any(not isinstance(criterion, MaxLengthCriteria) for criterion in stopping_criteria)
+    ):
+        raise ValueError(
+            "This batch has no EOS token, so its rows run on until the last one stops (at a stop string or "
+            "criterion), as the target alone's do, and the target's recurrent states cannot be cut back to where "
+            "the call then ends for the cache it returns: pass eos_token_id, or return no cache "
+            "(return_dict_in_generate=False and no past_key_values), or generate without assistant_model."
+        )
+
+
 class BatchedDecoding(PromptReading):
     """One batched `generate()` call: its rows, both ragged caches, the draft policy, and the steps of a cycle.
 
@@ -136,6 +154,11 @@ class BatchedDecoding(PromptReading):
         eos = self.ends = stops.ends
         self.eos_ids = set() if eos is None else set(eos.flatten().tolist())
         rows, self.prompt_length = input_ids.shape
+        # Without an EOS criterion, transformers' loop pads no finished row: a generate() call's rows then go on
+        # writing the target's tokens until the last one stops (`stopped_at`, sticky, in generated tokens). A
+        # server's rows (it starts with none) are requests of their own: each ends where it stops; so does one row.
+        self.stops_together = not self.eos_ids and rows > 1
+        self.stopped_at: list[int | None] = [None] * rows
         # Per row: where its prompt ends and the length it may reach. A batch from generate() shares both; rows a
         # server admits later (`admit`) bring their own.
         self.prompt_lengths, self.max_lengths = [self.prompt_length] * rows, [self.max_length] * rows
@@ -168,6 +191,7 @@ class BatchedDecoding(PromptReading):
             gaps = None  # left padding alone: a window reads differences of positions, which it changes for none
         self.target_cache.gaps = gaps
         if has_recurrent_layers(cache):  # a replayable scan (generate_hook_domino checked the family)
+            check_states_kept_to_a_stop(self.stops_together, stopping_criteria, finished_rows)
             self.target_cache.recurrent = RecurrentRollback.install_for_rows(cache, target)
         self.context = BatchedDrafterContext.empty(rows, drafter.device)
         # The drafting half: the policies, copied drafts and the head's rollout (each row's left padding is never
@@ -232,22 +256,50 @@ class BatchedDecoding(PromptReading):
             start += row_tokens.shape[0]
             end = next((at for at, token in enumerate(kept) if token in self.eos_ids), None)
             kept = kept if end is None else kept[: end + 1]
-            # A block may hold a draft that completes a stop (`row_limits`): nothing after it is kept.
-            stop = first_stop(self.block_criteria[row], sequence, row_tokens[: max(len(kept) - 1, 0)])
-            kept, end = (kept, end) if stop is None else (kept[:stop], stop - 1)
+            # A block may hold a draft that completes a stop (`row_limits`): nothing after it is kept, but where
+            # rows stop together.
+            stop = None
+            if self.stopped_at[row] is None:
+                stop = first_stop(self.block_criteria[row], sequence, row_tokens[: max(len(kept) - 1, 0)])
+            if stop is not None and self.stops_together:
+                self.stopped_at[row] = self.generated(row) + stop
+            elif stop is not None:
+                kept, end = kept[:stop], stop - 1
             if scores is not None:
                 self.token_scores.add(row, *(None if each is None else each[i][: len(kept)] for each in scores))
             sequence = self.sequences[row] = torch.cat([sequence, row_tokens[: len(kept)].to(sequence.device)])
             done.append(end is not None or sequence.shape[0] >= self.max_lengths[row])
-        asked = [i for i, finished in enumerate(done) if not finished]
+        asked = [i for i, finished in enumerate(done) if not finished and self.stopped_at[rows[i]] is None]
         if asked:
             answers = [
                 asked_without_scores(self.stopping_criteria[rows[i]], self.sequences[rows[i]][None]).any()
                 for i in asked
             ]
             for i, answer in zip(asked, torch.stack(answers).tolist()):
-                done[i] = answer
-        return done
+                if answer and self.stops_together:
+                    self.stopped_at[rows[i]] = self.generated(rows[i])
+                else:
+                    done[i] = answer
+        return self.stop_together(rows, done) if self.stops_together else done
+
+    def stop_together(self, rows: list[int], done: list[bool]) -> list[bool]:
+        """Where rows stop together (`stops_together`): once every row has stopped, the call ends at the column the
+        last one stopped at, as the target alone's loop does, its rows cut there; until then, only max_length ends a
+        row."""
+        if any(at is None for at in self.stopped_at):
+            return done
+        end = max(self.stopped_at)
+        for row in range(len(self.sequences)):
+            self.max_lengths[row] = min(self.max_lengths[row], self.prompt_lengths[row] + end)
+            self.sequences[row] = self.sequences[row][: self.max_lengths[row]]
+        if self.finished_rows is not None:  # rows that reached max_length before the last row stopped
+            self.finished_rows.cut({row: self.cache_tokens(row) for row in self.finished_rows.order})
+        return [self.sequences[row].shape[0] >= self.max_lengths[row] for row in rows]
+
+    def cache_tokens(self, row: int) -> int:
+        """The columns a finished row leaves in the cache: every token but its last (its padding aside), as the
+        target alone reads a token in the step after it picks it."""
+        return self.sequences[row].shape[0] - self.padding[row] - 1
 
     def retire(self, finished: list[bool]) -> None:
         """Finished rows leave the batch and both caches (copied out first where the call returns its cache)."""
@@ -255,11 +307,9 @@ class BatchedDecoding(PromptReading):
         if len(keep) == len(self.active):
             return
         if self.finished_rows is not None:
-            # Every token of a row but its last (its padding aside): the target alone reads a token in the step after
-            # it picks it.
             positions = [i for i, done in enumerate(finished) if done]
             rows = [self.active[i] for i in positions]
-            tokens = [self.sequences[row].shape[0] - self.padding[row] - 1 for row in rows]
+            tokens = [self.cache_tokens(row) for row in rows]
             self.finished_rows.add(self.target_cache.copied_rows(positions, tokens), rows)
         index = torch.tensor(keep, dtype=torch.long)
         self.target_cache.select_rows(index)

@@ -154,7 +154,9 @@ class DraftedBatchingManager:
     def start(self) -> None:
         """Starts the background thread that serves the requests."""
         if self.is_running():
-            return
+            if not self._stopping.is_set():
+                return
+            self._thread.join()  # a stop(block=False) still finishing the requests added before it: they end first
         self._stopping.clear()
         self.error = None
         self.results.open()
@@ -268,10 +270,17 @@ class DraftedBatchingManager:
         if request_id is None:
             with self._lock:
                 request_id, self._counter = f"req_{self._counter}", self._counter + 1
-        prompt = prompt_ids(input_ids, self.call.device, f"add_request's prompt ({request_id})")
+        what = f"add_request's prompt ({request_id})"
+        prompt = prompt_ids(input_ids, self.call.device, what, self.call.vocab_size)
         rules = self.call.rules(prompt, max_new_tokens, sampling)
-        for name in sequence_ids(request_id, self.generation_config.num_return_sequences or 1):
-            self._incoming.put((Request(name, prompt, streaming, record_timestamps), rules))
+        with self._lock:  # the thread fails what it holds under the same lock when it ends on an error
+            if self.error is not None:
+                raise RuntimeError(
+                    f"This manager's thread ended on an error ({self.error!r}) and takes no more requests: start() it "
+                    "again."
+                )
+            for name in sequence_ids(request_id, self.generation_config.num_return_sequences or 1):
+                self._incoming.put((Request(name, prompt, streaming, record_timestamps), rules))
         self._wake.set()
         return request_id
 
@@ -371,7 +380,10 @@ class DraftedBatchingManager:
                         self._wake.wait(timeout=0.1)
                         self._wake.clear()
         except Exception as error:  # every request still held fails with it, as transformers' manager fails them
-            self.error = error
+            with self._lock:  # requests added until now are held too; add_request refuses any later one
+                self.error = error
+                while not self._incoming.empty():
+                    pending.append(self._incoming.get())
             logger.error(f"The drafted batching manager stopped: {error!r}")
             for request in _held(pending, serving):
                 self.results.put(

@@ -69,29 +69,38 @@ class Request:
     cancelled: bool = False
 
 
-def requests_of(inputs: list[list[int]], num_return_sequences: int, device: torch.device) -> list[Request]:
+def requests_of(inputs: list[list[int]], num_return_sequences: int, call: ServingCall) -> list[Request]:
     """`generate_batch`'s requests in its results' order: `req_<i>` per prompt, after its extra sequences
     `req_<i>__child#<j>`."""
     requests = []
     for index, prompt in enumerate(inputs):
-        ids = prompt_ids(prompt, device, f"generate_batch's prompt {index}")
+        ids = prompt_ids(prompt, call.device, f"generate_batch's prompt {index}", call.vocab_size)
         requests += [Request(name, ids) for name in sequence_ids(f"req_{index}", num_return_sequences)]
     return requests
 
 
-def prompt_ids(prompt: Any, device: torch.device, what: str) -> torch.LongTensor:
-    """A request's prompt as a 1-D tensor of token ids; raises, naming the fix, for anything else."""
+def prompt_ids(prompt: Any, device: torch.device, what: str, vocab_size: int | None = None) -> torch.LongTensor:
+    """A request's prompt as a 1-D tensor of token ids (each below `vocab_size`, where given); raises, naming the fix,
+    for anything else."""
     try:
-        ids = torch.as_tensor(prompt, dtype=torch.long, device=device)
+        ids = torch.as_tensor(prompt, device=device)
     except (TypeError, ValueError, RuntimeError):
         ids = None
-    if ids is None or ids.dim() != 1:
-        raise ValueError(
-            f"{what} is {type(prompt).__name__} {str(prompt)[:60]!r}, where a prompt is a list of token ids. Pass "
-            "tokenizer(text)['input_ids'] (or apply_chat_template(..., return_dict=True)['input_ids'])."
-        )
-    if ids.numel() == 0:
+    if ids is not None and ids.numel() == 0 and ids.dim() == 1:
         raise ValueError(f"{what} is empty: every request needs at least one token.")
+    integers = ids is not None and not ids.is_floating_point() and not ids.is_complex() and ids.dtype != torch.bool
+    if not integers or ids.dim() != 1:
+        raise ValueError(
+            f"{what} is {type(prompt).__name__} {str(prompt)[:60]!r}, where a prompt is a list of token ids (integers). "
+            "Pass tokenizer(text)['input_ids'] (or apply_chat_template(..., return_dict=True)['input_ids'])."
+        )
+    ids = ids.long()
+    if vocab_size is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(
+            f"{what} holds token id {bad}, outside the target's vocabulary of {vocab_size}: was it tokenized for "
+            "another model?"
+        )
     return ids
 
 
@@ -214,6 +223,11 @@ class ServingCall:
     def device(self) -> torch.device:
         return target_execution_device(self.target)
 
+    @property
+    def vocab_size(self) -> int:
+        """The rows of the target's embedding table: a prompt's ids must be below it."""
+        return self.target.get_input_embeddings().num_embeddings
+
     def rules(
         self, prompt: torch.LongTensor, max_new_tokens: int | None = None, sampling: dict[str, Any] | None = None
     ) -> tuple:
@@ -257,7 +271,7 @@ def generate_requests(
     if not inputs:
         return {}
     call = ServingCall.prepare(target, drafter, generation_config, continuous_batching_config, kwargs)
-    requests = requests_of(inputs, call.generation_config.num_return_sequences or 1, call.device)
+    requests = requests_of(inputs, call.generation_config.num_return_sequences or 1, call)
     rules = [call.rules(request.prompt) for request in requests]
     longest = max(rules, key=lambda each: each[2])  # the decoding's max_length: the cache's first reserve
     results: dict[str, GenerationOutput] = {}
