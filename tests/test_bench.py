@@ -316,6 +316,15 @@ def test_cli_bench_refuses_a_drafter_of_another_target_before_it_runs(target, to
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_bench_refuses_a_method_its_drafter_lacks_before_any_run(target, drafter, tokenizer, tmp_path):
+    # domino_vocab with a drafter without a draft vocabulary was a traceback at its warm-up.
+    assert drafter.draft_vocab is None
+    argv = saved_bench_argv(target, drafter, tokenizer, tmp_path) + ["--num-prompts", "1", "--no-progress"]
+    with pytest.raises(SystemExit, match="'domino_vocab' needs a drafter with a draft vocabulary"):
+        cli.main([*argv, "--methods", "target,domino_vocab", "--output-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("fast_path", [True, False])
 def test_cli_bench_end_to_end(fast_path, target, drafter, tokenizer, tmp_path, capsys):
     argv = saved_bench_argv(target, drafter, tokenizer, tmp_path)
@@ -606,6 +615,19 @@ def test_demo_fails_when_the_output_differs_from_the_target_alones(target, draft
         demo, "run_demo", lambda *args, **kwargs: dataclasses.replace(different, identical_to_target=True)
     )
     assert cli.main(["demo", "--no-cpu-fast-path"]) == 0
+
+
+def test_demo_refuses_a_drafter_of_another_target_and_says_when_nothing_was_drafted(
+    target, drafter, tokenizer, monkeypatch
+):
+    other = make_drafter(make_target(vocab_size=target.config.vocab_size + 8))
+    monkeypatch.setattr(demo, "load_drafter", lambda path: other)
+    monkeypatch.setattr(demo, "load_smollm2", lambda: (target, tokenizer))
+    with pytest.raises(SystemExit, match="hf-domino demo: --drafter .*vocab_size .* differs"):  # was a traceback
+        cli.main(["demo", "--no-cpu-fast-path", "--drafter", "elsewhere"])
+    one_token = demo.DemoResult("text", new_tokens=1, seconds=1.0, target_seconds=1.0, mean_acceptance_length=0.0,
+                                identical_to_target=True)  # fmt: skip
+    assert "no target forward after the prefill's" in one_token.summary()  # was "0.00 tokens per target forward"
 
 
 def test_missing_drafter_is_a_clear_error(tmp_path):

@@ -515,6 +515,8 @@ def test_cli_regenerate_then_train_any_causal_lm(model, tokenizer, tmp_path):
         cli.main([*train, "--init-from-target", "--init-from", str(fp16_export), "--output-dir", str(tmp_path / "c")])
     with pytest.raises(SystemExit, match="--kl-weight needs the target's last hidden state"):
         cli.main([*train, "--kl-weight", "0.5", "--feature-cache", str(tmp_path / "f"), "--output-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="the drafter the architecture flags describe: target_layer_ids"):
+        cli.main([*train, "--target-layer-ids", "1", "14", "27", "--output-dir", str(tmp_path / "deep")])  # IndexError
     with pytest.raises(SystemExit, match="--generate-tau scores the held-out answers: give --validation-examples"):
         cli.main([*train, "--generate-tau", "--output-dir", str(tmp_path / "h")])
     with pytest.raises(SystemExit, match="--draft-lengths and --eval-output belong to --eval-only"):

@@ -758,7 +758,19 @@ def test_draft_vocab_command_writes_a_loadable_copy(tmp_path):
     with pytest.raises(SystemExit, match=f"tokenizer has 49152 tokens, more than the drafter's {VOCAB}-token"):
         cli.main([*argv[:-1], "smollm2", "--size", "6", "--data", str(data), "--output", str(tmp_path / "other")])
     assert not (tmp_path / "big").exists() and not (tmp_path / "m").exists() and not (tmp_path / "other").exists()
+    # Tracebacks after the counting, or a vocabulary of nothing counted, exit 0: now named before or instead.
     data.write_text(json.dumps(record) + "\n")
+    with pytest.raises(SystemExit, match="--size 2 cannot hold the tokenizer's 3 special tokens"):
+        cli.main([*argv, "--size", "2", "--data", str(data), "--output", str(tmp_path / "small")])
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit, match="a-file/sub lies under a file"):
+        cli.main([*argv, "--size", "6", "--data", str(data), "--output", str(tmp_path / "a-file" / "sub")])
+    (tmp_path / "prompts-only.jsonl").write_text(json.dumps(record | {"loss_mask": [0] * 6}) + "\n")
+    with pytest.raises(SystemExit, match="no response token in 1 regenerated file"):
+        cli.main(
+            [*argv, "--size", "6", "--data", str(tmp_path / "prompts-only.jsonl"), "--output", str(tmp_path / "e")]
+        )
+    assert not (tmp_path / "small").exists() and not (tmp_path / "e").exists()
 
     # The committed form of regenerated data (`hf-domino pack`) counts the same.
     from hf_domino.training import pack

@@ -424,6 +424,51 @@ def test_token_ids_outside_the_targets_vocabulary_are_refused(target, tmp_path):
     assert not tmp_path.joinpath("log.jsonl").exists()
 
 
+def test_bad_settings_and_data_are_refused_at_the_call(target, tmp_path):
+    """Each of these failed deep inside a step (an IndexError, a ZeroDivisionError after the first step, a KeyError)
+    or trained silently with something else (kl_weight 2, max_length ignored)."""
+    from hf_domino.prompt_sets import InputDataError
+    from hf_domino.training import load_examples, pack, teacher_forced_metrics
+
+    for setting, value in [("batch_size", 0), ("log_every", 0), ("num_anchors", 0), ("kl_weight", 2.0),
+                           ("gradient_accumulation_steps", 0), ("learning_rate", 0.0), ("total_steps", 1.5)]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"TrainConfig.{setting} "):
+            TrainConfig(**{setting: value})
+    config = TrainConfig(total_steps=2, batch_size=2, num_anchors=3, log_every=1, max_length=12)
+    with pytest.raises(TypeError, match="its settings as a TrainConfig, got dict"):
+        train(tiny_drafter(target), target, toy_examples(4), {"total_steps": 2}, tmp_path)
+    with pytest.raises(TypeError, match="examples must be a list of training.Example"):
+        train(tiny_drafter(target), target, "regen.jsonl", config, tmp_path)
+    with pytest.raises(InputDataError, match="None of the 0 examples has two response tokens"):
+        train(tiny_drafter(target), target, [], config, tmp_path)
+    deep = DominoConfig.from_target(target.config, block_size=BLOCK, emb_dim=8, gru_hidden_dim=16,
+                                    target_layer_ids=[1, 14, 27], num_hidden_layers=1)  # fmt: skip
+    with pytest.raises(ValueError, match=r"target_layer_ids .* outside the target's 4 layers"):
+        train(DominoForSpeculation(deep), target, toy_examples(4), config, tmp_path)
+    assert not tmp_path.joinpath("log.jsonl").exists()
+    # TrainConfig.max_length cuts the examples, as load_examples(max_length) does.
+    train(tiny_drafter(target), target, toy_examples(4), config, tmp_path)
+    assert {record["seq_len"] for record in read_log(tmp_path / "log.jsonl")} == {12}
+
+    lines = ['{"index": 0, "input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 1]}',
+             '{"index": 1, "input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1]}']  # fmt: skip
+    (tmp_path / "short_mask.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(InputDataError, match="Record 1 of .* has 4 input_ids but a loss_mask of 3"):
+        load_examples(tmp_path / "short_mask.jsonl", max_length=64)
+    (tmp_path / "lined.jsonl").write_text('{"id": "mt:a\\nb", "input_ids": [5, 6], "loss_mask": [0, 1]}\n')
+    with pytest.raises(InputDataError, match="holds a line break"):
+        pack(tmp_path / "lined.jsonl", tmp_path / "lined.safetensors", recipe={})
+    with pytest.raises(InputDataError, match=f"holds token id {VOCAB}, outside the target's vocabulary"):
+        teacher_forced_metrics(tiny_drafter(target), target, [Example([5, 6, VOCAB, 7], [0, 1, 1, 1])])
+    from hf_domino.training import evaluate_acceptance
+
+    chat = [[{"role": "user", "content": "Hi"}]]
+    with pytest.raises(ValueError, match="draft_length must be from 1"):  # 0 measured whole blocks
+        evaluate_acceptance(target, None, tiny_drafter(target), chat, draft_length=0)
+    with pytest.raises(TypeError, match="prompts must be a list of chat conversations"):
+        evaluate_acceptance(target, None, tiny_drafter(target), ["Hi there"])
+
+
 CUDA_RUN = """
 import os, sys, torch
 sys.path.insert(0, {tests!r})

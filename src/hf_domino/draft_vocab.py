@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from . import assets, prompt_sets
 from .cli import positive_int
 from .modeling_domino import DRAFT_VOCAB_FILE
+from .prompt_sets import InputDataError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -76,6 +77,11 @@ def regenerated_response_ids(paths: Sequence[str | os.PathLike]) -> Iterator[lis
 
     for path in paths:
         for record in iter_records(path):
+            if len(record["input_ids"]) != len(record["loss_mask"]):
+                raise InputDataError(
+                    f"A record of {path} has {len(record['input_ids'])} input_ids but a loss_mask of "
+                    f"{len(record['loss_mask'])}: pass files `hf-domino regenerate` wrote."
+                )
             yield [token for token, keep in zip(record["input_ids"], record["loss_mask"]) if keep]
 
 
@@ -139,11 +145,19 @@ def run(args: argparse.Namespace) -> int:
             f"hf-domino draft-vocab: --size {args.size} exceeds the drafter's {config['vocab_size']}-token "
             "vocabulary: a draft vocabulary is a subset of it (the shipped drafter's holds 8192)."
         )
+    if any(parent.exists() and not parent.is_dir() for parent in Path(args.output).parents):
+        raise SystemExit(f"hf-domino draft-vocab: --output {args.output} lies under a file: give a folder's path.")
     tokenizer = assets.load_tokenizer(args.target)
     if len(tokenizer) > config["vocab_size"]:
         raise SystemExit(
             f"hf-domino draft-vocab: --target {args.target}'s tokenizer has {len(tokenizer)} tokens, more than the "
             f"drafter's {config['vocab_size']}-token vocabulary: pass the drafter's own target."
+        )
+    specials = {token for token in tokenizer.all_special_ids if 0 <= token < config["vocab_size"]}
+    if args.size < len(specials):
+        raise SystemExit(
+            f"hf-domino draft-vocab: --size {args.size} cannot hold the tokenizer's {len(specials)} special tokens, "
+            "which every draft vocabulary keeps: give a larger --size."
         )
     if args.data:
         source, sequences = f"{len(args.data)} regenerated file(s)", regenerated_response_ids(args.data)
@@ -154,6 +168,11 @@ def run(args: argparse.Namespace) -> int:
         counts = count_tokens(sequences, config["vocab_size"])
     except ValueError as error:
         raise SystemExit(f"hf-domino draft-vocab: {error}") from None
+    if not counts.sum():
+        raise SystemExit(
+            f"hf-domino draft-vocab: no response token in {source}: a draft vocabulary is the most frequent tokens "
+            "of the target's answers; pass files `hf-domino regenerate` wrote."
+        )
     token_ids = most_frequent(counts, args.size, always=tokenizer.all_special_ids)
     covered = counts[token_ids].sum().item() / max(counts.sum().item(), 1)
     write_drafter_with_vocab(drafter_dir, token_ids, args.output)

@@ -263,6 +263,19 @@ def transformers_dflash_model(drafter: DominoForSpeculation) -> torch.nn.Module:
     return _TRANSFORMERS_DFLASH[drafter]
 
 
+def check_method(method: str, drafter: DominoForSpeculation | None, temperature: float = 0.0) -> None:
+    """Raises, naming what is missing, where `method` cannot run with this drafter (or none) at `temperature`."""
+    spec = parse_method(method)
+    if spec.uses_drafter and drafter is None:
+        raise ValueError(f"Method {method!r} needs a drafter.")
+    if method == "manual" and temperature > 0:
+        raise ValueError(f"Method {method!r} is greedy only; run it at --temperature 0.")
+    if spec.options.get("domino_head") and not drafter.config.has_domino_head:
+        raise ValueError(f"Method {method!r} needs a drafter with a Domino head (projector_type='domino').")
+    if spec.options.get("draft_vocab") and drafter.draft_vocab is None:
+        raise ValueError(f"Method {method!r} needs a drafter with a draft vocabulary (see `hf-domino draft-vocab`).")
+
+
 def run_method(
     method: str,
     target: PreTrainedModel,
@@ -286,14 +299,7 @@ def run_method(
     spec = parse_method(method)
     if method == "manual" and cache_implementation is not None:
         raise ValueError(f"Method {method!r} runs its own loop on a dynamic cache; drop it with a static cache.")
-    if spec.uses_drafter and drafter is None:
-        raise ValueError(f"Method {method!r} needs a drafter.")
-    if method == "manual" and temperature > 0:
-        raise ValueError(f"Method {method!r} is greedy only; run it at --temperature 0.")
-    if spec.options.get("domino_head") and not drafter.config.has_domino_head:
-        raise ValueError(f"Method {method!r} needs a drafter with a Domino head (projector_type='domino').")
-    if spec.options.get("draft_vocab") and drafter.draft_vocab is None:
-        raise ValueError(f"Method {method!r} needs a drafter with a draft vocabulary (see `hf-domino draft-vocab`).")
+    check_method(method, drafter, temperature)
     input_ids = input_ids.to(target.device)
     ours = spec.uses_drafter and method != "transformers_dflash"  # drafting through hf-domino
     # Converted before the clock starts (and once per drafter): the conversion copies the drafter's weights.

@@ -22,7 +22,7 @@ from .. import assets, prompt_sets
 from ..cli import non_negative_int, number_in, positive_int
 from ..configuration_domino import DominoConfig
 from ..modeling_domino import DRAFT_VOCAB_FILE, DominoForSpeculation
-from ..options_domino import check_drafter_for_target
+from ..options_domino import check_drafter_config_for_target_config, check_drafter_for_target
 from .data import Example, FeatureCache, check_token_ids, load_examples
 from .evaluate import evaluate_acceptance
 from .loop import (
@@ -400,6 +400,10 @@ def _drafter_from_args(args: argparse.Namespace, target_model: PreTrainedModel) 
         shift_label=False if args.no_shift_label else None,
         **backbone,
     )
+    try:
+        check_drafter_config_for_target_config(config, target_model.config)
+    except ValueError as error:
+        raise SystemExit(f"hf-domino train: the drafter the architecture flags describe: {error}") from None
     torch.manual_seed(args.seed)
     drafter = DominoForSpeculation(config)
     if args.init_from_target:

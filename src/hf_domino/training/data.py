@@ -49,16 +49,40 @@ def load_examples(paths: str | os.PathLike | Sequence[str | os.PathLike], max_le
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     examples = []
     for path in paths:
-        for record in iter_records(path):
-            input_ids, loss_mask = record["input_ids"][:max_length], record["loss_mask"][:max_length]
-            if sum(loss_mask) >= 2:
-                examples.append(Example(input_ids, loss_mask))
+        for number, record in enumerate(iter_records(path)):
+            if len(record["input_ids"]) != len(record["loss_mask"]):
+                raise InputDataError(
+                    f"Record {number} of {path} has {len(record['input_ids'])} input_ids but a loss_mask of "
+                    f"{len(record['loss_mask'])}: each token needs its mask entry. Pass files `hf-domino regenerate` "
+                    "wrote."
+                )
+            examples += within_max_length([Example(record["input_ids"], record["loss_mask"])], max_length, empty=True)
     if not examples:
         raise InputDataError(
             f"No usable training examples in {', '.join(str(p) for p in paths)}: each needs two response tokens or "
             f"more within the first {max_length} tokens (--max-length). Pass answers `hf-domino regenerate` wrote."
         )
     return examples
+
+
+def within_max_length(
+    examples: Sequence[Example], max_length: int, name: str = "examples", empty: bool = False
+) -> list[Example]:
+    """`examples` cut to `max_length` tokens, without those left with fewer than two response tokens (no usable
+    anchor); an error for anything but a sequence of `Example`s, or (unless `empty`) for nothing left."""
+    if isinstance(examples, (str, os.PathLike)) or not all(isinstance(example, Example) for example in examples):
+        raise TypeError(
+            f"{name} must be a list of training.Example (load_examples(path, max_length) reads them from files), got "
+            f"{type(examples).__name__}."
+        )
+    cut = [Example(e.input_ids[:max_length], e.loss_mask[:max_length]) for e in examples]
+    kept = [example for example in cut if sum(example.loss_mask) >= 2]
+    if not kept and not empty:
+        raise InputDataError(
+            f"None of the {len(examples)} {name} has two response tokens or more within {max_length} tokens: nothing "
+            "to train on."
+        )
+    return kept
 
 
 def check_token_ids(examples: Sequence[Example], vocab_size: int) -> None:

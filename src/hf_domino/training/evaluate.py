@@ -25,7 +25,7 @@ from .. import assets
 from ..acceptance import generate_with_acceptance, mean_acceptance_length
 from ..modeling_domino import DominoForSpeculation, TargetModules
 from ..prompt_sets import Messages
-from .data import Example, target_context_features
+from .data import Example, check_token_ids, target_context_features, within_max_length
 from .loop import TrainConfig, held_out_window, metrics_record, scored_vocab
 from .loss import DominoTrainingModule
 
@@ -53,8 +53,10 @@ def teacher_forced_metrics(
     """
     from accelerate import Accelerator
 
-    accelerator = Accelerator(cpu=drafter.device.type == "cpu")
     config = config or TrainConfig()
+    examples = within_max_length(examples, config.max_length, "examples")
+    check_token_ids(examples, target_model.get_input_embeddings().num_embeddings)
+    accelerator = Accelerator(cpu=drafter.device.type == "cpu")
     vocab = scored_vocab(drafter, config)
     module = DominoTrainingModule(drafter, TargetModules.from_target(target_model), vocab).train(drafter.training)
     window = held_out_window(accelerator, module, target_model, examples, config, 0.0, pad_token_id)
@@ -118,6 +120,16 @@ def evaluate_acceptance(
     policy's short or skipped drafts would measure the policy, not the drafter. Switch the head off around the call
     (`with drafter.domino_head(False)`) for the DFlash-mode figure of the same weights.
     """
+    if draft_length is not None and not 1 <= draft_length <= drafter.config.num_drafts:
+        raise ValueError(
+            f"draft_length must be from 1 to the drafter's {drafter.config.num_drafts} drafts per block (None: all of "
+            f"them), got {draft_length!r}."
+        )
+    if isinstance(prompts, str) or not all(isinstance(m, (list, tuple)) and m for m in prompts):
+        raise TypeError(
+            "prompts must be a list of chat conversations, each a list of {'role', 'content'} messages, e.g. "
+            "[[{'role': 'user', 'content': 'Hi'}]] (prompt_sets.load_prompts returns them so)."
+        )
     drafter.eval()
     pad_token_id = assets.pad_token_id(target_model, tokenizer)
     lengths, per_prompt, new_tokens = [], [], 0
@@ -129,7 +141,7 @@ def evaluate_acceptance(
             input_ids,
             assistant_model=drafter,
             draft_policy="fixed",
-            num_speculative_tokens=draft_length or drafter.config.num_drafts,
+            num_speculative_tokens=draft_length if draft_length is not None else drafter.config.num_drafts,
             domino_lookup=False,  # the drafter's own acceptance, not copies from the text
             max_new_tokens=max_new_tokens,
             do_sample=False,

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..modeling_domino import DRAFT_VOCAB_FILE, DominoForSpeculation, TargetModules
+from ..options_domino import check_drafter_config_for_target_config
 from .data import (
     Example,
     FeatureCache,
@@ -41,6 +42,7 @@ from .data import (
     sample_anchors,
     sample_chain_anchors,
     target_hidden_states,
+    within_max_length,
 )
 from .loss import DominoLossOutput, DominoTrainingModule, curriculum_lambda
 
@@ -80,6 +82,24 @@ class TrainConfig:
     keep_checkpoints: int = 2
     gradient_checkpointing: bool = False
     stop_after_seconds: float | None = None  # checkpoint and return early (training in stages)
+
+    def __post_init__(self) -> None:
+        counts = ("total_steps", "batch_size", "gradient_accumulation_steps", "num_anchors", "max_length",
+                  "log_every", "save_every", "keep_checkpoints")  # fmt: skip
+        for name in counts:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainConfig.{name} must be a positive int, got {value!r}.")
+        shares = {"warmup_ratio": self.warmup_ratio, "kl_weight": self.kl_weight}
+        for name, value in shares.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(
+                    f"TrainConfig.{name} is a share of the steps or of the loss, from 0 to 1; got {value!r}."
+                )
+        positive = {"learning_rate": self.learning_rate, "max_grad_norm": self.max_grad_norm}
+        for name, value in positive.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"TrainConfig.{name} must be a positive number, got {value!r}.")
 
 
 def example_indices(
@@ -484,7 +504,18 @@ def train(
     Runs where `accelerator` (default: `default_accelerator()`) puts it; `target_model` and `drafter` move there.
     """
     # Bad data, settings or folders are refused before anything is written.
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"train() takes its settings as a TrainConfig, got {type(config).__name__}.")
+    check_drafter_config_for_target_config(drafter.config, target_model.config)
     scored_vocab(drafter, config)
+    kept = within_max_length(examples, config.max_length, "examples")
+    if feature_cache is not None and kept != list(examples):  # its rows are looked up by example number
+        raise ValueError(
+            f"With a feature_cache, examples must be those it was filled for, each within max_length "
+            f"({config.max_length}) with two response tokens or more: load them with load_examples(paths, max_length)."
+        )
+    examples = kept
+    validation_examples = within_max_length(validation_examples, config.max_length, "validation_examples", empty=True)
     check_token_ids([*examples, *validation_examples], target_model.get_input_embeddings().num_embeddings)
     accelerator = accelerator or default_accelerator()
     output_dir = Path(output_dir)

@@ -154,6 +154,8 @@ def pack(
     if not by_key:
         raise InputDataError(f"No complete records in {[str(path) for path in paths]}.")
     key_kinds = {type(key) for key in by_key}
+    if lined := next((key for key in by_key if "\n" in str(key)), None):
+        raise InputDataError(f"The record id {lined!r} holds a line break, which the packed file separates ids with.")
     if len(key_kinds) > 1:
         raise InputDataError("The files mix integer `index` and string `id` records; pack them separately.")
 
