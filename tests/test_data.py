@@ -473,8 +473,11 @@ def test_cli_regenerate_then_train_any_causal_lm(model, tokenizer, tmp_path):
         cli.main([*train, *in_a, "--total-steps", "3"])
     with pytest.raises(SystemExit, match="but the drafter's emb_dim was 4, now 8. Rerun with the settings"):
         cli.main([*train, *in_a, "--emb-dim", "8"])
-    with pytest.raises(SystemExit, match="holds the checkpoints of an earlier run .* --overwrite-output-dir"):
+    with pytest.raises(SystemExit, match="holds what an earlier run left .* --overwrite-output-dir"):
         cli.main([*train, *in_a, "--no-resume"])
+    # Filling a feature cache is no business of the run folder's (it was refused like a resume).
+    features = ["--feature-cache", str(tmp_path / "features"), "--features-only", "--output-dir", str(tmp_path / "a")]
+    assert cli.main([*train, "--block-size", "8", *features]) == 0
     shutil.copytree(tmp_path / "a", tmp_path / "a2")
     (tmp_path / "a2" / "notes.txt").write_text("mine")
     assert (

@@ -157,6 +157,18 @@ def test_attach_refuses_what_cannot_draft_naming_the_fix():
     assert hf_domino.attached_drafter(target) is None
 
 
+def test_the_rollout_check_reads_every_device_serving_takes(monkeypatch):
+    from hf_domino.options_domino import DominoOptions
+
+    for device in ("0", "cuda:1", "balanced", "auto"):  # a GPU's index, a device map: nothing to refuse (was a crash)
+        DominoOptions(domino_rollout="triton+graph").validate_device(device)
+    DominoOptions().validate_device("not a device")  # no Triton rollout forced: never parsed
+    monkeypatch.setenv("TRITON_INTERPRET", "true")  # Triton's own spelling of on, as 1
+    DominoOptions(domino_rollout="triton").validate_device("cpu")
+    with pytest.raises(ValueError, match="needs CUDA \\(CUDA graphs\\)"):
+        DominoOptions(domino_rollout="triton+graph").validate_device("cpu")
+
+
 # ------------------------------------------------------------------------------------------- hf-domino serve
 needs_serving = pytest.mark.skipif(not is_serve_available(), reason='needs pip install "hf-domino[serve]"')
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -400,14 +400,22 @@ def test_a_new_run_is_refused_where_another_left_checkpoints_until_cleared(targe
     config = TrainConfig(total_steps=4, batch_size=2, num_anchors=3, learning_rate=1e-2, log_every=1, save_every=2)
     train(tiny_drafter(target), target, toy_examples(8), config, tmp_path)
     (tmp_path / "final").mkdir()
-    (tmp_path / "notes.txt").write_text("mine")
+    mine = ["checkpoint-2.tar.gz", "checkpoint-best", "notes.txt"]  # the user's, whatever their names
+    (tmp_path / "checkpoint-best").mkdir()
+    for name in ("notes.txt", "checkpoint-2.tar.gz"):
+        (tmp_path / name).write_text("mine")
     short = dataclasses.replace(config, total_steps=2)
-    with pytest.raises(ValueError, match="holds the checkpoints of an earlier run \\(latest: checkpoint-4\\)"):
+    says = "holds what an earlier run left \\(checkpoint-2, checkpoint-4, final, log.jsonl\\)"
+    with pytest.raises(ValueError, match=says):
         train(tiny_drafter(target), target, toy_examples(8), short, tmp_path, resume=False)
+    for checkpoint in tmp_path.glob("checkpoint-[0-9]"):  # a finished run whose checkpoints were removed
+        shutil.rmtree(checkpoint)
+    with pytest.raises(ValueError, match="holds what an earlier run left \\(final, log.jsonl\\)"):
+        train(tiny_drafter(target), target, toy_examples(8), short, tmp_path)  # its log was erased
     clear_run(tmp_path)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == mine
     train(tiny_drafter(target), target, toy_examples(8), short, tmp_path, resume=False)
-    assert sorted(path.name for path in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert sorted(path.name for path in tmp_path.glob("checkpoint-[0-9]")) == ["checkpoint-2"]
     assert [record["step"] for record in read_log(tmp_path / "log.jsonl")] == [1, 2]
 
 

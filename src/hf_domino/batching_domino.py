@@ -42,7 +42,7 @@ from .batch_call_domino import TokenScores, key_weights
 from .batch_drafts_domino import CycleDrafter, CycleDrafts
 from .batch_policy_domino import CallWindow, call_speculates
 from .batch_prompts_domino import PromptReading
-from .cache_domino import buffer_layers
+from .cache_domino import CACHE_ARGUMENT, buffer_layers
 from .copied_drafts_domino import judge_copy
 from .cost_model_domino import row_paces, settle_for_timing
 from .drafting_domino import CallStops, asked_without_scores, first_stop
@@ -104,8 +104,8 @@ def check_states_kept_to_a_stop(
         raise ValueError(
             "This batch has no EOS token, so its rows run on until the last one stops (at a stop string or "
             "criterion), as the target alone's do, and the target's recurrent states cannot be cut back to where "
-            "the call then ends for the cache it returns: pass eos_token_id, or return no cache "
-            "(return_dict_in_generate=False and no past_key_values), or generate without assistant_model."
+            f"the call then ends for the cache it returns: pass eos_token_id, or return no cache "
+            f"(return_dict_in_generate=False and no {CACHE_ARGUMENT}=), or generate without assistant_model."
         )
 
 

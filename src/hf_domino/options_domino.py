@@ -190,10 +190,16 @@ class DominoOptions:
         """Refuses a forced Triton rollout (`domino_rollout`) the drafter's device cannot run, before any call: CUDA
         graphs need CUDA, and the kernels run elsewhere only under Triton's interpreter (`TRITON_INTERPRET=1`, for
         tests). `fused_head.select_rollout` checks again at the call, against the kernels as built."""
-        device = torch.device(device)
-        if device.type == "cuda" or self.domino_rollout not in ("triton", "triton+graph"):
+        if self.domino_rollout not in ("triton", "triton+graph"):
             return
-        if self.domino_rollout == "triton+graph" or os.environ.get("TRITON_INTERPRET") != "1":
+        try:
+            device = torch.device(int(device) if str(device).isdigit() else device)
+        except (RuntimeError, TypeError, ValueError):  # a device map ("balanced", ...): its devices are not known yet
+            return
+        if device.type == "cuda":
+            return
+        interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+        if self.domino_rollout == "triton+graph" or not interpreted:
             needs = "CUDA (CUDA graphs)" if self.domino_rollout == "triton+graph" else "CUDA, or Triton's interpreter"
             raise ValueError(
                 f"domino_rollout={self.domino_rollout!r} needs {needs}, and the drafter is on {device}: use "

@@ -174,7 +174,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     optim.add_argument(
         "--no-resume",
         action="store_true",
-        help="Start a new run even where --output-dir holds checkpoints (refused there: it would mix the two runs).",
+        help="Start a new run rather than resume (refused where --output-dir holds another run's checkpoints, logs "
+        "or final/: it would mix the two runs).",
     )
     optim.add_argument(
         "--overwrite-output-dir",
@@ -239,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     if args.features_only and not args.feature_cache:
         raise SystemExit("--features-only fills a feature cache and trains nothing: give --feature-cache DIR too.")
     _check_checkpoints_left(args)
-    if args.no_resume and not args.overwrite_output_dir and not args.eval_only:
+    if args.no_resume and not (args.overwrite_output_dir or args.eval_only or args.features_only):
         _exit_on_value_error(check_fresh_start, args.output_dir)
     missing = [str(path) for path in args.data or () if not path.exists()]
     if missing:
@@ -277,7 +278,8 @@ def run(args: argparse.Namespace) -> int:
         stop_after_seconds=args.stop_after_minutes * 60 if args.stop_after_minutes else None,
     )
     resume = not (args.no_resume or args.overwrite_output_dir)
-    if resume and (checkpoint := latest_checkpoint(args.output_dir)) is not None:
+    checkpoint = latest_checkpoint(args.output_dir) if resume and not args.features_only else None
+    if checkpoint is not None:
         _exit_on_value_error(check_resumable, checkpoint, drafter, config, PartialState().num_processes)
     feature_cache = None
     if args.feature_cache:
@@ -321,7 +323,9 @@ def run(args: argparse.Namespace) -> int:
 def _check_checkpoints_left(args: argparse.Namespace) -> None:
     """A checkpoint in --output-dir of a run with other --total-steps (the schedule spans them), or past this run's
     (resumed from, the run would train nothing and write no final drafter), refused before anything loads."""
-    if args.eval_only or args.no_resume or args.overwrite_output_dir or not args.output_dir.is_dir():
+    if args.eval_only or args.features_only or args.no_resume or args.overwrite_output_dir:
+        return  # (--features-only fills the cache alone: the run folder is not its business)
+    if not args.output_dir.is_dir():
         return
     latest = latest_checkpoint(args.output_dir)
     if latest is None:

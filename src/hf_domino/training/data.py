@@ -138,8 +138,8 @@ def ids_digest(input_ids: Sequence[int]) -> str:
 @torch.no_grad()
 def target_fingerprint(target_model: PreTrainedModel) -> str:
     """A digest of the target's first embedding rows and of its norms' weights, rounded to bfloat16: tells another
-    model (or a fine-tune of it) from the same one loaded in another dtype or on another device, without reading
-    every weight."""
+    model (or a fine-tune of it) from the same one loaded on another device or in float32 or bfloat16 (float16 rounds
+    some weights to other bfloat16 values), without reading every weight."""
     digest = hashlib.blake2b(digest_size=8)
     parts = [("embed", target_model.get_input_embeddings().weight[:256])]
     parts += [(name, weight) for name, weight in target_model.named_parameters() if "norm" in name]

@@ -223,7 +223,12 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
 def earlier_run(output_dir: str | os.PathLike) -> list[Path]:
     """What a run left in `output_dir`: its checkpoints (finished or cut short), logs and `final/` drafter."""
     output_dir = Path(output_dir)
-    made = [*output_dir.glob(f"{CHECKPOINT_PREFIX}*"), *output_dir.glob(f".tmp-{CHECKPOINT_PREFIX}*")]
+    made = [
+        path
+        for prefix in (CHECKPOINT_PREFIX, f".tmp-{CHECKPOINT_PREFIX}")
+        for path in output_dir.glob(f"{prefix}*")
+        if path.is_dir() and path.name[len(prefix) :].isdigit()
+    ]
     made += [output_dir / name for name in (LOG_FILE, VALIDATION_LOG_FILE, FINAL_DIR)]
     return sorted(path for path in made if path.exists())
 
@@ -285,14 +290,24 @@ def check_resumable(checkpoint: Path, drafter: DominoForSpeculation, config: Tra
 
 
 def check_fresh_start(output_dir: str | os.PathLike) -> None:
-    """Refuses to start a run over in a folder holding another run's checkpoints: pruning by step would delete the
-    new run's (older-numbered) ones, and `final/` would never be written."""
-    if (latest := latest_checkpoint(output_dir)) is not None:
+    """Refuses to start a new run in a folder holding what another run left (`earlier_run`): pruning by step would
+    delete the new run's (older-numbered) checkpoints, its logs would follow the other's, and a `final/` of the
+    other would stand beside them."""
+    if left := earlier_run(output_dir):
+        names = ", ".join(path.name for path in left[:4]) + (", ..." if len(left) > 4 else "")
         raise ValueError(
-            f"{output_dir} holds the checkpoints of an earlier run (latest: {latest.name}); a new run there would mix "
-            "its checkpoints with them. Give a new output folder, resume that run, or remove what it left first "
+            f"{output_dir} holds what an earlier run left ({names}); a new run there would mix its checkpoints and "
+            "logs with them. Give a new output folder, resume that run, or remove what it left first "
             "(`hf-domino train --overwrite-output-dir`, `hf_domino.training.clear_run`)."
         )
+
+
+def _logged_step(line: str) -> int:
+    """The step a log line records (0 for a line that is not a record: kept, not ours to judge)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 0
 
 
 def trim_logs(output_dir: Path, step: int) -> None:
@@ -301,7 +316,7 @@ def trim_logs(output_dir: Path, step: int) -> None:
         if not path.exists():
             continue
         lines = path.read_text().split("\n")[:-1]  # a last line without its newline was cut short by a crash
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+        kept = [line for line in lines if line.strip() and _logged_step(line) <= step]
         if len(kept) != len(lines) or path.read_bytes()[-1:] not in (b"\n", b""):
             temporary = path.with_name(path.name + ".tmp")
             temporary.write_text("".join(line + "\n" for line in kept))
@@ -522,7 +537,9 @@ def train(
     checkpoint = latest_checkpoint(output_dir) if resume else None
     if checkpoint is not None:
         check_resumable(checkpoint, drafter, config, accelerator.num_processes)
-    elif not resume:
+    elif not resume or (output_dir / FINAL_DIR).exists():
+        # Resuming with no checkpoint: a run that stopped before its first one (its log records are dropped), or,
+        # beside a final drafter, a finished run whose checkpoints were removed, which is no run to add to.
         check_fresh_start(output_dir)
     accelerator.wait_for_everyone()  # every process has checked before the main one trims the logs
     output_dir.mkdir(parents=True, exist_ok=True)
