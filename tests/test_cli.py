@@ -274,7 +274,7 @@ def test_bench_runs_a_target_with_recurrent_layers(tmp_path):
 def test_train_refuses_what_would_train_nothing_before_loading(tmp_path):
     """`--features-only` without a cache to fill trained a whole run; a checkpoint past `--total-steps` was resumed
     from, trained nothing and wrote no final drafter, both with exit status 0."""
-    from hf_domino.training.loop import STATE_JSON
+    from hf_domino.training.run_folder import STATE_JSON
 
     (tmp_path / "run" / "checkpoint-4").mkdir(parents=True)
     (tmp_path / "run" / "checkpoint-4" / STATE_JSON).write_text("{}")  # a finished checkpoint

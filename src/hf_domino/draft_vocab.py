@@ -28,7 +28,6 @@ from safetensors.torch import save_file
 from . import assets, prompt_sets
 from .cli import positive_int
 from .modeling_domino import DRAFT_VOCAB_FILE
-from .prompt_sets import InputDataError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -77,11 +76,6 @@ def regenerated_response_ids(paths: Sequence[str | os.PathLike]) -> Iterator[lis
 
     for path in paths:
         for record in iter_records(path):
-            if len(record["input_ids"]) != len(record["loss_mask"]):
-                raise InputDataError(
-                    f"A record of {path} has {len(record['input_ids'])} input_ids but a loss_mask of "
-                    f"{len(record['loss_mask'])}: pass files `hf-domino regenerate` wrote."
-                )
             yield [token for token, keep in zip(record["input_ids"], record["loss_mask"]) if keep]
 
 

@@ -10,8 +10,10 @@ a base-anchored curriculum mixes the base and final losses. One module per job, 
   anchors and block inputs;
 - `loss`: the block attention mask, position weights, curriculum lambda, teacher-forced logits and the losses,
   wrapped in `DominoTrainingModule`;
-- `loop`: `TrainConfig`, `train` (accelerate: CPU, GPU, DDP, FSDP), checkpoints and bit-for-bit resumption, the
-  warm start `init_from_target_layers`, the logged metrics;
+- `loop`: `TrainConfig`, `train` (accelerate: CPU, GPU, DDP, FSDP) with bit-for-bit resumption, the warm start
+  `init_from_target_layers`, the logged metrics;
+- `run_folder`: a run's checkpoints, logs and settings, the checks that take a run up where another left off
+  (`check_resumable`, `check_fresh_start`) and `clear_run`;
 - `evaluate`: `teacher_forced_metrics`, `teacher_forced_acceptance` (generate()'s own blocks, teacher-forced),
   `evaluate_acceptance` (through `generate()`, counted by `hf_domino.acceptance` like the benchmark), `read_log`,
   `plot_loss_curves`;
@@ -40,7 +42,7 @@ from .evaluate import (
     teacher_forced_acceptance,
     teacher_forced_metrics,
 )
-from .loop import TrainConfig, clear_run, init_from_target_layers, latest_checkpoint, train
+from .loop import TrainConfig, init_from_target_layers, train
 from .loss import (
     DominoLossOutput,
     DominoTrainingModule,
@@ -54,6 +56,7 @@ from .loss import (
     target_next_token_probs,
 )
 from .packed import pack, packed_info, unpack
+from .run_folder import clear_run, latest_checkpoint
 
 __all__ = [
     "AcceptanceResult",

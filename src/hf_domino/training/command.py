@@ -25,17 +25,15 @@ from ..modeling_domino import DRAFT_VOCAB_FILE, DominoForSpeculation
 from ..options_domino import check_drafter_config_for_target_config, check_drafter_for_target
 from .data import Example, FeatureCache, check_token_ids, load_examples
 from .evaluate import evaluate_acceptance
-from .loop import (
+from .loop import TrainConfig, init_from_target_layers, train
+from .run_folder import (
     CHECKPOINT_PREFIX,
     FINAL_DIR,
     STATE_JSON,
-    TrainConfig,
     check_fresh_start,
     check_resumable,
     clear_run,
-    init_from_target_layers,
     latest_checkpoint,
-    train,
 )
 
 if TYPE_CHECKING:

@@ -47,16 +47,9 @@ def load_examples(paths: str | os.PathLike | Sequence[str | os.PathLike], max_le
     regeneration is ignored.
     """
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    examples = []
-    for path in paths:
-        for number, record in enumerate(iter_records(path)):
-            if len(record["input_ids"]) != len(record["loss_mask"]):
-                raise InputDataError(
-                    f"Record {number} of {path} has {len(record['input_ids'])} input_ids but a loss_mask of "
-                    f"{len(record['loss_mask'])}: each token needs its mask entry. Pass files `hf-domino regenerate` "
-                    "wrote."
-                )
-            examples += within_max_length([Example(record["input_ids"], record["loss_mask"])], max_length, empty=True)
+    # Each record's mask is as long as its ids (`packed.iter_records` checks).
+    records = [Example(record["input_ids"], record["loss_mask"]) for path in paths for record in iter_records(path)]
+    examples = within_max_length(records, max_length, empty=True)
     if not examples:
         raise InputDataError(
             f"No usable training examples in {', '.join(str(p) for p in paths)}: each needs two response tokens or "

@@ -115,6 +115,11 @@ def _regenerated_record(line: str, where: str) -> dict[str, Any]:
             f"{where} is not a record of `hf-domino regenerate` (a JSON object with the lists input_ids and "
             "loss_mask): pass files that command wrote (or `hf-domino pack` files)."
         )
+    if len(record["input_ids"]) != len(record["loss_mask"]):
+        raise InputDataError(
+            f"{where} has {len(record['input_ids'])} input_ids but a loss_mask of {len(record['loss_mask'])}: each "
+            "token needs its mask entry. Pass files `hf-domino regenerate` wrote."
+        )
     return record
 
 

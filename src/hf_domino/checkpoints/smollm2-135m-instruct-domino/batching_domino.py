@@ -294,6 +294,8 @@ class BatchedDecoding(PromptReading):
             self.sequences[row] = self.sequences[row][: self.max_lengths[row]]
         if self.finished_rows is not None:  # rows that reached max_length before the last row stopped
             self.finished_rows.cut({row: self.cache_tokens(row) for row in self.finished_rows.order})
+        # Once: every row now ends at its max_length, which `extend` reads without this.
+        self.stops_together = False
         return [self.sequences[row].shape[0] >= self.max_lengths[row] for row in rows]
 
     def cache_tokens(self, row: int) -> int:
