@@ -285,6 +285,8 @@ def test_train_refuses_what_would_train_nothing_before_loading(tmp_path):
         cli.main([*train, "--features-only"])
     with pytest.raises(SystemExit, match="checkpoint-4 is at step 4, past --total-steps 3: give --total-steps 4"):
         cli.main([*train, "--total-steps", "3"])
+    with pytest.raises(SystemExit, match="--max-new-tokens must be at least 2"):  # reported 0.000
+        cli.main(["train", "--eval-only", "--drafter", "any", "--max-new-tokens", "1", "--output-dir", str(tmp_path)])
 
 
 def test_data_train_and_pack_cannot_read_is_one_line_naming_it_before_the_target_loads(tmp_path, monkeypatch, capsys):

@@ -187,6 +187,20 @@ def test_cli_regenerates_the_training_mix_and_continues_committed_data(model, to
         cli.main(argv(tmp_path / "other.jsonl", 4, 5, committed))
 
 
+def test_a_regeneration_recipe_names_a_target_folder_by_its_full_path(tmp_path, monkeypatch):
+    """Two folders typed "./model" from two places were one recipe: answers of two models mixed in one file."""
+    parser = cli.command_parser("regenerate")
+    recipes = []
+    for place in ("a", "b"):
+        (tmp_path / place / "model").mkdir(parents=True)
+        monkeypatch.chdir(tmp_path / place)
+        args = parser.parse_args(["--target", "./model", "--prompts", "mtbench", "--output", "out.jsonl"])
+        recipes.append(regenerate.cli_recipe(args, "cpu"))
+    assert [recipe["target"] for recipe in recipes] == [str(tmp_path / "a" / "model"), str(tmp_path / "b" / "model")]
+    args = parser.parse_args(["--target", "smollm2", "--prompts", "mtbench", "--output", "out.jsonl"])
+    assert regenerate.cli_recipe(args, "cpu")["target"] == "smollm2"  # an offline name or a Hub id, as typed
+
+
 def test_regenerate_resumes_and_repairs_a_cut_line(model, tokenizer, tmp_path):
     output = tmp_path / "regen.jsonl"
     kwargs = {"batch_size": 2, "max_new_tokens": MAX_NEW_TOKENS, "progress": False}

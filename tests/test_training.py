@@ -475,6 +475,8 @@ def test_bad_settings_and_data_are_refused_at_the_call(target, tmp_path):
         evaluate_acceptance(target, None, tiny_drafter(target), chat, draft_length=0)
     with pytest.raises(TypeError, match="prompts must be a list of chat conversations"):
         evaluate_acceptance(target, None, tiny_drafter(target), ["Hi there"])
+    with pytest.raises(ValueError, match="max_new_tokens must be at least 2"):  # no drafting forward: it said 0.0
+        evaluate_acceptance(target, None, tiny_drafter(target), chat, max_new_tokens=1)
 
 
 CUDA_RUN = """

@@ -233,6 +233,10 @@ def run(args: argparse.Namespace) -> int:
             "--drafter, --draft-lengths and --eval-output belong to --eval-only (a drafter's acceptance): add "
             "--eval-only, or drop them to train (--init-from starts training from a drafter)."
         )
+    if args.eval_only and args.max_new_tokens < 2:
+        raise SystemExit(
+            "--max-new-tokens must be at least 2: the prefill makes the first token, the drafts the rest."
+        )
     if args.output_dir.exists() and not args.output_dir.is_dir():
         raise SystemExit(f"--output-dir {args.output_dir} is a file: give the path of a folder for the checkpoints.")
     if args.features_only and not args.feature_cache:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -94,7 +95,7 @@ def teacher_forced_acceptance(
 
 @dataclass
 class AcceptanceResult:
-    mean_acceptance_length: float  # tokens per target forward while drafting, over all prompts
+    mean_acceptance_length: float  # tokens per target forward while drafting, over all prompts; nan: none drafted
     per_prompt: list[float]
     new_tokens: int
     seconds: float
@@ -118,8 +119,14 @@ def evaluate_acceptance(
     pooled over every forward of every prompt, as `hf_domino.acceptance` counts it for the benchmark. Every cycle
     drafts and verifies `draft_length` tokens (default: the whole block) under the fixed draft policy: the adaptive
     policy's short or skipped drafts would measure the policy, not the drafter. Switch the head off around the call
-    (`with drafter.domino_head(False)`) for the DFlash-mode figure of the same weights.
+    (`with drafter.domino_head(False)`) for the DFlash-mode figure of the same weights. Prompts the target ends at
+    their first token have no drafting forward and are left out; if every prompt ends so, the mean is nan.
     """
+    if max_new_tokens < 2:
+        raise ValueError(
+            f"max_new_tokens must be at least 2, got {max_new_tokens!r}: the prefill's forward makes the first token, "
+            "so only the tokens after it are drafted and measured."
+        )
     if draft_length is not None and not 1 <= draft_length <= drafter.config.num_drafts:
         raise ValueError(
             f"draft_length must be from 1 to the drafter's {drafter.config.num_drafts} drafts per block (None: all of "
@@ -152,7 +159,7 @@ def evaluate_acceptance(
             lengths.extend(acceptance_lengths)
             per_prompt.append(mean_acceptance_length(acceptance_lengths))
     return AcceptanceResult(
-        mean_acceptance_length=mean_acceptance_length(lengths),
+        mean_acceptance_length=mean_acceptance_length(lengths) if lengths else math.nan,
         per_prompt=per_prompt,
         new_tokens=new_tokens,
         seconds=time.perf_counter() - start,

@@ -155,8 +155,10 @@ def cli_recipe(args: argparse.Namespace, device: str) -> dict[str, Any]:
         prompts = {"name": str(args.prompts)}
     greedy = args.temperature <= 0
     offline = assets.OFFLINE_TARGETS.get(args.target) if args.gguf_file is None else None
+    folder = Path(args.target).expanduser()
     return {
-        "target": args.target,
+        # A folder by its full path: "./model" typed in two places may be two models.
+        "target": str(folder.resolve()) if folder.is_dir() else args.target,
         "gguf_file": offline.gguf_file if offline else args.gguf_file,
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
