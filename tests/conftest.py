@@ -179,11 +179,12 @@ def tiny_drafter(
 
 
 # --------------------------------------------------------------------------------------------- controlled regimes
-def successor_target(arch: str = "qwen3", vocab_size: int = 32, step: int = 1):
+def successor_target(arch: str = "qwen3", vocab_size: int = 32, step: int = 1, runner_up: int | None = None):
     """A real Qwen3/Llama model whose greedy next token is `(prev + step) % vocab`.
 
     Attention and MLP outputs are zeroed so every hidden state is the (one-hot) embedding of the current token; the
-    LM head maps token t's direction to t + step.
+    LM head maps token t's direction to t + step, and with `runner_up` to t + runner_up too, a little less (0.8 of
+    the logit): a repetition penalty of 1.5 on t + step makes t + runner_up the choice.
     """
     target = tiny_target(arch, vocab_size=vocab_size, hidden_size=vocab_size, num_layers=2)
     with torch.no_grad():
@@ -195,6 +196,8 @@ def successor_target(arch: str = "qwen3", vocab_size: int = 32, step: int = 1):
         lm_head = torch.zeros(vocab_size, vocab_size)
         for t in range(vocab_size):
             lm_head[(t + step) % vocab_size, t] = 1.0
+            if runner_up is not None:
+                lm_head[(t + runner_up) % vocab_size, t] = 0.8
         target.lm_head.weight.copy_(lm_head)
     return target
 
@@ -229,6 +232,16 @@ def forcing_drafter(target, next_token: list[int], *, block_size: int = 6, shift
             w2[nxt, t] = 10.0
         drafter.embed_proj[2].weight.copy_(w2)
     return drafter
+
+
+def own_drafts(stats) -> int:
+    """How many drafts the drafter itself offered in a call (`drafter.last_generation_stats`): copied and retrieved
+    drafts left out, so that a test of drafting cannot pass on prompt-lookup copies, or on plain steps alone."""
+    return sum(
+        drafts
+        for drafts, copied, retrieved in zip(stats.drafted, stats.copied, stats.retrieved)
+        if not copied | retrieved
+    )
 
 
 @pytest.fixture(params=["qwen3", "llama"])

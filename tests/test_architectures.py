@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import SPECIAL_TOKENS, tiny_drafter
+from conftest import SPECIAL_TOKENS, own_drafts, tiny_drafter
 from test_batching import assert_same_hidden_states, left_padded, prefill_rows
 from test_recurrent_targets import counts_linear_tokens
 from transformers import DynamicCache
@@ -283,7 +283,7 @@ def test_a_batch_continues_a_sliding_cache_whose_window_was_not_reached():
         second = a_first_turn(target, left_padded(ROWS), cache, new_tokens=10)
         outputs.append(target.generate(**second, **{CACHE_ARGUMENT: cache}, max_new_tokens=20, **GREEDY, **assistant))
     assert torch.equal(outputs[1], outputs[0])
-    assert drafter.last_generation_stats.drafted
+    assert own_drafts(drafter.last_generation_stats) > 0
 
 
 def test_a_batch_on_a_target_biased_by_cache_column_is_refused_and_one_sequence_is_exact():

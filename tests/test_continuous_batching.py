@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import forcing_drafter, tiny_drafter, tiny_target
+from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
 from test_batching import left_padded, prefill_rows
 from test_generation import (
     chi_square_p_value,
@@ -13,6 +13,7 @@ from test_generation import (
     exact_sequence_distribution,
     law_drafter,
     law_target,
+    successor,
 )
 from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import DynamicCache
@@ -204,6 +205,15 @@ def test_generation_settings_act_per_request_as_generate_builds_them():
                                         pad_token_id=0, continuous_batching_config=rows_at_most(2), **settings)  # fmt: skip
         expected = [alone(target, prompt, **settings) for prompt in PROMPTS]
         assert [result.generated_tokens for result in results.values()] == expected
+    # Whole blocks meet the penalty (test_batching's test_repetition_penalty_acts_per_row): a drafted column's reads
+    # the drafts before it.
+    target = successor_target("llama", VOCAB, step=16, runner_up=3)
+    drafter = forcing_drafter(target, successor(16), block_size=8)
+    settings = dict(max_new_tokens=24, repetition_penalty=1.5)
+    results = target.generate_batch(PROMPTS, assistant_model=drafter, draft_policy="fixed", do_sample=False,
+                                    pad_token_id=0, continuous_batching_config=rows_at_most(2), **settings)  # fmt: skip
+    assert [result.generated_tokens for result in results.values()] == [alone(target, p, **settings) for p in PROMPTS]
+    assert max(drafter.last_generation_stats.acceptance_lengths) > 1
 
 
 def test_results_carry_timestamps_and_lifespans_and_stats():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CPU_LIKE, GPU_LIKE, forcing_drafter, successor_target, tiny_drafter, tiny_target
+from conftest import CPU_LIKE, GPU_LIKE, forcing_drafter, own_drafts, successor_target, tiny_drafter, tiny_target
 from test_generation import (
     chi_square_p_value,
     drawn_sharper,
@@ -659,7 +659,7 @@ def test_no_drafts_allowed_are_plain_steps_with_the_adaptive_policy_too(rows, gp
     assert torch.equal(output, greedy(target, prompt, **kwargs))
     assert set(drafter.last_generation_stats.drafted) == {0}
     greedy(target, prompt, **kwargs, assistant_model=drafter)  # the test can fail: the default drafts here
-    assert max(drafter.last_generation_stats.drafted) > 0
+    assert own_drafts(drafter.last_generation_stats) > 0
 
 
 def test_confidence_threshold_stops_drafting_like_transformers():
@@ -931,7 +931,7 @@ def test_where_timing_needs_a_synchronization_the_policy_still_learns(monkeypatc
     (policy,) = built
     assert policy.learn_times and not policy.per_position and waits
     assert policy.record.backbone_seconds is not None and policy.record.position_seconds is not None
-    assert any(drafter.last_generation_stats.drafted)
+    assert own_drafts(drafter.last_generation_stats) > 0
 
 
 def test_forgetting_a_drafter_records_starts_its_next_call_from_nothing_learned():

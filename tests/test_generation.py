@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
+from conftest import forcing_drafter, own_drafts, successor_target, tiny_drafter, tiny_target
 from reference_domino import draft_greedy, reference_config
 from transformers import (
     DynamicCache,
@@ -87,6 +87,7 @@ def test_greedy_identical_random_models(arch):
                 greedy(target, prompt, max_new_tokens=17, assistant_model=drafter),
                 greedy(target, prompt, max_new_tokens=17),
             )
+            assert own_drafts(drafter.last_generation_stats) > 0  # the drafter's drafts were verified (and rejected)
 
 
 def test_eos_inside_block_stops_like_target():
@@ -96,6 +97,13 @@ def test_eos_inside_block_stops_like_target():
     expected = greedy(target, prompt, max_new_tokens=30)
     assert expected[0, -1].item() == 1 and expected.shape[1] < 2 + 30
     assert torch.equal(greedy(target, prompt, max_new_tokens=30, assistant_model=drafter), expected)
+    assert ended_in_a_drafted_block(drafter.last_generation_stats)
+
+
+def ended_in_a_drafted_block(stats) -> bool:
+    """Whether a call's last forward verified a block of the drafter's own (more than one draft): a stop that
+    ends such a call fired inside the block, not at a plain step."""
+    return stats.drafted[-1] > 1 and not (stats.copied[-1] or stats.retrieved[-1])
 
 
 class NothingPastAnEnd(LogitsProcessor):
@@ -127,6 +135,7 @@ def test_a_block_ends_at_an_eos_draft(rows, do_sample):
     drafting = dict(assistant_model=drafter, draft_policy="fixed")
     output = target.generate(**batch, logits_processor=processors, **options, **drafting)
     assert (output == 1).any(dim=1).all()  # every row reached its EOS
+    assert own_drafts(drafter.last_generation_stats) > 0
     if not do_sample:
         assert torch.equal(output, target.generate(**batch, logits_processor=processors, **options))
 
@@ -177,7 +186,7 @@ def test_a_chunked_prefill_reads_the_prompt_as_the_target_alones(arch, rows, chu
     drafted = target.generate(**batch, **options, assistant_model=drafter, draft_policy="fixed")
     assert read[: len(chunks)] == chunks == [chunk] * (len(chunks) - 1) + [7 - chunk * (len(chunks) - 1)]
     assert torch.equal(drafted.sequences, alone.sequences)
-    assert max(drafter.last_generation_stats.drafted) > 0
+    assert own_drafts(drafter.last_generation_stats) > 0
     if hidden:
         first, expected = drafted.hidden_states[0], alone.hidden_states[0]
         assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(first, expected, strict=True))
@@ -260,7 +269,9 @@ def test_max_new_tokens_below_and_off_block_multiples(max_new_tokens):
     prompt = torch.tensor([[4]])  # a one-token prompt
     output = greedy(target, prompt, max_new_tokens=max_new_tokens, assistant_model=drafter)
     assert torch.equal(output, greedy(target, prompt, max_new_tokens=max_new_tokens))
-    assert all(d <= max_new_tokens for d in drafter.last_generation_stats.drafted)
+    # Every draft is right: the first block takes what the limit leaves after the prefill's and the target's tokens.
+    expected = max(0, min(drafter.config.num_drafts, max_new_tokens - 2))
+    assert max(drafter.last_generation_stats.drafted, default=0) == expected
 
 
 def test_attention_mask_with_left_padding():
@@ -270,6 +281,7 @@ def test_attention_mask_with_left_padding():
     mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
     kwargs = dict(attention_mask=mask, max_new_tokens=12)
     assert torch.equal(greedy(target, prompt, assistant_model=drafter, **kwargs), greedy(target, prompt, **kwargs))
+    assert own_drafts(drafter.last_generation_stats) > 0
 
 
 class CollectingStreamer(BaseStreamer):
@@ -304,6 +316,7 @@ def test_return_dict_with_scores_hidden_states_and_attentions():
     assisted = greedy(target, prompt, assistant_model=drafter, **kwargs)
     alone = greedy(target, prompt, **kwargs)
     assert torch.equal(assisted.sequences, alone.sequences)
+    assert own_drafts(drafter.last_generation_stats) > 0
     assert len(assisted.scores) == len(alone.scores) == 9
     for a, b in zip(assisted.scores, alone.scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -320,6 +333,7 @@ def test_repetition_penalty_and_processors():
     prompt = torch.tensor([[5, 6, 7, 5, 6]])
     kwargs = dict(max_new_tokens=15, repetition_penalty=1.5, no_repeat_ngram_size=3)
     assert torch.equal(greedy(target, prompt, assistant_model=drafter, **kwargs), greedy(target, prompt, **kwargs))
+    assert own_drafts(drafter.last_generation_stats) > 0
 
 
 class StopAfterToken(StoppingCriteria):
@@ -340,6 +354,7 @@ def test_custom_stopping_criteria_fire_inside_a_block():
     assert torch.equal(
         greedy(target, prompt, max_new_tokens=20, stopping_criteria=criteria, assistant_model=drafter), expected
     )
+    assert ended_in_a_drafted_block(drafter.last_generation_stats)
 
 
 def letter_tokenizer():
@@ -363,6 +378,7 @@ def test_stop_strings_inside_a_block():
     expected = greedy(target, prompt, **kwargs)
     assert tokenizer.decode(expected[0, -2:]) == "hi"
     assert torch.equal(greedy(target, prompt, assistant_model=drafter, **kwargs), expected)
+    assert ended_in_a_drafted_block(drafter.last_generation_stats)
 
 
 # ---------------------------------------------------------------------------- drafts = the method, step by step
@@ -411,6 +427,8 @@ def test_drafted_tokens_match_independent_reference(arch, shift_label, pure_pref
             with torch.no_grad():
                 hidden = target(sequence[None, :anchor_pos], output_hidden_states=True).hidden_states
             features = torch.cat([hidden[i + 1][0] for i in config.target_layer_ids], dim=-1)
+            # Whole blocks (the fixed policy), but for the room max_new_tokens leaves.
+            assert len(drafts) == min(config.num_drafts, prompt.shape[1] + 30 - anchor_pos - 2)
             expected = draft_greedy(tensors, cfg, embed, lm_head, features, int(sequence[anchor_pos]), len(drafts))
             assert drafts == expected
         checked += 1
@@ -424,13 +442,26 @@ def test_head_switch_changes_drafts_not_output():
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     prompt = torch.tensor([[5, 6, 7]])
-    with drafter.domino_head(False):
-        off = greedy(target, prompt, max_new_tokens=15, assistant_model=drafter)
-        assert DOMINO_HEAD_DEFAULT.get() is False
-    assert DOMINO_HEAD_DEFAULT.get() is None  # the switch is scoped to the block, not stored on the model
-    on = greedy(target, prompt, max_new_tokens=15, assistant_model=drafter)
-    assert torch.equal(on, off)
-    assert torch.equal(greedy(target, prompt, max_new_tokens=15, assistant_model=drafter, domino_head=False), off)
+    verified = []  # each call's verification inputs: the drafts it offered
+    hook = target.register_forward_pre_hook(lambda module, args, kwargs: verified[-1].append(kwargs["input_ids"]),
+                                            with_kwargs=True)  # fmt: skip
+
+    def call(**kwargs):
+        verified.append([])
+        return greedy(target, prompt, max_new_tokens=15, assistant_model=drafter, domino_lookup=False, **kwargs)
+
+    try:
+        with drafter.domino_head(False):
+            off = call()
+            assert DOMINO_HEAD_DEFAULT.get() is False
+        assert DOMINO_HEAD_DEFAULT.get() is None  # the switch is scoped to the block, not stored on the model
+        on = call()
+        off_again = call(domino_head=False)
+    finally:
+        hook.remove()
+    assert torch.equal(on, off) and torch.equal(off_again, off)
+    same = lambda a, b: len(a) == len(b) and all(map(torch.equal, a, b))  # noqa: E731
+    assert not same(verified[1], verified[0]) and same(verified[2], verified[0])  # the head changed the drafts
     no_head = tiny_drafter(target, head=False)
     with pytest.raises(ValueError, match="no Domino head"):
         with no_head.domino_head(True):
@@ -1048,7 +1079,7 @@ def test_a_call_continuing_a_filled_cache_reads_only_the_new_tokens(arch, policy
         assert torch.equal(alone, fresh)
         assert read[0] == conversation.shape[1] - cache.get_seq_length()
     if policy == "fixed":  # the drafter drafted from the context the prefill gave it
-        assert max(drafter.last_generation_stats.drafted) > 0
+        assert own_drafts(drafter.last_generation_stats) > 0
 
 
 def test_a_cache_continued_with_new_tokens_only_or_holding_the_whole_prompt():
@@ -1117,4 +1148,4 @@ def test_a_target_quantized_by_torch_ao_drafts_through_its_packed_head():
         output = target.generate(
             torch.tensor([[5, 6, 7]]), assistant_model=drafter, max_new_tokens=8, do_sample=False, draft_policy="fixed"
         )
-        assert output.shape == (1, 11) and sum(drafter.last_generation_stats.drafted) > 0
+        assert output.shape == (1, 11) and own_drafts(drafter.last_generation_stats) > 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_target
+from conftest import own_drafts, tiny_drafter, tiny_target
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from hf_domino import generate_hook_domino, warpers_domino
@@ -107,7 +107,7 @@ def test_a_sampled_drafted_call_draws_the_same_tokens_without_the_sort(rows, sor
         return target.generate(**batch, assistant_model=drafter, **options)
 
     sort_free = sampled()
-    assert drafter.last_generation_stats.drafted, "nothing was drafted"
+    assert own_drafts(drafter.last_generation_stats) > 0, "nothing was drafted"
     handed_over = len(sorts)
     monkeypatch.setattr(generate_hook_domino, "sort_free_top_p", lambda processors: None)
     sorts.clear()
