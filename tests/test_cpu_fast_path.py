@@ -103,6 +103,8 @@ def test_prepare_for_a_batch_size_measures_its_shapes_so_no_batched_call_does(mo
     drafter = tiny_drafter(target, block_size=5)
     with pytest.raises(ValueError, match="batch_size=0: pass the largest number of sequences"):
         prepare_for_cpu_decoding(target, drafter, batch_size=0)
+    with pytest.raises(TypeError, match="got str for the drafter: load it first"):  # an AttributeError
+        prepare_for_cpu_decoding(target, "path/to/drafter")
     assert not is_prepared_for_cpu_decoding(target)  # refused before anything changed
 
     report = prepare_for_cpu_decoding(target, drafter, batch_size=3)
@@ -168,6 +170,26 @@ def test_models_off_the_cpu_are_left_untouched():
     report = prepare_for_cpu_decoding(target)
     assert "not the CPU" in report.skipped["target"] and not report.changed
     assert not is_prepared_for_cpu_decoding(target)
+
+
+def test_inference_tensors_are_not_packed_and_the_report_says_what_changed():
+    # An inference tensor has no version counter: a packed copy of one went on multiplying by the old weights after
+    # load_state_dict under inference mode. And a target whose products stay as they are, but whose attention was
+    # switched, was reported "untouched".
+    with torch.inference_mode():
+        target = tiny_target("qwen3", seed=0)
+        report = prepare_for_cpu_decoding(target, measure_products=False)
+        input_ids = prompt(64)
+        greedy(target, input_ids)
+        target.load_state_dict(tiny_target("qwen3", seed=7).state_dict())
+        assert torch.equal(greedy(target, input_ids), greedy(tiny_target("qwen3", seed=7), input_ids))
+    assert "inference tensors" in report.skipped["target"] and not any(report.prepacked.values())
+    assert f"target: {GROUPED_KV_ATTENTION} attention, no nn.Linear prepacked (its weights are inference" in str(
+        report
+    )
+    target = tiny_target("qwen3").double()
+    report = prepare_for_cpu_decoding(target, measure_products=False)
+    assert report.changed and str(report).startswith(f"target: {GROUPED_KV_ATTENTION} attention, no nn.Linear")
 
 
 @torch.no_grad()

@@ -83,6 +83,16 @@ def test_datastore_lookup_matches_the_rule_written_out():
         assert (found[0].tolist() if found is not None else []) == brute_force(sequences, query, 5)
         hits += found is not None
     assert hits > 100
+    # Tokens past the store's largest id (3 bits a key column here) occur in none of its n-grams: they spilled into
+    # the next column of a key, and [0, 17] matched (1, 1).
+    for _ in range(100):
+        query = torch.randint(0, 20, (7,), generator=generator).tolist()
+        found = store.lookup(torch.tensor([query]), 5)
+        assert (found[0].tolist() if found is not None else []) == brute_force(sequences, query, 5)
+    assert (
+        DraftDatastore.from_sequences([[1, 1, 1, 7, 8, 9]] * 2, ngram_sizes=(2,)).lookup(torch.tensor([[0, 17]]), 4)
+        is None
+    )
 
 
 def test_datastore_is_saved_with_its_drafter_and_checked(tmp_path):
@@ -103,6 +113,16 @@ def test_datastore_is_saved_with_its_drafter_and_checked(tmp_path):
     assert torch.equal(DraftDatastore.load(str(tmp_path / "large.safetensors")).tokens, large.tokens)
     with pytest.raises(ValueError, match="non-empty 1-D tensor of token ids"):
         DraftDatastore(torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="at least one sequence"):  # a torch.cat error
+        DraftDatastore.from_sequences([])
+    # Refused at the call, naming the fix: an IndexError in the target's embedding, an AttributeError in a lookup.
+    prompt = torch.tensor([[2, 5, 9, 12]])
+    drafter.datastore = DraftDatastore.from_sequences([[5, 9, 12, 17, 100, 101]] * 2)
+    with pytest.raises(ValueError, match="holds token id 101, outside the target's vocabulary of 64"):
+        target.generate(prompt, assistant_model=drafter, max_new_tokens=10, do_sample=False)
+    drafter.datastore = [[5, 9, 12, 17]]
+    with pytest.raises(TypeError, match="drafter.datastore must be a DraftDatastore or None, got list"):
+        target.generate(prompt, assistant_model=drafter, max_new_tokens=10, do_sample=False)
 
 
 def own_answers_datastore(target, prompts: list[list[int]], max_new_tokens: int = 30) -> DraftDatastore:

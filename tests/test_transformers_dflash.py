@@ -93,6 +93,10 @@ def test_what_does_not_carry_over_is_refused_by_name():
     assert backbone["encoder.fc.weight"].equal(with_head.fc.weight) and not any("gru" in name for name in backbone)
     with pytest.raises(ValueError, match="attention_bias=True"):
         to_transformers_dflash(tiny_drafter(target, head=False, shift_label=False, attention_bias=True))
+    with pytest.raises(TypeError, match="got a Qwen3ForCausalLM: pass the drafter"):  # an AttributeError
+        to_transformers_dflash(target)
+    with pytest.raises(TypeError, match="got a DominoForSpeculation: it is a drafter of ours already"):
+        from_transformers_dflash(with_head)
 
 
 @pytest.mark.parametrize("layers", ["full", "sliding"])

@@ -67,7 +67,8 @@ class DraftDatastore:
         if int(self.tokens[-1]) != -1:
             self.tokens = torch.cat([self.tokens, self.tokens.new_full((1,), -1)])
         self.ngram_sizes, self.min_count = tuple(ngram_sizes), min_count
-        self._bits = max(1, int(self.tokens.max()).bit_length())  # per token in a packed sort key
+        self.max_id = int(self.tokens.max())
+        self._bits = max(1, self.max_id.bit_length())  # per token in a packed sort key
         self._index: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
 
     @classmethod
@@ -76,6 +77,8 @@ class DraftDatastore:
         pieces = []
         for sequence in sequences:
             pieces += [torch.as_tensor(sequence, dtype=torch.long).flatten(), torch.full((1,), -1)]
+        if not pieces:
+            raise ValueError("A datastore needs at least one sequence of token ids, got none.")
         return cls(torch.cat(pieces), **kwargs)
 
     def save(self, path: str) -> None:
@@ -166,8 +169,10 @@ class DraftDatastore:
         for size in self.ngram_sizes:
             if sequence.shape[0] < size:
                 continue
-            keys, positions = self._sorted(size)
             query, start = sequence[-size:], torch.zeros(1, dtype=torch.long)
+            if int(query.max()) > self.max_id:  # in no n-gram of the store, and wider than a key's column
+                continue
+            keys, positions = self._sorted(size)
             low, high = 0, positions.shape[0]
             for chunk_keys, columns in zip(keys, self._chunks(size)):
                 key = self._keys(query, start, columns)

@@ -85,7 +85,12 @@ class CpuFastPathReport:
         parts = []
         for name in sorted(set(self.prepacked) | set(self.already) | set(self.skipped)):
             if name in self.skipped:
-                parts.append(f"{name}: untouched ({self.skipped[name]})")
+                done = (
+                    f"{GROUPED_KV_ATTENTION} attention, no nn.Linear prepacked"
+                    if name in self.attention
+                    else "untouched"
+                )
+                parts.append(f"{name}: {done} ({self.skipped[name]})")
                 continue
             new, old = len(self.prepacked.get(name, [])), self.already.get(name, 0)
             part = f"{name}: {new} nn.Linear prepacked for oneDNN" + (f" ({old} already were)" if old else "")
@@ -272,15 +277,20 @@ def _prepare(model: nn.Module, name: str, report: CpuFastPathReport, measure_pro
         measured = {shape: rows for dispatch in report.eager_rows.values() for shape, rows in dispatch.items()}
         report.eager_rows[name] = measure_linear_dispatch([modules[n] for n in prepared], measured)
     if not prepared and not already and not report.hooked.get(name):
+        inference = any(type(m) is nn.Linear and m.weight.is_inference() for m in model.modules())
         report.skipped[name] = (
-            f"no nn.Linear of a dtype oneDNN packs here ({', '.join(map(str, PACKABLE_DTYPES))}); quantized weights "
-            "are left as they are"
+            "its weights are inference tensors (made under torch.inference_mode()), whose in-place updates a packed "
+            "copy could not follow: build or load the model outside inference mode"
+            if inference
+            else f"no nn.Linear of a dtype oneDNN packs here ({', '.join(map(str, PACKABLE_DTYPES))}); quantized "
+            "weights are left as they are"
         )
 
 
 def _plain_float(weight: torch.Tensor) -> bool:
-    # A quantized weight keeps its own product: oneDNN cannot repack it.
-    return dense_weight(weight) and weight.dtype in PACKABLE_DTYPES
+    # A quantized weight keeps its own product: oneDNN cannot repack it. An inference tensor has no version counter to
+    # tell when its packed copy is stale.
+    return dense_weight(weight) and weight.dtype in PACKABLE_DTYPES and not weight.is_inference()
 
 
 def _pack_draft_vocabulary(target: nn.Module, drafter: nn.Module) -> None:
@@ -407,9 +417,16 @@ def prepare_for_cpu_decoding(
     here (docs/usage.md, "A static cache"). The first calls compile, for minutes (repaid after about 5,000-23,000
     generated tokens on this project's CPU); a batch with the drafter takes the compiled target alone's steps, faster
     there than drafting on the batch loop's eager forward. Needs transformers>=5.24, where a static cache rolls back
-    after a rejected draft.
+    after a rejected draft. `save_pretrained` writes that cache implementation into the saved generation config: set
+    `target.generation_config.cache_implementation = None` before saving.
     Returns what was changed (also logged).
     """
+    for name, model in (("target", target), ("drafter", drafter)):
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(
+                f"prepare_for_cpu_decoding takes the loaded models, got {type(model).__name__} for the {name}: load "
+                "it first (e.g. DominoForSpeculation.from_pretrained(path) for a drafter)."
+            )
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(
             f"batch_size={batch_size!r}: pass the largest number of sequences you will give one generate() call with "

@@ -23,8 +23,9 @@ the same objects). So:
   saved or copied (deep copies and pickles drop it), and costs a second copy of each weight in memory;
 - the product is `F.linear` at the row counts where that measured faster here, and where the packed one does not
   apply: inputs not on the CPU, autograd (training), an input dtype unlike the weight's, dtypes oneDNN cannot pack on
-  this CPU (fp16 without avx512_fp16), inside `eager_linears()`, and inside a compiled forward (generate() on a
-  static cache with a compile config), whose products inductor chooses;
+  this CPU (fp16 without avx512_fp16), inference tensors (made under `torch.inference_mode()`: they have no version
+  counter, so an in-place update of one could not be seen), inside `eager_linears()`, and inside a compiled forward
+  (generate() on a static cache with a compile config), whose products inductor chooses;
 - `rows_linear(x, rows)` multiplies by the rows `rows` of the weight only, packed once per row set: the drafter's
   draft-vocabulary LM head (`TargetModules.logits`) and head correction use it when the module offers it.
 """
@@ -88,6 +89,7 @@ class PrepackedLinear(nn.Linear):
             and weight.device.type == "cpu"
             and x.dtype == weight.dtype
             and weight.dtype in PACKABLE_DTYPES
+            and not weight.is_inference()
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
         )
 

@@ -37,6 +37,11 @@ def to_transformers_dflash(
     `shift_label=True`, a Domino head (unless `drop_domino_head=True`, which drafts as `domino_head=False` does
     here), attention biases or partial RoPE.
     """
+    if not isinstance(drafter, DominoForSpeculation):
+        raise TypeError(
+            f"to_transformers_dflash converts a DominoForSpeculation drafter, got a {type(drafter).__name__}: pass "
+            "the drafter (DominoForSpeculation.from_pretrained(path)), not the target."
+        )
     config = drafter.config
     check_convertible(config, drop_domino_head=drop_domino_head)
     native = MuseGlimmerAssistantModel(MuseGlimmerAssistantConfig(**_native_config_fields(config))).eval()
@@ -59,6 +64,11 @@ def from_transformers_dflash(
     hf-domino adds (batches, the adaptive policy, copied drafts). `vocab_size` is the target's; a model that
     `to_transformers_dflash` built records it, one transformers built alone does not, and is refused without it.
     """
+    if not isinstance(model, MuseGlimmerAssistantModel):
+        raise TypeError(
+            f"from_transformers_dflash converts transformers' MuseGlimmerAssistantModel, got a {type(model).__name__}"
+            + (": it is a drafter of ours already." if isinstance(model, DominoForSpeculation) else ".")
+        )
     config_dict = model.config.to_dict()
     if vocab_size is not None:
         config_dict["vocab_size"] = vocab_size

@@ -30,6 +30,7 @@ from .configuration_domino import (
     DominoConfig,
     target_depth,
 )
+from .copied_drafts_domino import DraftDatastore
 from .modeling_domino import DOMINO_HEAD_DEFAULT
 from .target_modules_domino import target_execution_device
 
@@ -263,9 +264,29 @@ def check_drafter_config_for_target_config(config: DominoConfig, target_model_co
         )
 
 
+def check_datastore(drafter: DominoForSpeculation) -> None:
+    """Raises where `drafter.datastore` is not a `DraftDatastore` of ids in the drafter's (the target's) vocabulary:
+    its drafts would fail deep inside the target's forward."""
+    datastore = getattr(drafter, "datastore", None)
+    if datastore is None:
+        return
+    if not isinstance(datastore, DraftDatastore):
+        raise TypeError(
+            f"drafter.datastore must be a DraftDatastore or None, got {type(datastore).__name__}: build one with "
+            "hf_domino.copied_drafts_domino.DraftDatastore.from_sequences(token_id_lists)."
+        )
+    if datastore.max_id >= drafter.config.vocab_size:
+        raise ValueError(
+            f"drafter.datastore holds token id {datastore.max_id}, outside the target's vocabulary of "
+            f"{drafter.config.vocab_size}: build it from text tokenized with the target's tokenizer, or set "
+            "drafter.datastore = None."
+        )
+
+
 def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedModel, generation_config=None) -> None:
     """Raises a `ValueError` that names the problem and the fix when `drafter` cannot draft for `target`."""
     check_drafter_config_for_target_config(drafter.config, target.config)
+    check_datastore(drafter)
     supports_dynamic_cache = getattr(type(target), "_supports_default_dynamic_cache", lambda: True)
     if not supports_dynamic_cache():
         # transformers' assisted loop then fails with "Assisted decoding requires a cache".
