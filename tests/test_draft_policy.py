@@ -43,6 +43,9 @@ def test_expected_tokens_and_cost_interpolation():
     assert cost(2) == pytest.approx(1.5) and cost(10) == pytest.approx(3.0) and cost(30) == 4.0
     cost.observe(2, 2.5)  # moves the estimate towards the observation, by TIME_RATE
     assert cost(2) == pytest.approx(1.5 + cost_model_domino.TIME_RATE * 1.0)
+    for table in ({1: 0.0, 2: 0.01}, {}, {1: float("nan")}):  # a zero was a ZeroDivisionError inside generate()
+        with pytest.raises(ValueError, match="positive seconds of a target forward"):
+            VerifyCost(table)
 
 
 def test_a_stall_does_not_make_a_length_look_dear_for_good():
@@ -184,13 +187,18 @@ def test_sampled_acceptance_is_learned_slowly_so_a_paying_drafter_keeps_drafting
     """A drawn draft is accepted by a coin toss, so one cycle says little about the next: the drafter's sampled records
     move their acceptance per position at SAMPLED_POSITION_RATE (greedy ones, and copies', at POSITION_RATE). At the
     greedy rate the coin's runs of failures pause a drafter whose drafts pay on average (at 0.35, about 1.14x here)."""
-    drafter = torch.nn.Linear(1, 1)
+    drafter, target = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
     mode = records_domino.DraftingMode
-    greedy, sampled = (records_domino.drafter_record(drafter, mode(sampled=s, head=True), 8) for s in (False, True))
+    greedy, sampled = (
+        records_domino.drafter_record(drafter, target, mode(sampled=s, head=True), 8) for s in (False, True)
+    )
     assert sampled.sampled and not greedy.sampled
-    assert records_domino.drafter_record(drafter, mode(sampled=True, vocab=True, branches=2, rows=4), 8).sampled
+    assert records_domino.drafter_record(
+        drafter, target, mode(sampled=True, vocab=True, branches=2, rows=4), 8
+    ).sampled
     assert not any(
-        records_domino.drafter_record(drafter, mode(source, True), 8).sampled for source in ("lookup", "datastore")
+        records_domino.drafter_record(drafter, target, mode(source, True), 8).sampled
+        for source in ("lookup", "datastore")
     )
     policy_domino.learn_acceptance(sampled, offered=2, accepted=0)
     policy_domino.learn_acceptance(greedy, offered=2, accepted=0)
@@ -853,7 +861,7 @@ def new_batch_size_policy(monkeypatch, table: dict[int, float], rows: int = 8, a
     monkeypatch.setattr(cost_model_domino, "_VERIFY_COSTS", cost_model_domino.weakref.WeakKeyDictionary())
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
-    shared = records_domino.drafter_record(drafter, records_domino.DraftingMode(), drafter.config.num_drafts)
+    shared = records_domino.drafter_record(drafter, target, records_domino.DraftingMode(), drafter.config.num_drafts)
     shared.backbone_seconds, shared.position_seconds = 0.004, 0.001  # learned at batch 1
     if acceptance is not None:
         shared.position_acceptance[:] = [acceptance] * len(shared.position_acceptance)
@@ -934,14 +942,28 @@ def test_where_timing_needs_a_synchronization_the_policy_still_learns(monkeypatc
     assert own_drafts(drafter.last_generation_stats) > 0
 
 
+def test_what_one_target_taught_does_not_pause_the_drafter_beside_another(cpu_like_costs):
+    # Records were kept per drafter only: after calls beside a target that rejects every draft, the drafter beside a
+    # target that accepts them all took plain steps for two whole calls (8x the forwards).
+    rejects, accepts = successor_target("qwen3", VOCAB, step=2), successor_target("qwen3", VOCAB, step=1)
+    drafter = forcing_drafter(accepts, [(t + 1) % VOCAB for t in range(VOCAB)], block_size=9)
+    prompt = torch.tensor([[5, 6, 7]])
+    for _ in range(6):
+        greedy(rejects, prompt, assistant_model=drafter, max_new_tokens=40, domino_lookup=False)
+    assert own_drafts(drafter.last_generation_stats) < 10  # drafting paused there
+    greedy(accepts, prompt, assistant_model=drafter, max_new_tokens=40, domino_lookup=False)
+    assert drafter.last_generation_stats.mean_acceptance_length > 5
+
+
 def test_forgetting_a_drafter_records_starts_its_next_call_from_nothing_learned():
-    drafter = torch.nn.Linear(1, 1)
+    drafter, target = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
     greedy = records_domino.DraftingMode()
-    record = records_domino.drafter_record(drafter, greedy, 4)
+    record = records_domino.drafter_record(drafter, target, greedy, 4)
     record.position_acceptance[0], record.skip_left = 0.1, 3
-    assert records_domino.drafter_record(drafter, greedy, 4) is record  # kept across calls
+    assert records_domino.drafter_record(drafter, target, greedy, 4) is record  # kept across calls
+    assert records_domino.drafter_record(drafter, torch.nn.Linear(1, 1), greedy, 4) is not record  # per target
     records_domino.forget_records(drafter)
-    fresh = records_domino.drafter_record(drafter, greedy, 4)
+    fresh = records_domino.drafter_record(drafter, target, greedy, 4)
     assert fresh is not record and fresh.position_acceptance == [records_domino.INITIAL_ACCEPTANCE] * 4
     assert fresh.skip_left == 0
     records_domino.forget_records(torch.nn.Linear(1, 1))  # a drafter that never ran: nothing to forget

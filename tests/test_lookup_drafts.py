@@ -86,7 +86,7 @@ def test_declined_copies_are_judged_against_what_was_generated(gpu_like_costs):
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     prompt = torch.tensor([[7, 7, 8, 9, 10, 11, 12, 7, 7, 8]])
-    record = drafter_record(drafter, DraftingMode("lookup"), drafter.config.num_drafts)
+    record = drafter_record(drafter, target, DraftingMode("lookup"), drafter.config.num_drafts)
     record.position_acceptance = [0.0] * drafter.config.num_drafts  # copies look worthless to start with
     output = target.generate(prompt, do_sample=False, max_new_tokens=60, assistant_model=drafter)
     assert torch.equal(output, target.generate(prompt, do_sample=False, max_new_tokens=60))
@@ -331,7 +331,7 @@ def test_batch_copies_stop_at_stop_strings_and_padding_is_never_copied():
 def test_batch_declined_copies_are_judged_and_win_back(gpu_like_costs):
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
-    record = drafter_record(drafter, DraftingMode("lookup"), drafter.config.num_drafts)
+    record = drafter_record(drafter, target, DraftingMode("lookup"), drafter.config.num_drafts)
     record.position_acceptance = [0.0] * drafter.config.num_drafts
     batch = left_padded([[7, 7, 8, 9, 10, 11, 12, 7, 7, 8], [5, 17, 9, 33, 5, 17]])
     expected, output = both(target, drafter, batch, max_new_tokens=60)

@@ -126,7 +126,7 @@ def test_cuda_adaptive_policy_learns_its_times_on_the_device():
     expected = target.generate(prompt, max_new_tokens=40, do_sample=False)
     output = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter)
     assert torch.equal(output, expected) and any(drafter.last_generation_stats.drafted)
-    records = records_domino._RECORDS[drafter]
+    records = records_domino._RECORDS[drafter][target]
     assert any(record.backbone_seconds is not None for record in records.values()), records.keys()
 
 

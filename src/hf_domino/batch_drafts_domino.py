@@ -284,7 +284,7 @@ class CycleDrafter:
             target, self.drafter, self.options, mode, target_cache, anchors, forward_kwargs, self.max_drafts
         )
         if self.copies is not None:
-            lookup_record, datastore_record = copy_records(self.drafter, self.do_sample)
+            lookup_record, datastore_record = copy_records(self.drafter, target, self.do_sample)
             # The drafter's policy learns the verify times (copies share its table and forwards).
             cost = self.policy.verify_cost if self.policy.adaptive else None
             self.copies.lookup_policy = LookupPolicy(lookup_record, cost, False)

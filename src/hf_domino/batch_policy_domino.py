@@ -117,10 +117,10 @@ def batch_policy(
     # A tree's acceptance (along the branch taken) is its own, shared by the batch sizes verifying such trees; how
     # far a draft of a given confidence holds is the drafter's whatever the shape.
     branches, num_drafts = options.domino_branches, drafter.config.num_drafts
-    single = drafter_record(drafter, mode, num_drafts)
-    shared = drafter_record(drafter, replace(mode, branches=branches), num_drafts)
+    single = drafter_record(drafter, target, mode, num_drafts)
+    shared = drafter_record(drafter, target, replace(mode, branches=branches), num_drafts)
     shared.calibration = single.calibration
-    record = drafter_record(drafter, replace(mode, branches=branches, rows=rows), num_drafts)
+    record = drafter_record(drafter, target, replace(mode, branches=branches, rows=rows), num_drafts)
     record.position_acceptance, record.calibration = shared.position_acceptance, shared.calibration
     if record.backbone_seconds is None and single.backbone_seconds is not None:
         # Before this batch size drafts at all: the drafter's cost measured at batch 1, grown as the target's forward

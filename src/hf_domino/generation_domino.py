@@ -355,7 +355,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         """The drafter's policy and those for copied and retrieved drafts, which share the target's verify-cost
         table; each source learns its own acceptance."""
         options, drafter = self.options, self.drafter
-        lookup_record, datastore_record = copy_records(drafter, self.do_sample)
+        lookup_record, datastore_record = copy_records(drafter, self.target_model, self.do_sample)
         if options.draft_policy == "fixed":
             policy = FixedPolicy(self.max_drafts, options.assistant_confidence_threshold)
             return policy, LookupPolicy(lookup_record, None), LookupPolicy(datastore_record, None)
@@ -371,7 +371,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         cost = verify_cost_for(target, measure)
         mode = DraftingMode(sampled=self.do_sample, head=options.head_enabled(drafter), vocab=self.vocab is not None)
         policy = AdaptivePolicy(
-            drafter_record(drafter, mode, drafter.config.num_drafts),
+            drafter_record(drafter, target, mode, drafter.config.num_drafts),
             cost,
             cap=self.max_drafts,
             confidence_threshold=options.assistant_confidence_threshold,

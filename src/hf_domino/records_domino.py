@@ -1,10 +1,11 @@
 """What the draft policies learn about a drafter and keep for the process, across `generate()` calls.
 
-One `DrafterRecord` per drafter and `DraftingMode` (whose drafts, drawn or picked, head, vocabulary, branches, batch
-size): the acceptance seen per draft position, a confidence calibration (`AcceptanceCalibration`), the drafter's
-times, whether drafting has been paying and the pause it set; for batches, what whole calls gained. The policies
-(`policy_domino`, `batch_policy_domino`) read and teach them; `forget_records(drafter)` starts a drafter afresh.
-Records are kept in a weak dictionary keyed by the drafter, so they go with it.
+One `DrafterRecord` per drafter, target and `DraftingMode` (whose drafts, drawn or picked, head, vocabulary,
+branches, batch size): the acceptance seen per draft position, a confidence calibration (`AcceptanceCalibration`), the
+drafter's times, whether drafting has been paying and the pause it set; for batches, what whole calls gained. The
+policies (`policy_domino`, `batch_policy_domino`) read and teach them; `forget_records(drafter)` starts a drafter
+afresh. Records are kept in weak dictionaries keyed by the drafter, then the target, so they go with either: what one
+target taught (its drafts rejected, drafting paused) does not hold back the drafter beside another.
 
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
 """
@@ -99,9 +100,12 @@ class DrafterRecord:
 _RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def drafter_record(drafter: torch.nn.Module, mode: DraftingMode, num_drafts: int) -> DrafterRecord:
-    """What the policies have learned with `drafter` in `mode`, kept for the process (new: nothing learned yet)."""
-    records = _RECORDS.setdefault(drafter, {})
+def drafter_record(
+    drafter: torch.nn.Module, target: torch.nn.Module, mode: DraftingMode, num_drafts: int
+) -> DrafterRecord:
+    """What the policies have learned with `drafter` drafting for `target` in `mode`, kept for the process (new:
+    nothing learned yet)."""
+    records = _RECORDS.setdefault(drafter, weakref.WeakKeyDictionary()).setdefault(target, {})
     if mode not in records:
         records[mode] = DrafterRecord(position_acceptance=[INITIAL_ACCEPTANCE] * num_drafts, sampled=mode.drawn)
     return records[mode]
@@ -113,12 +117,15 @@ def forget_records(drafter: torch.nn.Module) -> None:
     _RECORDS.pop(drafter, None)
 
 
-def copy_records(drafter: torch.nn.Module, do_sample: bool) -> tuple[DrafterRecord, DrafterRecord]:
-    """What copies from the text and retrievals from the datastore have earned with `drafter` in this decoding mode:
-    one record each, shared by batch 1 and batches."""
+def copy_records(
+    drafter: torch.nn.Module, target: torch.nn.Module, do_sample: bool
+) -> tuple[DrafterRecord, DrafterRecord]:
+    """What copies from the text and retrievals from the datastore have earned with `drafter` and `target` in this
+    decoding mode: one record each, shared by batch 1 and batches."""
     num_drafts = drafter.config.num_drafts
     return tuple(
-        drafter_record(drafter, DraftingMode(source, do_sample), num_drafts) for source in ("lookup", "datastore")
+        drafter_record(drafter, target, DraftingMode(source, do_sample), num_drafts)
+        for source in ("lookup", "datastore")
     )
 
 

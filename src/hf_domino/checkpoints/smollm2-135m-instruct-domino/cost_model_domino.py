@@ -12,6 +12,7 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from collections.abc import Callable
@@ -41,6 +42,12 @@ class VerifyCost:
     """Seconds of one target forward over n tokens (n = 1 + drafts), interpolated between measured lengths."""
 
     def __init__(self, seconds_by_length: dict[int, float]):
+        # The policies divide by these: a zero (an injected table, a clock that did not move) failed deep in a call.
+        if not seconds_by_length or not all(0 < seconds < math.inf for seconds in seconds_by_length.values()):
+            raise ValueError(
+                f"A verify-cost table maps token counts to the positive seconds of a target forward over them, got "
+                f"{seconds_by_length!r}."
+            )
         self.seconds = dict(sorted(seconds_by_length.items()))
 
     def __call__(self, num_tokens: int) -> float:
