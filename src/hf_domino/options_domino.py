@@ -30,7 +30,6 @@ from .configuration_domino import (
     DominoConfig,
     target_depth,
 )
-from .copied_drafts_domino import DraftDatastore
 from .modeling_domino import DOMINO_HEAD_DEFAULT
 from .target_modules_domino import target_execution_device
 
@@ -270,12 +269,13 @@ def check_datastore(drafter: DominoForSpeculation) -> None:
     datastore = getattr(drafter, "datastore", None)
     if datastore is None:
         return
-    if not isinstance(datastore, DraftDatastore):
+    # By what it does, not its class: a drafter loaded with trust_remote_code holds the checkpoint's own copy of it.
+    if not callable(getattr(datastore, "lookup", None)):
         raise TypeError(
             f"drafter.datastore must be a DraftDatastore or None, got {type(datastore).__name__}: build one with "
             "hf_domino.copied_drafts_domino.DraftDatastore.from_sequences(token_id_lists)."
         )
-    if datastore.max_id >= drafter.config.vocab_size:
+    if getattr(datastore, "max_id", -1) >= drafter.config.vocab_size:
         raise ValueError(
             f"drafter.datastore holds token id {datastore.max_id}, outside the target's vocabulary of "
             f"{drafter.config.vocab_size}: build it from text tokenized with the target's tokenizer, or set "
