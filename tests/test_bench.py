@@ -186,7 +186,8 @@ def test_manual_loop_stops_at_eos_and_length(target, drafter):
 def test_bench_runs_all_methods(target, drafter, tokenizer, tmp_path):
     prompts = [assets.encode_chat(tokenizer, messages) for messages in PROMPTS]
     settings = measure.BenchSettings(max_new_tokens=16, warmup_tokens=4)
-    methods = [*measure.METHODS, "domino_k3", "dflash_k3", "domino_k3@eager"]
+    whole = f"domino_k{drafter.config.num_drafts}@eager"  # the blocks `manual` drafts, on generate()'s loop
+    methods = [*measure.METHODS, "domino_k3", "dflash_k3", whole]
     result = measure.run_benchmark(target, drafter, prompts, methods, settings, progress=False)
     summary = report.summarize(result)
     assert list(summary) == methods
@@ -196,10 +197,13 @@ def test_bench_runs_all_methods(target, drafter, tokenizer, tmp_path):
         assert s["mean_acceptance_length"] >= 1
     assert summary["target"]["speedup_total"] == pytest.approx(1.0)
     assert summary["target"]["acceptance_histogram"] == {"1": summary["target"]["new_tokens"] - 2}
-    for method in ("manual", "domino_k3", "dflash_k3", "domino_k3@eager"):  # fixed draft lengths: every cycle drafts
+    for method in ("manual", "domino_k3", "dflash_k3", whole):  # fixed draft lengths: every cycle drafts
         assert set(summary[method]["latency_ms"]) == {*measure.TIMING_KEYS, "cycle"}
     assert set(summary["domino_k3"]["drafts_histogram"]) <= {"0", "1", "2", "3"}
-    assert "loop_overhead_vs_manual" in summary["domino"]
+    # The loop's cost against manual's is priced where the same blocks were drafted, never against the adaptive
+    # policy's other blocks (the line priced those until 2026-12-07).
+    assert report.loop_pair(result) == whole and "loop_overhead_vs_manual" in summary[whole]
+    assert "loop_overhead_vs_manual" not in summary["domino"]
     # Each drafting method priced its cycles with a table of its own, refined by its own loop alone.
     assert "domino" in result.policy_verify_ms and "target" not in result.policy_verify_ms
 
@@ -208,6 +212,7 @@ def test_bench_runs_all_methods(target, drafter, tokenizer, tmp_path):
     assert written["summary"]["domino"]["greedy_mismatches"] == 0
     assert len(written["records"]["manual"]) == 2
     assert "| domino |" in paths["markdown"].read_text()
+    assert f"transformers loop ({whole}) vs manual loop, the same blocks" in paths["markdown"].read_text()
     for name in report.PLOT_FILES:
         assert paths[name].read_bytes()[:4] == b"\x89PNG"
 
@@ -650,8 +655,12 @@ def test_cli_bench_batch_sizes(target, drafter, tokenizer, tmp_path, capsys):
         (1, "domino"),
         (1, "domino_k2"),
     ]
-    assert len(written["rows"]) == 12 and all(r["mismatched_rows"] == 0 for r in written["rows"])
-    assert all(r["tokens"] > 0 for r in written["rows"])
+    assert len(written["rows"]) == 12 and all(r["tokens"] > 0 for r in written["rows"])
+    assert all(r["mismatched_rows"] == 0 for r in written["rows"] if not r["method"].startswith("target"))
+    # tau pools every row's forwards of every group (it was the mean of the groups' means, 2.44 for 1.55).
+    for r in written["rows"]:
+        if not r["method"].startswith("target"):
+            assert r["accepting_forwards"] >= sum(r["forwards"]) and len(r["acceptance"]) == 4 // r["batch_size"]
     # The batch's own tau: the longest row's tokens per forward after the prefill; exactly 1 for the target alone,
     # at least 1 with a drafter (a forward never yields fewer than one token per row).
     for r in written["rows"]:
@@ -670,6 +679,18 @@ def test_cli_bench_batch_sizes(target, drafter, tokenizer, tmp_path, capsys):
     assert not any(r["timings"] or r["acceptance"] for r in written["rows"] if r["method"].startswith("target"))
     with pytest.raises(SystemExit, match="batch-methods"):
         cli.main(argv[:-2] + ["--batch-methods", "target,beam"])
+    # Each method and batch size once: a second of either merged its groups into one row, or paired the speedups of
+    # one batch size with the other's target.
+    with pytest.raises(SystemExit, match="--batch-methods: expected each method once"):
+        cli.main(argv[:-2] + ["--batch-methods", "target,domino_k2,domino_k2"])
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--batch-size", "1,1"])
+    assert "expected each batch size once" in capsys.readouterr().err
+    # Without the target alone nothing is compared: no speedup, no rows differing (it printed 0).
+    assert cli.main(argv[:-2] + ["--batch-methods", "domino_k2", "--batch-size", "1,3"]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 | domino_k2 |" in out and out.split("| 1 | domino_k2 |")[1].split("\n")[0].endswith("| - |")
+    assert "Prompts measured (1 rows: 4, 3 rows: 3): a last group smaller than the batch is left out." in out
 
 
 def test_cli_bench_batch_repeats_count_each_group_once(target, drafter, tokenizer, tmp_path, monkeypatch):
@@ -783,7 +804,11 @@ def test_cli_bench_refuses_the_other_modes_flags_and_a_file_for_its_folder(tmp_p
         ("--batch-size", "2", "--num-speculative-tokens", "4"): "--num-speculative-tokens set the per-prompt",
         ("--batch-methods", "target,domino"): "--batch-methods applies to --batch-size runs",
         ("--output-dir", __file__): "is a file: give a folder for the report",
+        # After loading: a ZeroDivisionError, no output.
+        ("--methods", "manual", "--temperature", "0.5"): "manual is greedy only, and no other method is left",
     }
     for flags, message in refusals.items():
         with pytest.raises(SystemExit, match=message):
             cli.main([*bench, *flags])
+    with pytest.raises(SystemExit):  # a warm-up of 0 tokens failed in generate() after loading
+        cli.main([*bench, "--warmup-tokens", "0"])

@@ -78,6 +78,10 @@ def _batch_sizes(value: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"batch sizes are comma-separated integers, got {value!r}") from None
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {value!r}")
+    if len(set(sizes)) < len(sizes):
+        raise argparse.ArgumentTypeError(
+            f"expected each batch size once (speedups pair with its target), got {value!r}"
+        )
     return sizes
 
 
@@ -135,7 +139,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cap on drafts per target forward for methods without a fixed _k<N> (default: the whole block)",
     )
     parser.add_argument(
-        "--warmup-tokens", type=non_negative_int, default=16, help="untimed warm-up generation per method, in tokens"
+        "--warmup-tokens",
+        type=positive_int,
+        default=16,
+        help="untimed warm-up generation per method, in tokens (at least 1: every timed method runs warm)",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="sampling seed (with --temperature > 0) and --random-weights seed"
@@ -225,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
     if args.temperature > 0 and "manual" in methods:
         print(f"Skipping manual at temperature {args.temperature}: greedy only.")
         methods.remove("manual")
+        if not methods and not args.batch_size:
+            raise SystemExit("hf-domino bench: manual is greedy only, and no other method is left: add --methods.")
     warped = args.top_k or args.top_p < 1
     if warped and args.temperature <= 0:
         raise SystemExit("hf-domino bench: --top-k/--top-p apply to sampling; pass --temperature > 0 with them.")
@@ -400,6 +409,8 @@ def _cpu_fast_path(args: argparse.Namespace, target, drafter) -> str:
 def run_batches(args: argparse.Namespace, metadata: dict[str, Any], dtype: torch.dtype) -> int:
     """`--batch-size`: batched generation with the drafter against the batched target alone, per batch size."""
     methods = [m.strip() for m in args.batch_methods.split(",") if m.strip()]
+    if len(set(methods)) < len(methods):
+        raise SystemExit(f"hf-domino bench: --batch-methods: expected each method once, got {args.batch_methods!r}.")
     for method in methods:
         try:
             parse_batch_method(method)

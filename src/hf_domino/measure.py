@@ -193,13 +193,15 @@ def manual_generate(
     timings: dict[str, list[float]] | None = None,
     num_drafts: int | None = None,
     head: bool = True,
+    drafted: list[int] | None = None,
 ) -> torch.LongTensor:
     """Greedy speculative decoding without transformers' generation loop: draft a block, verify, keep the prefix.
 
     Drafts come from the same ladder as the candidate generator (`run_backbone`, `BlockDraft`, `eager_rollout`).
     Returns `input_ids` followed by the new tokens (at most `max_new_tokens`, cut after the first EOS), which are
     exactly the target's own greedy tokens. `num_drafts` caps the drafts per block (default: the whole block);
-    `timings` (if given) receives per-cycle `backbone`, `lm_head`, `head` and `verify` seconds.
+    `timings` (if given) receives per-cycle `backbone`, `lm_head`, `head` and `verify` seconds, and `drafted` (if
+    given) the drafts each verification took, as `DominoGenerationStats.drafted` does.
     """
     config, modules = drafter.config, TargetModules.from_target(target)
     rollout = eager_rollout(drafter, modules, head=head)
@@ -225,6 +227,8 @@ def manual_generate(
             draft_ids = rollout(block, tokens).ids.to(tokens.device)
             stopwatch.tick("head")
         verify_ids = torch.cat([tokens[:, -1:], draft_ids], dim=-1)
+        if drafted is not None:
+            drafted.append(draft_ids.shape[1])
         outputs = target(verify_ids, **cache_argument(target_cache), output_hidden_states=keep_layers)
         predicted = outputs.logits.argmax(dim=-1)
         num_matches = int((draft_ids == predicted[:, :-1]).cumprod(dim=-1).sum())
@@ -309,7 +313,7 @@ def run_method(
     with record_target_forwards(target) as cache_lengths, method_context(method, target):
         start = time.perf_counter()
         if method == "manual":
-            head = drafter.config.has_domino_head
+            head, drafted, copied = drafter.config.has_domino_head, [], []
             output = manual_generate(
                 target,
                 drafter,
@@ -319,7 +323,9 @@ def run_method(
                 timings,
                 num_speculative_tokens,
                 head,
+                drafted,
             )
+            copied = [False] * len(drafted)
         else:
             kwargs = generation_kwargs(target, max_new_tokens, temperature, top_k, top_p)
             if method != "target_eager":  # the target as it runs by default: no compiled forward to compare with

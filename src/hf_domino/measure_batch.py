@@ -150,9 +150,12 @@ class BatchRow:
     batch_size: int
     method: str
     tokens: int = 0
+    prompts: int = 0  # the rows of its groups (a last group smaller than the batch is left out)
     seconds: list[float] = field(default_factory=list)
-    acceptance: list[float] = field(default_factory=list)
-    mismatched_rows: int = 0
+    acceptance: list[float] = field(default_factory=list)  # per group: its rows' tokens per target forward
+    accepted_tokens: int = 0  # over all groups, rows and forwards after the prefill: the tokens each forward added
+    accepting_forwards: int = 0  # ... and how many (row, forward) pairs added them
+    mismatched_rows: int | None = None  # None: not compared (sampling, or no `target` method to compare with)
     longest_rows: list[int] = field(default_factory=list)  # per group: the longest row's generated tokens
     forwards: list[int] = field(default_factory=list)  # per group: target forwards after the prefill
     timings: dict[str, list[float]] = field(default_factory=dict)  # seconds per drafting cycle, by piece
@@ -163,7 +166,8 @@ class BatchRow:
 
     @property
     def tau(self) -> float | None:
-        return statistics.fmean(self.acceptance) if self.acceptance else None
+        """Tokens per target forward per row, pooled over every row and forward of every group."""
+        return self.accepted_tokens / self.accepting_forwards if self.accepting_forwards else None
 
     @property
     def batch_tau(self) -> float | None:
@@ -247,6 +251,8 @@ def run_batch_benchmark(
                         if method not in TARGET_METHODS:
                             stats = drafters[method].last_generation_stats
                             results[method].acceptance.append(stats.mean_acceptance_length)
+                            results[method].accepted_tokens += sum(stats.acceptance_lengths)
+                            results[method].accepting_forwards += len(stats.acceptance_lengths)
                             for piece, values in (stats.timings or {}).items():
                                 results[method].timings.setdefault(piece, []).extend(values)
                 if repeat == 0:
@@ -263,9 +269,12 @@ def _count_tokens(results: dict[str, BatchRow], outputs: dict, prompt_width: int
     for method, output in outputs.items():
         lengths = row_lengths(output, prompt_width, eos)
         results[method].tokens += sum(lengths)
+        results[method].prompts += len(lengths)
         results[method].longest_rows.append(max(lengths))
         if method != "target" and reference is not None and compare:
-            results[method].mismatched_rows += differing_rows(reference, output)
+            results[method].mismatched_rows = (results[method].mismatched_rows or 0) + differing_rows(
+                reference, output
+            )
 
 
 def batch_markdown(rows: Sequence[BatchRow]) -> str:
@@ -307,11 +316,16 @@ def _speed_markdown(rows: Sequence[BatchRow]) -> str:
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
-        speedup = row.throughput / baseline[row.batch_size] if row.batch_size in baseline else float("nan")
+        speedup = f"{row.throughput / baseline[row.batch_size]:.2f}x" if row.batch_size in baseline else "-"
         tau = "" if row.tau is None else f"{row.tau:.2f}"
         batch_tau = "" if row.batch_tau is None else f"{row.batch_tau:.2f}"
+        differing = "-" if row.method == "target" or row.mismatched_rows is None else row.mismatched_rows
         lines.append(
-            f"| {row.batch_size} | {row.method} | {row.throughput:.1f} | {speedup:.2f}x | {tau} | {batch_tau} "
-            f"| {row.mismatched_rows} |"
+            f"| {row.batch_size} | {row.method} | {row.throughput:.1f} | {speedup} | {tau} | {batch_tau} "
+            f"| {differing} |"
         )
+    prompts = {row.batch_size: row.prompts for row in rows}
+    if len(set(prompts.values())) > 1:
+        counts = ", ".join(f"{size} rows: {count}" for size, count in prompts.items())
+        lines += ["", f"Prompts measured ({counts}): a last group smaller than the batch is left out."]
     return "\n".join(lines)
