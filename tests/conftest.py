@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -232,6 +233,24 @@ def forcing_drafter(target, next_token: list[int], *, block_size: int = 6, shift
             w2[nxt, t] = 10.0
         drafter.embed_proj[2].weight.copy_(w2)
     return drafter
+
+
+@contextlib.contextmanager
+def forward_inputs(model: torch.nn.Module):
+    """The `input_ids` of every forward of `model` inside the block: for a target, its prompt, then each
+    verification's anchors and the drafts they offered (what "drafts the same" compares)."""
+    inputs: list[torch.Tensor] = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: inputs.append(kwargs["input_ids"].detach().cpu().clone()), with_kwargs=True
+    )
+    try:
+        yield inputs
+    finally:
+        hook.remove()
+
+
+def same_tensors(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
+    return len(first) == len(second) and all(map(torch.equal, first, second))
 
 
 def own_drafts(stats) -> int:
