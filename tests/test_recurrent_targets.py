@@ -183,12 +183,13 @@ def rolled_back(stats) -> int:
     return sum(1 for drafted, accepted in zip(stats.drafted, stats.acceptance_lengths) if accepted < drafted + 1)
 
 
-def states_after(target, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+def states_after(target, chunks: list[torch.Tensor], states=None) -> list[torch.Tensor]:
+    """`states` (default `layer_states`) of a cache after the target alone read `chunks` into it."""
     cache = transformers.DynamicCache(config=target.config)
     with torch.no_grad():
         for chunk in chunks:
             target(chunk, **{CACHE_ARGUMENT: cache})
-    return layer_states(cache)
+    return (states or layer_states)(cache)
 
 
 def relative_state_error(target) -> float:
@@ -358,8 +359,9 @@ def test_a_prompt_keeps_no_scan_inputs(name):
         rollback.remove()
 
 
-def layer_states(cache) -> list[torch.Tensor]:
-    """Every state a cache holds: recurrent states, the last convolution window, attention keys and values."""
+def layer_states(cache, keys: bool = True) -> list[torch.Tensor]:
+    """Every state a cache holds: recurrent states, the last convolution window, attention keys and values (with
+    `keys`; a static cache's are as long as its buffer)."""
     states = []
     for layer in cache.layers:
         for index, recurrent in getattr(layer, "recurrent_states", {}).items():
@@ -368,9 +370,32 @@ def layer_states(cache) -> list[torch.Tensor]:
             conv = layer.conv_states[index]
             if conv is not None:
                 states.append(conv[..., -layer.conv_kernel_size[index] :])
-        if getattr(layer, "keys", None) is not None:
+        if keys and getattr(layer, "keys", None) is not None:
             states += [layer.keys, layer.values]
     return states
+
+
+def recurrent_layer_states(cache) -> list[torch.Tensor]:
+    return layer_states(cache, keys=False)
+
+
+def lengths_held(target, cache, output: torch.Tensor, num_drafts: int, states=layer_states) -> list[int]:
+    """The lengths of `output` whose states (`states` of a cache) the target alone's prefill of them leaves as `cache`
+    holds them. A call leaves all tokens but the last, or fewer by a verification rolled back and not re-read (a
+    state-space model's cache does not count its tokens): exactly one such length where the call kept them right."""
+    last = output.shape[1] - 1
+    candidates = range(last, last - num_drafts - 2, -1)
+    if states is layer_states and any(hasattr(layer, "keys") for layer in cache.layers):
+        candidates = [cache.get_seq_length()]
+        assert last - num_drafts - 1 <= candidates[0] <= last
+
+    def holds(length: int) -> bool:  # to each state's own scale: some tiny models' states are around 1e-5
+        return all(
+            torch.allclose(state, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
+            for state, expected in zip(states(cache), states_after(target, [output[:, :length]], states), strict=True)
+        )
+
+    return [length for length in candidates if holds(length)]
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -387,20 +412,7 @@ def test_the_cache_left_holds_the_states_of_the_sequence_and_nothing_rejected(na
     )
     assert torch.equal(output, expected)
     assert rolled_back(drafter.last_generation_stats) > 0
-    # All tokens but the last, or fewer by a rolled-back verification (a state-space model's cache does not count).
-    last = output.shape[1] - 1
-    candidates = range(last, last - drafter.config.num_drafts - 2, -1)
-    if any(hasattr(layer, "keys") for layer in cache.layers):
-        candidates = [cache.get_seq_length()]
-        assert last - drafter.config.num_drafts - 1 <= candidates[0] <= last
-
-    def holds(length: int) -> bool:  # to each state's own scale: some tiny models' states are around 1e-5
-        return all(
-            torch.allclose(state, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
-            for state, expected in zip(layer_states(cache), states_after(target, [output[:, :length]]), strict=True)
-        )
-
-    assert sum(holds(length) for length in candidates) == 1
+    assert len(lengths_held(target, cache, output, drafter.config.num_drafts)) == 1
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h"])
@@ -457,6 +469,7 @@ def test_a_cache_handed_back_continues_the_chat_as_the_target_alone(name):
         cache = transformers.DynamicCache(config=target.config)
         extra = {} if assistant is None else {"assistant_model": assistant, "draft_policy": "fixed"}
         answer = target.generate(PROMPT, **{CACHE_ARGUMENT: cache}, max_new_tokens=20, **GREEDY, **extra)
+        assert len(lengths_held(target, cache, answer, drafter.config.num_drafts)) == 1  # the states it goes on from
         follow_up = torch.cat([answer, torch.tensor([[11, 5, 9]])], dim=-1)
         turns.append(target.generate(follow_up, **{CACHE_ARGUMENT: cache}, max_new_tokens=16, **GREEDY, **extra))
     assert torch.equal(turns[1], turns[0])
@@ -906,16 +919,14 @@ def test_a_static_cache_rolls_back_too(name):
     target = hybrid_target(name)
     expected = target.generate(PROMPT, max_new_tokens=32, **GREEDY)
     drafter = forcing_drafter(target, successor_table(expected))
+    cache = transformers.StaticCache(config=target.config, max_cache_len=PROMPT.shape[1] + 32)
     output = target.generate(
-        PROMPT,
-        assistant_model=drafter,
-        max_new_tokens=32,
-        cache_implementation="static",
-        draft_policy="fixed",
-        **GREEDY,
+        PROMPT, assistant_model=drafter, max_new_tokens=32, draft_policy="fixed", **{CACHE_ARGUMENT: cache}, **GREEDY
     )
     assert torch.equal(output, expected)
     assert rolled_back(drafter.last_generation_stats) > 0
+    # The recurrent states kept are the sequence's (greedy outputs of tiny models hardly depend on them).
+    assert len(lengths_held(target, cache, output, drafter.config.num_drafts, recurrent_layer_states)) == 1
 
 
 @pytest.mark.skipif(not static_caches_roll_back(), reason="a static cache with a drafter needs transformers 5.24+")
