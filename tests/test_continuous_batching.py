@@ -267,10 +267,12 @@ def test_targets_with_recurrent_layers_serve_requests_exactly(name, chunk):
     # Each request's recurrent states and convolution windows, read apart, join the running batch by rows
     # (`add_state_rows`), with the columns of its attention layers; a request's copies share its prompt's states;
     # drafts rejected in part. Before, refused ("keeps more than keys and values per token").
-    from test_recurrent_targets import BATCH, GREEDY, hybrid_target, rolled_back
+    from test_recurrent_targets import BATCH, GREEDY, PROMPT, hybrid_target, rolled_back, states_show_in_logits
+    from test_recurrent_targets import successor_table
 
     target = hybrid_target(name)
-    drafter = tiny_drafter(target)
+    states_show_in_logits(target)  # so that the greedy answers depend on each row's states being its own
+    drafter = forcing_drafter(target, successor_table(target.generate(PROMPT, max_new_tokens=40, **GREEDY)))
     prompts = [*BATCH, [5, 9, 12, 7, 30, 22]]
     settings = {**GREEDY, "max_new_tokens": 20, "pad_token_id": 0, "prefill_chunk_size": chunk}
     results = target.generate_batch(prompts, assistant_model=drafter, draft_policy="fixed", num_speculative_tokens=4,

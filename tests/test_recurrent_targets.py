@@ -569,12 +569,28 @@ def assert_rows_sampled_from_their_own_logits(target, drafter, batch: dict, new_
         eos_token_id=None, draft_policy="fixed", domino_lookup=False, return_dict_in_generate=True, output_logits=True,
     )  # fmt: skip
     assert rolled_back(drafter.last_generation_stats) > 0
-    sampled = torch.stack(output.logits, dim=1)
-    for row, mask in enumerate(batch["attention_mask"].bool()):
+    assert_logits_are_each_rows_own(target, batch["attention_mask"], output, new_tokens)
+
+
+def assert_logits_are_each_rows_own(target, attention_mask, output, new_tokens: int) -> None:
+    """The logits of each output row (`output_logits`; rows of a prompt's copies follow each other) are those of one
+    plain forward over its finished sequence: every state it read was its own."""
+    logits = torch.stack(output.logits, dim=1)
+    masks = attention_mask.bool().repeat_interleave(output.sequences.shape[0] // attention_mask.shape[0], dim=0)
+    for row, mask in enumerate(masks):
         sequence = output.sequences[row : row + 1, torch.cat([mask, torch.ones(new_tokens, dtype=torch.bool)])]
         with torch.no_grad():
             reference = target(sequence).logits[0, int(mask.sum()) - 1 : -1]
-        torch.testing.assert_close(sampled[row], reference, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[row], reference, atol=1e-4, rtol=1e-4)
+
+
+def states_show_in_logits(target) -> None:
+    """Scales the Mamba2 mixers' input projections: the tiny state-space layers' states are around 1e-6, too small
+    for logits to show them."""
+    with torch.no_grad():
+        for module in target.modules():
+            if hasattr(module, "A_log") and hasattr(module, "in_proj"):  # a Mamba2 mixer
+                module.in_proj.weight.mul_(30)
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "falcon_h1", "granitemoehybrid", "kimi_linear"])
@@ -583,10 +599,7 @@ def test_a_sampled_batch_verifies_each_row_against_the_target_alones_logits(name
     each row sampled from are those of one plain forward over its finished sequence (which also checks each row's
     states, which greedy outputs of tiny models hardly depend on)."""
     target = hybrid_target(name)
-    with torch.no_grad():  # the tiny state-space layers' states are around 1e-6, too small for logits to show them
-        for module in target.modules():
-            if hasattr(module, "A_log") and hasattr(module, "in_proj"):  # a Mamba2 mixer
-                module.in_proj.weight.mul_(30)
+    states_show_in_logits(target)
     drafter = forcing_drafter(target, successor_table(target.generate(PROMPT, max_new_tokens=40, **GREEDY)))
     batch = left_padded(BATCH)
     assert_rows_sampled_from_their_own_logits(target, drafter, batch)
@@ -651,14 +664,18 @@ def test_a_prompts_copies_share_its_recurrent_states(name):
     from test_batching import prefill_rows
 
     target = hybrid_target(name)
+    states_show_in_logits(target)
     drafter = tiny_drafter(target)
     batch = left_padded([BATCH[0], BATCH[2], BATCH[0]])
     decoding = dict(do_sample=True, top_k=1, num_return_sequences=2, max_new_tokens=12, eos_token_id=None)
     expected = target.generate(**batch, **decoding)
     with prefill_rows(target) as rows:
-        output = target.generate(**batch, **decoding, assistant_model=drafter, draft_policy="fixed")
-    assert torch.equal(output, expected) and rows == [2]  # 6 rows, 2 distinct prompts
+        output = target.generate(**batch, **decoding, assistant_model=drafter, draft_policy="fixed",
+                                 return_dict_in_generate=True, output_logits=True)  # fmt: skip
+    assert torch.equal(output.sequences, expected) and rows == [2]  # 6 rows, 2 distinct prompts
     assert rolled_back(drafter.last_generation_stats) > 0
+    # Each copy read its prompt's states (greedy outputs of tiny models hardly depend on them).
+    assert_logits_are_each_rows_own(target, batch["attention_mask"], output, 12)
 
 
 def test_a_row_that_ends_inside_an_accepted_block_keeps_its_states_at_its_end():
