@@ -796,9 +796,10 @@ def test_timings_and_stats_per_row():
 
 # -------------------------------------------------------------------------------- continuing a filled cache (chat)
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
-def test_a_batch_continuing_a_filled_cache_is_identical_to_the_target_alone(arch, policy):
+def test_a_batch_continuing_a_filled_cache_is_identical_to_the_target_alone(arch, policy, gpu_like_costs):
     # Each row's second turn: the whole padded sequences with their mask, the first turn's cache passed back. The
-    # prefill reads only the new columns, and the drafter starts from them.
+    # prefill reads only the new columns, and the drafter starts from them. (GPU-like costs: the adaptive policy
+    # drafts whatever this machine's timings.)
     target = tiny_target(arch)
     drafter = tiny_drafter(target)
     torch.manual_seed(6)
@@ -817,7 +818,7 @@ def test_a_batch_continuing_a_filled_cache_is_identical_to_the_target_alone(arch
         draft_policy=policy,
     )  # fmt: skip
     assert torch.equal(expected, fresh)
-    assert torch.equal(output, expected)
+    assert torch.equal(output, expected) and own_drafts(drafter.last_generation_stats) > 0
     # A batch's own cache, filled by the first turn with the drafter, is continued the same way.
     own = DynamicCache(config=target.config)
     output = target.generate(**first, do_sample=False, max_new_tokens=6, min_new_tokens=6, **cache_argument(own),

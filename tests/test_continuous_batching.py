@@ -267,8 +267,15 @@ def test_targets_with_recurrent_layers_serve_requests_exactly(name, chunk):
     # Each request's recurrent states and convolution windows, read apart, join the running batch by rows
     # (`add_state_rows`), with the columns of its attention layers; a request's copies share its prompt's states;
     # drafts rejected in part. Before, refused ("keeps more than keys and values per token").
-    from test_recurrent_targets import BATCH, GREEDY, PROMPT, hybrid_target, rolled_back, states_show_in_logits
-    from test_recurrent_targets import successor_table
+    from test_recurrent_targets import (
+        BATCH,
+        GREEDY,
+        PROMPT,
+        hybrid_target,
+        rolled_back,
+        states_show_in_logits,
+        successor_table,
+    )
 
     target = hybrid_target(name)
     states_show_in_logits(target)  # so that the greedy answers depend on each row's states being its own
