@@ -280,15 +280,20 @@ def test_measured_dispatch_times_each_weight_shape_once_and_is_real(monkeypatch)
 
 
 @torch.no_grad()  # as in generate(): with autograd on, products fall back to F.linear
-def test_products_match_eager_and_follow_weight_changes():
+def test_products_match_eager_and_follow_weight_changes(monkeypatch):
+    # Packed at every row count (a measured dispatch sent 1-17 rows to F.linear here, past every check below).
+    packed_products = []
+    product = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: packed_products.append(1) or product(*a))
     torch.manual_seed(0)
     layer = nn.Linear(24, 40)
     reference = copy.deepcopy(layer)
-    prepare_for_cpu_decoding(layer)
+    prepare_for_cpu_decoding(layer, measure_products=False)
     for shape in [(1, 1, 24), (1, 3, 24), (2, 17, 24), (5, 24), (1, 0, 24)]:
         x = torch.randn(shape)
+        packed_products.clear()
         assert torch.allclose(layer(x), reference(x), atol=1e-5)
-        assert layer._packed is not None  # the packed product ran
+        assert packed_products  # the packed product ran
         with eager_linears():
             assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     x = torch.randn(1, 3, 24)
@@ -301,7 +306,8 @@ def test_products_match_eager_and_follow_weight_changes():
     # In-place update, new tensor, load_state_dict: the packed copy follows the weight.
     layer.weight.mul_(2)
     reference.weight.mul_(2)
-    assert torch.allclose(layer(x), reference(x), atol=1e-5)
+    packed_products.clear()
+    assert torch.allclose(layer(x), reference(x), atol=1e-5) and packed_products
     assert torch.allclose(layer.rows_linear(x, rows), reference(x)[..., rows], atol=1e-5)
     layer.weight = nn.Parameter(torch.randn(40, 24))
     reference.load_state_dict(layer.state_dict())

@@ -461,6 +461,33 @@ def test_regenerate_with_smollm2(tmp_path, capfd):
 
 
 # ----------------------------------------------------------------------------------------- regenerate -> train, CLI
+def test_cli_train_hands_each_flag_to_the_run(model, tokenizer, tmp_path, monkeypatch):
+    """Every training flag reaches TrainConfig as given (--kl-weight, --no-curriculum and --gradient-checkpointing
+    mapped to fixed values went unnoticed: only their refusals were tested)."""
+    from hf_domino.training import command
+
+    target, _ = save_target_and_prompts(model, tokenizer, tmp_path)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"index": i, "input_ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 0, 1, 1, 1, 1]})
+                            + "\n" for i in range(4)))  # fmt: skip
+    configs = []
+    monkeypatch.setattr(command, "train", lambda drafter, target, examples, config, *a, **k: configs.append(config))
+    flags = {"--total-steps": 7, "--batch-size": 3, "--gradient-accumulation-steps": 2, "--num-anchors": 5,
+             "--max-length": 64, "--lr": 0.003, "--warmup-ratio": 0.2, "--max-grad-norm": 0.5, "--kl-weight": 0.25,
+             "--seed": 11, "--log-every": 4, "--save-every": 6, "--stop-after-minutes": 2.0}  # fmt: skip
+    switches = ["--no-curriculum", "--gradient-checkpointing", "--anchor-chain", "--generate-tau"]
+    argv = ["train", "--target", str(target), "--data", str(data), "--output-dir", str(tmp_path / "run"),
+            "--num-draft-layers", "1", "--block-size", "4", "--emb-dim", "4", "--gru-hidden-dim", "8",
+            "--validation-examples", "1", *switches, *(str(x) for flag in flags.items() for x in flag)]  # fmt: skip
+    assert cli.main(argv) == 0
+    (config,) = configs
+    assert (config.total_steps, config.batch_size, config.gradient_accumulation_steps, config.num_anchors,
+            config.max_length, config.learning_rate, config.warmup_ratio, config.max_grad_norm, config.kl_weight,
+            config.seed, config.log_every, config.save_every, config.stop_after_seconds) == (
+        7, 3, 2, 5, 64, 0.003, 0.2, 0.5, 0.25, 11, 4, 6, 120.0)  # fmt: skip
+    assert not config.curriculum and config.gradient_checkpointing and config.anchor_chain and config.generate_tau
+
+
 def test_cli_regenerate_then_train_any_causal_lm(model, tokenizer, tmp_path):
     """The two commands alone turn a Hugging Face causal LM folder into a working drafter, also from an fp16 export."""
     from safetensors import safe_open

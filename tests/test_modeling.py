@@ -183,6 +183,16 @@ def test_published_sliding_window_layers_see_their_window(tmp_path):
         DominoForSpeculation.from_pretrained(tmp_path / "no-window")
 
 
+@pytest.mark.parametrize("prefix", [0, 2])
+def test_a_published_domino_folder_keeps_its_pure_draft_prefix(tmp_path, prefix):
+    # The published drafters draft 1 position from the base logits alone, this project's default too: a folder with
+    # another count (SGLang's default is 0) must load as it says, not as the default.
+    config = published_config(domino=True)
+    config["dflash_config"]["pure_draft_prefix_len"] = prefix
+    drafter, _, _ = load_quietly(write_folder(tmp_path / "published", config, published_tensors(True)))
+    assert drafter.config.pure_draft_prefix_len == prefix
+
+
 @pytest.mark.parametrize("architecture", ["DFlash2DraftModel", "DSparkDraftModel"])
 def test_other_drafter_architectures_are_named(tmp_path, architecture):
     config = published_config(domino=False) | {"architectures": [architecture]}

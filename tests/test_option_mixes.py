@@ -11,6 +11,7 @@ the runs made).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import random
@@ -19,7 +20,7 @@ import threading
 
 import pytest
 import torch
-from conftest import forcing_drafter, successor_target, tiny_drafter, tiny_target
+from conftest import forcing_drafter, own_drafts, successor_target, tiny_drafter, tiny_target
 from test_batching import left_padded
 from test_generation import CollectingStreamer
 from transformers import DynamicCache, WatermarkingConfig
@@ -154,9 +155,9 @@ def sequences(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.sequences
 
 
-def greedy_mix(seed: int, device: str = "cpu", models=None) -> None:
+def greedy_mix(seed: int, device: str = "cpu", models=None) -> int:
     """One greedy mix: the drafter call's sequences and scores (a finished row's after its end too) are the target
-    alone's. On CUDA (test_on_cuda.py) only the exact models are drawn (successor targets and forcing drafters, whose
+    alone's; returns how many drafts of the drafter's own the call verified (`own_drafts`). On CUDA (test_on_cuda.py) only the exact models are drawn (successor targets and forcing drafters, whose
     logits have no near-ties for the device's rounding to flip), and the default rollout runs the fused head.
     `models(rng)` draws (target, drafter, vocabulary size) instead of `random_models`."""
     rng = random.Random(seed)
@@ -174,13 +175,14 @@ def greedy_mix(seed: int, device: str = "cpu", models=None) -> None:
         target.set_attn_implementation("eager")  # (drawn last: the one kernel that returns attention weights)
         options["output_attentions"] = True
     alone, drafted = both_outputs(target, drafter, batch, options, ours, streamers)
+    verified = own_drafts(drafter.last_generation_stats)
     mix = f"{type(target).__name__}: options {options}, drafter options {ours}, draft vocabulary {drafter.draft_vocab}"
     assert streamers is None or streamed(streamers[1]) == streamed(streamers[0]), mix
     assert sequences(drafted).device.type == torch.device(device).type and torch.equal(
         sequences(drafted), sequences(alone)
     ), mix
     if not options.get("return_dict_in_generate"):
-        return
+        return verified
     for field in ("scores", "logits"):
         expected, got = getattr(alone, field), getattr(drafted, field)
         assert (expected is None) == (got is None), (field, mix)
@@ -195,6 +197,7 @@ def greedy_mix(seed: int, device: str = "cpu", models=None) -> None:
         for i, (a, b) in enumerate(zip(expected or (), got or (), strict=True)):
             assert all(x.shape == y.shape for x, y in zip(a, b, strict=True)), (field, i, mix)
             assert all(torch.allclose(x, y, atol=1e-3, rtol=1e-3) for x, y in zip(a, b)), (field, i, mix)
+    return verified
 
 
 def returns_attentions(target, options: dict, ours: dict) -> bool:
@@ -214,6 +217,18 @@ def returns_attentions(target, options: dict, ours: dict) -> bool:
 @pytest.mark.parametrize("seed", seeds(32))
 def test_greedy_option_mixes_are_the_target_alones(seed):
     greedy_mix(seed)
+
+
+def test_most_mixes_verify_drafts_of_the_drafters_own():
+    """The mixes compare outputs, which a drafter that never drafted would pass too: most of them verify drafts of
+    the drafter's own (the rest draw options that leave it none: num_speculative_tokens=0, a single new token, a
+    confidence threshold, copies taking every block)."""
+    verified = []
+    for mix in (greedy_mix, sampled_mix):
+        for seed in range(8):
+            with contextlib.suppress(pytest.skip.Exception):
+                verified.append(mix(seed))
+    assert sum(count > 0 for count in verified) >= len(verified) // 2 > 0
 
 
 def random_family(rng: random.Random):
@@ -303,9 +318,9 @@ def sampled_answer_holds(tokens: list[int], limit: int, ends: set[int], vocab: i
     return len(tokens) == min(end, limit) and all(0 <= token < vocab for token in tokens)
 
 
-def sampled_mix(seed: int, models=random_models) -> None:
+def sampled_mix(seed: int, models=random_models) -> int:
     """Sampling draws differ (each law is tested elsewhere); a mix must still run, give every row its answers
-    (`num_return_sequences`) and stay inside the vocabulary."""
+    (`num_return_sequences`) and stay inside the vocabulary. Returns the drafts of the drafter's own verified."""
     rng = random.Random(seed)
     target, drafter, vocab = models(rng)
     batch = left_padded(random_rows(rng, vocab, rng.choice([1, 2, 3])))
@@ -313,6 +328,7 @@ def sampled_mix(seed: int, models=random_models) -> None:
     draw_sampling(rng, options)
     streamers = later_draws(rng, target, drafter, vocab, batch, options)
     alone, drafted = map(sequences, both_outputs(target, drafter, batch, options, ours, streamers))
+    verified = own_drafts(drafter.last_generation_stats)
     mix = f"{type(target).__name__}: options {options}, drafter options {ours}, draft vocabulary {drafter.draft_vocab}"
     assert drafted.shape[0] == alone.shape[0], mix
     longest = options.get("max_length") or batch["input_ids"].shape[1] + options["max_new_tokens"]
@@ -320,6 +336,7 @@ def sampled_mix(seed: int, models=random_models) -> None:
     assert 0 <= drafted.min() and drafted.max() < vocab, mix
     # The streamer got the prompt, then each token.
     assert streamers is None or streamed(streamers[1]) == drafted[0].tolist() + ["end"], mix
+    return verified
 
 
 @pytest.mark.parametrize("seed", seeds(16))

@@ -323,6 +323,25 @@ def test_training_reduces_both_losses(target, trained_run):
     assert len(records[-1]["final_acc"]) == BLOCK and records[-1]["base_loss"] < records[0]["base_loss"]
 
 
+def test_each_step_weighs_the_base_loss_by_the_curriculum(target, tmp_path, monkeypatch):
+    # The logged lam was checked, not the one the loss got: a loop that passed lam=0 to every step passed.
+    seen = []
+    forward = DominoTrainingModule.forward
+
+    def recording(self, *args, lam, **kwargs):
+        seen.append(lam)
+        return forward(self, *args, lam=lam, **kwargs)
+
+    monkeypatch.setattr(DominoTrainingModule, "forward", recording)
+    config = TrainConfig(total_steps=3, batch_size=2, num_anchors=3, learning_rate=1e-2, save_every=100)
+    train(tiny_drafter(target), target, toy_examples(), config, tmp_path / "curriculum")
+    assert seen == [1.0, 0.5, 0.0]
+    seen.clear()
+    train(tiny_drafter(target), target, toy_examples(), TrainConfig(**{**config.__dict__, "curriculum": False}),
+          tmp_path / "plain")  # fmt: skip
+    assert seen == [0.0, 0.0, 0.0]
+
+
 @pytest.mark.parametrize("draft_vocab", [False, True])
 def test_resume_continues_bit_for_bit(target, tmp_path, draft_vocab):
     """A stage stopped after every step ends where one straight run ends. With a draft vocabulary (its file sits
@@ -605,11 +624,16 @@ def test_two_processes_agree_on_weights(tmp_path, monkeypatch):
 
 def test_gradient_checkpointing_gives_the_same_step(target, tmp_path):
     config = TrainConfig(total_steps=2, batch_size=2, num_anchors=3, learning_rate=1e-2, save_every=100)
-    plain = train(tiny_drafter(target), target, toy_examples(), config, tmp_path / "plain")
-    checkpointed_config = TrainConfig(**{**config.__dict__, "gradient_checkpointing": True})
-    checkpointed = train(tiny_drafter(target), target, toy_examples(), checkpointed_config, tmp_path / "ckpt")
-    for (name, a), (_, b) in zip(plain.state_dict().items(), checkpointed.state_dict().items()):
+    runs = {}
+    for checkpointing in (False, True):
+        drafter, calls = tiny_drafter(target), []
+        drafter.layers[0].self_attn.register_forward_pre_hook(lambda *args, calls=calls: calls.append(1))  # replayed
+        run_config = TrainConfig(**{**config.__dict__, "gradient_checkpointing": checkpointing})
+        runs[checkpointing] = train(drafter, target, toy_examples(), run_config, tmp_path / str(checkpointing)), calls
+    for (name, a), (_, b) in zip(runs[False][0].state_dict().items(), runs[True][0].state_dict().items()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    # Checkpointed, each step runs the layer again in its backward (it passed with checkpointing never switched on).
+    assert len(runs[True][1]) == 2 * len(runs[False][1]) > 0
 
 
 # ------------------------------------------------------------------------------------------ target-layer warm start
@@ -849,6 +873,9 @@ def test_distillation_loss_is_the_cross_entropy_against_one_hot_targets_and_pull
     weights = position_weights(BLOCK, BLOCK)
     one_hot = F.one_hot(labels, VOCAB).float()
     plain = domino_losses(base, final, labels, mask, weights, 0.3)
+    # The curriculum's mix: lam of the base loss, the rest of the final one (a loss of the final alone passed).
+    torch.testing.assert_close(plain.loss, 0.7 * plain.final_loss + 0.3 * plain.base_loss)
+    assert not torch.isclose(plain.base_loss, plain.final_loss)
     for kl_weight in (0.5, 1.0):
         distilled = domino_losses(base, final, labels, mask, weights, 0.3, one_hot, kl_weight)
         torch.testing.assert_close(distilled.loss, plain.loss)
