@@ -76,7 +76,7 @@ def main() -> None:
         passes.append(pass_tokens / pass_seconds)
         total_tokens, total_seconds = total_tokens + pass_tokens, total_seconds + pass_seconds
     print(f"all prompts: {total_tokens / total_seconds:.1f} tokens/s; per pass {[round(rate, 1) for rate in passes]}")
-    for mode, record in records_domino._RECORDS.get(drafter, {}).items():
+    for mode, record in records_domino._RECORDS.get(drafter, {}).get(target, {}).items():
         if record.steady_cycles:
             calibration = (record.calibration.accepted / record.calibration.trials).tolist()
             print(f"{mode}: acceptance per position {[round(a, 2) for a in record.position_acceptance[:4]]}, "

@@ -656,7 +656,7 @@ def test_cli_bench_batch_sizes(target, drafter, tokenizer, tmp_path, capsys):
         (1, "domino_k2"),
     ]
     assert len(written["rows"]) == 12 and all(r["tokens"] > 0 for r in written["rows"])
-    assert all(r["mismatched_rows"] == 0 for r in written["rows"] if not r["method"].startswith("target"))
+    assert all(r["mismatched_rows"] == 0 for r in written["rows"] if r["method"] != "target")
     # tau pools every row's forwards of every group (it was the mean of the groups' means, 2.44 for 1.55).
     for r in written["rows"]:
         if not r["method"].startswith("target"):
@@ -690,7 +690,7 @@ def test_cli_bench_batch_sizes(target, drafter, tokenizer, tmp_path, capsys):
     assert cli.main(argv[:-2] + ["--batch-methods", "domino_k2", "--batch-size", "1,3"]) == 0
     out = capsys.readouterr().out
     assert "| 1 | domino_k2 |" in out and out.split("| 1 | domino_k2 |")[1].split("\n")[0].endswith("| - |")
-    assert "Prompts measured (1 rows: 4, 3 rows: 3): a last group smaller than the batch is left out." in out
+    assert "Prompts measured (1 rows: 4 of 4, 3 rows: 3 of 4): a last group smaller than the batch is left out." in out
 
 
 def test_cli_bench_batch_repeats_count_each_group_once(target, drafter, tokenizer, tmp_path, monkeypatch):

@@ -189,16 +189,26 @@ def test_cli_regenerates_the_training_mix_and_continues_committed_data(model, to
 
 def test_a_regeneration_recipe_names_a_target_folder_by_its_full_path(tmp_path, monkeypatch):
     """Two folders typed "./model" from two places were one recipe: answers of two models mixed in one file."""
+    from hf_domino.training.packed import recipe_differences
+
     parser = cli.command_parser("regenerate")
+
+    def recipe(target: str) -> dict:
+        args = parser.parse_args(["--target", target, "--prompts", "mtbench", "--output", "out.jsonl"])
+        return regenerate.cli_recipe(args, "cpu")
+
     recipes = []
     for place in ("a", "b"):
         (tmp_path / place / "model").mkdir(parents=True)
+        (tmp_path / place / "smollm2").mkdir()  # a folder named as an offline target, which load_target does not read
         monkeypatch.chdir(tmp_path / place)
-        args = parser.parse_args(["--target", "./model", "--prompts", "mtbench", "--output", "out.jsonl"])
-        recipes.append(regenerate.cli_recipe(args, "cpu"))
-    assert [recipe["target"] for recipe in recipes] == [str(tmp_path / "a" / "model"), str(tmp_path / "b" / "model")]
-    args = parser.parse_args(["--target", "smollm2", "--prompts", "mtbench", "--output", "out.jsonl"])
-    assert regenerate.cli_recipe(args, "cpu")["target"] == "smollm2"  # an offline name or a Hub id, as typed
+        recipes.append(recipe("./model"))
+        assert recipe("smollm2")["target_folder"] is None
+    assert [r["target_folder"] for r in recipes] == [str(tmp_path / "a" / "model"), str(tmp_path / "b" / "model")]
+    assert recipe_differences(*recipes) == ["target_folder"]
+    # A recipe recorded before target_folder was: its run resumes.
+    earlier = {key: value for key, value in recipes[1].items() if key != "target_folder"}
+    assert recipe_differences(earlier, recipes[1]) == [] and recipes[1]["target"] == "./model"
 
 
 def test_regenerate_resumes_and_repairs_a_cut_line(model, tokenizer, tmp_path):

@@ -123,6 +123,10 @@ def test_datastore_is_saved_with_its_drafter_and_checked(tmp_path):
     drafter.datastore = [[5, 9, 12, 17]]
     with pytest.raises(TypeError, match="drafter.datastore must be a DraftDatastore or None, got list"):
         target.generate(prompt, assistant_model=drafter, max_new_tokens=10, do_sample=False)
+    for off in ({"domino_datastore": False}, {"domino_lookup": False}):  # a call that retrieves nothing runs
+        expected = target.generate(prompt, max_new_tokens=10, do_sample=False)
+        assert torch.equal(target.generate(prompt, assistant_model=drafter, max_new_tokens=10, do_sample=False, **off),
+                           expected)  # fmt: skip
 
 
 def own_answers_datastore(target, prompts: list[list[int]], max_new_tokens: int = 30) -> DraftDatastore:

@@ -936,12 +936,12 @@ def test_a_static_cache_rolls_back_too(name):
     target = hybrid_target(name)
     expected = target.generate(PROMPT, max_new_tokens=32, **GREEDY)
     drafter = forcing_drafter(target, successor_table(expected))
-    cache = transformers.StaticCache(config=target.config, max_cache_len=PROMPT.shape[1] + 32)
-    output = target.generate(
-        PROMPT, assistant_model=drafter, max_new_tokens=32, draft_policy="fixed", **{CACHE_ARGUMENT: cache}, **GREEDY
-    )
-    assert torch.equal(output, expected)
+    drafting = {"assistant_model": drafter, "max_new_tokens": 32, "draft_policy": "fixed", **GREEDY}
+    assert torch.equal(target.generate(PROMPT, cache_implementation="static", **drafting), expected)
     assert rolled_back(drafter.last_generation_stats) > 0
+    cache = transformers.StaticCache(config=target.config, max_cache_len=PROMPT.shape[1] + 32)  # one to look into
+    output = target.generate(PROMPT, **{CACHE_ARGUMENT: cache}, **drafting)
+    assert torch.equal(output, expected)
     # The recurrent states kept are the sequence's (greedy outputs of tiny models hardly depend on them).
     assert len(lengths_held(target, cache, output, drafter.config.num_drafts, recurrent_layer_states)) == 1
 

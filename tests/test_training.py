@@ -496,6 +496,11 @@ def test_bad_settings_and_data_are_refused_at_the_call(target, tmp_path):
         evaluate_acceptance(target, None, tiny_drafter(target), ["Hi there"])
     with pytest.raises(ValueError, match="max_new_tokens must be at least 2"):  # no drafting forward: it said 0.0
         evaluate_acceptance(target, None, tiny_drafter(target), chat, max_new_tokens=1)
+    from hf_domino.training.evaluate import AcceptanceResult
+
+    assert (
+        json.loads(json.dumps(AcceptanceResult(float("nan"), [], 0, 0.0).to_dict()))["mean_acceptance_length"] is None
+    )
 
 
 CUDA_RUN = """

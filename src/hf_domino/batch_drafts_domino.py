@@ -28,6 +28,7 @@ from .drafting_domino import (
     spread_to_vocabulary,
     stop_free_length,
 )
+from .options_domino import checked_datastore
 from .policy_domino import LookupPolicy, below_threshold
 from .ragged_batch_domino import BatchDrafts, batched_rollout, run_batched_backbone
 from .records_domino import DraftingMode, copy_records
@@ -267,7 +268,7 @@ class CycleDrafter:
         self.copies: RowCopies | None = None
         if options.domino_lookup and generation_config.assistant_ensemble_weight is None:
             self.copies = RowCopies(
-                datastore=drafter.datastore if options.domino_datastore else None,
+                datastore=checked_datastore(drafter) if options.domino_datastore else None,
                 max_copies=min(self.max_drafts, generation_config.prompt_lookup_num_tokens or self.max_drafts),
                 padding=padding,
                 criteria=block_criteria,

@@ -59,7 +59,7 @@ def positive_int(value: str) -> int:
 
 
 def non_negative_int(value: str) -> int:
-    """argparse type of the counts where 0 has a meaning (top-k off, no warm-up, nothing skipped)."""
+    """argparse type of the counts where 0 has a meaning (top-k off, nothing skipped)."""
     if not value.strip().isdigit():
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
     return int(value)

@@ -150,7 +150,8 @@ class BatchRow:
     batch_size: int
     method: str
     tokens: int = 0
-    prompts: int = 0  # the rows of its groups (a last group smaller than the batch is left out)
+    prompts: int = 0  # the rows of its groups
+    left_out: int = 0  # prompts of a last group smaller than the batch, not measured
     seconds: list[float] = field(default_factory=list)
     acceptance: list[float] = field(default_factory=list)  # per group: its rows' tokens per target forward
     accepted_tokens: int = 0  # over all groups, rows and forwards after the prefill: the tokens each forward added
@@ -230,7 +231,8 @@ def run_batch_benchmark(
             {name: tensor.to(target.device) for name, tensor in batch.items()}
             for batch in left_padded_groups(tokenizer, prompts, batch_size, pad)
         ]
-        results = {method: BatchRow(batch_size, method) for method in methods}
+        left_out = len(prompts) - batch_size * len(batches)
+        results = {method: BatchRow(batch_size, method, left_out=left_out) for method in methods}
         for method in methods:  # warm-up: kernels, and the adaptive policy's cost table for this batch shape
             _generate(target, drafters.get(method), batches[0], method, warmup_tokens, temperature, tables)
         for batch in batches:
@@ -324,8 +326,8 @@ def _speed_markdown(rows: Sequence[BatchRow]) -> str:
             f"| {row.batch_size} | {row.method} | {row.throughput:.1f} | {speedup} | {tau} | {batch_tau} "
             f"| {differing} |"
         )
-    prompts = {row.batch_size: row.prompts for row in rows}
-    if len(set(prompts.values())) > 1:
-        counts = ", ".join(f"{size} rows: {count}" for size, count in prompts.items())
+    measured = {row.batch_size: (row.prompts, row.prompts + row.left_out) for row in rows}
+    if any(given > used for used, given in measured.values()):
+        counts = ", ".join(f"{size} rows: {used} of {given}" for size, (used, given) in measured.items())
         lines += ["", f"Prompts measured ({counts}): a last group smaller than the batch is left out."]
     return "\n".join(lines)

@@ -101,7 +101,10 @@ class AcceptanceResult:
     seconds: float
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        values = dataclasses.asdict(self)
+        if math.isnan(self.mean_acceptance_length):
+            values["mean_acceptance_length"] = None  # JSON has no NaN: no prompt drafted
+        return values
 
 
 @torch.inference_mode()

@@ -40,6 +40,8 @@ METADATA_KEY = "hf_domino_packed"
 PACKED_SUFFIX = ".safetensors"
 # Recipe entries that describe a run without deciding its answers: resumed runs may differ in them.
 UNCHECKED_RECIPE_KEYS = ("versions", "device")
+# Entries recipes record since a later release: compared only where both recipes hold them (earlier runs resume).
+LATER_RECIPE_KEYS = ("target_folder",)
 Key = int | str  # a record's `index` (position in its source) or `id` (stable id in the training mix)
 
 
@@ -71,9 +73,11 @@ def read_recipe(path: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def recipe_differences(recorded: dict[str, Any], recipe: dict[str, Any]) -> list[str]:
-    """The entries in which two recipes differ, but for `UNCHECKED_RECIPE_KEYS`: data from both may not be mixed."""
+    """The entries in which two recipes differ, but for `UNCHECKED_RECIPE_KEYS` (and `LATER_RECIPE_KEYS` one of them
+    lacks): data from both may not be mixed."""
     recorded, recipe = json.loads(json.dumps(recorded)), json.loads(json.dumps(recipe))
     keys = (recorded.keys() | recipe.keys()) - set(UNCHECKED_RECIPE_KEYS)
+    keys -= {key for key in LATER_RECIPE_KEYS if key not in recorded or key not in recipe}
     return sorted(key for key in keys if recorded.get(key) != recipe.get(key))
 
 

@@ -157,8 +157,9 @@ def cli_recipe(args: argparse.Namespace, device: str) -> dict[str, Any]:
     offline = assets.OFFLINE_TARGETS.get(args.target) if args.gguf_file is None else None
     folder = Path(args.target).expanduser()
     return {
-        # A folder by its full path: "./model" typed in two places may be two models.
-        "target": str(folder.resolve()) if folder.is_dir() else args.target,
+        "target": args.target,
+        # A folder also by its full path: "./model" typed in two places may be two models.
+        "target_folder": str(folder.resolve()) if offline is None and folder.is_dir() else None,
         "gguf_file": offline.gguf_file if offline else args.gguf_file,
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,

@@ -44,7 +44,7 @@ from .drafting_domino import (
     stop_free_length,
 )
 from .modeling_domino import TargetModules, check_context_features, context_features, hidden_state_indices
-from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target
+from .options_domino import DominoGenerationStats, DominoOptions, check_drafter_for_target, checked_datastore
 from .policy_domino import AdaptivePolicy, FixedPolicy, LookupPolicy
 from .records_domino import DraftingMode, copy_records, drafter_record
 from .recurrent_cache_domino import RecurrentRollback, rolls_back
@@ -145,7 +145,7 @@ class DominoCandidateGenerator(CandidateGenerator):
         self.lookup = options.domino_lookup and generation_config.assistant_ensemble_weight is None
         # transformers' own prompt-lookup length, when a call sets it, caps the copies.
         self.max_copies = min(self.max_drafts, generation_config.prompt_lookup_num_tokens or self.max_drafts)
-        self.datastore = drafter.datastore if self.lookup and options.domino_datastore else None
+        self.datastore = checked_datastore(drafter) if self.lookup and options.domino_datastore else None
         self.lookup_policy: LookupPolicy | None = None
         self.datastore_policy: LookupPolicy | None = None
         # Copies (from the text or the datastore) declined this cycle, judged at the next call: (policy, sequence

@@ -263,12 +263,12 @@ def check_drafter_config_for_target_config(config: DominoConfig, target_model_co
         )
 
 
-def check_datastore(drafter: DominoForSpeculation) -> None:
-    """Raises where `drafter.datastore` is not a `DraftDatastore` of ids in the drafter's (the target's) vocabulary:
-    its drafts would fail deep inside the target's forward."""
+def checked_datastore(drafter: DominoForSpeculation) -> Any:
+    """`drafter.datastore`, for a call that retrieves from it: raises where it is not a `DraftDatastore` of ids in the
+    drafter's (the target's) vocabulary, whose drafts would fail deep inside the target's forward."""
     datastore = getattr(drafter, "datastore", None)
     if datastore is None:
-        return
+        return None
     # By what it does, not its class: a drafter loaded with trust_remote_code holds the checkpoint's own copy of it.
     if not callable(getattr(datastore, "lookup", None)):
         raise TypeError(
@@ -281,12 +281,12 @@ def check_datastore(drafter: DominoForSpeculation) -> None:
             f"{drafter.config.vocab_size}: build it from text tokenized with the target's tokenizer, or set "
             "drafter.datastore = None."
         )
+    return datastore
 
 
 def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedModel, generation_config=None) -> None:
     """Raises a `ValueError` that names the problem and the fix when `drafter` cannot draft for `target`."""
     check_drafter_config_for_target_config(drafter.config, target.config)
-    check_datastore(drafter)
     supports_dynamic_cache = getattr(type(target), "_supports_default_dynamic_cache", lambda: True)
     if not supports_dynamic_cache():
         # transformers' assisted loop then fails with "Assisted decoding requires a cache".

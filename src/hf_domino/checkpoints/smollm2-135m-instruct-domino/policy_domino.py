@@ -24,8 +24,8 @@ one of them is right), and `take_branch` makes the outcome teach the policy alon
 
 `T_verify` (`cost_model_domino.VerifyCost`) is measured with a few target forwards at first use per (target,
 device, dtype) and refined from the loop's own timings; `T_draft` is learned from the drafting steps' timings. What is
-learned is kept for the process, per drafter and decoding mode (`records_domino`), so later `generate()` calls start informed. `E(k)`,
-and a batch's price of it, are `cost_model_domino.expected_tokens`.
+learned is kept for the process, per drafter, target and decoding mode (`records_domino`), so later `generate()` calls
+start informed. `E(k)`, and a batch's price of it, are `cost_model_domino.expected_tokens`.
 
 This file is also written next to exported checkpoints as remote code (transformers + torch only).
 """
