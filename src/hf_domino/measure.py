@@ -313,7 +313,7 @@ def run_method(
     with record_target_forwards(target) as cache_lengths, method_context(method, target):
         start = time.perf_counter()
         if method == "manual":
-            head, drafted, copied = drafter.config.has_domino_head, [], []
+            head, drafted = drafter.config.has_domino_head, []
             output = manual_generate(
                 target,
                 drafter,

@@ -150,8 +150,7 @@ class BatchRow:
     batch_size: int
     method: str
     tokens: int = 0
-    prompts: int = 0  # the rows of its groups
-    left_out: int = 0  # prompts of a last group smaller than the batch, not measured
+    prompts_given: int = 0  # a last group smaller than the batch is left out (`prompts_measured`)
     seconds: list[float] = field(default_factory=list)
     acceptance: list[float] = field(default_factory=list)  # per group: its rows' tokens per target forward
     accepted_tokens: int = 0  # over all groups, rows and forwards after the prefill: the tokens each forward added
@@ -164,6 +163,10 @@ class BatchRow:
     @property
     def throughput(self) -> float:
         return self.tokens / max(sum(self.seconds), 1e-9)
+
+    @property
+    def prompts_measured(self) -> int:
+        return self.batch_size * len(self.forwards)
 
     @property
     def tau(self) -> float | None:
@@ -231,8 +234,7 @@ def run_batch_benchmark(
             {name: tensor.to(target.device) for name, tensor in batch.items()}
             for batch in left_padded_groups(tokenizer, prompts, batch_size, pad)
         ]
-        left_out = len(prompts) - batch_size * len(batches)
-        results = {method: BatchRow(batch_size, method, left_out=left_out) for method in methods}
+        results = {method: BatchRow(batch_size, method, prompts_given=len(prompts)) for method in methods}
         for method in methods:  # warm-up: kernels, and the adaptive policy's cost table for this batch shape
             _generate(target, drafters.get(method), batches[0], method, warmup_tokens, temperature, tables)
         for batch in batches:
@@ -271,7 +273,6 @@ def _count_tokens(results: dict[str, BatchRow], outputs: dict, prompt_width: int
     for method, output in outputs.items():
         lengths = row_lengths(output, prompt_width, eos)
         results[method].tokens += sum(lengths)
-        results[method].prompts += len(lengths)
         results[method].longest_rows.append(max(lengths))
         if method != "target" and reference is not None and compare:
             results[method].mismatched_rows = (results[method].mismatched_rows or 0) + differing_rows(
@@ -326,8 +327,8 @@ def _speed_markdown(rows: Sequence[BatchRow]) -> str:
             f"| {row.batch_size} | {row.method} | {row.throughput:.1f} | {speedup} | {tau} | {batch_tau} "
             f"| {differing} |"
         )
-    measured = {row.batch_size: (row.prompts, row.prompts + row.left_out) for row in rows}
-    if any(given > used for used, given in measured.values()):
+    measured = {row.batch_size: (row.prompts_measured, row.prompts_given) for row in rows}
+    if any(used < given for used, given in measured.values()):
         counts = ", ".join(f"{size} rows: {used} of {given}" for size, (used, given) in measured.items())
         lines += ["", f"Prompts measured ({counts}): a last group smaller than the batch is left out."]
     return "\n".join(lines)

@@ -264,8 +264,8 @@ def markdown_report(result: BenchResult) -> str:
             lines.append(
                 f"| {method} | " + " | ".join(f"{table[n]:.1f}" if n in table else "" for n in lengths) + " |"
             )
-    pair = next((method for method, summary in summaries.items() if "loop_overhead_vs_manual" in summary), None)
-    if pair is not None:
+    pair = loop_pair(result)
+    if pair is not None and "loop_overhead_vs_manual" in summaries[pair]:
         overhead = summaries[pair]["loop_overhead_vs_manual"]
         lines += ["", f"transformers loop ({pair}) vs manual loop, the same blocks, time per token: {overhead:+.1%}"]
     return "\n".join(lines) + "\n"

@@ -279,8 +279,8 @@ def run(args: argparse.Namespace) -> int:
         gradient_checkpointing=args.gradient_checkpointing,
         stop_after_seconds=args.stop_after_minutes * 60 if args.stop_after_minutes else None,
     )
-    resume = not (args.no_resume or args.overwrite_output_dir)
-    checkpoint = latest_checkpoint(args.output_dir) if resume and not args.features_only else None
+    resume = _resumes(args)
+    checkpoint = latest_checkpoint(args.output_dir) if resume else None
     if checkpoint is not None:
         _exit_on_value_error(check_resumable, checkpoint, drafter, config, PartialState().num_processes)
     feature_cache = None
@@ -322,12 +322,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resumes(args: argparse.Namespace) -> bool:
+    """Whether the command takes up a run left in --output-dir: it trains (--eval-only measures a drafter,
+    --features-only fills the cache alone: the run folder is no business of theirs) and neither starts over nor clears
+    the folder."""
+    return not (args.eval_only or args.features_only or args.no_resume or args.overwrite_output_dir)
+
+
 def _check_checkpoints_left(args: argparse.Namespace) -> None:
     """A checkpoint in --output-dir of a run with other --total-steps (the schedule spans them), or past this run's
     (resumed from, the run would train nothing and write no final drafter), refused before anything loads."""
-    if args.eval_only or args.features_only or args.no_resume or args.overwrite_output_dir:
-        return  # (--features-only fills the cache alone: the run folder is not its business)
-    if not args.output_dir.is_dir():
+    if not _resumes(args) or not args.output_dir.is_dir():
         return
     latest = latest_checkpoint(args.output_dir)
     if latest is None:
