@@ -449,6 +449,49 @@ def test_remote_code_of_another_release_drafts_with_its_own_code(tmp_path, remot
         assert run["declined_stats"], name
 
 
+FUSED_HEAD_OF_THE_PACKAGE = """
+import sys, torch
+from transformers import AutoModel, AutoModelForCausalLM
+target = AutoModelForCausalLM.from_pretrained({target!r})
+greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, draft_policy="fixed", num_speculative_tokens=2)
+same, other = (AutoModel.from_pretrained(folder, trust_remote_code=True) for folder in ({same!r}, {other!r}))
+target.generate(torch.tensor([[5, 6, 7]]), assistant_model=same, **greedy)
+print("IMPORTED", "hf_domino" in sys.modules)
+for name, drafter in (("same", same), ("other", other)):
+    try:
+        target.generate(torch.tensor([[5, 6, 7]]), assistant_model=drafter, domino_rollout="triton", **greedy)
+        print("FUSED", name, type(drafter.last_generation_stats).__module__)
+    except ImportError as error:
+        print("REFUSED", name, error)
+"""
+
+
+def test_remote_code_uses_the_package_fused_head_only_where_it_is_the_same_code(tmp_path):
+    # The fused head lives in the package alone. A drafter folder's remote code of another release called into it
+    # with arguments it did not take (a TypeError mid-call, from every generate() with the head on, CPU included); it
+    # now drafts with it only where the installed package holds its very files, and imports nothing where the default
+    # `auto` has nothing to fuse (off CUDA).
+    target = tiny_target("qwen3")
+    target.save_pretrained(tmp_path / "target")
+    for name in ("same", "other"):
+        export_drafter(tiny_drafter(target), tmp_path / name, base_model="tiny/target")
+    options_file = tmp_path / "other" / "options_domino.py"
+    options_file.write_text(options_file.read_text() + "\n# another release\n")
+    script = FUSED_HEAD_OF_THE_PACKAGE.format(
+        target=str(tmp_path / "target"), same=str(tmp_path / "same"), other=str(tmp_path / "other")
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+        env=os.environ | {"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "TRITON_INTERPRET": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert "IMPORTED False" in lines
+    assert any(line.startswith("FUSED same transformers_modules") for line in lines), lines
+    [refused] = [line for line in lines if line.startswith("REFUSED other")]
+    assert "is not the installed hf_domino's" in refused and "options_domino.py differ" in refused
+
+
 @pytest.mark.parametrize("layout", ["ours", "published"])
 @pytest.mark.parametrize("auto_class", [AutoModel, AutoModelForCausalLM])
 def test_a_drafter_built_as_a_plain_qwen3_model_is_refused_naming_the_loader(tmp_path, layout, auto_class):
@@ -518,7 +561,33 @@ def test_invalid_config_values_are_named():
 
 def test_a_target_folder_loaded_as_a_drafter_says_so(tmp_path):
     tiny_target("qwen3").save_pretrained(tmp_path)
-    with pytest.raises(Exception, match="load the drafter's folder, not its target's"):
+    # A ValueError, as the commands report bad input (huggingface_hub's own validation error was a traceback there).
+    with pytest.raises(ValueError, match="load the drafter's folder, not its target's"):
+        DominoForSpeculation.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(("key", "edit"), [("mask_token_id", 4), ("target_layer_ids", [0, 1])])
+def test_a_domino_field_edited_in_one_of_its_two_places_is_refused(tmp_path, key, edit):
+    # The package reads `dflash_config`, AutoConfig without remote code the top level: a hand edit of one loaded
+    # differently in the two places.
+    tiny_drafter(tiny_target("qwen3")).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config[key] == config["dflash_config"][key] != edit
+    config[key] = edit
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"{key}=.* at the top level and .* in `dflash_config`: make the two agree"):
+        DominoForSpeculation.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("content", ["wrong key", "not safetensors"])
+def test_a_broken_draft_vocabulary_file_is_named(tmp_path, content):
+    tiny_drafter(tiny_target("qwen3")).save_pretrained(tmp_path)
+    vocab_file = tmp_path / "draft_vocab.safetensors"
+    if content == "wrong key":
+        save_file({"vocab": torch.tensor([1, 2, 3])}, str(vocab_file))
+    else:
+        vocab_file.write_bytes(b"\x01")
+    with pytest.raises(ValueError, match="draft_vocab.safetensors should hold one tensor 'draft_vocab'"):
         DominoForSpeculation.from_pretrained(tmp_path)
 
 
@@ -560,12 +629,53 @@ def test_export_writes_a_hub_ready_folder_atomically(tmp_path):
 
     with pytest.raises(FileExistsError):
         export_drafter(drafter, out, base_model="org/tiny-target")
-    # A failure half-way leaves nothing behind.
-    broken = tiny_drafter(target)
-    broken.save_pretrained = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("disk full"))
+
+
+class TokenizerThatFails:
+    def save_pretrained(self, folder):
+        raise RuntimeError("disk full")
+
+
+def test_an_export_that_fails_half_way_leaves_what_was_there(tmp_path, monkeypatch):
+    # The tokenizer is saved after the weights, config and remote code: a failure there finds those files written.
+    drafter = tiny_drafter(tiny_target("qwen3"))
     with pytest.raises(RuntimeError, match="disk full"):
-        export_drafter(broken, tmp_path / "never", base_model="org/tiny-target")
-    assert not (tmp_path / "never").exists() and [p.name for p in tmp_path.iterdir()] == ["exp"]
+        export_drafter(drafter, tmp_path / "never", base_model="org/t", tokenizer=TokenizerThatFails())
+    assert list(tmp_path.iterdir()) == []
+    earlier = export_drafter(drafter, tmp_path / "exp", base_model="org/t", training_summary="the first export")
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_drafter(drafter, earlier, base_model="org/t", tokenizer=TokenizerThatFails(), overwrite=True)
+    assert [path.name for path in tmp_path.iterdir()] == ["exp"]
+    assert "the first export" in (earlier / "README.md").read_text()
+
+    # The new folder's rename failing puts the folder it replaced back.
+    real_rename = Path.rename
+
+    def rename(self, other):
+        if self.name == "drafter":
+            raise OSError("rename failed")
+        return real_rename(self, other)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(OSError, match="rename failed"):
+        export_drafter(drafter, earlier, base_model="org/t", overwrite=True)
+    monkeypatch.undo()
+    assert [path.name for path in tmp_path.iterdir()] == ["exp"]
+    assert "the first export" in (earlier / "README.md").read_text()
+
+
+def test_export_refuses_a_model_that_is_not_a_drafter(tmp_path):
+    with pytest.raises(TypeError, match="not its target"):
+        export_drafter(tiny_target("qwen3"), tmp_path / "out", base_model="org/t")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_card_table_keeps_the_columns_of_every_row(tmp_path):
+    rows = [{"prompts": "MT-Bench", "acceptance length": 2.1}, {"prompts": "HumanEval", "speedup": "1.5x"}]
+    out = export_drafter(tiny_drafter(tiny_target("qwen3")), tmp_path / "exp", base_model="org/t", results=rows)
+    card = (out / "README.md").read_text()
+    assert "| prompts | acceptance length | speedup |" in card
+    assert "| MT-Bench | 2.1 |  |" in card and "| HumanEval |  | 1.5x |" in card
 
 
 def test_export_to_a_symlinked_folder_replaces_what_it_points_to(tmp_path):
@@ -633,12 +743,28 @@ def test_export_command_line(tmp_path):
                 str(tmp_path / "results.json"),
                 "--dtype",
                 "bfloat16",
+                "--repo-id",
+                "org/t-domino",
+                "--license",
+                "mit",
             ]
         )
         == 0
     )
-    assert "| HumanEval | 2.5 |" in (tmp_path / "hub" / "README.md").read_text()
+    card = (tmp_path / "hub" / "README.md").read_text()
+    assert "| HumanEval | 2.5 |" in card and 'AutoModel.from_pretrained("org/t-domino"' in card
+    assert "license: mit" in card
     assert DominoForSpeculation.from_pretrained(tmp_path / "hub").dtype == torch.bfloat16
+
+
+def test_export_refuses_a_tokenizer_folder_that_holds_none(tmp_path, capsys):
+    # transformers builds an empty tokenizer from a folder's config.json alone: the export wrote it, silently.
+    from hf_domino.cli import main
+
+    tiny_drafter(tiny_target("qwen3")).save_pretrained(tmp_path / "trained")
+    command = ["export", str(tmp_path / "trained"), str(tmp_path / "hub"), "--base-model", "org/t"]
+    assert main([*command, "--tokenizer", str(tmp_path / "trained")]) == 2
+    assert "No tokenizer files in" in capsys.readouterr().err and not (tmp_path / "hub").exists()
 
 
 def test_shipped_checkpoint_remote_code_is_the_package_source():

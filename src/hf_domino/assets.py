@@ -226,7 +226,13 @@ def load_tokenizer(target: str = "smollm2", *, gguf_file: str | None = None) -> 
     offline = offline_gguf_path(target) if gguf_file is None else None
     if offline is not None:
         return load_dense_gguf_tokenizer(offline)
-    return AutoTokenizer.from_pretrained(target, gguf_file=gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(target, gguf_file=gguf_file)
+    if len(tokenizer) < 2:  # a folder without tokenizer files: transformers builds an empty one from its config.json
+        raise FileNotFoundError(
+            f"No tokenizer files in {target} (what loads from it holds {len(tokenizer)} tokens): give the target "
+            "model's id or folder, or an offline target name such as 'smollm2'."
+        )
+    return tokenizer
 
 
 def drafter_folder(path: str | os.PathLike | None = None) -> Path:

@@ -45,6 +45,21 @@ DATASTORE_SAMPLE = 512
 DATASTORE_FILE = "draft_datastore.safetensors"
 
 
+def read_named_tensor(path: str, name: str, holds: str) -> torch.Tensor:
+    """The tensor `name` of a drafter folder's side file (datastore, draft vocabulary), or a `ValueError` naming the
+    file: a truncated or hand-made file otherwise failed as a bare `KeyError` or safetensors' header error."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)[name]
+    except (SafetensorError, KeyError, OSError) as error:
+        raise ValueError(
+            f"{path} should hold one tensor {name!r} ({holds}) in safetensors format; reading it failed "
+            f"({type(error).__name__}: {error}). Export the drafter again, or remove the file to load it without."
+        ) from error
+
+
 class DraftDatastore:
     """Text the target wrote (its answers to the drafter's training prompts, say), for drafts by retrieval.
 
@@ -94,9 +109,7 @@ class DraftDatastore:
 
     @classmethod
     def load(cls, path: str, **kwargs) -> DraftDatastore:
-        from safetensors.torch import load_file
-
-        tokens = load_file(path)["tokens"]
+        tokens = read_named_tensor(path, "tokens", "the datastore's token ids, answers separated")
         separators = tokens == 65535 if tokens.dtype == torch.uint16 else tokens < 0
         return cls(tokens.to(torch.long).masked_fill(separators, -1), **kwargs)
 

@@ -14,7 +14,6 @@ import argparse
 import copy
 import json
 import os
-import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -171,7 +170,7 @@ def drafter_shape(drafter: DominoForSpeculation, dtype: torch.dtype | None = Non
 
 
 def _markdown_table(rows: list[dict[str, Any]]) -> str:
-    columns = list(rows[0])
+    columns = list(dict.fromkeys(column for row in rows for column in row))  # a column only later rows name kept too
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(row.get(c, "")) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
@@ -258,6 +257,12 @@ def export_drafter(
         drop_domino_head: with `layout="transformers-dflash"`, write a `shift_label=False` drafter's backbone without
             its Domino head (transformers' assistant has none; it drafts as `domino_head=False` does here).
     """
+    # By name: a drafter loaded through a folder's remote code is the class of that code, and exports alike.
+    if type(drafter).__name__ != DominoForSpeculation.__name__:
+        raise TypeError(
+            f"export_drafter writes a DominoForSpeculation drafter, got a {type(drafter).__name__}: pass the drafter "
+            "(DominoForSpeculation.from_pretrained(path)), not its target."
+        )
     # The real folder: a symlink is followed, and "." gets its name (the staging folder sits beside it).
     output_dir = Path(output_dir).resolve()
     if layout not in LAYOUTS:
@@ -292,9 +297,7 @@ def export_drafter(
         card.save(staging_dir / "README.md")
         _apply_umask_permissions(staging_dir)
         problems = sglang_serving_problems(staging_dir) if layout == "hf-domino" else []
-        if output_dir.exists():
-            shutil.rmtree(output_dir)
-        staging_dir.rename(output_dir)
+        _replace_folder(output_dir, staging_dir, Path(staging) / "replaced")
     if problems:
         warnings.warn(
             f"SGLang cannot serve {output_dir} as it stands (the folder works with transformers):\n- "
@@ -320,6 +323,19 @@ def _output_problem(output_dir: Path, overwrite: bool, overwrite_option: str) ->
     return None
 
 
+def _replace_folder(output_dir: Path, new_dir: Path, aside: Path) -> None:
+    """Puts `new_dir` at `output_dir`, an existing folder there moved `aside` first (deleted with the staging folder
+    once the new one is in place): two renames, so an interrupt never leaves neither folder."""
+    if output_dir.exists():
+        output_dir.rename(aside)
+    try:
+        new_dir.rename(output_dir)
+    except BaseException:
+        if aside.exists():
+            aside.rename(output_dir)
+        raise
+
+
 def _apply_umask_permissions(folder: Path) -> None:
     # The staging folder comes from `tempfile` (private, 0700/0600): give the export the permissions a plain
     # `mkdir`/`open` would have had.
@@ -343,6 +359,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer-gguf-file", help="GGUF file inside the --tokenizer folder to read it from")
     parser.add_argument("--results", help="JSON file with a list of result rows for the model card")
     parser.add_argument("--training-summary", help="text file with a paragraph on training")
+    parser.add_argument(
+        "--repo-id",
+        help="the Hub repository the folder will be uploaded to (org/name), for the card's usage code (default: the "
+        "output folder's name, which loads from the folder above it only)",
+    )
+    parser.add_argument("--license", default="apache-2.0", help="the card's license, a Hub license id")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="convert the weights")
     parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists and is not empty")
     parser.add_argument(
@@ -388,6 +410,8 @@ def run(args: argparse.Namespace) -> int:
             tokenizer=tokenizer,
             results=results,
             training_summary=training_summary,
+            repo_id=args.repo_id,
+            license=args.license,
             dtype=getattr(torch, args.dtype) if args.dtype else None,
             overwrite=args.overwrite,
             layout=args.layout,

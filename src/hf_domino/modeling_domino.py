@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
@@ -444,7 +444,7 @@ class DominoForSpeculation(DominoPreTrainedModel):
         if not strict_shapes:
             info = {**info, "mismatched_keys": []}
         _raise_on_loading_problems(info, pretrained_model_name_or_path)
-        from .copied_drafts_domino import DATASTORE_FILE, DraftDatastore
+        from .copied_drafts_domino import DATASTORE_FILE, DraftDatastore, read_named_tensor
 
         hub = {
             key: kwargs[key] for key in _HUB_OPTIONS if key in kwargs
@@ -453,7 +453,7 @@ class DominoForSpeculation(DominoPreTrainedModel):
             pretrained_model_name_or_path, DRAFT_VOCAB_FILE, _raise_exceptions_for_missing_entries=False, **hub
         )
         if vocab_file is not None:
-            model.set_draft_vocab(load_file(vocab_file)["draft_vocab"])
+            model.set_draft_vocab(read_named_tensor(vocab_file, "draft_vocab", "the draft vocabulary's token ids"))
         datastore_file = cached_file(
             pretrained_model_name_or_path, DATASTORE_FILE, _raise_exceptions_for_missing_entries=False, **hub
         )

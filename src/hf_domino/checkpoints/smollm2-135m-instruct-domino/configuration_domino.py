@@ -9,6 +9,7 @@ import copy
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
@@ -85,6 +86,13 @@ def normalize_published_config(config_dict: dict[str, Any]) -> dict[str, Any]:
     dflash_config = config_dict.pop("dflash_config", None) or {}
     for key in DFLASH_CONFIG_KEYS:
         if key in dflash_config:
+            # The package reads `dflash_config`, AutoConfig without remote code the top level: a hand edit of one
+            # would load differently in the two places, so it is refused rather than guessed.
+            if config_dict.get(key) is not None and config_dict[key] != dflash_config[key]:
+                raise ValueError(
+                    f"config.json says {key}={config_dict[key]!r} at the top level and {dflash_config[key]!r} in "
+                    "`dflash_config`: make the two agree (the reference implementation reads `dflash_config`)."
+                )
             config_dict[key] = dflash_config[key]
     if config_dict.get("model_type") != DominoConfig.model_type:
         if not _saved_by_hf_domino(config_dict):
@@ -290,7 +298,14 @@ class DominoConfig(Qwen3Config):
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> DominoConfig:
         # `to_dict` writes the serving layout (model_type `qwen3`, transformers-4 mirrors); read it back as ours.
-        return super().from_dict(normalize_published_config(config_dict), **kwargs)
+        try:
+            return super().from_dict(normalize_published_config(config_dict), **kwargs)
+        except StrictDataclassError as error:
+            # huggingface_hub wraps a validator's ValueError (a target's config.json given as a drafter's, say) in
+            # an error of its own, which callers that report bad input as a ValueError would show as a traceback.
+            if isinstance(error.__cause__, ValueError):
+                raise ValueError(str(error.__cause__)) from error
+            raise
 
     def to_dict(self) -> dict[str, Any]:
         """The serving layout that every loader of the format reads the same (docs/model.md, "Who reads what").

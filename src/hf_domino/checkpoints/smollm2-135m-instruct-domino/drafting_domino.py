@@ -20,8 +20,10 @@ This file is also written next to exported checkpoints as remote code (transform
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -277,8 +279,9 @@ def select_fused_rollout(
     ladder `Rollout`, and `draft_rows` for a batch), or `None` where the eager one runs.
 
     `options.domino_rollout` decides (`fused_head.select_rollout`); the fused rollout needs the Domino head on.
-    Imported by name rather than relatively: remote-code copies of this file must not depend on it, and without
-    `hf_domino` installed they use the eager rollout.
+    `auto` fuses on CUDA only, so elsewhere nothing is imported. The fused head lives in the package alone (it needs
+    Triton): a drafter folder's remote code uses it only where the installed `hf_domino` is the same code
+    (`_installed_fused_head`), and otherwise drafts with its own eager rollout.
     """
     mode = options.domino_rollout
     if mode == "eager" or not options.head_enabled(drafter):
@@ -288,16 +291,50 @@ def select_fused_rollout(
                 "with a head); use 'auto' or 'eager' without it."
             )
         return None
-    try:
-        fused_head = importlib.import_module("hf_domino.fused_head")
-    except ImportError:
+    if mode == "auto" and drafter.device.type != "cuda":
+        return None
+    fused_head, why_not = _installed_fused_head()
+    if fused_head is None:
         if mode != "auto":
-            raise
+            raise ImportError(f"domino_rollout={mode!r} runs hf_domino's fused head, and {why_not}.")
         return None
     return fused_head.select_rollout(
         drafter, target, do_sample=do_sample, logits_processor=logits_processor, mode=mode, max_drafts=max_drafts,
         branches=options.domino_branches,
     )  # fmt: skip
+
+
+def _installed_fused_head() -> tuple[object | None, str]:
+    """`hf_domino.fused_head` for this copy of the drafting code, or `None` and why not.
+
+    The package's own code imports it. A drafter folder's remote code (a copy of these files under
+    `transformers_modules`) calls into it only where the installed package holds the very same files: the fused head
+    takes this code's blocks and options, and another release's would take other ones (a `TypeError` mid-call, or
+    worse, drafts that no longer match this code's).
+    """
+    here = Path(__file__).parent
+    spec = importlib.util.find_spec("hf_domino")
+    if spec is None or not spec.submodule_search_locations:
+        return None, "hf_domino is not installed (pip install hf-domino)"
+    installed = Path(next(iter(spec.submodule_search_locations)))
+    if __name__.rpartition(".")[0] != "hf_domino":
+        differing = [
+            path.name
+            for path in sorted(here.glob("*.py"))
+            if path.name != "__init__.py"
+            and not ((installed / path.name).is_file() and (installed / path.name).read_bytes() == path.read_bytes())
+        ]
+        if differing:
+            return None, (
+                f"this drafter's remote code ({here}) is not the installed hf_domino's ({installed}; "
+                f"{', '.join(differing[:3])}{', ...' if len(differing) > 3 else ''} differ): load the drafter with "
+                "hf_domino.DominoForSpeculation.from_pretrained(path) to draft with the package's code, or install the "
+                "hf-domino release that wrote the folder"
+            )
+    try:
+        return importlib.import_module("hf_domino.fused_head"), ""
+    except ImportError as error:
+        return None, f"it cannot be imported here ({error})"
 
 
 @dataclass(frozen=True)
