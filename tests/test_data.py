@@ -478,7 +478,7 @@ def test_cli_train_hands_each_flag_to_the_run(model, tokenizer, tmp_path, monkey
 
     target, _ = save_target_and_prompts(model, tokenizer, tmp_path)
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"index": i, "input_ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 0, 1, 1, 1, 1]})
+    data.write_text("".join(json.dumps({"index": i, "input_ids": [5, 6, 7, 8, 9, 10 + i], "loss_mask": [0, 0, 1, 1, 1, 1]})
                             + "\n" for i in range(4)))  # fmt: skip
     configs = []
     monkeypatch.setattr(command, "train", lambda drafter, target, examples, config, *a, **k: configs.append(config))

@@ -79,7 +79,29 @@ def test_pack_round_trip_is_exact(tmp_path):
     # Training reads the packed file like the jsonl files it came from (once per example, in the packed order).
     examples = load_examples(packed, max_length=6)
     as_set = lambda examples: {(tuple(e.input_ids), tuple(e.loss_mask)) for e in examples}  # noqa: E731
-    assert len(examples) == 2 and as_set(examples) == as_set(load_examples([first, second], max_length=6))
+    with pytest.warns(UserWarning, match="1 of the 3 examples .* appear more than once"):  # RECORDS[2], in both files
+        from_jsonl = load_examples([first, second], max_length=6)
+    assert len(examples) == len(from_jsonl) == 2 and as_set(examples) == as_set(from_jsonl)
+
+
+def test_a_packed_file_beside_its_jsonl_gives_each_example_once(tmp_path):
+    # Both given to `hf-domino train --data` (the documented pack leaves both on disk): every example was read twice,
+    # and the held-out slice was a copy of training examples.
+    jsonl = write_jsonl(tmp_path / "a.jsonl", RECORDS)
+    pack(jsonl, tmp_path / "ids.safetensors")
+    alone = load_examples(jsonl, max_length=64)
+    with pytest.warns(UserWarning, match=f"{len(alone)} of the {2 * len(alone)} examples .* appear more than once"):
+        examples = load_examples([tmp_path / "ids.safetensors", jsonl], max_length=64)
+    assert sorted(e.input_ids for e in examples) == sorted(e.input_ids for e in alone)
+
+
+def test_a_last_record_without_its_newline_is_read_when_whole(tmp_path):
+    # A file written by hand, its last newline left out, lost its last record; one cut short is still skipped.
+    whole = tmp_path / "whole.jsonl"
+    whole.write_text("\n".join(json.dumps(r) for r in RECORDS[:2]))
+    assert [e.input_ids for e in load_examples(whole, max_length=64)] == [r["input_ids"] for r in RECORDS[:2]]
+    cut = write_jsonl(tmp_path / "cut.jsonl", RECORDS[:2], tail=json.dumps(RECORDS[2])[:-1], recipe=None)
+    assert len(load_examples(cut, max_length=64)) == 2
 
 
 def test_pack_keeps_integer_indices_and_large_vocabularies(tmp_path):

@@ -37,6 +37,7 @@ from hf_domino.training import (
     draft_logits,
     generate_chain,
     init_from_target_layers,
+    loop,
     position_weights,
     read_log,
     sample_anchors,
@@ -47,6 +48,7 @@ from hf_domino.training import (
     train,
 )
 from hf_domino.training.loop import example_indices
+from hf_domino.training.run_folder import check_resumable
 
 VOCAB = 64
 BLOCK = 4
@@ -373,7 +375,129 @@ def test_resume_continues_bit_for_bit(target, tmp_path, draft_vocab):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
+def test_a_staged_run_with_accumulation_logs_and_ends_as_a_straight_one(target, tmp_path):
+    """Two micro steps a step, a record every third step, a stage stopped after every step: each record averages
+    the same steps as the straight run's (a resumed run's first record held only the steps after its checkpoint)."""
+    config = TrainConfig(total_steps=6, batch_size=1, gradient_accumulation_steps=2, num_anchors=3,
+                         learning_rate=1e-2, log_every=3, save_every=100)  # fmt: skip
+    examples = toy_examples(8)
+    straight = train(tiny_drafter(target), target, examples, config, tmp_path / "straight")
+    for _ in range(6):
+        staged = train(tiny_drafter(target), target, examples, dataclasses.replace(config, stop_after_seconds=0.0),
+                       tmp_path / "staged")  # fmt: skip
+    for (name, a), (_, b) in zip(straight.state_dict().items(), staged.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    logs = [[{k: v for k, v in record.items() if k != "elapsed_s"} for record in read_log(run / "log.jsonl")]
+            for run in (tmp_path / "straight", tmp_path / "staged")]  # fmt: skip
+    assert [record["step"] for record in logs[0]] == [3, 6] and logs[0] == logs[1]
+
+
+def test_a_step_with_micro_steps_takes_the_gradient_one_batch_of_them_all_would(target, tmp_path, monkeypatch):
+    # Nothing ran gradient accumulation: every micro step reading the same examples, or gradients summed rather
+    # than averaged, passed the whole suite; and a mean per micro step weighed a micro step of few labels (a short
+    # answer's) as much as one of many, unlike one batch of both.
+    config = TrainConfig(total_steps=1, batch_size=1, gradient_accumulation_steps=2, num_anchors=3,
+                         learning_rate=1e-2, max_grad_norm=1e9, curriculum=False)  # fmt: skip
+    examples = toy_examples(8, response_len=20)
+    examples[:4] = [Example(e.input_ids[:9], e.loss_mask[:9]) for e in examples[:4]]  # short answers beside long
+    drafter = tiny_drafter(target)
+    initial = copy.deepcopy(drafter)
+    forwards, gradients = [], []
+    original_forward = DominoTrainingModule.forward
+
+    def forward(self, *args, **kwargs):
+        forwards.append(kwargs)
+        return original_forward(self, *args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        gradients.append({name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None})
+
+    monkeypatch.setattr(DominoTrainingModule, "forward", forward)
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    train(drafter, target, examples, config, tmp_path)
+    monkeypatch.undo()
+    assert len(forwards) == 2 and len(gradients) == 1
+    for micro_step, inputs in enumerate(forwards):
+        [index] = example_indices(0, micro_step, 0, config=config, world_size=1, num_examples=len(examples))
+        assert inputs["input_ids"][0].tolist() == examples[index].input_ids
+    lengths = [inputs["input_ids"].shape[1] for inputs in forwards]
+    assert lengths[0] != lengths[1], "one short and one long answer make the weighting show"
+
+    # The two micro steps as one batch (right-padded to one length), with the same anchors.
+    def padded(tensor: torch.Tensor, length: int) -> torch.Tensor:  # along the sequence, which dimension 1 is
+        if tensor.dim() < 2 or tensor.shape[1] != length:  # anchors
+            return tensor
+        return F.pad(tensor, (0, 0) * (tensor.dim() - 2) + (0, max(lengths) - length))
+
+    batch = {key: torch.cat([padded(inputs[key], length) for inputs, length in zip(forwards, lengths)])
+             if torch.is_tensor(forwards[0][key]) else forwards[0][key] for key in forwards[0]}  # fmt: skip
+    module = DominoTrainingModule(initial, TargetModules.from_target(target)).train()
+    module(**batch).loss.backward()
+    for name, parameter in initial.named_parameters():
+        if parameter.grad is not None:
+            torch.testing.assert_close(gradients[0][name], parameter.grad, msg=name)
+
+
+def test_example_indices_read_each_example_once_an_epoch():
+    config = TrainConfig(batch_size=3, gradient_accumulation_steps=2)
+    read = [i for step in range(5) for micro in range(2) for rank in range(2)
+            for i in example_indices(step, micro, rank, config=config, world_size=2, num_examples=60)]  # fmt: skip
+    assert sorted(read) == list(range(60))
+
+
 # ------------------------------------------------------------------------------------------------ run folders
+def test_resuming_on_other_data_processes_or_precision_is_refused(target, tmp_path):
+    # Other --data, --max-examples or --validation-examples resumed silently (held-out examples then trained on).
+    config = TrainConfig(total_steps=3, batch_size=2, num_anchors=3, learning_rate=1e-2, save_every=2)
+    examples = toy_examples(10)
+    train(tiny_drafter(target), target, examples[:8], config, tmp_path, validation_examples=examples[8:])
+    shutil.rmtree(tmp_path / "checkpoint-3")
+    with pytest.raises(ValueError, match=r"but its examples were others \(--data, --max-examples"):
+        train(tiny_drafter(target), target, examples[:7], config, tmp_path, validation_examples=examples[8:])
+    with pytest.raises(ValueError, match=r"but its validation examples were others"):
+        train(tiny_drafter(target), target, examples[:8], config, tmp_path, validation_examples=examples[7:])
+    checkpoint = tmp_path / "checkpoint-2"
+    with pytest.raises(ValueError, match="it ran on 1 processes, now 2"):
+        check_resumable(checkpoint, tiny_drafter(target), config, 2)
+    with pytest.raises(ValueError, match="its mixed precision was 'no', now 'bf16'"):
+        check_resumable(checkpoint, tiny_drafter(target), config, 1, mixed_precision="bf16")
+    (checkpoint / "trainer_state.pt").touch()  # what an older hf-domino wrote
+    with pytest.raises(ValueError, match="was written by an older hf-domino"):
+        check_resumable(checkpoint, tiny_drafter(target), config, 1)
+
+
+def test_a_validation_cut_short_is_made_when_the_run_resumes(target, tmp_path, monkeypatch):
+    config = TrainConfig(total_steps=4, batch_size=2, num_anchors=3, learning_rate=1e-2, save_every=2)
+    examples = toy_examples(10)
+    straight = tmp_path / "straight"
+    train(tiny_drafter(target), target, examples[:8], config, straight, validation_examples=examples[8:])
+    real_window = loop.held_out_window
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "held_out_window", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # checkpoint-2 written, its validation never logged
+        train(tiny_drafter(target), target, examples[:8], config, tmp_path / "cut", validation_examples=examples[8:])
+    monkeypatch.setattr(loop, "held_out_window", real_window)
+    train(tiny_drafter(target), target, examples[:8], config, tmp_path / "cut", validation_examples=examples[8:])
+    records = [[{k: v for k, v in record.items() if k != "elapsed_s"} for record in read_log(run / "validation.jsonl")]
+               for run in (straight, tmp_path / "cut")]  # fmt: skip
+    assert [record["step"] for record in records[1]] == [2, 4] and records[0] == records[1]
+
+
+def test_an_accelerator_holding_another_run_is_refused(target, tmp_path):
+    # Its checkpoints held both runs' optimizers and schedules, and a fresh process could not resume them.
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    config = TrainConfig(total_steps=1, batch_size=2, num_anchors=3, save_every=100)
+    train(tiny_drafter(target), target, toy_examples(8), config, tmp_path / "a", accelerator=accelerator)
+    with pytest.raises(ValueError, match=r"pass a fresh Accelerator to each train\(\) call"):
+        train(tiny_drafter(target), target, toy_examples(8), config, tmp_path / "b", accelerator=accelerator)
+    assert not (tmp_path / "b").exists()
+
+
 def test_a_resumed_run_logs_each_step_once(target, tmp_path):
     """A run that crashed after logging steps past its last checkpoint logged them again once resumed."""
     config = TrainConfig(total_steps=4, batch_size=2, num_anchors=3, learning_rate=1e-2, log_every=1, save_every=2)

@@ -23,7 +23,7 @@ from ..cli import non_negative_int, number_in, positive_int
 from ..configuration_domino import DominoConfig
 from ..modeling_domino import DRAFT_VOCAB_FILE, DominoForSpeculation
 from ..options_domino import check_drafter_config_for_target_config, check_drafter_for_target
-from .data import Example, FeatureCache, check_token_ids, load_examples
+from .data import Example, FeatureCache, check_token_ids, data_digests, load_examples
 from .evaluate import evaluate_acceptance
 from .loop import TrainConfig, init_from_target_layers, train
 from .run_folder import (
@@ -282,7 +282,10 @@ def run(args: argparse.Namespace) -> int:
     resume = _resumes(args)
     checkpoint = latest_checkpoint(args.output_dir) if resume else None
     if checkpoint is not None:
-        _exit_on_value_error(check_resumable, checkpoint, drafter, config, PartialState().num_processes)
+        _exit_on_value_error(
+            check_resumable, checkpoint, drafter, config, PartialState().num_processes,
+            data=data_digests(examples, validation),
+        )  # fmt: skip
     feature_cache = None
     if args.feature_cache:
         # Safe to call from every process (and from concurrent runs): a file lock lets one fill it at a time.
@@ -352,10 +355,10 @@ def _check_checkpoints_left(args: argparse.Namespace) -> None:
         )
 
 
-def _exit_on_value_error(check, *args) -> None:
+def _exit_on_value_error(check, *args, **options) -> None:
     """Runs a check of the run's folder, turning its refusal into the command's exit message."""
     try:
-        check(*args)
+        check(*args, **options)
     except ValueError as error:
         raise SystemExit(f"hf-domino train: {error}") from None
 

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,18 +45,37 @@ def load_examples(paths: str | os.PathLike | Sequence[str | os.PathLike], max_le
     """Reads `hf-domino regenerate` jsonl files or packed files (`hf-domino pack`), cutting sequences to `max_length`.
 
     Records with fewer than two response tokens left (no usable anchor) are dropped; a line cut short by a running
-    regeneration is ignored.
+    regeneration is ignored. An example found twice (in a packed file and the jsonl it was packed from, given
+    together) is read once, with a warning: twice, it weighed double, and could be held out and trained on at once.
     """
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     # Each record's mask is as long as its ids (`packed.iter_records` checks).
     records = [Example(record["input_ids"], record["loss_mask"]) for path in paths for record in iter_records(path)]
-    examples = within_max_length(records, max_length, empty=True)
+    examples = _without_repeats(within_max_length(records, max_length, empty=True), paths)
     if not examples:
         raise InputDataError(
             f"No usable training examples in {', '.join(str(p) for p in paths)}: each needs two response tokens or "
             f"more within the first {max_length} tokens (--max-length). Pass answers `hf-domino regenerate` wrote."
         )
     return examples
+
+
+def _without_repeats(examples: list[Example], paths: Sequence[str | os.PathLike]) -> list[Example]:
+    """`examples` with each one's later repeats (same ids, same mask) left out, in their order."""
+    seen: set[tuple[str, str]] = set()
+    kept = []
+    for example in examples:
+        key = (ids_digest(example.input_ids), ids_digest(example.loss_mask))
+        if key not in seen:
+            seen.add(key)
+            kept.append(example)
+    if len(kept) < len(examples):
+        warnings.warn(
+            f"{len(examples) - len(kept)} of the {len(examples)} examples in {', '.join(str(p) for p in paths)} "
+            "appear more than once (a packed file beside the jsonl it was packed from?): each is read once.",
+            stacklevel=3,
+        )
+    return kept
 
 
 def within_max_length(
@@ -126,6 +146,21 @@ def target_context_features(
 def ids_digest(input_ids: Sequence[int]) -> str:
     """A short digest of an example's token ids: which example a cached row belongs to."""
     return hashlib.blake2b(np.asarray(input_ids, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
+
+
+def data_digests(examples: Sequence[Example], validation_examples: Sequence[Example]) -> dict[str, str]:
+    """What a checkpoint records of the data it was trained on, and a resumed run must read again."""
+    return {"examples": examples_digest(examples), "validation examples": examples_digest(validation_examples)}
+
+
+def examples_digest(examples: Sequence[Example]) -> str:
+    """A digest of examples in their order (ids and masks): what a resumed run must read to continue its run."""
+    digest = hashlib.blake2b(digest_size=8)
+    for example in examples:
+        digest.update(np.asarray([len(example.input_ids)], dtype=np.int64).tobytes())
+        digest.update(np.asarray(example.input_ids, dtype=np.int64).tobytes())
+        digest.update(np.asarray(example.loss_mask, dtype=np.int8).tobytes())
+    return digest.hexdigest()
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import os
 import time
@@ -36,6 +37,7 @@ from .data import (
     anchor_generator,
     check_token_ids,
     collate,
+    data_digests,
     sample_anchors,
     sample_chain_anchors,
     target_hidden_states,
@@ -50,8 +52,10 @@ from .run_folder import (
     check_resumable,
     latest_checkpoint,
     load_checkpoint,
+    load_log_window,
     save_checkpoint,
     trim_logs,
+    validated_steps,
 )
 
 if TYPE_CHECKING:
@@ -116,9 +120,14 @@ def example_indices(
     indices = []
     for position in range(first, first + config.batch_size):
         epoch, offset = divmod(position, num_examples)
-        order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(config.seed + epoch))
-        indices.append(int(order[offset]))
+        indices.append(int(_epoch_order(config.seed + epoch, num_examples)[offset]))
     return indices
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, num_examples: int) -> torch.Tensor:
+    # Kept: a permutation of a million examples takes most of a second, and every sequence of a step asks for one.
+    return torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed))
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float):
@@ -353,11 +362,21 @@ def train(
     examples = kept
     validation_examples = within_max_length(validation_examples, config.max_length, "validation_examples", empty=True)
     check_token_ids([*examples, *validation_examples], target_model.get_input_embeddings().num_embeddings)
+    if accelerator is not None and (accelerator._models or accelerator._optimizers or accelerator._custom_objects):
+        # Its checkpoints would hold both runs' optimizers and schedules, and a fresh process could not resume them.
+        raise ValueError(
+            "train() prepares the drafter, its optimizer and its schedule on the accelerator it is given, and this "
+            "one holds another run's already: pass a fresh Accelerator to each train() call."
+        )
     accelerator = accelerator or default_accelerator()
     output_dir = Path(output_dir)
+    data = data_digests(examples, validation_examples)
     checkpoint = latest_checkpoint(output_dir) if resume else None
     if checkpoint is not None:
-        check_resumable(checkpoint, drafter, config, accelerator.num_processes)
+        check_resumable(
+            checkpoint, drafter, config, accelerator.num_processes, data=data,
+            mixed_precision=accelerator.mixed_precision,
+        )  # fmt: skip
     elif not resume or (output_dir / FINAL_DIR).exists():
         # Resuming with no checkpoint: a run that stopped before its first one (its log records are dropped), or,
         # beside a final drafter, a finished run whose checkpoints were removed, which is no run to add to.
@@ -366,17 +385,29 @@ def train(
     output_dir.mkdir(parents=True, exist_ok=True)
     module, optimizer, scheduler = prepare_training(accelerator, drafter, target_model, config)
     step = 0
+    window: dict[str, torch.Tensor] = {}
     if checkpoint is not None:
         step = load_checkpoint(accelerator, checkpoint)
+        window = load_log_window(accelerator, checkpoint)
         accelerator.print(f"Resumed from {checkpoint} at step {step}.")
     if accelerator.is_main_process:
         trim_logs(output_dir, step)
+    accelerator.wait_for_everyone()
     mask_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
 
     start_time = time.perf_counter()
-    window: dict[str, torch.Tensor] = {}
+
+    def validate(step: int, lam: float) -> None:
+        held_out = held_out_window(accelerator, module, target_model, validation_examples, config, lam, pad_token_id)
+        lr = scheduler.get_last_lr()[0]
+        log_validation(accelerator, output_dir, metrics_record(accelerator, held_out, step, lam, lr, 0.0, start_time))
+
+    if checkpoint is not None and validation_examples and step not in validated_steps(output_dir):
+        # The stage that saved it stopped while validating it: its record is made now, as it would have been then.
+        validate(step, curriculum_lambda(step - 1, config.total_steps, config.curriculum))
     while step < config.total_steps:
         lam = curriculum_lambda(step, config.total_steps, config.curriculum)
+        step_weight = torch.zeros(1, device=accelerator.device)
         for micro_step in range(config.gradient_accumulation_steps):
             inputs = micro_batch_inputs(
                 accelerator, module, target_model, examples, feature_cache, config, step, micro_step, pad_token_id,
@@ -386,8 +417,11 @@ def train(
             with contextlib.nullcontext() if last_micro else accelerator.no_sync(module):
                 with accelerator.autocast():
                     out = module(**inputs, lam=lam, mask_dtype=mask_dtype, kl_weight=config.kl_weight)
-                accelerator.backward(out.loss / config.gradient_accumulation_steps)
+                # The weighted sum, divided below by the whole step's weight (`mean_over_the_step`).
+                accelerator.backward(out.loss * out.label_weight)
+            step_weight += out.label_weight
             accumulate_metrics(window, out)
+        mean_over_the_step(accelerator, module, step_weight)
         grad_norm = accelerator.clip_grad_norm_(module.parameters(), config.max_grad_norm)
         optimizer.step()
         scheduler.step()
@@ -405,18 +439,28 @@ def train(
         if step % config.save_every == 0 or step == config.total_steps or out_of_time:
             # Saved before validating: a stage cut short during the (minutes-long) validation keeps its steps.
             # Validation draws its anchors from its own seeded generators, so the order leaves resumption exact.
-            save_checkpoint(accelerator, module, output_dir, step, config)
+            save_checkpoint(accelerator, module, output_dir, step, config, data=data, log_window=window)
             if validation_examples:
-                held_out = held_out_window(
-                    accelerator, module, target_model, validation_examples, config, lam, pad_token_id
-                )
-                log_validation(
-                    accelerator, output_dir, metrics_record(accelerator, held_out, step, lam, lr, 0.0, start_time)
-                )
+                validate(step, lam)
         if out_of_time and step < config.total_steps:
             accelerator.print(f"Stopping at step {step} after {config.stop_after_seconds:.0f}s; rerun to resume.")
             break
     return accelerator.unwrap_model(module).drafter
+
+
+@torch.no_grad()
+def mean_over_the_step(accelerator: Accelerator, module: nn.Module, step_weight: torch.Tensor) -> None:
+    """Turns the gradients of the step's weighted loss sums into those of its weighted mean over every label of
+    every micro step and process: the step a batch of all of them at once would take.
+
+    A mean per micro step, averaged, weighed a micro step (or a process) of a few short answers' labels as much as one
+    of many; DDP has already averaged the processes' sums, hence the factor of their number.
+    """
+    total = accelerator.reduce(step_weight, reduction="sum").clamp(min=1e-6)
+    scale = accelerator.num_processes / total
+    for parameter in module.parameters():
+        if parameter.grad is not None:
+            parameter.grad.mul_(scale.to(parameter.grad.dtype))
 
 
 # ========================================================================================================== metrics

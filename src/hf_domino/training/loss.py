@@ -92,6 +92,7 @@ class DominoLossOutput:
     counts: torch.Tensor  # [D] valid labels per draft position
     accepted: torch.Tensor  # sum over valid blocks of 1 + leading correct final drafts (teacher-forced tau)
     num_blocks: torch.Tensor  # valid blocks
+    label_weight: torch.Tensor  # the sum of the label weights the losses are means over
 
 
 def accepted_lengths(hits: torch.BoolTensor, block_valid: torch.BoolTensor) -> torch.LongTensor:
@@ -151,6 +152,7 @@ def domino_losses(
         counts=mask.sum(0),
         accepted=accepted.sum().float(),
         num_blocks=block_valid.sum().float(),
+        label_weight=weight.sum().detach(),
     )
 
 

@@ -93,7 +93,8 @@ def read_keys(path: str | os.PathLike) -> set[Key]:
 def iter_records(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
     """The records of a `hf-domino regenerate` jsonl file, or of a packed file (by its `.safetensors` suffix).
 
-    A last jsonl line without its newline is a write in progress (or one cut short by a crash) and is skipped.
+    A last jsonl line without its newline that is no whole JSON value is a write in progress (or one cut short by a
+    crash) and is skipped; a whole one (a file written by hand, its last newline left out) is read.
     """
     path = Path(path)
     if path.suffix == PACKED_SUFFIX:
@@ -101,10 +102,18 @@ def iter_records(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
         return
     with open(path, encoding="utf-8") as file:
         for line_number, line in enumerate(file, start=1):
-            if not line.endswith("\n"):
+            if not line.endswith("\n") and not _whole_json(line):
                 break
             if line.strip():
                 yield _regenerated_record(line, f"{path}:{line_number}")
+
+
+def _whole_json(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _regenerated_record(line: str, where: str) -> dict[str, Any]:

@@ -29,6 +29,7 @@ LOG_FILE = "log.jsonl"
 VALIDATION_LOG_FILE = "validation.jsonl"
 STATE_JSON = "trainer_state.json"
 LEGACY_STATE_FILE = "trainer_state.pt"  # checkpoints written before they went through accelerate's state saving
+LOG_WINDOW_FILE = "log_window_{rank}.pt"  # a process's metric sums since the last log record
 CHECKPOINT_PREFIX = "checkpoint-"
 FINAL_DIR = "final"  # where `hf-domino train` saves the drafter once the last step is done
 
@@ -79,10 +80,17 @@ CONFIG_RECORD_KEYS = (
 
 
 def resume_differences(
-    checkpoint: Path, drafter: DominoForSpeculation, config: TrainConfig, num_processes: int
+    checkpoint: Path,
+    drafter: DominoForSpeculation,
+    config: TrainConfig,
+    num_processes: int,
+    *,
+    data: dict[str, str] | None = None,
+    mixed_precision: str | None = None,
 ) -> list[str]:
-    """How resuming `checkpoint` with this drafter, settings and number of processes would differ from the run
-    that wrote it, one line per setting (empty: it continues that run exactly)."""
+    """How resuming `checkpoint` with this drafter, settings and number of processes (and, where given, data
+    digests and mixed precision) would differ from the run that wrote it, one line per setting (empty: it continues
+    that run exactly). A checkpoint that did not record something is not asked about it."""
     state = json.loads((checkpoint / STATE_JSON).read_text())
     recorded = state.get("train_config", {})
     differences = [
@@ -92,6 +100,11 @@ def resume_differences(
     ]
     if state.get("num_processes", num_processes) != num_processes:
         differences.append(f"it ran on {state['num_processes']} processes, now {num_processes}")
+    for name, digest in (data or {}).items():
+        if state.get("data", {}).get(name, digest) != digest:
+            differences.append(f"its {name} were others (--data, --max-examples, --validation-examples)")
+    if mixed_precision is not None and state.get("mixed_precision", mixed_precision) != mixed_precision:
+        differences.append(f"its mixed precision was {state['mixed_precision']!r}, now {mixed_precision!r}")
     saved = type(drafter.config).from_pretrained(checkpoint).to_dict()
     own = drafter.config.to_dict()
     differences += [
@@ -107,9 +120,27 @@ def resume_differences(
     return differences
 
 
-def check_resumable(checkpoint: Path, drafter: DominoForSpeculation, config: TrainConfig, num_processes: int) -> None:
-    """Refuses to resume `checkpoint` where the run would not continue as it began (`resume_differences`)."""
-    if differences := resume_differences(checkpoint, drafter, config, num_processes):
+def check_resumable(
+    checkpoint: Path,
+    drafter: DominoForSpeculation,
+    config: TrainConfig,
+    num_processes: int,
+    *,
+    data: dict[str, str] | None = None,
+    mixed_precision: str | None = None,
+) -> None:
+    """Refuses to resume `checkpoint` where the run would not continue as it began (`resume_differences`), or
+    where an older hf-domino wrote it."""
+    if (checkpoint / LEGACY_STATE_FILE).exists():
+        raise ValueError(
+            f"{checkpoint} was written by an older hf-domino (before checkpoints used accelerate's state saving) and "
+            f"cannot be resumed; start a new run from its weights with `--init-from {checkpoint}` in a fresh "
+            "--output-dir."
+        )
+    differences = resume_differences(
+        checkpoint, drafter, config, num_processes, data=data, mixed_precision=mixed_precision
+    )
+    if differences:
         raise ValueError(
             f"Resuming {checkpoint} continues its run exactly, which needs its settings, but {'; '.join(differences)}. "
             "Rerun with the settings it was trained with, or start a new run from its weights (`--init-from "
@@ -138,6 +169,13 @@ def _logged_step(line: str) -> int:
         return 0
 
 
+def validated_steps(output_dir: Path) -> set[int]:
+    """The steps `validation.jsonl` holds a record of."""
+    path = output_dir / VALIDATION_LOG_FILE
+    lines = path.read_text().split("\n") if path.exists() else []
+    return {_logged_step(line) for line in lines if line.strip()}
+
+
 def trim_logs(output_dir: Path, step: int) -> None:
     """Keeps the log records of steps up to `step` (where a run resumes), so that none is logged twice."""
     for path in (output_dir / LOG_FILE, output_dir / VALIDATION_LOG_FILE):
@@ -152,13 +190,22 @@ def trim_logs(output_dir: Path, step: int) -> None:
 
 
 def save_checkpoint(
-    accelerator: Accelerator, module: nn.Module, output_dir: Path, step: int, config: TrainConfig
+    accelerator: Accelerator,
+    module: nn.Module,
+    output_dir: Path,
+    step: int,
+    config: TrainConfig,
+    *,
+    data: dict[str, str] | None = None,
+    log_window: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Writes `checkpoint-{step}` (on every process: a collective) and prunes all but the last `keep_checkpoints`.
 
     `accelerator.save_state` writes the optimizer, the registered schedule and each process's RNG states (FSDP:
     its sharded model and optimizer as well); the drafter goes next to them through `save_pretrained`, with the
     full weights gathered by `accelerator.get_state_dict`, instead of accelerate's own copy of the wrapper's weights.
+    Beside them: the digests of the run's `data`, its mixed precision, and each process's `log_window` (the sums of
+    the steps since the last log record, which the next record after a resume must hold too).
     """
     path = output_dir / f"{CHECKPOINT_PREFIX}{step}"
     tmp = output_dir / f".tmp-{CHECKPOINT_PREFIX}{step}"
@@ -170,12 +217,22 @@ def save_checkpoint(
         accelerator.save_state(str(tmp))
     finally:
         hook.remove()
+    accelerator.wait_for_everyone()
+    window = {key: value.cpu() for key, value in (log_window or {}).items()}
+    torch.save(window, tmp / LOG_WINDOW_FILE.format(rank=accelerator.process_index))
+    accelerator.wait_for_everyone()
     # A collective under FSDP (gathers the shards); the unwrapped weights otherwise.
     full_state = accelerator.get_state_dict(module)
     if accelerator.is_main_process:
         weights = {name.removeprefix("drafter."): tensor for name, tensor in full_state.items()}
         accelerator.unwrap_model(module).drafter.save_pretrained(tmp, state_dict=weights)
-        state = {"step": step, "train_config": dataclasses.asdict(config), "num_processes": accelerator.num_processes}
+        state = {
+            "step": step,
+            "train_config": dataclasses.asdict(config),
+            "num_processes": accelerator.num_processes,
+            "mixed_precision": accelerator.mixed_precision,
+            **({"data": data} if data else {}),
+        }
         (tmp / STATE_JSON).write_text(json.dumps(state, indent=2))
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
@@ -188,12 +245,6 @@ def save_checkpoint(
 def load_checkpoint(accelerator: Accelerator, path: Path) -> int:
     """Restores what `save_checkpoint` wrote into the prepared objects of `accelerator`; returns the step."""
     from safetensors.torch import load_file
-
-    if (path / LEGACY_STATE_FILE).exists():
-        raise ValueError(
-            f"{path} was written by an older hf-domino (before checkpoints used accelerate's state saving) and cannot "
-            f"be resumed; start a new run from its weights with `--init-from {path}` in a fresh --output-dir."
-        )
 
     def load_drafter(models: list[nn.Module], directory: str) -> None:
         weights = {}
@@ -210,3 +261,11 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> int:
     finally:
         hook.remove()
     return int(json.loads((path / STATE_JSON).read_text())["step"])
+
+
+def load_log_window(accelerator: Accelerator, path: Path) -> dict[str, torch.Tensor]:
+    """This process's sums since the last log record as `save_checkpoint` kept them (none in older checkpoints)."""
+    window_file = path / LOG_WINDOW_FILE.format(rank=accelerator.process_index)
+    if not window_file.exists():
+        return {}
+    return {key: value.to(accelerator.device) for key, value in torch.load(window_file).items()}
