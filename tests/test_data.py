@@ -211,6 +211,29 @@ def test_a_regeneration_recipe_names_a_target_folder_by_its_full_path(tmp_path, 
     assert recipe_differences(earlier, recipes[1]) == [] and recipes[1]["target"] == "./model"
 
 
+def test_a_regeneration_recipe_reads_folders_and_prompt_files_for_what_they_are(tmp_path, monkeypatch):
+    # The same folder and prompts file typed from two places were refused as another recipe; another file's questions
+    # at the same path were taken for the same ones.
+    from hf_domino.training.packed import recipe_differences
+
+    parser = cli.command_parser("regenerate")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "questions.txt").write_text("What is a domino?\n")
+
+    def recipe(place: Path, target: str, prompts: str) -> dict:
+        monkeypatch.chdir(place)
+        args = parser.parse_args(["--target", target, "--prompts", prompts, "--output", "out.jsonl"])
+        return regenerate.cli_recipe(args, "cpu")
+
+    here = recipe(tmp_path, "model", "questions.txt")
+    (tmp_path / "sub").mkdir()
+    there = recipe(tmp_path / "sub", str(tmp_path / "model"), "../questions.txt")
+    assert here["target"] != there["target"] and here["prompts"] != there["prompts"]
+    assert recipe_differences(here, there) == []
+    (tmp_path / "questions.txt").write_text("What is a drafter?\n")
+    assert recipe_differences(here, recipe(tmp_path, "model", "questions.txt")) == ["prompts_file"]
+
+
 def test_regenerate_resumes_and_repairs_a_cut_line(model, tokenizer, tmp_path):
     output = tmp_path / "regen.jsonl"
     kwargs = {"batch_size": 2, "max_new_tokens": MAX_NEW_TOKENS, "progress": False}

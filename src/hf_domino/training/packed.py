@@ -41,7 +41,10 @@ PACKED_SUFFIX = ".safetensors"
 # Recipe entries that describe a run without deciding its answers: resumed runs may differ in them.
 UNCHECKED_RECIPE_KEYS = ("versions", "device")
 # Entries recipes record since a later release: compared only where both recipes hold them (earlier runs resume).
-LATER_RECIPE_KEYS = ("target_folder",)
+LATER_RECIPE_KEYS = ("target_folder", "prompts_file")
+# Entries as typed, and what each resolves to where it names a file or folder: where both recipes hold the resolved
+# one, it decides ("./model" from one folder and "model" from its parent are the same model).
+RESOLVED_RECIPE_KEYS = {"target": "target_folder", "prompts": "prompts_file"}
 Key = int | str  # a record's `index` (position in its source) or `id` (stable id in the training mix)
 
 
@@ -78,6 +81,9 @@ def recipe_differences(recorded: dict[str, Any], recipe: dict[str, Any]) -> list
     recorded, recipe = json.loads(json.dumps(recorded)), json.loads(json.dumps(recipe))
     keys = (recorded.keys() | recipe.keys()) - set(UNCHECKED_RECIPE_KEYS)
     keys -= {key for key in LATER_RECIPE_KEYS if key not in recorded or key not in recipe}
+    keys -= {
+        typed for typed, resolved in RESOLVED_RECIPE_KEYS.items() if recorded.get(resolved) and recipe.get(resolved)
+    }
     return sorted(key for key in keys if recorded.get(key) != recipe.get(key))
 
 

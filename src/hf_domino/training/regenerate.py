@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import time
@@ -156,10 +157,18 @@ def cli_recipe(args: argparse.Namespace, device: str) -> dict[str, Any]:
     greedy = args.temperature <= 0
     offline = assets.OFFLINE_TARGETS.get(args.target) if args.gguf_file is None else None
     folder = Path(args.target).expanduser()
+    prompts_file = None if args.dataset or args.prompts == MIX else Path(str(args.prompts)).expanduser()
     return {
         "target": args.target,
         # A folder also by its full path: "./model" typed in two places may be two models.
         "target_folder": str(folder.resolve()) if offline is None and folder.is_dir() else None,
+        # A prompts file by its contents: another file at the same path asks other questions, the same file typed
+        # otherwise (or moved) the same ones.
+        "prompts_file": (
+            {"sha256": hashlib.sha256(prompts_file.read_bytes()).hexdigest()}
+            if prompts_file is not None and prompts_file.is_file()
+            else None
+        ),
         "gguf_file": offline.gguf_file if offline else args.gguf_file,
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
