@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -512,12 +513,44 @@ def test_demo_core(target, drafter, tokenizer):
     assert result.default_target_seconds is None  # eager models: nothing else to compare with
 
 
-def test_demo_core_on_the_cpu_fast_path(target, drafter, tokenizer):
+def test_demo_core_on_the_cpu_fast_path(target, drafter, tokenizer, monkeypatch):
+    from hf_domino import prepacked_linear
+    from hf_domino.cpu_fast_path import GROUPED_KV_ATTENTION
+
     target, drafter = copy.deepcopy(target), copy.deepcopy(drafter)
     prepare_for_cpu_decoding(target, drafter)
-    result = demo.run_demo(target, tokenizer, drafter, "hello world", max_new_tokens=12)
+    assert target.config._attn_implementation == GROUPED_KV_ATTENTION
+    calls, generate = [], target.generate
+
+    def recording(*args, **kwargs):  # how each call ran: with a drafter, eager linears, which attention
+        calls.append((kwargs.get("assistant_model") is not None, prepacked_linear._EAGER.get(),
+                      target.config._attn_implementation, kwargs["max_new_tokens"]))  # fmt: skip
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(target, "generate", recording)
+    result = demo.run_demo(target, tokenizer, drafter, "hello world", max_new_tokens=12, warmup_tokens=2)
     assert result.identical_to_target and result.default_target_seconds > 0
     assert "CPU fast path on both; the target alone as it runs by default" in result.summary()
+    timed = [call for call in calls if call[3] == 12]
+    # The drafted call, the target alone prepared, then as it runs by default (unprepared attention and linears).
+    assert timed == [(True, False, GROUPED_KV_ATTENTION, 12), (False, False, GROUPED_KV_ATTENTION, 12),
+                     (False, True, "sdpa", 12)]  # fmt: skip
+    assert target.config._attn_implementation == GROUPED_KV_ATTENTION  # prepared again after
+
+
+def test_demo_says_when_the_answer_differs_from_the_target_alones(target, drafter, tokenizer, monkeypatch):
+    # run_demo's own comparison: comparing the drafted answer with itself passed every test.
+    generate = target.generate
+
+    def drafted_differently(*args, **kwargs):
+        output = generate(*args, **kwargs)
+        if kwargs.get("assistant_model") is not None and kwargs["max_new_tokens"] == 12:
+            output[0, -1] = (output[0, -1] + 1) % target.config.vocab_size
+        return output
+
+    monkeypatch.setattr(target, "generate", drafted_differently)
+    result = demo.run_demo(target, tokenizer, drafter, "hello world", max_new_tokens=12)
+    assert not result.identical_to_target and "DIFFERENT" in result.summary()
 
 
 def test_demo_core_compiled(target, drafter, tokenizer, monkeypatch, fresh_dynamo):
@@ -592,10 +625,10 @@ def test_warmed_verification_lengths_leave_no_number_of_drafts_to_compile(
     assert frames == [0] * (drafter.config.num_drafts + 1)
 
 
-def test_demo_compile_on_a_transformers_that_cannot_roll_a_static_cache_back_says_to_upgrade(monkeypatch):
+def test_demo_compile_on_a_transformers_that_cannot_roll_a_static_cache_back_says_to_upgrade(monkeypatch, capsys):
     monkeypatch.setattr(demo, "static_caches_roll_back", lambda: False)
-    with pytest.raises(SystemExit, match="from transformers 5.24 .* upgrade transformers or drop --compile"):
-        cli.main(["demo", "--compile"])
+    assert cli.main(["demo", "--compile"]) == 2  # bad input; 1 says the answer differed from the target alone's
+    assert re.search("from transformers 5.24 .* upgrade transformers or drop --compile", capsys.readouterr().err)
 
 
 def test_demo_fails_when_the_output_differs_from_the_target_alones(target, drafter, tokenizer, monkeypatch, capsys):
@@ -623,23 +656,23 @@ def test_demo_fails_when_the_output_differs_from_the_target_alones(target, draft
 
 
 def test_demo_refuses_a_drafter_of_another_target_and_says_when_nothing_was_drafted(
-    target, drafter, tokenizer, monkeypatch
+    target, drafter, tokenizer, monkeypatch, capsys
 ):
     other = make_drafter(make_target(vocab_size=target.config.vocab_size + 8))
     monkeypatch.setattr(demo, "load_drafter", lambda path: other)
     monkeypatch.setattr(demo, "load_smollm2", lambda: (target, tokenizer))
-    with pytest.raises(SystemExit, match="hf-domino demo: --drafter .*vocab_size .* differs"):  # was a traceback
-        cli.main(["demo", "--no-cpu-fast-path", "--drafter", "elsewhere"])
+    assert cli.main(["demo", "--no-cpu-fast-path", "--drafter", "elsewhere"]) == 2  # was a traceback, then status 1
+    assert re.search("hf-domino demo: --drafter .*vocab_size .* differs", capsys.readouterr().err)
     one_token = demo.DemoResult("text", new_tokens=1, seconds=1.0, target_seconds=1.0, mean_acceptance_length=0.0,
                                 identical_to_target=True)  # fmt: skip
     assert "no target forward after the prefill's" in one_token.summary()  # was "0.00 tokens per target forward"
 
 
-def test_missing_drafter_is_a_clear_error(tmp_path):
+def test_missing_drafter_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="No drafter checkpoint"):
         assets.load_drafter(tmp_path / "missing")
-    with pytest.raises(SystemExit, match="hf-domino demo: No drafter checkpoint"):
-        cli.main(["demo", "--drafter", str(tmp_path / "missing")])
+    assert cli.main(["demo", "--drafter", str(tmp_path / "missing")]) == 2
+    assert "hf-domino demo: No drafter checkpoint" in capsys.readouterr().err
 
 
 def test_cli_bench_batch_sizes(target, drafter, tokenizer, tmp_path, capsys):

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,6 +268,49 @@ def end_the_runners_output_thread(runner) -> None:
 
 
 @needs_serving
+def test_the_model_process_of_a_server_serving_one_request_at_a_time_drafts(smollm2_answer):
+    """transformers >= 5.25 serves one request at a time through its `GenerateRunner` in the model's process: each
+    request, streamed or not, is the target alone's answer and drafted (a loader that left the drafter out of this
+    server, the default one, passed every test before: the HTTP tests compare answers only)."""
+    import pickle
+
+    if not models_load_in_processes_of_their_own():
+        pytest.skip("transformers < 5.25 loads models in the server's process: test_the_server_answers_...")
+    from transformers.cli.serving.utils import GenerateRunner, canonical_model_id
+
+    from hf_domino.assets import offline_folder
+    from hf_domino.serve import Drafting
+    from hf_domino.serve_loader import DraftingModelLoader, configured
+
+    drafting = Drafting(options={"draft_policy": "fixed", "num_speculative_tokens": 3}, cpu_fast_path=False)
+    with configured(drafting, {MODEL: str(offline_folder("smollm2"))}):
+        loader = DraftingModelLoader(device="cpu", dtype="float32")
+    model, processor = pickle.loads(pickle.dumps(loader)).load_model_and_processor(canonical_model_id(MODEL))
+    drafter = hf_domino.attached_drafter(model)
+    assert drafter is not None
+    finished, streamed = {}, []
+
+    def send_results(ids, tokens, ended):
+        streamed.extend(tokens)
+        finished.update(ended)
+
+    runner = GenerateRunner(model, processor, send_results)
+    inputs = processor.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    settings = {"do_sample": False, "max_new_tokens": 24}
+    for request_id, stream in ((0, False), (1, True)):
+        drafter.last_generation_stats = None
+        runner.generate(request_id, dict(inputs), dict(settings), stream=stream)
+        deadline = time.time() + 300
+        while request_id not in finished and time.time() < deadline:
+            time.sleep(0.1)
+        assert not isinstance(finished[request_id], Exception), finished[request_id]
+        drafted = drafter.last_generation_stats.drafted
+        assert max(drafted) == 3 and drafted.count(3) > len(drafted) // 2, (stream, drafted)
+    assert processor.decode(finished[0], skip_special_tokens=True) == smollm2_answer
+    assert processor.decode(streamed, skip_special_tokens=True) == smollm2_answer
+
+
+@needs_serving
 def test_the_model_process_drafts_with_the_servers_settings(smollm2_answer):
     """transformers >= 5.25: the server pickles its loader and generation state into the model's process, which loads
     the target and runs transformers' continuous-batching runner on it. Both keep the command line's settings through
@@ -502,7 +547,15 @@ REFUSED_SETTINGS = {
         ["--device", "cpu", "--drafter-option", "domino_rollout=triton+graph"],
         "domino_rollout='triton+graph' needs CUDA (CUDA graphs), and the drafter is on cpu",
     ),
+    # Until 2026-12-07 the rest were tracebacks, the last two after both models had loaded.
+    "log-level": (["--log-level", "loud"], "invalid choice: 'loud'"),
+    "device-unknown": (["--device", "nonsense"], "device 'nonsense' is no device torch names"),
+    "target-a-file": ([__file__], "is a file, not a model folder"),
+    "target-without-config": ([str(Path(__file__).parent)], "holds no config.json"),
+    "host-unknown": (["--host", "no.such.host.invalid"], "cannot listen on no.such.host.invalid:8000"),
 }
+if not torch.cuda.is_available():
+    REFUSED_SETTINGS["device-cuda-missing"] = (["--device", "cuda"], "this torch sees no CUDA GPU")
 # Each setting through the command's entry point in one process (one import of torch and transformers for all): exit
 # status, stdout and stderr per setting. A setting not refused would start serving and time the process out, so the
 # process first names each setting it starts on the real stderr.
@@ -525,7 +578,7 @@ print(json.dumps(results))
 
 def test_hf_domino_serve_refuses_bad_settings_before_loading():
     def assert_refused(name: str, status: int, stdout: str, stderr: str) -> None:
-        says = REFUSED_SETTINGS[name][1]
+        says = settings[name][1]
         assert status == 2 and says in stderr, (name, stderr)
         assert "Traceback" not in stderr and not stdout, (name, stderr)  # refused in a line, nothing loaded or printed
 
@@ -538,12 +591,16 @@ def test_hf_domino_serve_refuses_bad_settings_before_loading():
             pytest.fail(f"not refused within 120 s: {names[started[-1] if started else 0]}")
 
     # The first as a user runs it; the others through the same entry point, in one process.
-    first, *others = REFUSED_SETTINGS
-    done = run([sys.executable, "-m", "hf_domino", "serve", *REFUSED_SETTINGS[first][0]], [first])
+    held = socket.create_server(("localhost", 0))  # a port another server holds
+    port = held.getsockname()[1]
+    settings = {**REFUSED_SETTINGS, "port-in-use": (["--port", str(port)], f"cannot listen on localhost:{port}")}
+    first, *others = settings
+    done = run([sys.executable, "-m", "hf_domino", "serve", *settings[first][0]], [first])
     assert_refused(first, done.returncode, done.stdout, done.stderr)
-    arguments = json.dumps([REFUSED_SETTINGS[name][0] for name in others])
+    arguments = json.dumps([settings[name][0] for name in others])
     done = run([sys.executable, "-c", REFUSALS_IN_ONE_PROCESS, arguments], others)
     assert done.returncode == 0, done.stderr[-3000:]
+    held.close()
     results = json.loads(done.stdout)
     assert len(results) == len(others)
     for name, (status, stdout, stderr) in zip(others, results):

@@ -182,10 +182,11 @@ def check_model_reference(target: str) -> None:
     id is malformed."""
     path = Path(target).expanduser()
     looks_like_a_path = path.is_absolute() or target.startswith((".", "~")) or target.count("/") > 1
-    if looks_like_a_path and not path.exists():
+    if (looks_like_a_path and not path.exists()) or (path.is_file() and target not in OFFLINE_TARGETS):
+        what = f"{target} is a file, not a model folder" if path.is_file() else f"No model folder at {target}"
         raise FileNotFoundError(
-            f"No model folder at {target}: give an existing folder, a Hugging Face model id (org/name) or an offline "
-            f"name ({', '.join(OFFLINE_TARGETS)})."
+            f"{what}: give an existing folder, a Hugging Face model id (org/name) or an offline name "
+            f"({', '.join(OFFLINE_TARGETS)})."
         )
 
 

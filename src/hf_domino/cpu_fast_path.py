@@ -35,7 +35,9 @@ the eager target alone, fp32 products agree to rounding (a different summation o
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -453,6 +455,22 @@ def prepare_for_cpu_decoding(
     return report
 
 
+@contextlib.contextmanager
+def as_by_default(model: nn.Module) -> Iterator[None]:
+    """Inside this block, `model` runs as it would unprepared, to time it as it runs by default: linear layers
+    multiply eagerly (`eager_linears`, every model's), and its attention reads grouped key/value heads through `sdpa`'s
+    copies again where preparing switched it."""
+    switched = getattr(getattr(model, "config", None), "_attn_implementation", None) == GROUPED_KV_ATTENTION
+    with eager_linears():
+        if switched:
+            model.set_attn_implementation("sdpa")
+        try:
+            yield
+        finally:
+            if switched:
+                model.set_attn_implementation(GROUPED_KV_ATTENTION)
+
+
 def is_prepared_for_cpu_decoding(model: nn.Module) -> bool:
     """Whether any linear layer of `model` runs prepacked (see `prepare_for_cpu_decoding`)."""
     return any(isinstance(module, PrepackedLinear) for module in model.modules())
@@ -462,6 +480,7 @@ __all__ = [
     "GROUPED_KV_ATTENTION",
     "CpuFastPathReport",
     "PrepackedLinear",
+    "as_by_default",
     "compiling_on_any_device",
     "eager_linears",
     "is_prepared_for_cpu_decoding",

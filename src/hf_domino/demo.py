@@ -4,7 +4,8 @@ After the streamed answer it prints the acceptance length and the speedup over t
 prompt in the same process (after a short warm-up of both). On a CPU both models first get the CPU fast path
 (`hf_domino.prepare_for_cpu_decoding`; `--no-cpu-fast-path` turns it off). `--compile` generates on a static cache
 with the target's forward compiled, on a CPU too (docs/usage.md, "A static cache"). With either, the target alone is
-also timed as it runs by default (eager linear layers, the dynamic cache, nothing compiled).
+also timed as it runs by default (eager linear layers, `sdpa`'s own attention, the dynamic cache, nothing compiled).
+Exit status: 0, or 1 where the answer with the drafter is not the target alone's, or 2 for bad input.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ import torch
 from . import measure
 from .assets import SHIPPED_DRAFTER, encode_chat, load_drafter, load_smollm2
 from .cli import positive_int
-from .cpu_fast_path import is_prepared_for_cpu_decoding, prepare_for_cpu_decoding
+from .cpu_fast_path import as_by_default, is_prepared_for_cpu_decoding, prepare_for_cpu_decoding
 from .options_domino import check_drafter_for_target, static_caches_roll_back
-from .prepacked_linear import eager_linears
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -120,7 +120,7 @@ def run_demo(
     reference, target_seconds = generate(max_new_tokens)
     default_seconds = None
     if compile or is_prepared_for_cpu_decoding(target):
-        with eager_linears():
+        with as_by_default(target):
             generate(warmup_tokens, default_kwargs)
             default_seconds = generate(max_new_tokens, default_kwargs)[1]
     return DemoResult(
@@ -160,12 +160,11 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     logging.disable_progress_bar()  # weight-loading bars would clutter the chat
-    try:
-        drafter = load_drafter(args.drafter)  # first: a missing checkpoint fails before the 15 s target load
-    except FileNotFoundError as error:
-        raise SystemExit(f"hf-domino demo: {error}") from None
+    # Bad input exits with status 2 (1 says the answer differed from the target alone's): a missing checkpoint
+    # through the CLI's own FileNotFoundError line, before the 15 s target load.
+    drafter = load_drafter(args.drafter)
     if args.compile and not static_caches_roll_back():
-        raise SystemExit(
+        return _refuse(
             f"hf-domino demo --compile: a drafter verifies on a static cache from transformers 5.24 (this is "
             f"{transformers.__version__}); upgrade transformers or drop --compile."
         )
@@ -174,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_drafter_for_target(drafter, target)
     except ValueError as error:
-        raise SystemExit(f"hf-domino demo: --drafter {args.drafter}: {error}") from None
+        return _refuse(f"hf-domino demo: --drafter {args.drafter}: {error}")
     if not args.no_cpu_fast_path and target.device.type == "cpu":
         print(f"CPU fast path (--no-cpu-fast-path to turn it off): {prepare_for_cpu_decoding(target, drafter)}")
     if args.compile:
@@ -205,3 +204,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _refuse(message: str) -> int:
+    print(message, file=sys.stderr)
+    return 2

@@ -3,9 +3,9 @@
 Methods (`parse_method`):
 
 - `target`: the target's own `generate()` (greedy or sampling), the baseline every speedup is measured against;
-- `target_eager`: the same with every linear layer multiplying eagerly (`hf_domino.prepacked_linear.eager_linears`),
-  always on the default dynamic cache: the target alone as it runs without the CPU fast path, and without the
-  compiled forward of a static cache, when the run has them;
+- `target_eager`: the same as it runs unprepared (`cpu_fast_path.as_by_default`: every linear layer multiplying
+  eagerly, `sdpa`'s own attention), always on the default dynamic cache: the target alone as it runs without the CPU
+  fast path, and without the compiled forward of a static cache, when the run has them;
 - `target_no_cudnn`: the target alone with the attention kernels a drafting call runs with
   (`attention_kernels_domino.drafting_attention_kernels`: cuDNN's left out on CUDA in float16/bfloat16; elsewhere the same
   as `target`; the bench adds it beside `target` where it differs), so that a drafter's speedup can be read apart
@@ -52,10 +52,9 @@ from .assets import eos_token_ids, pad_token_id
 from .attention_kernels_domino import drafting_attention_kernels
 from .cache_domino import cache_argument
 from .cost_model_domino import VerifyCost, cached_verify_cost, swap_verify_cost, synchronize
-from .cpu_fast_path import compiling_on_any_device
+from .cpu_fast_path import as_by_default, compiling_on_any_device
 from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
 from .modeling_domino import DominoForSpeculation, TargetModules, context_features, hidden_state_indices
-from .prepacked_linear import eager_linears
 from .recurrent_cache_domino import RecurrentRollback, record_past, rolls_back
 from .transformers_dflash import to_transformers_dflash
 
@@ -250,7 +249,7 @@ def method_context(method: str, target: PreTrainedModel) -> contextlib.AbstractC
     attention kernels for `target_no_cudnn` and for the hand-written `manual` loop (generate() with a drafter picks
     them itself); nothing for the rest (the batch bench's methods too)."""
     if method == "target_eager":
-        return eager_linears()
+        return as_by_default(target)
     if method in ("target_no_cudnn", "manual"):
         return drafting_attention_kernels(target.device, target.dtype)
     return contextlib.nullcontext()
@@ -556,7 +555,7 @@ def run_benchmark(
     block_lengths = sorted({1, 2, 3, 4, 5, 8, *(n + 1 for n in drafts)})
     result.forward_ms = measure_forward_ms(target, prompts[0], block_lengths, drafter)
     if "target_eager" in methods:
-        with eager_linears():
+        with as_by_default(target):
             result.eager_forward_ms = measure_forward_ms(target, prompts[0], block_lengths, drafter)
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen", disable=not progress) as bar:
         for index, input_ids in enumerate(prompts):

@@ -16,10 +16,12 @@ import argparse
 import contextlib
 import dataclasses
 import enum
+import socket
 import sys
 import threading
 import typing
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .assets import (
@@ -99,7 +101,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="on a CPU, leave both models as loaded (default: `prepare_for_cpu_decoding`)",
     )
-    parser.add_argument("--log-level", default="warning", help="transformers' log level: warning, info, ...")
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="transformers' log level",
+    )
 
 
 class NotServable(ValueError):
@@ -189,6 +196,7 @@ def check_serving(
     there is no drafter for, and a batch size without continuous batching."""
     from .configuration_domino import DominoConfig
 
+    _check_device(device)
     if max_requests_per_batch is not None and not continuous_batching:
         raise NotServable(
             "max_requests_per_batch (--max-requests-per-batch) sizes a continuously batched server: add "
@@ -209,6 +217,36 @@ def check_serving(
             )
         except (TypeError, ValueError) as error:
             raise NotServable(str(error)) from error
+
+
+def _check_device(device: str) -> None:
+    """`device` as transformers serve takes it: `auto`, or a device torch names and this machine has."""
+    import torch
+
+    if device == "auto":
+        return
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as error:
+        raise NotServable(
+            f"device {device!r} is no device torch names ({error}): auto, cpu, cuda, cuda:0, ..."
+        ) from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise NotServable(f"device {device!r}: this torch sees no CUDA GPU; serve on auto or cpu.")
+
+
+def check_address(host: str, port: int) -> None:
+    """Raises `NotServable` where the server could not listen on `host:port` (a port in use, a host that is not
+    this machine's), before the models load: the server would find out after loading them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn, transformers serve's server, binds
+    try:
+        with socket.create_server((host, port), family=family):
+            pass
+    except OSError as error:
+        raise NotServable(
+            f"cannot listen on {host}:{port} ({error.strerror or error}): another server may hold the port, or the "
+            "host is not an address of this machine; choose another --port or --host."
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,6 +407,9 @@ def serve(
         )
     check_serving(drafter, drafter_options, attach, continuous_batching, max_requests_per_batch, device)
     check_model_reference(model)  # a path to nothing, named before the server starts
+    if Path(model).expanduser().is_dir() and not (Path(model).expanduser() / "config.json").is_file():
+        raise NotServable(f"{model} holds no config.json: give the folder of a transformers model, or its Hub id.")
+    check_address(serve_options.get("host", "localhost"), serve_options.get("port", 8000))
     import transformers
     from transformers.cli import serve as transformers_serve
     from transformers.cli.serving import model_manager, utils
