@@ -1033,3 +1033,56 @@ def test_a_tree_rolls_its_branches_on_while_one_of_them_can_still_pay():
     # Rows come as each sequence's branches, one after the other: the second branch still holds.
     assert policy.keep_rolling(torch.tensor([[0.5, 0.05], [0.45, 0.95]]))
     assert not policy.keep_rolling(torch.tensor([[0.5, 0.02], [0.45, 0.02]]))
+
+
+def test_a_cost_table_measured_while_the_machine_was_busy_is_measured_again():
+    # Measured under load, every verification looked dear: only plain steps ran, only they were observed, and the
+    # process never drafted again (seen once on a server started beside other work).
+    table = VerifyCost({1: 0.010, 2: 0.050, 17: 0.200})
+    for _ in range(10):
+        table.observe(1, 0.002)
+        assert table.measured == {1: 0.010, 2: 0.050, 17: 0.200}
+    assert table.measured_while_busy() and not VerifyCost({1: 0.010, 2: 0.012}).measured_while_busy()
+
+    target, measured = tiny_target("qwen3"), []
+
+    def measure() -> VerifyCost:
+        measured.append(1)
+        return VerifyCost({1: 0.010, 2: 0.050})
+
+    cost_model_domino.swap_verify_cost(target, table)
+    fresh = cost_model_domino.verify_cost_for(target, measure)
+    assert measured == [1] and fresh is not table and fresh.remeasures == 1
+    assert cost_model_domino.verify_cost_for(target, measure) is fresh and measured == [1]  # not busy: kept
+    for remeasures in (1, 2):  # a machine always that busy: measured again at most MAX_REMEASURES times
+        for _ in range(10):
+            fresh.observe(1, 0.001)
+        fresh = cost_model_domino.verify_cost_for(target, measure)
+        assert fresh.remeasures == min(remeasures + 1, cost_model_domino.MAX_REMEASURES)
+    assert len(measured) == cost_model_domino.MAX_REMEASURES
+
+
+def test_a_process_whose_first_measurement_priced_drafting_out_drafts_at_its_next_call():
+    target = successor_target()
+    drafter = forcing_drafter(target, [(t + 1) % VOCAB for t in range(VOCAB)])
+    prompt, greedy = torch.tensor([[3, 4, 5]]), dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+    expected = target.generate(prompt, **greedy)
+    one = measure_one_step(target)
+    # As measured while other work held the machine: one token 20x its cost, verifying drafts 400x.
+    busy = {1: 20 * one, **{n: 400 * one for n in (2, 3, 5, 9, 17)}}
+    cost_model_domino.swap_verify_cost(target, VerifyCost(busy))
+    first = target.generate(prompt, assistant_model=drafter, **greedy)
+    assert torch.equal(first, expected) and max(drafter.last_generation_stats.drafted) == 0
+    # Longer: the first call's failed probes leave a pause of up to 16 plain steps to sit out first.
+    longer = greedy | {"max_new_tokens": 64}
+    second = target.generate(prompt, assistant_model=drafter, **longer)
+    assert torch.equal(second, target.generate(prompt, **longer)) and own_drafts(drafter.last_generation_stats) > 0
+
+
+def measure_one_step(target) -> float:
+    cache = DynamicCache(config=target.config)
+    context = torch.tensor([[1, 2, 3, 4]])
+    target(input_ids=context, use_cache=True, **cache_argument(cache))
+    return min(
+        cost_model_domino.measure_verify_cost(target, cache, context[:, -1:], {}, lengths=(1,)).seconds.values()
+    )

@@ -35,6 +35,12 @@ if TYPE_CHECKING:
 TIME_RATE = 0.2
 # Forward lengths measured at first use; others are interpolated.
 CALIBRATION_LENGTHS = (1, 2, 3, 5, 9, 17)
+# A table whose times, as the loops observe them, fell below this share of what was measured was measured while
+# other work held the machine: the lengths no loop tries again (priced as dearly, verifying drafts looks dear, so
+# only plain steps run and only they are observed) would keep their dear prices for good, and the process would never
+# draft again. `verify_cost_for` measures such a table again at the next call, at most MAX_REMEASURES times.
+BUSY_MEASUREMENT = 0.5
+MAX_REMEASURES = 2
 
 
 # ------------------------------------------------------------------------------------------------------- cost model
@@ -49,6 +55,8 @@ class VerifyCost:
                 f"{seconds_by_length!r}."
             )
         self.seconds = dict(sorted(seconds_by_length.items()))
+        self.measured = dict(self.seconds)  # as measured, before any observation
+        self.remeasures = 0
 
     def __call__(self, num_tokens: int) -> float:
         if num_tokens in self.seconds:
@@ -74,6 +82,11 @@ class VerifyCost:
     def update(self, other: VerifyCost) -> None:
         """Adds the lengths `other` measured (a larger batch's `rows x (1 + k)` shapes) to this table."""
         self.seconds = dict(sorted({**self.seconds, **other.seconds}.items()))
+        self.measured.update(other.measured)
+
+    def measured_while_busy(self) -> bool:
+        """Whether the loops have since observed some length at under `BUSY_MEASUREMENT` of its measured time."""
+        return any(self.seconds[length] < BUSY_MEASUREMENT * seconds for length, seconds in self.measured.items())
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Moves the estimate for `num_tokens` towards a measured cycle (target forward plus the loop's work).
@@ -182,8 +195,14 @@ def measure_verify_cost_on_scratch(
 
 
 def verify_cost_for(target: PreTrainedModel, measure) -> VerifyCost:
-    """The process-wide cost table of `target` on its device and dtype, measured with `measure()` on first use."""
+    """The process-wide cost table of `target` on its device and dtype, measured with `measure()` on first use, and
+    again where the loops found it measured while the machine was busy (`VerifyCost.measured_while_busy`)."""
     costs, key = _VERIFY_COSTS.setdefault(target, {}), (str(target.device), str(target.dtype))
+    busy = costs.get(key)
+    if busy is not None and busy.remeasures < MAX_REMEASURES and busy.measured_while_busy():
+        logger.info("The verify-cost table was measured while the machine was busy: measuring it again.")
+        costs[key] = measure()
+        costs[key].remeasures = busy.remeasures + 1
     if key not in costs:
         costs[key] = measure()
         hint = cpu_fast_path_hint(target, costs[key])
