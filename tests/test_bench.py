@@ -673,6 +673,9 @@ def test_missing_drafter_is_a_clear_error(tmp_path, capsys):
         assets.load_drafter(tmp_path / "missing")
     assert cli.main(["demo", "--drafter", str(tmp_path / "missing")]) == 2
     assert "hf-domino demo: No drafter checkpoint" in capsys.readouterr().err
+    make_target().save_pretrained(tmp_path / "a_target")  # a folder that holds a model, not a drafter
+    assert cli.main(["demo", "--drafter", str(tmp_path / "a_target")]) == 2
+    assert "load the drafter's folder, not its target's" in capsys.readouterr().err
 
 
 def test_cli_bench_batch_sizes(target, drafter, tokenizer, tmp_path, capsys):

@@ -555,7 +555,7 @@ REFUSED_SETTINGS = {
     "host-unknown": (["--host", "no.such.host.invalid"], "cannot listen on no.such.host.invalid:8000"),
 }
 if not torch.cuda.is_available():
-    REFUSED_SETTINGS["device-cuda-missing"] = (["--device", "cuda"], "this torch sees no CUDA GPU")
+    REFUSED_SETTINGS["device-cuda-missing"] = (["--device", "0"], "device '0': this torch sees 0 CUDA GPUs")
 # Each setting through the command's entry point in one process (one import of torch and transformers for all): exit
 # status, stdout and stderr per setting. A setting not refused would start serving and time the process out, so the
 # process first names each setting it starts on the real stderr.
@@ -574,6 +574,19 @@ for args in json.loads(sys.argv[1]):
     results.append([status, out.getvalue(), err.getvalue()])
 print(json.dumps(results))
 """
+
+
+def test_hf_domino_serve_takes_what_transformers_serve_takes():
+    # Refusing bad settings early must not refuse good ones: levels in any case, a GPU's index, placement strategies.
+    from hf_domino.cli import command_parser
+    from hf_domino.serve import _check_device, check_address
+
+    parser = command_parser("serve")
+    assert [parser.parse_args(["--log-level", level]).log_level for level in ("INFO", "detail")] == ["info", "detail"]
+    for device in ("auto", "balanced", "sequential", "cpu"):
+        _check_device(device)
+    for host in ("localhost", "0.0.0.0", "127.0.0.1"):
+        check_address(host, free_port())
 
 
 def test_hf_domino_serve_refuses_bad_settings_before_loading():

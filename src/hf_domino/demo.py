@@ -162,7 +162,10 @@ def run(args: argparse.Namespace) -> int:
     logging.disable_progress_bar()  # weight-loading bars would clutter the chat
     # Bad input exits with status 2 (1 says the answer differed from the target alone's): a missing checkpoint
     # through the CLI's own FileNotFoundError line, before the 15 s target load.
-    drafter = load_drafter(args.drafter)
+    try:
+        drafter = load_drafter(args.drafter)
+    except ValueError as error:  # a folder that holds no drafter (a target's, say)
+        return _refuse(f"hf-domino demo: --drafter {args.drafter}: {error}")
     if args.compile and not static_caches_roll_back():
         return _refuse(
             f"hf-domino demo --compile: a drafter verifies on a static cache from transformers 5.24 (this is "

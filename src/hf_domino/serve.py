@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from transformers.utils import logging as transformers_logging
+
 from .assets import (
     OFFLINE_TARGETS,
     SHIPPED_DRAFTER,
@@ -104,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level",
         default="warning",
-        choices=["debug", "info", "warning", "error", "critical"],
+        type=str.lower,  # transformers serve reads any case, and its own `detail` level
+        choices=list(transformers_logging.log_levels),
         help="transformers' log level",
     )
 
@@ -219,29 +222,41 @@ def check_serving(
             raise NotServable(str(error)) from error
 
 
+# What transformers serve passes on as a `device_map` besides a device: accelerate's placement strategies.
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
 def _check_device(device: str) -> None:
-    """`device` as transformers serve takes it: `auto`, or a device torch names and this machine has."""
+    """`device` as transformers serve takes it: a placement strategy, a GPU's index, or a device torch names, which
+    this machine has."""
     import torch
 
-    if device == "auto":
+    if device in DEVICE_MAP_STRATEGIES:
         return
     try:
-        kind = torch.device(device).type
+        named = torch.device(f"cuda:{device}" if device.isdigit() else device)  # a GPU's index
     except RuntimeError as error:
         raise NotServable(
-            f"device {device!r} is no device torch names ({error}): auto, cpu, cuda, cuda:0, ..."
+            f"device {device!r} is no device torch names ({error}): auto, cpu, cuda, cuda:0, 0, ..."
         ) from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise NotServable(f"device {device!r}: this torch sees no CUDA GPU; serve on auto or cpu.")
+    if named.type == "cuda" and not torch.cuda.device_count() > (named.index or 0):
+        raise NotServable(
+            f"device {device!r}: this torch sees {torch.cuda.device_count()} CUDA GPUs; serve on auto or cpu."
+        )
 
 
 def check_address(host: str, port: int) -> None:
     """Raises `NotServable` where the server could not listen on `host:port` (a port in use, a host that is not
     this machine's), before the models load: the server would find out after loading them."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn, transformers serve's server, binds
-    try:
-        with socket.create_server((host, port), family=family):
-            pass
+    try:  # every address the host resolves to, as asyncio's server under uvicorn binds them
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, protocol, _, address in addresses:
+            with socket.socket(family, kind, protocol) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                probe.bind(address)
+                probe.listen()
     except OSError as error:
         raise NotServable(
             f"cannot listen on {host}:{port} ({error.strerror or error}): another server may hold the port, or the "

@@ -38,9 +38,10 @@ CALIBRATION_LENGTHS = (1, 2, 3, 5, 9, 17)
 # A table whose times, as the loops observe them, fell below this share of what was measured was measured while
 # other work held the machine: the lengths no loop tries again (priced as dearly, verifying drafts looks dear, so
 # only plain steps run and only they are observed) would keep their dear prices for good, and the process would never
-# draft again. `verify_cost_for` measures such a table again at the next call, at most MAX_REMEASURES times.
+# draft again. `verify_cost_for` measures such a table again at the next call, at most MAX_REMEASURES times (a
+# shape at a time: one sequence's lengths, a batch size's).
 BUSY_MEASUREMENT = 0.5
-MAX_REMEASURES = 2
+MAX_REMEASURES = 4
 
 
 # ------------------------------------------------------------------------------------------------------- cost model
@@ -201,8 +202,13 @@ def verify_cost_for(target: PreTrainedModel, measure) -> VerifyCost:
     busy = costs.get(key)
     if busy is not None and busy.remeasures < MAX_REMEASURES and busy.measured_while_busy():
         logger.info("The verify-cost table was measured while the machine was busy: measuring it again.")
-        costs[key] = measure()
-        costs[key].remeasures = busy.remeasures + 1
+        fresh = measure()  # the call's shape (one sequence's lengths, or a batch's rows x lengths)
+        # The other shapes keep what they hold, and what they were measured at: where it was busy too, a later call
+        # of theirs measures them again.
+        fresh.seconds = dict(sorted({**busy.seconds, **fresh.seconds}.items()))
+        fresh.measured = {**busy.measured, **fresh.measured}
+        fresh.remeasures = busy.remeasures + 1
+        costs[key] = fresh
     if key not in costs:
         costs[key] = measure()
         hint = cpu_fast_path_hint(target, costs[key])
