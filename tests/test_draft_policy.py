@@ -588,6 +588,25 @@ def test_cached_vocabulary_rows_follow_the_weight():
     assert torch.equal(vocab_rows(weight, vocab), weight[vocab])
 
 
+def test_cached_vocabulary_rows_are_freed_with_their_model():
+    # The cache held each gathered copy until it had 8 entries: a server reloading models never got them back.
+    import gc
+
+    from hf_domino import target_modules_domino
+
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    drafter.set_draft_vocab(torch.arange(0, target.config.vocab_size, 2))
+    prompt = torch.tensor([[5, 6, 7]])
+    greedy(target, prompt, max_new_tokens=6, assistant_model=drafter, draft_policy="fixed")
+    weight = target.get_output_embeddings().weight
+    held = [entry for entry in target_modules_domino._VOCAB_ROWS.values() if entry[1]() is weight]
+    assert held, "the call gathered its draft vocabulary's rows"
+    del target, drafter, weight, held
+    gc.collect()
+    assert all(entry[1]() is not None for entry in target_modules_domino._VOCAB_ROWS.values())
+
+
 def test_draft_vocabulary_round_trips_and_is_validated(tmp_path):
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)

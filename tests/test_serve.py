@@ -64,10 +64,35 @@ def test_an_attached_drafter_drafts_every_call_that_names_no_assistant(attached)
     assert results["req_0"].generated_tokens == alone[0, 3:].tolist() and drafted(drafter)
     paged = target.generate(PROMPT, config, cache_implementation="paged")  # generate() hands it to generate_batch
     assert paged[0, 0].tolist() == alone[0].tolist() and drafted(drafter)
+    # ... with its model inputs, an attention mask too (tokenizer output), which was refused as no setting.
+    paged = target.generate(input_ids=PROMPT, attention_mask=torch.ones_like(PROMPT), generation_config=config,
+                            cache_implementation="paged")  # fmt: skip
+    assert paged[0, 0].tolist() == alone[0].tolist() and drafted(drafter)
     manager = target.init_continuous_batching(generation_config=config)
     assert isinstance(manager, DraftedBatchingManager) and manager.background_thread_status.fatal_error is None
     # Not a submodule of the target: its parameters, state dict and devices are the target's alone.
     assert all(module is not drafter for module in target.modules())
+
+
+def test_a_call_nested_in_an_attached_call_keeps_its_own_errors(attached):
+    # A stopping criterion of an attached call whose own generate() call was refused: the refusal was taken for the
+    # attached call's, escaped the criterion's `except ValueError`, and the outer call ran again with the target alone.
+    target, drafter, alone = attached
+    other = successor_target("qwen3", VOCAB)
+    caught, calls = [], []
+
+    def criterion(input_ids, scores, **kwargs):
+        calls.append(1)
+        try:
+            other.generate(PROMPT, assistant_model=drafter, guidance_scale=2.0, max_new_tokens=2)
+        except ValueError as error:
+            caught.append(error)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    drafter.last_generation_stats = None
+    output = target.generate(PROMPT, do_sample=False, max_new_tokens=20, stopping_criteria=[criterion])
+    assert torch.equal(output, alone) and drafted(drafter)
+    assert caught and len(caught) == len(calls)  # each criterion call caught its own refusal; none ran twice
 
 
 def test_a_pipeline_over_an_attached_target_drafts(attached):

@@ -43,7 +43,7 @@ def drafter_code(model: Any) -> str | None:
 ATTACHED = "_domino_attached"  # the target's attribute, set past nn.Module's registries (not a submodule)
 # Whether the running generate() call drafts because a drafter is attached (not asked for): a refusal of the drafter
 # before any work then hands the call to the target alone (`DrafterDeclined`).
-ATTACHED_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("domino_attached_call", default=False)
+ATTACHED_CALL: contextvars.ContextVar[object | None] = contextvars.ContextVar("domino_attached_call", default=None)
 # Settings under which generate() runs a decoding mode of its own or another assistant: no drafter is attached there.
 OTHER_MODES = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "dola_layers", "constraints")
 

@@ -458,8 +458,9 @@ def prepare_for_cpu_decoding(
 @contextlib.contextmanager
 def as_by_default(model: nn.Module) -> Iterator[None]:
     """Inside this block, `model` runs as it would unprepared, to time it as it runs by default: linear layers
-    multiply eagerly (`eager_linears`, every model's), and its attention reads grouped key/value heads through `sdpa`'s
-    copies again where preparing switched it."""
+    multiply eagerly (`eager_linears`, every model's, in this thread), and its attention reads grouped key/value heads
+    through `sdpa`'s copies again where preparing switched it (the model's setting: for every thread, so time it
+    where nothing else runs it)."""
     switched = getattr(getattr(model, "config", None), "_attn_implementation", None) == GROUPED_KV_ATTENTION
     with eager_linears():
         if switched:

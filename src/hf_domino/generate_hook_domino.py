@@ -235,7 +235,9 @@ def _wrap_validate_generation_mode(original):
                 with recurrent_state_check_waived(self):
                     return unwrapped(*bound.args, **bound.kwargs)
             except ValueError as error:
-                if ATTACHED_CALL.get():  # the call did not ask for the drafter: the target alone serves it
+                # The attached call on this target did not ask for the drafter: the target alone serves it. (A call
+                # nested in it, by a stopping criterion or a streamer, did ask for what it names.)
+                if ATTACHED_CALL.get() is self:
                     raise DrafterDeclined(str(error)) from error
                 raise
         elif assistant is not None and not is_domino_drafter(assistant):  # another copy's drafter: its layer's
@@ -428,6 +430,11 @@ def _wrap_generate_batch(original):
         call_kwargs = dict(arguments.pop("kwargs", {}))
         for name in ("self", "persistent_manager", "warmup"):  # no manager to keep or warm up
             arguments.pop(name, None)
+        if kwargs.get("cache_implementation") == "paged":
+            # generate() hands a paged call over with its model inputs too, which transformers' own generate_batch
+            # ignores (the prompts are `inputs`, padding included): so does a drafted one.
+            for name in ("input_ids", "attention_mask"):
+                call_kwargs.pop(name, None)
         return generate_requests(self, drafter, **arguments, **call_kwargs)
 
     return generate_batch
@@ -515,7 +522,7 @@ def _wrap_generate(original):
         bound.arguments["kwargs"] = {**attached.options, **bound.arguments.get("kwargs", {})}
         if bound.arguments.get("streamer") is not None:
             bound.arguments["streamer"] = PlainLoopStreamer(bound.arguments["streamer"])
-        token = ATTACHED_CALL.set(True)
+        token = ATTACHED_CALL.set(self)
         try:
             return unwrapped(*bound.args, **bound.kwargs)
         except DrafterDeclined as declined:

@@ -9,6 +9,7 @@ forwards: they are read where accelerate keeps them (`offloaded_weights`) and ru
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -91,8 +92,15 @@ def vocab_rows(weight: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
     if entry is None or entry[1]() is not weight:
         if len(_VOCAB_ROWS) >= 8:
             _VOCAB_ROWS.clear()
-        entry = _VOCAB_ROWS[key] = (vocab, weakref.ref(weight), weight.detach()[vocab.to(weight.device)].contiguous())
+        reference = weakref.ref(weight, functools.partial(_forget_vocab_rows, key))  # rows freed with their model
+        entry = _VOCAB_ROWS[key] = (vocab, reference, weight.detach()[vocab.to(weight.device)].contiguous())
     return entry[2]
+
+
+def _forget_vocab_rows(key: tuple, reference: weakref.ref) -> None:
+    entry = _VOCAB_ROWS.get(key)
+    if entry is not None and entry[1] is reference:  # not a later entry at the freed weight's address
+        del _VOCAB_ROWS[key]
 
 
 def _version(tensor: torch.Tensor) -> int:
