@@ -374,6 +374,7 @@ def test_load_prompt_file_reads_the_three_formats(tmp_path):
         {"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]},
         {"conversations": [{"from": "gpt", "value": "cut"}, {"from": "human", "value": "share"}]},
         {"conversations": [{"from": "gpt", "value": "no user turn"}]},
+        {"prompt": "  "},  # no user turn either (was an empty one)
     ]
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
@@ -477,6 +478,54 @@ def test_a_dense_cache_is_written_whole_or_not_at_all(tmp_path):
         "dense",
         "file",
     ]
+
+
+class TokenizerThatFails:
+    def save_pretrained(self, folder):
+        raise OSError("disk full")
+
+
+def test_a_dense_cache_write_cut_short_leaves_no_folder_to_read(tmp_path, monkeypatch):
+    # The model written, the tokenizer failing: a write straight into the folder left one that later loads read.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_domino.dense_gguf import _write_dense_cache, dense_gguf_folder
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
+    with pytest.warns(UserWarning, match="Could not keep the de-quantized model"):
+        _write_dense_cache(model, TokenizerThatFails(), tmp_path / "dense" / "model")
+    assert list((tmp_path / "dense").iterdir()) == []
+    # A server reads the model from that folder: where it could not be written, it says so (it returned the path).
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(dense_gguf, "load_dense_gguf", lambda *args, **kwargs: None)  # converted, not kept
+    monkeypatch.setenv("HF_DOMINO_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(FileNotFoundError, match="could be written at .*set HF_DOMINO_CACHE to a writable folder"):
+        dense_gguf_folder(gguf)
+
+
+def test_a_dense_cache_is_named_after_the_gguf_file_and_the_transformers_that_converted_it(tmp_path, monkeypatch):
+    import transformers
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    names = {dense_gguf.dense_gguf_cache(gguf).name}
+    os.utime(gguf, ns=(0, 10**18))  # the file replaced (another release of its package)
+    names.add(dense_gguf.dense_gguf_cache(gguf).name)
+    monkeypatch.setattr(transformers, "__version__", "99.0.0")
+    names.add(dense_gguf.dense_gguf_cache(gguf).name)
+    assert len(names) == 3
+
+
+def test_partial_writes_killed_beside_a_finished_copy_are_removed(tmp_path):
+    (tmp_path / "model").mkdir()
+    for name, age in ((".model.partial-1-killed", 7200), ("model.partial-2", 7200), (".model.partial-3-live", 60)):
+        path = tmp_path / name
+        path.mkdir() if name.startswith(".") else path.write_text("")
+        os.utime(path, (time.time() - age, time.time() - age))
+    dense_gguf.remove_stale_partials(tmp_path / "model")
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".model.partial-3-live", "model"]
 
 
 @pytest.mark.slow

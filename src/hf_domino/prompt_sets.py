@@ -199,7 +199,7 @@ def record_to_prompt(record: dict[str, Any], where: str = "A record") -> Message
             f"{where} is not a JSON object: expected one with `prompt`, `messages` or `conversations`."
         )
     if isinstance(record.get("prompt"), str):
-        return [{"role": "user", "content": record["prompt"]}]
+        return [{"role": "user", "content": record["prompt"]}] if record["prompt"].strip() else None
     if isinstance(record.get("messages"), list):
         messages = record["messages"]
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
