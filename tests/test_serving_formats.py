@@ -280,6 +280,15 @@ def _set_nested(key: str, value):
     return mutate
 
 
+def _add_bias_tensors(tensors: dict) -> None:
+    # Every attention projection's bias, the last one of the wrong size.
+    for layer in range(2):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            rows = tensors[f"layers.{layer}.self_attn.{name}.weight"].shape[0]
+            tensors[f"layers.{layer}.self_attn.{name}.bias"] = torch.zeros(rows, dtype=torch.bfloat16)
+    tensors["layers.1.self_attn.o_proj.bias"] = torch.zeros(7, dtype=torch.bfloat16)
+
+
 def _add_tensor(name: str, shape: tuple[int, ...]):
     return lambda config, tensors: tensors.update({name: torch.zeros(shape, dtype=torch.bfloat16)})
 
@@ -299,6 +308,19 @@ def _add_tensor(name: str, shape: tuple[int, ...]):
         (lambda config, tensors: tensors.pop("embed_proj.2.weight"), "missing tensor embed_proj.2.weight"),
         (_add_tensor("prefix_gru.bias_ih_l0", (48,)), "prefix_gru.bias_ih_l0: SGLang's Domino head is bias-free"),
         (_add_tensor("fc.weight", (32, 96)), "fc.weight has shape \\(32, 96\\)"),
+        # Until 2026-12-07 no case checked these (an audit removed each check and the suite passed).
+        (_set_nested("mask_token_id", 10**6), "mask_token_id=1000000"),
+        (lambda config, tensors: config.update(layer_types=["full_attention"]), "layer_types has 1 entries for 2"),
+        (lambda config, tensors: config.update(hidden_act="gelu"), "hidden_act='gelu'"),
+        (lambda config, tensors: config.update(num_target_layers=None), "num_target_layers=None: SGLang checks"),
+        (
+            lambda config, tensors: tensors.update({"fc.weight": tensors["fc.weight"].to(torch.int32)}),
+            "fc.weight is stored as I32",
+        ),  # fmt: skip
+        (
+            lambda config, tensors: (config.update(attention_bias=True), _add_bias_tensors(tensors)),
+            "layers.1.self_attn.o_proj.bias has shape \\(7,\\)",
+        ),
     ],
 )
 def test_sglang_problems_name_the_field(tmp_path, mutate, field):

@@ -111,8 +111,10 @@ def test_a_transformers_dflash_folder_loads_as_the_drafter_it_came_from(layers, 
     loaded = DominoForSpeculation.from_pretrained(tmp_path / "theirs")
     assert loaded.state_dict().keys() == drafter.state_dict().keys()
     assert all(loaded.state_dict()[name].equal(tensor) for name, tensor in drafter.state_dict().items())
-    for field in ("sliding_window", "layer_types", "vocab_size", "block_size", "mask_token_id", "target_layer_ids"):
+    fields = ("sliding_window", "layer_types", "vocab_size", "block_size", "mask_token_id", "target_layer_ids")
+    for field in (*fields, "num_target_layers"):  # the last was lost (SGLang then reads the ids against 1 layer)
         assert getattr(loaded.config, field) == getattr(drafter.config, field), field
+    assert drafter.config.num_target_layers == target.config.num_hidden_layers
     assert not loaded.config.shift_label and not loaded.config.has_domino_head
     loaded.save_pretrained(tmp_path / "ours")
     with safe_open(tmp_path / "ours" / "model.safetensors", "pt") as saved:
@@ -124,6 +126,26 @@ def test_a_transformers_dflash_folder_loads_as_the_drafter_it_came_from(layers, 
         target.generate(prompt, assistant_model=drafter, **options),
     )
     assert loaded.last_generation_stats.acceptance_lengths == drafter.last_generation_stats.acceptance_lengths
+
+
+def test_a_target_with_several_eos_ids_converts(tmp_path):
+    # Llama 3.1's targets list their EOS ids; transformers' assistant config takes one, and the conversion (and
+    # `hf-domino export --layout transformers-dflash`) failed on its validation.
+    target = tiny_target("llama", eos_token_id=[1, 4])
+    drafter = tiny_drafter(target, head=False, shift_label=False, block_size=BLOCK)
+    assert drafter.config.eos_token_id == [1, 4]
+    to_transformers_dflash(drafter).save_pretrained(tmp_path)
+    loaded = DominoForSpeculation.from_pretrained(tmp_path)
+    assert all(loaded.state_dict()[name].equal(tensor) for name, tensor in drafter.state_dict().items())
+
+
+def test_an_assistant_whose_mask_id_is_outside_the_vocabulary_is_refused():
+    # transformers' assistant config defaults its mask id to 201818: converted as it was, generate() failed on an
+    # IndexError deep in the drafter's embedding.
+    native = to_transformers_dflash(tiny_drafter(tiny_target("qwen3"), head=False, shift_label=False))
+    native.config.mask_token_id = 201818
+    with pytest.raises(ValueError, match=r"mask_token_id \(201818\) is not an id of the 64-token vocabulary"):
+        from_transformers_dflash(native, vocab_size=64)
 
 
 def test_a_folder_without_its_vocabulary_size_asks_for_it(tmp_path):

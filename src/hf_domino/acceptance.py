@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .cache_domino import CACHE_ARGUMENT
+from .cost_model_domino import MEASURING_COSTS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -33,6 +34,8 @@ def record_target_forwards(target: PreTrainedModel) -> Iterator[list[int]]:
     # length became a guard, and the forward was compiled again at every call.
     @torch.compiler.disable
     def pre_hook(module, args, kwargs):
+        if MEASURING_COSTS.get():  # the adaptive policy timing forwards (on the call's cache, given back)
+            return
         cache = kwargs.get(CACHE_ARGUMENT)
         cache_lengths.append(int(cache.get_seq_length()) if cache is not None else 0)
 

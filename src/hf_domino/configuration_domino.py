@@ -119,7 +119,7 @@ def from_transformers_dflash_config(config_dict: dict[str, Any]) -> dict[str, An
     fields.update(model_type=DominoConfig.model_type, projector_type=None, shift_label=False, sliding_window=None)
     if "sliding_attention" in fields["layer_types"]:
         fields["sliding_window"] = native.sliding_window + 1
-    for key in ("vocab_size", "dtype"):
+    for key in ("vocab_size", "dtype", "num_target_layers"):  # recorded by `to_transformers_dflash` beside its fields
         if key in config_dict:
             fields[key] = config_dict[key]
     return fields

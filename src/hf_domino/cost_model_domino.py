@@ -12,10 +12,12 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -102,6 +104,10 @@ class VerifyCost:
         self.seconds = dict(sorted(self.seconds.items()))
 
 
+# Set while `measure_verify_cost` times forwards: they decode nothing, and whatever counts a call's forwards
+# (`acceptance.record_target_forwards`) leaves them out.
+MEASURING_COSTS: contextvars.ContextVar[bool] = contextvars.ContextVar("domino_measuring_costs", default=False)
+
 # Per target module (held weakly: a table must not outlive its model, nor pass to a new one at the same address),
 # then per device and dtype.
 _VERIFY_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -148,25 +154,42 @@ def measure_verify_cost(
     inputs kept, on a CPU one chunk: `RecurrentRollback.feed`) and keeps its first token, as a verification whose
     drafts were all rejected does.
     """
-    device, rows = last_token.device, last_token.shape[0]
+    rows = last_token.shape[0]
     seconds: dict[int, float] = {}
-    for length in (lengths[0], *lengths):
-        block = last_token[:, -1:].expand(rows, length)
-        samples = []
-        for _ in range(repeats):
-            if rollback is not None:
-                rollback.feed(rollback.committed + length)
-            synchronize(device)
-            start = time.perf_counter()
-            target(input_ids=block, use_cache=True, **cache_argument(cache), **forward_kwargs)
-            synchronize(device)
-            samples.append(time.perf_counter() - start)
-            if rollback is None:
-                cache.crop(-length)
-            else:
-                rollback.crop(1 - length)
-        seconds[rows * length] = min(samples)
+    with _measuring():
+        for length in (lengths[0], *lengths):
+            seconds[rows * length] = _fastest_forward(
+                target, cache, last_token[:, -1:].expand(rows, length), forward_kwargs, repeats, rollback
+            )
     return VerifyCost(seconds)
+
+
+@contextlib.contextmanager
+def _measuring() -> Iterator[None]:
+    token = MEASURING_COSTS.set(True)
+    try:
+        yield
+    finally:
+        MEASURING_COSTS.reset(token)
+
+
+def _fastest_forward(target, cache, block, forward_kwargs, repeats, rollback) -> float:
+    """The fastest of `repeats` timed forwards over `block` on top of `cache`, each given back."""
+    device, length = block.device, block.shape[1]
+    samples = []
+    for _ in range(repeats):
+        if rollback is not None:
+            rollback.feed(rollback.committed + length)
+        synchronize(device)
+        start = time.perf_counter()
+        target(input_ids=block, use_cache=True, **cache_argument(cache), **forward_kwargs)
+        synchronize(device)
+        samples.append(time.perf_counter() - start)
+        if rollback is None:
+            cache.crop(-length)
+        else:
+            rollback.crop(1 - length)
+    return min(samples)
 
 
 # Tokens of context under a table measured on a scratch cache (ids do not change a cost).
@@ -185,7 +208,8 @@ def measure_verify_cost_on_scratch(
     context = torch.zeros(rows, CALIBRATION_CONTEXT, dtype=torch.long, device=target_execution_device(target))
     cache = DynamicCache(config=target.config)
     record_past(cache)  # sliding-window layers must give the measured blocks back
-    target(input_ids=context, use_cache=True, **cache_argument(cache))
+    with _measuring():
+        target(input_ids=context, use_cache=True, **cache_argument(cache))
     if not rolls_back(cache, target):
         return measure_verify_cost(target, cache, context[:, -1:], forward_kwargs)
     rollback = RecurrentRollback.install(cache, CALIBRATION_CONTEXT, target)

@@ -102,6 +102,16 @@ def _sglang_config_problems(config: dict[str, Any]) -> list[str]:
     layer_ids = _sglang_value(config, "target_layer_ids")
     if not isinstance(layer_ids, list) or not layer_ids or not all(_is_int(i) for i in layer_ids):
         problems.append(f"target_layer_ids={layer_ids!r}: SGLang needs a non-empty list of target layer indices.")
+    else:
+        # Without num_target_layers SGLang takes the draft's own depth for the target's, and refuses deeper ids.
+        depth = config.get("num_target_layers") or layers
+        if _is_int(depth) and max(layer_ids) >= depth:
+            problems.append(
+                f"num_target_layers={config.get('num_target_layers')!r}: SGLang checks target_layer_ids {layer_ids} "
+                f"against {depth} target layers; record the target's depth (num_target_layers) in the config."
+            )
+    if config.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={config['hidden_act']!r}: SGLang's DFlash MLP runs SiLU only.")
     mask_token_id = _sglang_value(config, "mask_token_id")
     vocab_size = config.get("vocab_size")
     if not _is_int(mask_token_id) or mask_token_id < 0 or (_is_int(vocab_size) and mask_token_id >= vocab_size):

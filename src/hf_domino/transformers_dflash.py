@@ -77,6 +77,13 @@ def from_transformers_dflash(
             "This MuseGlimmerAssistantModel's config does not record the vocabulary it drafts over: pass the "
             "target's, from_transformers_dflash(model, vocab_size=target.config.vocab_size)."
         )
+    mask_token_id = config_dict.get("mask_token_id")
+    if mask_token_id is None or not 0 <= mask_token_id < config_dict["vocab_size"]:
+        raise ValueError(
+            f"This MuseGlimmerAssistantModel's mask_token_id ({mask_token_id}) is not an id of the "
+            f"{config_dict['vocab_size']}-token vocabulary it drafts over (its config's default, unset?): set "
+            "model.config.mask_token_id to the id its block was trained with."
+        )
     drafter = DominoForSpeculation(DominoConfig.from_dict(config_dict)).eval()
     ours = {theirs: mine for mine, theirs in TRANSFORMERS_DFLASH_NAMES.items()}
     drafter.load_state_dict({ours.get(name, name): tensor for name, tensor in model.state_dict().items()}, strict=True)
@@ -119,6 +126,13 @@ def _native_config_fields(config: Any) -> dict[str, Any]:
     if "sliding_attention" in fields["layer_types"]:
         # Ours (and DFlash's) sees keys with |query - key| < window; transformers' bidirectional window is inclusive.
         fields["sliding_window"] = config.sliding_window - 1
-    # Not a field of transformers' config, which keeps it: DominoForSpeculation.from_pretrained reads it back.
+    # Not fields of transformers' config, which keeps them: DominoForSpeculation.from_pretrained reads them back (a
+    # drafter's depth of target, which SGLang reads its layer ids against, included).
     fields["vocab_size"] = config.vocab_size
+    if config.num_target_layers is not None:
+        fields["num_target_layers"] = config.num_target_layers
+    # Its config takes one EOS id (a list, as Llama 3.1's targets have, failed its validation); the assistant never
+    # stops on it: the target's generation config does.
+    if isinstance(fields.get("eos_token_id"), list):
+        fields["eos_token_id"] = fields["eos_token_id"][0] if fields["eos_token_id"] else None
     return fields
