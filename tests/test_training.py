@@ -1107,3 +1107,31 @@ def test_training_over_a_draft_vocab_learns_and_keeps_the_vocab(target, tmp_path
     trained.save_pretrained(tmp_path / "saved")
     reloaded = DominoForSpeculation.from_pretrained(tmp_path / "saved")
     assert torch.equal(reloaded.draft_vocab, DRAFT_VOCAB)
+
+
+def test_evaluate_acceptance_pools_every_forward_at_the_draft_length_asked():
+    # A mean of the per-prompt means, or a draft length ignored, passed every test (one prompt, a random drafter).
+    from conftest import forcing_drafter, successor_target
+    from test_generation import letter_tokenizer
+
+    from hf_domino.acceptance import generate_with_acceptance, mean_acceptance_length
+    from hf_domino.training import evaluate_acceptance
+
+    vocab = 32
+    target = successor_target("llama", vocab)
+    drafter = forcing_drafter(target, [(t + 1) % vocab if t < 14 else (t + 2) % vocab for t in range(vocab)])
+    tokenizer = letter_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    prompts = [[{"role": "user", "content": "ab"}], [{"role": "user", "content": "kl"}]]  # right, then wrong, drafts
+    result = evaluate_acceptance(target, tokenizer, drafter, prompts, max_new_tokens=12, draft_length=3)
+    lengths = []
+    for messages in prompts:
+        input_ids = tokenizer.apply_chat_template(messages, return_tensors="pt", return_dict=True)["input_ids"]
+        lengths.append(generate_with_acceptance(target, input_ids, assistant_model=drafter, draft_policy="fixed",
+                                                num_speculative_tokens=3, domino_lookup=False, max_new_tokens=12,
+                                                do_sample=False, pad_token_id=0)[1])  # fmt: skip
+    assert max(max(each) for each in lengths) == 4  # 3 drafts + the target's token: the length asked
+    assert result.per_prompt == [mean_acceptance_length(each) for each in lengths]
+    pooled = mean_acceptance_length([length for each in lengths for length in each])
+    assert result.mean_acceptance_length == pytest.approx(pooled)
+    assert pooled != pytest.approx(sum(result.per_prompt) / 2)  # the two means differ here
