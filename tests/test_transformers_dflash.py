@@ -18,6 +18,8 @@ from hf_domino.transformers_dflash import from_transformers_dflash, to_transform
 
 BLOCK = 6
 SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}
+# A Qwen3.5-style RoPE field, which both sides read alike (refused until 2026-12-07 without being compared).
+PARTIAL_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
 
 
 def record_drafts(monkeypatch, generator_class) -> list[tuple[int, list[int]]]:
@@ -35,11 +37,11 @@ def record_drafts(monkeypatch, generator_class) -> list[tuple[int, list[int]]]:
     return drafts
 
 
-@pytest.mark.parametrize("layers", ["full", "sliding"])
+@pytest.mark.parametrize("layers", ["full", "sliding", "partial-rope"])
 def test_transformers_dflash_drafts_what_we_draft(arch, layers, monkeypatch):
     from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
-    target = tiny_target(arch)
+    target = tiny_target(arch, **(PARTIAL_ROPE if layers == "partial-rope" else {}))
     window = SLIDING if layers == "sliding" else {}
     drafter = tiny_drafter(target, head=False, shift_label=False, block_size=BLOCK, **window)
     native = to_transformers_dflash(drafter)

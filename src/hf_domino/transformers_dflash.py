@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
 from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
 from .configuration_domino import TRANSFORMERS_DFLASH_FIELDS, DominoConfig
@@ -113,11 +114,29 @@ def check_convertible(config: Any, *, drop_domino_head: bool = False) -> None:
             "has none. Draft with it through hf-domino."
         )
     rope = config.rope_parameters or {}
-    if "rope_theta" not in rope or rope.get("partial_rotary_factor", 1.0) != 1.0:
+    if "rope_theta" not in rope or (rope.get("partial_rotary_factor", 1.0) != 1.0 and not _same_rotation(config)):
         raise ValueError(
             f"This drafter's RoPE ({rope}) is not one transformers' DFlash assistant builds (one set of parameters "
             "for every layer, rotating the whole head). Draft with it through hf-domino."
         )
+
+
+def _same_rotation(config: Any) -> bool:
+    """Whether transformers' assistant rotates as the drafter does with this config's RoPE: compared, not assumed,
+    for a `partial_rotary_factor` (the default RoPE of both reads it the same way, rotating the whole head, on the
+    transformers releases tested; a release that read it in one place only would be refused)."""
+    from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant import (
+        MuseGlimmerAssistantRotaryEmbedding,
+    )
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    ours = Qwen3RotaryEmbedding(config)  # the drafter's (modeling_domino)
+    theirs = MuseGlimmerAssistantRotaryEmbedding(MuseGlimmerAssistantConfig(**_native_config_fields(config)))
+    return (
+        ours.inv_freq.shape == theirs.inv_freq.shape
+        and bool(torch.equal(ours.inv_freq, theirs.inv_freq))
+        and (ours.attention_scaling == theirs.attention_scaling)
+    )
 
 
 def _native_config_fields(config: Any) -> dict[str, Any]:
