@@ -19,6 +19,7 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Callable
@@ -304,6 +305,7 @@ def select_fused_rollout(
     )  # fmt: skip
 
 
+@functools.cache  # once per process and copy of this code: it reads every file of both
 def _installed_fused_head() -> tuple[object | None, str]:
     """`hf_domino.fused_head` for this copy of the drafting code, or `None` and why not.
 
