@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -120,27 +120,16 @@ def resume_differences(
     return differences
 
 
-def check_resumable(
-    checkpoint: Path,
-    drafter: DominoForSpeculation,
-    config: TrainConfig,
-    num_processes: int,
-    *,
-    data: dict[str, str] | None = None,
-    mixed_precision: str | None = None,
-) -> None:
-    """Refuses to resume `checkpoint` where the run would not continue as it began (`resume_differences`), or
-    where an older hf-domino wrote it."""
+def check_resumable(checkpoint: Path, *args: Any, **options: Any) -> None:
+    """Refuses to resume `checkpoint` where the run would not continue as it began (`resume_differences`, which
+    takes the other arguments), or where an older hf-domino wrote it."""
     if (checkpoint / LEGACY_STATE_FILE).exists():
         raise ValueError(
             f"{checkpoint} was written by an older hf-domino (before checkpoints used accelerate's state saving) and "
             f"cannot be resumed; start a new run from its weights with `--init-from {checkpoint}` in a fresh "
             "--output-dir."
         )
-    differences = resume_differences(
-        checkpoint, drafter, config, num_processes, data=data, mixed_precision=mixed_precision
-    )
-    if differences:
+    if differences := resume_differences(checkpoint, *args, **options):
         raise ValueError(
             f"Resuming {checkpoint} continues its run exactly, which needs its settings, but {'; '.join(differences)}. "
             "Rerun with the settings it was trained with, or start a new run from its weights (`--init-from "
