@@ -370,7 +370,7 @@ def compiling_on_any_device(compile_config: CompileConfig | None = None) -> Comp
     """`compile_config` (a default one if None), told to compile generate()'s forward on any device, the CPU included.
 
     transformers compiles on a static cache only on GPUs unless its `CompileConfig` says otherwise, through a private
-    flag (`_compile_all_devices`, transformers 5.23-5.24): set here, in one place."""
+    flag (`_compile_all_devices`, transformers 5.23-5.25): set here, in one place."""
     compile_config = compile_config or CompileConfig()
     compile_config._compile_all_devices = True
     return compile_config

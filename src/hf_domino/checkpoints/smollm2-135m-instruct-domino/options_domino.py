@@ -344,7 +344,7 @@ def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedMo
         raise ValueError(
             f"output_attentions=True with the target's {attention!r} attention, which returns no attention weights: "
             "load the target with attn_implementation='eager' (or call target.set_attn_implementation('eager')) to get "
-            "them for one sequence at a time (batches with a drafter return none), or drop output_attentions."
+            "them, or drop output_attentions."
         )
     _refuse_per_token_state(generation_config)
     if getattr(generation_config, "speculation_type", None) is not None:
