@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from test_generation import (
     successor,
 )
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation import stopping_criteria as criteria_module
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from hf_domino import (
@@ -210,6 +212,37 @@ def test_without_an_eos_token_rows_run_on_until_the_last_one_stops(arch):
     plain = {key: value for key, value in options.items() if key not in ("return_dict_in_generate", "output_scores")}
     alone, drafted = both(target, drafter, batch, **plain)  # and where the call returns no cache
     assert torch.equal(drafted, alone) and torch.equal(alone, expected.sequences)
+
+
+def test_max_time_ends_every_row_of_a_batch_at_one_column(arch, monkeypatch):
+    """transformers' time limit (`max_time`) ends the target alone's batch at one column for every row. A drafted
+    batch's rows stand at columns of their own when it passes: the call ends at the column of the row furthest behind
+    and the rows ahead are cut back to it, so the output is the target alone's at that length, its scores and cache
+    too. Time here is the target's forwards (a clock reading their count), so the limit passes after the 5th forward
+    for both: row [10] drafts right and reached its EOS (17) at its 7th token while the others, drafting wrong, have
+    5; it is cut to 5, its EOS gone, as the target alone's row is (the batch loop ended each row where it stood: row
+    [10] kept its EOS, and the others were padded after 5 tokens the target alone goes on from)."""
+    target = successor_target(arch, VOCAB)
+    forwards = [0]  # the clock
+    monkeypatch.setattr(criteria_module, "time", SimpleNamespace(time=lambda: float(forwards[0])))
+    hook = target.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    drafter = forcing_drafter(target, [(t + 1) % VOCAB if 10 <= t < 20 else 0 for t in range(VOCAB)])
+    batch = left_padded([[10], [22], [3, 4]])
+    options = dict(max_new_tokens=20, eos_token_id=17, pad_token_id=0, return_dict_in_generate=True,
+                   output_scores=True)  # fmt: skip
+    cache, alone_cache = DynamicCache(config=target.config), DynamicCache(config=target.config)
+    try:
+        output = target.generate(**batch, do_sample=False, max_time=4.5, assistant_model=drafter,
+                                 draft_policy="fixed", **options, **cache_argument(cache))  # fmt: skip
+        forwards[0] = 0
+        expected = target.generate(**batch, do_sample=False, max_time=4.5, **options, **cache_argument(alone_cache))
+    finally:
+        hook.remove()
+    assert expected.sequences.shape[1] - batch["input_ids"].shape[1] == 5
+    assert torch.equal(output.sequences, expected.sequences)
+    for ours, theirs in zip(output.scores, expected.scores, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert_same_columns(cache, alone_cache, attended_columns(batch, expected.sequences))
 
 
 def test_streamer_receives_what_the_target_alone_streams():

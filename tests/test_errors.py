@@ -35,6 +35,28 @@ def test_confidence_threshold_accepts_numbers(models):
         generate(target, drafter, assistant_confidence_threshold=threshold)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_synced_gpus_is_refused_before_any_work(models, rows):
+    """generate() sets `synced_gpus` for a target sharded with ZeRO-3 or FSDP across processes: its processes then
+    step together until all are done, which a drafted call cannot keep (a batch's processes fell out of step; one
+    sequence's went on past its EOS). Refused, naming the fix, rather than hanging."""
+    target, drafter = models
+    prompt = torch.tensor([[5, 6, 7]] * rows)
+    with pytest.raises(ValueError, match=r"synced_gpus=True .*GatheredParameters"):
+        target.generate(prompt, assistant_model=drafter, max_new_tokens=3, do_sample=False, synced_gpus=True)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{"num_assistant_tokens": 3}, {"num_assistant_tokens_schedule": "heuristic"}, {"assistant_lookbehind": 5}],
+)
+def test_settings_of_transformers_own_assistants_are_named_as_unread(models, setting):
+    target, drafter = models
+    with pytest.warns(UserWarning, match=f"{next(iter(setting))}: settings of transformers' own assistants.*"
+                      "num_speculative_tokens"):  # fmt: skip
+        generate(target, drafter, **setting)
+
+
 @pytest.mark.parametrize("value", ["no", 0, 1, "False"])
 def test_domino_head_option_must_be_a_bool_or_none(models, value):
     target, drafter = models

@@ -760,6 +760,20 @@ def test_a_batch_without_an_eos_token_that_stops_at_a_criterion_returns_no_cache
     assert torch.equal(target.generate(**batch, **options, assistant_model=drafter), alone)
 
 
+def test_a_batch_under_max_time_returns_no_cache_it_cannot_cut():
+    """A time limit ends a drafted batch at the column of its row furthest behind, the rows ahead cut back
+    (`BatchedDecoding.ends_in_time`), which recurrent states cannot be: where the call returns its cache, refused
+    before any work, naming the fix; without the cache, served."""
+    target = hybrid_target("qwen3_5")
+    drafter = forcing_drafter(target, list(range(32)))
+    batch = left_padded([[11, 5, 9], [5, 9, 12, 7]])
+    options = {"do_sample": False, "pad_token_id": 0, "max_new_tokens": 6, "max_time": 600.0}
+    with pytest.raises(ValueError, match="Return no cache .* drop max_time"):
+        target.generate(**batch, **options, assistant_model=drafter, return_dict_in_generate=True)
+    alone = target.generate(**batch, **options)
+    assert torch.equal(target.generate(**batch, **options, assistant_model=drafter), alone)
+
+
 LFM2 = {
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {}),
     "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", {"moe_intermediate_size": 16, "num_experts": 4,

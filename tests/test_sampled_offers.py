@@ -131,11 +131,25 @@ class StopWhenUnsure(StoppingCriteria):
         return torch.full((input_ids.shape[0],), bool(scores[-1].softmax(-1).max() < 0.01))
 
 
+class StopWhenUnsureIfScored(StoppingCriteria):
+    """The same, reading `scores` only where it is given them: transformers hands its criteria None unless the call
+    returns its scores."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if scores is None:
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        return StopWhenUnsure()(input_ids, scores)
+
+
+@pytest.mark.parametrize("criterion", [StopWhenUnsure, StopWhenUnsureIfScored])
 @pytest.mark.parametrize("rows", [1, 2])
-def test_a_criterion_that_reads_scores_is_refused_with_the_fix(rows):
+def test_a_criterion_that_reads_scores_is_refused_with_the_fix(rows, criterion):
+    """Drafting asks criteria before the target scored the tokens. Where the target alone hands them its scores (the
+    call returns them), a criterion that reads them is refused, naming the fix: one that reads them only when given
+    them was asked with None and never fired, answering otherwise than beside the target alone."""
     target, drafter = markov_pair(successor=0.6, confident=0.9)
     kwargs = dict(
-        stopping_criteria=StoppingCriteriaList([StopWhenUnsure()]), output_scores=True, return_dict_in_generate=True
+        stopping_criteria=StoppingCriteriaList([criterion()]), output_scores=True, return_dict_in_generate=True
     )
     prompt = torch.tensor([[5, 6, 7]] * rows)
     target.generate(prompt, max_new_tokens=6, pad_token_id=0, **kwargs)  # the target alone serves it
@@ -143,6 +157,10 @@ def test_a_criterion_that_reads_scores_is_refused_with_the_fix(rows):
         target.generate(
             prompt, max_new_tokens=6, pad_token_id=0, assistant_model=drafter, draft_policy="fixed", **kwargs
         )
+    # Where the call returns no scores, the target alone hands its criteria None too: the same answers.
+    plain = dict(stopping_criteria=StoppingCriteriaList([StopWhenUnsureIfScored()]), max_new_tokens=6, pad_token_id=0)
+    alone = target.generate(prompt, do_sample=False, **plain)
+    assert torch.equal(target.generate(prompt, do_sample=False, assistant_model=drafter, **plain), alone)
 
 
 def test_a_sampled_sequence_the_batch_loop_refuses_runs_without_drawn_drafts():

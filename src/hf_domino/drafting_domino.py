@@ -19,10 +19,12 @@ This file is also written next to exported checkpoints as remote code (transform
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -427,15 +429,52 @@ def first_stop(criteria, sequence: torch.LongTensor, tokens: torch.LongTensor) -
     return None
 
 
-def asked_without_scores(criteria, input_ids: torch.LongTensor) -> torch.Tensor:
-    """`criteria(input_ids, None)` as a tensor (a criterion may answer one bool, as StoppingCriteriaList allows): how
-    drafting loops ask stopping criteria, before or without the target's scores of the tokens asked about. A
-    criterion that reads the scores fails there, with the fix named."""
+# Set for a drafted call whose target alone would hand its stopping criteria the scores so far (it returns them:
+# `return_dict_in_generate` with `output_scores`; else it hands them None, as drafting does).
+CRITERIA_SEE_SCORES: contextvars.ContextVar[bool] = contextvars.ContextVar("domino_criteria_see_scores", default=False)
+
+
+class ScoresNotYet(TypeError):
+    """A stopping criterion read the scores a drafting loop asks it without (`UNSCORED`)."""
+
+
+class _Unscored(tuple):
+    """What drafting hands stopping criteria for `scores` where the target alone would hand its scores: nothing to
+    read, and reading it says so, where `None` would let a criterion that reads scores only when given them never
+    fire (and answer otherwise than beside the target alone)."""
+
+    def _read(self, *args, **kwargs):
+        raise ScoresNotYet("the criterion read `scores`, which drafting asks it without")
+
+    __getitem__ = __len__ = __iter__ = __bool__ = __contains__ = __reversed__ = _read
+
+
+UNSCORED = _Unscored()
+
+
+@contextlib.contextmanager
+def criteria_scores_withheld(generation_config: GenerationConfig) -> Iterator[None]:
+    """Inside, drafting asks stopping criteria with `UNSCORED` for `scores` where the call returns its scores (the
+    target alone then hands them to its criteria), and with None, as the target alone does, otherwise."""
+    token = CRITERIA_SEE_SCORES.set(
+        bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+    )
     try:
-        return torch.as_tensor(criteria(input_ids, None))
+        yield
+    finally:
+        CRITERIA_SEE_SCORES.reset(token)
+
+
+def asked_without_scores(criteria, input_ids: torch.LongTensor) -> torch.Tensor:
+    """`criteria(input_ids, scores)` as a tensor (a criterion may answer one bool, as StoppingCriteriaList allows),
+    `scores` None or `UNSCORED` (`criteria_scores_withheld`): how drafting loops ask stopping criteria, before or
+    without the target's scores of the tokens asked about. A criterion that reads the scores fails there, with the fix
+    named."""
+    try:
+        return torch.as_tensor(criteria(input_ids, UNSCORED if CRITERIA_SEE_SCORES.get() else None))
     except (TypeError, AttributeError, IndexError) as error:
         raise ValueError(
-            f"A stopping criterion failed when asked with scores=None ({type(error).__name__}: {error}; {criteria!r}). "
+            f"A stopping criterion failed when asked without scores ({type(error).__name__}: {error}; {criteria!r}). "
             "With a drafter, stopping criteria are asked at each draft before the target has scored it, so a "
             "criterion that reads `scores` cannot be served: decide from the tokens (`input_ids`) alone, or generate "
             "without assistant_model."
@@ -536,6 +575,7 @@ __all__ = [
     "drafting_vocab",
     "drafts_through_an_end",
     "asked_without_scores",
+    "criteria_scores_withheld",
     "first_stop",
     "reads_the_tokens",
     "stop_free_length",

@@ -63,14 +63,16 @@ from .batch_generate_domino import batched_assisted_decoding
 from .batching_manager_domino import DraftedBatchingManager
 from .cache_domino import CACHE_ARGUMENT, buffer_layers, check_croppable, uncached_prompt_length
 from .continuous_batching_domino import generate_requests
-from .drafting_domino import CallStops, reads_the_tokens
+from .drafting_domino import CallStops, criteria_scores_withheld, reads_the_tokens
 from .generation_domino import ends_the_loop_runs_past, read_leading_chunks
 from .options_domino import (
     DominoGenerationStats,
     DominoOptions,
     check_drafter_for_target,
+    check_synced_gpus,
     prefill_chunk_size,
     refuse_a_drafter_built_as_another_model,
+    warn_of_other_assistant_settings,
 )
 from .recurrent_cache_domino import (
     RecurrentRollback,
@@ -196,6 +198,7 @@ def _wrap_extract_generation_mode_kwargs(original):
         mode_kwargs = unwrapped(self, *args, **kwargs)
         # generate()'s own kwargs dict: what we pop here never reaches the model as an unknown model kwarg.
         call_kwargs = arguments["kwargs"]
+        warn_of_other_assistant_settings(call_kwargs)
         mode_kwargs[_OPTIONS_KEY] = {
             name: call_kwargs.pop(name) for name in DominoOptions.names() if name in call_kwargs
         }
@@ -225,6 +228,7 @@ def _wrap_validate_generation_mode(original):
         if _serves(assistant, original):
             try:
                 check_drafter_for_target(assistant, self, arguments["generation_config"])
+                check_synced_gpus(mode_kwargs.get("synced_gpus", False))
                 options = DominoOptions.resolve(mode_kwargs.get(_OPTIONS_KEY, {}), arguments["generation_config"])
                 options.validate(assistant)
                 mode_kwargs[_OPTIONS_KEY] = options  # validated once; the generator takes it as is
@@ -328,7 +332,7 @@ def _wrap_assisted_decoding(original):
         if batched:
             stats = DominoGenerationStats(timings={} if options.domino_timings else None)
             drafter.last_generation_stats = stats
-            with kernels:
+            with kernels, criteria_scores_withheld(generation_config):
                 return batched_assisted_decoding(
                     self,
                     arguments["input_ids"],
@@ -361,7 +365,7 @@ def _wrap_assisted_decoding(original):
         call = _DominoCall(options, arguments.get("stopping_criteria"), prefill_length, rollback, leading)
         token = _CALL.set(call)
         try:
-            with kernels:
+            with kernels, criteria_scores_withheld(generation_config):
                 return unwrapped(self, *args, **kwargs)
         finally:
             _CALL.reset(token)

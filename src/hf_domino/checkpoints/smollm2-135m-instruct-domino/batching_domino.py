@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria, StoppingCriteriaList
 
 from .batch_call_domino import TokenScores, key_weights
 from .batch_drafts_domino import CycleDrafter, CycleDrafts
@@ -92,10 +92,21 @@ ROW_PACES = False
 
 
 def check_states_kept_to_a_stop(
-    stops_together: bool, stopping_criteria: StoppingCriteriaList, finished_rows: FinishedRows | None
+    stops_together: bool,
+    stopping_criteria: StoppingCriteriaList,
+    finished_rows: FinishedRows | None,
+    time_limits: list[MaxTimeCriteria],
 ) -> None:
-    """Refuses a batch of a recurrent target whose rows stop together (no EOS token) at a criterion and whose cache
-    the call returns: a row that ran past the column the call ends at could not take its states back."""
+    """Refuses a batch of a recurrent target whose rows stop together (no EOS token) at a criterion, or at a time
+    limit, and whose cache the call returns: a row that ran past the column the call ends at could not take its
+    states back."""
+    if time_limits and finished_rows is not None:
+        raise ValueError(
+            "max_time ends every row of the target alone's batch at the same column, where a drafted batch's rows "
+            "stand at columns of their own: those ahead are cut back, and the target's recurrent states cannot be cut "
+            f"back for the cache the call returns. Return no cache (return_dict_in_generate=False and no "
+            f"{CACHE_ARGUMENT}=), drop max_time, or generate without assistant_model."
+        )
     if (
         stops_together
         and finished_rows is not None
@@ -163,8 +174,13 @@ class BatchedDecoding(PromptReading):
         # server admits later (`admit`) bring their own.
         self.prompt_lengths, self.max_lengths = [self.prompt_length] * rows, [self.max_length] * rows
         # Each row's stopping criteria (`row_criteria`), all of them and those asked inside a block.
-        self.stopping_criteria = row_criteria(stopping_criteria, rows)
-        self.block_criteria = row_criteria(stops.criteria, rows)
+        # A time limit ends the target alone's batch for every row at once, at one column, where a ragged batch's rows
+        # stand at columns of their own: the call asks it, not each row (`ends_in_time`). A server's rows (it starts
+        # with none) are requests of their own, each ended where it stands.
+        self.time_limits = [c for c in stopping_criteria if type(c) is MaxTimeCriteria] if rows > 1 else []
+        per_row = [c for c in stopping_criteria if not any(c is limit for limit in self.time_limits)]
+        self.stopping_criteria = row_criteria(per_row, rows)
+        self.block_criteria = row_criteria([c for c in stops.criteria if any(c is kept for kept in per_row)], rows)
         self.per_row = row_processors(logits_processor, rows)
         # A tree of first-token branches per block (`domino_branches`), verified with a 4D mask of this kind.
         self.branches, self.additive = options.domino_branches, adds_its_mask(target)
@@ -191,7 +207,7 @@ class BatchedDecoding(PromptReading):
             gaps = None  # left padding alone: a window reads differences of positions, which it changes for none
         self.target_cache.gaps = gaps
         if has_recurrent_layers(cache):  # a replayable scan (generate_hook_domino checked the family)
-            check_states_kept_to_a_stop(self.stops_together, stopping_criteria, finished_rows)
+            check_states_kept_to_a_stop(self.stops_together, stopping_criteria, finished_rows, self.time_limits)
             self.target_cache.recurrent = RecurrentRollback.install_for_rows(cache, target)
         self.context = BatchedDrafterContext.empty(rows, drafter.device)
         # The drafting half: the policies, copied drafts and the head's rollout (each row's left padding is never
@@ -280,6 +296,8 @@ class BatchedDecoding(PromptReading):
                     self.stopped_at[rows[i]] = self.generated(rows[i])
                 else:
                     done[i] = answer
+        if self.time_limits:
+            done = self.ends_in_time(rows, done)
         return self.stop_together(rows, done) if self.stops_together else done
 
     def stop_together(self, rows: list[int], done: list[bool]) -> list[bool]:
@@ -288,11 +306,27 @@ class BatchedDecoding(PromptReading):
         row."""
         if any(at is None for at in self.stopped_at):
             return done
-        end = max(self.stopped_at)
+        return self.end_at(max(self.stopped_at), rows)
+
+    def ends_in_time(self, rows: list[int], done: list[bool]) -> list[bool]:
+        """Where the call's time limit (`max_time`) has passed, the call ends at the column of the row furthest
+        behind of those still generating, every row cut there, as the target alone's batch, whose rows advance
+        together, ends at one column: a row whose EOS came before it keeps its end, one whose EOS came after is cut."""
+        finished = {row for row, answer in zip(rows, done) if answer}
+        generating = [row for row in self.active if row not in finished]
+        if not generating or not any(
+            bool(limit(self.sequences[generating[0]][None], None).all()) for limit in self.time_limits
+        ):
+            return done
+        return self.end_at(min(self.generated(row) for row in generating), rows)
+
+    def end_at(self, end: int, rows: list[int]) -> list[bool]:
+        """Ends the call at `end` generated tokens: every row cut there (the cache kept of those finished already
+        too); per row of `rows`, whether it is done."""
         for row in range(len(self.sequences)):
             self.max_lengths[row] = min(self.max_lengths[row], self.prompt_lengths[row] + end)
             self.sequences[row] = self.sequences[row][: self.max_lengths[row]]
-        if self.finished_rows is not None:  # rows that reached max_length before the last row stopped
+        if self.finished_rows is not None:  # rows that finished before the end (max_length, an EOS past the end)
             self.finished_rows.cut({row: self.cache_tokens(row) for row in self.finished_rows.order})
         # Once: every row now ends at its max_length, which `extend` reads without this.
         self.stops_together = False

@@ -284,6 +284,40 @@ def checked_datastore(drafter: DominoForSpeculation) -> Any:
     return datastore
 
 
+def check_synced_gpus(synced_gpus: bool) -> None:
+    """Refuses `synced_gpus` (generate()'s default under DeepSpeed ZeRO-3 or FSDP across processes): it keeps every
+    process stepping the sharded target until all are done, which transformers' assisted loop does only in part (a
+    process that finished first goes on appending tokens past its EOS) and the batch loop not at all (processes fall
+    out of step: a hang)."""
+    if synced_gpus:
+        raise ValueError(
+            "synced_gpus=True (generate()'s default for a target sharded with DeepSpeed ZeRO-3 or FSDP across processes) "
+            "is not served with a drafter: the processes would verify different numbers of tokens per forward and fall "
+            "out of step. Generate with the drafter on a target each process holds whole (gather its parameters first: "
+            "deepspeed.zero.GatheredParameters, FSDP.summon_full_params), or without assistant_model."
+        )
+
+
+# generate()'s settings for transformers' own assistants (an assistant model's draft length and its schedule, a
+# tokenizer-translating assistant's look-behind, an early-exit assistant): a Domino drafter reads none of them.
+OTHER_ASSISTANT_SETTINGS = (
+    "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_lookbehind", "target_lookbehind",
+    "assistant_early_exit",
+)  # fmt: skip
+
+
+def warn_of_other_assistant_settings(call_kwargs: dict[str, Any]) -> None:
+    """Warns where a drafted call passes settings only transformers' own assistants read: they change nothing here."""
+    passed = [name for name in OTHER_ASSISTANT_SETTINGS if call_kwargs.get(name) is not None]
+    if passed:
+        warnings.warn(
+            f"{', '.join(passed)}: settings of transformers' own assistants, which a Domino drafter does not read. The "
+            "number of drafts a target forward verifies is num_speculative_tokens (a cap under the adaptive policy, "
+            "the number under draft_policy='fixed'; docs/usage.md, \"Options\").",
+            stacklevel=2,
+        )
+
+
 def check_drafter_for_target(drafter: DominoForSpeculation, target: PreTrainedModel, generation_config=None) -> None:
     """Raises a `ValueError` that names the problem and the fix when `drafter` cannot draft for `target`."""
     check_drafter_config_for_target_config(drafter.config, target.config)
@@ -440,9 +474,11 @@ def _refuse_per_token_state(generation_config: GenerationConfig) -> None:
 
 
 __all__ = [
+    "OTHER_ASSISTANT_SETTINGS",
     "DominoGenerationStats",
     "DominoOptions",
     "check_drafter_config_for_target_config",
     "check_drafter_for_target",
+    "check_synced_gpus",
     "refuse_a_drafter_built_as_another_model",
 ]
