@@ -14,41 +14,48 @@ from hf_domino import DominoForSpeculation, prepare_for_cpu_decoding
 from hf_domino.assets import SHIPPED_DRAFTER, load_smollm2
 from hf_domino.prompt_sets import load_humaneval, load_mtbench
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("k", nargs="?", type=int, default=3, help="drafts verified per target forward")
-k = parser.parse_args().k
-torch.set_num_threads(2)
-target, tok = load_smollm2()
-drafter = DominoForSpeculation.from_pretrained(SHIPPED_DRAFTER, dtype=torch.float32).eval()
-prepare_for_cpu_decoding(target, drafter)
-sets = {"mtbench": load_mtbench(limit=10), "humaneval": load_humaneval(limit=10)}
-for name, prompts in sets.items():
-    inputs = [
-        tok.apply_chat_template(
-            p if isinstance(p, list) else [{"role": "user", "content": p}],
-            add_generation_prompt=True,
-            return_tensors="pt",
-            return_dict=True,
-        )
-        for p in prompts
-    ]
-    for block in (16, 8, 6, 4):
-        drafter.config.block_size = block
-        acc, n, t0 = 0, 0, time.perf_counter()
-        for x in inputs:
-            target.generate(
-                **x,
-                assistant_model=drafter,
-                max_new_tokens=64,
-                do_sample=False,
-                draft_policy="fixed",
-                num_speculative_tokens=min(k, drafter.config.num_drafts),
-                domino_lookup=False,
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("k", nargs="?", type=int, default=3, help="drafts verified per target forward")
+    k = parser.parse_args().k
+    torch.set_num_threads(2)
+    target, tok = load_smollm2()
+    drafter = DominoForSpeculation.from_pretrained(SHIPPED_DRAFTER, dtype=torch.float32).eval()
+    prepare_for_cpu_decoding(target, drafter)
+    sets = {"mtbench": load_mtbench(limit=10), "humaneval": load_humaneval(limit=10)}
+    for name, prompts in sets.items():
+        inputs = [
+            tok.apply_chat_template(
+                p if isinstance(p, list) else [{"role": "user", "content": p}],
+                add_generation_prompt=True,
+                return_tensors="pt",
+                return_dict=True,
             )
-            a = drafter.last_generation_stats.acceptance_lengths
-            acc += sum(a)
-            n += len(a)
-        print(
-            f"{name} block {block}: tau {acc / n:.3f} over {n} forwards, {time.perf_counter() - t0:.1f} s", flush=True
-        )
-    drafter.config.block_size = 16
+            for p in prompts
+        ]
+        for block in (16, 8, 6, 4):
+            drafter.config.block_size = block
+            acc, n, t0 = 0, 0, time.perf_counter()
+            for x in inputs:
+                target.generate(
+                    **x,
+                    assistant_model=drafter,
+                    max_new_tokens=64,
+                    do_sample=False,
+                    draft_policy="fixed",
+                    num_speculative_tokens=min(k, drafter.config.num_drafts),
+                    domino_lookup=False,
+                )
+                a = drafter.last_generation_stats.acceptance_lengths
+                acc += sum(a)
+                n += len(a)
+            print(
+                f"{name} block {block}: tau {acc / n:.3f} over {n} forwards, {time.perf_counter() - t0:.1f} s",
+                flush=True,
+            )
+        drafter.config.block_size = 16
+
+
+if __name__ == "__main__":
+    main()

@@ -7,6 +7,7 @@ row, and the cycle's predicted and measured cost against a plain step. docs/benc
 from __future__ import annotations
 
 import argparse
+import inspect
 import time
 
 from hf_domino import policy_domino
@@ -46,9 +47,13 @@ def traced_copies(log: list[str]) -> None:
     choose, observe = policy_domino.LookupPolicy.choose, policy_domino.LookupPolicy.observe
     text_policy: list = []
 
-    def logged_choose(self, num_found, rival_rate=0.0, sources=None, rooms=None):
+    def logged_choose(self, num_found, *args, **kwargs):
         text_policy[:] = [self]  # the batch loop asks the text's policy; a row's source may be the datastore's
-        width = choose(self, num_found, rival_rate, sources, rooms)
+        # Read by name, whatever else `choose` takes (it gained `rooms`, then `paces`).
+        arguments = inspect.signature(choose).bind(self, num_found, *args, **kwargs)
+        arguments.apply_defaults()
+        rival_rate, sources = arguments.arguments["rival_rate"], arguments.arguments["sources"]
+        width = choose(self, num_found, *args, **kwargs)
         kinds = (
             ""
             if sources is None
@@ -57,9 +62,10 @@ def traced_copies(log: list[str]) -> None:
         log.append(f"  copies found {num_found}{kinds} -> verify {width} (rival {rival_rate:.1f} tok/s)")
         return width
 
-    def logged_observe(self, *, verified, accepted, verify_seconds=None):
-        log.append(f"    {'copies' if self in text_policy else 'retrieved'}: {accepted} of {verified} right")
-        return observe(self, verified=verified, accepted=accepted, verify_seconds=verify_seconds)
+    def logged_observe(self, **outcome):
+        kind = "copies" if self in text_policy else "retrieved"
+        log.append(f"    {kind}: {outcome['accepted']} of {outcome['verified']} right")
+        return observe(self, **outcome)
 
     policy_domino.LookupPolicy.choose, policy_domino.LookupPolicy.observe = logged_choose, logged_observe
 
