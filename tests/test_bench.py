@@ -326,12 +326,24 @@ def test_cli_bench_refuses_a_drafter_of_another_target_before_it_runs(target, to
     assert not (tmp_path / "out").exists()
 
 
-def test_cli_bench_refuses_a_method_its_drafter_lacks_before_any_run(target, drafter, tokenizer, tmp_path):
-    # domino_vocab with a drafter without a draft vocabulary was a traceback at its warm-up.
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        # Each was a traceback at its warm-up.
+        (["--methods", "target,domino_vocab"], "'domino_vocab' needs a drafter with a draft vocabulary"),
+        (["--methods", "target,domino_tree0"], "'domino_tree0': domino_branches must be an int from 1 to 8"),
+        (["--methods", "target,domino_k99"], "'domino_k99': num_speculative_tokens must be an int from 0 to"),
+        (["--methods", "target,domino", "--num-speculative-tokens", "99"], "num_speculative_tokens must be an int"),
+        (["--batch-size", "1", "--batch-methods", "target,domino_k99"], "--batch-methods domino_k99: num_spec"),
+    ],
+)
+def test_cli_bench_refuses_a_method_its_drafter_cannot_run_before_any_run(
+    flags, message, target, drafter, tokenizer, tmp_path
+):
     assert drafter.draft_vocab is None
     argv = saved_bench_argv(target, drafter, tokenizer, tmp_path) + ["--num-prompts", "1", "--no-progress"]
-    with pytest.raises(SystemExit, match="'domino_vocab' needs a drafter with a draft vocabulary"):
-        cli.main([*argv, "--methods", "target,domino_vocab", "--output-dir", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        cli.main([*argv, *flags, "--output-dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 
 
@@ -843,7 +855,9 @@ def test_cli_bench_refuses_the_other_modes_flags_and_a_file_for_its_folder(tmp_p
         ("--batch-size", "2", "--methods", "target,domino"): "--methods set the per-prompt methods, which",
         ("--batch-size", "2", "--num-speculative-tokens", "4"): "--num-speculative-tokens set the per-prompt",
         ("--batch-methods", "target,domino"): "--batch-methods applies to --batch-size runs",
-        ("--output-dir", __file__): "is a file: give a folder for the report",
+        ("--output-dir", __file__): "is a file; give a folder for the report",
+        ("--output-dir", f"{__file__}/report"): f"{__file__} is a file; give a folder",  # failed after the run
+        ("--batch-size", "1", "--batch-methods", ","): "give at least one method",  # ran and wrote no rows
         # After loading: a ZeroDivisionError, no output.
         ("--methods", "manual", "--temperature", "0.5"): "manual is greedy only, and no other method is left",
     }

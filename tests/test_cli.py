@@ -141,12 +141,21 @@ def test_a_package_of_models_not_installed_is_one_line_naming_the_install(monkey
         ("train", ['{"input_ids": [1], "loss_mask": [1]}', '{"prompt": "Hi."}'], "prompts.jsonl:2 is not a record of"),
         ("bench", ['{"messages": [{"content": "Hi."}]}'], "prompts.jsonl:1: each of its `messages` must be a JSON"),
         ("bench", [""], "prompts.jsonl holds no prompt with a user turn"),
+        # These four were tracebacks.
+        ("bench", ['{"messages": [{"role": "user", "content": 5}]}'], "prompts.jsonl:1: A message's content must be"),
+        (
+            "bench",
+            ['{"conversations": [{"from": "robot", "value": "Hi."}]}'],
+            "prompts.jsonl:1: Unknown ShareGPT role",
+        ),
+        ("bench", ['{"conversations": ["Hi."]}'], "prompts.jsonl:1: A ShareGPT turn must be a JSON object"),
+        ("bench", ['{"prompt": "caf\udce9"}'], "prompts.jsonl:1 is not UTF-8 jsonl text"),
     ],
 )
 def test_an_input_file_line_of_another_kind_is_one_line_naming_it(command, lines, message, tmp_path, capsys):
     # These messages came as tracebacks (and a prompt-less record's without its file and line).
     path = tmp_path / "prompts.jsonl"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_bytes(("\n".join(lines) + "\n").encode("utf-8", "surrogateescape"))  # (\udce9: a byte of Latin-1)
     flag = {"bench": ["--prompts", str(path)], "train": ["--data", str(path), "--output-dir", str(tmp_path / "out")]}
     assert cli.main([command, *flag[command]]) == 2
     error = capsys.readouterr().err

@@ -24,7 +24,7 @@ from .cli import non_negative_int, number_in, positive_int
 from .cpu_fast_path import prepare_for_cpu_decoding
 from .measure import COMPILE_MODES, METHODS, BenchResult, BenchSettings, check_method, parse_method, run_benchmark
 from .measure_batch import BATCH_METHODS, batch_markdown, parse_batch_method, run_batch_benchmark
-from .options_domino import check_drafter_for_target
+from .options_domino import DominoOptions, check_drafter_for_target
 from .recurrent_cache_domino import TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES, keeps_recurrent_states
 from .report import markdown_report, write_report
 from .transformers_dflash import check_convertible
@@ -222,6 +222,18 @@ def decoding_names(args: argparse.Namespace) -> tuple[str, str]:
     return "-".join(short for short, _ in parts), ", ".join(long for _, long in parts)
 
 
+def _folder_problem(folder: Path) -> str | None:
+    """Why `folder` could not be made or written into (said before the run, which writes it at its end), or None."""
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file"
+    if not os.access(existing, os.W_OK):
+        return f"{existing} is not writable"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     metadata = machine_metadata(args.threads)
@@ -250,8 +262,8 @@ def run(args: argparse.Namespace) -> int:
     if args.compile != "auto" and not args.static_cache:
         raise SystemExit("hf-domino bench: --compile applies to --static-cache runs (transformers compiles no other).")
     _check_mode_flags(args)
-    if args.output_dir and Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
-        raise SystemExit(f"hf-domino bench: --output-dir {args.output_dir} is a file: give a folder for the report.")
+    if args.output_dir and (problem := _folder_problem(Path(args.output_dir))):
+        raise SystemExit(f"hf-domino bench: --output-dir {args.output_dir}: {problem}; give a folder for the report.")
     if args.batch_size:
         return run_batches(args, metadata, dtype)
     if args.repeats != 1:
@@ -268,6 +280,8 @@ def run(args: argparse.Namespace) -> int:
     for method in methods:  # before any run: the warm-up of the first method alone takes seconds
         try:
             check_method(method, drafter, args.temperature)
+            if drafter is not None and args.num_speculative_tokens is not None:
+                DominoOptions(num_speculative_tokens=args.num_speculative_tokens).validate_for(drafter.config)
         except ValueError as error:
             raise SystemExit(
                 f"hf-domino bench: {error} (--drafter {args.drafter or assets.SHIPPED_DRAFTER})"
@@ -409,6 +423,8 @@ def _cpu_fast_path(args: argparse.Namespace, target, drafter) -> str:
 def run_batches(args: argparse.Namespace, metadata: dict[str, Any], dtype: torch.dtype) -> int:
     """`--batch-size`: batched generation with the drafter against the batched target alone, per batch size."""
     methods = [m.strip() for m in args.batch_methods.split(",") if m.strip()]
+    if not methods:
+        raise SystemExit("hf-domino bench: --batch-methods: give at least one method, e.g. target,domino_lookup.")
     if len(set(methods)) < len(methods):
         raise SystemExit(f"hf-domino bench: --batch-methods: expected each method once, got {args.batch_methods!r}.")
     for method in methods:
@@ -419,9 +435,20 @@ def run_batches(args: argparse.Namespace, metadata: dict[str, Any], dtype: torch
     if max(args.batch_size) > args.num_prompts:
         raise SystemExit(f"hf-domino bench: --batch-size {max(args.batch_size)} needs --num-prompts at least that.")
     conversations = prompt_sets.load_prompts(args.prompts, args.num_prompts)  # a typo fails before loading
+    if max(args.batch_size) > len(conversations):
+        raise SystemExit(
+            f"hf-domino bench: --batch-size {max(args.batch_size)} needs that many prompts, and --prompts "
+            f"{args.prompts} holds {len(conversations)}."
+        )
     _drafter_folder(args)
     target, tokenizer = assets.load_target(args.target, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
     drafter = _drafter_for(target, args, dtype)
+    for method in methods:  # before any run: its _k<N> and _tree<N> against the drafter's block
+        try:
+            options = {name: value for name, value in parse_batch_method(method).items() if name != "loop"}
+            DominoOptions.resolve(options, None).validate_for(drafter.config)
+        except ValueError as error:
+            raise SystemExit(f"hf-domino bench: --batch-methods {method}: {error}") from None
     metadata["cpu_fast_path"] = _cpu_fast_path(args, target, drafter)
     if cudnn_attention_applies(target.device, target.dtype):  # the batched target alone with a drafting call's kernels
         _add_baseline(methods, "target_no_cudnn")

@@ -123,10 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     args = command_parser(known.command).parse_args(argv[1:])
     try:
         return int(importlib.import_module(COMMANDS[known.command][0]).run(args) or 0)
-    except (FileNotFoundError, InputDataError, MissingPackageError) as error:
-        # A file that is not there (a path given on the command line, a package's data), a line of one that holds
-        # something else, or a package of models or prompts not installed: every such error of ours names the file
-        # (and line) or the `pip install`, so one line says it better than a traceback.
+    except (OSError, InputDataError, MissingPackageError) as error:
+        # A file that is not there or cannot be written (a path given on the command line, a package's data, a folder
+        # where a file was meant), a line of one that holds something else, or a package of models or prompts not
+        # installed: every such error names the file (and line) or the `pip install`, so one line says it better than
+        # a traceback.
         print(f"hf-domino {known.command}: {error}", file=sys.stderr)
         return 2
 

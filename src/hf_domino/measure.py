@@ -55,6 +55,7 @@ from .cost_model_domino import VerifyCost, cached_verify_cost, swap_verify_cost,
 from .cpu_fast_path import as_by_default, compiling_on_any_device
 from .drafting_domino import BlockDraft, DrafterContext, eager_rollout, run_backbone
 from .modeling_domino import DominoForSpeculation, TargetModules, context_features, hidden_state_indices
+from .options_domino import DominoOptions
 from .recurrent_cache_domino import RecurrentRollback, record_past, rolls_back
 from .transformers_dflash import to_transformers_dflash
 
@@ -277,6 +278,11 @@ def check_method(method: str, drafter: DominoForSpeculation | None, temperature:
         raise ValueError(f"Method {method!r} needs a drafter with a Domino head (projector_type='domino').")
     if spec.options.get("draft_vocab") and drafter.draft_vocab is None:
         raise ValueError(f"Method {method!r} needs a drafter with a draft vocabulary (see `hf-domino draft-vocab`).")
+    if spec.uses_drafter:  # its _k<N> and _tree<N> against the drafter's block
+        try:
+            DominoOptions.resolve(spec.options, None).validate_for(drafter.config)
+        except ValueError as error:
+            raise ValueError(f"Method {method!r}: {error}") from None
 
 
 def run_method(

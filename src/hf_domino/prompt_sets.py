@@ -69,14 +69,19 @@ def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
 def numbered_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     """`(where, record)` for each record of a jsonl file, gzipped or not; `where` is `path:line`."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as file:
-        for line_number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{line_number}", json.loads(line)
-            except json.JSONDecodeError as error:
-                raise InputDataError(f"{path}:{line_number} is not valid JSON: {error}") from error
+    line_number = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as file:
+            for line_number, line in enumerate(file, start=1):  # noqa: B007 (read after the loop, in the except)
+                if not line.strip():
+                    continue
+                try:
+                    yield f"{path}:{line_number}", json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise InputDataError(f"{path}:{line_number} is not valid JSON: {error}") from error
+    except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as error:
+        kind = "gzipped jsonl (by its .gz suffix)" if path.suffix == ".gz" else "UTF-8 jsonl"
+        raise InputDataError(f"{path}:{line_number + 1} is not {kind} text: {error}") from error
 
 
 def load_mtbench(limit: int | None = None) -> list[Messages]:
@@ -135,9 +140,15 @@ def sharegpt_to_messages(conversation: list[dict[str, str]]) -> Messages:
     """Convert ShareGPT turns (`{"from": "human" | "gpt" | ..., "value": str}`) to chat messages."""
     messages = []
     for turn in conversation:
+        if not isinstance(turn, dict) or not isinstance(turn.get("from", ""), str):
+            raise InputDataError(
+                f"A ShareGPT turn must be a JSON object with `from` and `value` strings, got {turn!r:.80}."
+            )
         role = SHAREGPT_ROLES.get(turn.get("from", "").lower())
         if role is None:
-            raise ValueError(f"Unknown ShareGPT role {turn.get('from')!r}; expected one of {sorted(SHAREGPT_ROLES)}.")
+            raise InputDataError(
+                f"Unknown ShareGPT role {turn.get('from')!r}; expected one of {sorted(SHAREGPT_ROLES)}."
+            )
         messages.append({"role": role, "content": turn.get("value") or ""})
     return messages
 
@@ -150,6 +161,8 @@ def first_user_turn(messages: Messages) -> Messages | None:
     """
     system = [message for message in messages[:1] if message["role"] == "system"]
     for message in messages:
+        if not isinstance(message["content"], str):
+            raise InputDataError(f"A message's content must be a string, got {message['content']!r:.80}.")
         if message["role"] == "user" and message["content"].strip():
             return [*system, message]
     return None
@@ -207,9 +220,15 @@ def record_to_prompt(record: dict[str, Any], where: str = "A record") -> Message
                 f"{where}: each of its `messages` must be a JSON object with a `role` (user, assistant, system) and "
                 'its `content`, e.g. {"role": "user", "content": "..."}.'
             )
-        return first_user_turn([{"role": m["role"], "content": m.get("content") or ""} for m in messages])
+        try:
+            return first_user_turn([{"role": m["role"], "content": m.get("content") or ""} for m in messages])
+        except InputDataError as error:
+            raise InputDataError(f"{where}: {error}") from None
     if isinstance(record.get("conversations"), list):
-        return first_user_turn(sharegpt_to_messages(record["conversations"]))
+        try:
+            return first_user_turn(sharegpt_to_messages(record["conversations"]))
+        except InputDataError as error:
+            raise InputDataError(f"{where}: {error}") from None
     raise InputDataError(
         f"{where} holds no prompt (its keys: {', '.join(sorted(record)) or 'none'}): expected `prompt` (a string), "
         "`messages` (chat messages) or `conversations` (ShareGPT turns)."
