@@ -93,6 +93,10 @@ def test_unknown_command_is_an_argparse_error():
         (["train", "--stop-after-minutes", "-5"], "a number in (0, inf)"),
         (["serve", "--port", "70000"], "a TCP port (1-65535)"),
         (["serve", "--port", "0"], "a TCP port (1-65535)"),
+        (["bench", "--seed", "99999999999999999999"], "a seed, an integer from 0 to 2**63 - 1"),  # overflowed later
+        (["regenerate", "--seed", "-1"], "a seed, an integer from 0 to 2**63 - 1"),
+        (["train", "--seed", "x"], "a seed, an integer from 0 to 2**63 - 1"),
+        (["bench", "--device", "bogus"], "a device torch names (cpu, cuda, cuda:1, ...)"),  # tracebacks after loading
     ],
 )
 def test_a_number_out_of_its_range_is_a_usage_error(argv, expected, capsys):
@@ -102,6 +106,13 @@ def test_a_number_out_of_its_range_is_a_usage_error(argv, expected, capsys):
         cli.main(argv)
     assert exit_info.value.code == 2
     assert f"argument {argv[1]}: expected {expected}, got {argv[2]!r}" in capsys.readouterr().err
+
+
+def test_a_device_this_machine_lacks_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["regenerate", "--device", "cuda:99"])
+    assert exit_info.value.code == 2
+    assert "argument --device: expected a device this machine has (torch sees" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from hf_domino import cli, prompt_mix, prompt_sets
+from hf_domino.prompt_sets import InputDataError
 from hf_domino.training import load_examples, pack, packed_info, unpack
 from hf_domino.training.regenerate import check_recipe
 
@@ -169,8 +170,21 @@ def test_check_recipe_refuses_to_extend_a_file_made_otherwise(tmp_path):
     check_recipe(path, {**RECIPE, "versions": {"torch": "1"}})
     assert json.loads((tmp_path / "regen.recipe.json").read_text())["versions"] == {"torch": "1"}
     check_recipe(path, {**RECIPE, "versions": {"torch": "2"}, "device": "cuda"})  # run details may change
+    # A first run stopped before its first batch kept nothing the recipe must match: it gives way (it was refused).
+    check_recipe(path, {**RECIPE, "max_new_tokens": 9})
+    assert json.loads((tmp_path / "regen.recipe.json").read_text())["max_new_tokens"] == 9
+    path.write_text(json.dumps(RECORDS[0]) + "\n")
     with pytest.raises(ValueError, match=r"another recipe \(max_new_tokens differ"):
-        check_recipe(path, {**RECIPE, "max_new_tokens": 9})
+        check_recipe(path, RECIPE)
+
+
+@pytest.mark.parametrize("text", ["{bad", "[1, 2]"])
+def test_a_broken_recipe_is_named(tmp_path, text):
+    path = tmp_path / "regen.jsonl"
+    path.write_text(json.dumps(RECORDS[0]) + "\n")
+    (tmp_path / "regen.recipe.json").write_text(text)  # a traceback (JSONDecodeError, AttributeError)
+    with pytest.raises(InputDataError, match="regen.recipe.json is no recipe .* remove it with its regenerated file"):
+        check_recipe(path, RECIPE)
 
 
 # ---------------------------------------------------------------------------------------------------- prompt mix

@@ -20,7 +20,7 @@ import transformers
 
 from . import assets, prompt_sets
 from .attention_kernels_domino import cudnn_attention_applies
-from .cli import non_negative_int, number_in, positive_int
+from .cli import device_name, non_negative_int, number_in, positive_int, seed_int
 from .cpu_fast_path import prepare_for_cpu_decoding
 from .measure import COMPILE_MODES, METHODS, BenchResult, BenchSettings, check_method, parse_method, run_benchmark
 from .measure_batch import BATCH_METHODS, batch_markdown, parse_batch_method, run_batch_benchmark
@@ -93,7 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "folder",
     )
     parser.add_argument("--gguf-file", help="GGUF file inside the --target folder to load the target from")
-    parser.add_argument("--device", default=None, help="where to run: cpu, cuda, cuda:1 (default: cuda if available)")
+    parser.add_argument(
+        "--device", type=device_name, default=None, help="where to run: cpu, cuda, cuda:1 (default: cuda if available)"
+    )
     parser.add_argument("--drafter", default=None, help=f"drafter folder (default: {assets.SHIPPED_DRAFTER})")
     parser.add_argument(
         "--random-weights",
@@ -145,7 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="untimed warm-up generation per method, in tokens (at least 1: every timed method runs warm)",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="sampling seed (with --temperature > 0) and --random-weights seed"
+        "--seed", type=seed_int, default=0, help="sampling seed (with --temperature > 0) and --random-weights seed"
     )
     parser.add_argument(
         "--batch-size",

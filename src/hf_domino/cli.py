@@ -65,6 +65,31 @@ def non_negative_int(value: str) -> int:
     return int(value)
 
 
+def device_name(value: str) -> str:
+    """argparse type of `--device`: a device torch names, of a kind this machine has (it failed after the target's
+    load: an AssertionError for cuda on a CPU-only torch)."""
+    import torch
+
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a device torch names (cpu, cuda, cuda:1, ...), got {value!r}"
+        ) from None
+    if device.type == "cuda" and torch.cuda.device_count() <= (device.index or 0):
+        raise argparse.ArgumentTypeError(
+            f"expected a device this machine has (torch sees {torch.cuda.device_count()} CUDA GPUs), got {value!r}"
+        )
+    return value
+
+
+def seed_int(value: str) -> int:
+    """argparse type of a seed: an integer torch and numpy take (0 to 2**63 - 1); a larger one overflowed in the run."""
+    if not value.strip().isdigit() or int(value) >= 2**63:
+        raise argparse.ArgumentTypeError(f"expected a seed, an integer from 0 to 2**63 - 1, got {value!r}")
+    return int(value)
+
+
 def number_in(low: float, high: float = math.inf, *, low_included: bool = True) -> Callable[[str], float]:
     """argparse type of a finite number in [low, high] ((low, high] with `low_included=False`): a temperature, a
     learning rate or a share out of range is a usage error at parsing, not a traceback after the target loads."""

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from .. import assets, prompt_sets
-from ..cli import non_negative_int, number_in, positive_int
+from ..cli import non_negative_int, number_in, positive_int, seed_int
 from ..configuration_domino import DominoConfig
 from ..modeling_domino import DRAFT_VOCAB_FILE, DominoForSpeculation
 from ..options_domino import check_drafter_config_for_target_config, check_drafter_for_target
@@ -157,7 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "folder with one; `hf-domino draft-vocab` builds it): cuts the LM head's share of each step. The trained "
         "drafter keeps it.",
     )
-    optim.add_argument("--seed", type=int, default=0, help="Seed of the initial weights and the block anchors.")
+    optim.add_argument("--seed", type=seed_int, default=0, help="Seed of the initial weights and the block anchors.")
     optim.add_argument("--log-every", type=positive_int, default=10, help="Log losses every this many steps.")
     optim.add_argument("--save-every", type=positive_int, default=100, help="Checkpoint every this many steps.")
     optim.add_argument(

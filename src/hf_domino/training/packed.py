@@ -72,7 +72,18 @@ def read_recipe(path: str | os.PathLike) -> dict[str, Any] | None:
     if Path(path).suffix == PACKED_SUFFIX:
         return packed_info(path)["recipe"]
     sidecar = recipe_path(path)
-    return json.loads(sidecar.read_text(encoding="utf-8")) if sidecar.exists() else None
+    if not sidecar.exists():
+        return None
+    try:
+        recipe = json.loads(sidecar.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        recipe = error
+    if not isinstance(recipe, dict):
+        raise InputDataError(
+            f"{sidecar} is no recipe (a JSON object of the settings {path} was regenerated with): {recipe}. Restore "
+            "it, or remove it with its regenerated file to start that file over."
+        )
+    return recipe
 
 
 def recipe_differences(recorded: dict[str, Any], recipe: dict[str, Any]) -> list[str]:

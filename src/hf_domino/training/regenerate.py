@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import assets, prompt_mix, prompt_sets
-from ..cli import non_negative_int, number_in, positive_int
+from ..cli import device_name, non_negative_int, number_in, positive_int, seed_int
 from ..prompt_sets import InputDataError, Messages
-from .packed import Key, read_keys, read_recipe, recipe_differences, recipe_path, record_key
+from .packed import Key, iter_records, read_keys, read_recipe, recipe_differences, recipe_path, record_key
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -57,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     target_group.add_argument("--gguf-file", help="GGUF file inside --target to load the target from.")
     target_group.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="Dtype to run the target in.")
-    target_group.add_argument("--device", default=None, help="Default: cuda when available, else cpu.")
+    target_group.add_argument(
+        "--device", type=device_name, default=None, help="Default: cuda when available, else cpu."
+    )
 
     source = parser.add_argument_group("prompts")
     choice = source.add_mutually_exclusive_group()
@@ -95,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Longer chat-templated prompts have their last message cut to fit.",
     )
     generation.add_argument("--temperature", type=number_in(0), default=0.0, help="0 decodes greedily (default).")
-    generation.add_argument("--seed", type=int, default=0, help="Sampling seed (with --temperature > 0).")
+    generation.add_argument("--seed", type=seed_int, default=0, help="Sampling seed (with --temperature > 0).")
     generation.add_argument(
         "--sort-window",
         type=positive_int,
@@ -382,6 +384,8 @@ def check_recipe(output_path: str | os.PathLike, recipe: dict[str, Any], *, reco
     Entries in `UNCHECKED_RECIPE_KEYS` (versions, device) may change between runs; the rest decides the answers.
     """
     recorded = read_recipe(output_path)
+    if recorded is not None and record and not _holds_a_record(output_path):
+        recorded = None  # left by a first run stopped before its first batch: nothing of it is kept to match
     if recorded is None and record:
         recipe_path(output_path).write_text(json.dumps(recipe, indent=2) + "\n", encoding="utf-8")
     elif recorded is not None and (differing := recipe_differences(recorded, recipe)):
@@ -390,6 +394,10 @@ def check_recipe(output_path: str | os.PathLike, recipe: dict[str, Any], *, reco
             f"{output_path} was regenerated with another recipe ({', '.join(differing)} differ from "
             f"{recipe_path(output_path)}: {settings}): write to a new file, or rerun with the recorded settings."
         )
+
+
+def _holds_a_record(output_path: str | os.PathLike) -> bool:
+    return Path(output_path).is_file() and next(iter_records(output_path), None) is not None
 
 
 def _append_run_log(
