@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -332,3 +333,23 @@ def test_data_train_and_pack_cannot_read_is_one_line_naming_it_before_the_target
         assert cli.main(list(argv)) == 2
         error = capsys.readouterr().err
         assert error.startswith(f"hf-domino {argv[0]}: ") and message in error and "Traceback" not in error
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        # The first loaded the target and wrote an empty file, its recipe and a log; the second ignored --split; the
+        # last two were tracebacks.
+        (["--prompts", "mtbench", "--limit", "0"], "no prompt selected (--skip 0, --limit 0)"),
+        (
+            ["--prompts", "mtbench", "--split", "heldout"],
+            "--split heldout picks a split of --dataset or of --prompts mix",
+        ),
+        (["--prompts", "mix", "--split", "bogus"], "--split bogus: the mix's splits are train and heldout"),
+    ],
+)
+def test_regenerate_refuses_a_selection_of_no_prompts_before_loading(flags, message, tmp_path, capsys):
+    output = tmp_path / "answers.jsonl"
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        cli.main(["regenerate", "--target", str(tmp_path / "never-loaded"), *flags, "--output", str(output)])
+    assert list(tmp_path.iterdir()) == []

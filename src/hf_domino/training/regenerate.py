@@ -34,6 +34,7 @@ import torch
 
 from .. import assets, prompt_mix, prompt_sets
 from ..cli import device_name, non_negative_int, number_in, positive_int, seed_int
+from ..dense_gguf import MissingPackageError
 from ..prompt_sets import InputDataError, Messages
 from .packed import Key, iter_records, read_keys, read_recipe, recipe_differences, recipe_path, record_key
 
@@ -119,8 +120,20 @@ def run(args: argparse.Namespace) -> int:
     """Run `hf-domino regenerate` with parsed arguments."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.split != "train" and not (args.dataset or args.prompts == MIX):
+        raise SystemExit(
+            f"hf-domino regenerate: --split {args.split} picks a split of --dataset or of --prompts mix; "
+            f"--prompts {args.prompts} has none."
+        )
+    if args.prompts == MIX and args.split not in ("train", "heldout"):
+        raise SystemExit(f"hf-domino regenerate: --split {args.split}: the mix's splits are train and heldout.")
     # Read the prompts before loading the target so that a bad prompt source fails fast.
     indices, prompts = load_cli_prompts(args)
+    if not prompts:
+        raise SystemExit(
+            f"hf-domino regenerate: no prompt selected (--skip {args.skip}, --limit {args.limit}): nothing to "
+            "regenerate."
+        )
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     recipe = cli_recipe(args, device)
     indices, prompts = _without_done(indices, prompts, args.done, recipe)
@@ -222,9 +235,7 @@ def load_dataset_prompts(
     try:
         import datasets
     except ImportError as error:
-        raise ModuleNotFoundError(
-            "--dataset needs the `datasets` package: `pip install datasets`.", name="datasets"
-        ) from error
+        raise MissingPackageError("--dataset needs the `datasets` package: `pip install datasets`.") from error
     dataset = datasets.load_dataset(name, split=split)
     end = len(dataset) if end is None else min(end, len(dataset))
     indices, prompts = [], []
