@@ -180,6 +180,11 @@ def test_an_input_file_line_of_another_kind_is_one_line_naming_it(command, lines
         (None, '{"index": 0, "input_ids": [1, 2], "loss_mask": [0, 1]}', "No recipe recorded beside {path} ("),
         ("{}", '{"input_ids": [1, 2], "loss_mask": [0, 1]}', "A record of {path} has neither `id` nor `index`"),
         ("{}", '{"index": 0, "input_ids": [1, 2], "loss_mask": [1, 0]}', "{path}: the loss mask of 0 is not zeros"),
+        # Packed as other tokens or prompts (a float id or index read as its floor), or tracebacks:
+        ("{}", '{"index": 0, "input_ids": [1, 2.7], "loss_mask": [0, 1]}', "{path}:1: its input_ids must be token"),
+        ("{}", '{"index": 0, "input_ids": [1, -2], "loss_mask": [0, 1]}', "{path}:1: its input_ids must be token"),
+        ("{}", '{"index": 0, "input_ids": [1, 2], "loss_mask": [0, "x"]}', "{path}:1: its loss_mask must hold 0s"),
+        ("{}", '{"index": 1.5, "input_ids": [1, 2], "loss_mask": [0, 1]}', "has id None / index 1.5"),
     ],
 )
 def test_pack_names_the_file_that_is_not_regenerated_data_and_writes_nothing(recipe, line, message, tmp_path, capsys):

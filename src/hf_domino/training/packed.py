@@ -51,11 +51,16 @@ Key = int | str  # a record's `index` (position in its source) or `id` (stable i
 def record_key(record: dict[str, Any], source: str | os.PathLike | None = None) -> Key:
     """What identifies a regenerated record: its string `id` (training mix), else its integer `index`; `source` (the
     file it came from) is named in the error for a record with neither."""
-    if "id" in record:
-        return str(record["id"])
-    if "index" in record:
-        return int(record["index"])
     where = "A record" if source is None else f"A record of {source}"
+    if isinstance(record.get("id"), str):
+        return record["id"]
+    if _is_int(record.get("index")) and record["index"] >= 0:
+        return record["index"]
+    if "id" in record or "index" in record:  # (a float index was read as its floor: another prompt's)
+        raise InputDataError(
+            f"{where} has id {record.get('id')!r} / index {record.get('index')!r}: `hf-domino regenerate` writes a "
+            "string id or an integer index >= 0 on every record; pass files that command wrote."
+        )
     raise InputDataError(
         f"{where} has neither `id` nor `index`, which `hf-domino regenerate` writes on every record: pass files that "
         "command wrote."
@@ -125,6 +130,10 @@ def iter_records(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
                 yield _regenerated_record(line, f"{path}:{line_number}")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _whole_json(line: str) -> bool:
     try:
         json.loads(line)
@@ -145,7 +154,15 @@ def _regenerated_record(line: str, where: str) -> dict[str, Any]:
             f"{where} is not a record of `hf-domino regenerate` (a JSON object with the lists input_ids and "
             "loss_mask): pass files that command wrote (or `hf-domino pack` files)."
         )
-    if len(record["input_ids"]) != len(record["loss_mask"]):
+    ids, mask = record["input_ids"], record["loss_mask"]
+    if not ids or not all(_is_int(token) and 0 <= token < 2**31 for token in ids):
+        raise InputDataError(
+            f"{where}: its input_ids must be token ids, integers from 0 (a float, a string or a negative id was "
+            "packed as another token, or failed there). Pass files `hf-domino regenerate` wrote."
+        )
+    if not all(value in (0, 1) and not isinstance(value, float) for value in mask):
+        raise InputDataError(f"{where}: its loss_mask must hold 0s and 1s. Pass files `hf-domino regenerate` wrote.")
+    if len(ids) != len(mask):
         raise InputDataError(
             f"{where} has {len(record['input_ids'])} input_ids but a loss_mask of {len(record['loss_mask'])}: each "
             "token needs its mask entry. Pass files `hf-domino regenerate` wrote."
