@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
+from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL
 
 from .cache_domino import CACHE_ARGUMENT
@@ -27,9 +28,10 @@ from .ragged_masks_domino import adds_its_mask, takes_no_4d_mask
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
     from transformers.generation.logits_process import LogitsProcessorList
-    from transformers.generation.stopping_criteria import StoppingCriteriaList
+    from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+    from .batch_generate_domino import FinishedRows
     from .options_domino import DominoOptions
 
 # Model types whose attention depends on where a key sits in the cache, not on the row's own positions: holes would
@@ -68,6 +70,35 @@ def check_batch_target(target: PreTrainedModel, generation_config: GenerationCon
             f"{type(target).__name__} biases attention by cache column (ALiBi over columns), and the holes a drafted "
             "batch leaves in the cache would change those distances: generate one prompt at a time with the drafter "
             "(exact), or the batch without it."
+        )
+
+
+def check_states_kept_to_a_stop(
+    stops_together: bool,
+    stopping_criteria: StoppingCriteriaList,
+    finished_rows: FinishedRows | None,
+    time_limits: list[MaxTimeCriteria],
+) -> None:
+    """Refuses a batch of a recurrent target whose rows stop together (no EOS token) at a criterion, or at a time
+    limit, and whose cache the call returns: a row that ran past the column the call ends at could not take its
+    states back."""
+    if time_limits and finished_rows is not None:
+        raise ValueError(
+            "max_time ends every row of the target alone's batch at the same column, where a drafted batch's rows "
+            "stand at columns of their own: those ahead are cut back, and the target's recurrent states cannot be cut "
+            f"back for the cache the call returns. Return no cache (return_dict_in_generate=False and no "
+            f"{CACHE_ARGUMENT}=), drop max_time, or generate without assistant_model."
+        )
+    if (
+        stops_together
+        and finished_rows is not None
+        and any(not isinstance(criterion, MaxLengthCriteria) for criterion in stopping_criteria)
+    ):
+        raise ValueError(
+            "This batch has no EOS token, so its rows run on until the last one stops (at a stop string or "
+            "criterion), as the target alone's do, and the target's recurrent states cannot be cut back to where "
+            f"the call then ends for the cache it returns: pass eos_token_id, or return no cache "
+            f"(return_dict_in_generate=False and no {CACHE_ARGUMENT}=), or generate without assistant_model."
         )
 
 
@@ -408,6 +439,7 @@ __all__ = [
     "TokenScores",
     "check_batch_call",
     "check_batch_target",
+    "check_states_kept_to_a_stop",
     "compiled_plain_steps",
     "key_weights",
     "prompt_inputs",

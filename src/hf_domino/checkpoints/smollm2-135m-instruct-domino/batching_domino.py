@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import MaxLengthCriteria, MaxTimeCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList
 
-from .batch_call_domino import TokenScores, key_weights
+from .batch_call_domino import TokenScores, check_states_kept_to_a_stop, key_weights
 from .batch_drafts_domino import CycleDrafter, CycleDrafts
 from .batch_policy_domino import CallWindow, call_speculates
 from .batch_prompts_domino import PromptReading
-from .cache_domino import CACHE_ARGUMENT, buffer_layers
+from .cache_domino import buffer_layers
 from .copied_drafts_domino import judge_copy
 from .cost_model_domino import row_paces, settle_for_timing
 from .drafting_domino import CallStops, asked_without_scores, first_stop
@@ -91,33 +91,7 @@ PRICE_BY_MAKESPAN = False
 ROW_PACES = False
 
 
-def check_states_kept_to_a_stop(
-    stops_together: bool,
-    stopping_criteria: StoppingCriteriaList,
-    finished_rows: FinishedRows | None,
-    time_limits: list[MaxTimeCriteria],
-) -> None:
-    """Refuses a batch of a recurrent target whose rows stop together (no EOS token) at a criterion, or at a time
-    limit, and whose cache the call returns: a row that ran past the column the call ends at could not take its
-    states back."""
-    if time_limits and finished_rows is not None:
-        raise ValueError(
-            "max_time ends every row of the target alone's batch at the same column, where a drafted batch's rows "
-            "stand at columns of their own: those ahead are cut back, and the target's recurrent states cannot be cut "
-            f"back for the cache the call returns. Return no cache (return_dict_in_generate=False and no "
-            f"{CACHE_ARGUMENT}=), drop max_time, or generate without assistant_model."
-        )
-    if (
-        stops_together
-        and finished_rows is not None
-        and any(not isinstance(criterion, MaxLengthCriteria) for criterion in stopping_criteria)
-    ):
-        raise ValueError(
-            "This batch has no EOS token, so its rows run on until the last one stops (at a stop string or "
-            "criterion), as the target alone's do, and the target's recurrent states cannot be cut back to where "
-            f"the call then ends for the cache it returns: pass eos_token_id, or return no cache "
-            f"(return_dict_in_generate=False and no {CACHE_ARGUMENT}=), or generate without assistant_model."
-        )
+_NO_TOKENS = torch.zeros((1, 0), dtype=torch.long)  # what a time limit is asked with
 
 
 class BatchedDecoding(PromptReading):
@@ -314,9 +288,8 @@ class BatchedDecoding(PromptReading):
         together, ends at one column: a row whose EOS came before it keeps its end, one whose EOS came after is cut."""
         finished = {row for row, answer in zip(rows, done) if answer}
         generating = [row for row in self.active if row not in finished]
-        if not generating or not any(
-            bool(limit(self.sequences[generating[0]][None], None).all()) for limit in self.time_limits
-        ):
+        # Asked of a host tensor: a time limit reads no token, and one of the device's would wait for the device.
+        if not generating or not any(bool(limit(_NO_TOKENS, None).all()) for limit in self.time_limits):
             return done
         return self.end_at(min(self.generated(row) for row in generating), rows)
 
