@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import hf_domino
-from hf_domino import cli
+from hf_domino import bench, cli
 from hf_domino.assets import SHIPPED_DRAFTER
 from hf_domino.recurrent_cache_domino import TRANSFORMERS_ROLLS_BACK_RECURRENT_STATES
 
@@ -231,6 +231,25 @@ def test_export_refuses_bad_input_before_loading_and_writes_nothing(tmp_path, ca
     assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize(
+    "target, gguf_file, message",
+    [
+        ("empty", None, "empty holds no config.json: give the folder of a transformers model"),
+        ("smollm2", "x.gguf", "'smollm2' is an offline target that loads its own GGUF checkpoint: drop gguf_file"),
+        ("empty", "x.gguf", "No x.gguf in "),
+    ],
+)
+def test_a_target_that_cannot_load_is_one_line_naming_it(target, gguf_file, message, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()  # transformers said only that it could not build a tokenizer, or went online
+    target = str(tmp_path / target) if target == "empty" else target
+    argv = ["bench", "--target", target, "--methods", "target", "--num-prompts", "1"]
+    for command in (argv, ["regenerate", "--target", target, "--output", str(tmp_path / "out.jsonl")]):
+        assert cli.main(command + (["--gguf-file", gguf_file] if gguf_file else [])) == 2
+        error = capsys.readouterr().err
+        assert message in error and "Traceback" not in error, error
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["empty"]
+
+
 def test_bench_takes_a_gguf_folder_like_train():
     for command in ("bench", "train", "regenerate"):
         options = {o for action in cli.command_parser(command)._actions for o in action.option_strings}
@@ -358,3 +377,39 @@ def test_regenerate_refuses_a_selection_of_no_prompts_before_loading(flags, mess
     with pytest.raises(SystemExit, match=re.escape(message)):
         cli.main(["regenerate", "--target", str(tmp_path / "never-loaded"), *flags, "--output", str(output)])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_says_when_its_prompts_hold_fewer_than_num_prompts(tmp_path, capsys):
+    prompts = tmp_path / "two.jsonl"
+    prompts.write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    args = argparse.Namespace(prompts=str(prompts), num_prompts=5)
+    assert len(bench._load_prompts(args)) == 2
+    assert f"--prompts {prompts} holds 2 prompts, fewer than --num-prompts 5: running 2." in capsys.readouterr().err
+    args.num_prompts = 2
+    assert len(bench._load_prompts(args)) == 2 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("where", ["a folder", "under a file"])
+def test_an_output_that_cannot_be_written_is_refused_before_the_work_and_writes_nothing(where, tmp_path):
+    """regenerate wrote its recipe, loaded the target and failed with `[Errno 21] Is a directory` (or `[Errno 17]
+    File exists` under a file); train's --eval-output failed after the whole evaluation."""
+    (tmp_path / "a-file").write_text("mine")
+    outputs = {name: tmp_path / name for name in ("out.jsonl", "out.safetensors", "out.json")}
+    if where == "a folder":
+        for output in outputs.values():
+            output.mkdir()
+    else:
+        outputs = {name: tmp_path / "a-file" / name for name in outputs}
+    commands = [
+        ["regenerate", "--prompts", "mtbench", "--limit", "1", "--output", str(outputs["out.jsonl"])],
+        ["pack", "--data", str(tmp_path / "no-data.jsonl"), "--output", str(outputs["out.safetensors"])],
+        ["train", "--eval-only", "--eval-output", str(outputs["out.json"]), "--output-dir", str(tmp_path / "run")],
+    ]
+    if where == "under a file":
+        commands.append(["train", "--data", str(tmp_path / "a-file"), "--output-dir", str(tmp_path / "a-file" / "r")])
+    before = sorted(tmp_path.rglob("*"))
+    for command in commands:
+        expected = "is a folder; give the path" if where == "a folder" else f"{tmp_path / 'a-file'} is a file; give"
+        with pytest.raises(SystemExit, match=re.escape(expected)):
+            cli.main(command)
+    assert sorted(tmp_path.rglob("*")) == before

@@ -648,7 +648,7 @@ def test_cli_regenerate_then_train_any_causal_lm(model, tokenizer, tmp_path):
     with pytest.raises(SystemExit, match="--draft-lengths and --eval-output belong to --eval-only"):
         cli.main([*train, "--draft-lengths", "4", "--output-dir", str(tmp_path / "i")])  # was ignored in silence
     (tmp_path / "a-file").write_text("mine")
-    with pytest.raises(SystemExit, match="a-file is a file: give the path of a folder"):
+    with pytest.raises(SystemExit, match="a-file is a file; give the path of a folder"):
         cli.main([*train, "--output-dir", str(tmp_path / "a-file")])
 
     # --draft-vocab: trained over a draft vocabulary, which the trained drafter keeps; bad files fail before loading.

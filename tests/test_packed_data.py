@@ -132,6 +132,8 @@ def test_pack_refuses_what_it_cannot_represent(tmp_path):
         pack(write_jsonl(tmp_path / "bare.jsonl", RECORDS[:1], recipe=None), out)
     with pytest.raises(ValueError, match="different recipes"):
         pack([good, write_jsonl(tmp_path / "c.jsonl", RECORDS[2:3], recipe={**RECIPE, "dtype": "bfloat16"})], out)
+    with pytest.raises(ValueError, match="c.jsonl was regenerated with another recipe than the one given \\(dtype"):
+        pack([write_jsonl(tmp_path / "c.jsonl", RECORDS[2:3], recipe={**RECIPE, "dtype": "bfloat16"})], out, RECIPE)
     with pytest.raises(ValueError, match="No complete records"):
         pack(write_jsonl(tmp_path / "empty.jsonl", []), out)
     with pytest.raises(FileNotFoundError, match="No regenerated data at .*absent.jsonl"):

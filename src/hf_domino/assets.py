@@ -200,6 +200,28 @@ def check_model_reference(target: str) -> None:
         )
 
 
+def check_model_files(target: str, gguf_file: str | None = None) -> None:
+    """A `FileNotFoundError` naming the problem where a model cannot load from `target` and `gguf_file`: a folder
+    without config.json (transformers says only that it cannot build a tokenizer), a folder without `gguf_file`, or
+    `gguf_file` with an offline name, which loads its own GGUF (it was read as a Hub id and fetched online)."""
+    if gguf_file is not None and target in OFFLINE_TARGETS:
+        raise FileNotFoundError(
+            f"{target!r} is an offline target that loads its own GGUF checkpoint: drop gguf_file (--gguf-file), or "
+            "give the folder or Hub id that holds it as the target."
+        )
+    folder = Path(target).expanduser()
+    if not folder.is_dir():
+        return
+    if gguf_file is not None and not (folder / gguf_file).is_file():
+        raise FileNotFoundError(f"No {gguf_file} in {target}: give the name of a GGUF file in that folder.")
+    if gguf_file is None and not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{target} holds no config.json: give the folder of a transformers model (or the folder of a GGUF "
+            "checkpoint with gguf_file, --gguf-file), a Hub id, or an offline name "
+            f"({', '.join(OFFLINE_TARGETS)})."
+        )
+
+
 def load_target(
     target: str = "smollm2",
     *,
@@ -218,6 +240,7 @@ def load_target(
 
     dtype = dtype or torch.float32
     check_model_reference(target)
+    check_model_files(target, gguf_file)
     offline = offline_gguf_path(target) if gguf_file is None else None
     if offline is not None:
         model, tokenizer = load_dense_gguf(offline, dtype)
@@ -234,6 +257,8 @@ def load_tokenizer(target: str = "smollm2", *, gguf_file: str | None = None) -> 
     from transformers import AutoTokenizer
 
     check_model_reference(target)
+    if gguf_file is not None:  # a tokenizer's folder may hold no config.json
+        check_model_files(target, gguf_file)
     offline = offline_gguf_path(target) if gguf_file is None else None
     if offline is not None:
         return load_dense_gguf_tokenizer(offline)

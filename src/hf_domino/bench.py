@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ import transformers
 
 from . import assets, prompt_sets
 from .attention_kernels_domino import cudnn_attention_applies
-from .cli import device_name, non_negative_int, number_in, positive_int, seed_int
+from .cli import device_name, non_negative_int, number_in, output_problem, positive_int, seed_int
 from .cpu_fast_path import prepare_for_cpu_decoding
 from .measure import COMPILE_MODES, METHODS, BenchResult, BenchSettings, check_method, parse_method, run_benchmark
 from .measure_batch import BATCH_METHODS, batch_markdown, parse_batch_method, run_batch_benchmark
@@ -224,18 +225,6 @@ def decoding_names(args: argparse.Namespace) -> tuple[str, str]:
     return "-".join(short for short, _ in parts), ", ".join(long for _, long in parts)
 
 
-def _folder_problem(folder: Path) -> str | None:
-    """Why `folder` could not be made or written into (said before the run, which writes it at its end), or None."""
-    existing = folder
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is a file"
-    if not os.access(existing, os.W_OK):
-        return f"{existing} is not writable"
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     metadata = machine_metadata(args.threads)
@@ -264,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compile != "auto" and not args.static_cache:
         raise SystemExit("hf-domino bench: --compile applies to --static-cache runs (transformers compiles no other).")
     _check_mode_flags(args)
-    if args.output_dir and (problem := _folder_problem(Path(args.output_dir))):
+    if args.output_dir and (problem := output_problem(args.output_dir, folder=True)):
         raise SystemExit(f"hf-domino bench: --output-dir {args.output_dir}: {problem}; give a folder for the report.")
     if args.batch_size:
         return run_batches(args, metadata, dtype)
@@ -273,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
             "hf-domino bench: --repeats applies to --batch-size runs (per-prompt runs time each prompt once)."
         )
     # The prompts and the drafter's folder are checked before the target's load, which can take a minute.
-    conversations = prompt_sets.load_prompts(args.prompts, args.num_prompts)
+    conversations = _load_prompts(args)
     needs_drafter = any(parse_method(m).uses_drafter for m in methods)
     if needs_drafter:
         _drafter_folder(args)
@@ -422,6 +411,19 @@ def _cpu_fast_path(args: argparse.Namespace, target, drafter) -> str:
     return str(report)
 
 
+def _load_prompts(args: argparse.Namespace) -> list:
+    """The first --num-prompts prompts of --prompts, saying so where the set holds fewer (the report's rows and
+    medians would otherwise stand for a run of the number asked)."""
+    conversations = prompt_sets.load_prompts(args.prompts, args.num_prompts)
+    if len(conversations) < args.num_prompts:
+        print(
+            f"Note: --prompts {args.prompts} holds {len(conversations)} prompts, fewer than --num-prompts "
+            f"{args.num_prompts}: running {len(conversations)}.",
+            file=sys.stderr,
+        )
+    return conversations
+
+
 def run_batches(args: argparse.Namespace, metadata: dict[str, Any], dtype: torch.dtype) -> int:
     """`--batch-size`: batched generation with the drafter against the batched target alone, per batch size."""
     methods = [m.strip() for m in args.batch_methods.split(",") if m.strip()]
@@ -436,7 +438,7 @@ def run_batches(args: argparse.Namespace, metadata: dict[str, Any], dtype: torch
             raise SystemExit(f"hf-domino bench: --batch-methods: {error}") from None
     if max(args.batch_size) > args.num_prompts:
         raise SystemExit(f"hf-domino bench: --batch-size {max(args.batch_size)} needs --num-prompts at least that.")
-    conversations = prompt_sets.load_prompts(args.prompts, args.num_prompts)  # a typo fails before loading
+    conversations = _load_prompts(args)  # a typo fails before loading
     if max(args.batch_size) > len(conversations):
         raise SystemExit(
             f"hf-domino bench: --batch-size {max(args.batch_size)} needs that many prompts, and --prompts "

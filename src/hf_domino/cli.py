@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from .dense_gguf import MissingPackageError
 from .prompt_sets import InputDataError
@@ -105,6 +107,24 @@ def number_in(low: float, high: float = math.inf, *, low_included: bool = True) 
         return number
 
     return parse
+
+
+def output_problem(path: str | os.PathLike, *, folder: bool = False) -> str | None:
+    """Why `path` cannot be written, as a file (or with `folder` as a folder to write into), or None: said before
+    the work whose result it receives (a run, a target's load), which reached the error only at its end."""
+    path = Path(path)
+    if path.is_dir() and not folder:
+        return f"{path} is a folder"
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir() and existing != path:
+        return f"{existing} is a file"
+    if existing == path and folder and not path.is_dir():
+        return f"{path} is a file"
+    if not os.access(existing, os.W_OK):
+        return f"{existing} is not writable"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from .. import assets, prompt_sets
-from ..cli import non_negative_int, number_in, positive_int, seed_int
+from ..cli import non_negative_int, number_in, output_problem, positive_int, seed_int
 from ..configuration_domino import DominoConfig
 from ..modeling_domino import DRAFT_VOCAB_FILE, DominoForSpeculation
 from ..options_domino import check_drafter_config_for_target_config, check_drafter_for_target
@@ -237,8 +237,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             "--max-new-tokens must be at least 2: the prefill makes the first token, the drafts the rest."
         )
-    if args.output_dir.exists() and not args.output_dir.is_dir():
-        raise SystemExit(f"--output-dir {args.output_dir} is a file: give the path of a folder for the checkpoints.")
+    if problem := output_problem(args.output_dir, folder=True):
+        raise SystemExit(f"--output-dir {args.output_dir}: {problem}; give the path of a folder for the checkpoints.")
+    if args.eval_output and (problem := output_problem(args.eval_output)):
+        raise SystemExit(f"--eval-output {args.eval_output}: {problem}; give the path of a json file to write.")
     if args.features_only and not args.feature_cache:
         raise SystemExit("--features-only fills a feature cache and trains nothing: give --feature-cache DIR too.")
     _check_checkpoints_left(args)

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from .. import assets
+from ..cli import output_problem
 from ..prompt_sets import InputDataError
 
 FORMAT_VERSION = "1"
@@ -180,8 +181,8 @@ def pack(
     Args:
         jsonl_paths: files written by `hf-domino regenerate`; a record found in two files must be the same.
         out_path: the `.safetensors` file to write (replaced atomically).
-        recipe: how the records were made; by default the `out.recipe.json` recorded beside the files, which must
-            then agree.
+        recipe: how the records were made, for files regenerated without a recipe; by default the
+            `out.recipe.json` recorded beside the files. The recipes recorded must agree with it.
 
     Returns:
         What the file records about itself (`packed_info`): format, token dtype, key kind, `recipe` and `counts`.
@@ -196,6 +197,12 @@ def pack(
         )
     if recipe is None:
         recipe = _recorded_recipe(paths)
+    for path in paths:  # a recipe given for files without one must not relabel those regenerated otherwise
+        if (recorded := read_recipe(path)) is not None and (differing := recipe_differences(recorded, recipe)):
+            raise InputDataError(
+                f"{path} was regenerated with another recipe than the one given ({', '.join(differing)} differ from "
+                f"{recipe_path(path)}): pack it without --recipe (recipe=), or separately."
+            )
     by_key: dict[Key, tuple[list[int], int]] = {}
     for path in paths:
         for record in iter_records(path):
@@ -336,7 +343,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", nargs="+", type=Path, required=True, help="jsonl files of `hf-domino regenerate`.")
     parser.add_argument("--output", type=Path, required=True, help=f"The {PACKED_SUFFIX} file to write.")
     parser.add_argument(
-        "--recipe", type=Path, help="A JSON recipe to record (default: the out.recipe.json beside --data)."
+        "--recipe",
+        type=Path,
+        help="A JSON recipe to record, for --data regenerated without one (default: the out.recipe.json beside "
+        "--data; those recorded must agree with it).",
     )
 
 
@@ -355,6 +365,8 @@ def run(args: argparse.Namespace) -> int:
     """Run `hf-domino pack` with parsed arguments."""
     if args.output.suffix != PACKED_SUFFIX:
         raise SystemExit(f"--output must end with {PACKED_SUFFIX} (training reads packed files by that suffix).")
+    if problem := output_problem(args.output):
+        raise SystemExit(f"hf-domino pack: --output {args.output}: {problem}; give the path of a file to write.")
     recipe = _read_recipe_option(args.recipe) if args.recipe else None
     info = pack(args.data, args.output, recipe)
     counts = info["counts"]

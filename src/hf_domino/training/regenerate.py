@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import assets, prompt_mix, prompt_sets
-from ..cli import device_name, non_negative_int, number_in, positive_int, seed_int
+from ..cli import device_name, non_negative_int, number_in, output_problem, positive_int, seed_int
 from ..dense_gguf import MissingPackageError
 from ..prompt_sets import InputDataError, Messages
 from .packed import Key, iter_records, read_keys, read_recipe, recipe_differences, recipe_path, record_key
@@ -137,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     recipe = cli_recipe(args, device)
     indices, prompts = _without_done(indices, prompts, args.done, recipe)
+    if problem := output_problem(args.output):
+        raise SystemExit(f"hf-domino regenerate: --output {args.output}: {problem}; give the path of a jsonl file.")
     check_recipe(args.output, recipe, record=False)  # before the target loads
     target_model, tokenizer = assets.load_target(
         args.target, gguf_file=args.gguf_file, dtype=DTYPES[args.dtype], device=device
