@@ -67,20 +67,28 @@ def non_negative_int(value: str) -> int:
     return int(value)
 
 
-def device_name(value: str) -> str:
-    """argparse type of `--device`: a device torch names, of a kind this machine has (it failed after the target's
-    load: an AssertionError for cuda on a CPU-only torch)."""
+def missing_gpus(device: str) -> int | None:
+    """How many CUDA GPUs torch sees where `device` names one this machine lacks, else None; a `RuntimeError` where
+    torch names no such device. Asked before a model loads, which failed with an AssertionError on a CPU-only torch."""
     import torch
 
+    named = torch.device(device)
+    if named.type == "cuda" and torch.cuda.device_count() <= (named.index or 0):
+        return torch.cuda.device_count()
+    return None
+
+
+def device_name(value: str) -> str:
+    """argparse type of `--device`: a device torch names, of a kind this machine has."""
     try:
-        device = torch.device(value)
+        seen = missing_gpus(value)
     except RuntimeError:
         raise argparse.ArgumentTypeError(
             f"expected a device torch names (cpu, cuda, cuda:1, ...), got {value!r}"
         ) from None
-    if device.type == "cuda" and torch.cuda.device_count() <= (device.index or 0):
+    if seen is not None:
         raise argparse.ArgumentTypeError(
-            f"expected a device this machine has (torch sees {torch.cuda.device_count()} CUDA GPUs), got {value!r}"
+            f"expected a device this machine has (torch sees {seen} CUDA GPUs), got {value!r}"
         )
     return value
 

@@ -36,7 +36,7 @@ from .assets import (
     offline_folder,
 )
 from .attached_drafter_domino import attach_drafter, check_options
-from .cli import positive_int
+from .cli import missing_gpus, positive_int
 from .continuous_batching_domino import DEFAULT_ROWS
 from .dense_gguf import patched_attribute
 from .options_domino import DominoOptions
@@ -229,20 +229,16 @@ DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 def _check_device(device: str) -> None:
     """`device` as transformers serve takes it: a placement strategy, a GPU's index, or a device torch names, which
     this machine has."""
-    import torch
-
     if device in DEVICE_MAP_STRATEGIES:
         return
     try:
-        named = torch.device(f"cuda:{device}" if device.isdigit() else device)  # a GPU's index
+        seen = missing_gpus(f"cuda:{device}" if device.isdigit() else device)  # a GPU's index
     except RuntimeError as error:
         raise NotServable(
             f"device {device!r} is no device torch names ({error}): auto, cpu, cuda, cuda:0, 0, ..."
         ) from None
-    if named.type == "cuda" and not torch.cuda.device_count() > (named.index or 0):
-        raise NotServable(
-            f"device {device!r}: this torch sees {torch.cuda.device_count()} CUDA GPUs; serve on auto or cpu."
-        )
+    if seen is not None:
+        raise NotServable(f"device {device!r}: this torch sees {seen} CUDA GPUs; serve on auto or cpu.")
 
 
 def check_address(host: str, port: int) -> None:
