@@ -318,6 +318,47 @@ def test_products_match_eager_and_follow_weight_changes(monkeypatch):
     assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5)
 
 
+def test_updates_through_data_are_followed_as_a_lora_merge_makes_them():
+    """`.data` hands out the values with a version counter of their own, so an update through it (PEFT's merge of a
+    LoRA adapter, `base_layer.weight.data += delta`; an edit of a tied embedding's rows) left the packed copy stale:
+    the prepared target answered with its old weights, silently."""
+    target = tiny_target("qwen3", tie_word_embeddings=True, seed=0)
+    reference = copy.deepcopy(target)
+    prepare_for_cpu_decoding(target, measure_products=False)  # every product packed
+    input_ids = prompt(target.config.vocab_size)
+    assert greedy(target, input_ids).equal(greedy(reference, input_ids))
+
+    def low_rank(weight: torch.Tensor) -> torch.Tensor:  # a LoRA adapter's delta, rank 2
+        generator = torch.Generator().manual_seed(weight.shape[0])
+        return torch.randn(weight.shape[0], 2, generator=generator) @ torch.randn(
+            2, weight.shape[1], generator=generator
+        )
+
+    edits = [
+        lambda model: model.model.layers[0].self_attn.q_proj.weight.data.__iadd__(low_rank(model.lm_head.weight)[:32]),
+        lambda model: model.model.layers[0].mlp.down_proj.weight.data.copy_(torch.full((32, 64), 0.05)),
+        lambda model: model.model.embed_tokens.weight.data[10:20].mul_(5),  # the LM head's rows too, being tied
+        lambda model: model.lm_head.weight.data.mul_(2),
+    ]
+    for edit in edits:
+        edit(target)
+        edit(reference)
+        with torch.no_grad():
+            assert torch.allclose(target(input_ids).logits, reference(input_ids).logits, atol=1e-5)
+        assert greedy(target, input_ids).equal(greedy(reference, input_ids))
+    # A parametrization moves the weight out of the module's parameters: the product is F.linear's (a KeyError before).
+    layer = target.model.layers[0].mlp.up_proj
+    torch.nn.utils.parametrize.register_parametrization(layer, "weight", _Doubled())
+    torch.nn.utils.parametrize.register_parametrization(reference.model.layers[0].mlp.up_proj, "weight", _Doubled())
+    with torch.no_grad():
+        assert torch.allclose(target(input_ids).logits, reference(input_ids).logits, atol=1e-5)
+
+
+class _Doubled(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
+
+
 def test_autograd_dtype_changes_copies_and_pickles_fall_back_or_repack():
     torch.manual_seed(0)
     layer = nn.Linear(16, 8)

@@ -54,6 +54,7 @@ from transformers.utils import is_torch_greater_or_equal
 from .prepacked_linear import (
     PACKABLE_DTYPES,
     PrepackedLinear,
+    WatchedParameter,
     eager_linears,
     measure_linear_dispatch,
     packable_dtypes,
@@ -291,8 +292,13 @@ def _prepare(model: nn.Module, name: str, report: CpuFastPathReport, measure_pro
 
 def _plain_float(weight: torch.Tensor) -> bool:
     # A quantized weight keeps its own product: oneDNN cannot repack it. An inference tensor has no version counter to
-    # tell when its packed copy is stale.
-    return dense_weight(weight) and weight.dtype in PACKABLE_DTYPES and not weight.is_inference()
+    # tell when its packed copy is stale, a parameter of another class no `.data` that `WatchedParameter` could watch.
+    return (
+        dense_weight(weight)
+        and type(weight) in (nn.Parameter, WatchedParameter)
+        and weight.dtype in PACKABLE_DTYPES
+        and not weight.is_inference()
+    )
 
 
 def _pack_draft_vocabulary(target: nn.Module, drafter: nn.Module) -> None:

@@ -17,10 +17,12 @@ keeps `F.linear` where it measured faster (`measure_linear_dispatch`).
 A `PrepackedLinear` is an `nn.Linear` whose class `prepare_for_cpu_decoding` swapped in place (its parameters are
 the same objects). So:
 
-- `weight` and `bias` stay ordinary dense parameters: tied weights stay tied, `state_dict()`/`save_pretrained()`
-  and loading are unchanged, and the drafter still reads the target's LM head and embedding table;
-- the packed copy is derived data, rebuilt whenever the weight changes (assignment, in-place update, `.to()`), never
-  saved or copied (deep copies and pickles drop it), and costs a second copy of each weight in memory;
+- `weight` and `bias` stay the module's dense parameters, the same objects (a packed weight's class becomes
+  `WatchedParameter`, an `nn.Parameter`): tied weights stay tied, `state_dict()`/`save_pretrained()` and loading are
+  unchanged, and the drafter still reads the target's LM head and embedding table;
+- the packed copy is derived data, rebuilt whenever the weight changes (assignment, in-place update, an update
+  through `.data`, which `WatchedParameter` counts, `.to()`), never saved or copied (deep copies and pickles drop
+  it), and costs a second copy of each weight in memory;
 - the product is `F.linear` at the row counts where that measured faster here, and where the packed one does not
   apply: inputs not on the CPU, autograd (training), an input dtype unlike the weight's, dtypes oneDNN cannot pack on
   this CPU (fp16 without avx512_fp16), inference tensors (made under `torch.inference_mode()`: they have no version
@@ -47,10 +49,42 @@ MAX_ROW_SETS = 4
 _EAGER = contextvars.ContextVar("hf_domino_eager_linears", default=False)
 
 
+class WatchedParameter(nn.Parameter):
+    """A packed weight: an `nn.Parameter` that counts the times it hands out `.data`.
+
+    `.data` gives the weight's values with a version counter of their own, so an update through it (PEFT's merge of a
+    LoRA adapter, `weight.data += delta`; an edit of a tied embedding's rows) leaves `weight._version` as it was, and a
+    packed copy checked by version alone was read stale: the prepared model answered with its old weights. Every
+    `.data` is taken for a possible write (the next product packs again); nothing in a decoding step asks for it.
+    """
+
+    data_handed_out = 0  # per weight once it has handed out `.data`
+
+    @property
+    def data(self) -> torch.Tensor:
+        self.data_handed_out += 1
+        return nn.Parameter.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        self.data_handed_out += 1
+        nn.Parameter.data.__set__(self, value)
+
+
 def _weight_key(weight: torch.Tensor) -> tuple:
-    """Changes whenever the weight's values may have: a new tensor, an in-place update, a new dtype or device."""
+    """Changes whenever the weight's values may have: a new tensor, an in-place update (of the weight, or through its
+    `.data` once watched), a new dtype or device."""
     version = -1 if weight.is_inference() else weight._version  # inference tensors have no version counter
-    return (weight.data_ptr(), version, weight.dtype, weight.device, tuple(weight.shape))
+    handed_out = getattr(weight, "data_handed_out", 0)
+    return (weight.data_ptr(), version, handed_out, weight.dtype, weight.device, tuple(weight.shape))
+
+
+def _watch(weight: torch.Tensor) -> bool:
+    """Makes a plain `nn.Parameter` a `WatchedParameter` (the same object); whether `weight` is watched now. Other
+    tensors (another library's parameter class, a plain tensor) are not packed: their `.data` could not be seen."""
+    if type(weight) is nn.Parameter:
+        weight.__class__ = WatchedParameter
+    return type(weight) is WatchedParameter
 
 
 def packable_dtypes() -> tuple[torch.dtype, ...]:
@@ -82,24 +116,29 @@ class PrepackedLinear(nn.Linear):
     _eager_rows_for: tuple | None = None
 
     def _packs(self, x: torch.Tensor) -> bool:
-        weight = self.weight
+        weight = self._parameters.get("weight")  # absent under a parametrization (weight_norm, ...): computed anew
         return (
-            not _EAGER.get()
+            weight is not None
+            and "bias" in self._parameters
+            and not _EAGER.get()
             and x.device.type == "cpu"
             and weight.device.type == "cpu"
             and x.dtype == weight.dtype
             and weight.dtype in PACKABLE_DTYPES
             and not weight.is_inference()
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+            and _watch(weight)  # a plain Parameter is watched from its first packing on
         )
 
     def packed_weight(self) -> torch.Tensor:
         """The weight in oneDNN's packed layout, packed again if the weight changed since."""
         weight = self.weight
+        _watch(weight)
         key = _weight_key(weight)
         if self._packed is None or self._packed[0] != key:
-            # Also the Parameter itself, for `forward`'s short check: the same object, storage and version hold the
-            # same values (new data moves the storage, in-place changes the version, assignment the object).
+            # Also the Parameter itself, for `forward`'s short check: the same object, storage, version and count of
+            # `.data` handed out hold the same values (new data moves the storage, in-place changes the version, an
+            # update through `.data` the count, assignment the object).
             self._packed = (key, weight, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
             if self._eager_rows and self._eager_rows_for != (weight.dtype, tuple(weight.shape)):
                 self._eager_rows = frozenset()  # measured for another dtype or shape: packed until measured again
@@ -112,12 +151,14 @@ class PrepackedLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         # A decoding step of a small model makes ~200 of these calls, so the usual case reads as few attributes as it
         # can: the weight packed at this version of this tensor, an input like it, no autograd (`_packs` in short).
-        weight, packed = self._parameters["weight"], self._packed
+        weight, packed = self._parameters.get("weight"), self._packed
         if (
             packed is not None
             and packed[1] is weight
             and packed[0][1] == (-1 if weight.is_inference() else weight._version)  # `_weight_key`'s version
+            and packed[0][2] == weight.data_handed_out
             and packed[0][0] == weight.data_ptr()
+            and "bias" in self._parameters  # not under a parametrization since
             and x.dtype == weight.dtype
             and x.is_cpu
             and not _EAGER.get()
@@ -260,6 +301,7 @@ __all__ = [
     "DISPATCH_ROWS",
     "PACKABLE_DTYPES",
     "PrepackedLinear",
+    "WatchedParameter",
     "eager_linears",
     "measure_linear_dispatch",
     "packable_dtypes",

@@ -78,13 +78,19 @@ _VOCAB_ROWS: dict[tuple, tuple[torch.Tensor, weakref.ref, torch.Tensor]] = {}
 def vocab_rows(weight: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
     """`weight[vocab]`, cached: the rows of an output projection for a draft vocabulary (FR-Spec).
 
-    Gathering them costs as much as a few draft blocks, so they are kept per (weight, its in-place version, vocab)
-    for the process; a handful of entries covers every drafter/target pair in use. A weight being trained gets a
+    Gathering them costs as much as a few draft blocks, so they are kept per (weight, its in-place version and its
+    `.data` handed out where the CPU fast path watches it, vocab) for the process; a handful of entries covers every drafter/target pair in use. A weight being trained gets a
     differentiable gather instead: it changes every step, and its gradient must reach the rows.
     """
     if weight.requires_grad and torch.is_grad_enabled():
         return weight[vocab.to(weight.device)]
-    key = (weight.data_ptr(), _version(weight), tuple(weight.shape), weight.device)
+    key = (
+        weight.data_ptr(),
+        _version(weight),
+        getattr(weight, "data_handed_out", 0),
+        tuple(weight.shape),
+        weight.device,
+    )
     key += (vocab.data_ptr(), _version(vocab), vocab.numel())
     entry = _VOCAB_ROWS.get(key)
     # The entry holds `vocab`, so no other tensor can take its address while the entry exists, and a weak reference
