@@ -346,6 +346,29 @@ def test_what_a_refilled_batch_does_not_serve_is_refused_with_the_fix():
     assert target.generate_batch([], assistant_model=drafter) == {}
 
 
+def test_lengths_are_read_as_generate_reads_them():
+    """Without max_new_tokens generate() gives 20 new tokens (its default max_length counts from the prompt, within
+    the model's positions); the drafted batch counted 20 in all, so SmolLM2's chat prompts (over 20 tokens, its
+    generation config naming no length) got empty answers. A max_length the prompt reaches, and a max_new_tokens that
+    is not a positive integer, are generate()'s errors (an empty answer, a TypeError in the middle of the call)."""
+    target = random_target("qwen3", max_position_embeddings=64)
+    drafter = tiny_drafter(target, block_size=4)
+    prompts = [[4, 9, 11], list(range(2, 27)), list(range(2, 30)) + list(range(2, 30))]  # 3, 25 and 56 tokens
+    results = target.generate_batch(
+        prompts, GenerationConfig(do_sample=False, pad_token_id=0), assistant_model=drafter
+    )
+    answers = [result.generated_tokens for result in results.values()]
+    assert answers == [alone(target, prompt) for prompt in prompts]
+    assert [len(answer) for answer in answers] == [20, 20, 8]  # the last within the model's 64 positions
+    with pytest.raises(ValueError, match="Input length of input_ids is 25, but `max_length` is set to 10"):
+        target.generate_batch(prompts[1:2], assistant_model=drafter, max_length=10)
+    for bad in (2.5, 0, -3):
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            target.generate_batch(prompts[:1], assistant_model=drafter, max_new_tokens=bad)
+    with pytest.raises(ValueError, match="max_requests_per_batch = -1 but expected an integer >= 1"):
+        target.generate_batch(prompts, assistant_model=drafter, continuous_batching_config=rows_at_most(-1))  # hung
+
+
 def test_a_call_is_judged_against_plain_steps_that_join_as_its_requests_join(monkeypatch):
     # Judged as if all its requests had started together, a call of 21 requests, 3 rows at a time, read 0.27x plain
     # steps with a drafter whose drafts held, and every second call took plain steps only (0 drafting cycles). The

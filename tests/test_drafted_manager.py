@@ -387,6 +387,41 @@ def test_a_manager_restarts_after_a_stop_that_did_not_wait(models):
     assert results[second].generated_tokens == alone(target, PROMPTS[1], **SETTINGS)
 
 
+def test_a_request_of_a_length_generate_refuses_is_refused_and_the_others_are_served(models):
+    """add_request(max_new_tokens=2.5) ended the thread with a TypeError, failing every request it held; 0 and -3
+    were served empty answers."""
+    target, drafter = models
+    with target.init_continuous_batching(greedy(), assistant_model=drafter) as manager:
+        served = manager.add_request(PROMPTS[0])
+        for bad in (2.5, 0, -3):
+            with pytest.raises(ValueError, match="max_new_tokens"):
+                manager.add_request(PROMPTS[1], max_new_tokens=bad)
+        results, _ = results_of(manager, 1)
+    assert results[served].generated_tokens == alone(target, PROMPTS[0], **SETTINGS)
+
+
+def test_a_hard_stop_fails_what_the_manager_holds_and_destroy_ends_it_for_good(models):
+    """transformers' manager's stop(hard_stop=..., keep_for_next_session=...) and destroy() were TypeErrors and an
+    AttributeError on a drafted manager."""
+    target, drafter = models
+    manager = target.init_continuous_batching(greedy(), rows_at_most(1), assistant_model=drafter)
+    manager.add_requests(PROMPTS)
+    manager.stop(hard_stop=True, block=False)  # before the thread takes them
+    manager.start()  # a start clears an earlier stop's
+    manager.stop(hard_stop=True, keep_for_next_session=True)
+    results = list(manager)
+    assert len(results) == len(PROMPTS) and all(result.is_finished() for result in results)
+    failed = [result for result in results if result.status == RequestStatus.FAILED]
+    assert failed and all("hard_stop" in result.error for result in failed) and manager.error is None
+    manager.start()
+    again = manager.add_request(PROMPTS[0])
+    assert results_of(manager, 1)[0][again].generated_tokens == alone(target, PROMPTS[0], **SETTINGS)
+    manager.destroy()
+    manager.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        manager.start()
+
+
 def test_what_a_manager_cannot_serve_is_refused_with_the_fix(models):
     target, drafter = models
     manager = target.init_continuous_batching(greedy(), assistant_model=drafter)

@@ -133,20 +133,52 @@ def prepared_config(
     return generation_config
 
 
+def has_default_max_length(
+    target: PreTrainedModel, generation_config: GenerationConfig | None, kwargs: dict[str, Any]
+) -> bool:
+    """Whether no `max_length` was set (by keyword, in the config given or in the model's), as generate() asks before
+    it fills in the defaults: it then generates 20 new tokens, not 20 in all (`request_rules`)."""
+    return (
+        kwargs.get("max_length") is None
+        and (generation_config is None or generation_config.max_length is None)
+        and target.generation_config.max_length is None
+    )
+
+
 def request_rules(
     target: PreTrainedModel,
     generation_config: GenerationConfig,
     prompt: torch.LongTensor,
     tokenizer: Any = None,
+    default_max_length: bool = False,
     **settings: Any,
 ) -> tuple[LogitsProcessorList, StoppingCriteriaList, int]:
     """The logits processors, stopping criteria and max_length generate() builds for `prompt` alone, with the
-    generation `settings` of its own (`max_new_tokens`, `temperature`, ...) over `generation_config`'s."""
+    generation `settings` of its own (`max_new_tokens`, `temperature`, ...) over `generation_config`'s.
+
+    Raises a `ValueError` where generate() would refuse the length (a `max_length` the prompt already reaches), or
+    fail on it: a `max_new_tokens` that is not a positive integer (a float failed the thread of a manager serving it
+    and every request it held).
+    """
     config = copy.copy(generation_config)
     for name, value in settings.items():
         setattr(config, name, value)
+    length = prompt.shape[0]
     if config.max_new_tokens is not None:
-        config.max_length = prompt.shape[0] + config.max_new_tokens
+        if isinstance(config.max_new_tokens, bool) or not isinstance(config.max_new_tokens, int):
+            raise ValueError(f"max_new_tokens must be a positive integer, got {config.max_new_tokens!r}.")
+        if config.max_new_tokens < 1:
+            raise ValueError(f"`max_new_tokens` must be greater than 0, but is {config.max_new_tokens}.")
+        config.max_length = length + config.max_new_tokens
+    elif default_max_length:  # generate()'s default: 20 new tokens, within the model's positions
+        config.max_length = length + config.max_length
+        positions = getattr(target.config, "max_position_embeddings", None)
+        config.max_length = config.max_length if positions is None else min(config.max_length, positions)
+    if length >= config.max_length:
+        raise ValueError(
+            f"Input length of input_ids is {length}, but `max_length` is set to {config.max_length}: raise "
+            "max_length, or better, set max_new_tokens."
+        )
     ids = prompt[None]
     processors = target._get_logits_processor(
         generation_config=config,
@@ -192,6 +224,7 @@ class ServingCall:
     options: DominoOptions
     limit: int
     tokenizer: Any = None  # for stop strings, as generate() takes it
+    default_max_length: bool = False  # no max_length set anywhere: 20 new tokens per request, as generate() gives
 
     @classmethod
     def prepare(
@@ -208,6 +241,7 @@ class ServingCall:
         kwargs = dict(kwargs)
         option_values = {name: kwargs.pop(name) for name in DominoOptions.names() if name in kwargs}
         tokenizer = kwargs.pop("tokenizer", None)
+        default_max_length = has_default_max_length(target, generation_config, kwargs)
         generation_config = prepared_config(target, generation_config, kwargs, device)
         check_drafter_for_target(drafter, target, generation_config)
         options = DominoOptions.resolve(option_values, generation_config)
@@ -216,8 +250,13 @@ class ServingCall:
         cache = DynamicCache(config=target.config)
         check_croppable(target, cache, batched=True)
         check_serving(target, batch_cache(cache, target)[0], generation_config, options, continuous_batching_config)
-        limit = getattr(continuous_batching_config, "max_requests_per_batch", None) or DEFAULT_ROWS
-        return cls(target, drafter, generation_config, options, limit, tokenizer)
+        limit = getattr(continuous_batching_config, "max_requests_per_batch", None)
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            # A negative count admitted no request and stepped nothing, forever; 0 became the default in silence.
+            raise ValueError(
+                f"Got max_requests_per_batch = {limit!r} but expected an integer >= 1 (or None: {DEFAULT_ROWS} rows)."
+            )
+        return cls(target, drafter, generation_config, options, limit or DEFAULT_ROWS, tokenizer, default_max_length)
 
     @property
     def device(self) -> torch.device:
@@ -234,7 +273,9 @@ class ServingCall:
         """`request_rules` for `prompt`, with the request's own `max_new_tokens` and sampling settings (`temperature`,
         `top_k`, `top_p`: `DraftedBatchingManager.add_request`) where it names them."""
         settings = dict(sampling or {}, **({} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}))
-        return request_rules(self.target, self.generation_config, prompt, self.tokenizer, **settings)
+        return request_rules(
+            self.target, self.generation_config, prompt, self.tokenizer, self.default_max_length, **settings
+        )
 
     def decoding(self, rules: tuple) -> BatchedDecoding:
         """A `BatchedDecoding` with no rows yet, for requests that join it (`BatchedDecoding.admit`) with rules of

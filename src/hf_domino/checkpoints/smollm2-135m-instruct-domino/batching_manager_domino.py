@@ -143,7 +143,8 @@ class DraftedBatchingManager:
         self.results = Results()
         self._incoming: queue.Queue[tuple[Request, tuple]] = queue.Queue()
         self._cancelled: queue.Queue[str] = queue.Queue()
-        self._wake, self._stopping = threading.Event(), threading.Event()
+        self._wake, self._stopping, self._hard_stop = threading.Event(), threading.Event(), threading.Event()
+        self._destroyed = False
         self._thread: threading.Thread | None = None
         self._lock, self._counter = threading.Lock(), 0
         self.error: Exception | None = None  # what stopped the background thread, if anything did
@@ -153,11 +154,16 @@ class DraftedBatchingManager:
     # ------------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
         """Starts the background thread that serves the requests."""
+        if self._destroyed:
+            raise RuntimeError(
+                "This manager was destroyed and cannot start again: make another (init_continuous_batching)."
+            )
         if self.is_running():
             if not self._stopping.is_set():
                 return
             self._thread.join()  # a stop(block=False) still finishing the requests added before it: they end first
         self._stopping.clear()
+        self._hard_stop.clear()
         self.error = None
         self.results.open()
         if RELEASE_CALLER_OPENMP and self.call.device.type == "cpu":
@@ -188,18 +194,38 @@ class DraftedBatchingManager:
         """Nothing to warm up: transformers' manager captures its CUDA graphs here; a drafted batch measures its
         verification costs when the models are prepared (`prepare_for_cpu_decoding`), else in its first cycles."""
 
-    def stop(self, block: bool = True, timeout: float | None = None) -> None:
+    def stop(
+        self,
+        block: bool = True,
+        timeout: float | None = None,
+        keep_for_next_session: bool = False,
+        hard_stop: bool = False,
+    ) -> None:
         """Stops taking requests; the thread ends once those added before are done (with `block`, this waits for
-        that, at most `timeout` seconds)."""
+        that, at most `timeout` seconds), or with `hard_stop` after its current step, every request it holds failed.
+
+        `keep_for_next_session` is transformers' manager's, which caches itself on the model for the next
+        `init_continuous_batching`; a drafted manager serves again whoever holds it with `start()`, so it keeps
+        nothing more."""
         if block and self._holders[threading.get_ident()] > 0:
             raise RuntimeError(
                 "Cannot stop the manager from inside its pause(): the paused thread would wait for the pause to end "
                 "and this call for the thread. Leave the pause first."
             )
+        if keep_for_next_session:
+            logger.info("A drafted manager is not cached on the model: start() this one again to serve with it.")
+        if hard_stop:
+            self._hard_stop.set()
         self._stopping.set()
         self._wake.set()
         if block and self._thread is not None:
             self._thread.join(timeout)
+
+    def destroy(self) -> None:
+        """Stops the manager (waiting for its requests) for good: it cannot start again. Safe to call twice."""
+        if self.is_running():
+            self.stop(block=True)
+        self._destroyed = True
 
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
@@ -362,6 +388,9 @@ class DraftedBatchingManager:
                     self._pause_point()
                     while not self._incoming.empty():
                         pending.append(self._incoming.get())
+                    if self._hard_stop.is_set():
+                        self._fail(_held(pending, serving), "the manager was stopped (stop(hard_stop=True))")
+                        return
                     while not self._cancelled.empty():
                         _cancel(self._cancelled.get(), pending, serving)
                     if serving is not None and not serving.busy:  # ran dry: its last window judged
@@ -385,18 +414,22 @@ class DraftedBatchingManager:
                 while not self._incoming.empty():
                     pending.append(self._incoming.get())
             logger.error(f"The drafted batching manager stopped: {error!r}")
-            for request in _held(pending, serving):
-                self.results.put(
-                    GenerationOutput(
-                        request_id=request.request_id,
-                        prompt_ids=request.prompt.tolist(),
-                        error=repr(error),
-                        status=RequestStatus.FAILED,
-                        created_time=request.created,
-                    )
-                )
+            self._fail(_held(pending, serving), repr(error))
         finally:
             self.results.close()
+
+    def _fail(self, requests: list[Request], error: str) -> None:
+        """Hands each of `requests` back failed, with `error`, as transformers' manager fails what it holds."""
+        for request in requests:
+            self.results.put(
+                GenerationOutput(
+                    request_id=request.request_id,
+                    prompt_ids=request.prompt.tolist(),
+                    error=error,
+                    status=RequestStatus.FAILED,
+                    created_time=request.created,
+                )
+            )
 
 
 def release_openmp_workers() -> bool:
