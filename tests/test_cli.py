@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import hf_domino
 from hf_domino import bench, cli
@@ -413,3 +415,17 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_work_and_writes_
         with pytest.raises(SystemExit, match=re.escape(expected)):
             cli.main(command)
     assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_bench_warns_of_more_threads_than_cores(tmp_path, capsys):
+    threads, before = (os.cpu_count() or 1) + 1, torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit, match="is a file"):  # refused before loading, after the warning
+            argv = ["bench", "--threads", str(threads), "--target", str(tmp_path / "never"), "--output-dir", __file__]
+            cli.main(argv)
+    finally:
+        torch.set_num_threads(before)
+    assert (
+        f"Warning: --threads {threads} on {os.cpu_count()} cores: timings will not be reliable."
+        in capsys.readouterr().out
+    )

@@ -230,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
     metadata = machine_metadata(args.threads)
     if (metadata["load_average_1min_at_start"] or 0) > 0.5:
         print(f"Warning: load average {metadata['load_average_1min_at_start']:.1f}: timings will not be reliable.")
+    if args.threads > (os.cpu_count() or args.threads):  # OpenMP threads beyond the cores wait on each other
+        print(f"Warning: --threads {args.threads} on {os.cpu_count()} cores: timings will not be reliable.")
     dtype = getattr(torch, args.dtype)
     methods = list(args.methods)
     if args.temperature > 0 and "manual" in methods:
