@@ -559,6 +559,47 @@ def test_invalid_config_values_are_named():
         DominoConfig(num_target_layers=8, projector_type="domino", block_size=4, pure_draft_prefix_len=9)
 
 
+@pytest.mark.parametrize(
+    "setting, message",
+    [  # each failed late (an IndexError, the target blamed, a float in new_empty) or ran as another value
+        (dict(shift_label="false"), "Field 'shift_label' expected bool"),  # was taken for True
+        (dict(block_size=2.5), "Field 'block_size' expected int"),
+        (dict(target_layer_ids="12"), "target_layer_ids"),  # was read as [1, 2]
+        (dict(mask_token_id=64), r"mask_token_id must be a token id of the target's vocabulary \(0 to 63\), got 64"),
+        (dict(num_hidden_layers=0), "num_hidden_layers .* must be at least 1"),
+        (dict(target_layer_ids=[]), "target_layer_ids must name target layers"),
+        (dict(target_layer_ids=[9]), r"below num_target_layers \(4\), got \[9\]"),
+        (dict(num_target_layers=0), "num_target_layers must be at least 1"),
+        (dict(projector_type="domino", emb_dim=0), "emb_dim and gru_hidden_dim of at least 1"),
+    ],
+)
+def test_a_bad_config_value_is_refused_naming_its_field_however_it_is_given(setting, message, tmp_path):
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    sizes |= dict(num_key_value_heads=2, head_dim=8, num_target_layers=4, target_layer_ids=[1, 2], mask_token_id=0)
+    with pytest.raises(Exception, match=message):
+        DominoConfig(**{**sizes, **setting})  # built
+    DominoConfig(**sizes).save_pretrained(tmp_path)
+    if not isinstance(next(iter(setting.values())), (str, float)):  # a value of the field's type, given beside a file
+        with pytest.raises(ValueError, match=message):
+            DominoForSpeculation.from_pretrained(tmp_path, **setting)  # loaded and drafted with before
+
+
+def test_generic_calls_on_a_drafter_name_what_to_call_instead(tmp_path):
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    with pytest.raises(TypeError, match=r"pass it to the target, target.generate\(..., assistant_model=drafter\)"):
+        drafter.generate(torch.tensor([[1, 2]]))  # an AttributeError: a causal LM's loader hands the drafter out
+    with pytest.raises(TypeError, match=r"torch.compile\(drafter\), a wrapper .* \(drafter.compile\(\)\)"):
+        target.generate(torch.tensor([[1, 2]]), assistant_model=torch.compile(drafter), max_new_tokens=2)
+    drafter.save_pretrained(tmp_path)
+    (tmp_path / "config.json").unlink()  # the advice was to load the drafter's folder, not its target's
+    with pytest.raises(OSError, match="No config.json in .*: a drafter's folder holds config.json"):
+        DominoForSpeculation.from_pretrained(tmp_path)
+    deeper = tiny_drafter(tiny_target("qwen3", num_layers=target.config.num_hidden_layers + 2))
+    with pytest.warns(UserWarning, match="built for a target of .* layers and this one has"):
+        target.generate(torch.tensor([[1, 2]]), assistant_model=deeper, max_new_tokens=2)
+
+
 def test_a_target_folder_loaded_as_a_drafter_says_so(tmp_path):
     tiny_target("qwen3").save_pretrained(tmp_path)
     # A ValueError, as the commands report bad input (huggingface_hub's own validation error was a traceback there).

@@ -592,7 +592,11 @@ def test_bad_settings_and_data_are_refused_at_the_call(target, tmp_path):
         train(tiny_drafter(target), target, "regen.jsonl", config, tmp_path)
     with pytest.raises(InputDataError, match="None of the 0 examples has two response tokens"):
         train(tiny_drafter(target), target, [], config, tmp_path)
-    deep = DominoConfig.from_target(target.config, block_size=BLOCK, emb_dim=8, gru_hidden_dim=16,
+    with pytest.raises(Exception, match=r"target_layer_ids must name target layers from 0 below num_target_layers"):
+        DominoConfig.from_target(target.config, block_size=BLOCK, emb_dim=8, gru_hidden_dim=16,
+                                 target_layer_ids=[1, 14, 27], num_hidden_layers=1)  # fmt: skip
+    deeper = conftest_tiny_target("qwen3", vocab_size=VOCAB, hidden_size=32, num_layers=30).config
+    deep = DominoConfig.from_target(deeper, block_size=BLOCK, emb_dim=8, gru_hidden_dim=16,
                                     target_layer_ids=[1, 14, 27], num_hidden_layers=1)  # fmt: skip
     with pytest.raises(ValueError, match=r"target_layer_ids .* outside the target's 4 layers"):
         train(DominoForSpeculation(deep), target, toy_examples(4), config, tmp_path)

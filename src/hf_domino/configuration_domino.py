@@ -1,11 +1,12 @@
 """Configuration of Domino (and plain DFlash) speculative-decoding drafters.
 
 This file is also written next to exported checkpoints as remote code, so it imports only transformers and torch.
+Its annotations are evaluated (no `from __future__ import annotations`): huggingface_hub's strict dataclass checks a
+field's type only where its annotation is a type, not a string (`shift_label="false"` was taken for true).
 """
 
-from __future__ import annotations
-
 import copy
+from pathlib import Path
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
@@ -246,6 +247,8 @@ class DominoConfig(Qwen3Config):
             self.use_sliding_window = True
         if self.target_layer_ids is None and self.num_target_layers is not None:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        if isinstance(self.target_layer_ids, str):  # "12" was read as [1, 2]
+            raise ValueError(f"target_layer_ids must be a list of layer indices, got {self.target_layer_ids!r}.")
         if self.target_layer_ids is not None:
             self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         super().__post_init__(**kwargs)
@@ -266,6 +269,29 @@ class DominoConfig(Qwen3Config):
                 f"pure_draft_prefix_len={self.pure_draft_prefix_len} must be between 0 and the number of drafts "
                 f"per block ({self.num_drafts})."
             )
+        # What failed only in the first generate() call, as an IndexError or as a fault of the target's.
+        if self.num_hidden_layers < 1:
+            raise ValueError(
+                f"num_hidden_layers (the drafter's layers) must be at least 1, got {self.num_hidden_layers}."
+            )
+        if self.num_target_layers is not None and self.num_target_layers < 1:
+            raise ValueError(f"num_target_layers must be at least 1, got {self.num_target_layers}.")
+        depth = self.num_target_layers
+        if not self.target_layer_ids or any(
+            i < 0 or (depth is not None and i >= depth) for i in self.target_layer_ids
+        ):
+            within = "" if depth is None else f" below num_target_layers ({depth})"
+            raise ValueError(f"target_layer_ids must name target layers from 0{within}, got {self.target_layer_ids}.")
+        if self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id must be a token id of the target's vocabulary (0 to {self.vocab_size - 1}), got "
+                f"{self.mask_token_id}."
+            )
+        if self.has_domino_head and (self.emb_dim < 1 or self.gru_hidden_dim < 1):
+            raise ValueError(
+                f"The Domino head needs emb_dim and gru_hidden_dim of at least 1, got {self.emb_dim} and "
+                f"{self.gru_hidden_dim}."
+            )
 
     @property
     def has_domino_head(self) -> bool:
@@ -285,6 +311,13 @@ class DominoConfig(Qwen3Config):
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict[str, Any], dict[str, Any]]:
         # Published checkpoints (and ours) say `model_type: qwen3`; normalizing here, before `from_pretrained`
         # compares model types, is what keeps loading them free of the "model of type qwen3" warning.
+        folder = Path(str(pretrained_model_name_or_path)).expanduser()
+        if folder.is_dir() and not (folder / kwargs.get("subfolder", "") / "config.json").is_file():
+            # transformers reads such a folder as an empty config, which the validator took for a target's.
+            raise OSError(
+                f"No config.json in {pretrained_model_name_or_path}: a drafter's folder holds config.json and "
+                "model.safetensors, as save_pretrained writes them."
+            )
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
         from_transformers = config_dict.get("model_type") == TRANSFORMERS_DFLASH_MODEL_TYPE
         if from_transformers and "vocab_size" not in config_dict and "vocab_size" not in kwargs:
@@ -296,10 +329,13 @@ class DominoConfig(Qwen3Config):
         return normalize_published_config(config_dict), kwargs
 
     @classmethod
-    def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> DominoConfig:
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> "DominoConfig":
         # `to_dict` writes the serving layout (model_type `qwen3`, transformers-4 mirrors); read it back as ours.
         try:
-            return super().from_dict(normalize_published_config(config_dict), **kwargs)
+            loaded = super().from_dict(normalize_published_config(config_dict), **kwargs)
+            # Settings given beside the file (from_pretrained(path, block_size=0)) are set after its validation.
+            (loaded[0] if isinstance(loaded, tuple) else loaded).validate_architecture()
+            return loaded
         except StrictDataclassError as error:
             # huggingface_hub wraps a validator's ValueError (a target's config.json given as a drafter's, say) in
             # an error of its own, which callers that report bad input as a ValueError would show as a traceback.
@@ -344,7 +380,7 @@ class DominoConfig(Qwen3Config):
         pure_draft_prefix_len: int = 1,
         shift_label: bool | None = None,
         **backbone_kwargs: Any,
-    ) -> DominoConfig:
+    ) -> "DominoConfig":
         """Builds a fresh drafter config for `target_config` (sizes, vocabulary and special tokens from the target).
 
         Backbone shapes default to the target's (heads, head_dim, MLP width); override them with `backbone_kwargs`.

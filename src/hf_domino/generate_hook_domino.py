@@ -187,12 +187,24 @@ def _serves(model: Any, original) -> bool:
     return not _is_hook(original)
 
 
+def _refuse_compiled_wrapper(model: Any) -> None:
+    """`torch.compile(drafter)` is a wrapper of another class, which transformers took for an assistant of its own
+    and failed on (`no attribute 'generation_config'`)."""
+    inner = getattr(model, "_orig_mod", None)
+    if inner is not None and drafter_code(inner) is not None:
+        raise TypeError(
+            "assistant_model is torch.compile(drafter), a wrapper generate() cannot draft with: pass the drafter "
+            "itself, compiled in place if it should be (drafter.compile())."
+        )
+
+
 def _wrap_extract_generation_mode_kwargs(original):
     unwrapped = _beneath_hooks(original)  # what this layer calls where it serves the call
 
     @functools.wraps(original)
     def _extract_generation_mode_kwargs(self, *args, **kwargs):
         arguments = _bound_arguments(original, self, args, kwargs)
+        _refuse_compiled_wrapper(arguments.get("assistant_model"))
         if not _serves(arguments.get("assistant_model"), original):
             return original(self, *args, **kwargs)
         mode_kwargs = unwrapped(self, *args, **kwargs)

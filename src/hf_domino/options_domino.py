@@ -261,6 +261,13 @@ def check_drafter_config_for_target_config(config: DominoConfig, target_model_co
             f"target_layer_ids {bad_layers} are outside the target's {num_layers} layers: this drafter was built for "
             f"a deeper target (num_target_layers={config.num_target_layers})."
         )
+    if config.num_target_layers is not None and config.num_target_layers != num_layers:
+        warnings.warn(
+            f"This drafter was built for a target of {config.num_target_layers} layers and this one has {num_layers}"
+            ": it reads another model's hidden states, so its drafts will seldom be accepted (the output stays the "
+            "target's). Use a drafter trained for this target.",
+            stacklevel=3,
+        )
 
 
 def checked_datastore(drafter: DominoForSpeculation) -> Any:

@@ -253,6 +253,8 @@ class DominoForSpeculation(DominoPreTrainedModel):
     _is_domino_drafter = True
 
     def __init__(self, config: DominoConfig):
+        # Again here: settings given to from_pretrained (`block_size=0`) are set after the config was validated.
+        config.validate_architecture()
         super().__init__(config)
         self.layers = nn.ModuleList([DominoDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -488,6 +490,15 @@ class DominoForSpeculation(DominoPreTrainedModel):
             self.push_to_hub(
                 repo_id, token=kwargs.get("token"), max_shard_size=kwargs.get("max_shard_size", "50GB"), **upload
             )
+
+    def generate(self, *args: object, **kwargs: object) -> None:
+        """A drafter generates nothing alone (transformers' loaders hand it out as a causal LM, whose `generate` a
+        user would call): this names what to call instead."""
+        raise TypeError(
+            "A Domino drafter drafts for its target and generates nothing alone: pass it to the target, "
+            "target.generate(..., assistant_model=drafter), or pipeline('text-generation', model=target, "
+            "assistant_model=drafter)."
+        )
 
     def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
         """Drafts over these token ids only (FR-Spec), or over the whole vocabulary with None.
