@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import load_file
 
 from .. import assets, prompt_sets
@@ -404,22 +405,24 @@ def _drafter_from_args(args: argparse.Namespace, target_model: PreTrainedModel) 
         # fp32 master weights whatever the checkpoint was saved in (exports are often fp16).
         return _drafter_for(args.init_from, "--init-from", target_model, dtype=torch.float32)
     backbone = {"intermediate_size": args.intermediate_size} if args.intermediate_size else {}
-    config = DominoConfig.from_target(
-        target_model.config,
-        num_hidden_layers=args.num_draft_layers,
-        block_size=args.block_size,
-        target_layer_ids=args.target_layer_ids,
-        with_domino_head=not args.no_domino_head,
-        emb_dim=args.emb_dim,
-        gru_hidden_dim=args.gru_hidden_dim,
-        pure_draft_prefix_len=args.pure_draft_prefix_len,
-        shift_label=False if args.no_shift_label else None,
-        **backbone,
-    )
     try:
+        config = DominoConfig.from_target(
+            target_model.config,
+            num_hidden_layers=args.num_draft_layers,
+            block_size=args.block_size,
+            target_layer_ids=args.target_layer_ids,
+            with_domino_head=not args.no_domino_head,
+            emb_dim=args.emb_dim,
+            gru_hidden_dim=args.gru_hidden_dim,
+            pure_draft_prefix_len=args.pure_draft_prefix_len,
+            shift_label=False if args.no_shift_label else None,
+            **backbone,
+        )
         check_drafter_config_for_target_config(config, target_model.config)
-    except ValueError as error:
-        raise SystemExit(f"hf-domino train: the drafter the architecture flags describe: {error}") from None
+    except (ValueError, StrictDataclassError) as error:
+        # huggingface_hub wraps a validator's ValueError in an error of its own: the ValueError says it.
+        reason = error.__cause__ if isinstance(error.__cause__, ValueError) else error
+        raise SystemExit(f"hf-domino train: the drafter the architecture flags describe: {reason}") from None
     torch.manual_seed(args.seed)
     drafter = DominoForSpeculation(config)
     if args.init_from_target:
