@@ -120,16 +120,13 @@ def number_in(low: float, high: float = math.inf, *, low_included: bool = True) 
 def output_problem(path: str | os.PathLike, *, folder: bool = False) -> str | None:
     """Why `path` cannot be written, as a file (or with `folder` as a folder to write into), or None: said before
     the work whose result it receives (a run, a target's load), which reached the error only at its end."""
-    path = Path(path)
-    if path.is_dir() and not folder:
-        return f"{path} is a folder"
-    existing = path
-    while not existing.exists() and existing != existing.parent:
+    existing = Path(path)
+    if existing.exists() and existing.is_dir() != folder:
+        return f"{existing} is a {'folder' if existing.is_dir() else 'file'}"
+    while not existing.exists():
         existing = existing.parent
-    if existing.exists() and not existing.is_dir() and existing != path:
+    if existing != Path(path) and not existing.is_dir():
         return f"{existing} is a file"
-    if existing == path and folder and not path.is_dir():
-        return f"{path} is a file"
     if not os.access(existing, os.W_OK):
         return f"{existing} is not writable"
     return None

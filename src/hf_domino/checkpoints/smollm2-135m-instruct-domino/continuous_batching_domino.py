@@ -165,10 +165,12 @@ def request_rules(
         setattr(config, name, value)
     length = prompt.shape[0]
     if config.max_new_tokens is not None:
-        if isinstance(config.max_new_tokens, bool) or not isinstance(config.max_new_tokens, int):
+        if (
+            isinstance(config.max_new_tokens, bool)
+            or not isinstance(config.max_new_tokens, int)
+            or config.max_new_tokens < 1
+        ):
             raise ValueError(f"max_new_tokens must be a positive integer, got {config.max_new_tokens!r}.")
-        if config.max_new_tokens < 1:
-            raise ValueError(f"`max_new_tokens` must be greater than 0, but is {config.max_new_tokens}.")
         config.max_length = length + config.max_new_tokens
     elif default_max_length:  # generate()'s default: 20 new tokens, within the model's positions
         config.max_length = length + config.max_length
